@@ -1,0 +1,40 @@
+# Two commands: `make demo` and `make test`. Each does the whole set-up first (a virtual env in
+# .venv with the CPU torch wheel, the pinned llama.cpp through llama-cpp-python, featdiff itself).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.featdiff-setup
+TORCH  := torch==2.13.0
+LLAMA  := llama-cpp-python==0.3.36
+
+.PHONY: setup demo test bench browser clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/pip install -q $(TORCH)
+	# the pinned llama.cpp (builds from source, about 4 minutes once; CMAKE_ARGS passes through)
+	$(BIN)/pip install -q $(LLAMA)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Debian's Chromium renders the HTML report in the report tests (root installs it once).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing: install Debian's chromium package (sudo apt-get install chromium)"; exit 1; fi; }
+
+demo: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
+
+test: setup browser
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/bench_capture.py
+
+clean:
+	rm -rf $(VENV) demo-out build

@@ -1,0 +1,35 @@
+// See featdiff_ext.h. The declarations below must match upstream src/llama-ext.h; a build whose
+// library lacks one of these symbols fails to load the binding, and the Python loader names it.
+#include "featdiff_ext.h"
+
+#include "llama.h"
+
+LLAMA_API void            llama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
+LLAMA_API float *         llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+LLAMA_API void            llama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+LLAMA_API const int32_t * llama_model_target_layer_ids(const struct llama_model * model);
+LLAMA_API uint32_t        llama_model_target_layer_ids_n(const struct llama_model * model);
+
+extern "C" {
+
+void fd_set_embeddings_layer_inp(llama_context * ctx, uint32_t lid, bool value) {
+    llama_set_embeddings_layer_inp(ctx, lid, value);
+}
+
+float * fd_get_embeddings_layer_inp(llama_context * ctx, uint32_t lid) {
+    return llama_get_embeddings_layer_inp(ctx, lid);
+}
+
+void fd_set_embeddings_nextn(llama_context * ctx, bool value, bool masked) {
+    llama_set_embeddings_nextn(ctx, value, masked);
+}
+
+const int32_t * fd_model_target_layer_ids(const llama_model * model) {
+    return llama_model_target_layer_ids(model);
+}
+
+uint32_t fd_model_target_layer_ids_n(const llama_model * model) {
+    return llama_model_target_layer_ids_n(model);
+}
+
+}

@@ -1,0 +1,323 @@
+/* featdiff shim: see featdiff_shim.h. The per-tensor work (filter, copy, convert, spool) all
+ * happens here, so Python is never called back per node.
+ *
+ * The scheduler calls the callback twice per node: ask=true before computing (return true to be
+ * called again), then ask=false once the node's data is ready. Each node we ask for ends a
+ * sub-graph and forces a backend synchronize, so the ask phase decides from the filters alone.
+ */
+#define _GNU_SOURCE
+#include "featdiff_shim.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define FD_MAX_FILTERS 64
+#define FD_MAX_OCC 4096        /* distinct (role, name) pairs counted per eval */
+#define FD_MAX_LEAFS 16        /* graph inputs captured per eval and context */
+#define FD_LINE_MAX 4096
+
+struct fd_occ { int role; int count; char name[GGML_MAX_NAME]; };
+
+struct fd_capture {
+    int fd_data;
+    int fd_index;
+    long long data_off;
+    int eval;
+    int error;
+    long n_records;
+    char * filters[FD_N_ROLES][FD_MAX_FILTERS];
+    int n_filters[FD_N_ROLES];
+    struct fd_occ occ[FD_MAX_OCC];
+    int n_occ;
+};
+
+/* Per-context state between the ask=true and ask=false calls of one node. */
+struct fd_pending {
+    int want_node;
+    int occurrence;
+    int n_leafs;
+    struct ggml_tensor * leafs[GGML_MAX_SRC];
+};
+
+struct fd_tag_state {
+    fd_context_tag tag;           /* first: fd_context_tag* and fd_tag_state* are the same address */
+    struct fd_pending pending;
+    int leaf_eval;
+    int n_leafs_done;
+    const struct ggml_tensor * leafs_done[FD_MAX_LEAFS];
+};
+
+/* ---------------------------------------------------------------- spool */
+
+static int write_all(int fd, const void * buf, size_t n) {
+    const char * p = (const char *) buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return FD_EWRITE;
+        }
+        p += w;
+        n -= (size_t) w;
+    }
+    return FD_OK;
+}
+
+fd_capture * fd_capture_open(const char * prefix) {
+    char path[4096];
+    fd_capture * cap = (fd_capture *) calloc(1, sizeof(*cap));
+    if (!cap) return NULL;
+    snprintf(path, sizeof(path), "%s.data", prefix);
+    cap->fd_data = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+    snprintf(path, sizeof(path), "%s.index", prefix);
+    cap->fd_index = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+    if (cap->fd_data < 0 || cap->fd_index < 0) {
+        fd_capture_close(cap);
+        return NULL;
+    }
+    cap->eval = -1;
+    return cap;
+}
+
+int fd_capture_close(fd_capture * cap) {
+    if (!cap) return FD_EARG;
+    int rc = cap->error;
+    if (cap->fd_data >= 0 && close(cap->fd_data) != 0) rc = FD_EWRITE;
+    if (cap->fd_index >= 0 && close(cap->fd_index) != 0) rc = FD_EWRITE;
+    for (int r = 0; r < FD_N_ROLES; ++r)
+        for (int i = 0; i < cap->n_filters[r]; ++i) free(cap->filters[r][i]);
+    free(cap);
+    return rc;
+}
+
+int fd_capture_add_filter(fd_capture * cap, int role, const char * glob) {
+    if (!cap || role < 0 || role >= FD_N_ROLES || cap->n_filters[role] >= FD_MAX_FILTERS) return FD_EARG;
+    char * copy = strdup(glob);
+    if (!copy) return FD_ENOMEM;
+    cap->filters[role][cap->n_filters[role]++] = copy;
+    return FD_OK;
+}
+
+void fd_capture_begin_eval(fd_capture * cap, int eval_index) {
+    cap->eval = eval_index;
+    cap->n_occ = 0;
+}
+
+int fd_capture_note(fd_capture * cap, const char * json_line) {
+    int rc = write_all(cap->fd_index, json_line, strlen(json_line));
+    if (rc == FD_OK) rc = write_all(cap->fd_index, "\n", 1);
+    return rc;
+}
+
+int fd_capture_error(const fd_capture * cap) { return cap->error; }
+long fd_capture_n_records(const fd_capture * cap) { return cap->n_records; }
+
+fd_context_tag * fd_tag_new(fd_capture * cap, int role) {
+    if (role < 0 || role >= FD_N_ROLES) return NULL;
+    struct fd_tag_state * s = (struct fd_tag_state *) calloc(1, sizeof(*s));
+    if (!s) return NULL;
+    s->tag.cap = cap;
+    s->tag.role = role;
+    s->leaf_eval = -1;
+    return &s->tag;
+}
+
+void fd_tag_free(fd_context_tag * tag) { free(tag); }
+
+/* ---------------------------------------------------------------- selection */
+
+/* A name is selected when some glob matches it and no "!glob" does. */
+static int matches(const fd_capture * cap, int role, const char * name) {
+    int hit = 0;
+    for (int i = 0; i < cap->n_filters[role]; ++i) {
+        const char * g = cap->filters[role][i];
+        if (g[0] == '!') {
+            if (fnmatch(g + 1, name, 0) == 0) return 0;
+        } else if (!hit && fnmatch(g, name, 0) == 0) {
+            hit = 1;
+        }
+    }
+    return hit;
+}
+
+/* 0 for the first node of this name in this eval, 1 for the second, ... */
+static int next_occurrence(fd_capture * cap, int role, const char * name) {
+    for (int i = 0; i < cap->n_occ; ++i) {
+        if (cap->occ[i].role == role && strcmp(cap->occ[i].name, name) == 0) return cap->occ[i].count++;
+    }
+    if (cap->n_occ == FD_MAX_OCC) return -1;
+    struct fd_occ * o = &cap->occ[cap->n_occ++];
+    o->role = role;
+    o->count = 1;
+    snprintf(o->name, sizeof(o->name), "%s", name);
+    return 0;
+}
+
+/* A graph input (leaf) is safe to read through a consumer that cannot overwrite it in place:
+ * a matrix multiplication's operand, ROPE's position vector, GET_ROWS' row ids. */
+static int is_safe_leaf_of(const struct ggml_tensor * node, int i) {
+    const struct ggml_tensor * src = node->src[i];
+    /* graph inputs only (ggml_set_input), not model weights */
+    if (!src || src->op != GGML_OP_NONE || !(src->flags & GGML_TENSOR_FLAG_INPUT) || !src->buffer) return 0;
+    switch (node->op) {
+        case GGML_OP_MUL_MAT:  return 1;
+        case GGML_OP_ROPE:     return i == 1;
+        case GGML_OP_GET_ROWS: return i == 1;
+        default:               return 0;
+    }
+}
+
+static int leaf_done(const struct fd_tag_state * s, const struct ggml_tensor * leaf) {
+    for (int i = 0; i < s->n_leafs_done; ++i)
+        if (s->leafs_done[i] == leaf) return 1;
+    return 0;
+}
+
+static void select_leafs(struct fd_tag_state * s, const struct ggml_tensor * node) {
+    fd_capture * cap = s->tag.cap;
+    if (s->leaf_eval != cap->eval) {
+        s->leaf_eval = cap->eval;
+        s->n_leafs_done = 0;
+    }
+    s->pending.n_leafs = 0;
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        struct ggml_tensor * src = node->src[i];
+        if (!is_safe_leaf_of(node, i) || leaf_done(s, src) || !matches(cap, s->tag.role, src->name)) continue;
+        if (s->n_leafs_done == FD_MAX_LEAFS) break;
+        s->leafs_done[s->n_leafs_done++] = src;
+        s->pending.leafs[s->pending.n_leafs++] = src;
+    }
+}
+
+/* ---------------------------------------------------------------- copy and convert */
+
+static int is_int_type(enum ggml_type t) { return t == GGML_TYPE_I32 || t == GGML_TYPE_I64; }
+
+static void convert_row(enum ggml_type type, const char * src, size_t nb0, int64_t ne0, char * dst) {
+    if (is_int_type(type) || type == GGML_TYPE_F32) {
+        size_t es = ggml_type_size(type);
+        if (nb0 == es) { memcpy(dst, src, (size_t) ne0 * es); return; }
+        for (int64_t k = 0; k < ne0; ++k) memcpy(dst + k * es, src + k * nb0, es);
+        return;
+    }
+    const struct ggml_type_traits * tr = ggml_get_type_traits(type);
+    float * out = (float *) dst;
+    if (nb0 == ggml_type_size(type) || ggml_is_quantized(type)) { tr->to_float(src, out, ne0); return; }
+    for (int64_t k = 0; k < ne0; ++k) tr->to_float(src + k * nb0, out + k, 1);
+}
+
+/* Host copy of `t` in ggml order, contiguous: float32, or int32/int64 kept. */
+static char * host_array(const struct ggml_tensor * t, size_t * out_nbytes, const char ** dtype) {
+    const size_t raw_n = ggml_nbytes(t);
+    const size_t es = is_int_type(t->type) ? ggml_type_size(t->type) : sizeof(float);
+    const size_t row_bytes = (size_t) t->ne[0] * es;
+    char * raw = (char *) malloc(raw_n ? raw_n : 1);
+    char * out = (char *) malloc(row_bytes * (size_t) ggml_nrows(t) + 1);
+    if (!raw || !out) { free(raw); free(out); return NULL; }
+    ggml_backend_tensor_get(t, raw, 0, raw_n);   /* device memory (CUDA/Metal) arrives here too */
+    char * dst = out;
+    for (int64_t i3 = 0; i3 < t->ne[3]; ++i3)
+    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2)
+    for (int64_t i1 = 0; i1 < t->ne[1]; ++i1, dst += row_bytes) {
+        convert_row(t->type, raw + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3], t->nb[0], t->ne[0], dst);
+    }
+    free(raw);
+    *out_nbytes = row_bytes * (size_t) ggml_nrows(t);
+    *dtype = t->type == GGML_TYPE_I32 ? "int32" : t->type == GGML_TYPE_I64 ? "int64" : "float32";
+    return out;
+}
+
+/* ---------------------------------------------------------------- index lines */
+
+static int json_str(char * buf, size_t cap, const char * s) {
+    size_t n = 0;
+    if (n < cap) buf[n++] = '"';
+    for (; *s && n + 7 < cap; ++s) {
+        unsigned char c = (unsigned char) *s;
+        if (c == '"' || c == '\\') { buf[n++] = '\\'; buf[n++] = (char) c; }
+        else if (c < 0x20) n += (size_t) snprintf(buf + n, cap - n, "\\u%04x", c);
+        else buf[n++] = (char) c;
+    }
+    if (n < cap) buf[n++] = '"';
+    return (int) n;
+}
+
+static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, int eval, int role,
+                      int occurrence, const char * dtype, long long off, size_t nbytes, int is_leaf) {
+    int n = snprintf(buf, cap, "{\"kind\":\"record\",\"eval\":%d,\"role\":%d,\"occurrence\":%d,\"name\":", eval, role, occurrence);
+    n += json_str(buf + n, cap - n, t->name);
+    n += snprintf(buf + n, cap - n, ",\"op\":\"%s\",\"ggml_type\":\"%s\",\"n_dims\":%d,\"ne\":[%lld,%lld,%lld,%lld],\"nb\":[%zu,%zu,%zu,%zu],\"srcs\":[",
+                  ggml_op_desc(t), ggml_type_name(t->type), ggml_n_dims(t),
+                  (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3],
+                  t->nb[0], t->nb[1], t->nb[2], t->nb[3]);
+    for (int i = 0, first = 1; i < GGML_MAX_SRC && (size_t) n < cap - 80; ++i) {
+        if (!t->src[i]) continue;
+        if (!first) buf[n++] = ',';
+        n += json_str(buf + n, cap - n, t->src[i]->name);
+        first = 0;
+    }
+    n += snprintf(buf + n, cap - n, "],\"dtype\":\"%s\",\"offset\":%lld,\"nbytes\":%zu,\"is_leaf\":%s}\n",
+                  dtype, off, nbytes, is_leaf ? "true" : "false");
+    return n;
+}
+
+static void record_tensor(fd_capture * cap, int role, const struct ggml_tensor * t, int occurrence, int is_leaf) {
+    size_t nbytes = 0;
+    const char * dtype = NULL;
+    char line[FD_LINE_MAX];
+    char * data = host_array(t, &nbytes, &dtype);
+    if (!data) { cap->error = FD_ENOMEM; return; }
+    int rc = write_all(cap->fd_data, data, nbytes);   /* data first: an index line means complete data */
+    free(data);
+    if (rc == FD_OK) {
+        int n = index_line(line, sizeof(line), t, cap->eval, role, occurrence, dtype, cap->data_off, nbytes, is_leaf);
+        rc = write_all(cap->fd_index, line, (size_t) n);
+    }
+    if (rc != FD_OK) { cap->error = rc; return; }
+    cap->data_off += (long long) nbytes;
+    cap->n_records++;
+}
+
+/* ---------------------------------------------------------------- logging */
+
+void fd_log_errors_only(int level, const char * text, void * user_data) {
+    (void) user_data;
+    if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+}
+
+/* ---------------------------------------------------------------- the callback */
+
+bool fd_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) {
+    struct fd_tag_state * s = (struct fd_tag_state *) user_data;
+    fd_capture * cap = s->tag.cap;
+    if (ask) {
+        s->pending.want_node = 0;
+        s->pending.n_leafs = 0;
+        if (cap->eval < 0 || cap->error) return false;
+        select_leafs(s, t);
+        /* only nodes flagged for computation hold data */
+        if ((t->flags & GGML_TENSOR_FLAG_COMPUTE) && matches(cap, s->tag.role, t->name)) {
+            s->pending.want_node = 1;
+            s->pending.occurrence = next_occurrence(cap, s->tag.role, t->name);
+        }
+        return s->pending.want_node || s->pending.n_leafs > 0;
+    }
+    for (int i = 0; i < s->pending.n_leafs; ++i) {
+        const struct ggml_tensor * leaf = s->pending.leafs[i];
+        record_tensor(cap, s->tag.role, leaf, next_occurrence(cap, s->tag.role, leaf->name), 1);
+    }
+    if (s->pending.want_node && s->pending.occurrence >= 0) {
+        record_tensor(cap, s->tag.role, t, s->pending.occurrence, 0);
+    }
+    s->pending.want_node = 0;
+    s->pending.n_leafs = 0;
+    return true;   /* false here would abort the graph computation */
+}

@@ -1,0 +1,184 @@
+"""The command line: one typer function per command. Each parses, calls one library function,
+renders and exits; `main` is the only place that turns `InputError` into exit code 2.
+
+Library imports sit inside the commands so that `featdiff compare` never loads torch or the
+llama.cpp binding.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from featdiff.errors import InputError
+
+class _App(TyperGroup):
+    """The one place an `InputError` becomes a one-line message and exit code 2."""
+
+    def invoke(self, ctx: typer.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except InputError as e:
+            typer.echo(f"featdiff: error: {e}", err=True)
+            raise typer.Exit(EXIT_INPUT) from None
+
+
+app = typer.Typer(cls=_App, add_completion=False, no_args_is_help=True,
+                  help="featdiff: which tensor a llama.cpp drafter port gets wrong, and why.")
+
+EXIT_OK, EXIT_FINDINGS, EXIT_INPUT = 0, 1, 2
+
+TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")]
+RoundsOpt = Annotated[int, typer.Option("--rounds", min=0, help="Speculative rounds (draft, verify, inject) after the prefill.")]
+LlamaDirOpt = Annotated[Optional[Path], typer.Option("--llama-dir", help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.")]
+
+
+@app.command()
+def fixture(
+    outdir: Annotated[Optional[Path], typer.Argument(help="Directory to write target.gguf, draft.gguf and the HF dirs into.")] = None,
+    variant: Annotated[str, typer.Option("--variant", help="Which planted bug (see `featdiff fixture --list`).")] = "clean",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the tiny models.")] = 0,
+    list_variants: Annotated[bool, typer.Option("--list", help="List the variants and exit.")] = False,
+) -> None:
+    """Write tiny seeded target + drafter models (GGUF and HF) with one planted wiring bug."""
+    from featdiff import fixtures
+
+    if list_variants or outdir is None:
+        typer.echo(fixtures.describe_variants())
+        return
+    typer.echo(fixtures.write_fixture(outdir, fixtures.checked_variant(variant), seed))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def capture(
+    ctx: typer.Context,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
+    target: Annotated[Optional[Path], typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", exists=True, dir_okay=False, help="Drafter model GGUF.")] = None,
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    rounds: RoundsOpt = 2,
+    filters: Annotated[Optional[list[str]], typer.Option("--filter", help="Glob on callback names to capture (repeatable). Default: the wiring tensors.")] = None,
+    llama_dir: LlamaDirOpt = None,
+    exec_: Annotated[bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")] = False,
+) -> None:
+    """Capture named tensors from a real llama.cpp build into a dump."""
+    from featdiff.llama import capture as capture_mod
+
+    if exec_:
+        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir)
+    else:
+        path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens,
+                                   rounds=rounds, filters=filters, llama_dir=llama_dir)
+    typer.echo(path)
+
+
+@app.command()
+def pack(
+    spool: Annotated[Path, typer.Argument(help="Spool prefix left by an interrupted capture (e.g. run.npz.spool).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
+) -> None:
+    """Pack the complete records of a capture spool into a dump (after a crash or a kill)."""
+    from featdiff.llama.spool import pack as pack_spool
+
+    typer.echo(pack_spool(spool, output))
+
+
+@app.command()
+def reference(
+    target: Annotated[Path, typer.Option("--target", exists=True, help="Target model: GGUF or HF directory.")],
+    model: Annotated[Path, typer.Option("--model", exists=True, help="Drafter: GGUF or HF directory (DFlash layout).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
+    prompt: PromptOpt = None,
+    tokens: TokensOpt = None,
+    rounds: RoundsOpt = 2,
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype.")] = "float32",
+    device: Annotated[str, typer.Option("--device", help="Torch device.")] = "cpu",
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Emulate the run's KV cache type: f16 or f32.")] = "f16",
+    llama_dir: LlamaDirOpt = None,
+) -> None:
+    """Compute the reference dump in PyTorch from the same weights and tokens."""
+    from featdiff.reference import run as reference_run
+
+    typer.echo(reference_run.reference(target, model, output, prompt=prompt, tokens=tokens,
+                                       rounds=rounds, dtype=dtype, device=device,
+                                       kv_dtype=kv_dtype, llama_dir=llama_dir))
+
+
+@app.command()
+def compare(
+    ref: Annotated[Path, typer.Argument(help="Reference dump (or any dump taken as the truth).")],
+    run: Annotated[Path, typer.Argument(help="Run dump to diagnose.")],
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write findings JSON to FILE, or - for stdout only.")] = None,
+    report_out: Annotated[Optional[Path], typer.Option("--report", help="Also write the HTML triage report.")] = None,
+    name_map: Annotated[Optional[Path], typer.Option("--map", exists=True, dir_okay=False, help="Name map (TOML) for forks that name tensors their own way.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the per-record table too.")] = False,
+) -> None:
+    """Align two dumps, find the first divergent tensor and name the wiring fault."""
+    from featdiff.compare import compare_dumps, exit_code, render_summary, write_json
+
+    comparison = compare_dumps(ref, run, name_map)
+    if json_out is not None:
+        write_json(comparison, json_out)
+    if json_out != "-":
+        render_summary(comparison, verbose=verbose)
+    if report_out is not None:
+        from featdiff.report import write_report
+
+        typer.echo(write_report(ref, run, report_out, comparison=comparison), err=True)
+    raise typer.Exit(exit_code(comparison))
+
+
+@app.command()
+def report(
+    ref: Annotated[Path, typer.Argument(help="Reference dump.")],
+    run: Annotated[Path, typer.Argument(help="Run dump.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")],
+    png_dir: Annotated[Optional[Path], typer.Option("--png-dir", help="Also write each figure as a PNG here.")] = None,
+    name_map: Annotated[Optional[Path], typer.Option("--map", exists=True, dir_okay=False, help="Name map (TOML).")] = None,
+) -> None:
+    """Write a self-contained HTML triage report with heatmaps."""
+    from featdiff.compare import compare_dumps, exit_code
+    from featdiff.report import write_report
+
+    comparison = compare_dumps(ref, run, name_map)
+    typer.echo(write_report(ref, run, output, comparison=comparison, png_dir=png_dir))
+    raise typer.Exit(exit_code(comparison))
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A dump (.npz) or a model (.gguf).")],
+) -> None:
+    """List a dump's records by eval and phase, or a GGUF's DFlash metadata."""
+    from featdiff.inspect import describe
+
+    typer.echo(describe(path))
+
+
+@app.command()
+def lint(
+    model: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Drafter GGUF.")],
+    target: Annotated[Optional[Path], typer.Option("--target", exists=True, dir_okay=False, help="Target GGUF, to check ids and widths against.")] = None,
+) -> None:
+    """Check a drafter GGUF's DFlash metadata and tensors; one line per problem."""
+    from featdiff.reference.lint import lint_gguf
+
+    problems = lint_gguf(model, target)
+    for line in problems:
+        typer.echo(line)
+    if not problems:
+        typer.echo(f"{model}: ok")
+    raise typer.Exit(EXIT_FINDINGS if problems else EXIT_OK)
+
+
+def main() -> None:
+    """Console entry point: configure logging once and run the app."""
+    logging.basicConfig(level=logging.INFO, format="featdiff: %(message)s", stream=sys.stderr)
+    app()

@@ -1,0 +1,322 @@
+"""Tiny seeded models: a target (qwen3 or llama) and a DFlash drafter, as GGUF and as Hugging
+Face directories, with one wiring bug planted per variant.
+
+A variant directory holds `target.gguf` and `draft.gguf` (what the run loads) and `target-hf/`,
+`draft-hf/` (the trained checkpoint, always correct: the reference reads these).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+from safetensors.numpy import save_file
+
+from featdiff import names
+from featdiff.errors import InputError
+
+N_VOCAB = 512
+MASK_TOKEN_ID = N_VOCAB - 1
+N_POS_TRAIN = 4096
+RMS_EPS = 1e-6
+ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Dimensions of one transformer stack, in llama.cpp's vocabulary."""
+
+    n_layer: int
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_embd_head: int = 16
+    n_ff: int = 128
+
+
+TARGET = Shape(n_layer=6)
+DRAFT = Shape(n_layer=2)
+HF_TARGET_LAYER_IDS = (1, 3)  # output-of-layer ids; GGUF stores them + 1 = [2, 4]
+BLOCK_SIZE = 4
+MIN_LOG_SNR, MAX_LOG_SNR = -9.0, 9.0
+LOG_SNR_N_FREQ = 128
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What the checkpoint is, and what the GGUF the run loads gets wrong about it."""
+
+    name: str
+    doc: str
+    target_arch: str = "qwen3"
+    checkpoint_own_embd: bool = False  # the trained drafter has its own token_embd/output
+    checkpoint_log_snr: bool = False   # the trained drafter is GIDD log-SNR conditioned
+    gguf_layer_delta: int = 0          # added to every GGUF target layer id
+    gguf_swap_fc_blocks: bool = False  # fc column blocks 0 and 1 swapped in the GGUF
+    gguf_drop_own_embd: bool = False   # GGUF omits the drafter's own embeddings/head
+    gguf_drop_log_snr: bool = False    # GGUF omits the log-SNR tensors and keys (upstream loads it)
+
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("clean", "qwen3 target, drafter borrowing the target's embeddings and head"),
+    Variant("own-embd", "drafter with its own token_embd/output", checkpoint_own_embd=True),
+    Variant("llama", "llama-arch target, borrowing drafter", target_arch="llama"),
+    Variant("log-snr", "GIDD log-SNR conditioned drafter (upstream llama.cpp refuses to load it)",
+            checkpoint_log_snr=True),
+    Variant("no-log-snr", "log-SNR trained drafter exported without its conditioning",
+            checkpoint_log_snr=True, gguf_drop_log_snr=True),
+    Variant("layers-plus1", "dflash.target_layers one too high", gguf_layer_delta=+1),
+    Variant("layers-minus1", "dflash.target_layers without the +1 of the converter", gguf_layer_delta=-1),
+    Variant("slots-swapped", "fc column blocks of slots 0 and 1 swapped", gguf_swap_fc_blocks=True),
+    Variant("borrowed-embd", "own-embeddings drafter exported without them, so the run borrows the target's",
+            checkpoint_own_embd=True, gguf_drop_own_embd=True),
+)}
+
+
+def checked_variant(name: str) -> str:
+    """`name` if it is a known variant, else an InputError listing the known ones."""
+    if name not in VARIANTS:
+        raise InputError(f"--variant {name!r}: no such fixture variant; choose one of {', '.join(VARIANTS)}")
+    return name
+
+
+def describe_variants() -> str:
+    """One line per variant: name and the bug it plants."""
+    return "\n".join(f"{v.name:14s} {v.doc}" for v in VARIANTS.values())
+
+
+def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0) -> Path:
+    """Write one variant's GGUFs and HF directories into `outdir`; return `outdir`."""
+    v = VARIANTS[variant]
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    target = _target_weights(rng, v.target_arch)
+    draft = _draft_weights(rng, v, target)
+    _write_target_gguf(out / "target.gguf", target, v.target_arch)
+    _write_target_hf(out / "target-hf", target, v.target_arch)
+    _write_draft_hf(out / "draft-hf", draft, v)
+    _write_draft_gguf(out / "draft.gguf", _gguf_view(draft, v), v)
+    (out / "VARIANT").write_text(f"{v.name}: {v.doc}\n")
+    return out
+
+
+# --- weights (HF orientation: (out, in); equal to the GGUF numpy arrays) -----------------------
+
+def _linear(rng: np.random.Generator, n_out: int, n_in: int) -> np.ndarray:
+    return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+
+
+def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+def _layer(rng: np.random.Generator, s: Shape, qk_norm: bool) -> dict[str, np.ndarray]:
+    w = {
+        "attn_norm": _norm(rng, s.n_embd),
+        "attn_q": _linear(rng, s.n_head * s.n_embd_head, s.n_embd),
+        "attn_k": _linear(rng, s.n_head_kv * s.n_embd_head, s.n_embd),
+        "attn_v": _linear(rng, s.n_head_kv * s.n_embd_head, s.n_embd),
+        "attn_output": _linear(rng, s.n_embd, s.n_head * s.n_embd_head),
+        "ffn_norm": _norm(rng, s.n_embd),
+        "ffn_gate": _linear(rng, s.n_ff, s.n_embd),
+        "ffn_up": _linear(rng, s.n_ff, s.n_embd),
+        "ffn_down": _linear(rng, s.n_embd, s.n_ff),
+    }
+    if qk_norm:
+        w["attn_q_norm"] = _norm(rng, s.n_embd_head)
+        w["attn_k_norm"] = _norm(rng, s.n_embd_head)
+    return w
+
+
+def _target_weights(rng: np.random.Generator, arch: str) -> dict:
+    s = TARGET
+    return {
+        "token_embd": rng.standard_normal((N_VOCAB, s.n_embd)).astype(np.float32),
+        "output": _linear(rng, N_VOCAB, s.n_embd),
+        "output_norm": _norm(rng, s.n_embd),
+        "layers": [_layer(rng, s, qk_norm=arch == "qwen3") for _ in range(s.n_layer)],
+    }
+
+
+def _draft_weights(rng: np.random.Generator, v: Variant, target: dict) -> dict:
+    s = DRAFT
+    n_extract = len(HF_TARGET_LAYER_IDS)
+    w = {
+        "fc": _linear(rng, s.n_embd, n_extract * TARGET.n_embd),
+        "hidden_norm": _norm(rng, s.n_embd),
+        "norm": _norm(rng, s.n_embd),
+        "layers": [_layer(rng, s, qk_norm=True) for _ in range(s.n_layer)],
+    }
+    if v.checkpoint_own_embd:
+        w["token_embd"] = rng.standard_normal((N_VOCAB, s.n_embd)).astype(np.float32)
+        w["output"] = _linear(rng, N_VOCAB, s.n_embd)
+    if v.checkpoint_log_snr:
+        w["log_snr_fc1"] = _linear(rng, s.n_embd, LOG_SNR_N_FREQ)
+        w["log_snr_fc1_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
+        w["log_snr_fc2"] = _linear(rng, s.n_embd, s.n_embd)
+        w["log_snr_fc2_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
+    return w
+
+
+def _gguf_view(draft: dict, v: Variant) -> dict:
+    """The drafter as the (possibly faulty) GGUF export holds it."""
+    w = dict(draft)
+    if v.gguf_swap_fc_blocks:
+        n = TARGET.n_embd
+        fc = w["fc"].copy()
+        fc[:, 0:n], fc[:, n:2 * n] = draft["fc"][:, n:2 * n], draft["fc"][:, 0:n]  # (n_embd, n_extract * n_embd_tgt)
+        w["fc"] = fc
+    if v.gguf_drop_own_embd:
+        w.pop("token_embd", None)
+        w.pop("output", None)
+    if v.gguf_drop_log_snr:
+        for k in ("log_snr_fc1", "log_snr_fc1_b", "log_snr_fc2", "log_snr_fc2_b"):
+            w.pop(k, None)
+    return w
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+def _permute_qk_for_ggml(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half q/k rows -> ggml's interleaved RoPE pairs (the llama converter's permute)."""
+    n_out, n_in = w.shape
+    return (w.reshape(n_head, 2, n_out // n_head // 2, n_in)  # (n_head, 2, head_dim/2, n_in)
+            .swapaxes(1, 2)
+            .reshape(n_out, n_in))
+
+
+def _add_vocab(wr: GGUFWriter) -> None:
+    tokens = ["<pad>"] + [f"w{i}" for i in range(1, N_VOCAB - 1)] + ["<mask>"]
+    wr.add_tokenizer_model("test")
+    wr.add_token_list(tokens)
+    wr.add_token_scores([0.0] * N_VOCAB)
+    wr.add_token_types([1] * (N_VOCAB - 1) + [3])  # 1 = normal, 3 = control
+    wr.add_uint32(names.KEY_MASK_TOKEN, MASK_TOKEN_ID)
+
+
+def _add_stack_keys(wr: GGUFWriter, arch: str, s: Shape) -> None:
+    wr.add_uint32(f"{arch}.context_length", N_POS_TRAIN)
+    wr.add_uint32(f"{arch}.embedding_length", s.n_embd)
+    wr.add_uint32(f"{arch}.block_count", s.n_layer)
+    wr.add_uint32(f"{arch}.feed_forward_length", s.n_ff)
+    wr.add_uint32(f"{arch}.attention.head_count", s.n_head)
+    wr.add_uint32(f"{arch}.attention.head_count_kv", s.n_head_kv)
+    wr.add_uint32(f"{arch}.attention.key_length", s.n_embd_head)
+    wr.add_uint32(f"{arch}.attention.value_length", s.n_embd_head)
+    wr.add_uint32(f"{arch}.rope.dimension_count", s.n_embd_head)
+    wr.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_EPS)
+    wr.add_float32(f"{arch}.rope.freq_base", ROPE_BASE)
+
+
+def _add_layers(wr: GGUFWriter, layers: list[dict], permute_heads: tuple[int, int] | None) -> None:
+    for il, layer in enumerate(layers):
+        for k, a in layer.items():
+            if permute_heads and k in ("attn_q", "attn_k"):
+                a = _permute_qk_for_ggml(a, permute_heads[0] if k == "attn_q" else permute_heads[1])
+            wr.add_tensor(f"blk.{il}.{k}.weight", a)
+
+
+def _finish(wr: GGUFWriter) -> None:
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+
+
+def _write_target_gguf(path: Path, w: dict, arch: str) -> None:
+    wr = GGUFWriter(str(path), arch)
+    wr.add_name(f"featdiff tiny {arch} target")
+    _add_stack_keys(wr, arch, TARGET)
+    _add_vocab(wr)
+    wr.add_tensor(names.T_TOKEN_EMBD, w["token_embd"])
+    wr.add_tensor(names.T_OUTPUT_NORM, w["output_norm"])
+    wr.add_tensor(names.T_OUTPUT, w["output"])
+    _add_layers(wr, w["layers"], (TARGET.n_head, TARGET.n_head_kv) if arch == "llama" else None)
+    _finish(wr)
+
+
+def _write_draft_gguf(path: Path, w: dict, v: Variant) -> None:
+    wr = GGUFWriter(str(path), names.ARCH_DFLASH)
+    wr.add_name("featdiff tiny dflash drafter")
+    _add_stack_keys(wr, names.ARCH_DFLASH, DRAFT)
+    _add_vocab(wr)
+    gguf_ids = [i + 1 + v.gguf_layer_delta for i in HF_TARGET_LAYER_IDS]  # converter: gguf = hf + 1
+    wr.add_array(names.KEY_TARGET_LAYERS, gguf_ids)
+    wr.add_uint32(names.KEY_BLOCK_SIZE, BLOCK_SIZE)
+    if "log_snr_fc1" in w:
+        wr.add_bool(names.KEY_LOG_SNR, True)
+        wr.add_float32(names.KEY_MIN_LOG_SNR, MIN_LOG_SNR)
+        wr.add_float32(names.KEY_MAX_LOG_SNR, MAX_LOG_SNR)
+        wr.add_tensor(names.T_LOG_SNR_FC1_W, w["log_snr_fc1"])
+        wr.add_tensor(names.T_LOG_SNR_FC1_B, w["log_snr_fc1_b"])
+        wr.add_tensor(names.T_LOG_SNR_FC2_W, w["log_snr_fc2"])
+        wr.add_tensor(names.T_LOG_SNR_FC2_B, w["log_snr_fc2_b"])
+    wr.add_tensor(names.T_FC, w["fc"])
+    wr.add_tensor(names.T_ENC_NORM, w["hidden_norm"])
+    wr.add_tensor(names.T_OUTPUT_NORM, w["norm"])
+    if "token_embd" in w:
+        wr.add_tensor(names.T_TOKEN_EMBD, w["token_embd"])
+        wr.add_tensor(names.T_OUTPUT, w["output"])
+    _add_layers(wr, w["layers"], None)
+    _finish(wr)
+
+
+# --- Hugging Face directories ------------------------------------------------------------------
+
+_HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_layers(prefix: str, layers: list[dict]) -> dict[str, np.ndarray]:
+    return {f"{prefix}layers.{il}.{_HF_LAYER_NAMES[k]}.weight": a
+            for il, layer in enumerate(layers) for k, a in layer.items()}
+
+
+def _hf_config(s: Shape) -> dict:
+    return {
+        "hidden_size": s.n_embd, "num_hidden_layers": s.n_layer, "num_attention_heads": s.n_head,
+        "num_key_value_heads": s.n_head_kv, "head_dim": s.n_embd_head, "intermediate_size": s.n_ff,
+        "rms_norm_eps": RMS_EPS, "rope_theta": ROPE_BASE, "vocab_size": N_VOCAB,
+        "max_position_embeddings": N_POS_TRAIN, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+
+
+def _write_target_hf(path: Path, w: dict, arch: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    arch_hf = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}[arch]
+    config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(TARGET),
+              "tie_word_embeddings": False}
+    tensors = {"model.embed_tokens.weight": w["token_embd"], "model.norm.weight": w["output_norm"],
+               "lm_head.weight": w["output"], **_hf_layers("model.", w["layers"])}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _write_draft_hf(path: Path, w: dict, v: Variant) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": MASK_TOKEN_ID}
+    if v.checkpoint_log_snr:
+        dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR,
+                              "max_log_snr": MAX_LOG_SNR})
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_config(DRAFT),
+              "block_size": BLOCK_SIZE, "num_target_layers": TARGET.n_layer,
+              "target_hidden_size": TARGET.n_embd, "dflash_config": dflash_config}
+    tensors = {"fc.weight": w["fc"], "hidden_norm.weight": w["hidden_norm"], "norm.weight": w["norm"],
+               **_hf_layers("", w["layers"])}
+    if "token_embd" in w:
+        tensors["embed_tokens.weight"] = w["token_embd"]
+        tensors["lm_head.weight"] = w["output"]
+    if "log_snr_fc1" in w:
+        tensors.update({"log_snr_fc1.weight": w["log_snr_fc1"], "log_snr_fc1.bias": w["log_snr_fc1_b"],
+                        "log_snr_fc2.weight": w["log_snr_fc2"], "log_snr_fc2.bias": w["log_snr_fc2_b"]})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(path / "model.safetensors"))

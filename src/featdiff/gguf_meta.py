@@ -1,0 +1,97 @@
+"""What a dump's manifest says about a model: read from the GGUF with the `gguf` package.
+
+Consumes a GGUF path; produces a `ModelInfo` (architecture, sizes, DFlash metadata, tensor
+types) that capture and inspect record, and that compare reads back from the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from featdiff import names
+from featdiff.errors import InputError
+
+HASH_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The metadata of one model that matters for wiring."""
+
+    path: str
+    sha256: str
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    weight_types: tuple[str, ...]             # distinct ggml types of the 2-D weights
+    target_layers: tuple[int, ...] = ()      # drafter: input-of-layer ids (GGUF convention)
+    block_size: int = 0
+    mask_token_id: int = -1
+    log_snr: dict[str, Any] | None = None    # {"enabled", "min", "max"} for a drafter
+    has_own_embeddings: bool = False
+    has_log_snr_tensors: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["weight_types"] = list(self.weight_types)
+        d["target_layers"] = list(self.target_layers)
+        return dict(sorted(d.items()))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def open_gguf(path: Path):
+    """A `gguf.GGUFReader` for `path`, or an InputError naming the file."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    """A metadata value: str, number, bool, or list for arrays; `default` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
+    """Read the wiring metadata of a target or drafter GGUF."""
+    reader = open_gguf(path)
+    arch = field_value(reader, names.KEY_ARCH)
+    if arch is None:
+        raise InputError(f"{path}: no {names.KEY_ARCH}; this GGUF lacks the llama.cpp metadata")
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = field_value(reader, "tokenizer.ggml.tokens", [])
+    is_draft = arch == names.ARCH_DFLASH
+    log_snr = None
+    if is_draft:
+        log_snr = {"enabled": bool(field_value(reader, names.KEY_LOG_SNR, False)),
+                   "min": field_value(reader, names.KEY_MIN_LOG_SNR),
+                   "max": field_value(reader, names.KEY_MAX_LOG_SNR)}
+    return ModelInfo(
+        path=str(path), sha256=file_sha256(path) if with_hash else "", architecture=arch,
+        n_layer=int(field_value(reader, f"{arch}.block_count", 0)),
+        n_embd=int(field_value(reader, f"{arch}.embedding_length", 0)),
+        n_vocab=len(vocab),
+        weight_types=tuple(sorted({t.tensor_type.name.lower() for t in reader.tensors if len(t.shape) == 2})),
+        target_layers=tuple(int(x) for x in field_value(reader, names.KEY_TARGET_LAYERS, [])),
+        block_size=int(field_value(reader, names.KEY_BLOCK_SIZE, 0)),
+        mask_token_id=int(field_value(reader, names.KEY_MASK_TOKEN, -1)),
+        log_snr=log_snr,
+        has_own_embeddings=is_draft and names.T_TOKEN_EMBD in tensors,
+        has_log_snr_tensors=any(n in tensors for n in names.LOG_SNR_TENSORS),
+    )

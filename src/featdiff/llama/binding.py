@@ -1,0 +1,233 @@
+"""The cffi binding (API mode) to the llama.cpp build under test, plus featdiff's C shim.
+
+It compiles against that build's own headers, so struct layouts come from the compiler, never
+from a guess. The compiled module is cached per build under ~/.cache/featdiff (or
+$FEATDIFF_CACHE), keyed by the headers, the library and the shim sources it was built from.
+
+Accepted layouts for a build (`--llama-dir DIR` or $FEATDIFF_LLAMA_DIR):
+* an install prefix: DIR/include/llama.h and DIR/lib/libllama.so (also lib64/);
+* a llama.cpp checkout: DIR/include/llama.h, DIR/ggml/include/ggml.h and the libraries of a
+  CMake build under DIR/build (build/bin or build/src, build/ggml/src).
+Without either, the pinned llama-cpp-python's include/ and lib/ are used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from featdiff.errors import InputError
+
+log = logging.getLogger(__name__)
+
+NATIVE_DIR = Path(__file__).resolve().parents[3] / "native"
+SHIM_SOURCES = ("featdiff_shim.c", "featdiff_ext.cpp")
+SHIM_HEADERS = ("featdiff_shim.h", "featdiff_ext.h")
+LIBS = ("llama", "ggml", "ggml-base")
+ENV_LLAMA_DIR = "FEATDIFF_LLAMA_DIR"
+ENV_CACHE = "FEATDIFF_CACHE"
+
+CDEF = """
+typedef int32_t llama_token;
+typedef int32_t llama_pos;
+typedef int32_t llama_seq_id;
+struct llama_model;
+struct llama_context;
+struct llama_vocab;
+struct llama_batch_ext;
+typedef struct llama_memory_i * llama_memory_t;
+struct ggml_tensor;
+enum ggml_log_level { GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_ERROR, ... };
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
+enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
+
+struct llama_model_params { int32_t n_gpu_layers; ...; };
+struct llama_context_params {
+    uint32_t n_ctx; uint32_t n_batch; uint32_t n_ubatch; uint32_t n_seq_max;
+    int32_t n_threads; int32_t n_threads_batch;
+    ggml_backend_sched_eval_callback cb_eval; void * cb_eval_user_data;
+    struct llama_context * ctx_other;
+    ...;
+};
+struct llama_embd { const float * data; size_t n_rows; size_t n_embd; };
+
+void llama_backend_init(void);
+void llama_log_set(ggml_log_callback log_callback, void * user_data);
+const char * llama_print_system_info(void);
+struct llama_model_params llama_model_default_params(void);
+struct llama_context_params llama_context_default_params(void);
+struct llama_model * llama_model_load_from_file(const char * path, struct llama_model_params params);
+void llama_model_free(struct llama_model * model);
+struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+void llama_free(struct llama_context * ctx);
+const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+llama_token llama_vocab_mask(const struct llama_vocab * vocab);
+int32_t llama_model_n_embd(const struct llama_model * model);
+int32_t llama_model_n_layer(const struct llama_model * model);
+int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+                       llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+llama_memory_t llama_get_memory(const struct llama_context * ctx);
+bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+struct llama_batch_ext * llama_batch_ext_init(struct llama_context * ctx);
+void llama_batch_ext_free(struct llama_batch_ext * batch);
+void llama_batch_ext_clear(struct llama_batch_ext * batch);
+int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
+int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
+bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
+bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
+int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
+
+/* featdiff_ext.h */
+void fd_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
+float * fd_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+void fd_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+const int32_t * fd_model_target_layer_ids(const struct llama_model * model);
+uint32_t fd_model_target_layer_ids_n(const struct llama_model * model);
+
+/* featdiff_shim.h */
+enum { FD_ROLE_TARGET = 0, FD_ROLE_DRAFT = 1 };
+typedef struct fd_capture fd_capture;
+typedef struct fd_context_tag { fd_capture * cap; int role; } fd_context_tag;
+fd_capture * fd_capture_open(const char * prefix);
+int fd_capture_close(fd_capture * cap);
+int fd_capture_add_filter(fd_capture * cap, int role, const char * glob);
+void fd_capture_begin_eval(fd_capture * cap, int eval_index);
+int fd_capture_note(fd_capture * cap, const char * json_line);
+int fd_capture_error(const fd_capture * cap);
+long fd_capture_n_records(const fd_capture * cap);
+fd_context_tag * fd_tag_new(fd_capture * cap, int role);
+void fd_tag_free(fd_context_tag * tag);
+bool fd_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
+void fd_log_errors_only(int level, const char * text, void * user_data);
+"""
+
+
+@dataclass(frozen=True)
+class LlamaBuild:
+    """Where a llama.cpp build keeps its headers and libraries."""
+
+    root: Path
+    include_dirs: tuple[Path, ...]
+    lib_dirs: tuple[Path, ...]
+    kind: str  # "pinned", "prefix" or "checkout"
+
+    @property
+    def libllama(self) -> Path:
+        return next(d / "libllama.so" for d in self.lib_dirs if (d / "libllama.so").exists())
+
+
+def find_build(llama_dir: Path | None = None) -> LlamaBuild:
+    """The build to bind: `llama_dir`, else $FEATDIFF_LLAMA_DIR, else the pinned wheel."""
+    chosen = llama_dir or (Path(os.environ[ENV_LLAMA_DIR]) if os.environ.get(ENV_LLAMA_DIR) else None)
+    if chosen is None:
+        return _pinned_build()
+    root = Path(chosen).expanduser().resolve()
+    if not (root / "include" / "llama.h").is_file():
+        raise InputError(f"{root}: no include/llama.h; --llama-dir must be a llama.cpp checkout or an install prefix")
+    if (root / "ggml" / "include" / "ggml.h").is_file():
+        libs = [root / "build" / d for d in ("bin", "src", "ggml/src")]
+        return _checked(LlamaBuild(root, (root / "include", root / "ggml" / "include"), tuple(libs), "checkout"))
+    return _checked(LlamaBuild(root, (root / "include",), (root / "lib", root / "lib64"), "prefix"))
+
+
+def _pinned_build() -> LlamaBuild:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError("llama_cpp (llama-cpp-python==0.3.36) is not installed; run `make setup`, or pass --llama-dir")
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    return _checked(LlamaBuild(site, (site / "include",), (site / "lib",), "pinned"))
+
+
+def _checked(build: LlamaBuild) -> LlamaBuild:
+    existing = tuple(d for d in build.lib_dirs if d.is_dir())
+    if not any((d / "libllama.so").exists() for d in existing):
+        where = ", ".join(str(d) for d in build.lib_dirs)
+        raise InputError(f"{build.root}: no libllama.so in {where}; build llama.cpp with -DBUILD_SHARED_LIBS=ON")
+    for h in ("llama.h", "ggml.h", "ggml-backend.h"):
+        if not any((d / h).is_file() for d in build.include_dirs):
+            raise InputError(f"{build.root}: header {h} not found in {', '.join(map(str, build.include_dirs))}")
+    return LlamaBuild(build.root, build.include_dirs, existing, build.kind)
+
+
+def build_key(build: LlamaBuild) -> str:
+    """A hash of everything the compiled module depends on."""
+    h = hashlib.sha256()
+    files = [d / n for d in build.include_dirs for n in ("llama.h", "ggml.h", "ggml-backend.h") if (d / n).is_file()]
+    files += [NATIVE_DIR / n for n in SHIM_SOURCES + SHIM_HEADERS]
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    lib = build.libllama.resolve()
+    h.update(f"{lib}:{lib.stat().st_size}:{lib.stat().st_mtime_ns}".encode())
+    h.update(f"{sys.version_info[:2]}:{CDEF}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "featdiff"
+    return Path(base) / "binding"
+
+
+def load(llama_dir: Path | None = None) -> tuple[ModuleType, LlamaBuild]:
+    """The compiled binding module (its `ffi`, `lib`) for this build, compiling it once."""
+    build = find_build(llama_dir)
+    key = build_key(build)
+    outdir = _cache_dir() / key
+    modname = f"_featdiff_llama_{key}"
+    found = list(outdir.glob(f"{modname}*{sysconfig.get_config_var('EXT_SUFFIX')}"))
+    if not found:
+        found = [_compile(build, outdir, modname)]
+    return _import(modname, found[0], build), build
+
+
+def _compile(build: LlamaBuild, outdir: Path, modname: str) -> Path:
+    import cffi
+
+    log.info("compiling the llama.cpp binding against %s (once per build)", build.root)
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    lib_dirs = [str(d) for d in build.lib_dirs]
+    ffi.set_source(
+        modname,
+        '#include "llama.h"\n#include "featdiff_shim.h"\n#include "featdiff_ext.h"\n',
+        sources=[str(NATIVE_DIR / s) for s in SHIM_SOURCES],
+        include_dirs=[str(d) for d in build.include_dirs] + [str(NATIVE_DIR)],
+        library_dirs=lib_dirs, runtime_library_dirs=lib_dirs,
+        libraries=list(LIBS) + ["stdc++"],
+        extra_compile_args=["-O2"],
+    )
+    tmp = outdir.with_name(outdir.name + f".tmp{os.getpid()}")
+    built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
+    outdir.mkdir(parents=True, exist_ok=True)
+    final = outdir / built.name
+    built.replace(final)  # rename: a concurrent build never sees a half-written module
+    return final
+
+
+def _import(modname: str, path: Path, build: LlamaBuild) -> ModuleType:
+    if modname in sys.modules:
+        return sys.modules[modname]
+    loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
+    spec = importlib.util.spec_from_file_location(modname, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except ImportError as e:
+        raise InputError(f"{build.libllama}: the binding does not load ({e}); this build lacks a symbol featdiff needs (see native/featdiff_ext.cpp)") from None
+    sys.modules[modname] = module
+    return module

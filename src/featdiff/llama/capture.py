@@ -1,0 +1,184 @@
+"""In-process capture: run the DFlash flow through the real llama.cpp build with the shim's
+eval callback on both contexts, spool what the filters select, then pack the spool into a dump.
+
+The spool sits beside the output (`<output>.spool.index/.data`) while the capture runs; if the
+process dies, `featdiff.llama.spool.pack` still turns it into a dump of the complete records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from featdiff import names
+from featdiff.dump import Eval, Round
+from featdiff.errors import InputError
+from featdiff.gguf_meta import model_info
+from featdiff.llama import driver, spool
+from featdiff.llama.runtime import Context, Model, Runtime, Spool
+
+log = logging.getLogger(__name__)
+
+ROLE_IDS = {"target": 0, "draft": 1}
+CTX_MIN = 256
+CTX_SLACK = 16
+MAX_THREADS = 8
+
+
+@dataclass
+class _SpoolRecorder:
+    """Writes each eval and round into the spool, and points the shim at the current eval."""
+
+    spool: Spool
+
+    def begin_eval(self, ev: Eval) -> None:
+        self.spool.note("eval", ev.to_json())
+        self.spool.begin_eval(ev.eval)
+
+    def end_round(self, rnd: Round) -> None:
+        self.spool.note("round", rnd.to_json())
+
+
+def parse_tokens(tokens: str) -> list[int]:
+    """`--tokens 1,2,3` as a list of ids."""
+    try:
+        ids = [int(t) for t in tokens.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise InputError(f"--tokens {tokens!r}: expected comma-separated integers like 1,2,3") from None
+    return ids
+
+
+def role_filters(filters: list[str] | None) -> dict[int, list[str]]:
+    """Globs per role; `draft:GLOB` or `target:GLOB` limits one to a role, `!GLOB` excludes.
+    ggml's derived names ("x (view)", "x (permuted)") are excluded unless a glob names "(".
+    """
+    chosen = list(filters or names.DEFAULT_FILTERS)
+    if not any("(" in f for f in chosen):
+        chosen.append(names.EXCLUDE_DERIVED)
+    out: dict[int, list[str]] = {0: [], 1: []}
+    for f in chosen:
+        role, sep, glob = f.partition(":")
+        if sep and role in ROLE_IDS:
+            out[ROLE_IDS[role]].append(glob)
+        else:
+            out[0].append(f)
+            out[1].append(f)
+    return out
+
+
+def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int]:
+    """The prompt as token ids, from `--tokens` or tokenized by llama.cpp's own vocabulary."""
+    if (prompt is None) == (tokens is None):
+        raise InputError("give exactly one of --prompt TEXT or --tokens 1,2,3")
+    ids = parse_tokens(tokens) if tokens is not None else model.tokenize(prompt or "")
+    bad = [t for t in ids if not 0 <= t < model.n_vocab]
+    if len(ids) < 2 or bad:
+        raise InputError(f"{model.path}: the prompt needs >= 2 token ids in 0..{model.n_vocab - 1}; got {len(ids)} ids, out of range: {bad[:5]}")
+    return ids
+
+
+def flow_config(target: Model, draft: Model) -> driver.FlowConfig:
+    """The DFlash settings the upstream driver reads from the drafter."""
+    layers = tuple(draft.target_layer_ids())
+    n_layer = int(target.rt.lib.llama_model_n_layer(target.ptr))
+    if not layers or max(layers) >= n_layer:
+        raise InputError(f"{draft.path}: dflash.target_layers = {list(layers)} but the target has {n_layer} layers; ids must be < n_layer (see `featdiff lint`)")
+    block = int(draft.meta(names.KEY_BLOCK_SIZE) or 16)  # upstream's default when the key is absent
+    return driver.FlowConfig(layers, block, int(draft.rt.lib.llama_vocab_mask(draft.vocab)))
+
+
+def capture(target: Path | None, model: Path | None, output: Path, *, prompt: str | None = None,
+            tokens: str | None = None, rounds: int = 2, filters: list[str] | None = None,
+            llama_dir: Path | None = None) -> Path:
+    """Run the flow on the real build and write the dump; return its path."""
+    if target is None or model is None:
+        raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
+    output = Path(output)
+    prefix = output.with_name(output.name + ".spool")
+    rt = Runtime.load(llama_dir)
+    sp = Spool.open(rt, prefix, role_filters(filters))
+    try:
+        _run(rt, sp, Path(target), Path(model), prompt, tokens, rounds)
+    except InputError:
+        sp.close()
+        _remove_spool(prefix)  # nothing was captured worth keeping
+        raise
+    except BaseException:
+        sp.close()
+        log.error("capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`", prefix, prefix, output)
+        raise
+    err = sp.close()
+    if err:
+        raise OSError(f"{prefix}.data: the shim failed to write the spool (error {err})")
+    path = spool.pack(prefix, output)
+    _remove_spool(prefix)
+    return path
+
+
+def _remove_spool(prefix: Path) -> None:
+    for suffix in (".index", ".data"):
+        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+
+
+def _run(rt: Runtime, sp: Spool, target: Path, model: Path, prompt: str | None,
+         tokens: str | None, rounds: int) -> None:
+    tgt_model, dft_model = Model.load(rt, target), Model.load(rt, model)
+    ids = prompt_ids(dft_model, prompt, tokens)
+    cfg = flow_config(tgt_model, dft_model)
+    sp.note("header", _header(rt, target, model, ids))
+    n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)
+    threads = min(os.cpu_count() or 1, MAX_THREADS)
+    tgt = Context.new(rt, tgt_model, n_ctx, threads, tag=sp.tag(0))
+    dft = Context.new(rt, dft_model, n_ctx, threads, tag=sp.tag(1), ctx_other=tgt)
+    _enable_dflash(tgt, dft, cfg)
+    try:
+        driver.run_flow(tgt, dft, ids, rounds, cfg, _SpoolRecorder(sp), on_round=_progress(rounds))
+    finally:
+        for obj in (dft, tgt, dft_model, tgt_model):
+            obj.free()
+
+
+def _enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
+    """What common_speculative_impl_draft_dflash's constructor switches on."""
+    lib = tgt.rt.lib
+    for layer in cfg.target_layers:
+        lib.fd_set_embeddings_layer_inp(tgt.ptr, layer, True)
+    lib.fd_set_embeddings_nextn(dft.ptr, True, True)
+    lib.llama_set_causal_attn(dft.ptr, False)
+
+
+def _header(rt: Runtime, target: Path, model: Path, ids: list[int]) -> dict:
+    return {
+        "models": {"target": model_info(target).to_json(), "draft": model_info(model).to_json()},
+        "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
+                  "system_info": rt.system_info(), "commit": _commit(rt)},
+        "prompt_tokens": ids,
+    }
+
+
+def _commit(rt: Runtime) -> str:
+    """The llama.cpp version of the build, where it says (pinned wheel: the package version)."""
+    if rt.build.kind == "pinned":
+        from importlib.metadata import version
+
+        return f"llama-cpp-python=={version('llama-cpp-python')}"
+    head = rt.build.root / ".git" / "HEAD"
+    return head.read_text().strip() if head.is_file() else "unknown"
+
+
+def _progress(rounds: int):
+    """A tqdm bar over rounds on long captures (stderr), else None."""
+    if rounds < 8:
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=rounds, desc="rounds", unit="round", leave=False)
+    return lambda: bar.update(1)
+
+
+def capture_exec(command: list[str], output: Path, filters: list[str] | None,
+                 llama_dir: Path | None) -> Path:
+    """Capture around an unmodified llama.cpp program (issue 6: not built yet)."""
+    raise InputError("capture --exec is not available in this version of featdiff; use the in-process capture (--target/--model)")

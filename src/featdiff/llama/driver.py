@@ -1,0 +1,121 @@
+"""The in-process DFlash flow through the real llama.cpp library (docs/flow.md).
+
+Mirrors upstream `examples/speculative-simple` with `--spec-type draft-dflash` and
+`common_speculative_impl_draft_dflash`: prefill the target with layer-input taps on, inject the
+features token-major into the drafter's KV cache, draft `[anchor, mask ...]` non-causally,
+verify on the target, inject the verified rows, keep the accepted ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from featdiff.dump import Eval, Round
+from featdiff.llama.runtime import Context
+
+
+class Recorder(Protocol):
+    """Told about each eval before it runs, and each round once it is decided."""
+
+    def begin_eval(self, ev: Eval) -> None: ...
+
+    def end_round(self, rnd: Round) -> None: ...
+
+
+class NullRecorder:
+    """Records nothing: the flow alone, for benchmarks."""
+
+    def begin_eval(self, ev: Eval) -> None:
+        pass
+
+    def end_round(self, rnd: Round) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    target_layers: tuple[int, ...]  # input-of-layer ids, slot k = target_layers[k]
+    block_size: int
+    mask_token_id: int
+
+
+@dataclass
+class _State:
+    n_past: int
+    id_last: int
+    n_evals: int = 0
+
+
+def run_flow(tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: FlowConfig,
+             rec: Recorder, on_round=None) -> list[Round]:
+    """Prefill, then `rounds` x (draft, verify, inject); return the rounds."""
+    st = _State(n_past=len(prompt) - 1, id_last=prompt[-1])
+    positions = list(range(st.n_past))
+    _decode_target(tgt, st, rec, prompt[:-1], positions, "prefill", 0, outputs=False)
+    _inject(tgt, dft, st, rec, cfg, positions, 0)
+    done = []
+    for r in range(1, rounds + 1):
+        done.append(_round(tgt, dft, st, rec, cfg, r))
+        if on_round is not None:
+            on_round()
+    return done
+
+
+def _eval(st: _State, rec: Recorder, role: str, phase: str, rnd: int, positions: list[int],
+          tokens: list[int]) -> None:
+    rec.begin_eval(Eval(eval=st.n_evals, role=role, phase=phase, n_tokens=len(positions),
+                        positions=tuple(positions), token_ids=tuple(tokens),
+                        seq_ids=(0,) * len(positions), round=rnd))
+    st.n_evals += 1
+
+
+def _decode_target(tgt: Context, st: _State, rec: Recorder, tokens: list[int],
+                   positions: list[int], phase: str, rnd: int, outputs: bool) -> None:
+    _eval(st, rec, "target", phase, rnd, positions, tokens)
+    tgt.decode_tokens(tokens, positions, outputs)
+
+
+def features(tgt: Context, layers: tuple[int, ...], n_tokens: int) -> np.ndarray:
+    """Token-major feature rows of the last target batch: (n_tokens, n_extract * n_embd_tgt)."""
+    return np.concatenate([tgt.layer_input(L, n_tokens) for L in layers], axis=1)  # (n_tokens, n_extract * n_embd_tgt)
+
+
+def _inject(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig,
+            positions: list[int], rnd: int) -> None:
+    rows = features(tgt, cfg.target_layers, len(positions))
+    _eval(st, rec, "draft", "inject", rnd, positions, [])
+    dft.decode_embd(rows, positions)
+
+
+def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, rnd: int) -> Round:
+    pos0, anchor, B = st.n_past, st.id_last, cfg.block_size
+    block = [anchor] + [cfg.mask_token_id] * (B - 1)
+    positions = list(range(pos0, pos0 + B))
+    _eval(st, rec, "draft", "draft", rnd, positions, block)
+    dft.decode_tokens(block, positions, outputs=True)
+    drafts = [int(np.argmax(dft.logits(i))) for i in range(1, B)]  # DFlash reads slots 1..B-1
+    dft.seq_rm(pos0)  # the draft block leaves the draft KV cache
+    verify = [anchor] + drafts
+    _decode_target(tgt, st, rec, verify, positions, "verify", rnd, outputs=True)
+    target_tokens = [int(np.argmax(tgt.logits(i))) for i in range(B)]
+    _inject(tgt, dft, st, rec, cfg, positions, rnd)
+    accepted = _accepted(drafts, target_tokens)
+    st.n_past = pos0 + accepted + 1
+    st.id_last = target_tokens[accepted]
+    tgt.seq_rm(st.n_past)
+    dft.seq_rm(st.n_past)
+    rnd_rec = Round(round=rnd, pos0=pos0, anchor=anchor, drafts=tuple(drafts), accepted=accepted,
+                    target_tokens=tuple(target_tokens[:accepted + 1]))
+    rec.end_round(rnd_rec)
+    return rnd_rec
+
+
+def _accepted(drafts: list[int], target_tokens: list[int]) -> int:
+    """Length of the longest prefix where the target's greedy token equals the draft."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_tokens[n]:
+        n += 1
+    return n

@@ -1,0 +1,201 @@
+"""Thin, typed handles on the llama.cpp C API through the cffi binding: models, contexts,
+batches and the shim's capture spool. No DFlash logic here; driver.py holds the flow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featdiff.errors import InputError
+from featdiff.llama import binding
+
+ENV_VERBOSE = "FEATDIFF_LLAMA_LOG"
+META_BUF = 256
+N_POS_ARR = 4  # llama_batch_ext_set_pos reads up to 4 positions (M-RoPE); upstream passes {p,p,p,0}
+
+
+@dataclass
+class Runtime:
+    """The loaded binding: `ffi`, `lib` and the build they came from."""
+
+    ffi: Any
+    lib: Any
+    build: binding.LlamaBuild
+
+    @staticmethod
+    def load(llama_dir: Path | None = None) -> "Runtime":
+        module, build = binding.load(llama_dir)
+        rt = Runtime(module.ffi, module.lib, build)
+        if not os.environ.get(ENV_VERBOSE):
+            rt.lib.llama_log_set(rt.ffi.cast("ggml_log_callback", rt.ffi.addressof(rt.lib, "fd_log_errors_only")), rt.ffi.NULL)
+        rt.lib.llama_backend_init()
+        return rt
+
+    def system_info(self) -> str:
+        return self.ffi.string(self.lib.llama_print_system_info()).decode()
+
+
+@dataclass
+class Model:
+    rt: Runtime
+    ptr: Any
+    path: Path
+
+    @staticmethod
+    def load(rt: Runtime, path: Path) -> "Model":
+        params = rt.lib.llama_model_default_params()
+        ptr = rt.lib.llama_model_load_from_file(str(path).encode(), params)
+        if ptr == rt.ffi.NULL:
+            raise InputError(f"{path}: llama.cpp refused to load this model (set {ENV_VERBOSE}=1 to see why); check it with `featdiff lint`")
+        return Model(rt, ptr, path)
+
+    def meta(self, key: str) -> str | None:
+        buf = self.rt.ffi.new("char[]", META_BUF)
+        n = self.rt.lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, META_BUF)
+        return None if n < 0 else self.rt.ffi.string(buf).decode()
+
+    @property
+    def vocab(self) -> Any:
+        return self.rt.lib.llama_model_get_vocab(self.ptr)
+
+    @property
+    def n_embd(self) -> int:
+        return int(self.rt.lib.llama_model_n_embd(self.ptr))
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.rt.lib.llama_vocab_n_tokens(self.vocab))
+
+    def target_layer_ids(self) -> list[int]:
+        n = self.rt.lib.fd_model_target_layer_ids_n(self.ptr)
+        ids = self.rt.lib.fd_model_target_layer_ids(self.ptr)
+        return [int(ids[i]) for i in range(n)]
+
+    def tokenize(self, text: str) -> list[int]:
+        raw = text.encode()
+        n_max = len(raw) + 8
+        out = self.rt.ffi.new("llama_token[]", n_max)
+        n = self.rt.lib.llama_tokenize(self.vocab, raw, len(raw), out, n_max, True, False)
+        if n < 0:
+            raise InputError(f"{self.path}: tokenizing the prompt needs {-n} tokens, more than expected")
+        return [int(out[i]) for i in range(n)]
+
+    def free(self) -> None:
+        self.rt.lib.llama_model_free(self.ptr)
+
+
+@dataclass
+class Context:
+    """A llama_context with its reusable batch and, when capturing, its callback tag."""
+
+    rt: Runtime
+    ptr: Any
+    model: Model
+    batch: Any
+    tag: Any = None
+    _keep: list[Any] = field(default_factory=list)
+
+    @staticmethod
+    def new(rt: Runtime, model: Model, n_ctx: int, n_threads: int, tag: Any = None,
+            ctx_other: "Context | None" = None) -> "Context":
+        p = rt.lib.llama_context_default_params()
+        p.n_ctx = p.n_batch = p.n_ubatch = n_ctx  # one ubatch per decode: one graph per eval
+        p.n_seq_max = 1
+        p.n_threads = p.n_threads_batch = n_threads
+        if tag is not None:
+            p.cb_eval = rt.ffi.addressof(rt.lib, "fd_eval_callback")
+            p.cb_eval_user_data = tag
+        if ctx_other is not None:
+            p.ctx_other = ctx_other.ptr
+        ptr = rt.lib.llama_init_from_model(model.ptr, p)
+        if ptr == rt.ffi.NULL:
+            raise InputError(f"{model.path}: llama_init_from_model failed (a drafter that borrows the target's embeddings needs ctx_other)")
+        return Context(rt, ptr, model, rt.lib.llama_batch_ext_init(ptr), tag)
+
+    def decode_tokens(self, tokens: list[int], positions: list[int], outputs: bool) -> None:
+        lib, ffi = self.rt.lib, self.rt.ffi
+        lib.llama_batch_ext_clear(self.batch)
+        for tok, pos in zip(tokens, positions):
+            idx = lib.llama_batch_ext_add_token(self.batch, 0, tok)
+            lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
+            lib.llama_batch_ext_set_output_logits(self.batch, idx, outputs)
+        self._process(len(tokens))
+
+    def decode_embd(self, rows: np.ndarray, positions: list[int]) -> None:
+        """Decode an embd batch: `rows` is (n_tokens, n_embd_inp), one row per position."""
+        lib, ffi = self.rt.lib, self.rt.ffi
+        rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd_inp)
+        base = ffi.from_buffer("float[]", rows)
+        lib.llama_batch_ext_clear(self.batch)
+        for i, pos in enumerate(positions):
+            embd = ffi.new("struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]})
+            idx = lib.llama_batch_ext_add_embd(self.batch, 0, embd[0])
+            lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
+        self._process(len(positions), keep=rows)
+
+    def _process(self, n_tokens: int, keep: Any = None) -> None:
+        rc = self.rt.lib.llama_process(self.ptr, self.rt.lib.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_process on {self.model.path.name} failed: rc={rc}, n_tokens={n_tokens}")
+
+    def logits(self, i: int) -> np.ndarray:
+        ptr = self.rt.lib.llama_get_logits_ith(self.ptr, i)
+        return np.frombuffer(self.rt.ffi.buffer(ptr, 4 * self.model.n_vocab), dtype=np.float32).copy()
+
+    def layer_input(self, layer: int, n_tokens: int) -> np.ndarray:
+        """The tapped input of target layer `layer` for the last batch: (n_tokens, n_embd)."""
+        ptr = self.rt.lib.fd_get_embeddings_layer_inp(self.ptr, layer)
+        if ptr == self.rt.ffi.NULL:
+            raise RuntimeError(f"layer {layer} input was not extracted")
+        n_embd = self.model.n_embd
+        flat = np.frombuffer(self.rt.ffi.buffer(ptr, 4 * n_tokens * n_embd), dtype=np.float32)
+        return flat.reshape(n_tokens, n_embd).copy()  # (n_tokens, n_embd)
+
+    def seq_rm(self, p0: int) -> None:
+        self.rt.lib.llama_memory_seq_rm(self.rt.lib.llama_get_memory(self.ptr), 0, p0, -1)
+
+    def free(self) -> None:
+        self.rt.lib.llama_batch_ext_free(self.batch)
+        self.rt.lib.llama_free(self.ptr)
+
+
+@dataclass
+class Spool:
+    """The shim's capture state: filters per role, the current eval, the spool files."""
+
+    rt: Runtime
+    ptr: Any
+    prefix: Path
+
+    @staticmethod
+    def open(rt: Runtime, prefix: Path, filters: dict[int, list[str]]) -> "Spool":
+        ptr = rt.lib.fd_capture_open(str(prefix).encode())
+        if ptr == rt.ffi.NULL:
+            raise InputError(f"{prefix}.index: cannot create the capture spool; check the output directory is writable")
+        for role, globs in filters.items():
+            for g in globs:
+                if rt.lib.fd_capture_add_filter(ptr, role, g.encode()) != 0:
+                    raise InputError(f"--filter {g!r}: too many filters (at most 64 per role)")
+        return Spool(rt, ptr, prefix)
+
+    def tag(self, role: int) -> Any:
+        return self.rt.lib.fd_tag_new(self.ptr, role)
+
+    def begin_eval(self, eval_index: int) -> None:
+        self.rt.lib.fd_capture_begin_eval(self.ptr, eval_index)
+
+    def note(self, kind: str, payload: dict[str, Any]) -> None:
+        line = json.dumps({"kind": kind, **payload}, sort_keys=True)
+        if self.rt.lib.fd_capture_note(self.ptr, line.encode()) != 0:
+            raise OSError(f"{self.prefix}.index: write failed")
+
+    def close(self) -> int:
+        err = self.rt.lib.fd_capture_error(self.ptr)
+        rc = self.rt.lib.fd_capture_close(self.ptr)
+        return err or rc

@@ -1,0 +1,94 @@
+"""Pack a shim spool (<prefix>.data + <prefix>.index) into a dump (format v1).
+
+The index holds one JSON line per event: a `header` (models, build, prompt), an `eval`, a
+`round`, or a `record` (written by the C shim after its data). Lines without a final newline
+are the tail of a process that died mid-write; they and anything after them are ignored, so a
+killed capture still packs into a readable dump of its complete records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
+from featdiff.errors import InputError
+from featdiff.names import ROLES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpoolEvents:
+    """The complete lines of a spool index, sorted by kind."""
+
+    header: dict[str, Any]
+    evals: tuple[Eval, ...]
+    rounds: tuple[Round, ...]
+    records: tuple[dict[str, Any], ...]
+    n_torn: int  # incomplete trailing lines dropped
+
+
+def read_index(index_path: Path) -> SpoolEvents:
+    """Parse the complete lines of a spool index."""
+    raw = index_path.read_bytes()
+    complete, _, torn = raw.rpartition(b"\n")
+    header: dict[str, Any] = {}
+    evals, rounds, records = [], [], []
+    for line in complete.split(b"\n") if complete else []:
+        event = json.loads(line)
+        kind = event.pop("kind")
+        if kind == "header":
+            header = event
+        elif kind == "eval":
+            evals.append(Eval.from_json(event))
+        elif kind == "round":
+            rounds.append(Round.from_json(event))
+        elif kind == "record":
+            records.append(event)
+    return SpoolEvents(header, tuple(evals), tuple(rounds), tuple(records), int(bool(torn)))
+
+
+def record_from_event(event: dict[str, Any], phase: str) -> Record:
+    """A dump record from a shim `record` line; numpy shape = reversed ggml ne, trailing 1s of
+    ne dropped (an empty dimension, ne = 0, is kept)."""
+    ne = tuple(int(x) for x in event["ne"])
+    while len(ne) > 1 and ne[-1] == 1:
+        ne = ne[:-1]
+    role = ROLES[int(event["role"])]
+    return Record(
+        key=record_key(int(event["eval"]), role, event["name"], int(event["occurrence"])),
+        role=role, phase=phase, eval=int(event["eval"]), name=event["name"],
+        occurrence=int(event["occurrence"]), op=event["op"], ggml_type=event["ggml_type"],
+        ne=ne, srcs=tuple(event["srcs"]), dtype=event["dtype"], shape=tuple(reversed(ne)),
+        nb=tuple(int(x) for x in event["nb"]),
+    )
+
+
+def pack(prefix: Path, output: Path) -> Path:
+    """Write the dump of everything complete in the spool at `prefix`; return its path."""
+    index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data")
+    if not index.is_file() or not data.is_file():
+        raise InputError(f"{prefix}: no spool (.index/.data) here; was the capture started?")
+    events = read_index(index)
+    if events.n_torn:
+        log.warning("%s: dropped an incomplete last line (the capture was interrupted)", index)
+    phases = {e.eval: e.phase for e in events.evals}
+    writer = DumpWriter(output)
+    with open(data, "rb") as f:
+        for event in events.records:
+            record = record_from_event(event, phases.get(int(event["eval"]), "warmup"))
+            f.seek(int(event["offset"]))
+            buf = f.read(int(event["nbytes"]))
+            if len(buf) != int(event["nbytes"]):
+                break  # the data file ends early: this record and later ones are incomplete
+            writer.add(record, np.frombuffer(buf, dtype=record.dtype).reshape(record.shape))
+    manifest = Manifest(source="llama.cpp", models=events.header.get("models", {}),
+                        build=events.header.get("build", {}), evals=events.evals, records=(),
+                        rounds=events.rounds, prompt_tokens=tuple(events.header.get("prompt_tokens", ())))
+    return writer.close(manifest)

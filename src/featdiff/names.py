@@ -1,0 +1,160 @@
+"""Every foreign name featdiff relies on, spelled once: GGUF keys, llama.cpp callback names,
+ggml type ids, record roles and phases.
+
+GGUF keys follow the upstream DFlash converter; callback names follow upstream
+`src/models/dflash.cpp` and the qwen3/llama target graphs.
+"""
+
+from typing import Literal
+
+# --- roles and phases of the DFlash flow (upstream common/speculative.cpp) -------------------
+Role = Literal["target", "draft"]
+Phase = Literal["prefill", "inject", "draft", "verify", "warmup"]
+ROLES: tuple[Role, ...] = ("target", "draft")
+PHASES: tuple[Phase, ...] = ("prefill", "inject", "draft", "verify", "warmup")
+
+# --- GGUF metadata keys ------------------------------------------------------------------------
+ARCH_DFLASH = "dflash"
+KEY_ARCH = "general.architecture"
+KEY_TARGET_LAYERS = "dflash.target_layers"
+KEY_BLOCK_SIZE = "dflash.block_size"
+KEY_SAMPLE_FROM_ANCHOR = "dflash.sample_from_anchor"
+KEY_CAUSAL = "dflash.attention.causal"
+KEY_LOG_SNR = "dflash.log_snr_conditioning"
+KEY_MIN_LOG_SNR = "dflash.min_log_snr"
+KEY_MAX_LOG_SNR = "dflash.max_log_snr"
+KEY_MASK_TOKEN = "tokenizer.ggml.mask_token_id"
+
+# --- GGUF tensor names -------------------------------------------------------------------------
+T_TOKEN_EMBD = "token_embd.weight"
+T_OUTPUT = "output.weight"
+T_OUTPUT_NORM = "output_norm.weight"
+T_FC = "fc.weight"
+T_ENC_NORM = "enc.output_norm.weight"
+T_LOG_SNR_FC1_W = "log_snr_fc1.weight"
+T_LOG_SNR_FC1_B = "log_snr_fc1.bias"
+T_LOG_SNR_FC2_W = "log_snr_fc2.weight"
+T_LOG_SNR_FC2_B = "log_snr_fc2.bias"
+LOG_SNR_TENSORS = (T_LOG_SNR_FC1_W, T_LOG_SNR_FC1_B, T_LOG_SNR_FC2_W, T_LOG_SNR_FC2_B)
+
+# --- llama.cpp graph callback names ------------------------------------------------------------
+INP_TARGET_FEATURES = "inp_target_features"  # a leaf: seen as src[] of the fc MUL_MAT
+INP_G_EMBEDDINGS = "inp_g_embeddings"
+KCUR_INJECTED = "Kcur_injected"
+VCUR_INJECTED = "Vcur_injected"
+INP_NOISE_EMBD = "inp_noise_embd"
+INP_POS = "inp_pos"  # a leaf: seen as the position src[] of ROPE
+L_OUT = "l_out"
+RESULT_NORM = "result_norm"
+RESULT_OUTPUT = "result_output"
+INP_EMBD = "inp_embd"  # the DFlash encoder graph's input
+TARGET_EMBD = "embd"   # the target's token embeddings: the input of layer 0
+# reference-only records
+LAYER_INP = "layer_inp"  # layer_inp-<L>: the input of target layer L (= l_out-(L-1))
+LOG_SNR_EMBED = "log_snr_embed"
+
+
+def layer_name(base: str, il: int) -> str:
+    """llama.cpp's per-layer callback name: `<base>-<il>`."""
+    return f"{base}-{il}"
+
+
+# Views, reshapes and copies are named "<name> (view)" etc. by ggml: not separate tensors.
+EXCLUDE_DERIVED = "!* (*"
+
+# The wiring tensors a capture keeps unless told otherwise (globs on the callback name;
+# a leading "!" excludes).
+DEFAULT_FILTERS: tuple[str, ...] = (
+    TARGET_EMBD,
+    "l_out-*",
+    INP_TARGET_FEATURES,
+    INP_G_EMBEDDINGS,
+    "Kcur_injected-*",
+    "Vcur_injected-*",
+    INP_NOISE_EMBD,
+    INP_POS,
+    RESULT_NORM,
+    RESULT_OUTPUT,
+)
+
+# --- ggml types (ggml.h enum ggml_type) --------------------------------------------------------
+GGML_TYPE_NAMES: dict[int, str] = {
+    0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
+    10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 15: "q8_k",
+    24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16",
+}
+
+# --- reference: GGUF keys templated on the architecture (`{arch}` = general.architecture) -------
+KEY_BLOCK_COUNT = "{arch}.block_count"
+KEY_EMBEDDING_LENGTH = "{arch}.embedding_length"
+KEY_FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+KEY_HEAD_COUNT = "{arch}.attention.head_count"
+KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+KEY_KEY_LENGTH = "{arch}.attention.key_length"
+KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_TOKEN_LIST = "tokenizer.ggml.tokens"
+ARCH_QWEN3 = "qwen3"
+ARCH_LLAMA = "llama"
+TARGET_ARCHS = (ARCH_QWEN3, ARCH_LLAMA)
+
+# GGUF per-layer tensors: `blk.<il>.<name>.weight`; the value is the HF module under `layers.<il>.`
+GGUF_LAYER_PREFIX = "blk.{il}."
+GGUF_TO_HF_LAYER = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LOG_SNR_N_FREQ = 128  # sinusoidal features of the GIDD log-SNR embedding (64 sin + 64 cos)
+
+# --- reference: Hugging Face checkpoints (config.json + *.safetensors) ---------------------------
+HF_CONFIG = "config.json"
+HF_WEIGHTS_GLOB = "*.safetensors"
+HF_TARGET_PREFIX = "model."             # target: model.layers.<il>..., model.embed_tokens, model.norm
+HF_EMBED_TOKENS = "embed_tokens.weight"
+HF_NORM = "norm.weight"
+HF_LM_HEAD = "lm_head.weight"
+HF_LAYER_PREFIX = "layers.{il}."
+HF_FC = "fc.weight"                     # DFlash drafter layout
+HF_HIDDEN_NORM = "hidden_norm.weight"
+HF_DFLASH_CONFIG = "dflash_config"
+HF_TARGET_LAYER_IDS = "target_layer_ids"  # output-of-layer ids: gguf = hf + 1
+HF_MASK_TOKEN_ID = "mask_token_id"
+HF_BLOCK_SIZE = "block_size"
+HF_LOG_SNR = "log_snr_conditioning"
+HF_MIN_LOG_SNR = "min_log_snr"
+HF_MAX_LOG_SNR = "max_log_snr"
+
+# --- reference: more llama.cpp callback names (src/models/dflash.cpp, llama-graph.cpp) -----------
+QCUR = "Qcur"
+KCUR = "Kcur"
+VCUR = "Vcur"
+KQV_OUT = "kqv_out"
+FFN_INP = "ffn_inp"
+FFN_OUT = "ffn_out"
+NOISE_NORM = "noise_norm"
+# reference-only hypothesis candidates: `<record>@<hypothesis>` (docs/flow.md)
+CANDIDATE_SEP = "@"
+HYP_SLOTS = "slots"            # inp_g_embeddings@slots=1,0: fc applied to the slots in that order
+HYP_TABLE_TARGET = "table=target"  # inp_noise_embd@table=target: embedded with the target's table
+HYP_NO_LOG_SNR = "log_snr=none"    # inp_noise_embd@log_snr=none: without the log-SNR term
+
+
+def candidate_name(record: str, hypothesis: str) -> str:
+    """A reference-only hypothesis record: what `record` would be under a named wiring fault."""
+    return f"{record}{CANDIDATE_SEP}{hypothesis}"
+
+
+def slots_hypothesis(perm: tuple[int, ...]) -> str:
+    """`slots=1,0`: slot k of the staged row carries the layer of reference slot perm[k]."""
+    return f"{HYP_SLOTS}=" + ",".join(str(p) for p in perm)
+
+# --- record-name conventions compare relies on (docs/flow.md) ---------------------------------
+HYPOTHESIS_SEP = "@"           # `<record>@<hypothesis>`: a reference candidate, e.g. `inp_g_embeddings@slots=1,0`
+UNNAMED_NODE_PREFIX = "node_"  # ggml's name for a node nobody named: `node_<n>`; never paired
+FC_OUT = "fc_out"              # the fc projection before the encoder norm (dflash encoder graph)
+# Names both producers are expected to write: a name in this set present on one side only is a
+# `missing_tensor` / `unexpected_tensor` error; any other one-sided name is only reported as info.
+WIRING_NAMES: tuple[str, ...] = DEFAULT_FILTERS

@@ -1,0 +1,140 @@
+"""Real captures through the pinned llama.cpp build: what the drafter receives is what the
+target computed, staged the way upstream stages it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from featdiff import fixtures
+from featdiff.dump import read_dump
+
+GOLDEN = Path(__file__).parent / "golden" / "clean_records.jsonl"
+
+
+def _records(dump, eval_index, name):
+    return [r for r in dump.manifest.records if r.eval == eval_index and r.name == name]
+
+
+def _one(dump, eval_index, name):
+    recs = _records(dump, eval_index, name)
+    assert len(recs) == 1, f"eval {eval_index}: {len(recs)} records named {name}"
+    return dump.array(recs[0])
+
+
+def _layer_input(dump, target_eval, layer):
+    """What llama.cpp taps as the input of target layer `layer`: l_out-(layer-1), embd for 0."""
+    return _one(dump, target_eval, "embd" if layer == 0 else f"l_out-{layer - 1}")
+
+
+@pytest.mark.parametrize("variant", ["clean", "own-embd"])
+def test_feature_slot_k_is_bitwise_the_input_of_target_layer_k(captured, variant):
+    with read_dump(captured(variant)) as dump:
+        layers = dump.manifest.models["draft"]["target_layers"]
+        n_embd = dump.manifest.models["target"]["n_embd"]
+        injects = [e for e in dump.manifest.evals if e.phase == "inject"]
+        assert len(injects) == 1 + len(dump.manifest.rounds)
+        for ev in injects:
+            feats = _one(dump, ev.eval, "inp_target_features")  # (n_tokens, n_extract * n_embd)
+            assert feats.shape == (ev.n_tokens, len(layers) * n_embd)
+            source = dump.manifest.evals[ev.eval - 1]
+            assert source.role == "target" and source.positions == ev.positions
+            for k, layer in enumerate(layers):
+                tapped = _layer_input(dump, source.eval, layer)
+                for row in range(ev.n_tokens):
+                    assert np.array_equal(feats[row, k * n_embd:(k + 1) * n_embd], tapped[row]), (ev.eval, k, row)
+
+
+def test_injected_kv_has_one_row_per_context_token(captured):
+    s = fixtures.DRAFT
+    with read_dump(captured("clean")) as dump:
+        for ev in (e for e in dump.manifest.evals if e.phase == "inject"):
+            for il in range(s.n_layer):
+                for name in (f"Kcur_injected-{il}", f"Vcur_injected-{il}"):
+                    assert _one(dump, ev.eval, name).shape == (ev.n_tokens, s.n_head_kv, s.n_embd_head)
+
+
+@pytest.mark.parametrize("variant, table_from", [("clean", "target.gguf"), ("own-embd", "draft.gguf")])
+def test_noise_rows_are_the_embedding_rows_of_the_block_tokens(captured, fixture_models, variant, table_from):
+    reader = GGUFReader(str(fixture_models(variant) / table_from))
+    table = np.array(next(t for t in reader.tensors if t.name == "token_embd.weight").data)  # (n_vocab, n_embd)
+    with read_dump(captured(variant)) as dump:
+        drafts = [e for e in dump.manifest.evals if e.phase == "draft"]
+        assert drafts
+        for ev in drafts:
+            assert ev.token_ids[1:] == (fixtures.MASK_TOKEN_ID,) * (fixtures.BLOCK_SIZE - 1)
+            assert np.array_equal(_one(dump, ev.eval, "inp_noise_embd"), table[list(ev.token_ids)])
+
+
+def test_flow_follows_upstream_positions_and_rounds(captured):
+    B = fixtures.BLOCK_SIZE
+    with read_dump(captured("clean")) as dump:
+        m = dump.manifest
+        assert [(e.role, e.phase) for e in m.evals[:2]] == [("target", "prefill"), ("draft", "inject")]
+        assert m.evals[0].positions == tuple(range(len(m.prompt_tokens) - 1))
+        for rnd in m.rounds:
+            draft, verify, inject = (e for e in m.evals if e.round == rnd.round)
+            assert draft.positions == verify.positions == inject.positions == tuple(range(rnd.pos0, rnd.pos0 + B))
+            assert verify.token_ids == (rnd.anchor, *rnd.drafts)
+            assert len(rnd.drafts) == B - 1 and 0 <= rnd.accepted <= B - 1
+        for prev, nxt in zip(m.rounds, m.rounds[1:]):
+            assert nxt.pos0 == prev.pos0 + prev.accepted + 1
+            assert nxt.anchor == prev.target_tokens[-1]
+
+
+def test_capture_record_list_matches_golden(captured):
+    with read_dump(captured("clean")) as dump:
+        got = [json.dumps([r.eval, r.role, r.phase, r.name, r.occurrence, list(r.shape), r.dtype])
+               for r in dump.manifest.records]
+    if os.environ.get("FEATDIFF_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text("\n".join(got) + "\n")
+    assert got == GOLDEN.read_text().splitlines()
+
+
+def test_filters_select_by_role_and_exclude(captured):
+    with read_dump(captured("clean", filters=("draft:Qcur-*", "target:l_out-1", "!Qcur-1"))) as dump:
+        names = {(r.role, r.name) for r in dump.manifest.records}
+    assert names == {("draft", "Qcur-0"), ("target", "l_out-1")}
+
+
+def test_killed_capture_packs_into_a_dump_of_its_complete_records(fixture_models, tmp_path):
+    d = fixture_models("clean")
+    out = tmp_path / "run.npz"
+    index = tmp_path / "run.npz.spool.index"
+    code = ("import sys; from featdiff.llama.capture import capture; "
+            f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=2000, filters=['*'])")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    result = CliRunner().invoke(app, ["pack", str(tmp_path / "run.npz.spool"), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    with read_dump(out) as dump:
+        assert len(dump.manifest.records) > 100
+        for r in dump.manifest.records:
+            assert dump.array(r).shape == r.shape
+
+
+def test_second_capture_reuses_the_compiled_binding(fixture_models, tmp_path):
+    code = "from featdiff.llama import binding; m, b = binding.load(); print(m.__file__)"
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert first.stdout == second.stdout
+    assert "compiling" not in second.stderr

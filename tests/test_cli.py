@@ -1,0 +1,78 @@
+"""The command line keeps the contract's commands and flags, and the repository its rules."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from featdiff.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACT = {
+    "fixture": ["--variant"],
+    "capture": ["--target", "--model", "--prompt", "--tokens", "--rounds", "--filter", "--llama-dir", "--exec", "-o"],
+    "reference": ["--target", "--model", "--prompt", "--tokens", "--rounds", "-o"],
+    "compare": ["--json", "--report"],
+    "report": ["-o"],
+    "inspect": [],
+    "lint": ["--target"],
+}
+
+
+@pytest.mark.parametrize("command, flags", CONTRACT.items())
+def test_help_shows_the_contract_flags(command, flags):
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    for flag in flags:
+        assert flag in result.output, (command, flag)
+
+
+def test_unknown_fixture_variant_exits_2_naming_the_choices(tmp_path):
+    result = CliRunner().invoke(app, ["fixture", str(tmp_path), "--variant", "nope"])
+    assert result.exit_code == 2
+    assert "no such fixture variant" in result.output and "layers-plus1" in result.output
+
+
+def test_fixture_list_names_every_variant():
+    from featdiff.fixtures import VARIANTS
+
+    result = CliRunner().invoke(app, ["fixture", "--list"])
+    assert result.exit_code == 0
+    assert all(v in result.output for v in VARIANTS)
+
+
+def test_capture_of_a_model_llama_cpp_refuses_exits_2_naming_it(fixture_models, tmp_path):
+    d = fixture_models("log-snr")  # upstream refuses log-SNR tensors: "wrong number of tensors"
+    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      "--tokens", "1,2,3", "-o", str(tmp_path / "r.npz")])
+    assert result.exit_code == 2
+    assert str(d / "draft.gguf") in result.output
+    assert not list(tmp_path.iterdir())  # no spool or partial dump left behind
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--tokens", "1,x"], "expected comma-separated integers"),
+    (["--tokens", "5"], "needs >= 2 token ids"),
+    (["--tokens", "1,99999"], "out of range"),
+    ([], "exactly one of --prompt"),
+])
+def test_bad_prompts_exit_2(fixture_models, tmp_path, args, expected):
+    d = fixture_models("clean")
+    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      *args, "-o", str(tmp_path / "r.npz")])
+    assert result.exit_code == 2 and expected in result.output
+
+
+def test_bad_llama_dir_exits_2(fixture_models, tmp_path):
+    d = fixture_models("clean")
+    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      "--tokens", "1,2", "--llama-dir", str(tmp_path), "-o", str(tmp_path / "r.npz")])
+    assert result.exit_code == 2 and "no include/llama.h" in result.output
+
+
+def test_no_ctypes_anywhere():
+    out = subprocess.run(["git", "grep", "-n", "-I", "-w", "ctypes", "--", ":!*.md"], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout == ""

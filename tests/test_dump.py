@@ -1,0 +1,78 @@
+"""Dump format v1: round trip, and every crafted bad file refused with a message naming it."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from featdiff.cli import app
+from featdiff.dump import DumpWriter, Eval, Manifest, read_dump, record_from_array, record_key
+from featdiff.errors import InputError
+
+
+def _write(path, n_records=2):
+    w = DumpWriter(path)
+    for i in range(n_records):
+        rec, arr = record_from_array(record_key(0, "draft", f"t-{i}", 0), "draft", "inject", 0, f"t-{i}", 0,
+                                     np.arange(6, dtype=np.float64).reshape(2, 3) + i)
+        w.add(rec, arr)
+    ev = Eval(eval=0, role="draft", phase="inject", n_tokens=2, positions=(0, 1), token_ids=(), seq_ids=(0, 0))
+    return w.close(Manifest(source="reference", models={}, build={}, evals=(ev,), records=()))
+
+
+def _rewrite_manifest(src, dst, edit):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.namelist():
+            data = zin.read(item)
+            if item == "manifest.json":
+                data = json.dumps(edit(json.loads(data))).encode()
+            zout.writestr(item, data)
+    return dst
+
+
+def test_round_trip_keeps_records_arrays_and_numpy_loads_it(tmp_path):
+    path = _write(tmp_path / "d.npz")
+    with read_dump(path) as d:
+        assert [r.name for r in d.manifest.records] == ["t-0", "t-1"]
+        assert d.manifest.records[0].ne == (3, 2) and d.manifest.records[0].dtype == "float32"
+        assert np.array_equal(d.array(d.manifest.records[1]), np.arange(6).reshape(2, 3) + 1)
+    with np.load(path, allow_pickle=False) as z:  # a plain numpy reader sees the same members
+        assert z["e00000.draft.t-1.0"].shape == (2, 3)
+
+
+def test_writer_never_leaves_a_half_written_dump_in_place(tmp_path):
+    path = _write(tmp_path / "d.npz")
+    before = path.read_bytes()
+    w = DumpWriter(path)  # a second write in progress goes to a .partial file
+    assert path.read_bytes() == before and not any(p.name == "d.npz" and p.stat().st_size == 0 for p in tmp_path.iterdir())
+    del w
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda m: {**m, "version": 2}, "dump version 2, this featdiff reads version 1"),
+    (lambda m: {**m, "format": "other"}, "format 'other'"),
+    (lambda m: {**m, "records": m["records"] + m["records"][:1]}, "appears twice"),
+    (lambda m: {**m, "records": [{**m["records"][0], "key": "nope"}]}, "has no nope.npy member"),
+    (lambda m: {k: v for k, v in m.items() if k != "records"}, "missing or malformed"),
+])
+def test_crafted_manifests_are_refused_naming_the_file(tmp_path, edit, expected):
+    bad = _rewrite_manifest(_write(tmp_path / "d.npz"), tmp_path / "bad.npz", edit)
+    with pytest.raises(InputError, match=expected) as e:
+        read_dump(bad)
+    assert str(bad) in str(e.value)
+
+
+def test_truncated_and_foreign_files_exit_2_with_one_line(tmp_path):
+    good = _write(tmp_path / "d.npz")
+    truncated = tmp_path / "trunc.npz"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    plain = tmp_path / "plain.npz"
+    np.savez(plain, a=np.zeros(3))
+    for bad in (truncated, plain):
+        result = CliRunner().invoke(app, ["inspect", str(bad)])
+        assert result.exit_code == 2
+        assert str(bad) in result.output and "Traceback" not in result.output
