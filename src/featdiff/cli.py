@@ -180,5 +180,6 @@ def lint(
 
 def main() -> None:
     """Console entry point: configure logging once and run the app."""
-    logging.basicConfig(level=logging.INFO, format="featdiff: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="featdiff: %(message)s", stream=sys.stderr)
+    logging.getLogger("featdiff").setLevel(logging.INFO)
     app()

@@ -39,6 +39,22 @@ class Shape:
 
 TARGET = Shape(n_layer=6)
 DRAFT = Shape(n_layer=2)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The dimensions of a fixture pair; the default is the tiny pair the tests use."""
+
+    target: Shape = TARGET
+    draft: Shape = DRAFT
+    n_vocab: int = N_VOCAB
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.n_vocab - 1
+
+
+TINY = Sizes()
 HF_TARGET_LAYER_IDS = (1, 3)  # output-of-layer ids; GGUF stores them + 1 = [2, 4]
 BLOCK_SIZE = 4
 MIN_LOG_SNR, MAX_LOG_SNR = -9.0, 9.0
@@ -88,18 +104,18 @@ def describe_variants() -> str:
     return "\n".join(f"{v.name:14s} {v.doc}" for v in VARIANTS.values())
 
 
-def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0) -> Path:
+def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, sizes: Sizes = TINY) -> Path:
     """Write one variant's GGUFs and HF directories into `outdir`; return `outdir`."""
     v = VARIANTS[variant]
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    target = _target_weights(rng, v.target_arch)
-    draft = _draft_weights(rng, v, target)
-    _write_target_gguf(out / "target.gguf", target, v.target_arch)
-    _write_target_hf(out / "target-hf", target, v.target_arch)
-    _write_draft_hf(out / "draft-hf", draft, v)
-    _write_draft_gguf(out / "draft.gguf", _gguf_view(draft, v), v)
+    target = _target_weights(rng, v.target_arch, sizes)
+    draft = _draft_weights(rng, v, sizes)
+    _write_target_gguf(out / "target.gguf", target, v.target_arch, sizes)
+    _write_target_hf(out / "target-hf", target, v.target_arch, sizes)
+    _write_draft_hf(out / "draft-hf", draft, v, sizes)
+    _write_draft_gguf(out / "draft.gguf", _gguf_view(draft, v, sizes), v, sizes)
     (out / "VARIANT").write_text(f"{v.name}: {v.doc}\n")
     return out
 
@@ -132,28 +148,28 @@ def _layer(rng: np.random.Generator, s: Shape, qk_norm: bool) -> dict[str, np.nd
     return w
 
 
-def _target_weights(rng: np.random.Generator, arch: str) -> dict:
-    s = TARGET
+def _target_weights(rng: np.random.Generator, arch: str, sz: Sizes) -> dict:
+    s = sz.target
     return {
-        "token_embd": rng.standard_normal((N_VOCAB, s.n_embd)).astype(np.float32),
-        "output": _linear(rng, N_VOCAB, s.n_embd),
+        "token_embd": rng.standard_normal((sz.n_vocab, s.n_embd)).astype(np.float32),
+        "output": _linear(rng, sz.n_vocab, s.n_embd),
         "output_norm": _norm(rng, s.n_embd),
         "layers": [_layer(rng, s, qk_norm=arch == "qwen3") for _ in range(s.n_layer)],
     }
 
 
-def _draft_weights(rng: np.random.Generator, v: Variant, target: dict) -> dict:
-    s = DRAFT
+def _draft_weights(rng: np.random.Generator, v: Variant, sz: Sizes) -> dict:
+    s = sz.draft
     n_extract = len(HF_TARGET_LAYER_IDS)
     w = {
-        "fc": _linear(rng, s.n_embd, n_extract * TARGET.n_embd),
+        "fc": _linear(rng, s.n_embd, n_extract * sz.target.n_embd),
         "hidden_norm": _norm(rng, s.n_embd),
         "norm": _norm(rng, s.n_embd),
         "layers": [_layer(rng, s, qk_norm=True) for _ in range(s.n_layer)],
     }
     if v.checkpoint_own_embd:
-        w["token_embd"] = rng.standard_normal((N_VOCAB, s.n_embd)).astype(np.float32)
-        w["output"] = _linear(rng, N_VOCAB, s.n_embd)
+        w["token_embd"] = rng.standard_normal((sz.n_vocab, s.n_embd)).astype(np.float32)
+        w["output"] = _linear(rng, sz.n_vocab, s.n_embd)
     if v.checkpoint_log_snr:
         w["log_snr_fc1"] = _linear(rng, s.n_embd, LOG_SNR_N_FREQ)
         w["log_snr_fc1_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
@@ -162,11 +178,11 @@ def _draft_weights(rng: np.random.Generator, v: Variant, target: dict) -> dict:
     return w
 
 
-def _gguf_view(draft: dict, v: Variant) -> dict:
+def _gguf_view(draft: dict, v: Variant, sz: Sizes) -> dict:
     """The drafter as the (possibly faulty) GGUF export holds it."""
     w = dict(draft)
     if v.gguf_swap_fc_blocks:
-        n = TARGET.n_embd
+        n = sz.target.n_embd
         fc = w["fc"].copy()
         fc[:, 0:n], fc[:, n:2 * n] = draft["fc"][:, n:2 * n], draft["fc"][:, 0:n]  # (n_embd, n_extract * n_embd_tgt)
         w["fc"] = fc
@@ -189,13 +205,13 @@ def _permute_qk_for_ggml(w: np.ndarray, n_head: int) -> np.ndarray:
             .reshape(n_out, n_in))
 
 
-def _add_vocab(wr: GGUFWriter) -> None:
-    tokens = ["<pad>"] + [f"w{i}" for i in range(1, N_VOCAB - 1)] + ["<mask>"]
+def _add_vocab(wr: GGUFWriter, sz: Sizes) -> None:
+    tokens = ["<pad>"] + [f"w{i}" for i in range(1, sz.n_vocab - 1)] + ["<mask>"]
     wr.add_tokenizer_model("test")
     wr.add_token_list(tokens)
-    wr.add_token_scores([0.0] * N_VOCAB)
-    wr.add_token_types([1] * (N_VOCAB - 1) + [3])  # 1 = normal, 3 = control
-    wr.add_uint32(names.KEY_MASK_TOKEN, MASK_TOKEN_ID)
+    wr.add_token_scores([0.0] * sz.n_vocab)
+    wr.add_token_types([1] * (sz.n_vocab - 1) + [3])  # 1 = normal, 3 = control
+    wr.add_uint32(names.KEY_MASK_TOKEN, sz.mask_token_id)
 
 
 def _add_stack_keys(wr: GGUFWriter, arch: str, s: Shape) -> None:
@@ -227,23 +243,23 @@ def _finish(wr: GGUFWriter) -> None:
     wr.close()
 
 
-def _write_target_gguf(path: Path, w: dict, arch: str) -> None:
+def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
     wr = GGUFWriter(str(path), arch)
     wr.add_name(f"featdiff tiny {arch} target")
-    _add_stack_keys(wr, arch, TARGET)
-    _add_vocab(wr)
+    _add_stack_keys(wr, arch, sz.target)
+    _add_vocab(wr, sz)
     wr.add_tensor(names.T_TOKEN_EMBD, w["token_embd"])
     wr.add_tensor(names.T_OUTPUT_NORM, w["output_norm"])
     wr.add_tensor(names.T_OUTPUT, w["output"])
-    _add_layers(wr, w["layers"], (TARGET.n_head, TARGET.n_head_kv) if arch == "llama" else None)
+    _add_layers(wr, w["layers"], (sz.target.n_head, sz.target.n_head_kv) if arch == "llama" else None)
     _finish(wr)
 
 
-def _write_draft_gguf(path: Path, w: dict, v: Variant) -> None:
+def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
     wr = GGUFWriter(str(path), names.ARCH_DFLASH)
     wr.add_name("featdiff tiny dflash drafter")
-    _add_stack_keys(wr, names.ARCH_DFLASH, DRAFT)
-    _add_vocab(wr)
+    _add_stack_keys(wr, names.ARCH_DFLASH, sz.draft)
+    _add_vocab(wr, sz)
     gguf_ids = [i + 1 + v.gguf_layer_delta for i in HF_TARGET_LAYER_IDS]  # converter: gguf = hf + 1
     wr.add_array(names.KEY_TARGET_LAYERS, gguf_ids)
     wr.add_uint32(names.KEY_BLOCK_SIZE, BLOCK_SIZE)
@@ -281,19 +297,19 @@ def _hf_layers(prefix: str, layers: list[dict]) -> dict[str, np.ndarray]:
             for il, layer in enumerate(layers) for k, a in layer.items()}
 
 
-def _hf_config(s: Shape) -> dict:
+def _hf_config(s: Shape, n_vocab: int) -> dict:
     return {
         "hidden_size": s.n_embd, "num_hidden_layers": s.n_layer, "num_attention_heads": s.n_head,
         "num_key_value_heads": s.n_head_kv, "head_dim": s.n_embd_head, "intermediate_size": s.n_ff,
-        "rms_norm_eps": RMS_EPS, "rope_theta": ROPE_BASE, "vocab_size": N_VOCAB,
+        "rms_norm_eps": RMS_EPS, "rope_theta": ROPE_BASE, "vocab_size": n_vocab,
         "max_position_embeddings": N_POS_TRAIN, "hidden_act": "silu", "torch_dtype": "float32",
     }
 
 
-def _write_target_hf(path: Path, w: dict, arch: str) -> None:
+def _write_target_hf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
     path.mkdir(parents=True, exist_ok=True)
     arch_hf = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}[arch]
-    config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(TARGET),
+    config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(sz.target, sz.n_vocab),
               "tie_word_embeddings": False}
     tensors = {"model.embed_tokens.weight": w["token_embd"], "model.norm.weight": w["output_norm"],
                "lm_head.weight": w["output"], **_hf_layers("model.", w["layers"])}
@@ -301,15 +317,15 @@ def _write_target_hf(path: Path, w: dict, arch: str) -> None:
     save_file(tensors, str(path / "model.safetensors"))
 
 
-def _write_draft_hf(path: Path, w: dict, v: Variant) -> None:
+def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": MASK_TOKEN_ID}
+    dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": sz.mask_token_id}
     if v.checkpoint_log_snr:
         dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR,
                               "max_log_snr": MAX_LOG_SNR})
-    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_config(DRAFT),
-              "block_size": BLOCK_SIZE, "num_target_layers": TARGET.n_layer,
-              "target_hidden_size": TARGET.n_embd, "dflash_config": dflash_config}
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_config(sz.draft, sz.n_vocab),
+              "block_size": BLOCK_SIZE, "num_target_layers": sz.target.n_layer,
+              "target_hidden_size": sz.target.n_embd, "dflash_config": dflash_config}
     tensors = {"fc.weight": w["fc"], "hidden_norm.weight": w["hidden_norm"], "norm.weight": w["norm"],
                **_hf_layers("", w["layers"])}
     if "token_embd" in w:
