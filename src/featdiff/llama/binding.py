@@ -50,7 +50,7 @@ typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, 
 typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
 enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
 
-struct llama_model_params { int32_t n_gpu_layers; ...; };
+struct llama_model_params { int32_t n_gpu_layers; bool vocab_only; ...; };
 struct llama_context_params {
     uint32_t n_ctx; uint32_t n_batch; uint32_t n_ubatch; uint32_t n_seq_max;
     int32_t n_threads; int32_t n_threads_batch;

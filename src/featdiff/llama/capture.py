@@ -125,7 +125,7 @@ def _remove_spool(prefix: Path) -> None:
 def _run(rt: Runtime, sp: Spool, target: Path, model: Path, prompt: str | None,
          tokens: str | None, rounds: int) -> None:
     tgt_model, dft_model = Model.load(rt, target), Model.load(rt, model)
-    ids = prompt_ids(dft_model, prompt, tokens)
+    ids = prompt_ids(tgt_model, prompt, tokens)  # speculative-simple tokenizes with the target
     cfg = flow_config(tgt_model, dft_model)
     sp.note("header", _header(rt, target, model, ids))
     n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)

@@ -48,8 +48,9 @@ class Model:
     path: Path
 
     @staticmethod
-    def load(rt: Runtime, path: Path) -> "Model":
+    def load(rt: Runtime, path: Path, vocab_only: bool = False) -> "Model":
         params = rt.lib.llama_model_default_params()
+        params.vocab_only = vocab_only
         ptr = rt.lib.llama_model_load_from_file(str(path).encode(), params)
         if ptr == rt.ffi.NULL:
             raise InputError(f"{path}: llama.cpp refused to load this model (set {ENV_VERBOSE}=1 to see why); check it with `featdiff lint`")
