@@ -158,3 +158,16 @@ FC_OUT = "fc_out"              # the fc projection before the encoder norm (dfla
 # Names both producers are expected to write: a name in this set present on one side only is a
 # `missing_tensor` / `unexpected_tensor` error; any other one-sided name is only reported as info.
 WIRING_NAMES: tuple[str, ...] = DEFAULT_FILTERS
+# Hugging Face config.json keys the reference reads
+HF_MODEL_TYPE = "model_type"
+HF_HIDDEN_SIZE = "hidden_size"
+HF_NUM_LAYERS = "num_hidden_layers"
+HF_NUM_HEADS = "num_attention_heads"
+HF_NUM_KV_HEADS = "num_key_value_heads"
+HF_HEAD_DIM = "head_dim"
+HF_INTERMEDIATE_SIZE = "intermediate_size"
+HF_RMS_EPS = "rms_norm_eps"
+HF_ROPE_THETA = "rope_theta"
+HF_VOCAB_SIZE = "vocab_size"
+HF_TIE_EMBEDDINGS = "tie_word_embeddings"
+GGUF_OPTIONAL_LAYER = ("attn_q_norm", "attn_k_norm")  # qwen3 and dflash have q/k norms, llama not
