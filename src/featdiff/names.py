@@ -152,12 +152,11 @@ def slots_hypothesis(perm: tuple[int, ...]) -> str:
     return f"{HYP_SLOTS}=" + ",".join(str(p) for p in perm)
 
 # --- record-name conventions compare relies on (docs/flow.md) ---------------------------------
-HYPOTHESIS_SEP = "@"           # `<record>@<hypothesis>`: a reference candidate, e.g. `inp_g_embeddings@slots=1,0`
 UNNAMED_NODE_PREFIX = "node_"  # ggml's name for a node nobody named: `node_<n>`; never paired
-FC_OUT = "fc_out"              # the fc projection before the encoder norm (dflash encoder graph)
 # Names both producers are expected to write: a name in this set present on one side only is a
 # `missing_tensor` / `unexpected_tensor` error; any other one-sided name is only reported as info.
-WIRING_NAMES: tuple[str, ...] = DEFAULT_FILTERS
+# (inp_pos is left out: the reference does not record positions, the run's eval entries carry them.)
+WIRING_NAMES: tuple[str, ...] = tuple(n for n in DEFAULT_FILTERS if n != INP_POS)
 # Hugging Face config.json keys the reference reads
 HF_MODEL_TYPE = "model_type"
 HF_HIDDEN_SIZE = "hidden_size"

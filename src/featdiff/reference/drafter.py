@@ -1,0 +1,129 @@
+"""The DFlash drafter's two kinds of eval (upstream `src/models/dflash.cpp`, decoder graph):
+
+* inject: target features `(n_tokens, n_extract * n_embd_tgt)` -> `fc` -> encoder norm
+  (`inp_g_embeddings`) -> per layer K = RoPE(k_norm(wk g)) and V = wv g, written to the cache;
+* draft: the noise block `[anchor, mask x (B-1)]` -> embeddings (+ log-SNR term) -> layers with
+  non-causal attention over the cache and the block -> final norm -> logits.
+
+Besides llama.cpp's names it records the reference-only candidates of docs/flow.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from featdiff import names
+from featdiff.reference.attention import KvCache, cache_with, layer_kv
+from featdiff.reference.log_snr import log_snr_embed
+from featdiff.reference.numerics import linear, rms_norm, rope
+from featdiff.reference.stack import Named, layer_forward
+from featdiff.reference.weights import Draft, Target
+
+MAX_PERMUTED_SLOTS = 4  # slot-order candidates for n_extract <= 4 (at most 23 of them)
+
+
+@dataclass(frozen=True)
+class InjectPass:
+    """One inject eval: the draft cache with the context rows written, and the records."""
+
+    cache: KvCache
+    records: tuple[Named, ...]
+
+
+@dataclass(frozen=True)
+class DraftPass:
+    """One draft eval: logits of every block row `(block_size, n_vocab)`, and the records."""
+
+    logits: torch.Tensor
+    records: tuple[Named, ...]
+
+
+def encode(draft: Draft, features: torch.Tensor) -> torch.Tensor:
+    """`inp_g_embeddings`: enc_norm(fc features), `(n_tokens, n_embd)`."""
+    return rms_norm(linear(features, draft.fc), draft.enc_norm, draft.hparams.rms_eps)
+
+
+def inject(draft: Draft, features: torch.Tensor, positions: torch.Tensor, cache: KvCache) -> InjectPass:
+    """Write the context K/V of `features` at `positions` into the draft cache."""
+    hp = draft.hparams
+    n_tokens = features.shape[0]
+    g = encode(draft, features)
+    records = [Named(names.INP_TARGET_FEATURES, features), Named(names.INP_G_EMBEDDINGS, g)]
+    ks, vs = [], []
+    for il, layer in enumerate(draft.layers):
+        k = linear(g, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
+        v = linear(g, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
+        k = rope(rms_norm(k, layer.k_norm, hp.rms_eps), positions, hp.rope_base, hp.rope_type)
+        records += [Named(names.layer_name(names.KCUR_INJECTED, il), k),
+                    Named(names.layer_name(names.VCUR_INJECTED, il), v)]
+        k_cache, v_cache = layer_kv(cache, il, k, v)
+        ks.append(k_cache)
+        vs.append(v_cache)
+    records += slot_candidates(draft, features)
+    return InjectPass(cache_with(cache, positions, ks, vs), tuple(records))
+
+
+def slot_candidates(draft: Draft, features: torch.Tensor) -> list[Named]:
+    """`inp_g_embeddings@slots=<perm>` for every non-identity slot order (n_extract <= 4).
+
+    Under `perm`, slot k of the staged row carries reference slot perm[k]; a GGUF whose fc
+    column blocks are permuted the inverse way produces exactly this row.
+    """
+    n = draft.n_extract
+    if n > MAX_PERMUTED_SLOTS:
+        return []
+    n_tokens, width = features.shape[0], features.shape[1] // n
+    slots = features.reshape(n_tokens, n, width)  # (n_tokens, n_extract, n_embd_tgt)
+    out = []
+    for perm in itertools.permutations(range(n)):
+        if perm != tuple(range(n)):
+            staged = slots[:, list(perm), :].reshape(n_tokens, n * width)  # (n_tokens, n_extract * n_embd_tgt)
+            name = names.candidate_name(names.INP_G_EMBEDDINGS, names.slots_hypothesis(perm))
+            out.append(Named(name, encode(draft, staged)))
+    return out
+
+
+def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: torch.Tensor,
+                cache: KvCache, visible: torch.Tensor | None = None) -> DraftPass:
+    """Run the noise block non-causally over the cached context; the cache is left unchanged.
+
+    `visible` `(n_tokens, n_cells + n_tokens)`, when given, says which cells and block rows each
+    row sees: training packs many blocks, each over its own context, into one call.
+    """
+    hp = draft.hparams
+    x, records = noise_embeddings(draft, target, tokens)
+    for il, layer in enumerate(draft.layers):
+        t = layer_forward(hp, layer, x, positions, cache, il, causal=False, visible=visible)
+        records += [Named(names.layer_name(name, il), a) for name, a in (
+            (names.NOISE_NORM, t.attn_norm), (names.QCUR, t.q), (names.KCUR, t.k), (names.VCUR, t.v),
+            (names.KQV_OUT, t.kqv_out), (names.FFN_INP, t.ffn_inp), (names.FFN_OUT, t.ffn_out),
+            (names.L_OUT, t.l_out))]
+        x = t.l_out
+    norm = rms_norm(x, draft.output_norm, hp.rms_eps)
+    logits = linear(norm, draft.output if draft.output is not None else target.output)
+    records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
+    return DraftPass(logits, tuple(records))
+
+
+def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, list[Named]]:
+    """The first layer's input `(block_size, n_embd)` and its records.
+
+    `inp_noise_embd` is the embedding rows (the drafter's own table, else the target's) plus,
+    for a log-SNR conditioned drafter, `log_snr_embed`: what the layers consume.
+    """
+    table = draft.token_embd if draft.has_own_embeddings else target.token_embd
+    rows = table[tokens]  # (block_size, n_embd)
+    term = log_snr_embed(draft.log_snr, tokens == draft.mask_token_id) if draft.log_snr else None
+    records = []
+    if term is not None:
+        records += [Named(names.LOG_SNR_EMBED, term),
+                    Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_NO_LOG_SNR), rows)]
+        rows = rows + term
+    if draft.has_own_embeddings and target.hparams.n_embd == draft.hparams.n_embd:
+        borrowed = target.token_embd[tokens]  # (block_size, n_embd)
+        borrowed = borrowed if term is None else borrowed + term
+        records.append(Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_TABLE_TARGET), borrowed))
+    return rows, [Named(names.INP_NOISE_EMBD, rows), *records]

@@ -1,0 +1,122 @@
+"""The DFlash greedy flow of docs/flow.md, in the reference: prefill, inject, then per round
+draft, verify and inject, with both KV caches trimmed to the accepted prefix.
+
+Consumes loaded models and prompt tokens; produces every eval's manifest entry and records,
+and the rounds, in execution order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from featdiff import names
+from featdiff.dump import Eval, Round
+from featdiff.reference.attention import KvCache, empty_cache, truncated
+from featdiff.reference.drafter import draft_block, inject
+from featdiff.reference.numerics import Numerics
+from featdiff.reference.stack import Named
+from featdiff.reference.target import TargetPass, forward_target
+from featdiff.reference.weights import Draft, Hparams, Target
+
+PREFILL_ROUND = 0  # the prefill and its inject carry round 0; speculative rounds count from 1
+MIN_PROMPT_TOKENS = 2  # the prefill takes P[0:N-1] and the last token anchors the first block
+
+
+@dataclass(frozen=True)
+class EvalTrace:
+    """One eval's manifest entry and its records."""
+
+    eval: Eval
+    records: tuple[Named, ...]
+
+
+@dataclass(frozen=True)
+class FlowTrace:
+    """Everything the flow produced, in execution order."""
+
+    evals: tuple[EvalTrace, ...]
+    rounds: tuple[Round, ...]
+
+
+@dataclass(frozen=True)
+class _State:
+    target_cache: KvCache
+    draft_cache: KvCache
+    n_past: int
+    id_last: int
+
+
+def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int, numerics: Numerics) -> FlowTrace:
+    """Prefill `prompt[:-1]`, inject its features, then `rounds` rounds of draft / verify / inject."""
+    state, evals = _prefill(target, draft, prompt, numerics)
+    done: list[Round] = []
+    for r in range(PREFILL_ROUND + 1, PREFILL_ROUND + 1 + rounds):
+        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics)
+        evals += traces
+        done.append(one_round)
+    return FlowTrace(tuple(evals), tuple(done))
+
+
+def _prefill(target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Numerics) -> tuple[_State, list[EvalTrace]]:
+    n = len(prompt) - 1
+    tokens, positions = _ids(prompt[:n], numerics), _ids(tuple(range(n)), numerics)
+    tp = forward_target(target, tokens, positions, _empty(target.hparams, numerics), has_outputs=False)
+    ip = inject(draft, features(tp, draft), positions, _empty(draft.hparams, numerics))
+    evals = [EvalTrace(_eval(0, "target", "prefill", positions, prompt[:n], PREFILL_ROUND), tp.records),
+             EvalTrace(_eval(1, "draft", "inject", positions, (), PREFILL_ROUND), ip.records)]
+    return _State(tp.cache, ip.cache, n, prompt[n]), evals
+
+
+def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int,
+           numerics: Numerics) -> tuple[_State, Round, list[EvalTrace]]:
+    b = draft.block_size
+    positions = _ids(tuple(range(state.n_past, state.n_past + b)), numerics)
+    block = (state.id_last,) + (draft.mask_token_id,) * (b - 1)
+    dp = draft_block(draft, target, _ids(block, numerics), positions, state.draft_cache)
+    drafts = tuple(int(t) for t in dp.logits[1:].argmax(-1))  # DFlash reads slots 1..B-1
+    verify = (state.id_last,) + drafts
+    tp = forward_target(target, _ids(verify, numerics), positions, state.target_cache, has_outputs=True)
+    ip = inject(draft, features(tp, draft), positions, state.draft_cache)
+    best = tuple(int(t) for t in tp.logits.argmax(-1))
+    accepted = accepted_length(drafts, best)
+    n_past = state.n_past + accepted + 1
+    after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted])
+    traces = [EvalTrace(_eval(first_eval, "draft", "draft", positions, block, r), dp.records),
+              EvalTrace(_eval(first_eval + 1, "target", "verify", positions, verify, r), tp.records),
+              EvalTrace(_eval(first_eval + 2, "draft", "inject", positions, (), r), ip.records)]
+    one_round = Round(round=r, pos0=state.n_past, anchor=state.id_last, drafts=drafts, accepted=accepted,
+                      target_tokens=best[:accepted + 1])
+    return after, one_round, traces
+
+
+def features(tp: TargetPass, draft: Draft) -> torch.Tensor:
+    """Feature rows, token-major: slot k = input of target layer `target_layers[k]`.
+
+    Shape `(n_tokens, n_extract * n_embd_tgt)`, as common/speculative.cpp stages them.
+    """
+    return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, n_extract * n_embd_tgt)
+
+
+def accepted_length(drafts: tuple[int, ...], best: tuple[int, ...]) -> int:
+    """Length of the longest prefix on which the drafts equal the target's greedy tokens."""
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n
+
+
+def _ids(values: tuple[int, ...], numerics: Numerics) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=numerics.device)
+
+
+def _empty(hp: Hparams, numerics: Numerics) -> KvCache:
+    return empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, numerics.kv_dtype, numerics.device)
+
+
+def _eval(index: int, role: names.Role, phase: names.Phase, positions: torch.Tensor,
+          token_ids: tuple[int, ...], r: int) -> Eval:
+    pos = tuple(int(p) for p in positions)
+    return Eval(eval=index, role=role, phase=phase, n_tokens=len(pos), positions=pos,
+                token_ids=tuple(token_ids), seq_ids=(0,) * len(pos), round=r)

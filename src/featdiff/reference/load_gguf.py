@@ -1,0 +1,112 @@
+"""Build the reference's `Target` / `Draft` records from GGUF files (through `gguf_io`).
+
+llama-arch GGUF q/k rows are permuted for ggml's normal (interleaved) RoPE by the upstream
+converter, so a llama target from GGUF runs with `rope_type="normal"`; qwen3 and dflash use NeoX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from featdiff import names
+from featdiff.errors import InputError
+from featdiff.reference.checks import log_snr_problems
+from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
+from featdiff.reference.weights import Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors
+
+DEFAULT_BLOCK_SIZE = 16  # common/speculative.cpp falls back to 16 without dflash.block_size
+KEY_ROPE_DIMS = "{arch}.rope.dimension_count"
+
+
+def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
+    """A qwen3 or llama target from its GGUF."""
+    g = read_gguf(path)
+    if g.arch not in names.TARGET_ARCHS:
+        raise InputError(f"{path}: architecture {g.arch!r}, the reference runs targets of {names.TARGET_ARCHS}; "
+                         "pass a qwen3 or llama target")
+    rope_type = "normal" if g.arch == names.ARCH_LLAMA else "neox"
+    n_vocab = g.tensors[names.T_TOKEN_EMBD].ne[1] if names.T_TOKEN_EMBD in g.tensors else 0
+    hp = _hparams(g, rope_type, n_vocab)
+    token_embd = _tensor(g, names.T_TOKEN_EMBD, dtype, device)
+    has_head = names.T_OUTPUT in g.tensors
+    return Target(source=Source(Path(path), is_gguf=True), hparams=hp, token_embd=token_embd,
+                  output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
+                  output=_tensor(g, names.T_OUTPUT, dtype, device) if has_head else token_embd,
+                  layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)))
+
+
+def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
+    """A DFlash drafter from its GGUF; InputError for an inconsistent log-SNR export."""
+    g = read_gguf(path)
+    if g.arch != names.ARCH_DFLASH:
+        raise InputError(f"{path}: architecture {g.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter as --model")
+    token_embd = _optional(g, names.T_TOKEN_EMBD, dtype, device)
+    output = _optional(g, names.T_OUTPUT, dtype, device)
+    hp = _hparams(g, "neox", _draft_n_vocab(g))
+    return Draft(source=Source(Path(path), is_gguf=True), hparams=hp,
+                 target_layers=tuple(int(i) for i in meta(g, names.KEY_TARGET_LAYERS)),
+                 block_size=int(meta(g, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)),
+                 mask_token_id=int(meta(g, names.KEY_MASK_TOKEN)),
+                 fc=_tensor(g, names.T_FC, dtype, device),
+                 enc_norm=_tensor(g, names.T_ENC_NORM, dtype, device),
+                 output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
+                 token_embd=token_embd,
+                 output=output if output is not None else token_embd,  # llama.cpp: head falls back to own embeddings
+                 layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
+                 log_snr=_log_snr(g, dtype, device))
+
+
+def _hparams(g: GgufModel, rope_type: str, n_vocab: int) -> Hparams:
+    n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), int(meta(g, names.KEY_HEAD_COUNT))
+    n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
+    n_rot = int(meta(g, KEY_ROPE_DIMS, n_embd_head))
+    if n_rot != n_embd_head:
+        raise InputError(f"{g.path}: {KEY_ROPE_DIMS.format(arch=g.arch)} = {n_rot} but the head size is "
+                         f"{n_embd_head}; the reference implements full-width RoPE only")
+    return Hparams(arch=g.arch, n_layer=int(meta(g, names.KEY_BLOCK_COUNT)), n_embd=n_embd,
+                   n_head=n_head, n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
+                   n_embd_head=n_embd_head, n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH)),
+                   n_vocab=n_vocab, rms_eps=float(meta(g, names.KEY_RMS_EPS)),
+                   rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, 10000.0)), rope_type=rope_type)
+
+
+def _draft_n_vocab(g: GgufModel) -> int:
+    """The drafter's vocabulary size: its token list (what llama.cpp uses), else its own table."""
+    n = array_len(g, names.KEY_TOKEN_LIST)
+    if n is not None:
+        return n
+    if names.T_TOKEN_EMBD in g.tensors:
+        return g.tensors[names.T_TOKEN_EMBD].ne[1]
+    raise InputError(f"{g.path}: neither {names.KEY_TOKEN_LIST} nor {names.T_TOKEN_EMBD}; "
+                     "re-export the drafter with its vocabulary")
+
+
+def _layer(g: GgufModel, il: int, dtype: torch.dtype, device: torch.device) -> Layer:
+    prefix = names.GGUF_LAYER_PREFIX.format(il=il)
+    t = {k: _optional(g, f"{prefix}{k}.weight", dtype, device) for k in names.GGUF_TO_HF_LAYER}
+    for k in names.GGUF_TO_HF_LAYER:
+        if t[k] is None and k not in names.GGUF_OPTIONAL_LAYER:
+            raise InputError(f"{g.path}: tensor {prefix}{k}.weight is missing; re-export the GGUF with it")
+    return layer_from_tensors(t)
+
+
+def _log_snr(g: GgufModel, dtype: torch.dtype, device: torch.device) -> LogSnr | None:
+    flag = bool(meta(g, names.KEY_LOG_SNR, False))
+    lo, hi = meta(g, names.KEY_MIN_LOG_SNR, None), meta(g, names.KEY_MAX_LOG_SNR, None)
+    problems = log_snr_problems(names.KEY_LOG_SNR, flag, lo, hi, set(g.tensors))
+    if problems:
+        raise InputError(f"{g.path}: " + "; ".join(problems))
+    if not flag:
+        return None
+    t = [_tensor(g, name, dtype, device) for name in names.LOG_SNR_TENSORS]
+    return LogSnr(min_log_snr=float(lo), max_log_snr=float(hi), fc1_w=t[0], fc1_b=t[1], fc2_w=t[2], fc2_b=t[3])
+
+
+def _tensor(g: GgufModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array_from_tensor(g, name)).to(dtype=dtype, device=device)
+
+
+def _optional(g: GgufModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    return _tensor(g, name, dtype, device) if name in g.tensors else None

@@ -1,0 +1,143 @@
+"""Build the reference's `Target` / `Draft` records from Hugging Face directories
+(`config.json` + `*.safetensors`).
+
+The drafter is in the DFlash reference layout: `fc`, `hidden_norm`, `layers.*`, `norm`, optional
+`embed_tokens`/`lm_head`, and `dflash_config.target_layer_ids` naming layer *outputs*; GGUF ids
+name layer inputs, so the reference stores `hf + 1` (what the upstream converter writes).
+HF q/k rows are in rotate-half order, so every HF stack runs NeoX RoPE.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from featdiff import names
+from featdiff.errors import InputError
+from featdiff.reference.checks import log_snr_problems
+from featdiff.reference.weights import Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors
+
+DEFAULT_ROPE_THETA = 10000.0
+_FLAG_KEY = f"{names.HF_DFLASH_CONFIG}.{names.HF_LOG_SNR}"
+
+
+def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
+    """A qwen3 or llama target from its HF directory."""
+    config = _config(path)
+    arch = config.get(names.HF_MODEL_TYPE)
+    if arch not in names.TARGET_ARCHS:
+        raise InputError(f"{path / names.HF_CONFIG}: model_type {arch!r}, the reference runs targets of "
+                         f"{names.TARGET_ARCHS}; pass a qwen3 or llama checkpoint")
+    w = _weights(path, dtype, device)
+    token_embd = _required(w, path, names.HF_TARGET_PREFIX + names.HF_EMBED_TOKENS)
+    tied = config.get(names.HF_TIE_EMBEDDINGS, False) or names.HF_LM_HEAD not in w
+    hp = _hparams(path, config, arch)
+    layer_prefix = names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX
+    return Target(source=Source(Path(path), is_gguf=False), hparams=hp, token_embd=token_embd,
+                  output_norm=_required(w, path, names.HF_TARGET_PREFIX + names.HF_NORM),
+                  output=token_embd if tied else _required(w, path, names.HF_LM_HEAD),
+                  layers=tuple(_layer(w, path, layer_prefix.format(il=il)) for il in range(hp.n_layer)))
+
+
+def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
+    """A DFlash drafter from its HF directory; InputError for an inconsistent log-SNR checkpoint."""
+    config = _config(path)
+    dflash = config.get(names.HF_DFLASH_CONFIG)
+    if not isinstance(dflash, dict) or names.HF_TARGET_LAYER_IDS not in dflash:
+        raise InputError(f"{path / names.HF_CONFIG}: no {names.HF_DFLASH_CONFIG}.{names.HF_TARGET_LAYER_IDS}; "
+                         "pass a DFlash drafter checkpoint as --model")
+    w = _weights(path, dtype, device)
+    hp = _hparams(path, config, names.ARCH_DFLASH)
+    token_embd = w.get(names.HF_EMBED_TOKENS)
+    output = w.get(names.HF_LM_HEAD)
+    return Draft(source=Source(Path(path), is_gguf=False), hparams=hp,
+                 target_layers=tuple(int(i) + 1 for i in dflash[names.HF_TARGET_LAYER_IDS]),  # gguf = hf + 1
+                 block_size=int(_setting(path, config, dflash, names.HF_BLOCK_SIZE)),
+                 mask_token_id=int(_setting(path, config, dflash, names.HF_MASK_TOKEN_ID)),
+                 fc=_required(w, path, names.HF_FC), enc_norm=_required(w, path, names.HF_HIDDEN_NORM),
+                 output_norm=_required(w, path, names.HF_NORM),
+                 token_embd=token_embd, output=output if output is not None else token_embd,
+                 layers=tuple(_layer(w, path, names.HF_LAYER_PREFIX.format(il=il)) for il in range(hp.n_layer)),
+                 log_snr=_log_snr(path, dflash, w))
+
+
+def _config(path: Path) -> dict[str, Any]:
+    f = Path(path) / names.HF_CONFIG
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{f}: unreadable ({e}); a Hugging Face directory needs config.json and *.safetensors") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{f}: expected a JSON object, found {type(config).__name__}; pass a Hugging Face checkpoint")
+    return config
+
+
+def _weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    files = sorted(Path(path).glob(names.HF_WEIGHTS_GLOB))
+    if not files:
+        raise InputError(f"{path}: no {names.HF_WEIGHTS_GLOB} files; a Hugging Face directory needs its weights")
+    w: dict[str, torch.Tensor] = {}
+    for f in files:
+        w.update({k: t.to(dtype=dtype, device=device) for k, t in load_file(str(f)).items()})
+    return w
+
+
+def _required(w: dict[str, torch.Tensor], path: Path, name: str) -> torch.Tensor:
+    if name not in w:
+        raise InputError(f"{path}: tensor {name!r} is missing from the safetensors; pass a complete checkpoint")
+    return w[name]
+
+
+def _setting(path: Path, config: dict[str, Any], dflash: dict[str, Any], key: str) -> Any:
+    """A DFlash setting from `dflash_config`, else the top level of config.json."""
+    if key in dflash:
+        return dflash[key]
+    if key in config:
+        return config[key]
+    raise InputError(f"{path / names.HF_CONFIG}: no {key!r} in {names.HF_DFLASH_CONFIG} or at the top level; "
+                     "add the trained value")
+
+
+def _config_value(path: Path, config: dict[str, Any], key: str, default: Any = None) -> Any:
+    if key in config:
+        return config[key]
+    if default is None:
+        raise InputError(f"{path / names.HF_CONFIG}: {key!r} is missing; pass a complete config.json")
+    return default
+
+
+def _hparams(path: Path, config: dict[str, Any], arch: str) -> Hparams:
+    n_embd = int(_config_value(path, config, names.HF_HIDDEN_SIZE))
+    n_head = int(_config_value(path, config, names.HF_NUM_HEADS))
+    return Hparams(arch=arch, n_layer=int(_config_value(path, config, names.HF_NUM_LAYERS)), n_embd=n_embd,
+                   n_head=n_head, n_head_kv=int(_config_value(path, config, names.HF_NUM_KV_HEADS, n_head)),
+                   n_embd_head=int(_config_value(path, config, names.HF_HEAD_DIM, n_embd // n_head)),
+                   n_ff=int(_config_value(path, config, names.HF_INTERMEDIATE_SIZE)),
+                   n_vocab=int(_config_value(path, config, names.HF_VOCAB_SIZE)),
+                   rms_eps=float(_config_value(path, config, names.HF_RMS_EPS)),
+                   rope_base=float(_config_value(path, config, names.HF_ROPE_THETA, DEFAULT_ROPE_THETA)),
+                   rope_type="neox")
+
+
+def _layer(w: dict[str, torch.Tensor], path: Path, prefix: str) -> Layer:
+    t = {k: w.get(f"{prefix}{hf}.weight") for k, hf in names.GGUF_TO_HF_LAYER.items()}
+    for k, hf in names.GGUF_TO_HF_LAYER.items():
+        if t[k] is None and k not in names.GGUF_OPTIONAL_LAYER:
+            _required(w, path, f"{prefix}{hf}.weight")
+    return layer_from_tensors(t)
+
+
+def _log_snr(path: Path, dflash: dict[str, Any], w: dict[str, torch.Tensor]) -> LogSnr | None:
+    flag = bool(dflash.get(names.HF_LOG_SNR, False))
+    lo, hi = dflash.get(names.HF_MIN_LOG_SNR), dflash.get(names.HF_MAX_LOG_SNR)
+    problems = log_snr_problems(_FLAG_KEY, flag, lo, hi, set(w))
+    if problems:
+        raise InputError(f"{path}: " + "; ".join(problems))
+    if not flag:
+        return None
+    t = [w[name] for name in names.LOG_SNR_TENSORS]  # same tensor names in HF and GGUF
+    return LogSnr(min_log_snr=float(lo), max_log_snr=float(hi), fc1_w=t[0], fc1_b=t[1], fc2_w=t[2], fc2_b=t[3])

@@ -1,0 +1,109 @@
+"""`featdiff reference`: load the target and the drafter (GGUF or HF), run the DFlash flow in
+PyTorch on the same token ids, and write a dump v1 with `source: "reference"`.
+
+`--prompt` is tokenized with llama.cpp's own vocabulary (featdiff.llama.tokenize) from the
+target GGUF, else the drafter GGUF (DFlash pairs share one vocabulary); with two HF
+directories there is no llama.cpp vocabulary, so `--tokens` is required.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
+from featdiff.errors import InputError
+from featdiff.reference.flow import MIN_PROMPT_TOKENS, FlowTrace, run_flow
+from featdiff.reference.load import load_draft, load_target
+from featdiff.reference.numerics import COMPUTE_DTYPES, KV_DTYPES, Numerics
+from featdiff.reference.weights import Draft, Target, check_pair, models_entry
+
+log = logging.getLogger(__name__)
+
+
+def reference(target: Path, model: Path, output: Path, *, prompt: str | None, tokens: str | None,
+              rounds: int, dtype: str, device: str, kv_dtype: str, llama_dir: Path | None) -> Path:
+    """Compute the reference dump; return its path."""
+    numerics = numerics_from_options(dtype, device, kv_dtype)
+    prompt_ids = prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+    tgt = load_target(Path(target), numerics.dtype, numerics.device)
+    dft = load_draft(Path(model), numerics.dtype, numerics.device)
+    check_pair(tgt, dft)
+    check_prompt(prompt_ids, tgt.hparams.n_vocab)
+    log.info("reference: %d prompt tokens, %d rounds, block size %d", len(prompt_ids), rounds, dft.block_size)
+    with torch.no_grad():
+        trace = run_flow(tgt, dft, prompt_ids, rounds, numerics)
+    return write_reference(Path(output), trace, tgt, dft, numerics, prompt_ids)
+
+
+def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
+    """Validated `--dtype`, `--device`, `--kv-dtype`."""
+    if dtype not in COMPUTE_DTYPES:
+        raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(COMPUTE_DTYPES)}")
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"--kv-dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)} (the run's KV cache type)")
+    try:
+        dev = torch.device(device)
+        torch.zeros(1, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise InputError(f"--device {device!r}: unusable by this torch {torch.__version__} ({e}); use --device cpu") from None
+    return Numerics(dtype=COMPUTE_DTYPES[dtype], device=dev, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+
+
+def prompt_tokens(target: Path, model: Path, prompt: str | None, tokens: str | None,
+                  llama_dir: Path | None) -> tuple[int, ...]:
+    """The prompt's token ids, from exactly one of `--prompt` / `--tokens`."""
+    if (prompt is None) == (tokens is None):
+        raise InputError("give exactly one of --prompt TEXT and --tokens 1,2,3")
+    return _parse_tokens(tokens) if tokens is not None else _tokenize(target, model, prompt or "", llama_dir)
+
+
+def check_prompt(ids: tuple[int, ...], n_vocab: int) -> None:
+    """InputError for a prompt too short for the flow or with ids outside the target vocabulary."""
+    if len(ids) < MIN_PROMPT_TOKENS:
+        raise InputError(f"the prompt has {len(ids)} token(s), the flow needs at least {MIN_PROMPT_TOKENS}; "
+                         "give a longer prompt")
+    bad = [t for t in ids if not 0 <= t < n_vocab]
+    if bad:
+        raise InputError(f"--tokens: ids {bad} are outside the target vocabulary of {n_vocab} tokens")
+
+
+def _parse_tokens(tokens: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in tokens.split(",") if t.strip())
+    except ValueError:
+        raise InputError(f"--tokens {tokens!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> tuple[int, ...]:
+    """Tokenize with llama.cpp's vocabulary of the target GGUF, else the drafter GGUF."""
+    vocab = next((p for p in (target, model) if p.is_file()), None)
+    if vocab is None:
+        raise InputError(f"--prompt needs a GGUF vocabulary, but {target} and {model} are HF directories; "
+                         "pass --tokens or a GGUF target")
+    try:
+        from featdiff.llama.tokenize import tokenize
+    except ImportError as e:
+        raise InputError(f"--prompt needs the llama.cpp binding (featdiff.llama.tokenize: {e}); pass --tokens") from None
+    return tuple(int(t) for t in tokenize(vocab, text, llama_dir))
+
+
+def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft, numerics: Numerics,
+                    prompt: tuple[int, ...]) -> Path:
+    """Write the flow's records and manifest as a dump v1 with source "reference"."""
+    writer = DumpWriter(output)
+    for et in trace.evals:
+        e = et.eval
+        for named in et.records:
+            key = record_key(e.eval, e.role, named.name, 0)
+            record, array = record_from_array(key, e.role, e.phase, e.eval, named.name, 0,
+                                              named.array.detach().cpu().numpy())
+            writer.add(record, array)
+    build = {"torch": torch.__version__, "device": str(numerics.device),
+             "dtype": str(numerics.dtype).removeprefix("torch."), "kv_dtype": numerics.kv_dtype}
+    manifest = Manifest(source="reference", models={"target": models_entry(target), "draft": models_entry(draft)},
+                        build=build, evals=tuple(et.eval for et in trace.evals), records=(),
+                        rounds=trace.rounds, prompt_tokens=prompt)
+    return writer.close(manifest)

@@ -1,0 +1,66 @@
+"""One decoder layer, shared by the target (causal) and the DFlash drafter (non-causal), keeping
+every intermediate the dump may record. Mirrors upstream `src/models/qwen3.cpp`,
+`src/models/llama.cpp` and the token branch of `src/models/dflash.cpp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from featdiff.reference.attention import KvCache, attend, layer_kv
+from featdiff.reference.numerics import ffn, linear, rms_norm, rope
+from featdiff.reference.weights import Hparams, Layer
+
+
+@dataclass(frozen=True)
+class Named:
+    """One reference record before it goes into the dump: callback name and array (numpy order)."""
+
+    name: str
+    array: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """A layer's intermediates, named after llama.cpp's callbacks; shapes in numpy order."""
+
+    attn_norm: torch.Tensor  # (n_tokens, n_embd): the drafter's noise_norm
+    q: torch.Tensor          # (n_tokens, n_head, n_embd_head) after q_norm and RoPE
+    k: torch.Tensor          # (n_tokens, n_head_kv, n_embd_head) after k_norm and RoPE
+    v: torch.Tensor          # (n_tokens, n_head_kv, n_embd_head)
+    kqv_out: torch.Tensor    # (n_tokens, n_head * n_embd_head): attention before wo
+    ffn_inp: torch.Tensor    # (n_out, n_embd)
+    ffn_out: torch.Tensor    # (n_out, n_embd)
+    l_out: torch.Tensor      # (n_out, n_embd)
+    k_cache: torch.Tensor    # (n_cells + n_tokens, n_head_kv, n_embd_head): the layer's cache after this batch
+    v_cache: torch.Tensor
+
+
+def layer_forward(hp: Hparams, layer: Layer, x: torch.Tensor, positions: torch.Tensor, cache: KvCache,
+                  il: int, causal: bool, out_rows: slice = slice(None),
+                  visible: torch.Tensor | None = None) -> LayerTrace:
+    """One layer over `x` `(n_tokens, n_embd)`; the batch's K/V go through the cache first.
+
+    `out_rows` keeps only the output rows after attention (llama.cpp's last target layer);
+    `visible` `(n_tokens, n_cells + n_tokens)` overrides `causal` (see `attend`).
+    """
+    n_tokens = x.shape[0]
+    h = rms_norm(x, layer.attn_norm, hp.rms_eps)
+    q = linear(h, layer.wq).reshape(n_tokens, hp.n_head, hp.n_embd_head)     # (n_tokens, n_head, n_embd_head)
+    k = linear(h, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
+    v = linear(h, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, hp.rms_eps)
+    if layer.k_norm is not None:
+        k = rms_norm(k, layer.k_norm, hp.rms_eps)
+    q = rope(q, positions, hp.rope_base, hp.rope_type)
+    k = rope(k, positions, hp.rope_base, hp.rope_type)
+    k_cache, v_cache = layer_kv(cache, il, k, v)
+    kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
+    kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal, visible)
+    ffn_inp = linear(kqv_out, layer.wo)[out_rows] + x[out_rows]
+    ffn_out = ffn(rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps), layer)
+    return LayerTrace(attn_norm=h, q=q, k=k, v=v, kqv_out=kqv_out, ffn_inp=ffn_inp, ffn_out=ffn_out,
+                      l_out=ffn_out + ffn_inp, k_cache=k_cache, v_cache=v_cache)

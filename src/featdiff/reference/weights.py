@@ -1,0 +1,184 @@
+"""The models the reference runs, whatever file they came from: a target (qwen3 or llama) and a
+DFlash drafter, as frozen records of torch tensors in Hugging Face orientation `(out, in)`
+(which is also the GGUF array in numpy order).
+
+`check_pair` validates a target/drafter pair; `models_entry` gives the dump manifest's `models`
+entry of one role. The loaders live in `load.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+
+from featdiff import names
+from featdiff.errors import InputError
+from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, model_info
+
+RopeType = Literal["normal", "neox"]  # ggml's GGML_ROPE_TYPE_NORMAL (pairs 2i, 2i+1) / NEOX (i, i+d/2)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model came from: a GGUF file or a Hugging Face directory."""
+
+    path: Path
+    is_gguf: bool
+
+
+@dataclass(frozen=True)
+class Hparams:
+    """One transformer stack's dimensions, in llama.cpp's vocabulary."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head: int
+    n_ff: int
+    n_vocab: int
+    rms_eps: float
+    rope_base: float
+    rope_type: RopeType
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer; q/k norms are None for architectures without them (llama)."""
+
+    attn_norm: torch.Tensor   # (n_embd,)
+    wq: torch.Tensor          # (n_head * n_embd_head, n_embd)
+    wk: torch.Tensor          # (n_head_kv * n_embd_head, n_embd)
+    wv: torch.Tensor          # (n_head_kv * n_embd_head, n_embd)
+    wo: torch.Tensor          # (n_embd, n_head * n_embd_head)
+    q_norm: torch.Tensor | None  # (n_embd_head,)
+    k_norm: torch.Tensor | None  # (n_embd_head,)
+    ffn_norm: torch.Tensor    # (n_embd,)
+    ffn_gate: torch.Tensor    # (n_ff, n_embd)
+    ffn_up: torch.Tensor      # (n_ff, n_embd)
+    ffn_down: torch.Tensor    # (n_embd, n_ff)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The target model."""
+
+    source: Source
+    hparams: Hparams
+    token_embd: torch.Tensor   # (n_vocab, n_embd)
+    output_norm: torch.Tensor  # (n_embd,)
+    output: torch.Tensor       # (n_vocab, n_embd); the tied embeddings when there is no head
+    layers: tuple[Layer, ...]
+
+
+@dataclass(frozen=True)
+class LogSnr:
+    """GIDD log-SNR conditioning: the range and the two-layer MLP on the sinusoidal features."""
+
+    min_log_snr: float
+    max_log_snr: float
+    fc1_w: torch.Tensor  # (n_embd, LOG_SNR_N_FREQ)
+    fc1_b: torch.Tensor  # (n_embd,)
+    fc2_w: torch.Tensor  # (n_embd, n_embd)
+    fc2_b: torch.Tensor  # (n_embd,)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The DFlash drafter. `target_layers` are GGUF ids: the *input* of that target layer."""
+
+    source: Source
+    hparams: Hparams
+    target_layers: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    fc: torch.Tensor           # (n_embd, n_extract * n_embd_tgt)
+    enc_norm: torch.Tensor     # (n_embd,)
+    output_norm: torch.Tensor  # (n_embd,)
+    token_embd: torch.Tensor | None  # (n_vocab, n_embd); None: borrow the target's
+    output: torch.Tensor | None      # (n_vocab, n_embd); None: borrow the target's
+    layers: tuple[Layer, ...]
+    log_snr: LogSnr | None
+
+    @property
+    def has_own_embeddings(self) -> bool:
+        return self.token_embd is not None
+
+    @property
+    def n_extract(self) -> int:
+        return len(self.target_layers)
+
+
+def layer_from_tensors(t: dict[str, torch.Tensor | None]) -> Layer:
+    """A `Layer` from tensors keyed by their GGUF per-layer names (`attn_q`, `ffn_up`, ...)."""
+    return Layer(attn_norm=t["attn_norm"], wq=t["attn_q"], wk=t["attn_k"], wv=t["attn_v"],
+                 wo=t["attn_output"], q_norm=t["attn_q_norm"], k_norm=t["attn_k_norm"],
+                 ffn_norm=t["ffn_norm"], ffn_gate=t["ffn_gate"], ffn_up=t["ffn_up"],
+                 ffn_down=t["ffn_down"])
+
+
+def check_pair(target: Target, draft: Draft) -> None:
+    """InputError when the drafter cannot run against this target (ids, widths, vocabulary)."""
+    n_layer = target.hparams.n_layer
+    if any(not 0 <= i < n_layer for i in draft.target_layers):
+        raise InputError(f"{draft.source.path}: target_layers = {list(draft.target_layers)} but the target "
+                         f"{target.source.path} has {n_layer} layers; ids must be < n_layer")
+    expected = draft.n_extract * target.hparams.n_embd
+    if draft.fc.shape[1] != expected:
+        raise InputError(f"{draft.source.path}: fc takes {draft.fc.shape[1]} inputs, expected n_extract "
+                         f"{draft.n_extract} x target n_embd {target.hparams.n_embd} = {expected}; "
+                         "the drafter was trained for another target")
+    head_rows = (draft.output if draft.output is not None else target.output).shape[0]
+    if head_rows > target.token_embd.shape[0]:
+        raise InputError(f"{draft.source.path}: the drafter's head scores {head_rows} tokens, the target "
+                         f"{target.source.path} embeds {target.token_embd.shape[0]}; drafts must be target tokens")
+    table = draft.token_embd if draft.token_embd is not None else target.token_embd
+    if not 0 <= draft.mask_token_id < table.shape[0]:
+        raise InputError(f"{draft.source.path}: mask token id {draft.mask_token_id} is outside the noise "
+                         f"embedding table of {table.shape[0]} rows; set the trained mask token id")
+
+
+def hf_sha256(path: Path) -> str:
+    """sha256 of a HF directory: its config.json, then its safetensors in sorted order."""
+    h = hashlib.sha256()
+    for f in [path / names.HF_CONFIG, *sorted(path.glob(names.HF_WEIGHTS_GLOB))]:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(HASH_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def models_entry(model: Target | Draft) -> dict[str, Any]:
+    """The manifest's `models` entry of one role, with the fields capture records (`ModelInfo`).
+
+    A GGUF is described exactly as capture describes it; a HF directory from the loaded model.
+    """
+    if model.source.is_gguf:
+        return model_info(model.source.path).to_json()
+    hp = model.hparams
+    draft = model if isinstance(model, Draft) else None
+    snr = draft.log_snr if draft is not None else None
+    return ModelInfo(
+        path=str(model.source.path), sha256=hf_sha256(model.source.path), architecture=hp.arch,
+        n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, weight_types=_hf_weight_types(model.source.path),
+        target_layers=draft.target_layers if draft else (), block_size=draft.block_size if draft else 0,
+        mask_token_id=draft.mask_token_id if draft else -1,
+        log_snr={"enabled": snr is not None, "min": snr.min_log_snr if snr else None,
+                 "max": snr.max_log_snr if snr else None} if draft else None,
+        has_own_embeddings=bool(draft and draft.has_own_embeddings), has_log_snr_tensors=snr is not None,
+    ).to_json()
+
+
+def _hf_weight_types(path: Path) -> tuple[str, ...]:
+    """Distinct dtypes of the 2-D tensors in a HF directory's safetensors, named like ggml types."""
+    types = set()
+    for f in sorted(path.glob(names.HF_WEIGHTS_GLOB)):
+        with safe_open(str(f), "np") as st:
+            types |= {st.get_slice(k).get_dtype().lower() for k in st.keys() if len(st.get_slice(k).get_shape()) == 2}
+    return tuple(sorted(types))
