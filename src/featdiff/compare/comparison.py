@@ -1,0 +1,163 @@
+"""compare_dumps: align -> measure -> diagnose, from two dump paths to one `Comparison`.
+
+Pairs stream one at a time (read, align, measure, drop), so memory is bounded by the largest
+pair; only the roots are read again, with their candidates, for the detectors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from featdiff.compare import diagnose
+from featdiff.compare.align import Pair, Plan, pair_arrays, plan_pairs, side_rows
+from featdiff.compare.detectors import detect_numeric_noise
+from featdiff.compare.evidence import (Source, build_evidence, first_feature_pair, layer_match, open_source,
+                                       position_evidence, target_layers)
+from featdiff.compare.metrics import Measurement, measure
+from featdiff.compare.namemap import NameMap, read_name_map
+from featdiff.compare.result import Alignment, Comparison, Finding, PairMetrics
+from featdiff.compare.sketch import LayerMatch
+from featdiff.compare.tolerance import Tolerance, TypeInfo, describe, tolerance_for, type_info
+from featdiff.dump import Dump, read_dump
+from featdiff.errors import InputError
+
+NOT_MEASURED = Measurement(max_abs=float("nan"), nmse=float("nan"), cos_min=float("nan"),
+                           cos_median=float("nan"), rel_p50=float("nan"), rel_p99=float("nan"),
+                           row_rel=(), is_finite=False)
+
+
+def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Comparison:
+    """Compare a run dump against a reference dump; InputError when they share nothing."""
+    rules = read_name_map(name_map)
+    with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
+        ref_src, run_src = open_source(ref_dump), open_source(run_dump)
+        plan = plan_pairs(ref_dump.manifest, run_dump.manifest, rules)
+        if not plan.pairs:
+            why = f" ({len(plan.skipped)} left out, e.g. {plan.skipped[0]})" if plan.skipped else ""
+            raise InputError(f"{run}: no record pairs with {ref} (same role, phase, round, name and token "
+                             f"history){why}; make both from the same prompt and models, or pass --map for a fork")
+        types = type_info(ref_dump.manifest, run_dump.manifest)
+        tols = [pair_tolerance(p, types) for p in plan.pairs]
+        measured = [measure_pair(ref_src, run_src, p) for p in plan.pairs]
+        within = [m.within(t) for m, t in zip(measured, tols)]
+        walk = diagnose.find_roots(plan.pairs, within)
+        findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules)
+    metrics = tuple(pair_metrics(p, m, t, ok, i in walk.inherited)
+                    for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within)))
+    return Comparison(ref_path=str(ref), run_path=str(run), findings=findings, pairs=metrics,
+                      alignments=tuple(p.alignment for p in plan.pairs),
+                      first_divergence=walk.first_divergence, skipped=plan.skipped, types=describe(types))
+
+
+def pair_tolerance(pair: Pair, types: TypeInfo) -> Tolerance:
+    return tolerance_for(pair.name, pair.is_integer, types)
+
+
+def measure_pair(ref: Source, run: Source, pair: Pair) -> Measurement:
+    """Read, align and measure one pair; a pair whose shapes cannot be aligned is not measured."""
+    if not pair.alignment.comparable:
+        return NOT_MEASURED
+    ref_rows, run_rows = pair_arrays(pair.alignment, ref.rows(pair.ref), run.rows(pair.run))
+    return measure(ref_rows, run_rows)
+
+
+def pair_metrics(pair: Pair, m: Measurement, tol: Tolerance, within: bool, inherited: bool) -> PairMetrics:
+    role, phase, rnd = pair.group
+    return PairMetrics(
+        role=role, phase=phase, eval=pair.first_eval, name=pair.name, occurrence=pair.occurrence,
+        max_abs=m.max_abs, nmse=m.nmse, cos_min=m.cos_min, cos_median=m.cos_median,
+        rel_p50=m.rel_p50, rel_p99=m.rel_p99, tolerance=tol.nmse, within=within,
+        row_rel_err=m.row_rel, positions=pair.alignment.positions, round=rnd,
+        run_name=pair.run_name if pair.run_name != pair.name else "", row_tolerance=tol.row_rel,
+        inherited=inherited,
+    )
+
+
+def _findings(ref: Source, run: Source, plan: Plan, walk: diagnose.Walk, measured: list[Measurement],
+              tols: list[Tolerance], types: TypeInfo, rules: NameMap) -> tuple[Finding, ...]:
+    """Manifest-level findings, then one per root (deduplicated), then info."""
+    found = [diagnose.detect_not_conditioned(ref.manifest, run.manifest, rules),
+             diagnose.detect_missing_tensor(plan, run.manifest),
+             diagnose.detect_unexpected_tensor(plan, ref.manifest)]
+    for i in walk.roots[:diagnose.MAX_ROOT_FINDINGS]:
+        ev = build_evidence(ref, run, plan.pairs[i], tols[i])
+        found.append(diagnose.diagnose_root(ev, measured[i].nmse))
+    found.append(_quantized_feature_check(ref, run, plan, walk, tols, types))
+    found.append(diagnose.check_positions(position_evidence(ref, run)))
+    found += [_noise(plan, walk, measured, tols), diagnose.unpaired_info(plan)]
+    return _deduplicated([f for f in found if f is not None])
+
+
+def _quantized_feature_check(ref: Source, run: Source, plan: Plan, walk: diagnose.Walk,
+                             tols: list[Tolerance], types: TypeInfo) -> Finding | None:
+    """With quantized weights the tolerance can swallow a neighbouring layer: check the first
+    features' layer match even when they are within tolerance. (f32 runs never need it: their
+    tolerance is far below the difference between two layers.)"""
+    feature = first_feature_pair(plan.pairs)
+    if not types.quant_types or feature is None or not feature.alignment.comparable:
+        return None
+    i = plan.pairs.index(feature)
+    if i in walk.roots:
+        return None
+    return diagnose.check_features(build_evidence(ref, run, feature, tols[i]))
+
+
+def _noise(plan: Plan, walk: diagnose.Walk, measured: list[Measurement], tols: list[Tolerance]) -> Finding | None:
+    """`numeric_noise` for the within-tolerance pair closest to its tolerance."""
+    bad = set(walk.roots) | set(walk.inherited)
+    ratios = [(m.nmse / t.nmse if t.nmse > 0 else 0.0, i) for i, (m, t) in enumerate(zip(measured, tols))
+              if i not in bad and np.isfinite(m.nmse)]
+    if not ratios:
+        return None
+    _, i = max(ratios)
+    return detect_numeric_noise(plan.pairs[i].run_name, measured[i].nmse, tols[i])
+
+
+def _deduplicated(findings: list[Finding]) -> tuple[Finding, ...]:
+    """Errors first, in walk order; one finding per (kind, tensor)."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for f in sorted(findings, key=lambda f: f.severity != "error"):
+        if (f.kind, f.tensor) not in seen:
+            seen.add((f.kind, f.tensor))
+            out.append(f)
+    return tuple(out)
+
+
+# --- helpers for report/ -------------------------------------------------------------------------
+
+def _opened(dump: Dump | Path | str) -> Dump:
+    return dump if isinstance(dump, Dump) else read_dump(dump)
+
+
+def layer_match_matrix(ref_dump: Dump | Path | str, run_dump: Dump | Path | str,
+                       name_map: Path | None = None, eval_index: int | None = None) -> LayerMatch | None:
+    """Slot x layer matrix of the run's injected features against every ref `layer_inp-<L>`.
+
+    For the first inject eval (or the run's inject eval `eval_index`); None when the dumps have
+    no feature pair or the reference recorded no layer inputs. Dumps given as paths are opened
+    and closed here.
+    """
+    ref, run = _opened(ref_dump), _opened(run_dump)
+    try:
+        plan = plan_pairs(ref.manifest, run.manifest, read_name_map(name_map))
+        pair = first_feature_pair(plan.pairs, eval_index)
+        if pair is None or not pair.alignment.comparable or not pair.alignment.positions:
+            return None
+        ref_src, run_src = open_source(ref), open_source(run)
+        _, run_rows = pair_arrays(pair.alignment, ref_src.rows(pair.ref), run_src.rows(pair.run))
+        n_extract = len(target_layers(ref.manifest))
+        return layer_match(ref_src, pair, run_rows, n_extract) if n_extract else None
+    finally:
+        for given, opened in ((ref_dump, ref), (run_dump, run)):
+            if opened is not given:
+                opened.close()
+
+
+def load_pair(ref_dump: Dump, run_dump: Dump, alignment: Alignment) -> tuple[np.ndarray, np.ndarray]:
+    """The compared rows of one pair, as compare saw them: two (R, D) float arrays."""
+    ref_rows = side_rows([ref_dump.array(k) for k in alignment.ref_key.split(",")])
+    run_rows = side_rows([run_dump.array(k) for k in alignment.run_key.split(",")])
+    return pair_arrays(alignment, ref_rows, run_rows)

@@ -1,0 +1,197 @@
+"""Diagnosis: separate a tensor's own error from error it inherited, then name the cause.
+
+`find_roots` walks the pairs in eval and graph order and keeps each pair beyond tolerance whose
+inputs are all within it (the first is the first divergence). `diagnose_root` runs the detector
+chain on one root's evidence. The manifest-level detectors (`not_conditioned`, one-sided
+records) look at the plan, not at values.
+
+What a pair's inputs are, from the run node's recorded sources:
+* every source a captured pair of its eval, a weight (`x.weight`) or a leaf (`inp_*`, `leaf_*`):
+  those captured pairs, nothing else (e.g. `inp_noise_embd` = get_rows(token_embd, tokens));
+* no source and op NONE (a leaf, e.g. `inp_target_features`): the evals that feed its eval;
+* otherwise (an uncaptured node in between): every earlier pair of the eval and the evals that
+  feed it. Which evals feed which follows docs/flow.md: a target eval reads the earlier target
+  evals (KV cache), an inject eval the target evals (features), a draft eval the inject evals.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+from dataclasses import dataclass
+from typing import Callable
+
+from featdiff import names
+from featdiff.compare import detectors as d
+from featdiff.compare import wiring as w
+from featdiff.compare.align import Pair, Plan, RecordKey
+from featdiff.compare.namemap import NameMap
+from featdiff.compare.result import Finding
+from featdiff.dump import Manifest
+
+# Which (role, phase) evals feed which, per docs/flow.md.
+FEEDERS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    ("target", "prefill"): (("target", "prefill"), ("target", "verify")),
+    ("target", "verify"): (("target", "prefill"), ("target", "verify")),
+    ("draft", "inject"): (("target", "prefill"), ("target", "verify")),
+    ("draft", "draft"): (("draft", "inject"),),
+}
+LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
+LEAF_OPS = ("NONE", "")  # ggml's op of a leaf (an input tensor)
+MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same fault again
+FILTERS_KEY = "filters"  # run manifest `build` key: the capture's name globs, when recorded
+
+# The detector chain, most specific evidence first; the first to return a Finding names the cause.
+CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
+    d.detect_nonfinite, d.detect_zeros, d.detect_layout_transpose, w.detect_layer_offset,
+    w.detect_slot_permutation, w.detect_missing_term, w.detect_extra_term, w.detect_wrong_source,
+    d.detect_stale, d.detect_row_shift, d.detect_position_offset, d.detect_scale,
+)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The roots (own error) and the inherited pairs, as indices into the plan's pairs."""
+
+    roots: tuple[int, ...]
+    inherited: tuple[int, ...]
+
+    @property
+    def first_divergence(self) -> int | None:
+        return self.roots[0] if self.roots else None
+
+
+def _is_resolved(src: str, captured: set[str]) -> bool:
+    return src in captured or "." in src or src.startswith(LEAF_PREFIXES)
+
+
+def _inputs(pair: Pair, earlier: list[int], pairs: tuple[Pair, ...]) -> tuple[list[int], bool]:
+    """The earlier pairs of its own eval `pair` reads, and whether it reads other evals' data."""
+    captured = {pairs[i].name for i in earlier}
+    if not pair.run_srcs and pair.run.records[0].op in LEAF_OPS:
+        return [], True  # a graph input: its data was copied in from another eval (the features)
+    if pair.run_srcs and all(_is_resolved(s, captured) for s in pair.run_srcs):
+        return [i for i in earlier if pairs[i].name in pair.run_srcs], False
+    return earlier, True  # an uncaptured node in between: anything before it may feed it
+
+
+def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
+    """Walk pairs in order; a divergent pair is a root when none of its inputs diverges."""
+    roots, inherited = [], []
+    by_group: dict[tuple, list[int]] = {}
+    first_bad: dict[tuple[str, str], int] = {}  # (role, phase) -> first eval holding a divergence
+    for i, pair in enumerate(pairs):
+        earlier = by_group.setdefault(pair.group, [])
+        if not within[i]:
+            same_eval, reads_others = _inputs(pair, earlier, pairs)
+            bad_input = any(not within[j] for j in same_eval)
+            bad_feeder = reads_others and any(first_bad.get(f, pair.first_eval) < pair.first_eval
+                                              for f in FEEDERS.get(pair.group[:2], tuple(first_bad)))
+            (inherited if bad_input or bad_feeder else roots).append(i)
+            first_bad.setdefault(pair.group[:2], pair.first_eval)
+        earlier.append(i)
+    return Walk(tuple(roots), tuple(inherited))
+
+
+def diagnose_root(ev: d.Evidence, nmse: float) -> Finding:
+    """The first detector of the chain that explains the pair, else `divergence`."""
+    for detect in CHAIN:
+        finding = detect(ev)
+        if finding is not None:
+            return finding
+    return d.detect_divergence(ev, nmse)
+
+
+def check_features(ev: d.Evidence) -> Finding | None:
+    """Layer offsets and slot orders on a feature pair that is *within* tolerance: quantization
+    noise can be as large as the difference between neighbouring layers, the layer match is not."""
+    return w.detect_layer_offset(ev) or w.detect_slot_permutation(ev)
+
+
+def check_positions(evs: list[d.Evidence]) -> Finding | None:
+    """The first eval whose recorded positions differ from the reference's."""
+    for ev in evs:
+        if ev.run.shape == ev.ref.shape and np.array_equal(ev.run, ev.ref):
+            continue
+        return d.detect_position_offset(ev) or d.detect_divergence(ev, float("inf"))
+    return None
+
+
+# --- manifest-level detectors --------------------------------------------------------------------
+
+def detect_not_conditioned(ref: Manifest, run: Manifest, name_map: NameMap) -> Finding | None:
+    """Hypothesis: the drafter ran without target features. Evidence: the ref injects features
+    but the run has no inject eval, its inject evals carry no rows, or its features are empty."""
+    ref_inject = [e for e in ref.evals if e.phase == "inject"]
+    run_inject = [e for e in run.evals if e.phase == "inject"]
+    if not ref_inject or not any(e.role == "draft" and e.phase == "draft" for e in run.evals):
+        return None
+    detail = _unconditioned(run, run_inject, name_map)
+    if detail is None:
+        return None
+    return Finding(kind="not_conditioned", tensor=names.INP_TARGET_FEATURES, severity="error",
+                   message=f"the drafter ran with {detail}: it drafts without the target's features; "
+                           f"check that the target context is set (ctx_other) and features are injected",
+                   fields={"detail": detail})
+
+
+def _unconditioned(run: Manifest, run_inject: list, name_map: NameMap) -> str | None:
+    """What is missing from the run's conditioning, or None when its features are there."""
+    if not run_inject:
+        return "no inject eval"
+    if all(e.n_tokens == 0 for e in run_inject):
+        return "inject evals with no rows"
+    inject = {e.eval for e in run_inject}
+    features = [r for r in run.records
+                if r.eval in inject and name_map.pairing_name(r.name) == names.INP_TARGET_FEATURES]
+    if features and all(0 in r.shape for r in features):
+        return "empty injected features"
+    return None
+
+
+def _wiring(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in names.WIRING_NAMES)
+
+
+def _captured(name: str, manifest: Manifest) -> bool:
+    """Whether the run's capture would have kept `name` (its recorded filters; all when unknown)."""
+    globs = manifest.build.get(FILTERS_KEY) or ["*"]
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def detect_missing_tensor(plan: Plan, run: Manifest) -> Finding | None:
+    """Hypothesis: the run never computed a wiring tensor the checkpoint has. Evidence: a ref
+    record in the wiring set, in an eval group the run has, that the run's filters would keep."""
+    keys = [k for k in plan.ref_only
+            if _wiring(k[1]) and k[0] in plan.run_groups and _captured(k[1], run)]
+    return _one_sided("missing_tensor", keys, "the run has no {name} in {where} (the reference does)")
+
+
+def detect_unexpected_tensor(plan: Plan, ref: Manifest) -> Finding | None:
+    """Hypothesis: the run computes a wiring tensor where the checkpoint has none. Evidence: a
+    run record in the wiring set, in an eval group the ref has, that the ref lacks."""
+    keys = [k for k in plan.run_only if _wiring(k[1]) and k[0] in plan.ref_groups]
+    return _one_sided("unexpected_tensor", keys, "the run has {name} in {where}, the reference has not")
+
+
+def _one_sided(kind: str, keys: list[RecordKey], template: str) -> Finding | None:
+    if not keys:
+        return None
+    (role, phase, rnd), name, _ = keys[0]
+    more = f" ({len(keys) - 1} more like it)" if len(keys) > 1 else ""
+    where = f"the {role} {phase} eval of round {rnd}"
+    return Finding(kind=kind, tensor=name, severity="error",
+                   message=template.format(name=name, where=where) + more + "; check the graph's callback names, or pass --map")
+
+
+def unpaired_info(plan: Plan) -> Finding | None:
+    """One info finding listing one-sided records outside the wiring set (a wide capture filter)."""
+    checked = (names.INP_POS,)  # compared with the reference's eval positions instead
+    run_names = sorted({k[1] for k in plan.run_only if not _wiring(k[1]) and k[1] not in checked})
+    if not run_names:
+        return None
+    shown = ", ".join(run_names[:6]) + (" ..." if len(run_names) > 6 else "")
+    return Finding(kind="unexpected_tensor", tensor=run_names[0], severity="info",
+                   message=f"{len(run_names)} run tensor names have no reference counterpart and were not compared: {shown}",
+                   fields={"names": run_names})

@@ -1,0 +1,60 @@
+"""Dumps for the compare tests: synthetic pairs (synth.py, no model needed) and real ones (the
+fixture models captured through llama.cpp and computed by the reference, each made once)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import synth  # noqa: E402
+
+REAL_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"  # tests/conftest.py DEFAULT_TOKENS: shares its capture
+REAL_ROUNDS = 3
+# The trained checkpoint behind each fault variant (the reference reads draft-hf, always correct):
+# the layer and slot faults share clean's checkpoint, so they share its reference.
+CHECKPOINT_OF = {"clean": "clean", "layers-plus1": "clean", "layers-minus1": "clean",
+                 "slots-swapped": "clean", "no-log-snr": "no-log-snr", "borrowed-embd": "borrowed-embd"}
+SYNTH_NOISE = 1e-7  # below every tolerance: only planted faults diverge
+
+
+@pytest.fixture(scope="session")
+def synth_ref(tmp_path_factory) -> Path:
+    """The synthetic reference dump (default Spec)."""
+    return synth.write(tmp_path_factory.mktemp("synth") / "ref.npz")
+
+
+@pytest.fixture
+def synth_run(tmp_path):
+    """`synth_run(**kwargs)`: a synthetic run dump written with synth.write(side="run")."""
+    count = iter(range(1000))
+
+    def make(**kwargs) -> Path:
+        kwargs.setdefault("noise", SYNTH_NOISE)
+        return synth.write(tmp_path / f"run{next(count)}.npz", side="run", **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def referenced(tmp_path_factory, fixture_models):
+    """`referenced(variant)`: the reference dump of that variant's trained checkpoint."""
+    pytest.importorskip("torch", reason="the reference needs torch")
+    from featdiff.reference.run import reference
+
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        checkpoint = CHECKPOINT_OF[variant]
+        if checkpoint not in made:
+            d = fixture_models(checkpoint)
+            out = tmp_path_factory.mktemp(f"ref-{checkpoint}") / "ref.npz"
+            made[checkpoint] = reference(d / "target.gguf", d / "draft-hf", out, prompt=None, tokens=REAL_TOKENS,
+                                         rounds=REAL_ROUNDS, dtype="float32", device="cpu", kv_dtype="f16",
+                                         llama_dir=None)
+        return made[checkpoint]
+
+    return get

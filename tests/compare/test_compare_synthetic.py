@@ -1,0 +1,107 @@
+"""compare_dumps end to end on synthetic dumps: one planted fault each gives its finding at the
+first divergence, with the inherited errors downstream not reported again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import synth
+from featdiff.compare import compare_dumps, exit_code
+from featdiff.dump import read_dump
+
+REF_MODELS = {"draft": {"target_layers": [2, 4]}, "target": {"n_embd": 16}}
+
+
+def errors(c):
+    return [f for f in c.findings if f.severity == "error"]
+
+
+def only_error(c):
+    errs = errors(c)
+    assert len(errs) == 1, [(f.kind, f.tensor) for f in errs]
+    assert exit_code(c) == 1
+    return errs[0]
+
+
+@pytest.mark.parametrize("layers,delta", [((3, 5), 1), ((1, 3), -1)])
+def test_layer_offset_found_when_target_layers_are_off(synth_ref, synth_run, layers, delta):
+    run = synth_run(spec=synth.Spec(target_layers=layers), models=REF_MODELS)
+    c = compare_dumps(synth_ref, run, None)
+    f = only_error(c)
+    assert (f.kind, f.tensor, f.fields["slot"], f.fields["delta"]) == ("layer_offset", "inp_target_features", 0, delta)
+    assert c.pairs[c.first_divergence].name == "inp_target_features" and c.pairs[c.first_divergence].eval == 1
+
+
+def test_downstream_of_the_root_is_marked_inherited(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS), None)
+    g = next(p for p in c.pairs if p.name == "inp_g_embeddings" and p.eval == 1)
+    assert not g.within and g.inherited
+
+
+def test_slot_permutation_found_from_the_swapped_fc_candidate(synth_ref, synth_run):
+    with read_dump(synth_ref) as ref:
+        cand = {r.eval: np.array(ref.array(r)) for r in ref.records() if r.name == "inp_g_embeddings@slots=1,0"}
+    run = synth_run(mutate=lambda ev, name, a: cand[ev.eval] if name == "inp_g_embeddings" else a)
+    f = only_error(compare_dumps(synth_ref, run, None))
+    assert (f.kind, f.tensor, f.fields["permutation"]) == ("slot_permutation", "inp_g_embeddings", [1, 0])
+
+
+def test_missing_term_found_when_log_snr_is_dropped(tmp_path, synth_run):
+    ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    f = only_error(compare_dumps(ref, synth_run(), None))
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "log_snr_embed")
+
+
+def test_wrong_source_found_when_the_target_table_is_borrowed(synth_ref, synth_run):
+    w = synth.weights(synth.Spec())
+    run = synth_run(mutate=lambda ev, n, a: w.target_emb_for_draft[list(ev.token_ids)] if n == "inp_noise_embd" else a)
+    f = only_error(compare_dumps(synth_ref, run, None))
+    assert (f.kind, f.fields["source"]) == ("wrong_source", "target")
+
+
+def test_layer_offset_seen_even_inside_a_wide_tolerance(synth_ref, synth_run):
+    """A quantized run's tolerance can swallow a neighbouring layer; the layer match cannot."""
+    models = {"draft": {"target_layers": [2, 4], "weight_types": ["q4_0"]}, "target": {"weight_types": ["q4_0"]}}
+    run = synth_run(spec=synth.Spec(target_layers=(3, 5)), models=models)
+    f = errors(compare_dumps(synth_ref, run, None))[0]
+    assert f.kind == "layer_offset" and f.fields["delta"] == 1
+
+
+def test_several_independent_roots_each_get_a_finding(tmp_path, synth_run):
+    ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    c = compare_dumps(ref, synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS), None)
+    assert {f.kind for f in errors(c)} == {"layer_offset", "missing_term"}
+
+
+def test_clean_pair_exits_zero(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, synth_run(), None)
+    assert exit_code(c) == 0 and c.ok
+    assert [f.kind for f in c.findings] == ["numeric_noise"]
+
+
+def test_head_major_keys_are_a_layout_transpose(synth_ref, tmp_path):
+    from transform import rewrite
+
+    def head_major(r, a):
+        return np.ascontiguousarray(a.transpose(1, 0, 2)) if r.name == "Kcur_injected-0" and r.eval == 1 else a  # (n_head_kv, T, head_dim)
+
+    run = rewrite(synth.write(tmp_path / "run.npz", side="run"), tmp_path / "hm.npz", head_major)
+    c = compare_dumps(synth_ref, run, None)
+    f = only_error(c)
+    assert (f.kind, f.tensor) == ("layout_transpose", "Kcur_injected-0") and "2-block-major" in f.fields["detail"]
+    assert not c.alignments[c.first_divergence].comparable
+
+
+def test_layer_match_matrix_for_the_report(synth_ref, synth_run):
+    from featdiff.compare import layer_match_matrix, load_pair
+    from featdiff.dump import read_dump
+
+    run = synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS)
+    m = layer_match_matrix(synth_ref, run)
+    assert m.layers == tuple(range(6)) and m.expected_layers == (2, 4) and m.closest_layers == (3, 5)
+    assert m.similarity.shape == m.rel_err.shape == (2, 6) and m.similarity[0, 3] == max(m.similarity[0])
+    c = compare_dumps(synth_ref, run, None)
+    with read_dump(synth_ref) as ref_d, read_dump(run) as run_d:
+        ref_rows, run_rows = load_pair(ref_d, run_d, c.alignments[c.first_divergence])
+    assert ref_rows.shape == run_rows.shape == (7, 32)

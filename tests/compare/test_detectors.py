@@ -1,0 +1,264 @@
+"""Each detector on hand-made evidence: it finds its fault, gives the right fields, and stays
+silent on a neighbouring fault or on noise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from featdiff.compare import detectors as d
+from featdiff.compare import wiring as w
+from featdiff.compare.detectors import Evidence, Rope, rotate
+from featdiff.compare.wiring import best_assignment
+from featdiff.compare.sketch import LayerMatch
+from featdiff.compare.tolerance import Tolerance
+
+TOL = Tolerance(rel=1e-3, sources=("test",))
+RNG = np.random.default_rng(0)
+T, N, K = 8, 16, 2  # rows, n_embd, n_extract
+
+
+def rows(n: int = T, width: int = N * K, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
+
+
+def evidence(ref: np.ndarray, run: np.ndarray, **kw) -> Evidence:
+    kw.setdefault("positions", tuple(range(10, 10 + len(ref))))
+    kw.setdefault("tensor", "inp_target_features")
+    return Evidence(ref=ref, run=run, tolerance=TOL, **kw)
+
+
+def noisy(a: np.ndarray, scale: float = 1e-5) -> np.ndarray:
+    return a + scale * RNG.standard_normal(a.shape).astype(np.float32)
+
+
+# --- nonfinite, zeros, stale -------------------------------------------------------------------
+
+def test_nonfinite_reports_the_positions_holding_nan_or_inf():
+    ref = rows()
+    run = ref.copy()
+    run[2, 3], run[5, 0] = np.nan, np.inf
+    f = d.detect_nonfinite(evidence(ref, run))
+    assert f.kind == "nonfinite" and f.fields["rows"] == [12, 15] and f.severity == "error"
+
+
+def test_nonfinite_is_silent_on_finite_rows():
+    assert d.detect_nonfinite(evidence(rows(), rows(seed=1))) is None
+
+
+def test_zeros_found_when_some_rows_were_never_written():
+    ref = rows()
+    run = noisy(ref)
+    run[[0, 1]] = 0.0
+    f = d.detect_zeros(evidence(ref, run))
+    assert f.kind == "zeros" and f.fields["rows"] == [10, 11]
+
+
+def test_zeros_silent_when_the_other_rows_also_differ():
+    run = rows(seed=1)
+    run[0] = 0.0
+    assert d.detect_zeros(evidence(rows(), run)) is None
+
+
+def test_stale_found_when_rows_repeat_an_earlier_eval():
+    ref, earlier = rows(4), rows(4, seed=9)
+    f = d.detect_stale(evidence(ref, noisy(earlier), earlier=earlier, earlier_evals=(4,) * 4))
+    assert f.kind == "stale" and f.fields["rows"] == [10, 11, 12, 13] and f.fields["source_eval"] == 4
+
+
+def test_stale_silent_without_a_matching_earlier_row():
+    assert d.detect_stale(evidence(rows(4), rows(4, seed=1), earlier=rows(4, seed=2), earlier_evals=(4,) * 4)) is None
+
+
+# --- rows, layouts, positions ------------------------------------------------------------------
+
+@pytest.mark.parametrize("shift", [1, -1, 2])
+def test_row_shift_found_with_its_sign(shift):
+    ref = rows()
+    run = np.roll(ref, -shift, axis=0)  # run row i = ref row i + shift
+    positions = tuple(range(10, 10 + T))
+    f = d.detect_row_shift(evidence(ref, run, ref_all=ref, ref_all_positions=positions))
+    assert f.kind == "row_shift" and f.fields["shift"] == shift
+
+
+def test_row_shift_silent_on_unrelated_rows():
+    ref = rows()
+    assert d.detect_row_shift(evidence(ref, rows(seed=1), ref_all=ref, ref_all_positions=tuple(range(10, 18)))) is None
+
+
+def test_layout_transpose_found_for_layer_major_staging():
+    ref = rows()
+    run = ref.reshape(T, K, N).transpose(1, 0, 2).reshape(T, K * N)  # (K, T, N) buffer read as (T, K * N)
+    f = d.detect_layout_transpose(evidence(ref, run, run_raw=run, n_extract=K))
+    assert f.kind == "layout_transpose" and "layer-major" in f.fields["detail"]
+
+
+def test_layout_transpose_found_for_swapped_axes():
+    ref = rows()
+    f = d.detect_layout_transpose(evidence(ref, ref.T, run_raw=ref.T.copy()))
+    assert f.kind == "layout_transpose" and "transposed" in f.fields["detail"]
+
+
+def test_layout_transpose_silent_on_other_data():
+    run = rows(seed=3)
+    assert d.detect_layout_transpose(evidence(rows(), run, run_raw=run, n_extract=K)) is None
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_position_offset_found_in_roped_keys(neox):
+    rope = Rope(n_head=2, head_dim=8)
+    ref = rows(width=16)
+    run = rotate(ref, 3, rope, neox)
+    f = d.detect_position_offset(evidence(ref, run, rope=rope, tensor="Kcur_injected-0"))
+    assert f.kind == "position_offset" and f.fields["offset"] == 3
+
+
+def test_rotate_by_k_then_minus_k_is_identity():
+    rope = Rope(n_head=2, head_dim=8)
+    a = rows(width=16)
+    np.testing.assert_allclose(rotate(rotate(a, 5, rope, True), -5, rope, True), a, atol=1e-5)
+
+
+def test_position_offset_found_in_integer_positions():
+    ref = np.arange(10, 14, dtype=np.float64)[:, None]
+    f = d.detect_position_offset(evidence(ref, ref + 1, is_integer=True, tensor="inp_pos"))
+    assert f.fields["offset"] == 1
+
+
+def test_position_offset_silent_on_unrelated_keys():
+    ref = rows(width=16)
+    assert d.detect_position_offset(evidence(ref, rows(width=16, seed=5), rope=Rope(2, 8))) is None
+
+
+# --- feature slots -----------------------------------------------------------------------------
+
+def layer_match(observed: tuple[int, ...], expected=(2, 4), layers=tuple(range(6)), err_match=1e-4) -> LayerMatch:
+    err = np.ones((len(expected), len(layers)))
+    for k, L in enumerate(observed):
+        err[k, layers.index(L)] = err_match
+    return LayerMatch("inp_target_features", layers, expected, err, 1 - err, ())
+
+
+@pytest.mark.parametrize("observed,delta", [((3, 5), 1), ((1, 3), -1)])
+def test_layer_offset_names_slot_layers_and_delta(observed, delta):
+    f = w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match(observed)))
+    assert f.kind == "layer_offset"
+    assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == \
+        (0, 2, observed[0], delta)
+    assert "slot 0 of inp_target_features is the input of target layer" in f.message
+
+
+def test_layer_offset_reports_the_first_wrong_slot_only():
+    f = w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((2, 5))))
+    assert (f.fields["slot"], f.fields["delta"]) == (1, 1)
+
+
+def test_layer_offset_silent_when_slots_are_only_reordered():
+    assert w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((4, 2)))) is None
+
+
+def test_layer_offset_silent_when_no_layer_matches():
+    lm = layer_match((3, 5), err_match=0.5)
+    assert w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=lm)) is None
+
+
+def test_slot_permutation_found_from_the_layer_matrix():
+    f = w.detect_slot_permutation(evidence(rows(), rows(seed=1), layers=layer_match((4, 2))))
+    assert f.kind == "slot_permutation" and f.fields["permutation"] == [1, 0]
+
+
+def test_slot_permutation_found_by_slot_assignment():
+    ref = rows(width=3 * N)
+    run = ref.reshape(T, 3, N)[:, [2, 0, 1], :].reshape(T, 3 * N)  # (T, 3 * N), slots reordered
+    f = w.detect_slot_permutation(evidence(ref, run, n_extract=3))
+    assert f.fields["permutation"] == [2, 0, 1]
+
+
+def test_slot_permutation_found_from_a_reference_candidate():
+    ref, cand = rows(width=N), rows(width=N, seed=4)
+    f = w.detect_slot_permutation(evidence(ref, noisy(cand), tensor="inp_g_embeddings",
+                                           candidates={"inp_g_embeddings@slots=1,0": cand}))
+    assert f.fields["permutation"] == [1, 0] and f.tensor == "inp_g_embeddings"
+
+
+def test_slot_permutation_silent_on_identity():
+    ref = rows()
+    assert w.detect_slot_permutation(evidence(ref, noisy(ref), n_extract=K, layers=layer_match((2, 4)))) is None
+
+
+def test_best_assignment_exhaustive_and_greedy_agree_on_a_clear_cost():
+    perm = [3, 1, 0, 2, 8, 4, 5, 6, 7]
+    cost = np.ones((9, 9))
+    cost[np.arange(9), perm] = 0.0
+    assert best_assignment(cost) == perm  # 9 slots: greedy
+    assert best_assignment(1.0 - np.eye(3)[:, [2, 0, 1]]) == [1, 2, 0]  # 3 slots: exhaustive
+
+
+# --- terms and sources -------------------------------------------------------------------------
+
+def test_missing_term_names_the_reference_component():
+    embd, term = rows(4, N), rows(4, N, seed=2)
+    f = w.detect_missing_term(evidence(embd + term, noisy(embd), tensor="inp_noise_embd",
+                                       candidates={"log_snr_embed": term}))
+    assert f.kind == "missing_term" and f.fields["term"] == "log_snr_embed" and f.tensor == "inp_noise_embd"
+
+
+def test_extra_term_names_the_reference_component():
+    embd, term = rows(4, N), rows(4, N, seed=2)
+    f = w.detect_extra_term(evidence(embd, noisy(embd + term), candidates={"log_snr_embed": term}))
+    assert f.kind == "extra_term" and f.fields["term"] == "log_snr_embed"
+
+
+def test_terms_silent_when_the_residual_is_something_else():
+    embd, term = rows(4, N), rows(4, N, seed=2)
+    ev = evidence(embd, rows(4, N, seed=3), candidates={"log_snr_embed": term})
+    assert w.detect_missing_term(ev) is None and w.detect_extra_term(ev) is None
+
+
+def test_wrong_source_names_the_table():
+    own, target = rows(4, N), rows(4, N, seed=7)
+    f = w.detect_wrong_source(evidence(own, noisy(target), tensor="inp_noise_embd",
+                                       candidates={"inp_noise_embd@table=target": target}))
+    assert f.kind == "wrong_source" and f.fields["source"] == "target"
+
+
+def test_wrong_source_ignores_candidates_other_detectors_own():
+    own, cand = rows(4, N), rows(4, N, seed=7)
+    ev = evidence(own, cand, candidates={"inp_noise_embd@log_snr=none": cand, "x@slots=1,0": cand})
+    assert w.detect_wrong_source(ev) is None
+
+
+def test_scale_reports_the_factor():
+    ref = rows()
+    f = d.detect_scale(evidence(ref, 1.25 * ref))
+    assert f.kind == "scale" and f.fields["factor"] == pytest.approx(1.25, rel=1e-5)
+
+
+def test_scale_silent_on_noise_and_on_other_data():
+    ref = rows()
+    assert d.detect_scale(evidence(ref, noisy(ref))) is None
+    assert d.detect_scale(evidence(ref, rows(seed=1))) is None
+
+
+# --- fallbacks ---------------------------------------------------------------------------------
+
+def test_divergence_carries_metric_value_and_tolerance():
+    f = d.detect_divergence(evidence(rows(), rows(seed=1)), 0.5)
+    assert (f.kind, f.fields["metric"], f.fields["value"], f.fields["tolerance"]) == ("divergence", "nmse", 0.5, TOL.nmse)
+
+
+def test_divergence_on_unalignable_shapes_reports_both():
+    f = d.detect_divergence(evidence(rows(), rows(T, 3 * N)), float("nan"))
+    assert f.fields["metric"] == "shape" and f.fields["value"] == [T, 3 * N]
+
+
+def test_numeric_noise_is_info_and_absent_for_identical_data():
+    f = d.detect_numeric_noise("l_out-3", 1e-8, TOL)
+    assert f.severity == "info" and f.kind == "numeric_noise" and f.fields["tolerance"] == TOL.nmse
+    assert d.detect_numeric_noise("l_out-3", 0.0, TOL) is None
+
+
+def test_detectors_are_deterministic():
+    ref = rows()
+    ev = evidence(ref, np.roll(ref, -1, axis=0), ref_all=ref, ref_all_positions=tuple(range(10, 18)))
+    assert d.detect_row_shift(ev) == d.detect_row_shift(ev)

@@ -1,0 +1,81 @@
+"""Pair metrics, the tolerance model and the layer-match sketches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from featdiff.compare.metrics import measure, relative_error, row_cosine, row_similarity
+from featdiff.compare.sketch import compare_sketches, projection, sample_rows, sketch, slot_sketches
+from featdiff.compare.tolerance import MAX_REL, REL_KV_F16, SAFETY, Tolerance, TypeInfo, tolerance_for
+from featdiff.dump import Manifest
+from featdiff.compare.tolerance import type_info
+
+RNG = np.random.default_rng(0)
+
+
+def test_measure_reports_nmse_cosine_and_row_errors():
+    ref = RNG.standard_normal((5, 32)).astype(np.float32)
+    run = ref.copy()
+    run[3] *= 1.1
+    m = measure(ref, run)
+    d = run - ref
+    assert m.nmse == pytest.approx(float((d * d).sum() / (ref * ref).sum()), rel=1e-5)
+    assert m.row_rel[3] == pytest.approx(0.1, rel=1e-4) and m.row_rel[0] == 0.0
+    assert m.cos_min == pytest.approx(1.0) and m.max_abs == pytest.approx(float(np.abs(d).max()))
+    assert m.is_finite and m.within(Tolerance(0.2, ())) and not m.within(Tolerance(0.01, ()))
+
+
+def test_measure_flags_nonfinite_as_not_within():
+    ref = np.ones((2, 4), np.float32)
+    run = ref.copy()
+    run[1, 1] = np.nan
+    m = measure(ref, run)
+    assert not m.is_finite and not m.within(Tolerance(1.0, ()))
+
+
+def test_row_similarity_shows_a_shift_on_the_off_diagonal():
+    ref = RNG.standard_normal((6, 16))
+    run = np.roll(ref, -1, axis=0)
+    sim = row_similarity(ref, run)
+    assert sim.shape == (6, 6) and np.allclose(np.diag(sim, 1), 1.0)
+    assert np.allclose(row_cosine(ref, ref), 1.0)
+
+
+def test_relative_error_of_zero_reference():
+    z = np.zeros((2, 3))
+    assert relative_error(z, z) == 0.0 and relative_error(z, z + 1) == float("inf")
+
+
+def test_tolerance_grows_with_the_types_and_is_capped():
+    f32 = TypeInfo("f16", (), "float32")
+    q8 = TypeInfo("f16", ("q8_0",), "float32")
+    q2 = TypeInfo("f16", ("q2_k",), "float32")
+    post, pre = tolerance_for("l_out-3", False, f32), tolerance_for("inp_noise_embd", False, f32)
+    assert pre.rel < post.rel == pytest.approx(SAFETY * np.hypot(1e-6, REL_KV_F16), rel=1e-3)
+    assert tolerance_for("l_out-3", False, q8).rel > post.rel and "q8_0 weights" in tolerance_for("l_out-3", False, q8).sources
+    assert tolerance_for("l_out-3", False, q2).rel == MAX_REL
+    assert tolerance_for("inp_pos", True, q2).rel == 0.0
+
+
+def test_type_info_reads_the_manifests():
+    run = Manifest("llama.cpp", {"target": {"weight_types": ["f32", "q8_0"]}, "draft": {"weight_types": ["f32"]}},
+                   {"type_k": "q8_0"}, (), ())
+    ref = Manifest("reference", {}, {"dtype": "bfloat16"}, (), ())
+    assert type_info(ref, run) == TypeInfo("q8_0", ("q8_0",), "bfloat16")
+
+
+def test_sketches_are_deterministic_and_find_the_layer():
+    layers = RNG.standard_normal((6, 40, 64)).astype(np.float32)  # (n_layer, T, n_embd)
+    feats = np.concatenate([layers[3], layers[5]], axis=1)  # (T, 2 * n_embd)
+    proj = projection(64)
+    assert np.array_equal(proj, projection(64))
+    err, sim = compare_sketches(slot_sketches(feats, 2, proj), np.stack([sketch(l, proj) for l in layers]))
+    assert err.shape == (2, 6) and list(err.argmin(axis=1)) == [3, 5]
+    assert err[0, 3] < 1e-5 and sim[1, 5] == pytest.approx(1.0)
+
+
+def test_sample_rows_is_even_and_bounded():
+    assert list(sample_rows(5)) == [0, 1, 2, 3, 4]
+    picked = sample_rows(10_000, 256)
+    assert len(picked) == 256 and picked[0] == 0 and picked[-1] == 9_999

@@ -1,0 +1,157 @@
+"""compare on real dumps: the fixture models captured through the pinned llama.cpp build against
+the PyTorch reference of the trained checkpoint. Faults planted at the GGUF level (fixture
+variants), faults planted by transforming a correct capture, and a Q8_0 target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from featdiff.compare import compare_dumps, exit_code
+from featdiff.compare.result import Finding
+from quantize import quantize_gguf
+from transform import rewrite
+
+REAL_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+REAL_ROUNDS = 3
+FIRST_INJECT = 1  # eval of the prefill's inject (docs/flow.md)
+
+
+def errors(c) -> list[Finding]:
+    return [f for f in c.findings if f.severity == "error"]
+
+
+def the_error(c) -> Finding:
+    errs = errors(c)
+    assert len(errs) == 1, [(f.kind, f.tensor, f.message) for f in errs]
+    assert exit_code(c) == 1 and not c.ok
+    return errs[0]
+
+
+@pytest.fixture(scope="module")
+def clean(captured, referenced) -> tuple[Path, Path]:
+    return referenced("clean"), captured("clean")
+
+
+# --- the correct pair --------------------------------------------------------------------------
+
+def test_correct_fixture_pair_exits_zero_with_no_error(clean):
+    c = compare_dumps(*clean, None)
+    assert exit_code(c) == 0 and c.ok and not errors(c)
+    assert c.first_divergence is None and len(c.pairs) > 40
+    assert {f.kind for f in c.findings} <= {"numeric_noise"}
+
+
+def test_q8_0_target_gives_numeric_noise_only(clean, fixture_models, tmp_path_factory):
+    from featdiff.llama.capture import capture
+
+    d = fixture_models("clean")
+    work = tmp_path_factory.mktemp("q8_0")
+    target = quantize_gguf(d / "target.gguf", work / "target-q8_0.gguf")
+    run = capture(target, d / "draft.gguf", work / "run.npz", tokens=REAL_TOKENS, rounds=REAL_ROUNDS)
+    c = compare_dumps(clean[0], run, None)
+    assert exit_code(c) == 0, [(f.kind, f.tensor, f.message) for f in errors(c)]
+    assert [f.kind for f in c.findings] == ["numeric_noise"]
+    assert "q8_0 weights" in c.findings[0].message and c.types["quant_types"] == ["q8_0"]
+
+
+# --- faults planted in the GGUF the run loads --------------------------------------------------
+
+@pytest.mark.parametrize("variant,delta,observed", [("layers-plus1", 1, [3, 5]), ("layers-minus1", -1, [1, 3])])
+def test_layer_offset_found_when_target_layers_are_off(captured, referenced, variant, delta, observed):
+    c = compare_dumps(referenced(variant), captured(variant), None)
+    f = the_error(c)
+    assert (f.kind, f.tensor) == ("layer_offset", "inp_target_features")
+    assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == \
+        (0, 2, 2 + delta, delta)
+    assert f.fields["observed_layers"] == observed
+    assert c.pairs[c.first_divergence].eval == FIRST_INJECT
+
+
+def test_slot_permutation_found_when_fc_column_blocks_are_swapped(captured, referenced):
+    f = the_error(compare_dumps(referenced("slots-swapped"), captured("slots-swapped"), None))
+    assert (f.kind, f.tensor, f.fields["permutation"]) == ("slot_permutation", "inp_g_embeddings", [1, 0])
+
+
+def test_missing_term_found_when_log_snr_conditioning_is_dropped(captured, referenced):
+    f = the_error(compare_dumps(referenced("no-log-snr"), captured("no-log-snr"), None))
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "log_snr_embed")
+
+
+def test_wrong_source_found_when_the_run_borrows_the_target_embeddings(captured, referenced):
+    f = the_error(compare_dumps(referenced("borrowed-embd"), captured("borrowed-embd"), None))
+    assert (f.kind, f.tensor, f.fields["source"]) == ("wrong_source", "inp_noise_embd", "target")
+
+
+# --- faults planted by transforming the correct capture ----------------------------------------
+
+def transformed(clean, tmp_path, fn) -> object:
+    return compare_dumps(clean[0], rewrite(clean[1], tmp_path / "run.npz", fn), None)
+
+
+def at(name: str, eval_index: int, change):
+    """A rewrite that changes one record of one eval."""
+    def fn(r, a):
+        return change(a) if r.name == name and r.eval == eval_index else a
+    return fn
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_row_shift_found_in_shifted_features(clean, tmp_path, shift):
+    c = transformed(clean, tmp_path, at("inp_target_features", FIRST_INJECT, lambda a: np.roll(a, -shift, axis=0)))
+    f = the_error(c)
+    assert (f.kind, f.tensor, f.fields["shift"]) == ("row_shift", "inp_target_features", shift)
+
+
+def test_layout_transpose_found_in_layer_major_staging(clean, tmp_path):
+    def layer_major(a):
+        n_tokens, width = a.shape
+        return a.reshape(n_tokens, 2, width // 2).transpose(1, 0, 2).reshape(n_tokens, width)  # (2, T, n_embd) read as (T, 2 * n_embd)
+    f = the_error(transformed(clean, tmp_path, at("inp_target_features", FIRST_INJECT, layer_major)))
+    assert (f.kind, f.tensor) == ("layout_transpose", "inp_target_features") and "layer-major" in f.fields["detail"]
+
+
+def test_scale_found_in_a_scaled_tensor(clean, tmp_path):
+    f = the_error(transformed(clean, tmp_path, at("inp_g_embeddings", FIRST_INJECT, lambda a: 0.5 * a)))
+    assert (f.kind, f.tensor) == ("scale", "inp_g_embeddings") and f.fields["factor"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_zeros_found_in_zeroed_features(clean, tmp_path):
+    c = transformed(clean, tmp_path, at("inp_target_features", FIRST_INJECT, np.zeros_like))
+    f = the_error(c)
+    assert (f.kind, f.tensor) == ("zeros", "inp_target_features")
+    assert f.fields["rows"] == list(c.pairs[c.first_divergence].positions)
+
+
+def test_nonfinite_found_in_nan_and_inf(clean, tmp_path):
+    def poison(a):
+        a = a.copy()
+        a[2, 5], a[6, 0] = np.nan, np.inf
+        return a
+    f = the_error(transformed(clean, tmp_path, at("inp_g_embeddings", FIRST_INJECT, poison)))
+    assert (f.kind, f.tensor, f.fields["rows"]) == ("nonfinite", "inp_g_embeddings", [2, 6])
+
+
+def test_stale_found_in_data_from_the_previous_round(clean, tmp_path):
+    from featdiff.dump import read_dump
+
+    with read_dump(clean[1]) as run:
+        injects = [e for e in run.manifest.evals if e.phase == "inject" and e.n_tokens == run.manifest.evals[-1].n_tokens]
+        previous, current = injects[-2], injects[-1]
+        old = np.array(run.array(next(r for r in run.records() if r.eval == previous.eval and r.name == "inp_target_features")))
+    f = the_error(transformed(clean, tmp_path, at("inp_target_features", current.eval, lambda a: old)))
+    assert (f.kind, f.tensor, f.fields["source_eval"]) == ("stale", "inp_target_features", previous.eval)
+    assert f.fields["rows"] == list(current.positions)
+
+
+def test_position_offset_found_in_keys_roped_two_positions_late(clean, tmp_path):
+    from featdiff.compare.detectors import Rope, rotate
+
+    def late(a):
+        n_tokens, n_head, head_dim = a.shape
+        rows = rotate(a.reshape(n_tokens, -1), 2, Rope(n_head, head_dim), neox=True)  # (T, n_head * head_dim)
+        return rows.reshape(a.shape)  # (T, n_head, head_dim)
+    f = the_error(transformed(clean, tmp_path, at("Kcur_injected-0", FIRST_INJECT, late)))
+    assert (f.kind, f.tensor, f.fields["offset"]) == ("position_offset", "Kcur_injected-0", 2)

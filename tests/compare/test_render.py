@@ -1,0 +1,85 @@
+"""What a person and a script get: the rich summary, the findings JSON (round-trips through
+Finding.from_json), and the exit codes through the CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+from rich.console import Console
+from typer.testing import CliRunner
+
+import synth
+from featdiff.cli import app
+from featdiff.compare import compare_dumps, exit_code, render_summary, verdict, write_json
+from featdiff.compare.result import Finding
+
+REF_MODELS = {"draft": {"target_layers": [2, 4]}, "target": {"n_embd": 16}}
+
+
+def faulty(synth_run):
+    return synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS)
+
+
+def test_findings_json_round_trips(synth_ref, synth_run, tmp_path):
+    c = compare_dumps(synth_ref, faulty(synth_run), None)
+    out = tmp_path / "f.json"
+    write_json(c, str(out))
+    data = json.loads(out.read_text())
+    assert set(data) == {"ok", "findings", "records"} and data["ok"] is False
+    assert tuple(Finding.from_json(f) for f in data["findings"]) == c.findings
+    assert len(data["records"]) == len(c.pairs)
+
+
+def test_json_has_no_nan_even_for_nonfinite_data(synth_ref, synth_run, tmp_path):
+    def poison(ev, name, a):
+        return np.full_like(a, np.nan) if name == "inp_g_embeddings" else a
+
+    c = compare_dumps(synth_ref, synth_run(mutate=poison), None)
+    out = tmp_path / "f.json"
+    write_json(c, str(out))
+    json.loads(out.read_text(), parse_constant=lambda s: (_ for _ in ()).throw(ValueError(s)))
+
+
+def test_summary_leads_with_the_verdict_and_the_fix(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, faulty(synth_run), None)
+    buf = io.StringIO()
+    render_summary(c, verbose=False, console=Console(file=buf, width=200))
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("FAIL: 1 error finding; first divergence: inp_target_features (draft inject, eval 1)")
+    assert "slot 0 of inp_target_features is the input of target layer 3" in buf.getvalue()
+    assert "DIVERGES" not in buf.getvalue()  # the per-record table only with verbose
+
+
+def test_verbose_summary_lists_every_record(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, faulty(synth_run), None)
+    buf = io.StringIO()
+    render_summary(c, verbose=True, console=Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert "DIVERGES" in text and "inherited" in text and text.count("l_out-3") >= 3
+
+
+def test_verdict_ok(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, synth_run(), None)
+    assert verdict(c).startswith("OK: no error finding") and exit_code(c) == 0
+
+
+def test_cli_exit_codes_and_json_on_stdout(synth_ref, synth_run, tmp_path):
+    runner = CliRunner()
+    clean = runner.invoke(app, ["compare", str(synth_ref), str(synth_run())])
+    assert clean.exit_code == 0 and clean.output.startswith("OK")
+    bad = runner.invoke(app, ["compare", str(synth_ref), str(faulty(synth_run)), "--json", "-"])
+    assert bad.exit_code == 1
+    assert json.loads(bad.stdout)["findings"][0]["kind"] == "layer_offset"
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"not a zip")
+    unusable = runner.invoke(app, ["compare", str(synth_ref), str(broken)])
+    assert unusable.exit_code == 2 and "broken.npz" in unusable.output
+
+
+def test_cli_map_option_reads_a_name_map(synth_ref, synth_run, tmp_path):
+    bad_map = tmp_path / "bad.toml"
+    bad_map.write_text("[names\n")
+    result = CliRunner().invoke(app, ["compare", str(synth_ref), str(synth_run()), "--map", str(bad_map)])
+    assert result.exit_code == 2 and "bad.toml" in result.output
