@@ -1,0 +1,71 @@
+"""Synthetic dump pairs (synthetic_dumps.py) for the report tests, written once per session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from featdiff.compare.result import Comparison
+from synthetic_dumps import compare_by_hand, planted_findings, write_pair
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A ref/run dump pair and the Comparison of the two."""
+
+    ref: Path
+    run: Path
+    comparison: Comparison
+
+
+def _pair(factory: pytest.TempPathFactory, variant: str) -> Pair:
+    ref, run = write_pair(factory.mktemp(variant), variant)
+    return Pair(ref, run, compare_by_hand(ref, run, planted_findings(variant)))
+
+
+@pytest.fixture(scope="session")
+def clean_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    return _pair(tmp_path_factory, "clean")
+
+
+@pytest.fixture(scope="session")
+def plus1_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    """Every slot of inp_target_features taken from layer L+1 instead of L."""
+    return _pair(tmp_path_factory, "layers-plus1")
+
+
+@pytest.fixture(scope="session")
+def shift_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    """The noise block of the first draft eval shifted by one row."""
+    return _pair(tmp_path_factory, "row-shift")
+
+
+# --- real dumps: the fixture models captured through llama.cpp and computed by the reference ---
+
+REAL_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"  # tests/conftest.py DEFAULT_TOKENS: shares its capture
+REAL_ROUNDS = 3
+
+
+@pytest.fixture(scope="session")
+def real_pair(tmp_path_factory: pytest.TempPathFactory, fixture_models, captured):
+    """`real_pair(variant)`: a real capture, a real reference and compare's Comparison of them."""
+    pytest.importorskip("torch", reason="the reference needs torch")
+    from featdiff.compare import compare_dumps
+    from featdiff.reference.run import reference
+
+    made: dict[str, Pair] = {}
+
+    def get(variant: str) -> Pair:
+        if variant not in made:
+            models = fixture_models(variant)
+            run = captured(variant, tokens=REAL_TOKENS, rounds=REAL_ROUNDS)
+            ref = reference(models / "target.gguf", models / "draft-hf",
+                            tmp_path_factory.mktemp(f"ref-{variant}") / "ref.npz", prompt=None,
+                            tokens=REAL_TOKENS, rounds=REAL_ROUNDS, dtype="float32", device="cpu",
+                            kv_dtype="f16", llama_dir=None)
+            made[variant] = Pair(ref, run, compare_dumps(ref, run))
+        return made[variant]
+
+    return get

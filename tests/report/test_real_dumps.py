@@ -1,0 +1,56 @@
+"""The report on real dumps: the fixture models captured through llama.cpp, the PyTorch
+reference, and compare's Comparison of the two (the off-by-one demo: variant layers-plus1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from chromium_probe import CHROMIUM, MISSING, assert_renders
+from featdiff.cli import app
+from featdiff.dump import read_dump
+from featdiff.report import layer_match_from_dumps, write_report
+
+EXIT_FINDINGS = 1
+
+
+def test_layer_match_of_the_off_by_one_demo_is_the_expected_layer_plus_one(real_pair) -> None:
+    pair = real_pair("layers-plus1")
+    with read_dump(pair.ref) as ref, read_dump(pair.run) as run:
+        m = layer_match_from_dumps(ref, run)
+    assert m is not None
+    assert m.expected == (2, 4) and m.run_layers == (3, 5)  # checkpoint ids + 1, and the GGUF's
+    assert m.best_layers() == tuple(L + 1 for L in m.expected)
+    for k, j in enumerate(m.expected_columns()):
+        assert j is not None and m.matrix[k, j] < m.matrix[k].max()  # outlined cell is not the brightest
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=MISSING)
+def test_off_by_one_report_renders_in_chromium(real_pair, tmp_path: Path) -> None:
+    pair = real_pair("layers-plus1")
+    page = write_report(pair.ref, pair.run, tmp_path / "report.html", comparison=pair.comparison,
+                        png_dir=tmp_path / "png")
+    n_figures = len(list((tmp_path / "png").glob("*.png")))
+    assert n_figures == 3
+    errors = [f.message for f in pair.comparison.findings if f.severity == "error"]
+    assert errors and any("inp_target_features" in m for m in errors)
+    assert_renders(page, [f.message for f in pair.comparison.findings], n_figures, tmp_path)
+
+
+def test_cli_report_writes_the_page_and_the_pngs(real_pair, tmp_path: Path) -> None:
+    pair = real_pair("layers-plus1")
+    out, png = tmp_path / "report.html", tmp_path / "png"
+    result = CliRunner().invoke(app, ["report", str(pair.ref), str(pair.run), "-o", str(out), "--png-dir", str(png)])
+    assert result.exit_code == EXIT_FINDINGS, result.output
+    assert str(out) in result.output and "FAIL" in out.read_text()
+    assert sorted(p.name for p in png.iterdir()) == ["divergence-map.png", "layer-match.png", "row-shift.png"]
+
+
+def test_cli_compare_also_writes_the_report(real_pair, tmp_path: Path) -> None:
+    pair = real_pair("layers-plus1")
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["compare", str(pair.ref), str(pair.run), "--report", str(out)])
+    assert result.exit_code == EXIT_FINDINGS, result.output
+    assert "layer_offset" in out.read_text()
