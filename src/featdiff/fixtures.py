@@ -58,7 +58,6 @@ TINY = Sizes()
 HF_TARGET_LAYER_IDS = (1, 3)  # output-of-layer ids; GGUF stores them + 1 = [2, 4]
 BLOCK_SIZE = 4
 MIN_LOG_SNR, MAX_LOG_SNR = -9.0, 9.0
-LOG_SNR_N_FREQ = 128
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,7 @@ def _draft_weights(rng: np.random.Generator, v: Variant, sz: Sizes) -> dict:
         w["token_embd"] = rng.standard_normal((sz.n_vocab, s.n_embd)).astype(np.float32)
         w["output"] = _linear(rng, sz.n_vocab, s.n_embd)
     if v.checkpoint_log_snr:
-        w["log_snr_fc1"] = _linear(rng, s.n_embd, LOG_SNR_N_FREQ)
+        w["log_snr_fc1"] = _linear(rng, s.n_embd, names.LOG_SNR_N_FREQ)
         w["log_snr_fc1_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
         w["log_snr_fc2"] = _linear(rng, s.n_embd, s.n_embd)
         w["log_snr_fc2_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
@@ -283,17 +282,10 @@ def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
 
 # --- Hugging Face directories ------------------------------------------------------------------
 
-_HF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 def _hf_layers(prefix: str, layers: list[dict]) -> dict[str, np.ndarray]:
-    return {f"{prefix}layers.{il}.{_HF_LAYER_NAMES[k]}.weight": a
+    return {f"{prefix}layers.{il}.{names.GGUF_TO_HF_LAYER[k]}.weight": a
             for il, layer in enumerate(layers) for k, a in layer.items()}
 
 
