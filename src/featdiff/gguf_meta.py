@@ -15,6 +15,7 @@ from featdiff import names
 from featdiff.errors import InputError
 
 HASH_CHUNK = 1 << 22
+DEFAULT_ROPE_FREQ_BASE = 10000.0  # llama.cpp's value when {arch}.rope.freq_base is absent
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ModelInfo:
     log_snr: dict[str, Any] | None = None    # {"enabled", "min", "max"} for a drafter
     has_own_embeddings: bool = False
     has_log_snr_tensors: bool = False
+    rope_freq_base: float = DEFAULT_ROPE_FREQ_BASE
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -94,4 +96,5 @@ def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
         log_snr=log_snr,
         has_own_embeddings=is_draft and names.T_TOKEN_EMBD in tensors,
         has_log_snr_tensors=any(n in tensors for n in names.LOG_SNR_TENSORS),
+        rope_freq_base=float(field_value(reader, f"{arch}.rope.freq_base", DEFAULT_ROPE_FREQ_BASE)),
     )

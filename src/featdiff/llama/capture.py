@@ -98,9 +98,10 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     output = Path(output)
     prefix = output.with_name(output.name + ".spool")
     rt = Runtime.load(llama_dir)
-    sp = Spool.open(rt, prefix, role_filters(filters))
+    globs = role_filters(filters)
+    sp = Spool.open(rt, prefix, globs)
     try:
-        _run(rt, sp, Path(target), Path(model), prompt, tokens, rounds)
+        _run(rt, sp, Path(target), Path(model), prompt, tokens, rounds, globs)
     except InputError:
         sp.close()
         _remove_spool(prefix)  # nothing was captured worth keeping
@@ -123,11 +124,11 @@ def _remove_spool(prefix: Path) -> None:
 
 
 def _run(rt: Runtime, sp: Spool, target: Path, model: Path, prompt: str | None,
-         tokens: str | None, rounds: int) -> None:
+         tokens: str | None, rounds: int, globs: dict[int, list[str]]) -> None:
     tgt_model, dft_model = Model.load(rt, target), Model.load(rt, model)
     ids = prompt_ids(tgt_model, prompt, tokens)  # speculative-simple tokenizes with the target
     cfg = flow_config(tgt_model, dft_model)
-    sp.note("header", _header(rt, target, model, ids))
+    sp.note("header", _header(rt, target, model, ids, globs))
     n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)
     threads = min(os.cpu_count() or 1, MAX_THREADS)
     tgt = Context.new(rt, tgt_model, n_ctx, threads, tag=sp.tag(0))
@@ -149,11 +150,12 @@ def _enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
     lib.llama_set_causal_attn(dft.ptr, False)
 
 
-def _header(rt: Runtime, target: Path, model: Path, ids: list[int]) -> dict:
+def _header(rt: Runtime, target: Path, model: Path, ids: list[int], filters: dict[int, list[str]]) -> dict:
+    kept = sorted({g for globs in filters.values() for g in globs if not g.startswith("!")})  # what compare may expect
     return {
         "models": {"target": model_info(target).to_json(), "draft": model_info(model).to_json()},
         "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
-                  "system_info": rt.system_info(), "commit": _commit(rt)},
+                  "system_info": rt.system_info(), "commit": _commit(rt), "filters": kept},
         "prompt_tokens": ids,
     }
 
@@ -179,6 +181,9 @@ def _progress(rounds: int):
 
 
 def capture_exec(command: list[str], output: Path, filters: list[str] | None,
-                 llama_dir: Path | None) -> Path:
-    """Capture around an unmodified llama.cpp program (issue 6: not built yet)."""
-    raise InputError("capture --exec is not available in this version of featdiff; use the in-process capture (--target/--model)")
+                 llama_dir: Path | None, prompt: str | None = None, tokens: str | None = None) -> Path:
+    """Capture around an unmodified llama.cpp program (featdiff.llama.exec); llama-server gets
+    one greedy completion request for `prompt` / `tokens`."""
+    from featdiff.llama.exec import capture_exec as run_exec
+
+    return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens)

@@ -172,6 +172,7 @@ def models_entry(model: Target | Draft) -> dict[str, Any]:
         log_snr={"enabled": snr is not None, "min": snr.min_log_snr if snr else None,
                  "max": snr.max_log_snr if snr else None} if draft else None,
         has_own_embeddings=bool(draft and draft.has_own_embeddings), has_log_snr_tensors=snr is not None,
+        rope_freq_base=hp.rope_base,
     ).to_json()
 
 
