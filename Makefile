@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.featdiff-setup
 TORCH  := torch==2.13.0
 LLAMA  := llama-cpp-python==0.3.36
 
-.PHONY: setup demo test bench browser clean
+.PHONY: setup demo test bench browser tools clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,12 @@ browser:
 demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
-test: setup browser
+# llama-server, llama-speculative-simple (and llama-simple) from the pinned llama.cpp source, for
+# `capture --exec`; built once (about 12 minutes on 2 cores), cached in build/llama.cpp
+tools: setup
+	$(BIN)/python -m featdiff.llama.tools
+
+test: setup browser tools
 	$(BIN)/python -m pytest -q
 
 bench: setup

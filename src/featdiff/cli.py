@@ -72,11 +72,35 @@ def capture(
     from featdiff.llama import capture as capture_mod
 
     if exec_:
-        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir)
+        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens)
     else:
         path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens,
                                    rounds=rounds, filters=filters, llama_dir=llama_dir)
     typer.echo(path)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def probe(
+    ctx: typer.Context,
+    target: Annotated[Path, typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF (the run).")],
+    model: Annotated[Path, typer.Option("--model", exists=True, dir_okay=False, help="Drafter GGUF (the run).")],
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", exists=True, dir_okay=False, help="One prompt per line; `tokens: 1,2,3` for token ids. Default: two built-in prompts.")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Speculative rounds per prompt (in-process run).")] = 6,
+    n_predict: Annotated[int, typer.Option("--n-predict", min=1, help="Tokens per request (run through llama-server).")] = 16,
+    ref_target: Annotated[Optional[Path], typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target.")] = None,
+    ref_model: Annotated[Optional[Path], typer.Option("--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model.")] = None,
+    llama_dir: LlamaDirOpt = None,
+    exec_: Annotated[bool, typer.Option("--exec", help="Run through the llama-server command given after `--` instead of in-process.")] = False,
+) -> None:
+    """Greedy accept-rate probe: the real spec loop side by side with the reference drafter."""
+    from featdiff.probe import exit_code as probe_exit_code
+    from featdiff.probe import probe as run_probe
+    from featdiff.probe import render_probe
+
+    result = run_probe(target, model, prompts=prompts, rounds=rounds, ref_target=ref_target, ref_model=ref_model,
+                       command=list(ctx.args) if exec_ else None, n_predict=n_predict, llama_dir=llama_dir)
+    typer.echo(render_probe(result))
+    raise typer.Exit(probe_exit_code(result))
 
 
 @app.command()
@@ -131,7 +155,7 @@ def compare(
     if report_out is not None:
         from featdiff.report import write_report
 
-        typer.echo(write_report(ref, run, report_out, comparison=comparison), err=True)
+        typer.echo(write_report(ref, run, report_out, comparison=comparison, name_map=name_map), err=True)
     raise typer.Exit(exit_code(comparison))
 
 
@@ -148,7 +172,7 @@ def report(
     from featdiff.report import write_report
 
     comparison = compare_dumps(ref, run, name_map)
-    typer.echo(write_report(ref, run, output, comparison=comparison, png_dir=png_dir))
+    typer.echo(write_report(ref, run, output, comparison=comparison, png_dir=png_dir, name_map=name_map))
     raise typer.Exit(exit_code(comparison))
 
 

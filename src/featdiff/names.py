@@ -12,6 +12,7 @@ Role = Literal["target", "draft"]
 Phase = Literal["prefill", "inject", "draft", "verify", "warmup"]
 ROLES: tuple[Role, ...] = ("target", "draft")
 PHASES: tuple[Phase, ...] = ("prefill", "inject", "draft", "verify", "warmup")
+PHASE_WARMUP: Phase = "warmup"  # decodes outside the flow: warm-up, probes, throwaway contexts
 
 # --- GGUF metadata keys ------------------------------------------------------------------------
 ARCH_DFLASH = "dflash"

@@ -159,6 +159,13 @@ def _index(manifest: Manifest, rename: Callable[[str], str | None]) -> dict[Reco
     return out
 
 
+def _empty_keys(manifest: Manifest) -> set[RecordKey]:
+    """Record sets that exist with no rows (a prefill that output no logits)."""
+    evals = {ev.eval: ev for ev in manifest.evals}
+    return {(group_key(evals[r.eval]), r.name, r.occurrence)
+            for r in manifest.records if r.eval in evals and 0 in r.shape}
+
+
 def _named(name: str) -> str | None:
     """Every ref record indexes under its own name (candidates too: aliases pair with them)."""
     return name
@@ -187,10 +194,15 @@ def plan_pairs(ref: Manifest, run: Manifest, name_map: NameMap) -> Plan:
         else:
             pairs.append(pair)
     ref_only = set(ref_idx) - set(matches.values()) - {k for k in ref_idx if is_reference_only(k[1])}
+    # the run output rows where the reference output none (llama-server's prefill samples its
+    # last row): the tensor exists on both sides, there is just nothing to compare
+    ref_empty = _empty_keys(ref) & (set(run_idx) - set(matches))
+    skipped += [f"{name} ({role} {phase}, round {rnd}): the reference output no rows there"
+                for (role, phase, rnd), name, _ in sorted(ref_empty)]
     return Plan(
         pairs=tuple(pairs),
         ref_only=tuple(sorted(ref_only, key=lambda k: ref_idx[k][0][2])),
-        run_only=tuple(sorted(set(run_idx) - set(matches), key=lambda k: run_idx[k][0][2])),
+        run_only=tuple(sorted(set(run_idx) - set(matches) - ref_empty, key=lambda k: run_idx[k][0][2])),
         skipped=tuple(skipped),
         ref_groups=tuple(dict.fromkeys(group_key(e) for e in ref.evals)),
         run_groups=tuple(dict.fromkeys(group_key(e) for e in run.evals)),

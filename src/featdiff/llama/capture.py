@@ -28,7 +28,7 @@ MAX_THREADS = 8
 
 
 @dataclass
-class _SpoolRecorder:
+class SpoolRecorder:
     """Writes each eval and round into the spool, and points the shim at the current eval."""
 
     spool: Spool
@@ -133,15 +133,15 @@ def _run(rt: Runtime, sp: Spool, target: Path, model: Path, prompt: str | None,
     threads = min(os.cpu_count() or 1, MAX_THREADS)
     tgt = Context.new(rt, tgt_model, n_ctx, threads, tag=sp.tag(0))
     dft = Context.new(rt, dft_model, n_ctx, threads, tag=sp.tag(1), ctx_other=tgt)
-    _enable_dflash(tgt, dft, cfg)
+    enable_dflash(tgt, dft, cfg)
     try:
-        driver.run_flow(tgt, dft, ids, rounds, cfg, _SpoolRecorder(sp), on_round=_progress(rounds))
+        driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=_progress(rounds))
     finally:
         for obj in (dft, tgt, dft_model, tgt_model):
             obj.free()
 
 
-def _enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
+def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
     """What common_speculative_impl_draft_dflash's constructor switches on."""
     lib = tgt.rt.lib
     for layer in cfg.target_layers:
@@ -150,8 +150,13 @@ def _enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
     lib.llama_set_causal_attn(dft.ptr, False)
 
 
+def kept_globs(filters: dict[int, list[str]]) -> list[str]:
+    """The globs a capture keeps, as a manifest's build records them (compare reads them)."""
+    return sorted({g for globs in filters.values() for g in globs if not g.startswith("!")})
+
+
 def _header(rt: Runtime, target: Path, model: Path, ids: list[int], filters: dict[int, list[str]]) -> dict:
-    kept = sorted({g for globs in filters.values() for g in globs if not g.startswith("!")})  # what compare may expect
+    kept = kept_globs(filters)
     return {
         "models": {"target": model_info(target).to_json(), "draft": model_info(model).to_json()},
         "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),

@@ -18,7 +18,7 @@ import numpy as np
 
 from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.errors import InputError
-from featdiff.names import ROLES
+from featdiff.names import PHASE_WARMUP, ROLES
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,28 @@ def read_index(index_path: Path) -> SpoolEvents:
     return SpoolEvents(header, tuple(evals), tuple(rounds), tuple(records), int(bool(torn)))
 
 
-def record_from_event(event: dict[str, Any], phase: str) -> Record:
-    """A dump record from a shim `record` line; numpy shape = reversed ggml ne, trailing 1s of
-    ne dropped (an empty dimension, ne = 0, is kept)."""
-    ne = tuple(int(x) for x in event["ne"])
-    while len(ne) > 1 and ne[-1] == 1:
-        ne = ne[:-1]
+def _n_dims(ne: list[int]) -> int:
+    """ggml's dimension count: trailing 1s of ne dropped (an empty dimension, ne = 0, is kept)."""
+    n = len(ne)
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return n
+
+
+def dims_by_name(records: tuple[dict[str, Any], ...], n_tokens: dict[int, int]) -> dict[str, int]:
+    """Dimension count of each name in multi-token evals: a one-token eval's token dimension is 1
+    and would otherwise vanish, turning (1, n_embd) into (n_embd,)."""
+    dims: dict[str, int] = {}
+    for e in records:
+        if n_tokens.get(int(e["eval"]), 0) > 1:
+            dims[e["name"]] = max(dims.get(e["name"], 1), _n_dims(e["ne"]))
+    return dims
+
+
+def record_from_event(event: dict[str, Any], phase: str, n_dims: int | None = None) -> Record:
+    """A dump record from a shim `record` line; numpy shape = reversed ggml ne[:n_dims]
+    (default: ggml's own dimension count)."""
+    ne = tuple(int(x) for x in event["ne"][:n_dims or _n_dims(event["ne"])])
     role = ROLES[int(event["role"])]
     return Record(
         key=record_key(int(event["eval"]), role, event["name"], int(event["occurrence"])),
@@ -70,6 +86,25 @@ def record_from_event(event: dict[str, Any], phase: str) -> Record:
     )
 
 
+def write_records(writer: DumpWriter, records: tuple[dict[str, Any], ...], evals: tuple[Eval, ...],
+                  data: Path) -> None:
+    """Add every record whose data is complete in `data` to the dump being written."""
+    phases = {e.eval: e.phase for e in evals}
+    n_tokens = {e.eval: e.n_tokens for e in evals}
+    dims = dims_by_name(records, n_tokens)
+    with open(data, "rb") as f:
+        for event in records:
+            n = _n_dims(event["ne"])
+            if n_tokens.get(int(event["eval"])) == 1:
+                n = min(max(n, dims.get(event["name"], n + 1)), 4)  # keep the token dimension
+            record = record_from_event(event, phases.get(int(event["eval"]), PHASE_WARMUP), n)
+            f.seek(int(event["offset"]))
+            buf = f.read(int(event["nbytes"]))
+            if len(buf) != int(event["nbytes"]):
+                break  # the data file ends early: this record and later ones are incomplete
+            writer.add(record, np.frombuffer(buf, dtype=record.dtype).reshape(record.shape))
+
+
 def pack(prefix: Path, output: Path) -> Path:
     """Write the dump of everything complete in the spool at `prefix`; return its path."""
     index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data")
@@ -78,16 +113,8 @@ def pack(prefix: Path, output: Path) -> Path:
     events = read_index(index)
     if events.n_torn:
         log.warning("%s: dropped an incomplete last line (the capture was interrupted)", index)
-    phases = {e.eval: e.phase for e in events.evals}
     writer = DumpWriter(output)
-    with open(data, "rb") as f:
-        for event in events.records:
-            record = record_from_event(event, phases.get(int(event["eval"]), "warmup"))
-            f.seek(int(event["offset"]))
-            buf = f.read(int(event["nbytes"]))
-            if len(buf) != int(event["nbytes"]):
-                break  # the data file ends early: this record and later ones are incomplete
-            writer.add(record, np.frombuffer(buf, dtype=record.dtype).reshape(record.shape))
+    write_records(writer, events.records, events.evals, data)
     manifest = Manifest(source="llama.cpp", models=events.header.get("models", {}),
                         build=events.header.get("build", {}), evals=events.evals, records=(),
                         rounds=events.rounds, prompt_tokens=tuple(events.header.get("prompt_tokens", ())))

@@ -1,0 +1,353 @@
+"""Capture around an unmodified llama.cpp program (`featdiff capture --exec -- <command>`).
+
+Consumes a command line; runs it with the preload library (native/featdiff_preload.c, loaded by
+LD_PRELOAD / DYLD_INSERT_LIBRARIES), which chains the shim's callback into every context and
+notes each decode; produces a dump v1 whose phases and rounds are derived from those notes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featdiff import names
+from featdiff.dump import DumpWriter, Eval, Manifest, Round
+from featdiff.errors import InputError
+from featdiff.gguf_meta import model_info
+from featdiff.llama import spool
+from featdiff.llama.capture import kept_globs, role_filters
+from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
+
+log = logging.getLogger(__name__)
+
+SPOOL_SUFFIXES = (".index", ".data", ".owner", ".server.log")
+TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
+WARMUP = names.PHASE_WARMUP
+
+
+# ---------------------------------------------------------------- what the preload noted
+
+@dataclass(frozen=True)
+class ExecContext:
+    """A llama_context the program created (memory-fitting probes create throwaway ones)."""
+
+    index: int
+    role: str
+    arch: str
+    model_path: str | None
+    ok: bool
+
+
+@dataclass(frozen=True)
+class ExecEval:
+    """One llama_process/llama_decode call as the program made it."""
+
+    eval: int
+    ctx: int
+    token_ids: tuple[int, ...]  # TOKEN_NULL for an embedding row
+    positions: tuple[int, ...]
+    seq_ids: tuple[int, ...]
+    outputs: tuple[int, ...]
+    rc: int | None  # None: the program died during this decode
+
+    @property
+    def is_embd(self) -> bool:
+        return bool(self.token_ids) and all(t == TOKEN_NULL for t in self.token_ids)
+
+
+@dataclass(frozen=True)
+class ExecLog:
+    """The complete lines of a preload spool index, by kind, in the order they happened."""
+
+    library: str  # the program's libllama, as the dynamic linker found it ("" if never loaded)
+    contexts: tuple[ExecContext, ...]
+    evals: tuple[ExecEval, ...]
+    clears: tuple[tuple[int, int], ...]  # (ctx, last eval number before the memory clear)
+    records: tuple[dict[str, Any], ...]  # the shim's record lines
+    n_torn: int
+
+
+def read_exec_log(index: Path) -> ExecLog:
+    """Parse a preload spool index; lines are JSON, written by native/featdiff_preload.c."""
+    raw = index.read_bytes()
+    complete, _, torn = raw.rpartition(b"\n")
+    events = [json.loads(line) for line in complete.split(b"\n") if line] if complete else []
+    models = {e["model"]: e["path"] for e in events if e["kind"] == "exec_model"}
+    done = {e["eval"]: int(e["rc"]) for e in events if e["kind"] == "exec_done"}
+    start = next((e for e in events if e["kind"] == "exec_start"), {})
+    return ExecLog(
+        library=start.get("library", ""),
+        contexts=tuple(ExecContext(e["ctx"], names.ROLES[e["role"]], e["arch"], models.get(e["model"]), e["ok"])
+                       for e in events if e["kind"] == "exec_context"),
+        evals=tuple(_exec_eval(e, done.get(e["eval"])) for e in events if e["kind"] == "exec_eval"),
+        clears=tuple((e["ctx"], e["after_eval"]) for e in events if e["kind"] == "exec_clear"),
+        records=tuple(e for e in events if e["kind"] == "record"),
+        n_torn=int(bool(torn)),
+    )
+
+
+def _exec_eval(e: dict[str, Any], rc: int | None) -> ExecEval:
+    return ExecEval(e["eval"], e["ctx"], tuple(e["token_ids"]), tuple(e["positions"]),
+                    tuple(e["seq_ids"]), tuple(e["outputs"]), rc)
+
+
+# ---------------------------------------------------------------- phases and rounds
+
+def warmup_evals(log: ExecLog) -> frozenset[int]:
+    """Evals outside the real flow: those whose context memory was cleared before its next eval
+    (common_init_from_params' warm-up, common_context_can_seq_rm's probe decode), and failed ones."""
+    out = {ev.eval for ev in log.evals if ev.rc not in (0, None)}
+    for ctx, last in log.clears:
+        cleared = [ev.eval for ev in log.evals if ev.ctx == ctx and ev.eval <= last]
+        out.update(cleared)
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """Where the flow stands after an eval: the round, and whether a draft awaits its verify."""
+
+    round: int = 0
+    drafted: bool = False    # a draft eval since the last target decode
+    speculating: bool = False  # this sequence has drafted before (a new one starts at position 0)
+
+
+def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
+    """Each eval with its phase (docs/flow.md) and round.
+
+    Drafter: an embd batch is `inject`, a token batch is `draft` and opens a round. Target: a
+    token batch after a draft is its `verify`; once a sequence has drafted, a target decode
+    without a new draft is a `verify` of no drafts in a round of its own (llama-server does this
+    when the length budget leaves no room to draft); before that it is `prefill`. Warm-up and
+    probe decodes are kept, as phase `warmup`.
+    """
+    roles = {c.index: c.role for c in log.contexts}
+    warm = warmup_evals(log)
+    walk, out = _Walk(), []
+    for ev in log.evals:
+        role = roles.get(ev.ctx, "target")
+        phase, walk = (WARMUP, walk) if ev.eval in warm else _step(walk, role, ev)
+        out.append(Eval(eval=ev.eval, role=role, phase=phase, n_tokens=len(ev.positions),
+                        positions=ev.positions, token_ids=() if ev.is_embd else ev.token_ids,
+                        seq_ids=ev.seq_ids, round=0 if phase == WARMUP else walk.round))
+    return tuple(out)
+
+
+def _step(walk: _Walk, role: str, ev: ExecEval) -> tuple[str, _Walk]:
+    """The phase of one real eval, and the walk after it."""
+    if role == "draft":
+        if ev.is_embd:
+            return "inject", walk
+        return "draft", _Walk(walk.round + 1, drafted=True, speculating=True)
+    speculating = walk.speculating and not (ev.positions and ev.positions[0] == 0)
+    if walk.drafted:
+        return "verify", _Walk(walk.round, False, speculating)
+    if speculating:
+        return "verify", _Walk(walk.round + 1, False, speculating)
+    return "prefill", _Walk(walk.round, False, speculating)
+
+
+def prompt_from_evals(evals: tuple[Eval, ...]) -> tuple[int, ...]:
+    """The prompt as docs/flow.md counts it: the target tokens decoded before the first draft,
+    plus that draft's anchor (the token the program sampled, or kept back, to start from)."""
+    first_draft = next((e for e in evals if e.phase == "draft"), None)
+    stop = first_draft.eval if first_draft else len(evals)
+    by_pos = {p: t for e in evals if e.phase == "prefill" and e.eval < stop
+              for p, t in zip(e.positions, e.token_ids)}
+    anchor = first_draft.token_ids[:1] if first_draft else ()
+    return tuple(by_pos[p] for p in sorted(by_pos)) + tuple(anchor)
+
+
+def next_decodes(evals: tuple[Eval, ...]) -> dict[int, Eval | None]:
+    """For each verify, the target decode that continues its sequence (None: nothing did).
+
+    A continuation starts inside the verified block: at pos0 + accepted + 1 (llama.cpp keeps the
+    accepted drafts and the target's next token becomes the anchor).
+    """
+    targets = [e for e in evals if e.role == "target" and e.phase in ("prefill", "verify") and e.positions]
+    out: dict[int, Eval | None] = {}
+    for i, v in enumerate(targets):
+        if v.phase != "verify":
+            continue
+        nxt = targets[i + 1] if i + 1 < len(targets) else None
+        continues = nxt is not None and v.positions[0] < nxt.positions[0] <= v.positions[0] + v.n_tokens
+        out[v.eval] = nxt if continues else None
+    return out
+
+
+def derive_rounds(evals: tuple[Eval, ...], greedy: dict[int, tuple[int, ...]]) -> tuple[Round, ...]:
+    """Each verify as a Round: the drafts it verified and how many the program kept.
+
+    `accepted` comes from where the next target decode starts (n_past += accepted + 1) and its
+    first token (the target's token after the accepted drafts). A verify nothing continued (the
+    last one) is decided by `greedy` (verify eval -> argmax of its captured result_output rows),
+    and left out without it.
+    """
+    by_eval = {e.eval: e for e in evals}
+    out = []
+    for v_eval, nxt in next_decodes(evals).items():
+        v = by_eval[v_eval]
+        drafts = v.token_ids[1:]
+        if nxt is not None:
+            accepted = nxt.positions[0] - v.positions[0] - 1
+            target_tokens = drafts[:accepted] + nxt.token_ids[:1]
+        elif v.eval in greedy:
+            accepted = _accepted(drafts, greedy[v.eval])
+            target_tokens = greedy[v.eval][:accepted + 1]
+        else:
+            continue
+        out.append(Round(round=v.round, pos0=v.positions[0], anchor=v.token_ids[0], drafts=drafts,
+                         accepted=accepted, target_tokens=tuple(target_tokens)))
+    return tuple(out)
+
+
+def _accepted(drafts: tuple[int, ...], best: tuple[int, ...]) -> int:
+    n = 0
+    while n < len(drafts) and n < len(best) and drafts[n] == best[n]:
+        n += 1
+    return n
+
+
+def greedy_tokens(log: ExecLog, data: Path, evals: tuple[Eval, ...]) -> dict[int, tuple[int, ...]]:
+    """Argmax of the captured target `result_output` rows of each verify nothing continued."""
+    unfollowed = {v for v, nxt in next_decodes(evals).items() if nxt is None}
+    n_tokens = {e.eval: e.n_tokens for e in evals}
+    out = {}
+    for event in log.records:
+        if event["eval"] in unfollowed and event["name"] == names.RESULT_OUTPUT and event["occurrence"] == 0:
+            n = n_tokens[event["eval"]]
+            logits = _record_array(event, data)  # (n_tokens, n_vocab); a 1-token eval is stored (n_vocab,)
+            if n and logits.size % n == 0:
+                out[event["eval"]] = tuple(int(t) for t in logits.reshape(n, -1).argmax(axis=1))  # (n_tokens,)
+    return out
+
+
+def _record_array(event: dict[str, Any], data: Path) -> np.ndarray:
+    record = spool.record_from_event(event, "verify")
+    with open(data, "rb") as f:
+        f.seek(int(event["offset"]))
+        return np.frombuffer(f.read(int(event["nbytes"])), dtype=record.dtype).reshape(record.shape)
+
+
+# ---------------------------------------------------------------- packing
+
+@dataclass(frozen=True)
+class ExecFlow:
+    """Everything a dump says about the program's run, short of the arrays."""
+
+    log: ExecLog
+    evals: tuple[Eval, ...]
+    rounds: tuple[Round, ...]
+    prompt_tokens: tuple[int, ...]
+
+
+def read_flow(prefix: Path) -> ExecFlow:
+    """The spool at `prefix` as a flow: phases, rounds, prompt tokens."""
+    index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data")
+    if not index.is_file() or not data.is_file():
+        raise InputError(f"{index}: the program never loaded the preload library; is it dynamically linked "
+                         f"against libllama (BUILD_SHARED_LIBS=ON), and not setuid? ({PRELOAD_VAR} is ignored otherwise)")
+    log_ = read_exec_log(index)
+    if not log_.library:
+        raise InputError(f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
+                         "with shared libllama (BUILD_SHARED_LIBS=ON)?")
+    evals = flow_evals(log_)
+    rounds = derive_rounds(evals, greedy_tokens(log_, data, evals))
+    return ExecFlow(log_, evals, rounds, prompt_from_evals(evals))
+
+
+def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> Path:
+    """Write the dump of the spool at `prefix`; `build` adds to the manifest's build entry."""
+    flow = read_flow(prefix)
+    if flow.log.n_torn:
+        log.warning("%s.index: dropped an incomplete last line (the program was interrupted)", prefix)
+    writer = DumpWriter(Path(output))
+    spool.write_records(writer, flow.log.records, flow.evals, Path(f"{prefix}.data"))
+    manifest = Manifest(source="llama.cpp", models=_models(flow), evals=flow.evals, records=(),
+                        build={"kind": "exec", "library": flow.log.library, "commit": "unknown", **build},
+                        rounds=flow.rounds, prompt_tokens=flow.prompt_tokens)
+    return writer.close(manifest)
+
+
+def _models(flow: ExecFlow) -> dict[str, Any]:
+    """The model of the context each role ran its real (non-warm-up) evals on."""
+    used = {ev.ctx for ev, e in zip(flow.log.evals, flow.evals) if e.phase != WARMUP}
+    out = {}
+    for c in flow.log.contexts:
+        if c.index in used and c.role not in out and c.model_path:
+            out[c.role] = model_info(Path(c.model_path)).to_json()
+    return out
+
+
+def remove_spool(prefix: Path) -> None:
+    for suffix in SPOOL_SUFFIXES:
+        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- running a program
+
+def program_path(command: list[str]) -> Path:
+    """The program of `command`, checked to exist."""
+    if not command:
+        raise InputError("capture --exec needs a command after `--`, e.g. -- llama-speculative-simple -m T.gguf -md D.gguf ...")
+    found = shutil.which(command[0])
+    if found is None:
+        raise InputError(f"{command[0]}: no such program (not a file, not on PATH); give its path after `--`")
+    return Path(found)
+
+
+def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
+    """Run `command` with the preload, its stdin/stdout/stderr the caller's own; return its exit code."""
+    proc = subprocess.Popen(command, env=pre.environ())
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise InputError(f"{command[0]}: still running after {timeout_s:.0f} s; stopped it") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def capture_exec(command: list[str], output: Path, filters: list[str] | None = None,
+                 llama_dir: Path | None = None, *, prompt: str | None = None, tokens: str | None = None,
+                 timeout_s: float | None = None) -> Path:
+    """Run `command` under the preload and write its dump; llama-server is started, asked one
+    greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server)."""
+    program = program_path(command)
+    output = Path(output)
+    prefix = output.with_name(output.name + ".spool")
+    remove_spool(prefix)
+    build = {"command": list(command), "program": str(program), "filters": kept_globs(role_filters(filters)),
+             **_launch(command, preload(prefix, filters, llama_dir), prefix, prompt, tokens, timeout_s)}
+    rc = int(build.get("exit_code", 0))
+    try:
+        path = pack_exec(prefix, output, build)
+    except InputError:
+        if rc != 0:  # it failed before any llama.cpp call: its own exit is the news
+            raise InputError(f"{command[0]}: exited with code {rc} before decoding anything; run it without featdiff to see why") from None
+        raise
+    finally:
+        remove_spool(prefix)
+    if rc != 0:
+        raise InputError(f"{command[0]}: exited with code {rc} under capture; {path} holds what it decoded "
+                         "before that; run the command without featdiff to see whether it fails alone")
+    return path
+
+
+def _launch(command: list[str], pre: Preload, prefix: Path, prompt: str | None, tokens: str | None,
+            timeout_s: float | None) -> dict[str, Any]:
+    """Run the program (or serve one request); return what the manifest's build records of it."""
+    from featdiff.llama import server
+
+    if server.is_server(command):
+        result = server.serve_one(command, pre, server.request_from(prompt, tokens), prefix)
+        return {"server": result.to_json()}
+    return {"exit_code": run_program(command, pre, timeout_s)}

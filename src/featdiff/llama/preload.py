@@ -1,0 +1,110 @@
+"""The preload library that `capture --exec` loads into a llama.cpp program, and the
+environment that loads it.
+
+Consumes native/featdiff_preload.c + the shim and the llama.cpp headers of the build the program
+uses (default: the pinned one); produces the compiled library, cached like the cffi binding
+(keyed by sources, headers and compiler), and a `Preload` to run a program with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from featdiff import names
+from featdiff.errors import InputError
+from featdiff.llama import binding
+from featdiff.llama.capture import role_filters
+
+log = logging.getLogger(__name__)
+
+PRELOAD_SOURCES = ("featdiff_preload.c", "featdiff_shim.c")
+PRELOAD_HEADERS = ("featdiff_shim.h",)
+LLAMA_HEADERS = ("llama.h", "ggml.h", "ggml-backend.h")
+IS_MACOS = sys.platform == "darwin"
+PRELOAD_VAR = "DYLD_INSERT_LIBRARIES" if IS_MACOS else "LD_PRELOAD"
+PRELOAD_NAME = "libfeatdiff_preload.dylib" if IS_MACOS else "libfeatdiff_preload.so"
+# the library links no llama/ggml: their symbols resolve to the program's own libraries
+LINK_FLAGS = ("-dynamiclib", "-undefined", "dynamic_lookup") if IS_MACOS else ("-shared", "-ldl", "-pthread")
+# the preload's environment (native/featdiff_preload.c reads these)
+ENV_SPOOL = "FEATDIFF_SPOOL"
+ENV_FILTERS = "FEATDIFF_FILTERS"
+ENV_ARCH_KEY = "FEATDIFF_ARCH_KEY"
+ENV_DRAFT_ARCH = "FEATDIFF_DRAFT_ARCH"
+
+
+@dataclass(frozen=True)
+class Preload:
+    """The compiled preload library and the environment that loads it into a program."""
+
+    library: Path
+    env: tuple[tuple[str, str], ...]
+
+    def environ(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """`base` (default: this process's environment) plus the preload's variables."""
+        merged = dict(os.environ if base is None else base)
+        for key, value in self.env:
+            merged[key] = f"{value}:{merged[key]}" if key == PRELOAD_VAR and merged.get(key) else value
+        return merged
+
+
+def preload_library(llama_dir: Path | None = None) -> Path:
+    """The preload library for the headers of `llama_dir` (default: the pinned build), compiled once."""
+    build = binding.find_build(llama_dir)
+    key = _preload_key(build)
+    path = _cache_root() / "preload" / key / PRELOAD_NAME
+    if not path.is_file():
+        _compile_preload(build, path)
+    return path
+
+
+def preload(prefix: Path, filters: list[str] | None = None, llama_dir: Path | None = None) -> Preload:
+    """What to add to a program's environment to capture it into the spool at `prefix`."""
+    globs = role_filters(filters)
+    lines = "\n".join(f"{role}\t{g}" for role, gs in globs.items() for g in gs)
+    library = preload_library(llama_dir)
+    return Preload(library, ((PRELOAD_VAR, str(library)), (ENV_SPOOL, str(prefix)), (ENV_FILTERS, lines),
+                             (ENV_ARCH_KEY, names.KEY_ARCH), (ENV_DRAFT_ARCH, names.ARCH_DFLASH)))
+
+
+def _cache_root() -> Path:
+    """Where the cffi binding caches too (binding.py): $FEATDIFF_CACHE or ~/.cache/featdiff."""
+    return Path(os.environ.get(binding.ENV_CACHE) or Path.home() / ".cache" / "featdiff")
+
+
+def _preload_key(build: binding.LlamaBuild) -> str:
+    h = hashlib.sha256()
+    files = [binding.NATIVE_DIR / n for n in PRELOAD_SOURCES + PRELOAD_HEADERS]
+    files += [d / n for d in build.include_dirs for n in LLAMA_HEADERS if (d / n).is_file()]
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    h.update(f"{sys.platform}:{_compiler()}:{LINK_FLAGS}".encode())
+    return h.hexdigest()[:16]
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise InputError("cc: no C compiler on PATH (or $CC); capture --exec compiles a small preload library once")
+    return cc
+
+
+def _compile_preload(build: binding.LlamaBuild, path: Path) -> None:
+    log.info("compiling the preload library against %s (once per build)", build.root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    includes = [f"-I{d}" for d in (*build.include_dirs, binding.NATIVE_DIR)]
+    sources = [str(binding.NATIVE_DIR / s) for s in PRELOAD_SOURCES]
+    cmd = [_compiler(), "-O2", "-fPIC", "-std=c11", *includes, *sources, "-o", str(tmp), *LINK_FLAGS]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise InputError(f"{binding.NATIVE_DIR / PRELOAD_SOURCES[0]}: compiling against {build.root} failed "
+                         f"({done.stderr.strip().splitlines()[-1:]}); check that the headers match the program's llama.cpp")
+    tmp.replace(path)  # rename: a concurrent build never sees a half-written library

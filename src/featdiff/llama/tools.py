@@ -1,0 +1,202 @@
+"""Build the upstream programs `capture --exec` runs (llama-server, llama-speculative-simple,
+llama-simple) from the pinned llama.cpp source, the tree llama-cpp-python==0.3.36 builds.
+
+Consumes the sdist (`pip download`, or $FEATDIFF_LLAMA_SRC); produces a `ToolBuild`, built once
+(Release, shared libs, CPU, no SSL/UI/tests) and cached in build/llama.cpp ($FEATDIFF_TOOLS_DIR).
+`python -m featdiff.llama.tools` builds or finds them and prints their bin directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from featdiff.errors import InputError
+from featdiff.llama.server import SERVER_PROGRAMS
+
+log = logging.getLogger(__name__)
+
+PINNED_SDIST = "llama-cpp-python==0.3.36"
+SDIST_TREE = "vendor/llama.cpp"  # where the sdist keeps the llama.cpp source
+# llama-simple prints with printf (exact stdout, unlike the tools' async logger): the tests use it
+TARGETS = (SERVER_PROGRAMS[0], "llama-speculative-simple", "llama-simple")
+ENV_SRC = "FEATDIFF_LLAMA_SRC"
+ENV_TOOLS_DIR = "FEATDIFF_TOOLS_DIR"
+ENV_JOBS = "FEATDIFF_BUILD_JOBS"
+DEFAULT_JOBS = 2
+DEFAULT_DIR = Path(__file__).resolve().parents[3] / "build" / "llama.cpp"
+STAMP = "tools.json"
+PIP_TIMEOUT_S = 900
+# Lean: only what the two programs need. The UI would be downloaded (prebuilt) or built with npm;
+# HTTPS needs OpenSSL; neither matters on a loopback port.
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",  # llama-speculative-simple is an example
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_LLGUIDANCE=OFF",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+    "-DGGML_VULKAN=OFF",
+    "-DGGML_BACKEND_DL=OFF",
+)
+
+
+@dataclass(frozen=True)
+class ToolBuild:
+    """Where the built programs are, and what built them."""
+
+    root: Path      # the cache directory
+    source: Path    # the llama.cpp source tree
+    bin_dir: Path
+    build_seconds: float  # wall time of the build that made this cache (0 when unknown)
+
+    def program(self, name: str) -> Path:
+        return self.bin_dir / name
+
+
+def tools_dir() -> Path:
+    return Path(os.environ.get(ENV_TOOLS_DIR) or DEFAULT_DIR)
+
+
+def ensure_tools(root: Path | None = None) -> ToolBuild:
+    """The cached build of TARGETS; build it first when missing or stale."""
+    root = Path(root or tools_dir())
+    source = source_tree(root)
+    key = build_key(source)
+    cached = _cached(root, source, key)
+    if cached is not None:
+        return cached
+    # an incremental rebuild (a recipe change) adds to the time of the build it extends
+    seconds = _build(source, root / "build") + _stamp_seconds(root)
+    (root / STAMP).write_text(json.dumps({"key": key, "source": str(source), "seconds": round(seconds, 1),
+                                          "targets": list(TARGETS), "options": list(CMAKE_OPTIONS)}, indent=1))
+    log.info("built %s in %.0f s", ", ".join(TARGETS), seconds)
+    return ToolBuild(root, source, root / "build" / "bin", seconds)
+
+
+def build_key(source: Path) -> str:
+    """A hash of the source version and the build recipe."""
+    h = hashlib.sha256()
+    for marker in ("CMakeLists.txt", "include/llama.h", "common/speculative.cpp"):
+        h.update((source / marker).read_bytes())
+    h.update(json.dumps([CMAKE_OPTIONS, TARGETS, sys.platform]).encode())
+    return h.hexdigest()[:16]
+
+
+def _stamp_seconds(root: Path) -> float:
+    stamp = root / STAMP
+    return float(json.loads(stamp.read_text()).get("seconds", 0.0)) if stamp.is_file() else 0.0
+
+
+def _cached(root: Path, source: Path, key: str) -> ToolBuild | None:
+    stamp = root / STAMP
+    bin_dir = root / "build" / "bin"
+    if not stamp.is_file() or not all((bin_dir / t).is_file() for t in TARGETS):
+        return None
+    info = json.loads(stamp.read_text())
+    if info.get("key") != key:
+        return None
+    return ToolBuild(root, source, bin_dir, float(info.get("seconds", 0.0)))
+
+
+def source_tree(root: Path) -> Path:
+    """The llama.cpp tree to build: $FEATDIFF_LLAMA_SRC, else the pinned sdist unpacked in `root`."""
+    if os.environ.get(ENV_SRC):
+        src = Path(os.environ[ENV_SRC]).expanduser().resolve()
+        if not (src / "CMakeLists.txt").is_file() or not (src / "include" / "llama.h").is_file():
+            raise InputError(f"{ENV_SRC}={src}: no CMakeLists.txt and include/llama.h there; point it at a llama.cpp source tree")
+        return src
+    unpacked = root / "src"
+    if not (unpacked / "include" / "llama.h").is_file():
+        _unpack(_download(root / "sdist"), unpacked)
+    return unpacked
+
+
+def _download(dest: Path) -> Path:
+    found = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
+    if found:
+        return found[-1]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PINNED_SDIST, "-d", str(dest)]
+    log.info("fetching the pinned llama.cpp source: %s", " ".join(cmd[2:]))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    found = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
+    if done.returncode != 0 or not found:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise InputError(f"{dest}: `pip download {PINNED_SDIST}` failed ({tail[0]}); "
+                         f"set {ENV_SRC} to a llama.cpp source tree of that version instead")
+    return found[-1]
+
+
+def _unpack(sdist: Path, dest: Path) -> None:
+    """Extract the sdist's vendor/llama.cpp into `dest` (renamed into place when complete)."""
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        prefix = f"{top}/{SDIST_TREE}/"
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        kept = [m for m in members if m.name]
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4 / 3.10.12: refuse links out of `tmp`
+            tar.extractall(tmp, members=kept, filter="data")
+        else:
+            tar.extractall(tmp, members=kept)
+    if not (tmp / "include" / "llama.h").is_file():
+        raise InputError(f"{sdist}: no {SDIST_TREE}/include/llama.h inside; is this the llama-cpp-python sdist?")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.replace(dest)
+
+
+def _build(source: Path, build_dir: Path) -> float:
+    """Configure and build TARGETS; return the wall time in seconds."""
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise InputError(f"{tool}: not found on PATH; building {', '.join(TARGETS)} needs cmake and a C++17 compiler")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    jobs = os.environ.get(ENV_JOBS, str(DEFAULT_JOBS))
+    start = time.monotonic()
+    _run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_OPTIONS], build_dir)
+    _run(["cmake", "--build", str(build_dir), "--target", *TARGETS, "-j", jobs], build_dir)
+    return time.monotonic() - start
+
+
+def _run(cmd: list[str], build_dir: Path) -> None:
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logfile = build_dir / "featdiff-build.log"
+    log.info("%s", " ".join(cmd))
+    with open(logfile, "a") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise InputError(f"{build_dir}: `{' '.join(cmd[:3])} ...` failed (exit {done.returncode}); see {logfile}")
+
+
+def main() -> None:
+    """Build (or find) the tools and print their bin directory."""
+    logging.basicConfig(level=logging.INFO, format="featdiff: %(message)s", stream=sys.stderr)
+    try:
+        print(ensure_tools().bin_dir)
+    except InputError as e:
+        print(f"featdiff: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""`featdiff probe`: greedy accept rates of the real speculative loop (in-process driver, or
+llama-server under the preload) next to the reference drafter's, on the same target tokens.
+
+Consumes a GGUF pair, the reference's models and prompts; produces a `Probe` of rounds. The
+reference is teacher-forced: for each run round it drafts once after the run's own tokens up to
+that round's anchor, so the two sides' accepts differ only where their drafts do.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from featdiff import names
+from featdiff.dump import Eval, Round
+from featdiff.errors import InputError
+
+DEFAULT_ROUNDS = 6        # in-process: rounds per prompt
+DEFAULT_N_PREDICT = 16    # through llama-server: tokens per request
+DEFAULT_PROMPTS = ("The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens in blocks.")
+TOKENS_PREFIX = "tokens:"  # a prompts-file line `tokens: 1,2,3` gives token ids instead of text
+MAX_THREADS = 8
+CTX_MIN = 256
+CTX_SLACK = 16
+PROBE_FILTERS = (f"target:{names.RESULT_OUTPUT}",)  # the last verify's greedy tokens; nothing else is needed
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One probe prompt: text (tokenized by llama.cpp) or token ids."""
+
+    text: str | None = None
+    tokens: tuple[int, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.text if self.text is not None else TOKENS_PREFIX + ",".join(map(str, self.tokens or ()))
+
+
+@dataclass(frozen=True)
+class RoundPair:
+    """One run round and what the reference drafter does at the same place."""
+
+    pos0: int
+    run_drafts: tuple[int, ...]
+    ref_drafts: tuple[int, ...]
+    run_accepted: int
+    ref_accepted: int
+
+    @property
+    def drafts_differ(self) -> bool:
+        return self.run_drafts != self.ref_drafts
+
+
+@dataclass(frozen=True)
+class AcceptStats:
+    """Accept figures over some rounds (verify steps)."""
+
+    rounds: int
+    drafted: int
+    accepted: int
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verify step, counting the target's own token (llama-server's "mean len")."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+
+@dataclass(frozen=True)
+class PromptProbe:
+    """The probe of one prompt: the tokens the run decoded and its rounds, both sides."""
+
+    label: str
+    prompt_tokens: tuple[int, ...]
+    rounds: tuple[RoundPair, ...]
+    server_draft_n: int | None = None           # what llama-server itself reported, when probed through it
+    server_draft_n_accepted: int | None = None
+
+    @property
+    def run(self) -> AcceptStats:
+        return _stats(self.rounds, lambda r: (len(r.run_drafts), r.run_accepted))
+
+    @property
+    def ref(self) -> AcceptStats:
+        return _stats(self.rounds, lambda r: (len(r.ref_drafts), r.ref_accepted))
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompts: tuple[PromptProbe, ...]
+
+    @property
+    def run(self) -> AcceptStats:
+        return _total([p.run for p in self.prompts])
+
+    @property
+    def ref(self) -> AcceptStats:
+        return _total([p.ref for p in self.prompts])
+
+    @property
+    def has_gap(self) -> bool:
+        """Whether run and reference accept differently in any round."""
+        return any(r.run_accepted != r.ref_accepted for p in self.prompts for r in p.rounds)
+
+
+def _stats(rounds: tuple[RoundPair, ...], pick) -> AcceptStats:
+    drafted_accepted = [pick(r) for r in rounds if r.run_drafts]  # draftless verifies are no draft
+    return AcceptStats(len(drafted_accepted), sum(d for d, _ in drafted_accepted), sum(a for _, a in drafted_accepted))
+
+
+def _total(stats: list[AcceptStats]) -> AcceptStats:
+    return AcceptStats(sum(s.rounds for s in stats), sum(s.drafted for s in stats), sum(s.accepted for s in stats))
+
+
+def exit_code(probe_result: Probe) -> int:
+    """1 when run and reference accept differently somewhere (a wiring gap), else 0."""
+    return 1 if probe_result.has_gap else 0
+
+
+# ---------------------------------------------------------------- prompts
+
+def read_prompts(path: Path | None) -> tuple[Prompt, ...]:
+    """One prompt per non-empty line of `path` (`tokens: 1,2,3` for ids); DEFAULT_PROMPTS without one."""
+    from featdiff.llama.capture import parse_tokens
+
+    if path is None:
+        return tuple(Prompt(text=t) for t in DEFAULT_PROMPTS)
+    lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise InputError(f"{path}: no prompts; expected one prompt per line (or `{TOKENS_PREFIX} 1,2,3`)")
+    return tuple(Prompt(tokens=tuple(parse_tokens(ln[len(TOKENS_PREFIX):])))
+                 if ln.startswith(TOKENS_PREFIX) else Prompt(text=ln) for ln in lines)
+
+
+# ---------------------------------------------------------------- run side
+
+@dataclass(frozen=True)
+class RunTrace:
+    """What the run decoded for one prompt: its prompt tokens and rounds."""
+
+    label: str
+    prompt_tokens: tuple[int, ...]
+    rounds: tuple[Round, ...]
+    server_draft_n: int | None = None
+    server_draft_n_accepted: int | None = None
+
+
+def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], rounds: int,
+                   llama_dir: Path | None) -> tuple[RunTrace, ...]:
+    """Each prompt through the in-process DFlash driver, `rounds` rounds, nothing captured."""
+    from featdiff.llama.runtime import Model, Runtime
+
+    rt = Runtime.load(llama_dir)
+    tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
+    try:
+        return tuple(_run_prompt(rt, tgt_model, dft_model, p, rounds) for p in prompts)
+    finally:
+        dft_model.free()
+        tgt_model.free()
+
+
+def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int) -> RunTrace:
+    from featdiff.llama import driver
+    from featdiff.llama.capture import enable_dflash, flow_config, prompt_ids
+    from featdiff.llama.runtime import Context
+
+    tokens = ",".join(map(str, prompt.tokens)) if prompt.tokens is not None else None
+    ids = prompt_ids(tgt_model, prompt.text, tokens)
+    cfg = flow_config(tgt_model, dft_model)
+    n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)
+    threads = min(os.cpu_count() or 1, MAX_THREADS)
+    tgt = Context.new(rt, tgt_model, n_ctx, threads)
+    dft = Context.new(rt, dft_model, n_ctx, threads, ctx_other=tgt)
+    try:
+        enable_dflash(tgt, dft, cfg)
+        done = driver.run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
+    finally:
+        dft.free()
+        tgt.free()
+    return RunTrace(prompt.label, tuple(ids), tuple(done))
+
+
+def run_through_server(command: list[str], prompts: tuple[Prompt, ...], n_predict: int,
+                       llama_dir: Path | None) -> tuple[RunTrace, ...]:
+    """Each prompt as one greedy request to llama-server under the preload; rounds from its decodes."""
+    from featdiff.llama import exec as exec_capture
+    from featdiff.llama import server
+    from featdiff.llama.preload import preload
+
+    exec_capture.program_path(command)
+    if not server.is_server(command):
+        raise InputError(f"{command[0]}: probe --exec drives llama-server (one request per prompt); give a llama-server command")
+    requests = [server.CompletionRequest(p.text if p.text is not None else tuple(p.tokens or ()), n_predict) for p in prompts]
+    with tempfile.TemporaryDirectory(prefix="featdiff-probe-") as work:
+        prefix = Path(work) / "probe.spool"
+        answers = server.serve(command, preload(prefix, list(PROBE_FILTERS), llama_dir), requests, prefix)
+        flow = exec_capture.read_flow(prefix)
+    parts = split_requests(flow.evals)
+    if len(parts) != len(prompts):
+        raise InputError(f"{command[0]}: {len(prompts)} requests but {len(parts)} prompts decoded from position 0; is the prompt cache on?")
+    return tuple(_trace_of(p, part, flow.rounds, a) for p, part, a in zip(prompts, parts, answers))
+
+
+def split_requests(evals: tuple[Eval, ...]) -> list[tuple[Eval, ...]]:
+    """The real evals cut where a target prefill starts at position 0 (a new request)."""
+    from featdiff.llama.exec import WARMUP
+
+    parts: list[list[Eval]] = []
+    for e in evals:
+        if e.phase == WARMUP:
+            continue
+        if not parts or (e.role == "target" and e.phase == "prefill" and e.positions[:1] == (0,)):
+            parts.append([])
+        parts[-1].append(e)
+    return [tuple(p) for p in parts]
+
+
+def _trace_of(prompt: Prompt, part: tuple[Eval, ...], rounds: tuple[Round, ...], answer) -> RunTrace:
+    from featdiff.llama.exec import prompt_from_evals
+
+    numbers = {e.round for e in part if e.phase == "verify"}
+    mine = tuple(r for r in rounds if r.round in numbers)
+    return RunTrace(prompt.label, prompt_from_evals(part), mine, answer.draft_n, answer.draft_n_accepted)
+
+
+# ---------------------------------------------------------------- reference side
+
+def history(trace: RunTrace) -> tuple[int, ...]:
+    """Every token of the run's sequence: the prompt, then each round's target tokens."""
+    out = list(trace.prompt_tokens)
+    for r in trace.rounds:
+        if out[r.pos0] != r.anchor or len(out) != r.pos0 + 1:
+            raise RuntimeError(f"round {r.round}: anchor {r.anchor} at {r.pos0} does not continue the run's tokens")
+        out += r.target_tokens
+    return tuple(out)
+
+
+def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[RoundPair, ...]:
+    """Per run round: the reference drafter's block at the same position, after the same tokens."""
+    import torch
+
+    from featdiff.reference.flow import run_flow
+
+    tokens = history(trace)
+    out = []
+    with torch.no_grad():
+        for r in trace.rounds:
+            if not r.drafts:  # a verify of no drafts: nothing to draft on either side
+                out.append(RoundPair(r.pos0, (), (), 0, 0))
+                continue
+            ref = run_flow(ref_target, ref_draft, tokens[:r.pos0 + 1], 1, numerics).rounds[0]
+            n = len(r.drafts)  # the same budget: upstream truncates a draft to what fits
+            out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, min(ref.accepted, n)))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- the probe
+
+def probe(target: Path, model: Path, *, prompts: Path | None = None, rounds: int = DEFAULT_ROUNDS,
+          ref_target: Path | None = None, ref_model: Path | None = None, command: list[str] | None = None,
+          n_predict: int = DEFAULT_N_PREDICT, dtype: str = "float32", kv_dtype: str = "f16",
+          llama_dir: Path | None = None) -> Probe:
+    """Run the accept-rate probe; see the module docstring."""
+    from featdiff.reference.load import load_draft, load_target
+    from featdiff.reference.run import numerics_from_options
+    from featdiff.reference.weights import check_pair
+
+    chosen = read_prompts(prompts)
+    if command:
+        traces = run_through_server(command, chosen, n_predict, llama_dir)
+    else:
+        traces = run_in_process(target, model, chosen, rounds, llama_dir)
+    numerics = numerics_from_options(dtype, "cpu", kv_dtype)
+    ref_t = load_target(Path(ref_target or target), numerics.dtype, numerics.device)
+    ref_d = load_draft(Path(ref_model or model), numerics.dtype, numerics.device)
+    check_pair(ref_t, ref_d)
+    return Probe(tuple(PromptProbe(t.label, t.prompt_tokens, reference_rounds(t, ref_t, ref_d, numerics),
+                                   t.server_draft_n, t.server_draft_n_accepted) for t in traces))
+
+
+def render_probe(result: Probe) -> str:
+    """The probe as a plain-text table: one line per prompt, then the total."""
+    head = f"{'prompt':40s} {'run drafted/accepted  mean len':>30s} {'ref drafted/accepted  mean len':>31s}  rounds with other drafts"
+    lines = [head]
+    for p in result.prompts:
+        other = [str(i + 1) for i, r in enumerate(p.rounds) if r.drafts_differ]
+        lines.append(f"{_short(p.label):40s} {_fmt(p.run):>30s} {_fmt(p.ref):>31s}  {','.join(other) or '-'}")
+    lines.append(f"{'overall':40s} {_fmt(result.run):>30s} {_fmt(result.ref):>31s}")
+    verdict = ("GAP: run and reference accept differently; compare a capture against the reference to find why"
+               if result.has_gap else "agree: run and reference accept the same drafts")
+    return "\n".join(lines + [verdict])
+
+
+def _fmt(s: AcceptStats) -> str:
+    return f"{s.drafted:4d} / {s.accepted:4d}  ({s.rate:6.1%})  {s.mean_accepted_length:5.2f}"
+
+
+def _short(label: str, width: int = 40) -> str:
+    return label if len(label) <= width else label[:width - 3] + "..."

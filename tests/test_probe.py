@@ -1,0 +1,104 @@
+"""`featdiff probe`: the real spec loop and the reference drafter, side by side on the same
+target tokens. Right wiring: both accept the same drafts; an off-by-one layer list: a gap,
+and only in rounds where the drafts differ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from featdiff.cli import app
+from featdiff.probe import probe, render_probe
+
+# The tiny seeded drafters are untrained: most drafts are rejected. These prompts (found by a
+# search over the seed-0 fixtures) each get a draft token accepted by the clean pair.
+ACCEPTING_PROMPTS = ("tokens: 232,209,318,41,446,463,10,311,497,58", "tokens: 200,365,147,318,423,401,62")
+ROUNDS = 8
+SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("probe") / "prompts.txt"
+    path.write_text("\n".join(ACCEPTING_PROMPTS) + "\nThe quick brown fox\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def probed(fixture_models, prompts_file):
+    """(variant, through_server) -> the probe of that pair against its trained HF checkpoint."""
+    made = {}
+
+    def get(variant: str, through_server: bool = False):
+        if (variant, through_server) not in made:
+            d = fixture_models(variant)
+            command = None
+            if through_server:
+                from featdiff.llama.tools import ensure_tools
+
+                server = ensure_tools().program("llama-server")
+                command = [str(server), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SERVER_ARGS]
+            made[(variant, through_server)] = probe(d / "target.gguf", d / "draft.gguf", prompts=prompts_file,
+                                                    rounds=ROUNDS, ref_target=d / "target-hf",
+                                                    ref_model=d / "draft-hf", command=command)
+        return made[(variant, through_server)]
+
+    return get
+
+
+@pytest.mark.parametrize("through_server", [False, True])
+def test_run_and_reference_accept_alike_when_wiring_is_right(probed, through_server):
+    result = probed("clean", through_server)
+    rounds = [r for p in result.prompts for r in p.rounds]
+    assert rounds and all(r.run_drafts == r.ref_drafts for r in rounds)
+    assert [r.run_accepted for r in rounds] == [r.ref_accepted for r in rounds]
+    assert result.run.accepted > 0, "no draft accepted at all: the figures would agree trivially"
+    assert result.run == result.ref and not result.has_gap
+
+
+@pytest.mark.parametrize("through_server", [False, True])
+def test_off_by_one_layers_differ_only_where_the_drafts_differ(probed, through_server):
+    result = probed("layers-plus1", through_server)
+    rounds = [r for p in result.prompts for r in p.rounds]
+    assert all(r.drafts_differ for r in rounds if r.run_accepted != r.ref_accepted)
+    assert any(r.drafts_differ for r in rounds)
+    if not through_server:  # in-process the clean pair accepts in these rounds; the miswired one does not
+        assert result.has_gap and result.run.accepted < result.ref.accepted
+
+
+def test_server_probe_counts_what_the_server_reports(probed):
+    for p in probed("clean", through_server=True).prompts:
+        assert (p.server_draft_n, p.server_draft_n_accepted) == (p.run.drafted, p.run.accepted)
+
+
+def test_report_names_the_gap(probed):
+    text = render_probe(probed("layers-plus1"))
+    assert "GAP" in text and "overall" in text
+    assert "agree" in render_probe(probed("clean"))
+
+
+@pytest.mark.parametrize("variant, code", [("clean", 0), ("layers-plus1", 1)])
+def test_probe_exit_code_is_1_on_a_gap(fixture_models, prompts_file, variant, code):
+    d = fixture_models(variant)
+    result = CliRunner().invoke(app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      "--ref-target", str(d / "target-hf"), "--ref-model", str(d / "draft-hf"),
+                                      "--prompts", str(prompts_file), "--rounds", str(ROUNDS)])
+    assert result.exit_code == code, result.output
+    assert "run drafted/accepted" in result.output
+
+
+def test_empty_prompts_file_exits_2(fixture_models, tmp_path):
+    d, empty = fixture_models("clean"), tmp_path / "none.txt"
+    empty.write_text("\n")
+    result = CliRunner().invoke(app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      "--prompts", str(empty)])
+    assert result.exit_code == 2 and "no prompts" in result.output
+
+
+def test_probe_help_shows_its_flags():
+    result = CliRunner().invoke(app, ["probe", "--help"])
+    assert result.exit_code == 0
+    for flag in ("--target", "--model", "--prompts", "--rounds", "--ref-model", "--exec"):
+        assert flag in result.output, flag
