@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.featdiff-setup
 TORCH  := torch==2.13.0
 LLAMA  := llama-cpp-python==0.3.36
 
-.PHONY: setup demo test bench browser tools clean
+.PHONY: setup demo test test-cuda bench browser tools clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,11 @@ tools: setup
 	$(BIN)/python -m featdiff.llama.tools
 
 test: setup browser tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not cuda"
+
+# On a machine with an NVIDIA GPU and a CUDA build of llama.cpp (FEATDIFF_CUDA_LLAMA_DIR=DIR).
+test-cuda: setup
+	$(BIN)/python -m pytest -q -m cuda -rs
 
 bench: setup
 	$(BIN)/python bench/bench_capture.py

@@ -19,6 +19,8 @@ CONTRACT = {
     "report": ["-o"],
     "inspect": [],
     "lint": ["--target"],
+    "probe": ["--target", "--model", "--prompts", "--exec"],
+    "pack": ["-o"],
 }
 
 
