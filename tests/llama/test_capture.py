@@ -138,3 +138,21 @@ def test_second_capture_reuses_the_compiled_binding(fixture_models, tmp_path):
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert first.stdout == second.stdout
     assert "compiling" not in second.stderr
+
+
+def test_interrupted_capture_still_writes_a_readable_dump(fixture_models, tmp_path):
+    d = fixture_models("clean")
+    out = tmp_path / "run.npz"
+    index = tmp_path / "run.npz.spool.index"
+    code = ("from featdiff.llama.capture import capture; "
+            f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=2000, filters=['*'])")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "interrupted" in err
+    with read_dump(out) as dump:
+        assert len(dump.manifest.records) > 100 and len(dump.manifest.evals) > 3
+    assert not index.exists()

@@ -106,6 +106,11 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
         sp.close()
         _remove_spool(prefix)  # nothing was captured worth keeping
         raise
+    except KeyboardInterrupt:
+        sp.close()
+        log.warning("interrupted: packing the complete records into %s", spool.pack(prefix, output))
+        _remove_spool(prefix)
+        raise
     except BaseException:
         sp.close()
         log.error("capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`", prefix, prefix, output)
