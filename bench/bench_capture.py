@@ -57,7 +57,7 @@ def main() -> None:
         for i in range(args.repeats):  # interleaved, so drift hits every variant alike
             times["none"].append(_time_flow(rt, models, cfg, None))
             for label, filters in (("wiring", None), ("all", ["*"])):
-                sp = Spool.open(rt, Path(tmp) / f"s{i}{label}", cap.role_filters(filters))
+                sp = Spool.open(rt, Path(tmp) / f"s{i}{label}", cap.role_filters(filters, cfg.target_layers))
                 times[label].append(_time_flow(rt, models, cfg, sp))
                 sp.close()
     base, base_min = statistics.median(times["none"]), min(times["none"])

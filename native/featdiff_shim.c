@@ -23,8 +23,13 @@
 #define FD_MAX_OCC 4096        /* distinct (role, name) pairs counted per eval */
 #define FD_MAX_LEAFS 16        /* graph inputs captured per eval and context */
 #define FD_LINE_MAX 4096
+#define FD_SEEN_SLOTS 8192     /* filter decisions remembered per (role, name): a power of 2 */
 
 struct fd_occ { int role; int count; char name[GGML_MAX_NAME]; };
+
+/* The ask phase runs for every node of every graph; the same names recur eval after eval, so
+ * each (role, name) is matched against the globs once and the answer remembered. */
+struct fd_seen { signed char state; /* 0 empty, 1 no, 2 yes */ char role; char name[GGML_MAX_NAME]; };
 
 struct fd_capture {
     int fd_data;
@@ -37,6 +42,7 @@ struct fd_capture {
     int n_filters[FD_N_ROLES];
     struct fd_occ occ[FD_MAX_OCC];
     int n_occ;
+    struct fd_seen seen[FD_SEEN_SLOTS];
 };
 
 /* Per-context state between the ask=true and ask=false calls of one node. */
@@ -103,6 +109,7 @@ int fd_capture_add_filter(fd_capture * cap, int role, const char * glob) {
     char * copy = strdup(glob);
     if (!copy) return FD_ENOMEM;
     cap->filters[role][cap->n_filters[role]++] = copy;
+    memset(cap->seen, 0, sizeof(cap->seen));   /* decisions made under the old filters */
     return FD_OK;
 }
 
@@ -135,7 +142,7 @@ void fd_tag_free(fd_context_tag * tag) { free(tag); }
 /* ---------------------------------------------------------------- selection */
 
 /* A name is selected when some glob matches it and no "!glob" does. */
-static int matches(const fd_capture * cap, int role, const char * name) {
+static int matches_globs(const fd_capture * cap, int role, const char * name) {
     int hit = 0;
     for (int i = 0; i < cap->n_filters[role]; ++i) {
         const char * g = cap->filters[role][i];
@@ -146,6 +153,30 @@ static int matches(const fd_capture * cap, int role, const char * name) {
         }
     }
     return hit;
+}
+
+static unsigned hash_name(int role, const char * name) {
+    unsigned h = 2166136261u ^ (unsigned) role;   /* FNV-1a */
+    for (; *name; ++name) h = (h ^ (unsigned char) *name) * 16777619u;
+    return h;
+}
+
+static int matches(fd_capture * cap, int role, const char * name) {
+    unsigned i = hash_name(role, name) & (FD_SEEN_SLOTS - 1);
+    for (int probe = 0; probe < 8; ++probe, i = (i + 1) & (FD_SEEN_SLOTS - 1)) {
+        struct fd_seen * e = &cap->seen[i];
+        if (e->state == 0) {
+            int hit = matches_globs(cap, role, name);
+            if (strlen(name) < sizeof(e->name)) {
+                e->state = (signed char) (hit ? 2 : 1);
+                e->role = (char) role;
+                memcpy(e->name, name, strlen(name) + 1);
+            }
+            return hit;
+        }
+        if (e->role == role && strcmp(e->name, name) == 0) return e->state == 2;
+    }
+    return matches_globs(cap, role, name);   /* a crowded neighbourhood: just match */
 }
 
 /* 0 for the first node of this name in this eval, 1 for the second, ... */
@@ -220,9 +251,15 @@ static char * host_array(const struct ggml_tensor * t, size_t * out_nbytes, cons
     const size_t es = is_int_type(t->type) ? ggml_type_size(t->type) : sizeof(float);
     const size_t row_bytes = (size_t) t->ne[0] * es;
     char * raw = (char *) malloc(raw_n ? raw_n : 1);
-    char * out = (char *) malloc(row_bytes * (size_t) ggml_nrows(t) + 1);
-    if (!raw || !out) { free(raw); free(out); return NULL; }
+    if (!raw) return NULL;
     ggml_backend_tensor_get(t, raw, 0, raw_n);   /* device memory (CUDA/Metal) arrives here too */
+    *dtype = t->type == GGML_TYPE_I32 ? "int32" : t->type == GGML_TYPE_I64 ? "int64" : "float32";
+    if ((t->type == GGML_TYPE_F32 || is_int_type(t->type)) && ggml_is_contiguous(t)) {
+        *out_nbytes = raw_n;   /* already in the stored layout: no second copy */
+        return raw;
+    }
+    char * out = (char *) malloc(row_bytes * (size_t) ggml_nrows(t) + 1);
+    if (!out) { free(raw); return NULL; }
     char * dst = out;
     for (int64_t i3 = 0; i3 < t->ne[3]; ++i3)
     for (int64_t i2 = 0; i2 < t->ne[2]; ++i2)
@@ -231,7 +268,6 @@ static char * host_array(const struct ggml_tensor * t, size_t * out_nbytes, cons
     }
     free(raw);
     *out_nbytes = row_bytes * (size_t) ggml_nrows(t);
-    *dtype = t->type == GGML_TYPE_I32 ? "int32" : t->type == GGML_TYPE_I64 ? "int64" : "float32";
     return out;
 }
 

@@ -63,20 +63,30 @@ def layer_name(base: str, il: int) -> str:
 # Views, reshapes and copies are named "<name> (view)" etc. by ggml: not separate tensors.
 EXCLUDE_DERIVED = "!* (*"
 
-# The wiring tensors a capture keeps unless told otherwise (globs on the callback name;
-# a leading "!" excludes).
-DEFAULT_FILTERS: tuple[str, ...] = (
-    TARGET_EMBD,
-    "l_out-*",
+# The wiring tensors a capture keeps unless told otherwise (globs on the callback name; a
+# leading "!" excludes). Each captured node ends a sub-graph and costs a synchronize, so the
+# target keeps only what the drafter reads from it: the inputs of its `target_layers`
+# (`l_out-(L-1)`, `embd` for L = 0, added by the capture) and the verify logits.
+DRAFT_WIRING: tuple[str, ...] = (
     INP_TARGET_FEATURES,
     INP_G_EMBEDDINGS,
     "Kcur_injected-*",
     "Vcur_injected-*",
     INP_NOISE_EMBD,
-    INP_POS,
+    "l_out-*",
     RESULT_NORM,
     RESULT_OUTPUT,
 )
+TARGET_WIRING: tuple[str, ...] = (RESULT_OUTPUT,)
+# when the target layers are not known in advance (capture around a program): every layer
+TARGET_ALL_LAYERS: tuple[str, ...] = (TARGET_EMBD, "l_out-*", RESULT_OUTPUT)
+DEFAULT_FILTERS: tuple[str, ...] = tuple(dict.fromkeys(DRAFT_WIRING + TARGET_ALL_LAYERS))
+
+
+def tapped_layer_name(layer: int) -> str:
+    """The callback name of the input of target layer `layer`: l_out-(layer-1), embd for 0."""
+    return TARGET_EMBD if layer == 0 else layer_name(L_OUT, layer - 1)
+
 
 # --- ggml types (ggml.h enum ggml_type) --------------------------------------------------------
 GGML_TYPE_NAMES: dict[int, str] = {
@@ -157,7 +167,7 @@ UNNAMED_NODE_PREFIX = "node_"  # ggml's name for a node nobody named: `node_<n>`
 # Names both producers are expected to write: a name in this set present on one side only is a
 # `missing_tensor` / `unexpected_tensor` error; any other one-sided name is only reported as info.
 # (inp_pos is left out: the reference does not record positions, the run's eval entries carry them.)
-WIRING_NAMES: tuple[str, ...] = tuple(n for n in DEFAULT_FILTERS if n != INP_POS)
+WIRING_NAMES: tuple[str, ...] = DEFAULT_FILTERS
 # Hugging Face config.json keys the reference reads
 HF_MODEL_TYPE = "model_type"
 HF_HIDDEN_SIZE = "hidden_size"

@@ -154,9 +154,11 @@ def _wiring(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in names.WIRING_NAMES)
 
 
-def _captured(name: str, manifest: Manifest) -> bool:
-    """Whether the run's capture would have kept `name` (its recorded filters; all when unknown)."""
-    globs = manifest.build.get(FILTERS_KEY) or ["*"]
+def _captured(name: str, role: str, manifest: Manifest) -> bool:
+    """Whether the run's capture would have kept `name` on `role`: its recorded filters, per role
+    (`{"target": [...], "draft": [...]}`) or one list for both (the first form); all when unknown."""
+    recorded = manifest.build.get(FILTERS_KEY) or ["*"]
+    globs = recorded.get(role, []) if isinstance(recorded, dict) else recorded
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
@@ -164,7 +166,7 @@ def detect_missing_tensor(plan: Plan, run: Manifest) -> Finding | None:
     """Hypothesis: the run never computed a wiring tensor the checkpoint has. Evidence: a ref
     record in the wiring set, in an eval group the run has, that the run's filters would keep."""
     keys = [k for k in plan.ref_only
-            if _wiring(k[1]) and k[0] in plan.run_groups and _captured(k[1], run)]
+            if _wiring(k[1]) and k[0] in plan.run_groups and _captured(k[1], k[0][0], run)]
     return _one_sided("missing_tensor", keys, "the run has no {name} in {where} (the reference does)")
 
 

@@ -50,11 +50,21 @@ def parse_tokens(tokens: str) -> list[int]:
     return ids
 
 
-def role_filters(filters: list[str] | None) -> dict[int, list[str]]:
+def role_filters(filters: list[str] | None, tapped: tuple[int, ...] | None = None) -> dict[int, list[str]]:
     """Globs per role; `draft:GLOB` or `target:GLOB` limits one to a role, `!GLOB` excludes.
-    ggml's derived names ("x (view)", "x (permuted)") are excluded unless a glob names "(".
+
+    Without filters: the drafter's wiring tensors, and on the target the inputs of the `tapped`
+    layers and the logits. When the layers are unknown (around a program): every target layer,
+    and the positions as the graphs saw them. ggml's derived names ("x (view)", "x (permuted)")
+    are excluded unless a glob names "(".
     """
-    chosen = list(filters or names.DEFAULT_FILTERS)
+    if filters:
+        chosen = list(filters)
+    elif tapped:
+        target = [names.tapped_layer_name(L) for L in tapped] + list(names.TARGET_WIRING)
+        chosen = [f"draft:{g}" for g in names.DRAFT_WIRING] + [f"target:{g}" for g in target]
+    else:
+        chosen = [f"draft:{g}" for g in names.DRAFT_WIRING] + [f"target:{g}" for g in names.TARGET_ALL_LAYERS] + [names.INP_POS]
     if not any("(" in f for f in chosen):
         chosen.append(names.EXCLUDE_DERIVED)
     out: dict[int, list[str]] = {0: [], 1: []}
@@ -95,17 +105,25 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     """Run the flow on the real build and write the dump; return its path."""
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
-    output = Path(output)
-    prefix = output.with_name(output.name + ".spool")
     rt = Runtime.load(llama_dir)
-    globs = role_filters(filters)
+    models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
+    try:
+        ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
+        cfg = flow_config(*models)
+        return _spooled(rt, models, ids, cfg, rounds, role_filters(filters, cfg.target_layers), Path(output))
+    finally:
+        for m in models:
+            m.free()
+
+
+def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
+             rounds: int, globs: dict[int, list[str]], output: Path) -> Path:
+    """Run the flow into a spool beside `output`, then pack it; keep what a crash leaves."""
+    prefix = output.with_name(output.name + ".spool")
     sp = Spool.open(rt, prefix, globs)
     try:
-        _run(rt, sp, Path(target), Path(model), prompt, tokens, rounds, globs)
-    except InputError:
-        sp.close()
-        _remove_spool(prefix)  # nothing was captured worth keeping
-        raise
+        sp.note("header", _header(rt, models, ids, globs))
+        _run(rt, sp, models, ids, cfg, rounds)
     except KeyboardInterrupt:
         sp.close()
         log.warning("interrupted: packing the complete records into %s", spool.pack(prefix, output))
@@ -128,22 +146,18 @@ def _remove_spool(prefix: Path) -> None:
         Path(f"{prefix}{suffix}").unlink(missing_ok=True)
 
 
-def _run(rt: Runtime, sp: Spool, target: Path, model: Path, prompt: str | None,
-         tokens: str | None, rounds: int, globs: dict[int, list[str]]) -> None:
-    tgt_model, dft_model = Model.load(rt, target), Model.load(rt, model)
-    ids = prompt_ids(tgt_model, prompt, tokens)  # speculative-simple tokenizes with the target
-    cfg = flow_config(tgt_model, dft_model)
-    sp.note("header", _header(rt, target, model, ids, globs))
+def _run(rt: Runtime, sp: Spool, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
+         rounds: int) -> None:
     n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)
     threads = min(os.cpu_count() or 1, MAX_THREADS)
-    tgt = Context.new(rt, tgt_model, n_ctx, threads, tag=sp.tag(0))
-    dft = Context.new(rt, dft_model, n_ctx, threads, tag=sp.tag(1), ctx_other=tgt)
+    tgt = Context.new(rt, models[0], n_ctx, threads, tag=sp.tag(0))
+    dft = Context.new(rt, models[1], n_ctx, threads, tag=sp.tag(1), ctx_other=tgt)
     enable_dflash(tgt, dft, cfg)
     try:
         driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=_progress(rounds))
     finally:
-        for obj in (dft, tgt, dft_model, tgt_model):
-            obj.free()
+        dft.free()
+        tgt.free()
 
 
 def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
@@ -155,15 +169,15 @@ def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
     lib.llama_set_causal_attn(dft.ptr, False)
 
 
-def kept_globs(filters: dict[int, list[str]]) -> list[str]:
-    """The globs a capture keeps, as a manifest's build records them (compare reads them)."""
-    return sorted({g for globs in filters.values() for g in globs if not g.startswith("!")})
+def kept_globs(filters: dict[int, list[str]]) -> dict[str, list[str]]:
+    """The globs a capture keeps per role, as a manifest's build records them (compare reads them)."""
+    return {role: sorted(g for g in filters[i] if not g.startswith("!")) for role, i in ROLE_IDS.items()}
 
 
-def _header(rt: Runtime, target: Path, model: Path, ids: list[int], filters: dict[int, list[str]]) -> dict:
+def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: dict[int, list[str]]) -> dict:
     kept = kept_globs(filters)
     return {
-        "models": {"target": model_info(target).to_json(), "draft": model_info(model).to_json()},
+        "models": {"target": model_info(models[0].path).to_json(), "draft": model_info(models[1].path).to_json()},
         "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
                   "system_info": rt.system_info(), "commit": _commit(rt), "filters": kept},
         "prompt_tokens": ids,
