@@ -107,6 +107,13 @@ def test_filters_select_by_role_and_exclude(captured):
     assert names == {("draft", "Qcur-0"), ("target", "l_out-1")}
 
 
+def test_an_exclusion_can_name_a_role():
+    from featdiff.llama.capture import role_filters
+
+    globs = role_filters(["l_out-*", "!target:l_out-0"])
+    assert "!l_out-0" in globs[0] and "!l_out-0" not in globs[1] and "l_out-*" in globs[1]
+
+
 def test_killed_capture_packs_into_a_dump_of_its_complete_records(fixture_models, tmp_path):
     d = fixture_models("clean")
     out = tmp_path / "run.npz"

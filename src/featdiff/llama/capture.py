@@ -69,12 +69,10 @@ def role_filters(filters: list[str] | None, tapped: tuple[int, ...] | None = Non
         chosen.append(names.EXCLUDE_DERIVED)
     out: dict[int, list[str]] = {0: [], 1: []}
     for f in chosen:
-        role, sep, glob = f.partition(":")
-        if sep and role in ROLE_IDS:
-            out[ROLE_IDS[role]].append(glob)
-        else:
-            out[0].append(f)
-            out[1].append(f)
+        bang = "!" if f.startswith("!") else ""
+        role, sep, glob = f.removeprefix("!").partition(":")
+        for i in ([ROLE_IDS[role]] if sep and role in ROLE_IDS else [0, 1]):
+            out[i].append(bang + (glob if sep and role in ROLE_IDS else f.removeprefix("!")))
     return out
 
 
