@@ -2,7 +2,9 @@
 Face directories, with one wiring bug planted per variant.
 
 A variant directory holds `target.gguf` and `draft.gguf` (what the run loads) and `target-hf/`,
-`draft-hf/` (the trained checkpoint, always correct: the reference reads these).
+`draft-hf/` (the trained checkpoint, always correct: the reference reads these). The `trained*`
+variants hold a drafter actually trained on its target (featdiff.training, cached), and
+`prompts.txt`: held-out prompts for `featdiff probe`.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Variant:
     gguf_swap_fc_blocks: bool = False  # fc column blocks 0 and 1 swapped in the GGUF
     gguf_drop_own_embd: bool = False   # GGUF omits the drafter's own embeddings/head
     gguf_drop_log_snr: bool = False    # GGUF omits the log-SNR tensors and keys (upstream loads it)
+    is_trained: bool = False           # the drafter is trained on its target (featdiff.training), not random
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
@@ -88,7 +91,16 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("slots-swapped", "fc column blocks of slots 0 and 1 swapped", gguf_swap_fc_blocks=True),
     Variant("borrowed-embd", "own-embeddings drafter exported without them, so the run borrows the target's",
             checkpoint_own_embd=True, gguf_drop_own_embd=True),
+    Variant("trained", "drafter trained on its target: accept rate means something", is_trained=True),
+    Variant("trained-layers-minus1", "trained drafter, dflash.target_layers without the +1 of the converter",
+            gguf_layer_delta=-1, is_trained=True),
+    Variant("trained-log-snr", "trained GIDD log-SNR conditioned drafter (upstream llama.cpp refuses it)",
+            checkpoint_log_snr=True, is_trained=True),
+    Variant("trained-no-log-snr", "trained log-SNR drafter exported without its conditioning",
+            checkpoint_log_snr=True, gguf_drop_log_snr=True, is_trained=True),
 )}
+PROMPTS_FILE = "prompts.txt"  # a trained variant's held-out prompts, in `featdiff probe --prompts` format
+HELD_OUT_PROMPTS = 8
 
 
 def checked_variant(name: str) -> str:
@@ -100,23 +112,48 @@ def checked_variant(name: str) -> str:
 
 def describe_variants() -> str:
     """One line per variant: name and the bug it plants."""
-    return "\n".join(f"{v.name:14s} {v.doc}" for v in VARIANTS.values())
+    return "\n".join(f"{v.name:22s} {v.doc}" for v in VARIANTS.values())
 
 
-def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, sizes: Sizes = TINY) -> Path:
-    """Write one variant's GGUFs and HF directories into `outdir`; return `outdir`."""
+def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, sizes: Sizes | None = None) -> Path:
+    """Write one variant's GGUFs and HF directories into `outdir`; return `outdir`.
+
+    `sizes` defaults to TINY, or to `training.TRAINED_SIZES` for the trained variants.
+    """
     v = VARIANTS[variant]
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    target = _target_weights(rng, v.target_arch, sizes)
-    draft = _draft_weights(rng, v, sizes)
+    sizes, target, draft = (_trained_weights if v.is_trained else _random_weights)(v, seed, sizes)
     _write_target_gguf(out / "target.gguf", target, v.target_arch, sizes)
     _write_target_hf(out / "target-hf", target, v.target_arch, sizes)
     _write_draft_hf(out / "draft-hf", draft, v, sizes)
     _write_draft_gguf(out / "draft.gguf", _gguf_view(draft, v, sizes), v, sizes)
+    if v.is_trained:
+        _write_held_out_prompts(out / PROMPTS_FILE, seed, sizes)
     (out / "VARIANT").write_text(f"{v.name}: {v.doc}\n")
     return out
+
+
+def _random_weights(v: Variant, seed: int, sizes: Sizes | None) -> tuple[Sizes, dict, dict]:
+    """Sizes, target and drafter weights of an untrained variant, drawn from `seed`."""
+    sizes = sizes or TINY
+    rng = np.random.default_rng(seed)
+    return sizes, target_weights(rng, v.target_arch, sizes), draft_weights(rng, v, sizes)
+
+
+def _trained_weights(v: Variant, seed: int, sizes: Sizes | None) -> tuple[Sizes, dict, dict]:
+    """Sizes, target and (conditioned or plain) drafter of the trained pair of `seed`."""
+    from featdiff import training  # torch, and a first training (then cached), only when asked for
+
+    sizes = sizes or training.TRAINED_SIZES
+    pair = training.trained_pair(seed, sizes)
+    return sizes, pair.target, pair.draft_log_snr if v.checkpoint_log_snr else pair.draft
+
+
+def _write_held_out_prompts(path: Path, seed: int, sizes: Sizes) -> None:
+    from featdiff import training
+
+    training.write_prompts(path, training.held_out_prompts(seed, HELD_OUT_PROMPTS, sizes))
 
 
 # --- weights (HF orientation: (out, in); equal to the GGUF numpy arrays) -----------------------
@@ -147,7 +184,8 @@ def _layer(rng: np.random.Generator, s: Shape, qk_norm: bool) -> dict[str, np.nd
     return w
 
 
-def _target_weights(rng: np.random.Generator, arch: str, sz: Sizes) -> dict:
+def target_weights(rng: np.random.Generator, arch: str, sz: Sizes) -> dict:
+    """A random target (HF orientation), drawn from `rng`."""
     s = sz.target
     return {
         "token_embd": rng.standard_normal((sz.n_vocab, s.n_embd)).astype(np.float32),
@@ -157,7 +195,8 @@ def _target_weights(rng: np.random.Generator, arch: str, sz: Sizes) -> dict:
     }
 
 
-def _draft_weights(rng: np.random.Generator, v: Variant, sz: Sizes) -> dict:
+def draft_weights(rng: np.random.Generator, v: Variant, sz: Sizes) -> dict:
+    """A random drafter for variant `v`'s checkpoint (HF orientation), drawn from `rng`."""
     s = sz.draft
     n_extract = len(HF_TARGET_LAYER_IDS)
     w = {

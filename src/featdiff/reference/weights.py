@@ -115,12 +115,19 @@ class Draft:
         return len(self.target_layers)
 
 
+_LAYER_FIELDS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+                 "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "ffn_norm": "ffn_norm",
+                 "ffn_gate": "ffn_gate", "ffn_up": "ffn_up", "ffn_down": "ffn_down"}  # GGUF per-layer name -> field
+
+
 def layer_from_tensors(t: dict[str, torch.Tensor | None]) -> Layer:
     """A `Layer` from tensors keyed by their GGUF per-layer names (`attn_q`, `ffn_up`, ...)."""
-    return Layer(attn_norm=t["attn_norm"], wq=t["attn_q"], wk=t["attn_k"], wv=t["attn_v"],
-                 wo=t["attn_output"], q_norm=t["attn_q_norm"], k_norm=t["attn_k_norm"],
-                 ffn_norm=t["ffn_norm"], ffn_gate=t["ffn_gate"], ffn_up=t["ffn_up"],
-                 ffn_down=t["ffn_down"])
+    return Layer(**{field: t[name] for name, field in _LAYER_FIELDS.items()})
+
+
+def tensors_of_layer(layer: Layer) -> dict[str, torch.Tensor | None]:
+    """A layer's tensors keyed by their GGUF per-layer names: the inverse of `layer_from_tensors`."""
+    return {name: getattr(layer, field) for name, field in _LAYER_FIELDS.items()}
 
 
 def check_pair(target: Target, draft: Draft) -> None:
