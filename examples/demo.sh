@@ -1,36 +1,44 @@
 #!/usr/bin/env bash
-# The main job end to end on tiny seeded models: capture what the real llama.cpp build feeds
-# the drafter, compute the reference from the trained checkpoint, compare, and write the triage
-# reports: once for a correct pair, once for a drafter whose dflash.target_layers are off by one.
+# The main job end to end on a tiny drafter trained on its target: its accept rate through the
+# real llama.cpp spec loop next to the reference's, a capture of what the drafter receives, the
+# reference dump from the trained checkpoint, compare, and the triage report. Once for the
+# correct export, once for an export whose dflash.target_layers lack the converter's +1.
 # Run by `make demo` (featdiff on PATH).
 set -euo pipefail
 OUT=${DEMO_OUT:-demo-out}
-TOKENS=7,21,3,99,140,5,260,33,18,402,77,9
 ROUNDS=3
 mkdir -p "$OUT"
 
-run_pair() {  # $1 = fixture variant; prints the verdict, returns compare's exit code
-    local v=$1 d=$OUT/$1
-    featdiff fixture "$d" --variant "$v" >/dev/null
+triage() {  # $1 = fixture variant, $2 = label; returns compare's exit code
+    local d=$OUT/$2
+    featdiff fixture "$d" --variant "$1" >/dev/null   # trains once per machine (~20 s), then cached
+    local tokens
+    tokens=$(sed -n '1s/^tokens: //p' "$d/prompts.txt")
+    echo "-- accept rate, real llama.cpp loop vs the reference drafter (held-out prompts)"
+    featdiff probe --target "$d/target.gguf" --model "$d/draft.gguf" --ref-model "$d/draft-hf" \
+        --prompts "$d/prompts.txt" > "$d/probe.txt" || true   # exit 1 on a gap: shown below
+    head -1 "$d/probe.txt"
+    tail -2 "$d/probe.txt"
+    echo "-- capture, reference, compare"
     featdiff capture --target "$d/target.gguf" --model "$d/draft.gguf" \
-        --tokens "$TOKENS" --rounds "$ROUNDS" -o "$d/run.npz" >/dev/null
+        --tokens "$tokens" --rounds "$ROUNDS" -o "$d/run.npz" >/dev/null
     featdiff reference --target "$d/target.gguf" --model "$d/draft-hf" \
-        --tokens "$TOKENS" --rounds "$ROUNDS" -o "$d/ref.npz" >/dev/null
+        --tokens "$tokens" --rounds "$ROUNDS" -o "$d/ref.npz" >/dev/null
     featdiff compare "$d/ref.npz" "$d/run.npz" --json "$d/findings.json" --report "$d/report.html"
 }
 
-echo "== 1. a correct pair: $OUT/clean"
-run_pair clean || { echo "demo: the correct pair should compare clean"; exit 1; }
-featdiff inspect "$OUT/clean/run.npz" | head -12
+echo "== 1. the trained drafter, exported correctly: $OUT/correct"
+triage trained correct || { echo "demo: the correct export should compare clean"; exit 1; }
 
 echo
-echo "== 2. the same drafter exported with dflash.target_layers one too high: $OUT/layers-plus1"
-if run_pair layers-plus1; then
-    echo "demo: the off-by-one pair should give an error finding"; exit 1
+echo "== 2. the same drafter, dflash.target_layers without the +1: $OUT/off-by-one"
+featdiff inspect "$OUT/correct/draft.gguf" | grep target_layers
+if triage trained-layers-minus1 off-by-one; then
+    echo "demo: the off-by-one export should give an error finding"; exit 1
 fi
-featdiff inspect "$OUT/layers-plus1/draft.gguf"
+featdiff inspect "$OUT/off-by-one/draft.gguf" | grep target_layers
 
 echo
 echo "reports (open in a browser):"
-echo "  correct pair: $OUT/clean/report.html"
-echo "  off by one:   $OUT/layers-plus1/report.html"
+echo "  correct export: $OUT/correct/report.html"
+echo "  off by one:     $OUT/off-by-one/report.html"
