@@ -114,18 +114,23 @@ def test_an_exclusion_can_name_a_role():
     assert "!l_out-0" in globs[0] and "!l_out-0" not in globs[1] and "l_out-*" in globs[1]
 
 
-def test_killed_capture_packs_into_a_dump_of_its_complete_records(fixture_models, tmp_path):
-    d = fixture_models("clean")
-    out = tmp_path / "run.npz"
-    index = tmp_path / "run.npz.spool.index"
-    code = ("import sys; from featdiff.llama.capture import capture; "
+def _long_capture_under_way(d: Path, out: Path) -> subprocess.Popen:
+    """A capture of 2000 rounds in a child process, returned once its spool holds 200 kB."""
+    index = out.with_name(out.name + ".spool.index")
+    code = ("from featdiff.llama.capture import capture; "
             f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=2000, filters=['*'])")
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
         time.sleep(0.05)
+    return proc
+
+
+def test_killed_capture_packs_into_a_dump_of_its_complete_records(fixture_models, tmp_path):
+    out = tmp_path / "run.npz"
+    proc = _long_capture_under_way(fixture_models("clean"), out)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     assert not out.exists()
     from typer.testing import CliRunner
 
@@ -148,18 +153,11 @@ def test_second_capture_reuses_the_compiled_binding(fixture_models, tmp_path):
 
 
 def test_interrupted_capture_still_writes_a_readable_dump(fixture_models, tmp_path):
-    d = fixture_models("clean")
     out = tmp_path / "run.npz"
-    index = tmp_path / "run.npz.spool.index"
-    code = ("from featdiff.llama.capture import capture; "
-            f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=2000, filters=['*'])")
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
-        time.sleep(0.05)
+    proc = _long_capture_under_way(fixture_models("clean"), out)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "interrupted" in err
     with read_dump(out) as dump:
         assert len(dump.manifest.records) > 100 and len(dump.manifest.evals) > 3
-    assert not index.exists()
+    assert not out.with_name("run.npz.spool.index").exists()
