@@ -39,6 +39,10 @@ fi
 featdiff inspect "$OUT/off-by-one/draft.gguf" | grep target_layers
 
 echo
+echo "== what the capture holds (first evals of $OUT/correct/run.npz)"
+featdiff inspect "$OUT/correct/run.npz" | head -24
+
+echo
 echo "reports (open in a browser):"
 echo "  correct export: $OUT/correct/report.html"
 echo "  off by one:     $OUT/off-by-one/report.html"
