@@ -42,7 +42,6 @@ def synth_run(tmp_path):
 @pytest.fixture(scope="session")
 def referenced(tmp_path_factory, fixture_models):
     """`referenced(variant)`: the reference dump of that variant's trained checkpoint."""
-    pytest.importorskip("torch", reason="the reference needs torch")
     from featdiff.reference.run import reference
 
     made: dict[str, Path] = {}

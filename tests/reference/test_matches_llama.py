@@ -20,7 +20,6 @@ from featdiff.reference.attention import empty_cache
 from featdiff.reference.drafter import inject
 from featdiff.reference.load import load_draft
 
-pytest.importorskip("featdiff.llama.capture")
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
 ROUNDS = 3

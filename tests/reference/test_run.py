@@ -143,7 +143,8 @@ def test_cli_writes_a_readable_dump(variant_dir, tmp_path):
 
 
 def test_prompt_is_tokenized_with_the_gguf_vocabulary(variant_dir, tmp_path):
-    tokenize = pytest.importorskip("featdiff.llama.tokenize").tokenize
+    from featdiff.llama.tokenize import tokenize
+
     d = variant_dir("clean")
     out = tmp_path / "ref.npz"
     result = runner.invoke(app, ["reference", "--target", str(d / "target-hf"), "--model", str(d / "draft.gguf"),

@@ -51,7 +51,6 @@ REAL_ROUNDS = 3
 @pytest.fixture(scope="session")
 def real_pair(tmp_path_factory: pytest.TempPathFactory, fixture_models, captured):
     """`real_pair(variant)`: a real capture, a real reference and compare's Comparison of them."""
-    pytest.importorskip("torch", reason="the reference needs torch")
     from featdiff.compare import compare_dumps
     from featdiff.reference.run import reference
 

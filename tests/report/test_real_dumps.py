@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
-from chromium_probe import CHROMIUM, MISSING, assert_renders
+from chromium_probe import assert_renders
 from featdiff.cli import app
 from featdiff.dump import read_dump
 from featdiff.report import layer_match_from_dumps, write_report
@@ -27,7 +26,6 @@ def test_layer_match_of_the_off_by_one_demo_is_the_expected_layer_plus_one(real_
         assert j is not None and m.matrix[k, j] < m.matrix[k].max()  # outlined cell is not the brightest
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason=MISSING)
 def test_off_by_one_report_renders_in_chromium(real_pair, tmp_path: Path) -> None:
     pair = real_pair("layers-plus1")
     page = write_report(pair.ref, pair.run, tmp_path / "report.html", comparison=pair.comparison,

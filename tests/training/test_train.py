@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="training needs torch")
+import torch
 
 from featdiff import fixtures  # noqa: E402
 from featdiff.reference.drafter import draft_block, inject  # noqa: E402
