@@ -79,3 +79,19 @@ def test_the_binding_is_cffi_only():
     forbidden = "c" + "types"  # spelled apart so this file does not match itself
     out = subprocess.run(["git", "grep", "-n", "-I", "-w", forbidden, "--", ":!*.md"], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout == ""
+
+
+def test_inspect_lists_a_captures_evals_and_records(captured):
+    result = CliRunner().invoke(app, ["inspect", str(captured("clean"))])
+    assert result.exit_code == 0, result.output
+    for text in ("llama.cpp dump", "target prefill", "draft  inject", "draft  draft", "target verify",
+                 "inp_target_features", "Kcur_injected-0", "round 1: pos0"):
+        assert text in result.output, text
+
+
+def test_inspect_shows_a_drafters_dflash_metadata(fixture_models):
+    d = fixture_models("layers-plus1")
+    result = CliRunner().invoke(app, ["inspect", str(d / "draft.gguf")])
+    assert result.exit_code == 0
+    assert "dflash.target_layers = [3, 5]" in result.output and "block_size = 4" in result.output
+    assert "borrows the target" in result.output
