@@ -42,8 +42,11 @@ test: setup browser tools
 test-cuda: setup
 	$(BIN)/python -m pytest -q -m cuda -rs
 
+# Speed goals, each a ratio measured side by side in one run (not part of `make test`).
 bench: setup
 	$(BIN)/python bench/bench_capture.py
+	$(BIN)/python bench/bench_compare.py
+	$(BIN)/python bench/bench_report.py
 
 clean:
 	rm -rf $(VENV) demo-out build
