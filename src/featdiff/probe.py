@@ -8,7 +8,6 @@ that round's anchor, so the two sides' accepts differ only where their drafts do
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +20,6 @@ DEFAULT_ROUNDS = 6        # in-process: rounds per prompt
 DEFAULT_N_PREDICT = 16    # through llama-server: tokens per request
 DEFAULT_PROMPTS = ("The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens in blocks.")
 TOKENS_PREFIX = "tokens:"  # a prompts-file line `tokens: 1,2,3` gives token ids instead of text
-MAX_THREADS = 8
-CTX_MIN = 256
-CTX_SLACK = 16
 PROBE_FILTERS = (f"target:{names.RESULT_OUTPUT}",)  # the last verify's greedy tokens; nothing else is needed
 
 
@@ -167,18 +163,13 @@ def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], round
 
 def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int) -> RunTrace:
     from featdiff.llama import driver
-    from featdiff.llama.capture import enable_dflash, flow_config, prompt_ids
-    from featdiff.llama.runtime import Context
+    from featdiff.llama.capture import flow_config, new_contexts, prompt_ids
 
     tokens = ",".join(map(str, prompt.tokens)) if prompt.tokens is not None else None
     ids = prompt_ids(tgt_model, prompt.text, tokens)
     cfg = flow_config(tgt_model, dft_model)
-    n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)
-    threads = min(os.cpu_count() or 1, MAX_THREADS)
-    tgt = Context.new(rt, tgt_model, n_ctx, threads)
-    dft = Context.new(rt, dft_model, n_ctx, threads, ctx_other=tgt)
+    tgt, dft = new_contexts(rt, (tgt_model, dft_model), len(ids), rounds, cfg)
     try:
-        enable_dflash(tgt, dft, cfg)
         done = driver.run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
     finally:
         dft.free()

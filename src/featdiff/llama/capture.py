@@ -144,13 +144,21 @@ def _remove_spool(prefix: Path) -> None:
         Path(f"{prefix}{suffix}").unlink(missing_ok=True)
 
 
+def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds: int,
+                 cfg: driver.FlowConfig, tags: tuple = (None, None)) -> tuple[Context, Context]:
+    """The target and draft contexts of one flow, sized for it, with DFlash switched on; `tags`
+    are the shim's callback tags (None: no callback)."""
+    n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_size + CTX_SLACK)
+    threads = min(os.cpu_count() or 1, MAX_THREADS)
+    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0])
+    dft = Context.new(rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt)
+    enable_dflash(tgt, dft, cfg)
+    return tgt, dft
+
+
 def _run(rt: Runtime, sp: Spool, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
          rounds: int) -> None:
-    n_ctx = max(CTX_MIN, len(ids) + (rounds + 1) * cfg.block_size + CTX_SLACK)
-    threads = min(os.cpu_count() or 1, MAX_THREADS)
-    tgt = Context.new(rt, models[0], n_ctx, threads, tag=sp.tag(0))
-    dft = Context.new(rt, models[1], n_ctx, threads, tag=sp.tag(1), ctx_other=tgt)
-    enable_dflash(tgt, dft, cfg)
+    tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)))
     try:
         driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=_progress(rounds))
     finally:
