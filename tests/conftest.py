@@ -1,5 +1,5 @@
-"""Session-wide fixtures shared by the whole suite: tiny models per variant, and real captures
-of them through the pinned llama.cpp build (each made once per session)."""
+"""Session-wide fixtures shared by the whole suite: tiny models per variant, real captures of
+them through the pinned llama.cpp build, and their reference dumps (each made once per session)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.fixtures import write_fixture
-
-DEFAULT_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-DEFAULT_ROUNDS = 3
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +39,27 @@ def captured(tmp_path_factory, fixture_models):
             out = tmp_path_factory.mktemp(f"run-{variant}") / "run.npz"
             made[key] = capture(d / "target.gguf", d / "draft.gguf", out, tokens=tokens,
                                 rounds=rounds, filters=list(filters) if filters else None)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def referenced(tmp_path_factory, fixture_models):
+    """(variant, model=, target=, tokens=, rounds=, kv_dtype=) -> the reference dump of that
+    fixture pair's files (default: the trained checkpoint draft-hf), made once per arguments."""
+    from featdiff.reference.run import reference
+
+    made: dict[tuple, Path] = {}
+
+    def get(variant: str = "clean", model: str = "draft-hf", target: str = "target.gguf",
+            tokens: str = DEFAULT_TOKENS, rounds: int = DEFAULT_ROUNDS, kv_dtype: str = "f16") -> Path:
+        key = (variant, model, target, tokens, rounds, kv_dtype)
+        if key not in made:
+            d = fixture_models(variant)
+            out = tmp_path_factory.mktemp(f"ref-{variant}") / "ref.npz"
+            made[key] = reference(d / target, d / model, out, prompt=None, tokens=tokens, rounds=rounds,
+                                  dtype="float32", device="cpu", kv_dtype=kv_dtype, llama_dir=None)
         return made[key]
 
     return get

@@ -12,8 +12,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import synth  # noqa: E402
 
-REAL_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"  # tests/conftest.py DEFAULT_TOKENS: shares its capture
-REAL_ROUNDS = 3
 # The trained checkpoint behind each fault variant (the reference reads draft-hf, always correct):
 # the layer and slot faults share clean's checkpoint, so they share its reference.
 CHECKPOINT_OF = {"clean": "clean", "layers-plus1": "clean", "layers-minus1": "clean",
@@ -40,20 +38,6 @@ def synth_run(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def referenced(tmp_path_factory, fixture_models):
-    """`referenced(variant)`: the reference dump of that variant's trained checkpoint."""
-    from featdiff.reference.run import reference
-
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        checkpoint = CHECKPOINT_OF[variant]
-        if checkpoint not in made:
-            d = fixture_models(checkpoint)
-            out = tmp_path_factory.mktemp(f"ref-{checkpoint}") / "ref.npz"
-            made[checkpoint] = reference(d / "target.gguf", d / "draft-hf", out, prompt=None, tokens=REAL_TOKENS,
-                                         rounds=REAL_ROUNDS, dtype="float32", device="cpu", kv_dtype="f16",
-                                         llama_dir=None)
-        return made[checkpoint]
-
-    return get
+def checkpoint_ref(referenced):
+    """`checkpoint_ref(variant)`: the reference dump of that variant's trained checkpoint."""
+    return lambda variant: referenced(CHECKPOINT_OF[variant])

@@ -12,10 +12,9 @@ import pytest
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.compare.result import Finding
 from quantize import quantize_gguf
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from transform import rewrite
 
-REAL_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-REAL_ROUNDS = 3
 FIRST_INJECT = 1  # eval of the prefill's inject (docs/flow.md)
 
 
@@ -31,8 +30,8 @@ def the_error(c) -> Finding:
 
 
 @pytest.fixture(scope="module")
-def clean(captured, referenced) -> tuple[Path, Path]:
-    return referenced("clean"), captured("clean")
+def clean(captured, checkpoint_ref) -> tuple[Path, Path]:
+    return checkpoint_ref("clean"), captured("clean")
 
 
 # --- the correct pair --------------------------------------------------------------------------
@@ -50,7 +49,7 @@ def test_q8_0_target_gives_numeric_noise_only(clean, fixture_models, tmp_path_fa
     d = fixture_models("clean")
     work = tmp_path_factory.mktemp("q8_0")
     target = quantize_gguf(d / "target.gguf", work / "target-q8_0.gguf")
-    run = capture(target, d / "draft.gguf", work / "run.npz", tokens=REAL_TOKENS, rounds=REAL_ROUNDS)
+    run = capture(target, d / "draft.gguf", work / "run.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS)
     c = compare_dumps(clean[0], run, None)
     assert exit_code(c) == 0, [(f.kind, f.tensor, f.message) for f in errors(c)]
     assert [f.kind for f in c.findings] == ["numeric_noise"]
@@ -60,8 +59,8 @@ def test_q8_0_target_gives_numeric_noise_only(clean, fixture_models, tmp_path_fa
 # --- faults planted in the GGUF the run loads --------------------------------------------------
 
 @pytest.mark.parametrize("variant,delta,observed", [("layers-plus1", 1, [3, 5]), ("layers-minus1", -1, [1, 3])])
-def test_layer_offset_found_when_target_layers_are_off(captured, referenced, variant, delta, observed):
-    c = compare_dumps(referenced(variant), captured(variant), None)
+def test_layer_offset_found_when_target_layers_are_off(captured, checkpoint_ref, variant, delta, observed):
+    c = compare_dumps(checkpoint_ref(variant), captured(variant), None)
     f = the_error(c)
     assert (f.kind, f.tensor) == ("layer_offset", "inp_target_features")
     assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == \
@@ -70,18 +69,18 @@ def test_layer_offset_found_when_target_layers_are_off(captured, referenced, var
     assert c.pairs[c.first_divergence].eval == FIRST_INJECT
 
 
-def test_slot_permutation_found_when_fc_column_blocks_are_swapped(captured, referenced):
-    f = the_error(compare_dumps(referenced("slots-swapped"), captured("slots-swapped"), None))
+def test_slot_permutation_found_when_fc_column_blocks_are_swapped(captured, checkpoint_ref):
+    f = the_error(compare_dumps(checkpoint_ref("slots-swapped"), captured("slots-swapped"), None))
     assert (f.kind, f.tensor, f.fields["permutation"]) == ("slot_permutation", "inp_g_embeddings", [1, 0])
 
 
-def test_missing_term_found_when_log_snr_conditioning_is_dropped(captured, referenced):
-    f = the_error(compare_dumps(referenced("no-log-snr"), captured("no-log-snr"), None))
+def test_missing_term_found_when_log_snr_conditioning_is_dropped(captured, checkpoint_ref):
+    f = the_error(compare_dumps(checkpoint_ref("no-log-snr"), captured("no-log-snr"), None))
     assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "log_snr_embed")
 
 
-def test_wrong_source_found_when_the_run_borrows_the_target_embeddings(captured, referenced):
-    f = the_error(compare_dumps(referenced("borrowed-embd"), captured("borrowed-embd"), None))
+def test_wrong_source_found_when_the_run_borrows_the_target_embeddings(captured, checkpoint_ref):
+    f = the_error(compare_dumps(checkpoint_ref("borrowed-embd"), captured("borrowed-embd"), None))
     assert (f.kind, f.tensor, f.fields["source"]) == ("wrong_source", "inp_noise_embd", "target")
 
 

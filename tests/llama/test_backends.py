@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
+
 ENV_CUDA_DIR = "FEATDIFF_CUDA_LLAMA_DIR"
-TOKENS, ROUNDS = "7,21,3,99,140,5,260,33,18,402,77,9", 3  # the CPU capture's (tests/conftest.py)
 
 
 def _cuda_build() -> Path:
@@ -30,7 +31,7 @@ def test_cuda_capture_matches_the_cpu_capture(fixture_models, captured, tmp_path
 
     llama_dir = _cuda_build()
     d = fixture_models("clean")
-    run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "cuda.npz", tokens=TOKENS, rounds=ROUNDS,
+    run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "cuda.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS,
                   llama_dir=llama_dir)
-    comparison = compare_dumps(captured("clean", tokens=TOKENS, rounds=ROUNDS), run, None)
+    comparison = compare_dumps(captured("clean"), run, None)
     assert comparison.ok, [f.message for f in comparison.findings]

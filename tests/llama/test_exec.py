@@ -17,8 +17,9 @@ from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.exec import ExecContext, ExecEval, ExecLog, flow_evals, prompt_from_evals
 from featdiff.llama.preload import preload, preload_library
+from real_flow import DEFAULT_TOKENS
 
-TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+TOKENS = DEFAULT_TOKENS  # the server request
 PROMPT = "The quick brown fox"
 SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
 RUN_TIMEOUT_S = 120
@@ -57,19 +58,15 @@ def exec_captured(tmp_path_factory, fixture_models, tools):
 
 
 @pytest.fixture(scope="session")
-def reference_for(tmp_path_factory, fixture_models):
+def reference_for(referenced):
     """A run dump -> the reference (trained HF checkpoint) on the tokens and rounds the run decoded."""
-    from featdiff.reference.run import reference
 
     def get(run: Path, variant: str) -> Path:
         with read_dump(run) as dump:
             m = dump.manifest
             drafted = sum(1 for r in m.rounds if r.drafts)  # the reference drafts every round
             tokens = ",".join(map(str, m.prompt_tokens))
-        d = fixture_models(variant)
-        out = tmp_path_factory.mktemp(f"ref-{variant}") / "ref.npz"
-        return reference(d / "target-hf", d / "draft-hf", out, prompt=None, tokens=tokens, rounds=drafted,
-                         dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None)
+        return referenced(variant, target="target-hf", tokens=tokens, rounds=drafted)
 
     return get
 

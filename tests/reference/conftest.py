@@ -1,8 +1,9 @@
-"""Session fixtures for the reference tests: fixture variants written once, reference dumps
-computed once, and a GGUF rewriter for crafted broken drafters."""
+"""Fixtures for the reference tests: the session's variants and reference dumps (tests/conftest.py)
+under the names these tests use, and a GGUF rewriter for crafted broken drafters."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -11,52 +12,20 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from featdiff import names
-from featdiff.fixtures import write_fixture
-from featdiff.reference.run import reference
 
 PROMPT = "1,2,3,4,5,6,7,8,9,10"
 ROUNDS = 3
 
 
-class VariantDirs:
-    """Fixture variants under one session directory, each written on first use."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def __call__(self, variant: str) -> Path:
-        out = self.root / variant
-        if not (out / "draft.gguf").exists():
-            write_fixture(out, variant)
-        return out
-
-
-class ReferenceDumps:
-    """Reference dumps keyed by their arguments, computed once."""
-
-    def __init__(self, dirs: VariantDirs, root: Path):
-        self.dirs, self.root = dirs, root
-        self.made: dict[tuple, Path] = {}
-
-    def __call__(self, variant: str, target: str = "target.gguf", model: str = "draft.gguf",
-                 kv_dtype: str = "f16", tokens: str = PROMPT, rounds: int = ROUNDS) -> Path:
-        key = (variant, target, model, kv_dtype, tokens, rounds)
-        if key not in self.made:
-            d = self.dirs(variant)
-            out = self.root / f"ref-{len(self.made)}.npz"
-            self.made[key] = reference(d / target, d / model, out, prompt=None, tokens=tokens, rounds=rounds,
-                                       dtype="float32", device="cpu", kv_dtype=kv_dtype, llama_dir=None)
-        return self.made[key]
+@pytest.fixture(scope="session")
+def variant_dir(fixture_models):
+    return fixture_models
 
 
 @pytest.fixture(scope="session")
-def variant_dir(tmp_path_factory: pytest.TempPathFactory) -> VariantDirs:
-    return VariantDirs(tmp_path_factory.mktemp("variants"))
-
-
-@pytest.fixture(scope="session")
-def ref_dump(variant_dir: VariantDirs, tmp_path_factory: pytest.TempPathFactory) -> ReferenceDumps:
-    return ReferenceDumps(variant_dir, tmp_path_factory.mktemp("refdumps"))
+def ref_dump(referenced):
+    """The shared reference dumps, by default of the GGUF drafter on a plain prompt."""
+    return functools.partial(referenced, model="draft.gguf", tokens=PROMPT, rounds=ROUNDS)
 
 
 def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (),

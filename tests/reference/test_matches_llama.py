@@ -19,10 +19,10 @@ from featdiff.dump import read_dump
 from featdiff.reference.attention import empty_cache
 from featdiff.reference.drafter import inject
 from featdiff.reference.load import load_draft
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 
-TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-ROUNDS = 3
+TOKENS, ROUNDS = DEFAULT_TOKENS, DEFAULT_ROUNDS  # the session's capture: shared with other tests
 BEFORE_ATTENTION = 1e-5  # inputs untouched by attention: ggml's float32 ops reproduced (measured <= 4e-7)
 AFTER_ATTENTION = 5e-3   # f16-cache rounding flips drifting through the layers (measured <= 7.1e-4)
 # draft-eval records computed from the noise block alone, before any attention

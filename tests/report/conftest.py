@@ -44,26 +44,16 @@ def shift_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
 
 # --- real dumps: the fixture models captured through llama.cpp and computed by the reference ---
 
-REAL_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"  # tests/conftest.py DEFAULT_TOKENS: shares its capture
-REAL_ROUNDS = 3
-
-
 @pytest.fixture(scope="session")
-def real_pair(tmp_path_factory: pytest.TempPathFactory, fixture_models, captured):
+def real_pair(captured, referenced):
     """`real_pair(variant)`: a real capture, a real reference and compare's Comparison of them."""
     from featdiff.compare import compare_dumps
-    from featdiff.reference.run import reference
 
     made: dict[str, Pair] = {}
 
     def get(variant: str) -> Pair:
         if variant not in made:
-            models = fixture_models(variant)
-            run = captured(variant, tokens=REAL_TOKENS, rounds=REAL_ROUNDS)
-            ref = reference(models / "target.gguf", models / "draft-hf",
-                            tmp_path_factory.mktemp(f"ref-{variant}") / "ref.npz", prompt=None,
-                            tokens=REAL_TOKENS, rounds=REAL_ROUNDS, dtype="float32", device="cpu",
-                            kv_dtype="f16", llama_dir=None)
+            run, ref = captured(variant), referenced(variant)
             made[variant] = Pair(ref, run, compare_dumps(ref, run))
         return made[variant]
 

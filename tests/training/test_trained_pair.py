@@ -45,16 +45,13 @@ def _server_command(d: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def compared(tmp_path_factory, fixture_models, captured):
+def compared(fixture_models, captured, referenced):
     """variant -> compare of a real capture against the reference of the trained checkpoint."""
-    from featdiff.reference.run import reference
 
     def get(variant: str):
         d = fixture_models(variant)
         tokens = ",".join(map(str, read_prompts(d / fixtures.PROMPTS_FILE)[0].tokens))
-        ref = reference(d / "target.gguf", d / "draft-hf", tmp_path_factory.mktemp(f"ref-{variant}") / "ref.npz",
-                        prompt=None, tokens=tokens, rounds=COMPARE_ROUNDS, dtype="float32", device="cpu",
-                        kv_dtype="f16", llama_dir=None)
+        ref = referenced(variant, tokens=tokens, rounds=COMPARE_ROUNDS)
         return compare_dumps(ref, captured(variant, tokens=tokens, rounds=COMPARE_ROUNDS), None)
 
     return get
