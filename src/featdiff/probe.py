@@ -123,7 +123,7 @@ def exit_code(probe_result: Probe) -> int:
 
 def read_prompts(path: Path | None) -> tuple[Prompt, ...]:
     """One prompt per non-empty line of `path` (`tokens: 1,2,3` for ids); DEFAULT_PROMPTS without one."""
-    from featdiff.llama.capture import parse_tokens
+    from featdiff.tokens import parse_tokens
 
     if path is None:
         return tuple(Prompt(text=t) for t in DEFAULT_PROMPTS)

@@ -18,6 +18,7 @@ from featdiff.errors import InputError
 from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
+from featdiff.tokens import check_prompt, parse_tokens, require_one
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,6 @@ class SpoolRecorder:
 
     def end_round(self, rnd: Round) -> None:
         self.spool.note("round", rnd.to_json())
-
-
-def parse_tokens(tokens: str) -> list[int]:
-    """`--tokens 1,2,3` as a list of ids."""
-    try:
-        ids = [int(t) for t in tokens.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise InputError(f"--tokens {tokens!r}: expected comma-separated integers like 1,2,3") from None
-    return ids
 
 
 def role_filters(filters: list[str] | None, tapped: tuple[int, ...] | None = None) -> dict[int, list[str]]:
@@ -78,12 +70,9 @@ def role_filters(filters: list[str] | None, tapped: tuple[int, ...] | None = Non
 
 def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int]:
     """The prompt as token ids, from `--tokens` or tokenized by llama.cpp's own vocabulary."""
-    if (prompt is None) == (tokens is None):
-        raise InputError("give exactly one of --prompt TEXT or --tokens 1,2,3")
-    ids = parse_tokens(tokens) if tokens is not None else model.tokenize(prompt or "")
-    bad = [t for t in ids if not 0 <= t < model.n_vocab]
-    if len(ids) < 2 or bad:
-        raise InputError(f"{model.path}: the prompt needs >= 2 token ids in 0..{model.n_vocab - 1}; got {len(ids)} ids, out of range: {bad[:5]}")
+    require_one(prompt, tokens)
+    ids = list(parse_tokens(tokens)) if tokens is not None else model.tokenize(prompt or "")
+    check_prompt(ids, model.n_vocab, model.path)
     return ids
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from featdiff.errors import InputError
-from featdiff.llama.capture import parse_tokens
+from featdiff.tokens import parse_tokens
 from featdiff.llama.preload import Preload
 
 SERVER_PROGRAMS = ("llama-server",)

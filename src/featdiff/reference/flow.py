@@ -21,7 +21,6 @@ from featdiff.reference.target import TargetPass, forward_target
 from featdiff.reference.weights import Draft, Hparams, Target
 
 PREFILL_ROUND = 0  # the prefill and its inject carry round 0; speculative rounds count from 1
-MIN_PROMPT_TOKENS = 2  # the prefill takes P[0:N-1] and the last token anchors the first block
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import torch
 
 from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
 from featdiff.errors import InputError
-from featdiff.reference.flow import MIN_PROMPT_TOKENS, FlowTrace, run_flow
+from featdiff.reference.flow import FlowTrace, run_flow
+from featdiff.tokens import check_prompt, parse_tokens, require_one
 from featdiff.reference.load import load_draft, load_target
 from featdiff.reference.numerics import COMPUTE_DTYPES, KV_DTYPES, Numerics
 from featdiff.reference.weights import Draft, Target, check_pair, models_entry
@@ -31,7 +32,7 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
     tgt = load_target(Path(target), numerics.dtype, numerics.device)
     dft = load_draft(Path(model), numerics.dtype, numerics.device)
     check_pair(tgt, dft)
-    check_prompt(prompt_ids, tgt.hparams.n_vocab)
+    check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
     log.info("reference: %d prompt tokens, %d rounds, block size %d", len(prompt_ids), rounds, dft.block_size)
     with torch.no_grad():
         trace = run_flow(tgt, dft, prompt_ids, rounds, numerics)
@@ -55,26 +56,8 @@ def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
 def prompt_tokens(target: Path, model: Path, prompt: str | None, tokens: str | None,
                   llama_dir: Path | None) -> tuple[int, ...]:
     """The prompt's token ids, from exactly one of `--prompt` / `--tokens`."""
-    if (prompt is None) == (tokens is None):
-        raise InputError("give exactly one of --prompt TEXT and --tokens 1,2,3")
-    return _parse_tokens(tokens) if tokens is not None else _tokenize(target, model, prompt or "", llama_dir)
-
-
-def check_prompt(ids: tuple[int, ...], n_vocab: int) -> None:
-    """InputError for a prompt too short for the flow or with ids outside the target vocabulary."""
-    if len(ids) < MIN_PROMPT_TOKENS:
-        raise InputError(f"the prompt has {len(ids)} token(s), the flow needs at least {MIN_PROMPT_TOKENS}; "
-                         "give a longer prompt")
-    bad = [t for t in ids if not 0 <= t < n_vocab]
-    if bad:
-        raise InputError(f"--tokens: ids {bad} are outside the target vocabulary of {n_vocab} tokens")
-
-
-def _parse_tokens(tokens: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in tokens.split(",") if t.strip())
-    except ValueError:
-        raise InputError(f"--tokens {tokens!r}: expected comma-separated integers, e.g. 1,2,3") from None
+    require_one(prompt, tokens)
+    return parse_tokens(tokens) if tokens is not None else _tokenize(target, model, prompt or "", llama_dir)
 
 
 def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> tuple[int, ...]:
