@@ -106,7 +106,7 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
 def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
              rounds: int, globs: dict[int, list[str]], output: Path) -> Path:
     """Run the flow into a spool beside `output`, then pack it; keep what a crash leaves."""
-    prefix = output.with_name(output.name + ".spool")
+    prefix = spool.prefix_for(output)
     sp = Spool.open(rt, prefix, globs)
     try:
         sp.note("header", _header(rt, models, ids, globs))
@@ -114,7 +114,7 @@ def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driv
     except KeyboardInterrupt:
         sp.close()
         log.warning("interrupted: packing the complete records into %s", spool.pack(prefix, output))
-        _remove_spool(prefix)
+        spool.remove_spool(prefix)
         raise
     except BaseException:
         sp.close()
@@ -124,13 +124,8 @@ def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driv
     if err:
         raise OSError(f"{prefix}.data: the shim failed to write the spool (error {err})")
     path = spool.pack(prefix, output)
-    _remove_spool(prefix)
+    spool.remove_spool(prefix)
     return path
-
-
-def _remove_spool(prefix: Path) -> None:
-    for suffix in (".index", ".data"):
-        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
 
 
 def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds: int,

@@ -27,7 +27,7 @@ from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
 
 log = logging.getLogger(__name__)
 
-SPOOL_SUFFIXES = (".index", ".data", ".owner", ".server.log")
+SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log")  # the preload's owner note, the server log
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
 WARMUP = names.PHASE_WARMUP
 
@@ -250,7 +250,7 @@ class ExecFlow:
 
 def read_flow(prefix: Path) -> ExecFlow:
     """The spool at `prefix` as a flow: phases, rounds, prompt tokens."""
-    index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data")
+    index, data = spool.spool_files(prefix)
     if not index.is_file() or not data.is_file():
         raise InputError(f"{index}: the program never loaded the preload library; is it dynamically linked "
                          f"against libllama (BUILD_SHARED_LIBS=ON), and not setuid? ({PRELOAD_VAR} is ignored otherwise)")
@@ -269,7 +269,7 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> Path:
     if flow.log.n_torn:
         log.warning("%s.index: dropped an incomplete last line (the program was interrupted)", prefix)
     writer = DumpWriter(Path(output))
-    spool.write_records(writer, flow.log.records, flow.evals, Path(f"{prefix}.data"))
+    spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
     manifest = Manifest(source="llama.cpp", models=_models(flow), evals=flow.evals, records=(),
                         build={"kind": "exec", "library": flow.log.library, "commit": "unknown", **build},
                         rounds=flow.rounds, prompt_tokens=flow.prompt_tokens)
@@ -287,8 +287,7 @@ def _models(flow: ExecFlow) -> dict[str, Any]:
 
 
 def remove_spool(prefix: Path) -> None:
-    for suffix in SPOOL_SUFFIXES:
-        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+    spool.remove_spool(prefix, SPOOL_SUFFIXES)
 
 
 # ---------------------------------------------------------------- running a program
@@ -323,7 +322,7 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server)."""
     program = program_path(command)
     output = Path(output)
-    prefix = output.with_name(output.name + ".spool")
+    prefix = spool.prefix_for(output)
     remove_spool(prefix)
     build = {"command": list(command), "program": str(program), "filters": kept_globs(role_filters(filters)),
              **_launch(command, preload(prefix, filters, llama_dir), prefix, prompt, tokens, timeout_s)}

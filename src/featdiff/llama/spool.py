@@ -105,9 +105,27 @@ def write_records(writer: DumpWriter, records: tuple[dict[str, Any], ...], evals
             writer.add(record, np.frombuffer(buf, dtype=record.dtype).reshape(record.shape))
 
 
+SPOOL_SUFFIXES = (".index", ".data")
+
+
+def prefix_for(output: Path) -> Path:
+    """Where a capture spools while it writes `output`: beside it, `<output>.spool.*`."""
+    return output.with_name(output.name + ".spool")
+
+
+def spool_files(prefix: Path) -> tuple[Path, Path]:
+    """The index and data files of the spool at `prefix`."""
+    return Path(f"{prefix}.index"), Path(f"{prefix}.data")
+
+
+def remove_spool(prefix: Path, suffixes: tuple[str, ...] = SPOOL_SUFFIXES) -> None:
+    for suffix in suffixes:
+        Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+
+
 def pack(prefix: Path, output: Path) -> Path:
     """Write the dump of everything complete in the spool at `prefix`; return its path."""
-    index, data = Path(f"{prefix}.index"), Path(f"{prefix}.data")
+    index, data = spool_files(prefix)
     if not index.is_file() or not data.is_file():
         raise InputError(f"{prefix}: no spool (.index/.data) here; was the capture started?")
     events = read_index(index)
