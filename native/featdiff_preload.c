@@ -12,6 +12,7 @@
  *   llama_batch_ext_*            a shadow of each batch (tokens, positions, seq ids, outputs)
  *   llama_process, llama_decode  "exec_eval" before the decode, "exec_done" with its rc after
  *   llama_memory_clear           "exec_clear"    (warm-up and probe decodes end in one)
+ *   llama_memory_seq_rm          "exec_seq_rm"   which positions the program removes from a cache
  *   llama_free                   "exec_free"
  *
  * Phases are decided in Python from these facts (featdiff/llama/exec.py), not here.
@@ -47,6 +48,7 @@ typedef void    (*fdp_free_fn)(struct llama_context *);
 typedef int32_t (*fdp_process_fn)(struct llama_context *, enum llama_process_type, struct llama_batch_ext *);
 typedef int32_t (*fdp_decode_fn)(struct llama_context *, struct llama_batch);
 typedef void    (*fdp_clear_fn)(llama_memory_t, bool);
+typedef bool    (*fdp_seq_rm_fn)(llama_memory_t, llama_seq_id, llama_pos, llama_pos);
 typedef struct llama_batch_ext * (*fdp_batch_init_fn)(struct llama_context *);
 typedef void    (*fdp_batch_fn)(struct llama_batch_ext *);
 typedef int32_t (*fdp_batch_add_fn)(struct llama_batch_ext *, llama_seq_id);
@@ -63,6 +65,7 @@ struct fdp_real {
     fdp_process_fn process;
     fdp_decode_fn decode;
     fdp_clear_fn clear_mem;
+    fdp_seq_rm_fn seq_rm;
     fdp_batch_init_fn batch_init;
     fdp_batch_fn batch_free;
     fdp_batch_fn batch_clear;
@@ -198,6 +201,7 @@ static void resolve(void) {
     FDP_RESOLVE(process, llama_process);
     FDP_RESOLVE(decode, llama_decode);
     FDP_RESOLVE(clear_mem, llama_memory_clear);
+    FDP_RESOLVE(seq_rm, llama_memory_seq_rm);
     FDP_RESOLVE(batch_init, llama_batch_ext_init);
     FDP_RESOLVE(batch_free, llama_batch_ext_free);
     FDP_RESOLVE(batch_clear, llama_batch_ext_clear);
@@ -417,6 +421,25 @@ static void hook_clear(llama_memory_t mem, bool data) {
     if (G.real.clear_mem) G.real.clear_mem(mem, data);
 }
 FDP_HOOK(llama_memory_clear, hook_clear)
+
+/* A removal from a context's cache: compare follows which rows each cache holds (a driver that
+ * leaves rejected rows in the draft cache is seen here). Noted after it ran, with its result. */
+static bool hook_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    init();
+    bool ok = G.real.seq_rm ? G.real.seq_rm(mem, seq_id, p0, p1) : false;
+    pthread_mutex_lock(&G.spool_lock);
+    struct fdp_ctx * c = G.contexts;
+    while (c && c->mem != mem) c = c->next;
+    if (c && G.cap) {
+        struct fdp_buf b = { 0 };
+        buf_printf(&b, "{\"kind\":\"exec_seq_rm\",\"ctx\":%d,\"after_eval\":%d,\"seq_id\":%d,\"p0\":%d,\"p1\":%d,\"ok\":%s}",
+                   c->index, G.n_evals - 1, (int) seq_id, (int) p0, (int) p1, ok ? "true" : "false");
+        note_locked(&b);
+    }
+    pthread_mutex_unlock(&G.spool_lock);
+    return ok;
+}
+FDP_HOOK(llama_memory_seq_rm, hook_seq_rm)
 
 /* ---------------------------------------------------------------- batch shadows */
 

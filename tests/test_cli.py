@@ -95,3 +95,27 @@ def test_inspect_shows_a_drafters_dflash_metadata(fixture_models):
     assert result.exit_code == 0
     assert "dflash.target_layers = [3, 5]" in result.output and "block_size = 4" in result.output
     assert "borrows the target" in result.output
+
+
+def test_a_bug_of_featdiffs_exits_3_with_one_line_and_the_traceback_in_a_file(monkeypatch, tmp_path):
+    import featdiff.compare
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(featdiff.compare, "compare_dumps", broken)
+    for name in ("ref.npz", "run.npz"):
+        (tmp_path / name).write_bytes(b"")
+    result = CliRunner().invoke(app, ["compare", str(tmp_path / "ref.npz"), str(tmp_path / "run.npz")])
+    assert result.exit_code == 3, result.output
+    line = result.output.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert line.startswith("featdiff: internal error") and "RuntimeError: planted bug" in line
+    report = Path(line.rsplit("the traceback is in ", 1)[1])
+    assert "planted bug" in report.read_text() and "Traceback" in report.read_text()
+    report.unlink()
+
+
+def test_usage_errors_keep_the_frameworks_exit_code():
+    assert CliRunner().invoke(app, ["compare"]).exit_code == 2
+    assert CliRunner().invoke(app, ["no-such-command"]).exit_code == 2

@@ -8,7 +8,10 @@ llama.cpp binding.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,7 +21,8 @@ from typer.core import TyperGroup
 from featdiff.errors import InputError
 
 class _App(TyperGroup):
-    """The one place an `InputError` becomes a one-line message and exit code 2."""
+    """The one place an `InputError` becomes a one-line message and exit code 2, and any other
+    exception (a bug of featdiff's) a one-line message and exit code 3, its traceback in a file."""
 
     def invoke(self, ctx: typer.Context) -> object:
         try:
@@ -26,12 +30,27 @@ class _App(TyperGroup):
         except InputError as e:
             typer.echo(f"featdiff: error: {e}", err=True)
             raise typer.Exit(EXIT_INPUT) from None
+        except Exception as e:  # noqa: BLE001 - the contract: a bug exits 3 with one line, not a traceback
+            if type(e).__module__.startswith(CLI_FRAMEWORK_MODULES):
+                raise  # usage errors, --help, typer.Exit: the framework's own way out
+            typer.echo(f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; "
+                       f"the traceback is in {_crash_report()}", err=True)
+            raise typer.Exit(EXIT_INTERNAL) from None
+
+
+def _crash_report() -> str:
+    """Write the current exception's traceback to a new file in the temp dir; return its path."""
+    fd, path = tempfile.mkstemp(prefix="featdiff-crash-", suffix=".txt")
+    with os.fdopen(fd, "w") as out:
+        traceback.print_exc(file=out)
+    return path
 
 
 app = typer.Typer(cls=_App, add_completion=False, no_args_is_help=True,
                   help="featdiff: which tensor a llama.cpp drafter port gets wrong, and why.")
 
-EXIT_OK, EXIT_FINDINGS, EXIT_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are the CLI framework's (typer vendors click)
 
 TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")]

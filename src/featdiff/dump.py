@@ -67,6 +67,7 @@ class Eval:
     token_ids: tuple[int, ...]
     seq_ids: tuple[int, ...]
     round: int = 0
+    rc: int = 0  # the decode's return code: non-zero when llama.cpp refused the batch (no records)
 
     def to_json(self) -> dict[str, Any]:
         return dict(sorted(asdict(self).items()))
@@ -76,7 +77,7 @@ class Eval:
         return Eval(
             eval=int(d["eval"]), role=d["role"], phase=d["phase"], n_tokens=int(d["n_tokens"]),
             positions=tuple(d["positions"]), token_ids=tuple(d.get("token_ids", ())),
-            seq_ids=tuple(d.get("seq_ids", ())), round=int(d.get("round", 0)),
+            seq_ids=tuple(d.get("seq_ids", ())), round=int(d.get("round", 0)), rc=int(d.get("rc", 0)),
         )
 
 
@@ -104,6 +105,29 @@ class Round:
 
 
 @dataclass(frozen=True)
+class MemoryOp:
+    """A KV-cache edit the program made between evals (llama_memory_seq_rm): the removal of
+    positions `p0 .. p1-1` (`p1` = -1: to the end) of `seq_id` in the `role` context, made after
+    eval `after_eval` (-1: before the first eval). Facts the preload (or the driver) saw, so compare
+    can follow which rows each context's cache holds."""
+
+    role: str
+    after_eval: int
+    seq_id: int
+    p0: int
+    p1: int
+    op: str = "seq_rm"
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(sorted(asdict(self).items()))
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "MemoryOp":
+        return MemoryOp(role=d["role"], after_eval=int(d["after_eval"]), seq_id=int(d["seq_id"]),
+                        p0=int(d["p0"]), p1=int(d["p1"]), op=d.get("op", "seq_rm"))
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything in a dump except the arrays."""
 
@@ -114,12 +138,18 @@ class Manifest:
     records: tuple[Record, ...]
     rounds: tuple[Round, ...] = ()
     prompt_tokens: tuple[int, ...] = ()
+    memory_ops: tuple[MemoryOp, ...] = ()  # KV-cache edits between evals, in order (optional)
+    # where the producer inferred the flow (phases, rounds) rather than knowing it, and the run broke
+    # the convention it inferred from: one sentence each (optional; `capture --exec` writes them)
+    flow_notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "build": self.build,
             "evals": [e.to_json() for e in self.evals],
+            "flow_notes": list(self.flow_notes),
             "format": FORMAT,
+            "memory_ops": [m.to_json() for m in self.memory_ops],
             "models": self.models,
             "prompt_tokens": list(self.prompt_tokens),
             "records": [r.to_json() for r in self.records],
@@ -136,6 +166,8 @@ class Manifest:
             records=tuple(Record.from_json(r) for r in d["records"]),
             rounds=tuple(Round.from_json(r) for r in d.get("rounds", [])),
             prompt_tokens=tuple(d.get("prompt_tokens", ())),
+            memory_ops=tuple(MemoryOp.from_json(m) for m in d.get("memory_ops", [])),
+            flow_notes=tuple(d.get("flow_notes", ())),
         )
 
 

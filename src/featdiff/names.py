@@ -43,7 +43,7 @@ INP_TARGET_FEATURES = "inp_target_features"  # a leaf: seen as src[] of the fc M
 INP_G_EMBEDDINGS = "inp_g_embeddings"
 KCUR_INJECTED = "Kcur_injected"
 VCUR_INJECTED = "Vcur_injected"
-INP_NOISE_EMBD = "inp_noise_embd"
+INP_NOISE_EMBD = "inp_noise_embd"  # the noise block's token-embedding rows, before any conditioning term
 INP_POS = "inp_pos"  # a leaf: seen as the position src[] of ROPE
 L_OUT = "l_out"
 RESULT_NORM = "result_norm"
@@ -52,7 +52,28 @@ INP_EMBD = "inp_embd"  # the DFlash encoder graph's input
 TARGET_EMBD = "embd"   # the target's token embeddings: the input of layer 0
 # reference-only records
 LAYER_INP = "layer_inp"  # layer_inp-<L>: the input of target layer L (= l_out-(L-1))
-LOG_SNR_EMBED = "log_snr_embed"
+LOG_SNR_EMBED = "log_snr_embed"  # the old name of dspark_log_snr_fc2: OLD_RECORD_NAMES
+
+# GIDD log-SNR conditioning on the `dflash` graph, as the fork that implements it names its
+# nodes (DESIGN.md; docs/records.md). Only a log-SNR conditioned drafter has them.
+DSPARK_LOG_SNR_FEAT = "dspark_log_snr_feat"      # a leaf (host-filled sin/cos features): src[] of fc1's MUL_MAT
+DSPARK_LOG_SNR_FC1 = "dspark_log_snr_fc1"        # silu(fc1 feat + b1)
+DSPARK_LOG_SNR_FC2 = "dspark_log_snr_fc2"        # fc2 fc1out + b2: the term added to the noise embeddings
+DSPARK_DRAFT_EMBD_SNR = "dspark_draft_embd_snr"  # inp_noise_embd + the term: what the first layer reads
+LOG_SNR_RECORDS = (DSPARK_LOG_SNR_FEAT, DSPARK_LOG_SNR_FC1, DSPARK_LOG_SNR_FC2, DSPARK_DRAFT_EMBD_SNR)
+# what dspark_draft_embd_snr is computed from: every other draft record is computed from it
+LOG_SNR_SUM_INPUTS = (INP_NOISE_EMBD, DSPARK_LOG_SNR_FEAT, DSPARK_LOG_SNR_FC1, DSPARK_LOG_SNR_FC2)
+# Records the checkpoint adds into another record (the sum): the candidates of missing_term / extra_term.
+TERM_RECORDS = (DSPARK_LOG_SNR_FC2,)
+# Record names older dumps used, and the name each has now: compare reads old reference dumps
+# through this table (docs/records.md, "Renamed records"). In those dumps `inp_noise_embd` also
+# holds the sum (rows + term), as `dspark_draft_embd_snr` does now.
+OLD_RECORD_NAMES = {LOG_SNR_EMBED: DSPARK_LOG_SNR_FC2}
+
+
+def current_name(name: str) -> str:
+    """The name a record has now: `name` itself, or what an old dump's name became."""
+    return OLD_RECORD_NAMES.get(name, name)
 
 
 def layer_name(base: str, il: int) -> str:
@@ -76,6 +97,7 @@ DRAFT_WIRING: tuple[str, ...] = (
     "l_out-*",
     RESULT_NORM,
     RESULT_OUTPUT,
+    *LOG_SNR_RECORDS,  # absent from a drafter without log-SNR, and from upstream's graph
 )
 TARGET_WIRING: tuple[str, ...] = (RESULT_OUTPUT,)
 # when the target layers are not known in advance (capture around a program): every layer
@@ -150,7 +172,7 @@ NOISE_NORM = "noise_norm"
 CANDIDATE_SEP = "@"
 HYP_SLOTS = "slots"            # inp_g_embeddings@slots=1,0: fc applied to the slots in that order
 HYP_TABLE_TARGET = "table=target"  # inp_noise_embd@table=target: embedded with the target's table
-HYP_NO_LOG_SNR = "log_snr=none"    # inp_noise_embd@log_snr=none: without the log-SNR term
+HYP_NO_LOG_SNR = "log_snr=none"    # dspark_draft_embd_snr@log_snr=none: the rows without the log-SNR term
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

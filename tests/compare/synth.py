@@ -1,7 +1,9 @@
 """Synthetic dumps that follow docs/flow.md: a prefill, its inject, then rounds of draft, verify,
 inject, with a toy residual stack standing in for the models. The reference side carries the
-reference-only records (`layer_inp-<L>`, `log_snr_embed`, `@` candidates); the run side can be
-perturbed record by record to plant one fault.
+reference-only records (`layer_inp-<L>`, `@` candidates); with `log_snr` both sides carry the
+log-SNR term and sum under the graph's names (`old_log_snr_names`: the reference layout before
+docs/records.md, `inp_noise_embd` holding the sum and `log_snr_embed` the term). The run side can
+be perturbed record by record to plant one fault.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Spec:
     prompt: tuple[int, ...] = (5, 9, 2, 7, 3, 8, 1, 6)
     rounds: int = 2
     log_snr: bool = False
+    old_log_snr_names: bool = False
     seed: int = 0
 
 
@@ -87,13 +90,19 @@ def _norm(x: np.ndarray) -> np.ndarray:
 
 
 def _draft_records(spec: Spec, w: Weights, block: list[int], ref: bool) -> list[tuple[str, np.ndarray]]:
-    snr = np.stack([w.snr[0] if i == 0 else w.snr[1] for i in range(len(block))])  # (B, n_embd)
-    embd = w.draft_emb[block] + (snr if spec.log_snr else 0.0)  # (B, n_embd)
-    recs = [("inp_noise_embd", embd.astype(np.float32)), ("result_output", np.tanh(embd @ w.wk).astype(np.float32))]
+    snr = np.stack([w.snr[0] if i == 0 else w.snr[1] for i in range(len(block))]).astype(np.float32)  # (B, n_embd)
+    rows = w.draft_emb[block]  # (B, n_embd)
+    x = rows + snr if spec.log_snr else rows  # (B, n_embd): what the first layer reads
+    old = spec.log_snr and spec.old_log_snr_names
+    recs = [("inp_noise_embd", x if old else rows)]
+    if spec.log_snr and not old:
+        recs += [("dspark_log_snr_fc2", snr), ("dspark_draft_embd_snr", x)]
+    recs.append(("result_output", np.tanh(x @ w.wk).astype(np.float32)))
     if ref:
-        recs.append(("inp_noise_embd@table=target", w.target_emb_for_draft[block] + (snr if spec.log_snr else 0.0)))
-        if spec.log_snr:
-            recs.append(("log_snr_embed", snr.astype(np.float32)))
+        borrowed = w.target_emb_for_draft[block]  # (B, n_embd)
+        recs.append(("inp_noise_embd@table=target", borrowed + snr if old else borrowed))
+        if old:
+            recs.append(("log_snr_embed", snr))
     return recs
 
 
@@ -141,6 +150,8 @@ NODES = {
     "inp_g_embeddings": ("MUL", ("norm", "enc.output_norm.weight")),
     "Kcur_injected-0": ("ROPE", ("node_6", "inp_pos")),
     "inp_noise_embd": ("GET_ROWS", ("token_embd.weight", "leaf_2")),
+    "dspark_log_snr_fc2": ("ADD", ("node_3", "log_snr_fc2.bias")),
+    "dspark_draft_embd_snr": ("ADD", ("inp_noise_embd", "dspark_log_snr_fc2")),
     "result_output": ("MUL_MAT", ("output.weight", "result_norm")),
 }
 

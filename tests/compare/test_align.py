@@ -67,7 +67,23 @@ def test_rows_with_a_different_history_are_left_out(synth_ref, tmp_path):
     c = compare_dumps(synth_ref, run2, None)
     verify_pair = next(a for p, a in zip(c.pairs, c.alignments) if p.eval == verify.eval and p.name == "l_out-0")
     assert verify_pair.positions == (verify.positions[0],) and "different token history" in verify_pair.note
-    assert c.ok
+    assert verify_pair.history_rows == verify.positions[1:]
+    # left out, never silently: the coverage lists the rows and an error finding says why
+    skip = next(s for s in c.coverage.skips if s.name == "l_out-0" and s.round == 1)
+    assert (skip.reason, skip.whole, skip.rows) == ("token_history", False, verify.positions[1:])
+    assert not c.ok and any(f.kind == "unpaired" and f.severity == "error" for f in c.findings)
+
+
+def test_rows_at_positions_the_other_side_lacks_are_counted(synth_ref, tmp_path):
+    run = synth.write(tmp_path / "run.npz", side="run")
+    with read_dump(run) as d:
+        evals = tuple(replace(e, positions=tuple(p + 1 for p in e.positions)) if e.eval == 1 else e
+                      for e in d.manifest.evals)
+    c = compare_dumps(synth_ref, rewrite(run, tmp_path / "late.npz", evals=evals), None)
+    feats = next(a for p, a in zip(c.pairs, c.alignments) if p.eval == 1 and p.name == "inp_target_features")
+    assert feats.unmatched_rows == (0, 7) and feats.positions == tuple(range(1, 7))
+    skip = next(s for s in c.coverage.skips if s.name == "inp_target_features" and s.round == 0)
+    assert (skip.reason, skip.rows, skip.whole) == ("position", (0, 7), False)
 
 
 def test_row_contexts_follow_the_token_history():

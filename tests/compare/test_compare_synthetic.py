@@ -48,9 +48,62 @@ def test_slot_permutation_found_from_the_swapped_fc_candidate(synth_ref, synth_r
 
 
 def test_missing_term_found_when_log_snr_is_dropped(tmp_path, synth_run):
+    """A graph without the log-SNR nodes: one missing_term at the first record computed from the
+    sum (here result_output), no missing_tensor for the nodes themselves."""
     ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    c = compare_dumps(ref, synth_run(), None)
+    f = only_error(c)
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "result_output", "dspark_log_snr_fc2")
+    assert f.fields["expected_in"] == "dspark_draft_embd_snr"
+    assert next(p for p in c.pairs if p.name == "inp_noise_embd").within
+
+
+def test_missing_term_found_at_the_sum_when_the_run_skips_the_term(tmp_path, synth_run):
+    ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    w = synth.weights(synth.Spec())
+    run = synth_run(spec=synth.Spec(log_snr=True),
+                    mutate=lambda ev, n, a: w.draft_emb[list(ev.token_ids)] if n == "dspark_draft_embd_snr" else a)
+    f = only_error(compare_dumps(ref, run, None))
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "dspark_draft_embd_snr", "dspark_log_snr_fc2")
+    assert "expected_in" not in f.fields
+
+
+def test_extra_term_found_when_the_run_adds_the_term_to_inp_noise_embd(tmp_path, synth_run):
+    """A fork that puts the sum under inp_noise_embd (featdiff's names before docs/records.md)."""
+    ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    run = synth_run(spec=synth.Spec(log_snr=True, old_log_snr_names=True))
+    f = only_error(compare_dumps(ref, run, None))
+    assert (f.kind, f.tensor, f.fields["term"]) == ("extra_term", "inp_noise_embd", "dspark_log_snr_fc2")
+
+
+def test_log_snr_run_against_its_reference_is_clean(tmp_path, synth_run):
+    ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    c = compare_dumps(ref, synth_run(spec=synth.Spec(log_snr=True)), None)
+    assert exit_code(c) == 0 and c.ok
+    assert {"dspark_log_snr_fc2", "dspark_draft_embd_snr"} <= {p.name for p in c.pairs}
+
+
+def test_log_snr_records_filtered_out_of_the_capture_are_not_called_missing(tmp_path, synth_run):
+    """Filters that did not keep the log-SNR names say nothing about the graph: no missing_tensor,
+    and no missing_term without the evidence that the graph lacks the sum."""
+    ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
+    run = synth_run(build={"filters": {"draft": ["inp_noise_embd", "result_output"], "target": ["*"]}})
+    kinds = {f.kind for f in errors(compare_dumps(ref, run, None))}
+    assert kinds == {"divergence"}
+
+
+def test_old_reference_dump_with_log_snr_embed_still_names_the_term(tmp_path, synth_run):
+    """A reference dump from before the graph names (`log_snr_embed`, `inp_noise_embd` holding the
+    sum) still compares: `log_snr_embed` is read as `dspark_log_snr_fc2` (names.OLD_RECORD_NAMES)."""
+    ref = synth.write(tmp_path / "ref-old.npz", synth.Spec(log_snr=True, old_log_snr_names=True))
     f = only_error(compare_dumps(ref, synth_run(), None))
-    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "log_snr_embed")
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "dspark_log_snr_fc2")
+
+
+def test_unconditioned_run_of_a_conditioned_graph_is_an_unexpected_tensor(synth_ref, synth_run):
+    """The run computes log-SNR nodes the checkpoint has none of (a drafter without log-SNR)."""
+    c = compare_dumps(synth_ref, synth_run(spec=synth.Spec(log_snr=True)), None)
+    assert ("unexpected_tensor", "dspark_log_snr_fc2") in {(f.kind, f.tensor) for f in errors(c)}
 
 
 def test_wrong_source_found_when_the_target_table_is_borrowed(synth_ref, synth_run):
@@ -70,8 +123,10 @@ def test_layer_offset_seen_even_inside_a_wide_tolerance(synth_ref, synth_run):
 
 def test_several_independent_roots_each_get_a_finding(tmp_path, synth_run):
     ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
-    c = compare_dumps(ref, synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS), None)
-    assert {f.kind for f in errors(c)} == {"layer_offset", "missing_term"}
+    w = synth.weights(synth.Spec())
+    run = synth_run(spec=synth.Spec(target_layers=(3, 5), log_snr=True), models=REF_MODELS,
+                    mutate=lambda ev, n, a: w.draft_emb[list(ev.token_ids)] if n == "dspark_draft_embd_snr" else a)
+    assert {f.kind for f in errors(compare_dumps(ref, run, None))} == {"layer_offset", "missing_term"}
 
 
 def test_clean_pair_exits_zero(synth_ref, synth_run):

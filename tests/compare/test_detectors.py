@@ -16,6 +16,8 @@ from featdiff.compare.tolerance import Tolerance
 TOL = Tolerance(rel=1e-3, sources=("test",))
 RNG = np.random.default_rng(0)
 T, N, K = 8, 16, 2  # rows, n_embd, n_extract
+# what a run graph without the log-SNR conditioning lacks (diagnose.absent_records)
+LOG_SNR_ABSENT = ("dspark_log_snr_feat", "dspark_log_snr_fc1", "dspark_log_snr_fc2", "dspark_draft_embd_snr")
 
 
 def rows(n: int = T, width: int = N * K, seed: int = 0) -> np.ndarray:
@@ -198,20 +200,40 @@ def test_best_assignment_exhaustive_and_greedy_agree_on_a_clear_cost():
 
 def test_missing_term_names_the_reference_component():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_missing_term(evidence(embd + term, noisy(embd), tensor="inp_noise_embd",
-                                       candidates={"log_snr_embed": term}))
-    assert f.kind == "missing_term" and f.fields["term"] == "log_snr_embed" and f.tensor == "inp_noise_embd"
+    f = w.detect_missing_term(evidence(embd + term, noisy(embd), tensor="dspark_draft_embd_snr",
+                                       record="dspark_draft_embd_snr", candidates={"dspark_log_snr_fc2": term}))
+    assert (f.kind, f.tensor, f.fields) == ("missing_term", "dspark_draft_embd_snr", {"term": "dspark_log_snr_fc2"})
+
+
+def test_missing_term_found_downstream_when_the_run_graph_has_no_sum():
+    out, term = rows(4, N), rows(4, N, seed=2)
+    f = w.detect_missing_term(evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0",
+                                       candidates={"dspark_log_snr_fc2": term}, absent=LOG_SNR_ABSENT))
+    assert (f.kind, f.tensor) == ("missing_term", "l_out-0")
+    assert f.fields == {"term": "dspark_log_snr_fc2", "expected_in": "dspark_draft_embd_snr"}
+
+
+def test_missing_term_downstream_silent_when_the_sum_is_there_or_the_pair_feeds_it():
+    out, term = rows(4, N), rows(4, N, seed=2)
+    kw = dict(candidates={"dspark_log_snr_fc2": term})
+    assert w.detect_missing_term(evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0", **kw)) is None
+    for record in ("inp_noise_embd", "dspark_log_snr_fc1"):
+        ev = evidence(out, rows(4, N, seed=3), tensor=record, record=record, absent=LOG_SNR_ABSENT, **kw)
+        assert w.detect_missing_term(ev) is None
+    ev = evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0", absent=LOG_SNR_ABSENT)
+    assert w.detect_missing_term(ev) is None  # no term in this eval: the checkpoint adds nothing here
 
 
 def test_extra_term_names_the_reference_component():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_extra_term(evidence(embd, noisy(embd + term), candidates={"log_snr_embed": term}))
-    assert f.kind == "extra_term" and f.fields["term"] == "log_snr_embed"
+    f = w.detect_extra_term(evidence(embd, noisy(embd + term), tensor="inp_noise_embd",
+                                     candidates={"dspark_log_snr_fc2": term}))
+    assert f.kind == "extra_term" and f.fields["term"] == "dspark_log_snr_fc2" and f.tensor == "inp_noise_embd"
 
 
 def test_terms_silent_when_the_residual_is_something_else():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    ev = evidence(embd, rows(4, N, seed=3), candidates={"log_snr_embed": term})
+    ev = evidence(embd, rows(4, N, seed=3), candidates={"dspark_log_snr_fc2": term})
     assert w.detect_missing_term(ev) is None and w.detect_extra_term(ev) is None
 
 
@@ -224,7 +246,7 @@ def test_wrong_source_names_the_table():
 
 def test_wrong_source_ignores_candidates_other_detectors_own():
     own, cand = rows(4, N), rows(4, N, seed=7)
-    ev = evidence(own, cand, candidates={"inp_noise_embd@log_snr=none": cand, "x@slots=1,0": cand})
+    ev = evidence(own, cand, candidates={"dspark_draft_embd_snr@log_snr=none": cand, "x@slots=1,0": cand})
     assert w.detect_wrong_source(ev) is None
 
 

@@ -4,13 +4,16 @@ variants), faults planted by transforming a correct capture, and a Q8_0 target."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from featdiff import names
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.compare.result import Finding
+from featdiff.dump import DumpWriter, read_dump, record_key
 from quantize import quantize_gguf
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from transform import rewrite
@@ -75,8 +78,42 @@ def test_slot_permutation_found_when_fc_column_blocks_are_swapped(captured, chec
 
 
 def test_missing_term_found_when_log_snr_conditioning_is_dropped(captured, checkpoint_ref):
-    f = the_error(compare_dumps(checkpoint_ref("no-log-snr"), captured("no-log-snr"), None))
-    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "log_snr_embed")
+    """Upstream's graph has no log-SNR node: the first layer reads inp_noise_embd (which matches
+    the reference's rows) where the checkpoint reads dspark_draft_embd_snr; the first record
+    computed from it is named, and the absent log-SNR nodes are not missing_tensor findings."""
+    c = compare_dumps(checkpoint_ref("no-log-snr"), captured("no-log-snr"), None)
+    f = the_error(c)
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "l_out-0", "dspark_log_snr_fc2")
+    assert f.fields["expected_in"] == "dspark_draft_embd_snr"
+    first = c.pairs[c.first_divergence]
+    assert (first.name, first.phase) == ("l_out-0", "draft")
+    assert all(p.within for p in c.pairs if p.name == "inp_noise_embd")
+
+
+def test_missing_term_found_against_an_old_reference_dump(captured, checkpoint_ref, tmp_path):
+    """A reference dump written before the graph names (`inp_noise_embd` = the sum, the term as
+    `log_snr_embed`) still compares: the term is named by its current name."""
+    old = _old_log_snr_layout(checkpoint_ref("no-log-snr"), tmp_path / "ref-old.npz")
+    f = the_error(compare_dumps(old, captured("no-log-snr"), None))
+    assert (f.kind, f.tensor, f.fields) == ("missing_term", "inp_noise_embd", {"term": "dspark_log_snr_fc2"})
+
+
+def _old_log_snr_layout(src: Path, dst: Path) -> Path:
+    """The reference dump as featdiff wrote it before docs/records.md: `inp_noise_embd` holds the
+    sum, `log_snr_embed` the term, `inp_noise_embd@log_snr=none` the rows."""
+    renamed = {names.DSPARK_DRAFT_EMBD_SNR: names.INP_NOISE_EMBD, names.DSPARK_LOG_SNR_FC2: names.LOG_SNR_EMBED,
+               names.INP_NOISE_EMBD: names.candidate_name(names.INP_NOISE_EMBD, names.HYP_NO_LOG_SNR)}
+    dropped = (names.DSPARK_LOG_SNR_FEAT, names.DSPARK_LOG_SNR_FC1,
+               names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR))
+    with read_dump(src) as dump:
+        writer = DumpWriter(dst)
+        for r in dump.records():
+            if r.name in dropped:
+                continue
+            name = renamed.get(r.name, r.name)
+            key = record_key(r.eval, r.role, name, r.occurrence)
+            writer.add(replace(r, name=name, key=key), np.array(dump.array(r)))
+        return writer.close(dump.manifest)
 
 
 def test_wrong_source_found_when_the_run_borrows_the_target_embeddings(captured, checkpoint_ref):
@@ -154,3 +191,26 @@ def test_position_offset_found_in_keys_roped_two_positions_late(clean, tmp_path)
         return rows.reshape(a.shape)  # (T, n_head, head_dim)
     f = the_error(transformed(clean, tmp_path, at("Kcur_injected-0", FIRST_INJECT, late)))
     assert (f.kind, f.tensor, f.fields["offset"]) == ("position_offset", "Kcur_injected-0", 2)
+
+
+# --- faults in the token ids and positions of the flow -------------------------------------------
+
+def test_draft_block_without_its_anchor_is_a_block_token_not_an_ok(clean, tmp_path):
+    """The driver put the mask token in row 0: every draft row has another token history, so
+    nothing of the draft block pairs; the verdict must say why instead of OK."""
+    from dataclasses import replace
+
+    from featdiff.dump import read_dump
+
+    with read_dump(clean[1]) as run:
+        m = run.manifest
+        mask = m.models["draft"]["mask_token_id"]
+        block = next(e for e in m.evals if e.phase == "draft")
+        evals = tuple(replace(e, token_ids=(mask,) + e.token_ids[1:]) if e.eval == block.eval else e for e in m.evals)
+    c = compare_dumps(clean[0], rewrite(clean[1], tmp_path / "run.npz", evals=evals), None)
+    f = the_error(c)
+    assert (f.kind, f.fields["row"], f.fields["observed"], f.fields["expected"], f.fields["round"]) == \
+        ("block_token", 0, mask, block.token_ids[0], 1)
+    unpaired = next(u for u in c.findings if u.kind == "unpaired")
+    assert unpaired.fields["reason"] == "token_history" and unpaired.tensor == "inp_noise_embd"
+    assert c.coverage.rows_skipped > 0

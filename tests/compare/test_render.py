@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import synth
 from featdiff.cli import app
 from featdiff.compare import compare_dumps, exit_code, render_summary, verdict, write_json
-from featdiff.compare.result import Finding
+from featdiff.compare.result import Coverage, Finding
 
 REF_MODELS = {"draft": {"target_layers": [2, 4]}, "target": {"n_embd": 16}}
 
@@ -27,9 +27,11 @@ def test_findings_json_round_trips(synth_ref, synth_run, tmp_path):
     out = tmp_path / "f.json"
     write_json(c, str(out))
     data = json.loads(out.read_text())
-    assert set(data) == {"ok", "findings", "records"} and data["ok"] is False
+    assert set(data) == {"ok", "findings", "records", "coverage"} and data["ok"] is False
     assert tuple(Finding.from_json(f) for f in data["findings"]) == c.findings
     assert len(data["records"]) == len(c.pairs)
+    assert Coverage.from_json(data["coverage"]) == c.coverage
+    assert data["coverage"]["pairs"] == len(c.pairs) and data["coverage"]["skipped"] == []
 
 
 def test_json_has_no_nan_even_for_nonfinite_data(synth_ref, synth_run, tmp_path):
@@ -60,9 +62,20 @@ def test_verbose_summary_lists_every_record(synth_ref, synth_run):
     assert "DIVERGES" in text and "inherited" in text and text.count("l_out-3") >= 3
 
 
-def test_verdict_ok(synth_ref, synth_run):
+def test_verdict_ok_states_what_was_compared_and_skipped(synth_ref, synth_run):
     c = compare_dumps(synth_ref, synth_run(), None)
-    assert verdict(c).startswith("OK: no error finding") and exit_code(c) == 0
+    rows = sum(len(a.positions) for a in c.alignments)
+    assert verdict(c) == f"OK: no error finding over {len(c.pairs)} compared records ({rows} rows); 0 skipped"
+    assert exit_code(c) == 0 and c.coverage.pairs == len(c.pairs) and c.coverage.rows == rows
+
+
+def test_verbose_summary_lists_what_was_not_compared(synth_ref, tmp_path):
+    run = synth.write(tmp_path / "run.npz", side="run", spec=synth.Spec(rounds=3))
+    c = compare_dumps(synth_ref, run, None)
+    assert verdict(c).endswith("; 11 record sets skipped, 44 rows left out")
+    buf = io.StringIO()
+    render_summary(c, verbose=True, console=Console(file=buf, width=300))
+    assert "not compared: inp_noise_embd (draft draft, round 3, occurrence 0)" in buf.getvalue()
 
 
 def test_cli_exit_codes_and_json_on_stdout(synth_ref, synth_run, tmp_path):

@@ -15,8 +15,9 @@ ArrayFn = Callable[[Record, np.ndarray], np.ndarray | None]  # None drops the re
 
 
 def rewrite(src: Path, dst: Path, fn: ArrayFn | None = None, evals: tuple[Eval, ...] | None = None,
-            build: dict | None = None) -> Path:
-    """Copy `src` to `dst`, passing every array through `fn`."""
+            build: dict | None = None, **manifest_fields) -> Path:
+    """Copy `src` to `dst`, passing every array through `fn`; `manifest_fields` replace the
+    manifest's (e.g. `prompt_tokens`, `memory_ops`, `flow_notes`)."""
     with read_dump(src) as dump:
         writer = DumpWriter(Path(dst))
         for r in dump.records():
@@ -27,9 +28,8 @@ def rewrite(src: Path, dst: Path, fn: ArrayFn | None = None, evals: tuple[Eval, 
             a = np.ascontiguousarray(a, dtype=a.dtype)
             writer.add(replace(r, shape=a.shape, ne=tuple(reversed(a.shape)), dtype=str(a.dtype)), a)
         m = dump.manifest
-        return writer.close(Manifest(source=m.source, models=m.models, build=build if build is not None else m.build,
-                                     evals=evals if evals is not None else m.evals, records=(), rounds=m.rounds,
-                                     prompt_tokens=m.prompt_tokens))
+        return writer.close(replace(m, build=build if build is not None else m.build,
+                                    evals=evals if evals is not None else m.evals, records=(), **manifest_fields))
 
 
 def split_eval(src: Path, dst: Path, eval_index: int, at: int) -> Path:

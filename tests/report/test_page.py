@@ -76,3 +76,17 @@ def test_findings_text_is_escaped(clean_pair) -> None:
 def test_integer_lists_are_summarised_as_ranges() -> None:
     assert summarise_ints([0, 1, 2, 3, 7, 9, 10]) == "0..3, 7, 9..10"
     assert summarise_ints(list(range(0, 60, 2))).endswith("... (30 in all)")
+
+
+def test_verdict_states_the_coverage_it_rests_on(clean_pair) -> None:
+    from featdiff.compare.result import Coverage, Skip
+
+    skip = Skip(role="draft", phase="draft", round=1, name="inp_noise_embd", occurrence=0, reason="token_history",
+                side="both", whole=True, records=1, rows=(7, 8, 9, 10), evals=(2,))
+    c = Comparison("ref.npz", "run.npz", (), (), (), skipped=(skip.line(),), coverage=Coverage(pairs=3, rows=12, skips=(skip,)))
+    with read_dump(clean_pair.ref) as ref:
+        page = render_page(c, ref.manifest, ref.manifest, [])
+    assert "Compared 3 record sets (12 rows); 1 record set skipped, 4 rows left out (listed under the records table)." in page
+    assert "inp_noise_embd (draft draft, round 1, occurrence 0): not compared" in page
+    bare = render_page(Comparison("ref.npz", "run.npz", (), (), ()), ref.manifest, ref.manifest, [])
+    assert "class='coverage'" not in bare

@@ -104,4 +104,5 @@ def test_log_snr_drafter_without_its_conditioning_accepts_less(probed, through_s
 
 def test_log_snr_drafter_without_its_conditioning_is_a_missing_term(compared):
     (f,) = _errors(compared("trained-no-log-snr"))
-    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "log_snr_embed")
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "l_out-0", "dspark_log_snr_fc2")
+    assert f.fields["expected_in"] == "dspark_draft_embd_snr"

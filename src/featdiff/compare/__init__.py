@@ -6,14 +6,16 @@ Called by the CLI:
 * `exit_code(c) -> int`: 0 no error finding, 1 error findings.
 * `render_summary(c, verbose)`: verdict line and ranked findings on stdout (rich); `verbose`
   adds the per-record table.
-* `write_json(c, dest)`: `{"ok", "findings", "records"}` to a file, or stdout for "-".
+* `write_json(c, dest)`: `{"ok", "findings", "records", "coverage"}` to a file, or stdout for "-"
+  (docs/findings.md is the contract).
 
 For report/ (all pure reads of dumps, nothing written):
 * `Comparison` (result.py): `findings`, `pairs` (one `PairMetrics` per compared record set, in
   eval and graph order, with `row_rel_err` per row and `positions`), `alignments` (parallel to
   `pairs`: the `Alignment` plan of each: ref/run keys comma-joined when a record spans several
   evals, layout, `rows`/`run_rows`/`positions`), `first_divergence` (index into `pairs`),
-  `skipped` (pairs with nothing to compare), `types` (what the tolerance model used).
+  `skipped` (what was not compared, one line each), `coverage` (`Coverage`: record sets and rows
+  compared, and each `Skip` with its reason), `types` (what the tolerance model used).
 * `load_pair(ref_dump, run_dump, alignment) -> (ref, run)`: the compared (R, D) rows of a pair.
 * `layer_match_matrix(ref_dump, run_dump, name_map=None, eval_index=None) -> LayerMatch | None`:
   the slot x layer matrix of the injected features; `LayerMatch.rel_err` / `.similarity` are
@@ -23,7 +25,8 @@ For report/ (all pure reads of dumps, nothing written):
   shifts show as an off-diagonal); `row_cosine(ref, run) -> (R,)` the same-row cosine.
 * `target_layers(manifest) -> tuple[int, ...]`: the drafter's `target_layers` a manifest states.
 
-Modules: align.py (plan: pairs, name map, layouts, rows), arrays.py (memory-mapped reads),
+Modules: align.py (plan: pairs, name map, layouts, rows, what is left out), flow.py (token ids
+and positions against the flow and the reference), arrays.py (memory-mapped reads),
 metrics.py, tolerance.py (the tolerance model and its calibration), sketch.py (layer-match
 sketches), evidence.py (what the detectors see), detectors.py + wiring.py (one `detect_<kind>`
 per finding kind), diagnose.py (first divergence, own vs inherited error, the detector chain),
@@ -32,23 +35,32 @@ comparison.py (the stage), render.py (terminal, JSON, exit code), namemap.py + m
 Findings fields beyond DESIGN.md's table: `rows` (zeros, nonfinite, stale) are token positions
 (row indices when the record is not row-wise); `stale` adds `source_eval`; `layer_offset` adds
 `observed_layers`/`expected_layers` (all slots); `wrong_source` adds `candidate` (the reference
-record it matched); an info `unexpected_tensor` lists `names` outside the wiring set.
+record it matched); `missing_term` adds `expected_in` (the sum the run's graph lacks, when it
+lacks one); an info `unexpected_tensor` lists `names` outside the wiring set.
 
-One-sided records: reference-only candidates (`layer_inp-<L>`, `log_snr_embed`, `<record>@<h>`)
-and unnamed `node_<n>` never count. A name in the wiring set (names.WIRING_NAMES) present on one
-side only is a `missing_tensor`/`unexpected_tensor` error (missing only when the run's recorded
-capture filters would have kept it); any other one-sided name is one info finding.
+Findings of flow.py and the plan (docs/findings.md): `block_token`, `position_offset` of a whole
+batch (`phase`, `round`, `eval`), the draft KV cache's `stale` and `duplicate_rows` (from the run's
+`memory_ops`), `flow_note` (the run's `flow_notes`), and `unpaired` (`reason`: `prompt`,
+`token_history`, `position`, `missing_eval`; info for llama.cpp's expected `no_rows`, `no_draft`,
+`fewer_drafts`):
+no wiring record is left out of the comparison without a finding that says why.
+
+One-sided records: reference-only candidates (`layer_inp-<L>`, `<record>@<h>`, an old dump's
+`log_snr_embed`; docs/records.md) and unnamed `node_<n>` never count. A name in the wiring set
+(names.WIRING_NAMES) present on one side only is a `missing_tensor`/`unexpected_tensor` error
+(missing only when the run's recorded capture filters would have kept it; a run graph with none of
+the log-SNR nodes is one `missing_term` instead); any other one-sided name is one info finding.
 """
 
 from featdiff.compare.comparison import compare_dumps, layer_match_matrix, load_pair
 from featdiff.compare.evidence import target_layers
 from featdiff.compare.metrics import row_cosine, row_similarity
 from featdiff.compare.render import exit_code, render_summary, verdict, write_json
-from featdiff.compare.result import Alignment, Comparison, Finding, PairMetrics
+from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics, Skip
 from featdiff.compare.sketch import LayerMatch
 
 __all__ = [
-    "Alignment", "Comparison", "Finding", "LayerMatch", "PairMetrics", "compare_dumps", "exit_code",
-    "layer_match_matrix", "load_pair", "render_summary", "row_cosine", "row_similarity", "target_layers",
-    "verdict", "write_json",
+    "Alignment", "Comparison", "Coverage", "Finding", "LayerMatch", "PairMetrics", "Skip", "compare_dumps",
+    "exit_code", "layer_match_matrix", "load_pair", "render_summary", "row_cosine", "row_similarity",
+    "target_layers", "verdict", "write_json",
 ]

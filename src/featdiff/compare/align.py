@@ -21,12 +21,16 @@ import numpy as np
 from featdiff import names
 from featdiff.compare.metrics import as_rows
 from featdiff.compare.namemap import NameMap
-from featdiff.compare.result import Alignment
+from featdiff.compare.result import Alignment, Skip
 from featdiff.dump import Eval, Manifest, Record
 
 GroupKey = tuple[str, str, int]        # (role, phase, round)
 RecordKey = tuple[GroupKey, str, int]  # (group, ref name, occurrence)
 TOKEN_PHASES = ("prefill", "verify", "draft")
+DRAFT_GROUP = ("draft", "draft")  # (role, phase) of the eval that opens a round
+VERIFY_PHASES = ("verify", "inject")  # the batches that carry a round's verified rows
+# docs/flow.md: round 0 is prefill then inject; each later round draft, verify, inject
+FLOW_RANK = {"prefill": 0, "draft": 1, "verify": 2, "inject": 3}
 # Run names the reference records under a reference-only name: the input of target layer 0 is
 # the token embeddings (docs/flow.md), `embd` in llama.cpp, `layer_inp-0` in the reference.
 REF_ALIASES = {names.TARGET_EMBD: names.layer_name(names.LAYER_INP, 0)}
@@ -80,16 +84,22 @@ class Plan:
     """Every pair to compare, in eval and graph order, and what could not be paired."""
 
     pairs: tuple[Pair, ...]
-    ref_only: tuple[RecordKey, ...]  # ref records the run lacks
-    run_only: tuple[RecordKey, ...]  # run records (mapped names) the ref lacks
-    skipped: tuple[str, ...]         # pairs with nothing to compare, one line each
+    ref_only: tuple[RecordKey, ...]  # ref records the run lacks, in eval groups both sides have
+    run_only: tuple[RecordKey, ...]  # run records (mapped names) the ref lacks, in shared groups
+    skips: tuple[Skip, ...]          # record sets (or rows) not compared, and why
     ref_groups: tuple[GroupKey, ...]
     run_groups: tuple[GroupKey, ...]
 
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        """The skips, one line each."""
+        return tuple(s.line() for s in self.skips)
+
 
 def is_reference_only(name: str) -> bool:
-    """Records only the reference writes, as candidates: `layer_inp-<L>`, `log_snr_embed`, `x@h`."""
-    return (names.CANDIDATE_SEP in name or name == names.LOG_SNR_EMBED
+    """Records only the reference writes, as candidates: `layer_inp-<L>`, `x@h`, and the old
+    names of graph records (`log_snr_embed`, names.OLD_RECORD_NAMES) in older reference dumps."""
+    return (names.CANDIDATE_SEP in name or name in names.OLD_RECORD_NAMES
             or name.startswith(names.LAYER_INP + "-"))
 
 
@@ -100,6 +110,12 @@ def is_unnamed(name: str) -> bool:
 
 def group_key(ev: Eval) -> GroupKey:
     return (ev.role, ev.phase, ev.round)
+
+
+def flow_rank(group: GroupKey) -> tuple[int, int, int]:
+    """Where an eval group sits in the flow (docs/flow.md); warm-up decodes come first."""
+    role, phase, rnd = group
+    return (phase != names.PHASE_WARMUP, rnd, FLOW_RANK.get(phase, len(FLOW_RANK)))
 
 
 def row_contexts(manifest: Manifest) -> dict[int, tuple[int | None, ...]]:
@@ -181,49 +197,106 @@ def _ref_key(run_key: RecordKey, ref_idx: dict) -> RecordKey | None:
 
 
 def plan_pairs(ref: Manifest, run: Manifest, name_map: NameMap) -> Plan:
-    """Pair every ref record with its run record and plan how their rows align."""
+    """Pair every ref record with its run record, plan how their rows align, and say what is
+    left out: record sets with no common row, rows left out of a pair, eval groups one side lacks."""
     ref_idx = _index(ref, _named)
     run_idx = _index(run, name_map.pairing_name)
     ref_ctx, run_ctx = row_contexts(ref), row_contexts(run)
     matches = {k: r for k in run_idx if (r := _ref_key(k, ref_idx)) is not None}
-    pairs, skipped = [], []
+    pairs, skips = [], []
     for run_key in sorted(matches, key=lambda k: (ref_idx[matches[k]][0][0].eval, run_idx[k][0][2])):
-        pair, why = _pair(matches[run_key], ref_idx[matches[run_key]], run_idx[run_key], ref_ctx, run_ctx, name_map)
-        if pair is None:
-            skipped.append(why)
-        else:
-            pairs.append(pair)
-    ref_only = set(ref_idx) - set(matches.values()) - {k for k in ref_idx if is_reference_only(k[1])}
+        pair, left_out = _pair(matches[run_key], ref_idx[matches[run_key]], run_idx[run_key], ref_ctx, run_ctx, name_map)
+        pairs += [pair] if pair is not None else []
+        skips += left_out
+    ref_groups = tuple(dict.fromkeys(group_key(e) for e in ref.evals))
+    # a group whose decodes all failed (llama.cpp refused the batch) computed nothing
+    failed = {group_key(e) for e in run.evals if e.rc} - {group_key(e) for e in run.evals if not e.rc}
+    run_groups = tuple(g for g in dict.fromkeys(group_key(e) for e in run.evals) if g not in failed)
     # the run output rows where the reference output none (llama-server's prefill samples its
     # last row): the tensor exists on both sides, there is just nothing to compare
     ref_empty = _empty_keys(ref) & (set(run_idx) - set(matches))
-    skipped += [f"{name} ({role} {phase}, round {rnd}): the reference output no rows there"
-                for (role, phase, rnd), name, _ in sorted(ref_empty)]
+    skips += [_one_side_skip(k, run_idx[k], "run", "no_rows") for k in sorted(ref_empty)]
+    ref_only = set(ref_idx) - set(matches.values()) - {k for k in ref_idx if is_reference_only(k[1])}
+    run_only = set(run_idx) - set(matches) - ref_empty
+    skips += _group_skips(ref_only, ref_idx, run_only, run_idx, ref_groups, run_groups, failed)
     return Plan(
         pairs=tuple(pairs),
-        ref_only=tuple(sorted(ref_only, key=lambda k: ref_idx[k][0][2])),
-        run_only=tuple(sorted(set(run_idx) - set(matches) - ref_empty, key=lambda k: run_idx[k][0][2])),
-        skipped=tuple(skipped),
-        ref_groups=tuple(dict.fromkeys(group_key(e) for e in ref.evals)),
-        run_groups=tuple(dict.fromkeys(group_key(e) for e in run.evals)),
+        ref_only=tuple(sorted((k for k in ref_only if k[0] in run_groups), key=lambda k: ref_idx[k][0][2])),
+        run_only=tuple(sorted((k for k in run_only if k[0] in ref_groups), key=lambda k: run_idx[k][0][2])),
+        skips=tuple(sorted(skips, key=lambda s: (flow_rank((s.role, s.phase, s.round)), s.evals[:1], s.reason))),
+        ref_groups=ref_groups,
+        run_groups=run_groups,
     )
 
 
+def _group_skips(ref_only: set[RecordKey], ref_idx: dict, run_only: set[RecordKey], run_idx: dict,
+                 ref_groups: tuple[GroupKey, ...], run_groups: tuple[GroupKey, ...],
+                 failed: set[GroupKey]) -> list[Skip]:
+    """Record sets in an eval group the other side lacks (or whose run decodes all `failed`):
+    warm-up decodes and llama-server's verify of no drafts (a run round without a draft eval)
+    are expected, any other is not."""
+    rounds_drafted = {g[2] for g in run_groups if g[:2] == DRAFT_GROUP}
+    out = []
+    for k in sorted(k for k in ref_only if k[0] not in run_groups):
+        out.append(_one_side_skip(k, ref_idx[k], "ref", "failed_eval" if k[0] in failed else "missing_eval"))
+    for k in sorted(k for k in run_only if k[0] not in ref_groups):
+        role, phase, rnd = k[0]
+        reason = ("warmup" if phase == names.PHASE_WARMUP else
+                  "no_draft" if phase != "prefill" and rnd not in rounds_drafted else "missing_eval")
+        out.append(_one_side_skip(k, run_idx[k], "run", reason))
+    return out
+
+
+def _one_side_skip(key: RecordKey, entries: list[tuple[Eval, Record, int]], side: str, reason: str) -> Skip:
+    """A record set only one side has: every row of it left out."""
+    (role, phase, rnd), name, occurrence = key
+    rows = tuple(p for ev, r, _ in entries if _is_row_record(r, ev) for p in ev.positions)
+    return Skip(role=role, phase=phase, round=rnd, name=name, occurrence=occurrence, reason=reason,  # type: ignore[arg-type]
+                side=side, whole=True, records=len(entries), rows=rows,  # type: ignore[arg-type]
+                evals=tuple(ev.eval for ev, _, _ in entries))
+
+
 def _pair(key: RecordKey, ref_entries, run_entries, ref_ctx, run_ctx,
-          name_map: NameMap) -> tuple[Pair | None, str]:
+          name_map: NameMap) -> tuple[Pair | None, list[Skip]]:
+    """The pair of one ref key, or None when no row of it can be compared; and what was left out."""
     group, name, occurrence = key  # the ref's key
     ref = _side([(ev, r) for ev, r, _ in ref_entries], ref_ctx)
     run = _side([(ev, r) for ev, r, _ in run_entries], run_ctx)
     run_name = run.records[0].name
     alignment = plan_alignment(ref, run, name if run_name == name else f"{run_name} -> {name}")
-    label = f"{name} ({'/'.join(map(str, group))}, occurrence {occurrence})"
-    if alignment.comparable and alignment.positions == () and ref.is_rows and ref.positions:
-        return None, f"{label}: no row with the same position and token history on both sides"
-    if alignment.comparable and _n_compared(ref, alignment) == 0:
-        return None, f"{label}: empty on both sides"
+    nothing = alignment.comparable and (
+        (alignment.positions == () and ref.is_rows and bool(ref.positions)) or _n_compared(ref, alignment) == 0)
+    skips = _row_skips(key, alignment, ref, run, whole=nothing)
+    if nothing:  # with no row skip to say why: the run's records are not row-wise, or hold nothing
+        why = "position" if ref.positions else "empty"
+        return None, skips or [_skip(key, why, len(run.records), ref.positions, run, whole=True)]
     srcs = tuple(name_map.ref_name(s) for s in run.records[0].srcs)
     order = (ref_entries[0][0].eval, run_entries[0][2])
-    return Pair(group, name, run_name, occurrence, ref, run, alignment, order, srcs), ""
+    return Pair(group, name, run_name, occurrence, ref, run, alignment, order, srcs), skips
+
+
+def _row_skips(key: RecordKey, alignment: Alignment, ref: Side, run: Side, whole: bool) -> list[Skip]:
+    """A skip per reason rows of this pair were left out (token history, no row at that position)."""
+    unmatched = "fewer_drafts" if _verified_fewer(key[0], ref, run) else "position"
+    out = []
+    for reason, rows in (("token_history", alignment.history_rows), (unmatched, alignment.unmatched_rows)):
+        if rows:
+            out.append(_skip(key, reason, len(run.records), rows, run, whole=whole and not out))
+    return out
+
+
+def _verified_fewer(group: GroupKey, ref: Side, run: Side) -> bool:
+    """The run's verify (or the inject carrying it) is the reference's cut short: llama.cpp drafts
+    no more tokens than are left to generate (upstream common/speculative.cpp), the reference
+    drafts a full block every round."""
+    n = len(run.positions)
+    return group[1] in VERIFY_PHASES and 0 < n < len(ref.positions) and run.positions == ref.positions[:n]
+
+
+def _skip(key: RecordKey, reason: str, records: int, rows: tuple[int, ...], run: Side, whole: bool) -> Skip:
+    (role, phase, rnd), name, occurrence = key
+    return Skip(role=role, phase=phase, round=rnd, name=name, occurrence=occurrence, reason=reason,  # type: ignore[arg-type]
+                side="both", whole=whole, records=records, rows=rows, evals=tuple(ev.eval for ev in run.evals))
 
 
 def _n_compared(ref: Side, alignment: Alignment) -> int:
@@ -266,26 +339,33 @@ def _layout(ref: Side, run: Side) -> str:
 
 
 def _row_alignment(base: Alignment, ref: Side, run: Side) -> Alignment:
-    """Match rows by (position, how many times that position was seen before), then context."""
+    """Match rows by (position, how many times that position was seen before), then context;
+    record the positions of the rows left out: another token history, or no row there at all."""
     if ref.positions == run.positions and ref.contexts == run.contexts:  # the common case, at C speed
         rows = tuple(range(len(ref.positions)))
         return Alignment(**{**base.__dict__, "layout": _layout(ref, run), "rows": rows, "run_rows": rows,
                             "positions": ref.positions})
     ref_at = {k: i for i, k in enumerate(_occurrence_keys(ref.positions))}
-    rows, run_rows, positions, n_history = [], [], [], 0
+    rows, run_rows, positions, history, unmatched, met = [], [], [], [], [], set()
     for j, k in enumerate(_occurrence_keys(run.positions)):
         i = ref_at.get(k)
         if i is None:
+            unmatched.append(k[0])
             continue
+        met.add(i)
         if not _same_context(ref.contexts[i], run.contexts[j]):
-            n_history += 1
+            history.append(k[0])
             continue
         rows.append(i)
         run_rows.append(j)
         positions.append(k[0])
-    note = f"{n_history} rows left out: different token history" if n_history else ""
+    unmatched += [p for i, p in enumerate(ref.positions) if i not in met]
+    note = "; ".join(x for x in (f"{len(history)} rows left out: different token history" if history else "",
+                                 f"{len(unmatched)} rows left out: no row at that position on the other side"
+                                 if unmatched else "") if x)
     return Alignment(**{**base.__dict__, "layout": _layout(ref, run), "rows": tuple(rows),
-                        "run_rows": tuple(run_rows), "positions": tuple(positions), "note": note})
+                        "run_rows": tuple(run_rows), "positions": tuple(positions), "note": note,
+                        "history_rows": tuple(history), "unmatched_rows": tuple(sorted(set(unmatched)))})
 
 
 def _occurrence_keys(positions: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -1,31 +1,36 @@
 """compare_dumps: align -> measure -> diagnose, from two dump paths to one `Comparison`.
 
 Pairs stream one at a time (read, align, measure, drop), so memory is bounded by the largest
-pair; only the roots are read again, with their candidates, for the detectors.
+pair; only the roots are read again, with their candidates, for the detectors. The findings
+open with what the token ids and positions say (flow.py), and the comparison carries its
+coverage: what was compared and what was left out, and why.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from featdiff.compare import diagnose
+from featdiff.compare import diagnose, flow
 from featdiff.compare.align import Pair, Plan, pair_arrays, plan_pairs, side_rows
 from featdiff.compare.detectors import detect_numeric_noise
 from featdiff.compare.evidence import (Source, build_evidence, first_feature_pair, layer_match, open_source,
                                        position_evidence, target_layers)
 from featdiff.compare.metrics import Measurement, measure
 from featdiff.compare.namemap import NameMap, read_name_map
-from featdiff.compare.result import Alignment, Comparison, Finding, PairMetrics
+from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance, TypeInfo, describe, tolerance_for, type_info
-from featdiff.dump import Dump, read_dump
+from featdiff.dump import Dump, Manifest, read_dump
 from featdiff.errors import InputError
 
 NOT_MEASURED = Measurement(max_abs=float("nan"), nmse=float("nan"), cos_min=float("nan"),
                            cos_median=float("nan"), rel_p50=float("nan"), rel_p99=float("nan"),
                            row_rel=(), is_finite=False)
+# findings that say what was not compared or inferred, not why the run differs
+UNEXPLAINING = ("unpaired", "flow_note", "missing_tensor", "unexpected_tensor")
 
 
 def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Comparison:
@@ -35,9 +40,7 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
         ref_src, run_src = open_source(ref_dump), open_source(run_dump)
         plan = plan_pairs(ref_dump.manifest, run_dump.manifest, rules)
         if not plan.pairs:
-            why = f" ({len(plan.skipped)} left out, e.g. {plan.skipped[0]})" if plan.skipped else ""
-            raise InputError(f"{run}: no record pairs with {ref} (same role, phase, round, name and token "
-                             f"history){why}; make both from the same prompt and models, or pass --map for a fork")
+            raise InputError(_nothing_paired(ref, run, plan, ref_dump.manifest, run_dump.manifest))
         types = type_info(ref_dump.manifest, run_dump.manifest)
         tols = [pair_tolerance(p, types) for p in plan.pairs]
         measured = [measure_pair(ref_src, run_src, p) for p in plan.pairs]
@@ -48,7 +51,34 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
                     for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within)))
     return Comparison(ref_path=str(ref), run_path=str(run), findings=findings, pairs=metrics,
                       alignments=tuple(p.alignment for p in plan.pairs),
-                      first_divergence=walk.first_divergence, skipped=plan.skipped, types=describe(types))
+                      first_divergence=walk.first_divergence, skipped=plan.skipped, types=describe(types),
+                      coverage=coverage(plan))
+
+
+def _nothing_paired(ref: Path, run: Path, plan: Plan, ref_manifest: Manifest, run_manifest: Manifest) -> str:
+    """The one-line reason two dumps share no pair, naming the prompt when that is why."""
+    prompt = flow.detect_unpaired_prompt(ref_manifest, run_manifest)
+    if prompt is not None:
+        return f"{run}: no record pairs with {ref}: {prompt.message}"
+    why = f" ({len(plan.skipped)} left out, e.g. {plan.skipped[0]})" if plan.skipped else ""
+    return (f"{run}: no record pairs with {ref} (same role, phase, round, name and token history){why}; "
+            f"make both from the same prompt and models, or pass --map for a fork")
+
+
+def coverage(plan: Plan) -> Coverage:
+    """What the plan compares (record sets, rows) and what it leaves out, and why."""
+    rows = sum(_compared_rows(p) for p in plan.pairs)
+    return Coverage(pairs=len(plan.pairs), rows=rows, skips=plan.skips,
+                    ref_only=len(plan.ref_only), run_only=len(plan.run_only))
+
+
+def _compared_rows(pair: Pair) -> int:
+    """Rows a pair compares: its aligned positions, or the stacked first axis when not row-wise."""
+    if not pair.alignment.comparable:
+        return 0
+    if pair.alignment.positions:
+        return len(pair.alignment.positions)
+    return sum(r.shape[0] if r.shape else 1 for r in pair.ref.records)
 
 
 def pair_tolerance(pair: Pair, types: TypeInfo) -> Tolerance:
@@ -77,17 +107,38 @@ def pair_metrics(pair: Pair, m: Measurement, tol: Tolerance, within: bool, inher
 
 def _findings(ref: Source, run: Source, plan: Plan, walk: diagnose.Walk, measured: list[Measurement],
               tols: list[Tolerance], types: TypeInfo, rules: NameMap) -> tuple[Finding, ...]:
-    """Manifest-level findings, then one per root (deduplicated), then info."""
-    found = [diagnose.detect_not_conditioned(ref.manifest, run.manifest, rules),
-             diagnose.detect_missing_tensor(plan, run.manifest),
-             diagnose.detect_unexpected_tensor(plan, ref.manifest)]
+    """What the token ids and positions say (flow order), manifest-level findings, one per root,
+    then the wiring records left out (`unpaired`), then info; deduplicated, errors first."""
+    flow_found = flow.check_flow(ref.manifest, run.manifest)
+    found: list[Finding | None] = [*flow_found,
+                                   diagnose.detect_not_conditioned(ref.manifest, run.manifest, rules),
+                                   diagnose.detect_missing_tensor(plan, run.manifest),
+                                   diagnose.detect_unexpected_tensor(plan, ref.manifest)]
+    misplaced = _misplaced_groups(flow_found)
+    absent = diagnose.absent_records(plan, run.manifest)
     for i in walk.roots[:diagnose.MAX_ROOT_FINDINGS]:
-        ev = build_evidence(ref, run, plan.pairs[i], tols[i])
-        found.append(diagnose.diagnose_root(ev, measured[i].nmse))
+        ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()))
+        root = diagnose.diagnose_root(ev, measured[i].nmse)
+        # rows of a batch placed at offset positions look shifted: the position_offset above says why
+        found.append(None if root.kind == "row_shift" and plan.pairs[i].group in misplaced else root)
     found.append(_quantized_feature_check(ref, run, plan, walk, tols, types))
     found.append(diagnose.check_positions(position_evidence(ref, run)))
+    explained = any(f is not None and f.severity == "error" and f.kind not in UNEXPLAINING for f in found)
+    found += diagnose.unpaired_findings(plan, explained, flow.history_divergence(ref.manifest, run.manifest))
+    found = [_settled(f, explained) for f in found if f is not None]
     found += [_noise(plan, walk, measured, tols), diagnose.unpaired_info(plan)]
     return _deduplicated([f for f in found if f is not None])
+
+
+def _misplaced_groups(flow_found: tuple[Finding, ...]) -> set[tuple[str, str, int]]:
+    """The eval groups (role, phase, round) the flow found at offset positions."""
+    return {(f.fields["role"], f.fields["phase"], f.fields["round"]) for f in flow_found if f.kind == "position_offset"}
+
+
+def _settled(f: Finding, explained: bool) -> Finding:
+    """A flow note is info when an error finding already explains the run; alone, it is an error:
+    an OK must not rest on a flow the capture had to guess."""
+    return replace(f, severity="info") if f.kind == "flow_note" and explained else f
 
 
 def _quantized_feature_check(ref: Source, run: Source, plan: Plan, walk: diagnose.Walk,
@@ -116,12 +167,18 @@ def _noise(plan: Plan, walk: diagnose.Walk, measured: list[Measurement], tols: l
 
 
 def _deduplicated(findings: list[Finding]) -> tuple[Finding, ...]:
-    """Errors first, in walk order; one finding per (kind, tensor)."""
-    seen: set[tuple[str, str]] = set()
+    """Errors first, in order; one finding per (kind, tensor, reason, phase): the same fault seen
+    again at a later root is dropped, an `unpaired` of another cause or a batch of another phase is not.
+    A `divergence` (no cause found) of a tensor another finding already names a cause for is dropped."""
+    seen: set[tuple] = set()
+    named = {f.tensor for f in findings if f.severity == "error" and f.kind != "divergence"}
     out = []
     for f in sorted(findings, key=lambda f: f.severity != "error"):
-        if (f.kind, f.tensor) not in seen:
-            seen.add((f.kind, f.tensor))
+        if f.kind == "divergence" and f.tensor in named:
+            continue
+        key = (f.kind, f.tensor, f.fields.get("reason"), f.fields.get("phase"))
+        if key not in seen:
+            seen.add(key)
             out.append(f)
     return tuple(out)
 

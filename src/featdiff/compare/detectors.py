@@ -52,6 +52,8 @@ class Evidence:
     n_extract: int = 0
     rope: Rope | None = None
     is_integer: bool = False               # integer data (positions, token ids): compared exactly
+    record: str = ""                       # the reference's name of the pair (`tensor` is the run's)
+    absent: tuple[str, ...] = ()           # ref records of this eval group the run's graph lacks
 
 
 # --- helpers -------------------------------------------------------------------------------------

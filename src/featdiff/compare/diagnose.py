@@ -3,7 +3,7 @@
 `find_roots` walks the pairs in eval and graph order and keeps each pair beyond tolerance whose
 inputs are all within it (the first is the first divergence). `diagnose_root` runs the detector
 chain on one root's evidence. The manifest-level detectors (`not_conditioned`, one-sided
-records) look at the plan, not at values.
+records, `unpaired` wiring records) look at the plan, not at values.
 
 What a pair's inputs are, from the run node's recorded sources:
 * every source a captured pair of its eval, a weight (`x.weight`) or a leaf (`inp_*`, `leaf_*`):
@@ -17,6 +17,7 @@ What a pair's inputs are, from the run node's recorded sources:
 from __future__ import annotations
 
 import fnmatch
+from collections import defaultdict
 
 import numpy as np
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ from typing import Callable
 from featdiff import names
 from featdiff.compare import detectors as d
 from featdiff.compare import wiring as w
-from featdiff.compare.align import Pair, Plan, RecordKey
+from featdiff.compare.flow import batch_label
+from featdiff.compare.align import DRAFT_GROUP, GroupKey, Pair, Plan, RecordKey, flow_rank
 from featdiff.compare.namemap import NameMap
-from featdiff.compare.result import Finding
+from featdiff.compare.result import Finding, Skip
 from featdiff.dump import Manifest
 
 # Which (role, phase) evals feed which, per docs/flow.md.
@@ -162,11 +164,36 @@ def _captured(name: str, role: str, manifest: Manifest) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
+def absent_keys(plan: Plan, run: Manifest) -> list[RecordKey]:
+    """Wiring records of the reference the run's graph lacks: in an eval group the run has, and
+    kept by the run's recorded capture filters (so not merely filtered out)."""
+    return [k for k in plan.ref_only
+            if _wiring(k[1]) and k[0] in plan.run_groups and _captured(k[1], k[0][0], run)]
+
+
+def absent_records(plan: Plan, run: Manifest) -> dict[GroupKey, tuple[str, ...]]:
+    """absent_keys by eval group: the names each group's run graph lacks."""
+    out: dict[GroupKey, dict[str, None]] = defaultdict(dict)
+    for group, name, _ in absent_keys(plan, run):
+        out[group][name] = None
+    return {group: tuple(found) for group, found in out.items()}
+
+
+def _without_log_snr(plan: Plan) -> set[GroupKey]:
+    """Eval groups where the reference has log-SNR records and the run none of them."""
+    ref = {k[0] for k in plan.ref_only if k[1] in names.LOG_SNR_RECORDS}
+    run = ({p.group for p in plan.pairs if p.name in names.LOG_SNR_RECORDS}
+           | {k[0] for k in plan.run_only if k[1] in names.LOG_SNR_RECORDS})
+    return ref - run
+
+
 def detect_missing_tensor(plan: Plan, run: Manifest) -> Finding | None:
     """Hypothesis: the run never computed a wiring tensor the checkpoint has. Evidence: a ref
-    record in the wiring set, in an eval group the run has, that the run's filters would keep."""
-    keys = [k for k in plan.ref_only
-            if _wiring(k[1]) and k[0] in plan.run_groups and _captured(k[1], k[0][0], run)]
+    record in the wiring set, in an eval group the run has, that the run's filters would keep.
+    A group whose graph has none of the log-SNR nodes ignores the conditioning as a whole: that
+    is a `missing_term` (wiring.detect_missing_term), not missing tensors."""
+    unconditioned = _without_log_snr(plan)
+    keys = [k for k in absent_keys(plan, run) if not (k[1] in names.LOG_SNR_RECORDS and k[0] in unconditioned)]
     return _one_sided("missing_tensor", keys, "the run has no {name} in {where} (the reference does)")
 
 
@@ -197,3 +224,126 @@ def unpaired_info(plan: Plan) -> Finding | None:
     return Finding(kind="unexpected_tensor", tensor=run_names[0], severity="info",
                    message=f"{len(run_names)} run tensor names have no reference counterpart and were not compared: {shown}",
                    fields={"names": run_names})
+
+
+# --- wiring records the plan could not pair ------------------------------------------------------
+
+INFO_SKIPS = ("no_rows", "no_draft", "fewer_drafts")  # expected skips worth a line among the findings
+# rows another error finding can explain: the run decoded other tokens, or placed its batches elsewhere
+EXPLAINABLE_SKIPS = ("token_history", "position", "failed_eval")
+
+
+def unpaired_findings(plan: Plan, explained: bool, parting: str | None) -> list[Finding]:
+    """One `unpaired` finding per (reason, side) of the wiring record sets the plan left out:
+    errors, except rows left out because the run decoded other tokens when other error findings
+    (`explained`) say why; the expected llama-server skips as info. `parting`: where the two token
+    histories part (flow.history_divergence)."""
+    by_cause: dict[tuple[str, str], list[Skip]] = {}
+    for skip in plan.skips:
+        if _wiring(skip.name) and (not skip.is_expected or skip.reason in INFO_SKIPS):
+            by_cause.setdefault((skip.reason, skip.side), []).append(skip)
+    rounds = (_last_round(plan.ref_groups), _last_round(plan.run_groups))
+    found = (detect_unpaired(tuple(skips), explained, parting, rounds) for skips in by_cause.values())
+    return [f for f in found if f is not None]
+
+
+def _last_round(groups: tuple[GroupKey, ...]) -> int:
+    return max((g[2] for g in groups if g[:2] == DRAFT_GROUP), default=0)
+
+
+def detect_unpaired(skips: tuple[Skip, ...], explained: bool, parting: str | None,
+                    rounds: tuple[int, int]) -> Finding | None:
+    """Hypothesis: wiring records of the run or the reference were not compared (one reason, one
+    side), so an OK would rest on records nobody looked at. Evidence: the plan's skips of those
+    record sets; `rounds` = the last drafted round of (ref, run)."""
+    if not skips:
+        return None
+    skips = tuple(sorted(skips, key=lambda s: (flow_rank((s.role, s.phase, s.round)), s.evals[:1])))
+    first = skips[0]
+    reason = first.reason
+    severity = "info" if first.is_expected or (explained and reason in EXPLAINABLE_SKIPS) else "error"
+    more = _more(skips)
+    message = _UNPAIRED_MESSAGES[reason](first, more, explained, parting, rounds)
+    return Finding(kind="unpaired", tensor=first.name, severity=severity, message=message,
+                   fields={"reason": reason, "side": first.side, "records": len(skips), "rows": list(first.rows),
+                           "evals": sorted({e for s in skips for e in s.evals}), "role": first.role,
+                           "phase": first.phase, "round": first.round})
+
+
+def _more(skips: tuple[Skip, ...]) -> str:
+    if len(skips) == 1:
+        return ""
+    k, rows = len(skips) - 1, sum(len(s.rows) for s in skips[1:])
+    return f" (and {k} more record set{'s' * (k > 1)}" + (f", {rows} rows" if rows else "") + ")"
+
+
+def _where(s: Skip) -> str:
+    return f"{s.name} ({batch_label((s.role, s.phase, s.round))})"
+
+
+def _tail(why: str, explained: bool, parting: str | None) -> str:
+    """What to do about rows left out: the findings above say `why`, or where the histories part."""
+    at = f" (the token histories part at {parting})" if parting else ""
+    if explained:
+        return f"the error findings above say why {why}{at}"
+    return (f"the token histories part at {parting}; nothing else explains it: check that run and reference "
+            f"come from the same prompt, rounds and models" if parting else
+            "check that run and reference come from the same prompt, rounds and models")
+
+
+def _token_history_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    return (f"{len(s.rows)} rows of {_where(s)} have a different token history from the reference's, so they "
+            f"were not compared{more}; {_tail('the run decoded other tokens', explained, parting)}")
+
+
+def _position_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    return (f"{len(s.rows)} rows of {_where(s)} sit at positions ({_positions(s.rows)}) where the other side has "
+            f"no row in that batch, so they were not compared{more}; "
+            f"{_tail('the batches sit at other positions', explained, parting)}")
+
+
+def _missing_eval_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    ref_last, run_last = rounds
+    lacking, having = ("reference", "run") if s.side == "run" else ("run", "reference")
+    head = f"the {lacking} has no {s.phase} eval of round {s.round}, so the {having}'s {s.name} there was not compared{more}"
+    if s.side == "run" and s.round > ref_last:
+        return f"{head}: rerun `featdiff reference` with --rounds {run_last}"
+    if s.side == "ref" and s.round > run_last:
+        fix = f"capture with --rounds {ref_last}, or rerun `featdiff reference` with --rounds {run_last}"
+        return (f"{head}: the run stopped early (after the failure the error findings above name) or was made "
+                f"with fewer rounds ({fix})" if explained else f"{head}: {fix}")
+    return f"{head}: make both sides decode the flow of docs/flow.md (a {s.phase} eval in every round)"
+
+
+def _failed_eval_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    return (f"the run's {s.phase} eval of round {s.round} failed (llama.cpp refused the batch the driver built), so "
+            f"the reference's {s.name} there was not compared{more}; "
+            + ("the error findings above say what is wrong with that batch" if explained else
+               "see the flow notes and the program's log for why the batch was refused"))
+
+
+def _no_rows_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    return (f"{s.name} ({s.role} {s.phase}) has output rows in the run and none in the reference "
+            f"(llama-server's prefill outputs its last row to sample the first token), so it was not compared{more}")
+
+
+def _no_draft_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    return (f"round {s.round} of the run decoded without drafting (llama-server's last verify, with no room left "
+            f"to draft), and the reference drafts every round, so {s.name}{more} was not compared")
+
+
+def _fewer_drafts_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
+    return (f"the run verified fewer drafts than the reference in round {s.round} (llama.cpp drafts no more tokens "
+            f"than are left to generate), so {len(s.rows)} rows of {_where(s)} at the end of the reference's batch "
+            f"were not compared{more}")
+
+
+def _positions(rows: tuple[int, ...]) -> str:
+    return ", ".join(map(str, rows[:8])) + (" ..." if len(rows) > 8 else "")
+
+
+_UNPAIRED_MESSAGES = {
+    "token_history": _token_history_message, "position": _position_message,
+    "missing_eval": _missing_eval_message, "failed_eval": _failed_eval_message, "no_rows": _no_rows_message, "no_draft": _no_draft_message,
+    "fewer_drafts": _fewer_drafts_message,
+}

@@ -1,6 +1,7 @@
 """Gather what the detectors need for one divergent pair: its rows, the reference's candidates
-(`<record>@<hypothesis>`, `log_snr_embed`), the same record in earlier evals, and the sketched
-slot x layer matrix against every `layer_inp-<L>`. The only part of diagnosis that reads dumps.
+(`<record>@<hypothesis>`, the terms the checkpoint adds such as `dspark_log_snr_fc2`), the same
+record in earlier evals, and the sketched slot x layer matrix against every `layer_inp-<L>`. The
+only part of diagnosis that reads dumps.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from featdiff import names
-from featdiff.compare.align import Pair, Side, is_reference_only, pair_arrays, row_contexts, side_rows
+from featdiff.compare.align import Pair, Side, pair_arrays, row_contexts, side_rows
 from featdiff.compare.arrays import MemberIndex, index_members, read_array
 from featdiff.compare.detectors import DEFAULT_ROPE_BASE, Evidence, Rope
 from featdiff.compare.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
@@ -54,8 +55,9 @@ def target_layers(manifest: Manifest) -> tuple[int, ...]:
     return tuple(int(x) for x in draft.get("target_layers", ())) if isinstance(draft, dict) else ()
 
 
-def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance) -> Evidence:
-    """Everything the detectors may use for `pair`."""
+def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent: tuple[str, ...] = ()) -> Evidence:
+    """Everything the detectors may use for `pair`; `absent` names the reference records of its
+    eval group that the run's graph lacks (diagnose.absent_records)."""
     ref_all, run_all = ref.rows(pair.ref), run.rows(pair.run)
     al = pair.alignment
     ref_rows, run_rows = pair_arrays(al, ref_all, run_all) if al.comparable else (ref_all, run_all)
@@ -67,7 +69,7 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance) -> Evid
         candidates=_candidates(ref, pair), n_extract=n_extract,
         layers=layer_match(ref, pair, run_rows, n_extract) if n_extract and al.positions else None,
         rope=_rope(ref.manifest, pair), is_integer=pair.is_integer,
-        earlier=earlier, earlier_evals=earlier_evals,
+        earlier=earlier, earlier_evals=earlier_evals, record=pair.name, absent=absent,
     )
 
 
@@ -92,12 +94,14 @@ def _run_raw(run: Source, pair: Pair, run_rows: np.ndarray) -> np.ndarray | None
 
 
 def _candidates(ref: Source, pair: Pair) -> dict[str, np.ndarray]:
-    """Reference-only records of the pair's evals, aligned like the pair's ref rows."""
+    """The pair's `<record>@<hypothesis>` candidates and the terms of its evals, aligned like the
+    pair's ref rows; terms by their current name (an old dump's `log_snr_embed` is
+    `dspark_log_snr_fc2`: names.OLD_RECORD_NAMES)."""
     by_name: dict[str, list[Record]] = defaultdict(list)
     eval_ids = [e.eval for e in pair.ref.evals]
     for r in ref.manifest.records:
         if r.eval in eval_ids and _is_candidate_for(r.name, pair.name) and r.occurrence == 0:
-            by_name[r.name].append(r)
+            by_name[names.current_name(r.name)].append(r)
     out = {}
     for name, records in by_name.items():
         if [r.eval for r in records] != eval_ids:
@@ -110,7 +114,7 @@ def _candidates(ref: Source, pair: Pair) -> dict[str, np.ndarray]:
 def _is_candidate_for(name: str, pair_name: str) -> bool:
     if names.CANDIDATE_SEP in name:
         return name.split(names.CANDIDATE_SEP, 1)[0] == pair_name
-    return is_reference_only(name) and not name.startswith(names.LAYER_INP + "-")
+    return names.current_name(name) in names.TERM_RECORDS and names.current_name(name) != pair_name
 
 
 def _earlier(ref: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[int, ...]]:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from featdiff.compare.result import Comparison, Finding, PairMetrics
@@ -35,7 +36,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(c: Comparison, dest: str) -> None:
-    """Write `{"ok", "findings", "records"}` to the file `dest`, or to stdout for "-"."""
+    """Write `{"ok", "findings", "records", "coverage"}` to the file `dest`, or to stdout for "-"."""
     text = json.dumps(_jsonable(c.to_json()), indent=1, allow_nan=False) + "\n"
     if dest == "-":
         sys.stdout.write(text)
@@ -46,15 +47,16 @@ def write_json(c: Comparison, dest: str) -> None:
 
 
 def verdict(c: Comparison) -> str:
-    """One line: pass/fail, the count of findings, and where the run first diverges."""
+    """One line: pass/fail, the count of findings, where the run first diverges, and the coverage."""
     errors = [f for f in c.findings if f.severity == "error"]
     if not errors:
-        return f"OK: no error finding over {len(c.pairs)} compared records"
+        return f"OK: no error finding over {c.coverage.pairs} compared records ({c.coverage.rows} rows); " \
+               f"{c.coverage.skipped_phrase()}"
     where = ""
     if c.first_divergence is not None:
         p = c.pairs[c.first_divergence]
         where = f"; first divergence: {p.run_name or p.name} ({p.role} {p.phase}, eval {p.eval})"
-    return f"FAIL: {len(errors)} error finding{'s' if len(errors) > 1 else ''}{where}"
+    return f"FAIL: {len(errors)} error finding{'s' if len(errors) > 1 else ''}{where}; {c.coverage.skipped_phrase()}"
 
 
 def _findings_table(findings: tuple[Finding, ...]) -> Table:
@@ -62,7 +64,7 @@ def _findings_table(findings: tuple[Finding, ...]) -> Table:
     for col in ("", "kind", "tensor", "what to do"):
         table.add_column(col, overflow="fold")
     for f in findings:
-        table.add_row(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/]", f.kind, f.tensor, f.message)
+        table.add_row(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/]", f.kind, escape(f.tensor), escape(f.message))
     return table
 
 
@@ -93,5 +95,5 @@ def render_summary(c: Comparison, verbose: bool = False, console: Console | None
         out.print(_findings_table(c.findings))
     if verbose:
         out.print(_records_table(c.pairs))
-        for line in c.skipped:
-            out.print(f"[dim]not compared: {line}[/]", highlight=False)
+        for skip in c.coverage.skips:
+            out.print(f"[dim]not compared: {escape(skip.line())}[/]", highlight=False)

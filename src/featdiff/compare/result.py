@@ -14,8 +14,23 @@ Kind = Literal[
     "layer_offset", "slot_permutation", "layout_transpose", "row_shift", "position_offset",
     "missing_term", "extra_term", "scale", "wrong_source", "not_conditioned", "zeros",
     "nonfinite", "stale", "missing_tensor", "unexpected_tensor", "divergence", "numeric_noise",
+    "unpaired", "block_token", "duplicate_rows", "flow_note",
 ]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
+# Why a record set (or some of its rows) was not compared (docs/findings.md, `coverage`).
+SkipReason = Literal[
+    "token_history",  # rows computed from another token history than the reference's rows there
+    "position",       # rows at positions the other side has no row at, in that eval group
+    "missing_eval",   # an eval group (role, phase, round) one side lacks
+    "failed_eval",    # the run's decodes of that eval group failed: llama.cpp refused the batch (Eval.rc)
+    "no_rows",        # the run output rows where the reference output none (llama-server's prefill)
+    "no_draft",       # a run round without a draft (llama-server's last verify): the reference drafts every round
+    "fewer_drafts",   # the run verified fewer drafts than the reference (llama.cpp's length budget)
+    "warmup",         # warm-up and probe decodes outside the flow
+    "empty",          # no element on either side
+]
+SKIP_REASONS: tuple[str, ...] = SkipReason.__args__  # type: ignore[attr-defined]
+EXPECTED_SKIPS = ("no_rows", "no_draft", "fewer_drafts", "warmup", "empty")  # skips the flow explains: never an error
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,8 @@ class Alignment:
     run_rows: tuple[int, ...] = ()   # run row index of each compared row; () = identity
     comparable: bool = True          # False: the shapes could not be reconciled (see `layout`)
     note: str = ""                   # e.g. rows left out because the two histories differ
+    history_rows: tuple[int, ...] = ()   # positions of run rows left out: another token history
+    unmatched_rows: tuple[int, ...] = ()  # positions (either side) with no row there on the other
 
     def to_json(self) -> dict[str, Any]:
         return dict(sorted(asdict(self).items()))
@@ -86,6 +103,115 @@ class PairMetrics:
 
 
 @dataclass(frozen=True)
+class Skip:
+    """One record set (role, phase, round, name, occurrence) not compared, or compared without
+    some of its rows: why, on which side the records are, and which positions were left out."""
+
+    role: str
+    phase: str
+    round: int
+    name: str            # the reference's name (the run's, mapped, when only the run has it)
+    occurrence: int
+    reason: SkipReason
+    side: Literal["both", "ref", "run"]  # "both": the pair exists, some or all rows were left out
+    whole: bool          # no row (no element) of the record set was compared
+    records: int         # records (one per eval) the set stacks
+    rows: tuple[int, ...] = ()   # positions of the rows left out (either side); () = not row-wise
+    evals: tuple[int, ...] = ()  # the evals holding them (the run's, or the ref's when only it has them)
+
+    @property
+    def is_expected(self) -> bool:
+        return self.reason in EXPECTED_SKIPS
+
+    def line(self) -> str:
+        """One line for people: what was left out and why."""
+        where = f"{self.name} ({self.role} {self.phase}, round {self.round}, occurrence {self.occurrence})"
+        what = "not compared" if self.whole else f"{len(self.rows)} rows left out"
+        return f"{where}: {what}: {SKIP_SENTENCES[self.reason].format(side=SIDE_NAMES[self.side])}"
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["expected"] = self.is_expected
+        return dict(sorted(d.items()))
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "Skip":
+        return Skip(role=d["role"], phase=d["phase"], round=int(d["round"]), name=d["name"],
+                    occurrence=int(d["occurrence"]), reason=d["reason"], side=d["side"], whole=bool(d["whole"]),
+                    records=int(d["records"]), rows=tuple(d["rows"]), evals=tuple(d["evals"]))
+
+
+SIDE_NAMES = {"both": "both sides", "ref": "only the reference", "run": "only the run"}
+SKIP_SENTENCES = {
+    "token_history": "the rows there were computed from another token history than the reference's",
+    "position": "no row at the same position on the other side",
+    "missing_eval": "{side} has this eval group",
+    "failed_eval": "the run's decode of this eval group failed",
+    "no_rows": "the reference output no rows there",
+    "no_draft": "the run decoded without drafting; the reference drafts every round",
+    "fewer_drafts": "the run verified fewer drafts than the reference (the length budget left no room)",
+    "warmup": "a warm-up or probe decode, outside the flow",
+    "empty": "empty on both sides",
+}
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What compare compared and what it did not: the base an OK verdict rests on."""
+
+    pairs: int = 0       # record sets compared (at least one row, or a whole non-row record)
+    rows: int = 0        # rows compared, over all of them
+    skips: tuple[Skip, ...] = ()
+    ref_only: int = 0    # ref record sets whose name the run never has in that eval group
+    run_only: int = 0    # run record sets whose name the reference never has in that eval group
+
+    @property
+    def unexpected(self) -> tuple[Skip, ...]:
+        """Skips the flow does not explain: each is counted in an `unpaired` (or other) finding."""
+        return tuple(s for s in self.skips if not s.is_expected)
+
+    @property
+    def expected(self) -> tuple[Skip, ...]:
+        """Skips the flow explains: warm-up decodes, llama.cpp's prefill row, shorter last verifies."""
+        return tuple(s for s in self.skips if s.is_expected)
+
+    @property
+    def pairs_skipped(self) -> int:
+        """Record sets of which nothing was compared, for a reason the flow does not explain."""
+        return sum(1 for s in self.unexpected if s.whole)
+
+    @property
+    def rows_skipped(self) -> int:
+        """Rows left out (whole record sets and partial ones) for a reason the flow does not explain."""
+        return sum(len(s.rows) for s in self.unexpected)
+
+    def skipped_phrase(self) -> str:
+        """`0 skipped`, or the record sets and rows left out; then what the flow explains."""
+        n, rows = self.pairs_skipped, self.rows_skipped
+        head = "0 skipped" if not self.unexpected else \
+            f"{n} record set{'s' * (n != 1)} skipped" + (f", {rows} rows left out" if rows else "")
+        if not self.expected:
+            return head
+        n_exp = sum(1 for s in self.expected if s.whole)
+        rows_exp = sum(len(s.rows) for s in self.expected)
+        reasons = ", ".join(dict.fromkeys(s.reason for s in self.expected))
+        return (f"{head} ({n_exp} record set{'s' * (n_exp != 1)}" + (f", {rows_exp} rows" if rows_exp else "")
+                + f" left out as expected: {reasons})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pairs": self.pairs, "rows": self.rows, "pairs_skipped": self.pairs_skipped,
+                "rows_skipped": self.rows_skipped, "skips_expected": len(self.expected),
+                "ref_only": self.ref_only, "run_only": self.run_only,
+                "skipped": [s.to_json() for s in self.skips]}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "Coverage":
+        return Coverage(pairs=int(d["pairs"]), rows=int(d["rows"]),
+                        skips=tuple(Skip.from_json(s) for s in d["skipped"]),
+                        ref_only=int(d["ref_only"]), run_only=int(d["run_only"]))
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Everything compare found: findings first, then per-pair metrics and alignments."""
 
@@ -97,6 +223,7 @@ class Comparison:
     first_divergence: int | None = None  # index into `pairs`
     skipped: tuple[str, ...] = ()        # pairs not compared, one line each (no common rows, ...)
     types: dict[str, Any] = field(default_factory=dict)  # the types the tolerance model used
+    coverage: Coverage = Coverage()
 
     @property
     def ok(self) -> bool:
@@ -104,4 +231,4 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "findings": [f.to_json() for f in self.findings],
-                "records": [p.to_json() for p in self.pairs]}
+                "records": [p.to_json() for p in self.pairs], "coverage": self.coverage.to_json()}

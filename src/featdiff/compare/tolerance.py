@@ -50,8 +50,9 @@ MAX_REL = 0.2
 # A single row may be noisier than the pair as a whole (rows with a small norm): worst row /
 # pair ratio 4.8 (f32) and 2.7 (q8_0).
 ROW_SLACK = 8.0
-# Names whose values never pass through attention: token embeddings, positions, the log-SNR term.
-PRE_ATTENTION = (names.TARGET_EMBD, names.INP_EMBD, names.INP_NOISE_EMBD, names.INP_POS, names.LOG_SNR_EMBED,
+# Names whose values never pass through attention: token embeddings, positions, the log-SNR
+# features, term and sum.
+PRE_ATTENTION = (names.TARGET_EMBD, names.INP_EMBD, names.INP_NOISE_EMBD, names.INP_POS, *names.LOG_SNR_RECORDS,
                  names.layer_name(names.LAYER_INP, 0))
 KV_TYPE_KEYS = ("type_k", "kv_type", "cache_type_k")  # manifest `build` keys a producer may use
 KV_TYPE_DEFAULT = "f16"  # llama.cpp's default KV cache type

@@ -120,7 +120,8 @@ def _hypotheses(ev: Evidence):
 
 
 def _terms(ev: Evidence):
-    """(name, aligned rows) of each reference-only component shaped like this pair."""
+    """(name, aligned rows) of each term the checkpoint adds in this eval (names.TERM_RECORDS),
+    shaped like this pair."""
     for name, arr in sorted(ev.candidates.items()):
         if names.CANDIDATE_SEP not in name and arr.shape == ev.ref.shape:
             yield name, arr
@@ -128,17 +129,32 @@ def _terms(ev: Evidence):
 
 def detect_missing_term(ev: Evidence) -> Finding | None:
     """Hypothesis: the run leaves out a component the checkpoint adds. Evidence: run = ref - c
-    within tolerance, c a reference-only record of the same eval (e.g. `log_snr_embed`)."""
+    within tolerance, c a term the reference records in the same eval (`dspark_log_snr_fc2`);
+    or the run's graph has no node for the sum (`dspark_draft_embd_snr`) and this pair, which
+    the first layer computes from it, is the first to diverge."""
     for name, term in _terms(ev):
         if same_shape(ev) and explains(ev.ref - term, ev.run, ev.tolerance):
             return error_finding("missing_term", ev, f"{ev.tensor} lacks the {name} term the checkpoint adds; "
                                  f"the run's drafter ignores that conditioning (check its GGUF keys and tensors)", term=name)
-    return None
+    return _unsummed_term(ev)
+
+
+def _unsummed_term(ev: Evidence) -> Finding | None:
+    """missing_term where the run never forms the sum: the first divergent record after it."""
+    term, total = names.DSPARK_LOG_SNR_FC2, names.DSPARK_DRAFT_EMBD_SNR
+    if total not in ev.absent or term not in ev.candidates or not ev.record or ev.record in names.LOG_SNR_SUM_INPUTS:
+        return None
+    return error_finding("missing_term", ev, f"{ev.tensor} diverges because the drafter's first layer reads "
+                         f"{names.INP_NOISE_EMBD} without the {term} term the checkpoint adds: the run's graph has no "
+                         f"{total} ({names.INP_NOISE_EMBD} + {term}); build the log-SNR conditioning into the graph, "
+                         f"or export the drafter with its {names.KEY_LOG_SNR} keys and tensors for a build that has it",
+                         term=term, expected_in=total)
 
 
 def detect_extra_term(ev: Evidence) -> Finding | None:
     """Hypothesis: the run adds a component the checkpoint does not. Evidence: run = ref + c
-    within tolerance, c a reference-only record of the same eval."""
+    within tolerance, c a term the reference records in the same eval (e.g. a run whose
+    `inp_noise_embd` already holds the sum: `dspark_log_snr_fc2`)."""
     for name, term in _terms(ev):
         if same_shape(ev) and explains(ev.ref + term, ev.run, ev.tolerance):
             return error_finding("extra_term", ev, f"{ev.tensor} carries an extra {name} term the checkpoint "

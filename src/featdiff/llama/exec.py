@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from featdiff import names
-from featdiff.dump import DumpWriter, Eval, Manifest, Round
+from featdiff.dump import DumpWriter, Eval, Manifest, MemoryOp, Round
 from featdiff.errors import InputError
 from featdiff.gguf_meta import model_info
 from featdiff.llama import spool
@@ -72,6 +72,7 @@ class ExecLog:
     clears: tuple[tuple[int, int], ...]  # (ctx, last eval number before the memory clear)
     records: tuple[dict[str, Any], ...]  # the shim's record lines
     n_torn: int
+    seq_rms: tuple[dict[str, Any], ...] = ()  # the preload's exec_seq_rm lines: removals from a cache
 
 
 def read_exec_log(index: Path) -> ExecLog:
@@ -90,6 +91,7 @@ def read_exec_log(index: Path) -> ExecLog:
         clears=tuple((e["ctx"], e["after_eval"]) for e in events if e["kind"] == "exec_clear"),
         records=tuple(e for e in events if e["kind"] == "record"),
         n_torn=int(bool(torn)),
+        seq_rms=tuple(e for e in events if e["kind"] == "exec_seq_rm"),
     )
 
 
@@ -102,11 +104,19 @@ def _exec_eval(e: dict[str, Any], rc: int | None) -> ExecEval:
 
 def warmup_evals(log: ExecLog) -> frozenset[int]:
     """Evals outside the real flow: those whose context memory was cleared before its next eval
-    (common_init_from_params' warm-up, common_context_can_seq_rm's probe decode), and failed ones."""
-    out = {ev.eval for ev in log.evals if ev.rc not in (0, None)}
+    (common_init_from_params' warm-up, common_context_can_seq_rm's probe decode), and failed ones
+    before the flow's first real decode (probes). A decode that fails later is part of the flow:
+    llama.cpp refused the batch the driver built (a draft block at positions the cache does not
+    continue), and it keeps its phase with its `rc`."""
+    out: set[int] = set()
     for ctx, last in log.clears:
         cleared = [ev.eval for ev in log.evals if ev.ctx == ctx and ev.eval <= last]
         out.update(cleared)
+    for ev in log.evals:
+        if ev.rc not in (0, None):
+            out.add(ev.eval)
+        elif ev.eval not in out:
+            break  # the flow has started
     return frozenset(out)
 
 
@@ -136,7 +146,8 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
         phase, walk = (WARMUP, walk) if ev.eval in warm else _step(walk, role, ev)
         out.append(Eval(eval=ev.eval, role=role, phase=phase, n_tokens=len(ev.positions),
                         positions=ev.positions, token_ids=() if ev.is_embd else ev.token_ids,
-                        seq_ids=ev.seq_ids, round=0 if phase == WARMUP else walk.round))
+                        seq_ids=ev.seq_ids, round=0 if phase == WARMUP else walk.round,
+                        rc=0 if phase == WARMUP else int(ev.rc or 0)))
     return tuple(out)
 
 
@@ -216,12 +227,12 @@ def _accepted(drafts: tuple[int, ...], best: tuple[int, ...]) -> int:
 
 
 def greedy_tokens(log: ExecLog, data: Path, evals: tuple[Eval, ...]) -> dict[int, tuple[int, ...]]:
-    """Argmax of the captured target `result_output` rows of each verify nothing continued."""
-    unfollowed = {v for v, nxt in next_decodes(evals).items() if nxt is None}
+    """Argmax of the captured target `result_output` rows of each verify."""
+    verifies = set(next_decodes(evals))
     n_tokens = {e.eval: e.n_tokens for e in evals}
     out = {}
     for event in log.records:
-        if event["eval"] in unfollowed and event["name"] == names.RESULT_OUTPUT and event["occurrence"] == 0:
+        if event["eval"] in verifies and event["name"] == names.RESULT_OUTPUT and event["occurrence"] == 0:
             n = n_tokens[event["eval"]]
             logits = _record_array(event, data)  # (n_tokens, n_vocab); a 1-token eval is stored (n_vocab,)
             if n and logits.size % n == 0:
@@ -236,6 +247,63 @@ def _record_array(event: dict[str, Any], data: Path) -> np.ndarray:
         return np.frombuffer(f.read(int(event["nbytes"])), dtype=record.dtype).reshape(record.shape)
 
 
+def memory_ops(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[MemoryOp, ...]:
+    """The removals the program made from the caches of its flow's contexts, in order: a
+    memory clear is a removal of everything (seq -1, p0 -1, p1 -1). Ops on contexts that ran only
+    warm-up decodes, and ops before the first real eval (warm-up, probes), are left out."""
+    roles = {c.index: c.role for c in log.contexts}
+    real = [e.eval for e in evals if e.phase != WARMUP]
+    used = {ev.ctx for ev in log.evals if ev.eval in set(real)}
+    first = real[0] if real else 0
+    ops = [(e["after_eval"], MemoryOp(roles.get(e["ctx"], "target"), e["after_eval"], e["seq_id"], e["p0"], e["p1"]))
+           for e in log.seq_rms if e["ctx"] in used and e.get("ok", True)]
+    ops += [(after, MemoryOp(roles.get(ctx, "target"), after, -1, -1, -1, "clear"))
+            for ctx, after in log.clears if ctx in used]
+    return tuple(op for after, op in sorted(ops, key=lambda x: x[0]) if after >= first)
+
+
+def flow_notes(evals: tuple[Eval, ...], rounds: tuple[Round, ...],
+               greedy: dict[int, tuple[int, ...]]) -> tuple[str, ...]:
+    """Where the phases and rounds above rest on a convention the run broke: one sentence each.
+
+    docs/flow.md: a round's verify starts where its draft block starts, and the next target
+    decode starts inside the verified block at pos0 + accepted + 1, where `accepted` is what the
+    target's greedy tokens (`greedy`: verify eval -> argmax rows) took of the drafts."""
+    notes = []
+    real = [e for e in evals if e.phase != WARMUP]
+    n_drafts = sum(e.phase == "draft" for e in real)
+    if n_drafts and not rounds:
+        notes.append(f"the drafter decoded {n_drafts} draft blocks but no round could be inferred: "
+                     "no target verify followed them where the flow expects it")
+    for e in (e for e in real if e.rc):
+        span = f"positions {e.positions[0]}..{e.positions[-1]}" if e.positions else "no rows"
+        notes.append(f"eval {e.eval} ({e.role} {e.phase}, round {e.round}, {span}) failed with rc {e.rc}: "
+                     "llama.cpp refused the batch the program built (see the program's log)")
+    drafts = {e.round: e for e in real if e.phase == "draft" and not e.rc}
+    for v in (e for e in real if e.phase == "verify" and e.round in drafts and e.positions):
+        d = drafts[v.round]
+        if d.positions and d.positions[0] != v.positions[0]:
+            notes.append(f"the draft block of round {v.round} starts at position {d.positions[0]}, its verify at "
+                         f"{v.positions[0]}: the rounds were inferred from a run whose draft block is misplaced")
+    by_round = {r.round: r for r in rounds}
+    for v, nxt in next_decodes(evals).items():
+        ev = next(e for e in evals if e.eval == v)
+        rnd = by_round.get(ev.round)
+        if nxt is not None and rnd is not None and greedy.get(v):
+            took = _accepted(rnd.drafts, greedy[v])
+            if took != rnd.accepted:
+                notes.append(f"after the verify of round {ev.round} the target accepted {took} of {len(rnd.drafts)} "
+                             f"drafts (argmax of its logits), but the next target decode starts at position "
+                             f"{nxt.positions[0]} = {rnd.pos0} + {rnd.accepted} + 1: the run's n_past drifted by "
+                             f"{rnd.accepted - took}; the rounds' accepted counts follow the positions")
+        later = [e for e in real if e.role == "target" and e.eval > v and e.positions]
+        if nxt is None and later:
+            notes.append(f"the target decode after the verify of round {ev.round} (eval {later[0].eval}) starts at "
+                         f"position {later[0].positions[0]}, outside the verified block {ev.positions[0]}.."
+                         f"{ev.positions[-1]}: the run's n_past does not follow the accepted drafts")
+    return tuple(notes)
+
+
 # ---------------------------------------------------------------- packing
 
 @dataclass(frozen=True)
@@ -246,6 +314,8 @@ class ExecFlow:
     evals: tuple[Eval, ...]
     rounds: tuple[Round, ...]
     prompt_tokens: tuple[int, ...]
+    memory_ops: tuple[MemoryOp, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 def read_flow(prefix: Path) -> ExecFlow:
@@ -259,8 +329,10 @@ def read_flow(prefix: Path) -> ExecFlow:
         raise InputError(f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
                          "with shared libllama (BUILD_SHARED_LIBS=ON)?")
     evals = flow_evals(log_)
-    rounds = derive_rounds(evals, greedy_tokens(log_, data, evals))
-    return ExecFlow(log_, evals, rounds, prompt_from_evals(evals))
+    greedy = greedy_tokens(log_, data, evals)
+    rounds = derive_rounds(evals, greedy)
+    return ExecFlow(log_, evals, rounds, prompt_from_evals(evals), memory_ops(log_, evals),
+                    flow_notes(evals, rounds, greedy))
 
 
 def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> Path:
@@ -272,7 +344,8 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> Path:
     spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
     manifest = Manifest(source="llama.cpp", models=_models(flow), evals=flow.evals, records=(),
                         build={"kind": "exec", "library": flow.log.library, "commit": "unknown", **build},
-                        rounds=flow.rounds, prompt_tokens=flow.prompt_tokens)
+                        rounds=flow.rounds, prompt_tokens=flow.prompt_tokens, memory_ops=flow.memory_ops,
+                        flow_notes=flow.notes)
     return writer.close(manifest)
 
 
@@ -336,8 +409,9 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     finally:
         remove_spool(prefix)
     if rc != 0:
-        raise InputError(f"{command[0]}: exited with code {rc} under capture; {path} holds what it decoded "
-                         "before that; run the command without featdiff to see whether it fails alone")
+        failed = build.get("server_error") or f"{command[0]}: exited with code {rc} under capture"
+        raise InputError(f"{failed}; {path} holds what it decoded before that (compare it against the "
+                         "reference to see why); run the command without featdiff to see whether it fails alone")
     return path
 
 
@@ -347,6 +421,10 @@ def _launch(command: list[str], pre: Preload, prefix: Path, prompt: str | None, 
     from featdiff.llama import server
 
     if server.is_server(command):
-        result = server.serve_one(command, pre, server.request_from(prompt, tokens), prefix)
+        request = server.request_from(prompt, tokens)
+        try:
+            result = server.serve_one(command, pre, request, prefix)
+        except server.RequestFailed as e:  # it decoded, then failed: the dump still tells what it did
+            return {"server_error": str(e), "exit_code": 1}
         return {"server": result.to_json()}
     return {"exit_code": run_program(command, pre, timeout_s)}

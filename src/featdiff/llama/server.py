@@ -62,6 +62,11 @@ class ServerResult:
         return dict(sorted(d.items()))
 
 
+class RequestFailed(InputError):
+    """llama-server answered the completion with an error: the run failed inside the server
+    (a decode it refused), after it had decoded what the spool holds."""
+
+
 def is_server(command: list[str]) -> bool:
     return bool(command) and Path(command[0]).name in SERVER_PROGRAMS
 
@@ -139,7 +144,7 @@ def _complete(port: int, request: CompletionRequest, log_path: Path) -> ServerRe
         with _opener().open(req, timeout=REQUEST_TIMEOUT_S) as r:
             answer = json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise InputError(f"{log_path}: llama-server answered {e.code} to /completion ({e.read()[:200]!r}); check the request and the server flags") from None
+        raise RequestFailed(f"{log_path}: llama-server answered {e.code} to /completion ({e.read()[:200]!r}); check the request and the server flags") from None
     timings = answer.get("timings", {})
     return ServerResult(tokens=tuple(int(t) for t in answer.get("tokens", ())),
                         draft_n=int(timings.get("draft_n", 0)),

@@ -1,9 +1,15 @@
-"""Build the upstream programs `capture --exec` runs (llama-server, llama-speculative-simple,
-llama-simple) from the pinned llama.cpp source, the tree llama-cpp-python==0.3.36 builds.
+"""Build the programs `capture --exec` runs (llama-server, llama-speculative-simple,
+llama-simple) and their libllama from the pinned llama.cpp source, the tree
+llama-cpp-python==0.3.36 builds, with the project's own patches (`patches/llama.cpp/*.patch`).
 
 Consumes the sdist (`pip download`, or $FEATDIFF_LLAMA_SRC); produces a `ToolBuild`, built once
-(Release, shared libs, CPU, no SSL/UI/tests) and cached in build/llama.cpp ($FEATDIFF_TOOLS_DIR).
-`python -m featdiff.llama.tools` builds or finds them and prints their bin directory.
+(Release, shared libs, CPU, no SSL/UI/tests) and cached in build/llama.cpp ($FEATDIFF_TOOLS_DIR):
+`pristine/` the unpacked source, `src/` the patched tree, `src/build/` the build (so
+`--llama-dir build/llama.cpp/src` captures in-process from the same library).
+The patches are gated: log-SNR conditioning only acts on a drafter whose GGUF sets
+`dflash.log_snr_conditioning`, and the driver faults only when $FEATDIFF_FAULT names one; with
+neither the programs behave as upstream's. `python -m featdiff.llama.tools` builds or finds them
+and prints their bin directory.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +40,10 @@ ENV_SRC = "FEATDIFF_LLAMA_SRC"
 ENV_TOOLS_DIR = "FEATDIFF_TOOLS_DIR"
 ENV_JOBS = "FEATDIFF_BUILD_JOBS"
 DEFAULT_JOBS = 2
-DEFAULT_DIR = Path(__file__).resolve().parents[3] / "build" / "llama.cpp"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_DIR = REPO_ROOT / "build" / "llama.cpp"
+PATCH_DIR = REPO_ROOT / "patches" / "llama.cpp"  # applied in name order with `patch -p1`
+PATCHED_NOTE = ".featdiff-patched.json"  # in the patched tree: the patches applied and the files they touch
 STAMP = "tools.json"
 PIP_TIMEOUT_S = 900
 # Lean: only what the two programs need. The UI would be downloaded (prebuilt) or built with npm;
@@ -82,19 +92,33 @@ def ensure_tools(root: Path | None = None) -> ToolBuild:
     cached = _cached(root, source, key)
     if cached is not None:
         return cached
-    # an incremental rebuild (a recipe change) adds to the time of the build it extends
-    seconds = _build(source, root / "build") + _stamp_seconds(root)
+    # an incremental rebuild (a recipe or patch change) adds to the time of the build it extends
+    seconds = _build(source, _build_dir(root, source)) + _stamp_seconds(root)
     (root / STAMP).write_text(json.dumps({"key": key, "source": str(source), "seconds": round(seconds, 1),
-                                          "targets": list(TARGETS), "options": list(CMAKE_OPTIONS)}, indent=1))
+                                          "targets": list(TARGETS), "options": list(CMAKE_OPTIONS),
+                                          "patches": [p.name for p in patch_files()]}, indent=1))
     log.info("built %s in %.0f s", ", ".join(TARGETS), seconds)
-    return ToolBuild(root, source, root / "build" / "bin", seconds)
+    return ToolBuild(root, source, _build_dir(root, source) / "bin", seconds)
+
+
+def _build_dir(root: Path, source: Path) -> Path:
+    """The CMake build directory: inside the patched tree (a checkout with its build in DIR/build,
+    as `--llama-dir` reads it); beside a user's own $FEATDIFF_LLAMA_SRC tree, never inside it."""
+    return root / "build" if os.environ.get(ENV_SRC) else source / "build"
+
+
+def patch_files() -> list[Path]:
+    """The project's patches of the pinned llama.cpp, in the order they apply."""
+    return sorted(PATCH_DIR.glob("*.patch"))
 
 
 def build_key(source: Path) -> str:
-    """A hash of the source version and the build recipe."""
+    """A hash of the source version, the patches and the build recipe."""
     h = hashlib.sha256()
     for marker in ("CMakeLists.txt", "include/llama.h", "common/speculative.cpp"):
         h.update((source / marker).read_bytes())
+    for patch in patch_files():
+        h.update(patch.read_bytes())
     h.update(json.dumps([CMAKE_OPTIONS, TARGETS, sys.platform]).encode())
     return h.hexdigest()[:16]
 
@@ -106,7 +130,7 @@ def _stamp_seconds(root: Path) -> float:
 
 def _cached(root: Path, source: Path, key: str) -> ToolBuild | None:
     stamp = root / STAMP
-    bin_dir = root / "build" / "bin"
+    bin_dir = _build_dir(root, source) / "bin"
     if not stamp.is_file() or not all((bin_dir / t).is_file() for t in TARGETS):
         return None
     info = json.loads(stamp.read_text())
@@ -116,16 +140,68 @@ def _cached(root: Path, source: Path, key: str) -> ToolBuild | None:
 
 
 def source_tree(root: Path) -> Path:
-    """The llama.cpp tree to build: $FEATDIFF_LLAMA_SRC, else the pinned sdist unpacked in `root`."""
+    """The llama.cpp tree to build: $FEATDIFF_LLAMA_SRC as it is, else the pinned sdist unpacked
+    in `root` with the project's patches applied."""
     if os.environ.get(ENV_SRC):
         src = Path(os.environ[ENV_SRC]).expanduser().resolve()
         if not (src / "CMakeLists.txt").is_file() or not (src / "include" / "llama.h").is_file():
             raise InputError(f"{ENV_SRC}={src}: no CMakeLists.txt and include/llama.h there; point it at a llama.cpp source tree")
         return src
-    unpacked = root / "src"
-    if not (unpacked / "include" / "llama.h").is_file():
-        _unpack(_download(root / "sdist"), unpacked)
-    return unpacked
+    pristine = root / "pristine"
+    if not (pristine / "include" / "llama.h").is_file():
+        _unpack(_download(root / "sdist"), pristine)
+    tree = root / "src"
+    if not (tree / "include" / "llama.h").is_file():
+        shutil.rmtree(tree, ignore_errors=True)
+        shutil.copytree(pristine, tree, symlinks=True)
+    apply_patches(pristine, tree, patch_files())
+    return tree
+
+
+def patched_paths(patch: Path) -> list[str]:
+    """The files a unified diff changes, relative to the tree root (`+++ b/<path>` lines)."""
+    out = []
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith("+++ ") and not line.startswith("+++ /dev/null"):
+            out.append(line[4:].split("\t")[0].strip().split("/", 1)[1])
+    return out
+
+
+def apply_patches(pristine: Path, tree: Path, patches: list[Path]) -> None:
+    """Make `tree` = `pristine` + `patches`, rewriting only the files whose content changes, so
+    an incremental build recompiles only what a patch edit touched."""
+    note = tree / PATCHED_NOTE
+    before = json.loads(note.read_text()) if note.is_file() else {"patches": {}, "files": []}
+    wanted = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}
+    if before.get("patches") == wanted:
+        return
+    touched = sorted({f for p in patches for f in patched_paths(p)})
+    with tempfile.TemporaryDirectory(prefix="featdiff-patch-") as tmp:
+        scratch = Path(tmp)
+        for rel in touched:
+            if (pristine / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(pristine / rel, scratch / rel)
+        for patch in patches:
+            done = subprocess.run(["patch", "-p1", "--forward", "--batch", "-s", "-d", str(scratch), "-i", str(patch)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                why = (done.stdout + done.stderr).strip().splitlines()[:1] or ["no output"]
+                raise InputError(f"{patch}: does not apply to the pinned llama.cpp in {pristine} ({why[0]}); "
+                                 "regenerate it against that tree")
+        for rel in sorted(set(touched) | set(before.get("files", []))):
+            _sync_file(scratch / rel if rel in touched else pristine / rel, tree / rel)
+    note.write_text(json.dumps({"patches": wanted, "files": touched}, indent=1))
+
+
+def _sync_file(want: Path, have: Path) -> None:
+    """Copy `want` over `have` when their bytes differ (remove `have` when `want` is absent)."""
+    if not want.is_file():
+        have.unlink(missing_ok=True)
+    elif not have.is_file() or have.read_bytes() != want.read_bytes():
+        have.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(want, have)
+        os.utime(have)  # newer than the build's objects, whatever the pristine file's date
 
 
 def _download(dest: Path) -> Path:

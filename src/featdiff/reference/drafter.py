@@ -2,10 +2,11 @@
 
 * inject: target features `(n_tokens, n_extract * n_embd_tgt)` -> `fc` -> encoder norm
   (`inp_g_embeddings`) -> per layer K = RoPE(k_norm(wk g)) and V = wv g, written to the cache;
-* draft: the noise block `[anchor, mask x (B-1)]` -> embeddings (+ log-SNR term) -> layers with
-  non-causal attention over the cache and the block -> final norm -> logits.
+* draft: the noise block `[anchor, mask x (B-1)]` -> embeddings `inp_noise_embd` (+ the log-SNR
+  term: `dspark_draft_embd_snr`) -> layers with non-causal attention over the cache and the
+  block -> final norm -> logits.
 
-Besides llama.cpp's names it records the reference-only candidates of docs/flow.md.
+Besides the graph's names it records the reference-only candidates of docs/records.md.
 """
 
 from __future__ import annotations
@@ -111,19 +112,22 @@ def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: t
 def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, list[Named]]:
     """The first layer's input `(block_size, n_embd)` and its records.
 
-    `inp_noise_embd` is the embedding rows (the drafter's own table, else the target's) plus,
-    for a log-SNR conditioned drafter, `log_snr_embed`: what the layers consume.
+    `inp_noise_embd` is the embedding rows (the drafter's own table, else the target's). A
+    log-SNR conditioned drafter adds its term `dspark_log_snr_fc2` to them: the sum
+    `dspark_draft_embd_snr` is what the layers consume (names as the graph that computes them
+    has them, docs/records.md).
     """
     table = draft.token_embd if draft.has_own_embeddings else target.token_embd
     rows = table[tokens]  # (block_size, n_embd)
-    term = log_snr_embed(draft.log_snr, tokens == draft.mask_token_id) if draft.log_snr else None
-    records = []
-    if term is not None:
-        records += [Named(names.LOG_SNR_EMBED, term),
-                    Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_NO_LOG_SNR), rows)]
-        rows = rows + term
+    records = [Named(names.INP_NOISE_EMBD, rows)]
     if draft.has_own_embeddings and target.hparams.n_embd == draft.hparams.n_embd:
         borrowed = target.token_embd[tokens]  # (block_size, n_embd)
-        borrowed = borrowed if term is None else borrowed + term
         records.append(Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_TABLE_TARGET), borrowed))
-    return rows, [Named(names.INP_NOISE_EMBD, rows), *records]
+    if draft.log_snr is None:
+        return rows, records
+    snr = log_snr_embed(draft.log_snr, tokens == draft.mask_token_id)
+    x = rows + snr.term  # (block_size, n_embd)
+    records += [Named(names.DSPARK_LOG_SNR_FEAT, snr.feat), Named(names.DSPARK_LOG_SNR_FC1, snr.fc1),
+                Named(names.DSPARK_LOG_SNR_FC2, snr.term), Named(names.DSPARK_DRAFT_EMBD_SNR, x),
+                Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows)]
+    return x, records

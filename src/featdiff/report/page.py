@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from featdiff import __version__
-from featdiff.compare.result import Alignment, Comparison, Finding, PairMetrics
+from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics
 from featdiff.dump import Manifest
 from featdiff.report.figure import eval_label
 
@@ -64,7 +64,20 @@ def verdict_sentence(comparison: Comparison) -> str:
 
 def _verdict(comparison: Comparison) -> str:
     css = "ok" if comparison.ok else "fail"
-    return f"<section id='verdict' class='verdict {css}'>{_e(verdict_sentence(comparison))}</section>"
+    return (f"<section id='verdict' class='verdict {css}'>{_e(verdict_sentence(comparison))}"
+            f"{_coverage(comparison.coverage)}</section>")
+
+
+def coverage_sentence(coverage: Coverage) -> str:
+    """What the verdict rests on: record sets and rows compared, and what was left out."""
+    return (f"Compared {coverage.pairs} record sets ({coverage.rows} rows); {coverage.skipped_phrase()}"
+            f"{' (listed under the records table)' if coverage.skips else ''}.")
+
+
+def _coverage(coverage: Coverage) -> str:
+    if coverage == Coverage():
+        return ""  # a comparison made without a plan (by hand) has no coverage to state
+    return f"<p class='coverage'>{_e(coverage_sentence(coverage))}</p>"
 
 
 def _findings(findings: Sequence[Finding]) -> str:
@@ -208,6 +221,7 @@ h1{font-size:24px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px}h3{font-siz
 .verdict{font-size:17px;font-weight:600;padding:12px 16px;border-radius:6px;margin:18px 0}
 .verdict.ok{background:#e5f6e8;border-left:6px solid #2e9e44}
 .verdict.fail{background:#fdeaea;border-left:6px solid #d93025}
+.verdict p.coverage{font-size:13px;font-weight:400;margin:6px 0 0}
 #findings ol{padding-left:22px}#findings li{margin:6px 0}
 .sev{display:inline-block;font-size:12px;font-weight:700;text-transform:uppercase;padding:1px 6px;
  border-radius:4px;margin-right:6px;background:#eee}

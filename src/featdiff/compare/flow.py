@@ -1,0 +1,458 @@
+"""Token ids and positions as evidence: the run's batches against the flow of docs/flow.md and
+against the reference, eval group by eval group, before any value is compared.
+
+Consumes the two manifests (ref, run) and nothing else; produces findings. Each `detect_<kind>`
+is pure and returns the first broken convention of its kind in flow order, or None; `check_flow`
+runs them all and lists what it found in the order the run met it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from featdiff import names
+from featdiff.compare.align import DRAFT_GROUP, VERIFY_PHASES, GroupKey, flow_rank, group_key
+from featdiff.compare.result import Finding
+from featdiff.dump import Eval, Manifest, MemoryOp
+
+MASK_TOKEN_KEY = "mask_token_id"  # the drafter's ModelInfo field in a manifest's `models`
+NO_TOKEN = -1                     # ModelInfo's value for "no mask token recorded"
+CLEAR_OP = "clear"                # a MemoryOp that empties the context (llama_memory_clear)
+KV_TENSOR = f"{names.KCUR_INJECTED}-*"  # what the draft KV cache holds: the injected K/V rows
+TARGET_PHASES = ("prefill", "verify")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The evals of one eval group (role, phase, round) of one side, joined in order."""
+
+    key: GroupKey
+    evals: tuple[Eval, ...]
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return tuple(p for ev in self.evals for p in ev.positions)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(t for ev in self.evals for t in ev.token_ids)
+
+    @property
+    def eval(self) -> int:
+        return self.evals[0].eval
+
+    @property
+    def label(self) -> str:
+        return batch_label(self.key)
+
+
+BATCH_NAMES = {"draft": "draft block", "inject": "inject batch", "verify": "verify batch"}
+
+
+def batch_label(key: GroupKey) -> str:
+    """`the draft block of round 2`, `the prefill`: an eval group as the flow names it."""
+    role, phase, rnd = key
+    if phase == "prefill":
+        return "the prefill"
+    return f"the {BATCH_NAMES.get(phase, f'{role} {phase} batch')} of round {rnd}"
+
+
+def batches(manifest: Manifest) -> dict[GroupKey, Batch]:
+    """Each eval group of the flow, in the order the side decoded it (warm-up left out)."""
+    groups: dict[GroupKey, list[Eval]] = defaultdict(list)
+    for ev in manifest.evals:
+        if ev.phase != names.PHASE_WARMUP:
+            groups[group_key(ev)].append(ev)
+    return {k: Batch(k, tuple(evs)) for k, evs in groups.items()}
+
+
+def check_flow(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
+    """Every flow finding, in the order the run met it (the prompt first)."""
+    found = [detect_unpaired_prompt(ref, run), detect_block_token(ref, run), detect_position_offset(ref, run),
+             detect_stale(run), detect_duplicate_rows(run)]
+    ordered = sorted((f for f in found if f is not None), key=lambda f: f.fields.get("eval", -1))
+    note = detect_flow_note(run)
+    return tuple(ordered + ([note] if note is not None else []))
+
+
+# --- the prompt ----------------------------------------------------------------------------------
+
+def detect_unpaired_prompt(ref: Manifest, run: Manifest) -> Finding | None:
+    """Hypothesis: run and reference were made from different prompts, so no row after the first
+    difference shares a token history. Evidence: the tokens each side decoded before its first
+    draft differ. (The last prompt token is the first draft block's anchor: a driver that builds
+    the block wrongly changes it, and `detect_block_token` names that, not this.)"""
+    a, b = _before_first_draft(run), _before_first_draft(ref)
+    if not a or not b or a == b[:len(a)] and not _has_drafts(run) or a == b:
+        return None
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    observed = a[i] if i < len(a) else None
+    expected = b[i] if i < len(b) else None
+    return Finding(kind="unpaired", tensor="prompt_tokens", severity="error",
+                   message=f"the run decoded another prompt than the reference: they differ at token {i} (run "
+                           f"{observed}, reference {expected}; {len(a)} vs {len(b)} tokens before the first draft), "
+                           f"so no row from position {i} on can be compared; give `featdiff reference --tokens` the "
+                           "prompt the program was given (llama-server: the request plus its first sampled token)",
+                   fields={"reason": "prompt", "row": i, "expected": expected, "observed": observed,
+                           "rows": list(range(i, max(len(a), len(b)))), "records": 0, "evals": [], "round": 0})
+
+
+def _has_drafts(m: Manifest) -> bool:
+    return any(ev.phase == "draft" for ev in m.evals)
+
+
+def _before_first_draft(m: Manifest) -> tuple[int, ...]:
+    """The prompt tokens the side decoded on the target before its first draft: `prompt_tokens`
+    less its last token (the first block's anchor) when the side drafted."""
+    return m.prompt_tokens[:-1] if _has_drafts(m) else m.prompt_tokens
+
+
+# --- the draft block's tokens --------------------------------------------------------------------
+
+def mask_token(ref: Manifest, run: Manifest) -> int | None:
+    """The drafter's mask token: as the run's manifest states it, else the reference's, else what
+    the reference's draft blocks carry after their anchor."""
+    for m in (run, ref):
+        draft = m.models.get("draft", {})
+        stated = draft.get(MASK_TOKEN_KEY) if isinstance(draft, dict) else None
+        if isinstance(stated, int) and stated != NO_TOKEN:
+            return stated
+    after_anchor = Counter(t for b in batches(ref).values() if b.key[:2] == DRAFT_GROUP for t in b.token_ids[1:])
+    return after_anchor.most_common(1)[0][0] if after_anchor else None
+
+
+def anchor_token(run: Manifest, rnd: int, run_batches: dict[GroupKey, Batch]) -> int | None:
+    """The anchor of round `rnd`: the last accepted target token, the first token of that
+    round's verify (docs/flow.md); the manifest's round record when the run has no verify."""
+    verify = run_batches.get(("target", "verify", rnd))
+    if verify is not None and verify.token_ids:
+        return verify.token_ids[0]
+    return next((r.anchor for r in run.rounds if r.round == rnd), None)
+
+
+def detect_block_token(ref: Manifest, run: Manifest) -> Finding | None:
+    """Hypothesis: the driver built a draft block other than `[anchor, mask x (B-1)]` (the anchor
+    dropped or replaced, another token among the masks, another block length). Evidence: the
+    run's draft eval token ids against the anchor (its round's verify row 0), the mask token and
+    the reference's block length."""
+    mask = mask_token(ref, run)
+    run_batches, ref_batches = batches(run), batches(ref)
+    for key, block in run_batches.items():
+        if key[:2] != DRAFT_GROUP:
+            continue
+        anchor = anchor_token(run, key[2], run_batches)
+        for row, observed in enumerate(block.token_ids):
+            expected = anchor if row == 0 else mask
+            if expected is not None and observed != expected:
+                return _block_finding(block, row, expected, observed, mask, anchor)
+        ref_block = ref_batches.get(key)
+        if ref_block is not None and len(ref_block.token_ids) != len(block.token_ids) and run.prompt_tokens == ref.prompt_tokens:
+            return _block_length_finding(block, ref_block)
+    return None
+
+
+def _block_finding(block: Batch, row: int, expected: int, observed: int, mask: int | None,
+                   anchor: int | None) -> Finding:
+    what = " (the mask token)" if observed == mask else " (the anchor)" if observed == anchor else ""
+    wanted = (f"the anchor {expected}, the last accepted target token" if row == 0
+              else f"the mask token {expected} in every row after the anchor")
+    return Finding(kind="block_token", tensor=names.INP_NOISE_EMBD, severity="error",
+                   message=f"row {row} of {block.label} is token {observed}{what}; the flow expects {wanted} "
+                           f"(docs/flow.md: the block is [anchor, mask x (B-1)])",
+                   fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2],
+                           "eval": block.eval})
+
+
+def _block_length_finding(block: Batch, ref_block: Batch) -> Finding:
+    n_run, n_ref = len(block.token_ids), len(ref_block.token_ids)
+    row = min(n_run, n_ref)
+    expected = ref_block.token_ids[row] if n_ref > n_run else None
+    observed = block.token_ids[row] if n_run > n_ref else None
+    return Finding(kind="block_token", tensor=names.INP_NOISE_EMBD, severity="error",
+                   message=f"{block.label} has {n_run} rows where the reference's has {n_ref}; llama.cpp drafts "
+                           f"--spec-draft-n-max + 1 rows: make the reference's block as long as the run's",
+                   fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2],
+                           "eval": block.eval})
+
+
+# --- positions -----------------------------------------------------------------------------------
+
+def detect_position_offset(ref: Manifest, run: Manifest) -> Finding | None:
+    """Hypothesis: a batch was placed at positions off by a constant (inject rows one position
+    late, the draft block late, n_past drifting after an accept). Evidence, in flow order: the
+    run batch's positions against the reference's same batch while both sides decoded the same
+    tokens so far, and against the flow itself (inject rows at the positions of the target rows
+    they carry; verify at the draft block's start; the first block right after the prefill).
+    A draft block and its verify off by the same k are the target's n_past: named at the verify."""
+    ref_batches, run_batches = batches(ref), batches(run)
+    same_history = run.prompt_tokens == ref.prompt_tokens
+    for key, batch in run_batches.items():
+        ref_batch = ref_batches.get(key) if same_history else None
+        if ref_batch is not None and not _same_token_ids(batch, ref_batch):
+            ref_batch = None  # other tokens: where they sit says nothing about positions
+        found = _batch_offset(batch, ref_batch, run_batches) if batch.positions else None
+        if found is not None:
+            return _at_verify(found, batch, run_batches, ref_batches) or found
+        same_history = same_history and ref_batch is not None and _decoded_alike(batch, ref_batch)
+    return None
+
+
+def _batch_offset(batch: Batch, ref_batch: Batch | None, run_batches: dict[GroupKey, Batch]) -> Finding | None:
+    """The batch's offset from the reference's same batch, else from where the flow puts it."""
+    from_ref = _offset_from_ref(batch, ref_batch) if ref_batch is not None else None
+    return from_ref or _offset_from_flow(batch, run_batches)
+
+
+def _same_token_ids(batch: Batch, ref_batch: Batch) -> bool:
+    """Same tokens; a verify (or its inject) may be the reference's cut short (llama.cpp drafts
+    no more tokens than are left to generate)."""
+    n = len(batch.token_ids)
+    if batch.key[1] in VERIFY_PHASES and len(batch.positions) < len(ref_batch.positions):
+        return batch.token_ids == ref_batch.token_ids[:n]
+    return batch.token_ids == ref_batch.token_ids
+
+
+def _decoded_alike(batch: Batch, ref_batch: Batch) -> bool:
+    """Same tokens at the same positions (a verify possibly cut short, as `_same_token_ids`)."""
+    n = len(batch.positions)
+    short = batch.key[1] in VERIFY_PHASES and 0 < n < len(ref_batch.positions)
+    return _same_token_ids(batch, ref_batch) and batch.positions == (ref_batch.positions[:n] if short else ref_batch.positions)
+
+
+def _at_verify(found: Finding, block: Batch, run_batches: dict[GroupKey, Batch],
+               ref_batches: dict[GroupKey, Batch]) -> Finding | None:
+    """A draft block off by k whose verify starts where it starts: the target's n_past is off,
+    and the block follows it; named at the verify, where n_past is the target's."""
+    rnd = block.key[2]
+    verify = run_batches.get(("target", "verify", rnd))
+    if block.key[:2] != DRAFT_GROUP or verify is None or not verify.positions or verify.positions[0] != block.positions[0]:
+        return None
+    k = found.fields["offset"]
+    ref_verify = ref_batches.get(verify.key)
+    expected = (f"the reference's {_span(ref_verify.positions)}" if ref_verify is not None
+                else f"a start at {verify.positions[0] - k}")
+    where = f"after the accept of round {rnd - 1}" if rnd > 1 else "after the prefill"
+    return _position_finding(verify, k, expected, f"n_past drifted {where}: its draft block is off by the same "
+                             f"{k:+d}; the next block starts at pos0 + accepted + 1")
+
+
+def _constant_offset(observed: tuple[int, ...], expected: tuple[int, ...]) -> int | None:
+    """k when observed = expected + k row by row for one k != 0, else None."""
+    if len(observed) != len(expected) or not observed:
+        return None
+    offsets = {o - e for o, e in zip(observed, expected)}
+    k = offsets.pop() if len(offsets) == 1 else 0
+    return k or None
+
+
+def _offset_from_ref(batch: Batch, ref_batch: Batch) -> Finding | None:
+    k = _constant_offset(batch.positions, ref_batch.positions)
+    if k is None:
+        return None
+    return _position_finding(batch, k, f"the reference's {_span(ref_batch.positions)}", _hint(batch))
+
+
+def _offset_from_flow(batch: Batch, run_batches: dict[GroupKey, Batch]) -> Finding | None:
+    role, phase, rnd = batch.key
+    if phase == "inject":
+        carried = _target_before(batch, run_batches)
+        k = _constant_offset(batch.positions, carried.positions) if carried is not None else None
+        return None if k is None else _position_finding(
+            batch, k, f"those of the target rows it carries, {_span(carried.positions)}", _hint(batch))
+    start = _expected_start(batch, run_batches)
+    if start is None or batch.positions[0] == start:
+        return None
+    k = batch.positions[0] - start
+    return _position_finding(batch, k, f"a start at {start}", _hint(batch))
+
+
+def _expected_start(batch: Batch, run_batches: dict[GroupKey, Batch]) -> int | None:
+    """Where the flow puts this batch's first row: a verify at its draft block's start; the first
+    draft block right after the prefill (n_past = prompt length - 1)."""
+    role, phase, rnd = batch.key
+    if phase == "verify":
+        block = run_batches.get(("draft", "draft", rnd))
+        return block.positions[0] if block is not None and block.positions else None
+    if phase == "draft" and rnd == 1:
+        prefill = run_batches.get(("target", "prefill", 0))
+        return max(prefill.positions) + 1 if prefill is not None and prefill.positions else None
+    return None
+
+
+def _target_before(batch: Batch, run_batches: dict[GroupKey, Batch]) -> Batch | None:
+    """The target batch an inject batch carries: the last target prefill/verify decoded before it."""
+    before = [b for b in run_batches.values() if b.key[0] == "target" and b.key[1] in TARGET_PHASES
+              and b.eval < batch.eval]
+    return before[-1] if before else None
+
+
+def _hint(batch: Batch) -> str:
+    role, phase, rnd = batch.key
+    if phase == "inject":
+        return "inject rows sit at the positions of the target rows they carry"
+    if rnd > 1:
+        return f"check n_past after the accept of round {rnd - 1} (the next block starts at pos0 + accepted + 1)"
+    return "the first block starts at n_past = the prompt length - 1"
+
+
+def _position_finding(batch: Batch, k: int, expected: str, hint: str) -> Finding:
+    role, phase, rnd = batch.key
+    late = "one position late" if k == 1 else "one position early" if k == -1 else f"{abs(k)} positions " + \
+        ("late" if k > 0 else "early")
+    return Finding(kind="position_offset", tensor=names.INP_POS, severity="error",
+                   message=f"positions of {batch.label} are off by {k:+d} ({late}): the run decoded it at "
+                           f"{_span(batch.positions)} where the flow expects {expected}; {hint}",
+                   fields={"offset": k, "role": role, "phase": phase, "round": rnd, "eval": batch.eval})
+
+
+def _span(positions) -> str:
+    p = list(positions)
+    if len(p) > 1 and p == list(range(p[0], p[0] + len(p))):
+        return f"{p[0]}..{p[-1]}"
+    return ", ".join(map(str, p[:8])) + (" ..." if len(p) > 8 else "")
+
+
+# --- the draft KV cache --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheState:
+    """What the draft KV cache holds when a draft block is decoded: (seq, position) -> the evals
+    that wrote a row there, one entry per row held."""
+
+    block: Eval
+    n_past: int
+    held: dict[tuple[int, int], tuple[int, ...]]
+
+
+def draft_cache_states(run: Manifest) -> tuple[CacheState, ...]:
+    """Follow the draft context's cache through its decodes and `memory_ops`; () without ops."""
+    if not run.memory_ops:
+        return ()
+    ops: dict[int, list[MemoryOp]] = defaultdict(list)
+    for op in run.memory_ops:
+        if op.role == "draft":
+            ops[op.after_eval].append(op)
+    held: dict[tuple[int, int], list[int]] = defaultdict(list)
+    _apply(held, ops.get(-1, []))
+    out = []
+    for ev in run.evals:
+        if ev.role == "draft" and ev.phase != names.PHASE_WARMUP:
+            if ev.phase == "draft" and ev.positions:
+                out.append(CacheState(ev, ev.positions[0], {k: tuple(v) for k, v in held.items() if v}))
+            for pos, seq in zip(ev.positions, ev.seq_ids or (0,) * len(ev.positions)):
+                held[(seq, pos)].append(ev.eval)
+        _apply(held, ops.get(ev.eval, []))
+    return tuple(out)
+
+
+def _apply(held: dict[tuple[int, int], list[int]], ops: list[MemoryOp]) -> None:
+    """llama_memory_seq_rm(seq_id, p0, p1): drop the rows of [p0, p1) (seq_id < 0: every
+    sequence; p0 < 0: from 0; p1 < 0: to the end); a clear drops everything."""
+    for op in ops:
+        hi = float("inf") if op.p1 < 0 else op.p1
+        for seq, pos in list(held):
+            if op.op == CLEAR_OP or ((op.seq_id < 0 or seq == op.seq_id) and max(op.p0, 0) <= pos < hi):
+                del held[(seq, pos)]
+
+
+def _block_seqs(state: CacheState) -> set[int]:
+    return set(state.block.seq_ids) or {0}
+
+
+def detect_stale(run: Manifest) -> Finding | None:
+    """Hypothesis: rows the flow removes stayed in the drafter's KV cache (the rejected rows of a
+    verify, an earlier draft block), so the drafter attends to them. Evidence: following the
+    run's `memory_ops`, the cache holds a position >= n_past when a draft block starts at n_past."""
+    for state in draft_cache_states(run):
+        left = sorted({(pos, evs[-1]) for (seq, pos), evs in state.held.items()
+                       if seq in _block_seqs(state) and pos >= state.n_past})
+        if left:
+            rows = sorted({p for p, _ in left})
+            source = left[0][1]
+            detail = (f"the draft KV cache holds positions {_span(rows)} (written by eval {source}) when the draft "
+                      f"block of round {state.block.round} starts at n_past {state.n_past}")
+            return Finding(kind="stale", tensor=KV_TENSOR, severity="error",
+                           message=f"{detail}; the flow removes every row at or beyond n_past after the accept "
+                                   f"and after each draft block (llama_memory_seq_rm(seq, n_past, -1))",
+                           fields={"rows": rows, "detail": detail, "source_eval": source,
+                                   "round": state.block.round, "eval": state.block.eval})
+    return None
+
+
+def detect_duplicate_rows(run: Manifest) -> Finding | None:
+    """Hypothesis: the same positions were injected twice without a removal in between, so the
+    drafter attends to two rows per position. Evidence: following `memory_ops`, a position < n_past
+    held more than once when a draft block starts; without ops, two inject evals of one round
+    carrying the same positions."""
+    if not run.memory_ops:
+        return _injected_twice(run)
+    for state in draft_cache_states(run):
+        twice = {pos: evs for (seq, pos), evs in state.held.items()
+                 if seq in _block_seqs(state) and pos < state.n_past and len(evs) > 1}
+        if twice:
+            rows = sorted(twice)
+            sources = sorted({e for evs in twice.values() for e in evs})
+            return _duplicate_finding(rows, sources, state.block.round, state.block.eval,
+                                      f"when the draft block of round {state.block.round} starts")
+    return None
+
+
+def _injected_twice(run: Manifest) -> Finding | None:
+    injects: dict[int, list[Eval]] = defaultdict(list)
+    for ev in run.evals:
+        if ev.role == "draft" and ev.phase == "inject":
+            injects[ev.round].append(ev)
+    for rnd in sorted(injects):
+        seen: dict[int, int] = {}  # position -> the inject eval that carried it first
+        for ev in injects[rnd]:
+            again: dict[int, int] = {}
+            for p in ev.positions:
+                if p in seen:
+                    again.setdefault(p, seen[p])
+                seen.setdefault(p, ev.eval)
+            if again:
+                sources = sorted(set(again.values()) | {ev.eval})
+                how = "by one inject eval" if sources == [ev.eval] else "by two inject evals"
+                return _duplicate_finding(sorted(again), sources, rnd, ev.eval, f"{how} of round {rnd}")
+    return None
+
+
+def _duplicate_finding(rows: list[int], sources: list[int], rnd: int, eval_index: int, when: str) -> Finding:
+    return Finding(kind="duplicate_rows", tensor=KV_TENSOR, severity="error",
+                   message=f"positions {_span(rows)} are held twice in the draft KV cache {when} (written by evals "
+                           f"{', '.join(map(str, sources))}); remove the rows (llama_memory_seq_rm) before "
+                           f"injecting the same positions again",
+                   fields={"rows": rows, "source_evals": sources, "round": rnd, "eval": eval_index})
+
+
+# --- what the producer inferred ------------------------------------------------------------------
+
+def detect_flow_note(run: Manifest) -> Finding | None:
+    """Hypothesis: the run broke the flow's convention where the producer had to infer phases and
+    rounds. Evidence: the sentences the producer wrote in the manifest's `flow_notes`."""
+    if not run.flow_notes:
+        return None
+    more = f" ({len(run.flow_notes) - 1} more notes)" if len(run.flow_notes) > 1 else ""
+    return Finding(kind="flow_note", tensor="flow_notes", severity="error",
+                   message=f"the capture inferred the flow from a run that broke its convention: "
+                           f"{run.flow_notes[0].rstrip('.')}{more}; phases and rounds there may be wrong",
+                   fields={"notes": list(run.flow_notes)})
+
+
+# --- where the token histories part ---------------------------------------------------------------
+
+def history_divergence(ref: Manifest, run: Manifest) -> str | None:
+    """Where the run first decoded other tokens, or at other positions, than the reference (a
+    target or draft batch, in the reference's flow order), as a phrase; None when nowhere."""
+    run_batches = batches(run)
+    for key, ref_batch in sorted(batches(ref).items(), key=lambda kv: (flow_rank(kv[0]), kv[1].eval)):
+        if key[1] == "inject":
+            continue
+        batch = run_batches.get(key)
+        if batch is None:
+            return None
+        if not _decoded_alike(batch, ref_batch):
+            return (f"{batch.label}: the run decoded {list(batch.token_ids)} at {_span(batch.positions)}, the "
+                    f"reference {list(ref_batch.token_ids)} at {_span(ref_batch.positions)}")
+    return None
