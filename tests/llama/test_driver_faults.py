@@ -77,8 +77,13 @@ def user_reference(planted, referenced):
 
 
 def _findings(planted, user_reference, program: str, fault: str | None):
+    """The comparison, and its findings by kind (the first of each kind)."""
     comparison = compare_dumps(user_reference(program), planted(program, fault))
     return comparison, {f.kind: f.to_json() for f in reversed(comparison.findings)}
+
+
+def _first_error(comparison) -> str:
+    return next(f.kind for f in comparison.findings if f.severity == "error")
 
 
 def _first_round_anchor(planted, program: str) -> tuple[int, int]:
@@ -100,6 +105,7 @@ def test_a_draft_block_without_its_anchor_is_a_block_token(planted, user_referen
     comparison, found = _findings(planted, user_reference, program, "anchor-mask")
     anchor, _ = _first_round_anchor(planted, program)
     f = found["block_token"]
+    assert _first_error(comparison) == "block_token"
     assert (f["row"], f["expected"], f["observed"], f["round"]) == (0, anchor, MASK, 1)
     assert exit_code(comparison) == 1
 
@@ -113,53 +119,34 @@ def test_a_stale_anchor_is_a_block_token(planted, user_reference):
     assert exit_code(comparison) == 1
 
 
-@pytest.mark.parametrize("program, fault, phase", [
-    ("llama-speculative-simple", "draft-pos", "draft"),
-    ("llama-speculative-simple", "inject-pos", "inject"),
-    ("llama-server", "inject-pos", "inject"),
-])
-def test_positions_off_by_one_are_a_position_offset_of_that_phase(planted, user_reference, program, fault, phase):
-    comparison, found = _findings(planted, user_reference, program, fault)
-    f = found["position_offset"]
-    assert (f["offset"], f["phase"]) == (1, phase)
-    assert exit_code(comparison) == 1
+# fault -> (program, finding kind, the fields it must carry); each fault is planted alone
+NAMED = {
+    "draft-pos": ("llama-speculative-simple", "position_offset", {"offset": 1, "phase": "draft", "round": 1}),
+    "inject-pos": ("llama-speculative-simple", "position_offset", {"offset": 1, "phase": "inject", "round": 0}),
+    "inject-pos@server": ("llama-server", "position_offset", {"offset": 1, "phase": "inject", "round": 0}),
+    # n_past one too far after round 1's accept: round 2's verify (and its draft block) sit one late
+    "npast-drift": ("llama-speculative-simple", "position_offset", {"offset": 1, "phase": "verify", "round": 2}),
+    "layer-major": ("llama-speculative-simple", "layout_transpose", {"tensor": "inp_target_features"}),
+    "slots-reversed": ("llama-speculative-simple", "slot_permutation", {"permutation": [1, 0]}),
+    "layers-plus1": ("llama-speculative-simple", "layer_offset",
+                     {"slot": 0, "expected_layer": 2, "observed_layer": 3, "delta": 1}),
+    "no-inject": ("llama-speculative-simple", "not_conditioned", {"detail": "no inject eval"}),
+}
 
 
-def test_n_past_drifting_after_an_accept_is_a_position_offset_of_the_next_verify(planted, user_reference):
-    comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "npast-drift")
-    f = found["position_offset"]
-    assert (f["offset"], f["phase"], f["round"]) == (1, "verify", 2)
-    assert exit_code(comparison) == 1
-
-
-def test_features_staged_layer_major_are_a_layout_transpose(planted, user_reference):
-    comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "layer-major")
-    assert found["layout_transpose"]["tensor"] == "inp_target_features"
-    assert exit_code(comparison) == 1
-
-
-def test_slots_reversed_in_the_driver_are_a_slot_permutation(planted, user_reference):
-    comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "slots-reversed")
-    assert found["slot_permutation"]["permutation"] == [1, 0]
-    assert exit_code(comparison) == 1
-
-
-def test_layer_ids_shifted_in_the_driver_are_a_layer_offset(planted, user_reference):
-    comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "layers-plus1")
-    f = found["layer_offset"]
-    assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, 2, 3, 1)
-    assert exit_code(comparison) == 1
-
-
-def test_features_never_injected_are_not_conditioned(planted, user_reference):
-    comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "no-inject")
-    assert found["not_conditioned"]["detail"] == "no inject eval"
+@pytest.mark.parametrize("case", NAMED)
+def test_each_planted_fault_is_named_with_its_fields(planted, user_reference, case):
+    program, kind, fields = NAMED[case]
+    comparison, found = _findings(planted, user_reference, program, case.split("@")[0])
+    assert _first_error(comparison) == kind, [f.message for f in comparison.findings]  # the cause comes first
+    assert {k: found[kind][k] for k in fields} == fields
     assert exit_code(comparison) == 1
 
 
 def test_rows_injected_twice_are_duplicate_rows(planted, user_reference):
     comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "inject-twice")
     prefill = _prefill_positions(planted)
+    assert _first_error(comparison) == "duplicate_rows"
     assert found["duplicate_rows"]["rows"][:len(prefill)] == prefill
     assert exit_code(comparison) == 1
 
@@ -168,6 +155,7 @@ def test_rows_injected_twice_are_duplicate_rows(planted, user_reference):
 def test_rejected_rows_left_in_the_draft_cache_are_stale(planted, user_reference, program):
     comparison, found = _findings(planted, user_reference, program, "keep-rejected")
     f = found["stale"]
+    assert _first_error(comparison) == "stale"
     with read_dump(planted(program, "keep-rejected")) as dump:
         first = next(r for r in dump.manifest.rounds if r.accepted < len(r.drafts))
     left = list(range(first.pos0 + first.accepted + 1, first.pos0 + len(first.drafts) + 1))

@@ -1,0 +1,61 @@
+"""The tools build applies featdiff's patches of the pinned llama.cpp: the patched tree is the
+pristine one plus the patches, only the files a patch change touches are rewritten (so the build
+stays incremental), and a patch that does not apply is refused naming the file."""
+
+from __future__ import annotations
+
+import pytest
+
+from featdiff.errors import InputError
+from featdiff.llama.tools import PATCH_DIR, apply_patches, patch_files, patched_paths
+
+PATCH = """a header line patch(1) ignores
+--- a/src/a.c
++++ b/src/a.c
+@@ -1,2 +1,2 @@
+ int a;
+-int b;
++int b = 1;
+"""
+
+
+def _trees(tmp_path):
+    pristine, tree = tmp_path / "pristine", tmp_path / "tree"
+    for root in (pristine, tree):
+        (root / "src").mkdir(parents=True)
+        (root / "src" / "a.c").write_text("int a;\nint b;\n")
+        (root / "src" / "other.c").write_text("int c;\n")
+    return pristine, tree
+
+
+def test_the_patched_tree_is_pristine_plus_the_patches_and_only_touched_files_change(tmp_path):
+    pristine, tree = _trees(tmp_path)
+    patch = tmp_path / "0001-b.patch"
+    patch.write_text(PATCH)
+    untouched = (tree / "src" / "other.c").stat().st_mtime_ns
+    apply_patches(pristine, tree, [patch])
+    assert (tree / "src" / "a.c").read_text() == "int a;\nint b = 1;\n"
+    assert (tree / "src" / "other.c").stat().st_mtime_ns == untouched
+    stamp = (tree / "src" / "a.c").stat().st_mtime_ns
+    apply_patches(pristine, tree, [patch])  # the same patches again: nothing rewritten
+    assert (tree / "src" / "a.c").stat().st_mtime_ns == stamp
+    apply_patches(pristine, tree, [])  # the patch withdrawn: the file is pristine again
+    assert (tree / "src" / "a.c").read_text() == "int a;\nint b;\n"
+
+
+def test_a_patch_that_does_not_apply_is_refused_naming_it(tmp_path):
+    pristine, tree = _trees(tmp_path)
+    (pristine / "src" / "a.c").write_text("something else\n")
+    patch = tmp_path / "0001-b.patch"
+    patch.write_text(PATCH)
+    with pytest.raises(InputError, match="0001-b.patch: does not apply"):
+        apply_patches(pristine, tree, [patch])
+
+
+def test_the_project_patches_name_the_files_they_change():
+    assert [p.name for p in patch_files()] == ["0001-dflash-log-snr.patch", "0002-driver-faults.patch"]
+    assert all(p.parent == PATCH_DIR for p in patch_files())
+    touched = {p.name: set(patched_paths(p)) for p in patch_files()}
+    assert touched["0001-dflash-log-snr.patch"] and all(f.startswith("src/") for f in touched["0001-dflash-log-snr.patch"])
+    assert "common/speculative.cpp" in touched["0002-driver-faults.patch"]
+    assert not touched["0001-dflash-log-snr.patch"] & touched["0002-driver-faults.patch"]
