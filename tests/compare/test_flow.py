@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 import synth
-from featdiff.compare import flow
+from featdiff.compare import flow, kvcache
 from featdiff.dump import Eval, Manifest, MemoryOp
 
 SPEC = synth.Spec()  # prompt of 8 tokens: prefill 0..6; round 1 at 7..10, round 2 at 9..12
@@ -152,7 +152,7 @@ def test_position_offset_silent_on_the_clean_flow():
 def test_stale_rows_found_when_the_rejected_rows_stay_in_the_draft_cache():
     evals = clean_evals()
     ops = tuple(op for op in clean_ops(evals) if op.after_eval != FIRST_INJECT)  # no seq_rm(n_past) in round 1
-    f = flow.detect_stale(manifest(evals, memory_ops=ops))
+    f = kvcache.detect_stale(manifest(evals, memory_ops=ops))
     assert (f.kind, f.tensor, f.severity) == ("stale", "Kcur_injected-*", "error")
     assert (f.fields["rows"], f.fields["source_eval"], f.fields["round"], f.fields["eval"]) == ([9, 10], FIRST_INJECT, 2, 5)
     assert "holds positions 9..10" in f.fields["detail"] and "starts at n_past 9" in f.message
@@ -163,15 +163,15 @@ def test_a_draft_block_never_removed_leaves_its_accepted_rows_twice():
     evals = clean_evals()
     ops = tuple(op for op in clean_ops(evals) if op.after_eval != FIRST_DRAFT)
     m = manifest(evals, memory_ops=ops)
-    f = flow.detect_duplicate_rows(m)
+    f = kvcache.detect_duplicate_rows(m)
     assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"]) == ([7, 8], [FIRST_DRAFT, FIRST_INJECT], 2)
-    assert flow.detect_stale(m) is None
+    assert kvcache.detect_stale(m) is None
 
 
 def test_stale_says_nothing_without_memory_ops_or_on_the_clean_flow():
     evals = clean_evals()
-    assert flow.detect_stale(manifest(evals)) is None
-    assert flow.detect_stale(manifest(evals, memory_ops=clean_ops(evals))) is None
+    assert kvcache.detect_stale(manifest(evals)) is None
+    assert kvcache.detect_stale(manifest(evals, memory_ops=clean_ops(evals))) is None
 
 
 def _inject_twice(evals: list[Eval]) -> list[Eval]:
@@ -184,29 +184,29 @@ def test_duplicate_rows_found_from_memory_ops():
     evals = _inject_twice(clean_evals())
     ops = (MemoryOp("draft", FIRST_DRAFT, 0, 7, -1), MemoryOp("draft", FIRST_INJECT + 1, 0, 9, -1),
            MemoryOp("draft", 6, 0, 9, -1), MemoryOp("draft", 8, 0, 11, -1))
-    f = flow.detect_duplicate_rows(manifest(evals, memory_ops=ops))
+    f = kvcache.detect_duplicate_rows(manifest(evals, memory_ops=ops))
     assert (f.kind, f.severity) == ("duplicate_rows", "error")
     assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"]) == ([7, 8], [4, 5], 2)
-    assert flow.detect_stale(manifest(evals, memory_ops=ops)) is None
+    assert kvcache.detect_stale(manifest(evals, memory_ops=ops)) is None
 
 
 def test_duplicate_rows_found_without_memory_ops_from_two_injects_of_one_round():
-    f = flow.detect_duplicate_rows(manifest(_inject_twice(clean_evals())))
+    f = kvcache.detect_duplicate_rows(manifest(_inject_twice(clean_evals())))
     assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"], f.fields["eval"]) == \
         ([7, 8, 9, 10], [4, 5], 1, 5)
 
 
 def test_duplicate_rows_silent_on_the_clean_flow():
     evals = clean_evals()
-    assert flow.detect_duplicate_rows(manifest(evals)) is None
-    assert flow.detect_duplicate_rows(manifest(evals, memory_ops=clean_ops(evals))) is None
+    assert kvcache.detect_duplicate_rows(manifest(evals)) is None
+    assert kvcache.detect_duplicate_rows(manifest(evals, memory_ops=clean_ops(evals))) is None
 
 
 def test_a_removal_between_two_injects_is_not_a_duplicate():
     evals = _inject_twice(clean_evals())
     ops = (MemoryOp("draft", FIRST_DRAFT, 0, 7, -1), MemoryOp("draft", FIRST_INJECT, 0, 7, -1),
            MemoryOp("draft", FIRST_INJECT + 1, 0, 9, -1), MemoryOp("draft", 6, 0, 9, -1))
-    assert flow.detect_duplicate_rows(manifest(evals, memory_ops=ops)) is None
+    assert kvcache.detect_duplicate_rows(manifest(evals, memory_ops=ops)) is None
 
 
 # --- the prompt, the producer's notes, where histories part --------------------------------------
@@ -261,6 +261,14 @@ def test_position_offset_says_late_or_early(k, word):
 def test_rows_staged_twice_in_one_inject_batch_are_duplicate_rows():
     evals = clean_evals()
     twice = replace(evals[1], n_tokens=14, positions=evals[1].positions * 2, seq_ids=(0,) * 14)
-    f = flow.detect_duplicate_rows(manifest([twice if e.eval == 1 else e for e in evals]))
+    f = kvcache.detect_duplicate_rows(manifest([twice if e.eval == 1 else e for e in evals]))
     assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"]) == (list(range(7)), [1], 0)
-    assert "by one inject eval of round 0" in f.message
+    assert "the inject batch of round 0 carries each of them twice" in f.message
+
+
+def test_a_refused_batch_that_repeats_positions_is_named_as_refused_not_held():
+    evals = clean_evals()
+    twice = replace(evals[1], n_tokens=14, positions=evals[1].positions * 2, seq_ids=(0,) * 14, rc=-1)
+    f = kvcache.detect_duplicate_rows(manifest([twice if e.eval == 1 else e for e in evals], memory_ops=clean_ops(evals)))
+    assert f.fields["rows"] == list(range(7)) and "llama.cpp refused it (rc -1)" in f.message
+    assert "held twice" not in f.message

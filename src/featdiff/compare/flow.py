@@ -13,13 +13,12 @@ from dataclasses import dataclass
 
 from featdiff import names
 from featdiff.compare.align import DRAFT_GROUP, VERIFY_PHASES, GroupKey, flow_rank, group_key
+from featdiff.compare.kvcache import detect_duplicate_rows, detect_stale, span as _span
 from featdiff.compare.result import Finding
-from featdiff.dump import Eval, Manifest, MemoryOp
+from featdiff.dump import Eval, Manifest
 
 MASK_TOKEN_KEY = "mask_token_id"  # the drafter's ModelInfo field in a manifest's `models`
 NO_TOKEN = -1                     # ModelInfo's value for "no mask token recorded"
-CLEAR_OP = "clear"                # a MemoryOp that empties the context (llama_memory_clear)
-KV_TENSOR = f"{names.KCUR_INJECTED}-*"  # what the draft KV cache holds: the injected K/V rows
 TARGET_PHASES = ("prefill", "verify")
 
 
@@ -304,126 +303,6 @@ def _position_finding(batch: Batch, k: int, expected: str, hint: str) -> Finding
                    message=f"positions of {batch.label} are off by {k:+d} ({late}): the run decoded it at "
                            f"{_span(batch.positions)} where the flow expects {expected}; {hint}",
                    fields={"offset": k, "role": role, "phase": phase, "round": rnd, "eval": batch.eval})
-
-
-def _span(positions) -> str:
-    p = list(positions)
-    if len(p) > 1 and p == list(range(p[0], p[0] + len(p))):
-        return f"{p[0]}..{p[-1]}"
-    return ", ".join(map(str, p[:8])) + (" ..." if len(p) > 8 else "")
-
-
-# --- the draft KV cache --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CacheState:
-    """What the draft KV cache holds when a draft block is decoded: (seq, position) -> the evals
-    that wrote a row there, one entry per row held."""
-
-    block: Eval
-    n_past: int
-    held: dict[tuple[int, int], tuple[int, ...]]
-
-
-def draft_cache_states(run: Manifest) -> tuple[CacheState, ...]:
-    """Follow the draft context's cache through its decodes and `memory_ops`; () without ops."""
-    if not run.memory_ops:
-        return ()
-    ops: dict[int, list[MemoryOp]] = defaultdict(list)
-    for op in run.memory_ops:
-        if op.role == "draft":
-            ops[op.after_eval].append(op)
-    held: dict[tuple[int, int], list[int]] = defaultdict(list)
-    _apply(held, ops.get(-1, []))
-    out = []
-    for ev in run.evals:
-        if ev.role == "draft" and ev.phase != names.PHASE_WARMUP:
-            if ev.phase == "draft" and ev.positions:
-                out.append(CacheState(ev, ev.positions[0], {k: tuple(v) for k, v in held.items() if v}))
-            for pos, seq in zip(ev.positions, ev.seq_ids or (0,) * len(ev.positions)):
-                held[(seq, pos)].append(ev.eval)
-        _apply(held, ops.get(ev.eval, []))
-    return tuple(out)
-
-
-def _apply(held: dict[tuple[int, int], list[int]], ops: list[MemoryOp]) -> None:
-    """llama_memory_seq_rm(seq_id, p0, p1): drop the rows of [p0, p1) (seq_id < 0: every
-    sequence; p0 < 0: from 0; p1 < 0: to the end); a clear drops everything."""
-    for op in ops:
-        hi = float("inf") if op.p1 < 0 else op.p1
-        for seq, pos in list(held):
-            if op.op == CLEAR_OP or ((op.seq_id < 0 or seq == op.seq_id) and max(op.p0, 0) <= pos < hi):
-                del held[(seq, pos)]
-
-
-def _block_seqs(state: CacheState) -> set[int]:
-    return set(state.block.seq_ids) or {0}
-
-
-def detect_stale(run: Manifest) -> Finding | None:
-    """Hypothesis: rows the flow removes stayed in the drafter's KV cache (the rejected rows of a
-    verify, an earlier draft block), so the drafter attends to them. Evidence: following the
-    run's `memory_ops`, the cache holds a position >= n_past when a draft block starts at n_past."""
-    for state in draft_cache_states(run):
-        left = sorted({(pos, evs[-1]) for (seq, pos), evs in state.held.items()
-                       if seq in _block_seqs(state) and pos >= state.n_past})
-        if left:
-            rows = sorted({p for p, _ in left})
-            source = left[0][1]
-            detail = (f"the draft KV cache holds positions {_span(rows)} (written by eval {source}) when the draft "
-                      f"block of round {state.block.round} starts at n_past {state.n_past}")
-            return Finding(kind="stale", tensor=KV_TENSOR, severity="error",
-                           message=f"{detail}; the flow removes every row at or beyond n_past after the accept "
-                                   f"and after each draft block (llama_memory_seq_rm(seq, n_past, -1))",
-                           fields={"rows": rows, "detail": detail, "source_eval": source,
-                                   "round": state.block.round, "eval": state.block.eval})
-    return None
-
-
-def detect_duplicate_rows(run: Manifest) -> Finding | None:
-    """Hypothesis: the same positions were injected twice without a removal in between, so the
-    drafter attends to two rows per position. Evidence: following `memory_ops`, a position < n_past
-    held more than once when a draft block starts; without ops, two inject evals of one round
-    carrying the same positions."""
-    if not run.memory_ops:
-        return _injected_twice(run)
-    for state in draft_cache_states(run):
-        twice = {pos: evs for (seq, pos), evs in state.held.items()
-                 if seq in _block_seqs(state) and pos < state.n_past and len(evs) > 1}
-        if twice:
-            rows = sorted(twice)
-            sources = sorted({e for evs in twice.values() for e in evs})
-            return _duplicate_finding(rows, sources, state.block.round, state.block.eval,
-                                      f"when the draft block of round {state.block.round} starts")
-    return None
-
-
-def _injected_twice(run: Manifest) -> Finding | None:
-    injects: dict[int, list[Eval]] = defaultdict(list)
-    for ev in run.evals:
-        if ev.role == "draft" and ev.phase == "inject":
-            injects[ev.round].append(ev)
-    for rnd in sorted(injects):
-        seen: dict[int, int] = {}  # position -> the inject eval that carried it first
-        for ev in injects[rnd]:
-            again: dict[int, int] = {}
-            for p in ev.positions:
-                if p in seen:
-                    again.setdefault(p, seen[p])
-                seen.setdefault(p, ev.eval)
-            if again:
-                sources = sorted(set(again.values()) | {ev.eval})
-                how = "by one inject eval" if sources == [ev.eval] else "by two inject evals"
-                return _duplicate_finding(sorted(again), sources, rnd, ev.eval, f"{how} of round {rnd}")
-    return None
-
-
-def _duplicate_finding(rows: list[int], sources: list[int], rnd: int, eval_index: int, when: str) -> Finding:
-    return Finding(kind="duplicate_rows", tensor=KV_TENSOR, severity="error",
-                   message=f"positions {_span(rows)} are held twice in the draft KV cache {when} (written by evals "
-                           f"{', '.join(map(str, sources))}); remove the rows (llama_memory_seq_rm) before "
-                           f"injecting the same positions again",
-                   fields={"rows": rows, "source_evals": sources, "round": rnd, "eval": eval_index})
 
 
 # --- what the producer inferred ------------------------------------------------------------------
