@@ -32,6 +32,33 @@ def test_help_shows_the_contract_flags(command, flags):
         assert flag in result.output, (command, flag)
 
 
+@pytest.mark.parametrize("command, flags", [("reference", ["--block", "--run"]), ("capture", ["--draft-max"]),
+                                            ("probe", ["--draft-max"])])
+def test_help_shows_the_block_length_flags(command, flags):
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    for flag in flags:
+        assert flag in result.output, (command, flag)
+
+
+def test_capture_exec_refuses_draft_max_naming_the_programs_flag(tmp_path):
+    result = CliRunner().invoke(app, ["capture", "--exec", "--draft-max", "2", "-o", str(tmp_path / "r.npz"), "--",
+                                      "llama-speculative-simple", "-m", "T.gguf"])
+    assert result.exit_code == 2, result.output
+    assert "--draft-max 2" in result.output and "--spec-draft-n-max" in result.output
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_capture_refuses_a_draft_max_below_1(fixture_models, tmp_path, value):
+    d = fixture_models("clean")
+    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      "--tokens", "1,2,3", "--draft-max", value, "-o", str(tmp_path / "r.npz")])
+    assert result.exit_code == 2, result.output
+    assert f"--draft-max {value}: expected >= 1" in result.output
+    assert not list(tmp_path.iterdir())
+
+
 def test_unknown_fixture_variant_exits_2_naming_the_choices(tmp_path):
     result = CliRunner().invoke(app, ["fixture", str(tmp_path), "--variant", "nope"])
     assert result.exit_code == 2

@@ -15,8 +15,12 @@ from featdiff.probe import probe, render_probe
 # The tiny seeded drafters are untrained: most drafts are rejected. These prompts (found by a
 # search over the seed-0 fixtures) each get a draft token accepted by the clean pair.
 ACCEPTING_PROMPTS = ("tokens: 232,209,318,41,446,463,10,311,497,58", "tokens: 200,365,147,318,423,401,62")
+# With 2 drafts per block, prompt 2 meets a near-tie (the top two logits 3e-4 apart, within the f16
+# KV cache's noise) where the run and the reference may draft either token; these two do not.
+DRAFT_MAX_2_PROMPTS = (ACCEPTING_PROMPTS[0], "The quick brown fox")
 ROUNDS = 8
-SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+SERVER_ARGS = ["--spec-type", "draft-dflash", "-c", "256", "-t", "2", "-td", "2"]
+DRAFT_MAX = 3  # llama.cpp's default; the fixtures' block_size 4 allows 1 .. 3
 
 
 @pytest.fixture(scope="session")
@@ -27,23 +31,34 @@ def prompts_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def draft_max_2_prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("probe-2") / "prompts.txt"
+    path.write_text("\n".join(DRAFT_MAX_2_PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
 def probed(fixture_models, prompts_file):
-    """(variant, through_server) -> the probe of that pair against its trained HF checkpoint."""
+    """(variant, through_server, draft_max) -> the probe of that pair against its trained HF
+    checkpoint, drafting `draft_max` tokens per block (in-process: --draft-max; llama-server:
+    --spec-draft-n-max)."""
     made = {}
 
-    def get(variant: str, through_server: bool = False):
-        if (variant, through_server) not in made:
+    def get(variant: str, through_server: bool = False, draft_max: int = DRAFT_MAX, prompts: Path = prompts_file):
+        key = (variant, through_server, draft_max, prompts)
+        if key not in made:
             d = fixture_models(variant)
             command = None
             if through_server:
                 from featdiff.llama.tools import ensure_tools
 
                 server = ensure_tools().program("llama-server")
-                command = [str(server), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SERVER_ARGS]
-            made[(variant, through_server)] = probe(d / "target.gguf", d / "draft.gguf", prompts=prompts_file,
-                                                    rounds=ROUNDS, ref_target=d / "target-hf",
-                                                    ref_model=d / "draft-hf", command=command)
-        return made[(variant, through_server)]
+                command = [str(server), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SERVER_ARGS,
+                           "--spec-draft-n-max", str(draft_max)]
+            made[key] = probe(d / "target.gguf", d / "draft.gguf", prompts=prompts, rounds=ROUNDS,
+                              ref_target=d / "target-hf", ref_model=d / "draft-hf", command=command,
+                              draft_max=None if through_server else draft_max)
+        return made[key]
 
     return get
 
@@ -100,5 +115,22 @@ def test_empty_prompts_file_exits_2(fixture_models, tmp_path):
 def test_probe_help_shows_its_flags():
     result = CliRunner().invoke(app, ["probe", "--help"])
     assert result.exit_code == 0
-    for flag in ("--target", "--model", "--prompts", "--rounds", "--ref-model", "--exec"):
+    for flag in ("--target", "--model", "--prompts", "--rounds", "--ref-model", "--draft-max", "--exec"):
         assert flag in result.output, flag
+
+
+@pytest.mark.parametrize("through_server", [False, True])
+def test_reference_drafts_blocks_as_long_as_the_runs(probed, draft_max_2_prompts_file, through_server):
+    result = probed("clean", through_server, draft_max=2, prompts=draft_max_2_prompts_file)
+    rounds = [r for p in result.prompts for r in p.rounds if r.run_drafts]
+    assert rounds and all(len(r.run_drafts) <= 2 for r in rounds) and any(len(r.run_drafts) == 2 for r in rounds)
+    assert all(r.run_drafts == r.ref_drafts for r in rounds)  # 4-row reference blocks draft others in some rounds
+    assert result.run == result.ref and not result.has_gap
+
+
+def test_probe_exec_refuses_draft_max(fixture_models):
+    d = fixture_models("clean")
+    result = CliRunner().invoke(app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                                      "--draft-max", "2", "--exec", "--", "llama-server", "-m", str(d / "target.gguf")])
+    assert result.exit_code == 2, result.output
+    assert "--draft-max 2" in result.output and "--spec-draft-n-max" in result.output

@@ -55,6 +55,7 @@ CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are th
 TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")]
 RoundsOpt = Annotated[int, typer.Option("--rounds", min=0, help="Speculative rounds (draft, verify, inject) after the prefill.")]
+DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Drafts per block, as llama.cpp's --spec-draft-n-max: the block is the anchor plus N masks, N clamped to dflash.block_size - 1. Default: 3, llama.cpp's default. In-process only: with --exec the program's command line decides.")]
 LlamaDirOpt = Annotated[Optional[Path], typer.Option("--llama-dir", help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.")]
 
 
@@ -85,16 +86,17 @@ def capture(
     rounds: RoundsOpt = 2,
     filters: Annotated[Optional[list[str]], typer.Option("--filter", help="Glob on callback names to capture (repeatable). Default: the wiring tensors.")] = None,
     llama_dir: LlamaDirOpt = None,
+    draft_max: DraftMaxOpt = None,
     exec_: Annotated[bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")] = False,
 ) -> None:
     """Capture named tensors from a real llama.cpp build into a dump."""
     from featdiff.llama import capture as capture_mod
 
     if exec_:
-        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens)
+        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max)
     else:
-        path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens,
-                                   rounds=rounds, filters=filters, llama_dir=llama_dir)
+        path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens, rounds=rounds,
+                                   filters=filters, llama_dir=llama_dir, draft_max=draft_max)
     typer.echo(path)
 
 
@@ -109,6 +111,7 @@ def probe(
     ref_target: Annotated[Optional[Path], typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target.")] = None,
     ref_model: Annotated[Optional[Path], typer.Option("--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model.")] = None,
     llama_dir: LlamaDirOpt = None,
+    draft_max: DraftMaxOpt = None,
     exec_: Annotated[bool, typer.Option("--exec", help="Run through the llama-server command given after `--` instead of in-process.")] = False,
 ) -> None:
     """Greedy accept-rate probe: the real spec loop side by side with the reference drafter."""
@@ -117,7 +120,8 @@ def probe(
     from featdiff.probe import render_probe
 
     result = run_probe(target, model, prompts=prompts, rounds=rounds, ref_target=ref_target, ref_model=ref_model,
-                       command=list(ctx.args) if exec_ else None, n_predict=n_predict, llama_dir=llama_dir)
+                       command=list(ctx.args) if exec_ else None, n_predict=n_predict, llama_dir=llama_dir,
+                       draft_max=draft_max)
     typer.echo(render_probe(result))
     raise typer.Exit(probe_exit_code(result))
 
@@ -145,13 +149,15 @@ def reference(
     device: Annotated[str, typer.Option("--device", help="Torch device.")] = "cpu",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Emulate the run's KV cache type: f16 or f32.")] = "f16",
     llama_dir: LlamaDirOpt = None,
+    block: Annotated[Optional[int], typer.Option("--block", help="Rows per draft block: the anchor and N-1 masks (a run's --spec-draft-n-max + 1), 2 .. dflash.block_size. Default: llama.cpp's default, min(3, block_size - 1) + 1.")] = None,
+    run: Annotated[Optional[Path], typer.Option("--run", help="A run dump (.npz): draft blocks as long as its draft evals. Instead of --block.")] = None,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
     from featdiff.reference import run as reference_run
 
     typer.echo(reference_run.reference(target, model, output, prompt=prompt, tokens=tokens,
                                        rounds=rounds, dtype=dtype, device=device,
-                                       kv_dtype=kv_dtype, llama_dir=llama_dir))
+                                       kv_dtype=kv_dtype, llama_dir=llama_dir, block=block, run=run))
 
 
 @app.command()

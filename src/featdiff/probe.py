@@ -3,7 +3,9 @@ llama-server under the preload) next to the reference drafter's, on the same tar
 
 Consumes a GGUF pair, the reference's models and prompts; produces a `Probe` of rounds. The
 reference is teacher-forced: for each run round it drafts once after the run's own tokens up to
-that round's anchor, so the two sides' accepts differ only where their drafts do.
+that round's anchor, with draft blocks as long as the run's (in-process: `--draft-max` + 1 rows;
+through llama-server: the length of its own draft decodes), so the two sides' accepts differ
+only where their drafts do.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from featdiff import names
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
+from featdiff.blocks import DEFAULT_DRAFT_MAX, run_block_rows
 
 DEFAULT_ROUNDS = 6        # in-process: rounds per prompt
 DEFAULT_N_PREDICT = 16    # through llama-server: tokens per request
@@ -143,38 +146,41 @@ class RunTrace:
     label: str
     prompt_tokens: tuple[int, ...]
     rounds: tuple[Round, ...]
+    block_rows: int | None  # rows of the run's draft blocks; None: it decoded no draft block
     server_draft_n: int | None = None
     server_draft_n_accepted: int | None = None
 
 
 def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], rounds: int,
-                   llama_dir: Path | None) -> tuple[RunTrace, ...]:
-    """Each prompt through the in-process DFlash driver, `rounds` rounds, nothing captured."""
+                   llama_dir: Path | None, draft_max: int) -> tuple[RunTrace, ...]:
+    """Each prompt through the in-process DFlash driver, `rounds` rounds of `draft_max` drafts
+    (clamped as llama.cpp clamps them), nothing captured."""
+    from featdiff.llama.capture import flow_config
     from featdiff.llama.runtime import Model, Runtime
 
     rt = Runtime.load(llama_dir)
     tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
     try:
-        return tuple(_run_prompt(rt, tgt_model, dft_model, p, rounds) for p in prompts)
+        cfg = flow_config(tgt_model, dft_model, draft_max)
+        return tuple(_run_prompt(rt, tgt_model, dft_model, p, rounds, cfg) for p in prompts)
     finally:
         dft_model.free()
         tgt_model.free()
 
 
-def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int) -> RunTrace:
+def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int, cfg) -> RunTrace:
     from featdiff.llama import driver
-    from featdiff.llama.capture import flow_config, new_contexts, prompt_ids
+    from featdiff.llama.capture import new_contexts, prompt_ids
 
     tokens = ",".join(map(str, prompt.tokens)) if prompt.tokens is not None else None
     ids = prompt_ids(tgt_model, prompt.text, tokens)
-    cfg = flow_config(tgt_model, dft_model)
     tgt, dft = new_contexts(rt, (tgt_model, dft_model), len(ids), rounds, cfg)
     try:
         done = driver.run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
     finally:
         dft.free()
         tgt.free()
-    return RunTrace(prompt.label, tuple(ids), tuple(done))
+    return RunTrace(prompt.label, tuple(ids), tuple(done), cfg.block_rows)
 
 
 def run_through_server(command: list[str], prompts: tuple[Prompt, ...], n_predict: int,
@@ -195,7 +201,8 @@ def run_through_server(command: list[str], prompts: tuple[Prompt, ...], n_predic
     parts = split_requests(flow.evals)
     if len(parts) != len(prompts):
         raise InputError(f"{command[0]}: {len(prompts)} requests but {len(parts)} prompts decoded from position 0; is the prompt cache on?")
-    return tuple(_trace_of(p, part, flow.rounds, a) for p, part, a in zip(prompts, parts, answers))
+    block_rows = run_block_rows(flow.evals, command[0])  # what --spec-draft-n-max made of the block
+    return tuple(_trace_of(p, part, flow.rounds, a, block_rows) for p, part, a in zip(prompts, parts, answers))
 
 
 def split_requests(evals: tuple[Eval, ...]) -> list[tuple[Eval, ...]]:
@@ -212,12 +219,13 @@ def split_requests(evals: tuple[Eval, ...]) -> list[tuple[Eval, ...]]:
     return [tuple(p) for p in parts]
 
 
-def _trace_of(prompt: Prompt, part: tuple[Eval, ...], rounds: tuple[Round, ...], answer) -> RunTrace:
+def _trace_of(prompt: Prompt, part: tuple[Eval, ...], rounds: tuple[Round, ...], answer,
+              block_rows: int | None) -> RunTrace:
     from featdiff.llama.exec import prompt_from_evals
 
     numbers = {e.round for e in part if e.phase == "verify"}
     mine = tuple(r for r in rounds if r.round in numbers)
-    return RunTrace(prompt.label, prompt_from_evals(part), mine, answer.draft_n, answer.draft_n_accepted)
+    return RunTrace(prompt.label, prompt_from_evals(part), mine, block_rows, answer.draft_n, answer.draft_n_accepted)
 
 
 # ---------------------------------------------------------------- reference side
@@ -245,10 +253,17 @@ def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[
             if not r.drafts:  # a verify of no drafts: nothing to draft on either side
                 out.append(RoundPair(r.pos0, (), (), 0, 0))
                 continue
-            ref = run_flow(ref_target, ref_draft, tokens[:r.pos0 + 1], 1, numerics).rounds[0]
+            ref = run_flow(ref_target, ref_draft, tokens[:r.pos0 + 1], 1, numerics,
+                           block_rows=_block_rows(trace)).rounds[0]
             n = len(r.drafts)  # the same budget: upstream truncates a draft to what fits
             out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, min(ref.accepted, n)))
     return tuple(out)
+
+
+def _block_rows(trace: RunTrace) -> int:
+    if trace.block_rows is None:
+        raise RuntimeError(f"{trace.label}: a round with drafts but no draft block of the run")
+    return trace.block_rows
 
 
 # ---------------------------------------------------------------- the probe
@@ -256,17 +271,22 @@ def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[
 def probe(target: Path, model: Path, *, prompts: Path | None = None, rounds: int = DEFAULT_ROUNDS,
           ref_target: Path | None = None, ref_model: Path | None = None, command: list[str] | None = None,
           n_predict: int = DEFAULT_N_PREDICT, dtype: str = "float32", kv_dtype: str = "f16",
-          llama_dir: Path | None = None) -> Probe:
-    """Run the accept-rate probe; see the module docstring."""
+          llama_dir: Path | None = None, draft_max: int | None = None) -> Probe:
+    """Run the accept-rate probe; see the module docstring. `draft_max` (in-process only; default
+    llama.cpp's `--spec-draft-n-max` default) sets the drafts per block."""
     from featdiff.reference.load import load_draft, load_target
     from featdiff.reference.run import numerics_from_options
     from featdiff.reference.weights import check_pair
 
     chosen = read_prompts(prompts)
+    if command and draft_max is not None:
+        raise InputError(f"--draft-max {draft_max} drives the in-process run; with --exec pass --spec-draft-n-max "
+                         "in the llama-server command line instead")
     if command:
         traces = run_through_server(command, chosen, n_predict, llama_dir)
     else:
-        traces = run_in_process(target, model, chosen, rounds, llama_dir)
+        traces = run_in_process(target, model, chosen, rounds, llama_dir,
+                                DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
     numerics = numerics_from_options(dtype, "cpu", kv_dtype)
     ref_t = load_target(Path(ref_target or target), numerics.dtype, numerics.device)
     ref_d = load_draft(Path(ref_model or model), numerics.dtype, numerics.device)

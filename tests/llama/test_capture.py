@@ -17,6 +17,7 @@ from gguf import GGUFReader
 
 from featdiff import fixtures
 from featdiff.dump import read_dump
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 GOLDEN = Path(__file__).parent / "golden" / "clean_records.jsonl"
 
@@ -161,3 +162,68 @@ def test_interrupted_capture_still_writes_a_readable_dump(fixture_models, tmp_pa
     with read_dump(out) as dump:
         assert len(dump.manifest.records) > 100 and len(dump.manifest.evals) > 3
     assert not out.with_name("run.npz.spool.index").exists()
+
+
+# --- the block length follows --draft-max, as llama.cpp's --spec-draft-n-max ------------------
+
+@pytest.fixture(scope="module")
+def run_draft_max_2(fixture_models, tmp_path_factory) -> Path:
+    """A capture of the clean pair with 2 drafts per block: 3-row draft blocks."""
+    from featdiff.llama.capture import capture
+
+    d = fixture_models("clean")
+    return capture(d / "target.gguf", d / "draft.gguf", tmp_path_factory.mktemp("draft-max-2") / "run.npz",
+                   tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS, draft_max=2)
+
+
+def test_draft_max_sets_the_block_to_the_anchor_and_n_masks(run_draft_max_2):
+    with read_dump(run_draft_max_2) as dump:
+        m = dump.manifest
+        assert m.build["draft_max"] == 2
+        for rnd in m.rounds:
+            draft, verify, inject = (e for e in m.evals if e.round == rnd.round)
+            assert draft.token_ids == (rnd.anchor, fixtures.MASK_TOKEN_ID, fixtures.MASK_TOKEN_ID)
+            assert draft.positions == verify.positions == inject.positions == tuple(range(rnd.pos0, rnd.pos0 + 3))
+            assert len(rnd.drafts) == 2 and verify.token_ids == (rnd.anchor, *rnd.drafts)
+
+
+def test_draft_max_beyond_the_block_size_is_clamped_with_a_warning(fixture_models, tmp_path, caplog):
+    from featdiff.llama.capture import capture
+
+    d = fixture_models("clean")
+    with caplog.at_level("WARNING", logger="featdiff"):
+        out = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens="1,2,3,4", rounds=1, draft_max=9)
+    assert "--draft-max 9 exceeds the trained block size (dflash.block_size = 4); clamping to 3" in caplog.text
+    with read_dump(out) as dump:
+        assert dump.manifest.build["draft_max"] == fixtures.BLOCK_SIZE - 1
+        assert [e.n_tokens for e in dump.manifest.evals if e.phase == "draft"] == [fixtures.BLOCK_SIZE]
+
+
+def test_reference_of_the_runs_block_length_compares_clean(run_draft_max_2, fixture_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+    from featdiff.compare import compare_dumps, exit_code
+
+    d, ref = fixture_models("clean"), tmp_path / "ref.npz"
+    result = CliRunner().invoke(app, ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft-hf"),
+                                      "--tokens", DEFAULT_TOKENS, "--rounds", str(DEFAULT_ROUNDS),
+                                      "--run", str(run_draft_max_2), "-o", str(ref)])
+    assert result.exit_code == 0, result.output
+    with read_dump(ref) as dump:
+        assert dump.manifest.build["block_rows"] == 3
+        assert {e.n_tokens for e in dump.manifest.evals if e.phase == "draft"} == {3}
+    comparison = compare_dumps(ref, run_draft_max_2)
+    assert exit_code(comparison) == 0, [f.message for f in comparison.findings]
+    assert comparison.coverage.pairs > 0 and comparison.coverage.pairs_skipped == 0
+
+
+def test_a_reference_of_longer_blocks_names_the_block_length(run_draft_max_2, referenced):
+    from featdiff.compare import compare_dumps, exit_code
+
+    comparison = compare_dumps(referenced("clean"), run_draft_max_2)  # llama.cpp's default: 4-row blocks
+    assert exit_code(comparison) == 1
+    first = next(f for f in comparison.findings if f.severity == "error")
+    assert first.kind == "block_token" and first.tensor == "inp_noise_embd"
+    assert "has 3 rows where the reference's has 4" in first.message
+    assert "--spec-draft-n-max + 1 rows" in first.message

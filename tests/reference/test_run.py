@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from featdiff import names
 from featdiff.cli import app
-from featdiff.dump import read_dump
+from featdiff.dump import DumpWriter, Eval, Manifest, read_dump
 from featdiff.reference.drafter import encode
+from featdiff.blocks import run_block_rows
 from featdiff.reference.load import load_draft
 
 runner = CliRunner()
@@ -30,8 +31,9 @@ def test_manifest_carries_the_contract_fields(ref_dump):
         m = d.manifest
     assert m.source == "reference"
     assert m.prompt_tokens == tuple(range(1, 11))
-    assert set(m.build) == {"torch", "device", "dtype", "kv_dtype"}
+    assert set(m.build) == {"torch", "device", "dtype", "kv_dtype", "block_rows"}
     assert m.build["kv_dtype"] == "f16" and m.build["dtype"] == "float32"
+    assert m.build["block_rows"] == B  # llama.cpp's default: min(3, block_size - 1) + 1 = 4 for block size 4
     draft = m.models["draft"]
     assert draft["target_layers"] == [2, 4] and draft["block_size"] == B and draft["mask_token_id"] == 511
     assert draft["has_own_embeddings"] is False and draft["architecture"] == "dflash"
@@ -152,3 +154,71 @@ def test_prompt_is_tokenized_with_the_gguf_vocabulary(variant_dir, tmp_path):
     assert result.exit_code == 0, result.output
     with read_dump(out) as dump:
         assert list(dump.manifest.prompt_tokens) == tokenize(d / "draft.gguf", "w7 w21 w3")
+
+
+def _reference_cli(d, out, *args):
+    return runner.invoke(app, ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                               "--tokens", "3,1,4,1,5", "--rounds", "2", "-o", str(out), *args])
+
+
+def test_block_3_decodes_3_row_draft_blocks(variant_dir, tmp_path):
+    out = tmp_path / "ref.npz"
+    result = _reference_cli(variant_dir("clean"), out, "--block", "3")
+    assert result.exit_code == 0, result.output
+    with read_dump(out) as d:
+        m = d.manifest
+        assert m.build["block_rows"] == 3
+        for r in m.rounds:
+            draft_eval, verify_eval, inject_eval = (e for e in m.evals if e.round == r.round)
+            assert draft_eval.token_ids == (r.anchor, 511, 511) and len(r.drafts) == 2
+            assert draft_eval.positions == verify_eval.positions == inject_eval.positions == (r.pos0, r.pos0 + 1, r.pos0 + 2)
+            assert d.array(f"e{draft_eval.eval:05d}.draft.{names.RESULT_OUTPUT}.0").shape == (3, N_VOCAB)
+
+
+def _dump_of_evals(path, evals):
+    """A run dump holding only these evals: the manifest is all `--run` reads."""
+    return DumpWriter(path).close(Manifest(source="llama.cpp", models={}, build={}, evals=tuple(evals), records=()))
+
+
+def _draft(i, n_tokens, phase="draft", rc=0):
+    return Eval(eval=i, role="draft", phase=phase, n_tokens=n_tokens, positions=tuple(range(n_tokens)),
+                token_ids=(1,) * n_tokens, seq_ids=(0,) * n_tokens, round=1, rc=rc)
+
+
+def test_run_block_length_ignores_failed_and_warmup_decodes():
+    evals = (_draft(0, 1, phase="warmup"), _draft(1, 3), _draft(2, 5, rc=-1), _draft(3, 3))
+    assert run_block_rows(evals, "run.npz") == 3
+    assert run_block_rows((_draft(0, 1, phase="warmup"),), "run.npz") is None
+
+
+def _one_line(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("featdiff: error: "), result.output
+    return lines[0]
+
+
+def _run_files(tmp) -> dict:
+    """What the refusals below pass to --run, by file name: crafted dumps and a non-dump."""
+    (tmp / "notes.npz").write_text("not a dump\n")
+    return {"one.npz": _dump_of_evals(tmp / "one.npz", [_draft(0, 3)]),
+            "mixed.npz": _dump_of_evals(tmp / "mixed.npz", [_draft(0, 3), _draft(4, 4)]),
+            "nodraft.npz": _dump_of_evals(tmp / "nodraft.npz", [_draft(0, 3, rc=1)]),
+            "notes.npz": tmp / "notes.npz", "missing.npz": tmp / "missing.npz"}
+
+
+@pytest.mark.parametrize("args, names_it, message", [
+    (["--block", "0"], "--block 0", "expected 2 .. 4 rows"),
+    (["--block", "99"], "--block 99", "dflash.block_size = 4"),
+    (["--block", "3", "--run", "one.npz"], "--run", "pass one of them"),
+    (["--run", "missing.npz"], "missing.npz", "no such dump"),
+    (["--run", "notes.npz"], "notes.npz", "not a readable .npz"),
+    (["--run", "mixed.npz"], "mixed.npz", "draft blocks differ in length (3 rows in evals 0; 4 rows in evals 4)"),
+    (["--run", "nodraft.npz"], "nodraft.npz", "no draft eval"),
+])
+def test_cli_refuses_an_unusable_block_length_with_one_line(variant_dir, tmp_path, args, names_it, message):
+    files = _run_files(tmp_path)
+    result = _reference_cli(variant_dir("clean"), tmp_path / "ref.npz", *(str(files.get(a, a)) for a in args))
+    assert result.exit_code == 2, result.output
+    line = _one_line(result)
+    assert names_it in line and message in line
+    assert not (tmp_path / "ref.npz").exists()

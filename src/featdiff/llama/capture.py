@@ -18,6 +18,7 @@ from featdiff.errors import InputError
 from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
+from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
 log = logging.getLogger(__name__)
@@ -76,27 +77,43 @@ def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int
     return ids
 
 
-def flow_config(target: Model, draft: Model) -> driver.FlowConfig:
-    """The DFlash settings the upstream driver reads from the drafter."""
+def flow_config(target: Model, draft: Model, draft_max: int = DEFAULT_DRAFT_MAX) -> driver.FlowConfig:
+    """The DFlash settings the upstream driver reads from the drafter, with `draft_max` drafts
+    per block (`--spec-draft-n-max`)."""
     layers = tuple(draft.target_layer_ids())
     n_layer = int(target.rt.lib.llama_model_n_layer(target.ptr))
     if not layers or max(layers) >= n_layer:
         raise InputError(f"{draft.path}: dflash.target_layers = {list(layers)} but the target has {n_layer} layers; ids must be < n_layer (see `featdiff lint`)")
-    block = int(draft.meta(names.KEY_BLOCK_SIZE) or 16)  # upstream's default when the key is absent
-    return driver.FlowConfig(layers, block, int(draft.rt.lib.llama_vocab_mask(draft.vocab)))
+    block_size = int(draft.meta(names.KEY_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
+    return driver.FlowConfig(layers, _draft_max(draft.path, draft_max, block_size),
+                             int(draft.rt.lib.llama_vocab_mask(draft.vocab)))
+
+
+def _draft_max(path: Path, draft_max: int, block_size: int) -> int:
+    """`--draft-max` clamped to `block_size - 1` with a warning, as common_speculative_impl_draft_dflash
+    clamps n_max."""
+    if draft_max < 1:
+        raise InputError(f"--draft-max {draft_max}: expected >= 1 draft per block (llama.cpp's "
+                         f"--spec-draft-n-max, default {DEFAULT_DRAFT_MAX})")
+    clamped = clamped_draft_max(draft_max, block_size)
+    if clamped != draft_max:
+        log.warning("%s: --draft-max %d exceeds the trained block size (%s = %d); clamping to %d, as llama.cpp does",
+                    path, draft_max, names.KEY_BLOCK_SIZE, block_size, clamped)
+    return clamped
 
 
 def capture(target: Path | None, model: Path | None, output: Path, *, prompt: str | None = None,
             tokens: str | None = None, rounds: int = 2, filters: list[str] | None = None,
-            llama_dir: Path | None = None) -> Path:
-    """Run the flow on the real build and write the dump; return its path."""
+            llama_dir: Path | None = None, draft_max: int | None = None) -> Path:
+    """Run the flow on the real build and write the dump; return its path. Draft blocks are
+    `draft_max + 1` rows (default: llama.cpp's `--spec-draft-n-max` default)."""
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     rt = Runtime.load(llama_dir)
     models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
     try:
         ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
-        cfg = flow_config(*models)
+        cfg = flow_config(*models, DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
         return _spooled(rt, models, ids, cfg, rounds, role_filters(filters, cfg.target_layers), Path(output))
     finally:
         for m in models:
@@ -109,7 +126,7 @@ def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driv
     prefix = spool.prefix_for(output)
     sp = Spool.open(rt, prefix, globs)
     try:
-        sp.note("header", _header(rt, models, ids, globs))
+        sp.note("header", _header(rt, models, ids, globs, cfg))
         _run(rt, sp, models, ids, cfg, rounds)
     except KeyboardInterrupt:
         sp.close()
@@ -132,7 +149,7 @@ def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds
                  cfg: driver.FlowConfig, tags: tuple = (None, None)) -> tuple[Context, Context]:
     """The target and draft contexts of one flow, sized for it, with DFlash switched on; `tags`
     are the shim's callback tags (None: no callback)."""
-    n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_size + CTX_SLACK)
+    n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_rows + CTX_SLACK)
     threads = min(os.cpu_count() or 1, MAX_THREADS)
     tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0])
     dft = Context.new(rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt)
@@ -164,12 +181,14 @@ def kept_globs(filters: dict[int, list[str]]) -> dict[str, list[str]]:
     return {role: sorted(g for g in filters[i] if not g.startswith("!")) for role, i in ROLE_IDS.items()}
 
 
-def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: dict[int, list[str]]) -> dict:
+def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: dict[int, list[str]],
+            cfg: driver.FlowConfig) -> dict:
     kept = kept_globs(filters)
     return {
         "models": {"target": model_info(models[0].path).to_json(), "draft": model_info(models[1].path).to_json()},
         "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
-                  "system_info": rt.system_info(), "commit": _commit(rt), "filters": kept},
+                  "system_info": rt.system_info(), "commit": _commit(rt), "filters": kept,
+                  "draft_max": cfg.draft_max},
         "prompt_tokens": ids,
     }
 
@@ -195,9 +214,15 @@ def _progress(rounds: int):
 
 
 def capture_exec(command: list[str], output: Path, filters: list[str] | None,
-                 llama_dir: Path | None, prompt: str | None = None, tokens: str | None = None) -> Path:
+                 llama_dir: Path | None, prompt: str | None = None, tokens: str | None = None,
+                 draft_max: int | None = None) -> Path:
     """Capture around an unmodified llama.cpp program (featdiff.llama.exec); llama-server gets
-    one greedy completion request for `prompt` / `tokens`."""
+    one greedy completion request for `prompt` / `tokens`. The program's own command line sets
+    its block length, so `draft_max` is refused."""
     from featdiff.llama.exec import capture_exec as run_exec
+
+    if draft_max is not None:
+        raise InputError(f"--draft-max {draft_max} drives the in-process flow; with --exec pass "
+                         "--spec-draft-n-max in the program's command line instead")
 
     return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens)

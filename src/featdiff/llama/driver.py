@@ -2,8 +2,9 @@
 
 Mirrors upstream `examples/speculative-simple` with `--spec-type draft-dflash` and
 `common_speculative_impl_draft_dflash`: prefill the target with layer-input taps on, inject the
-features token-major into the drafter's KV cache, draft `[anchor, mask ...]` non-causally,
-verify on the target, inject the verified rows, keep the accepted ones.
+features token-major into the drafter's KV cache, draft `[anchor, mask x draft_max]`
+non-causally (llama.cpp's `--spec-draft-n-max`), verify on the target, inject the verified rows,
+keep the accepted ones.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ class NullRecorder:
 @dataclass(frozen=True)
 class FlowConfig:
     target_layers: tuple[int, ...]  # input-of-layer ids, slot k = target_layers[k]
-    block_size: int
+    draft_max: int                  # drafts per block: --spec-draft-n-max, at most block_size - 1
     mask_token_id: int
+
+    @property
+    def block_rows(self) -> int:
+        """Rows of a draft block: the anchor and `draft_max` masks."""
+        return self.draft_max + 1
 
 
 @dataclass
@@ -91,12 +97,12 @@ def _inject(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConf
 
 
 def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, rnd: int) -> Round:
-    pos0, anchor, B = st.n_past, st.id_last, cfg.block_size
-    block = [anchor] + [cfg.mask_token_id] * (B - 1)
+    pos0, anchor, B = st.n_past, st.id_last, cfg.block_rows
+    block = [anchor] + [cfg.mask_token_id] * cfg.draft_max
     positions = list(range(pos0, pos0 + B))
     _eval(st, rec, "draft", "draft", rnd, positions, block)
     dft.decode_tokens(block, positions, outputs=True)
-    drafts = [int(np.argmax(dft.logits(i))) for i in range(1, B)]  # DFlash reads slots 1..B-1
+    drafts = [int(np.argmax(dft.logits(i))) for i in range(1, B)]  # DFlash reads rows 1..draft_max
     dft.seq_rm(pos0)  # the draft block leaves the draft KV cache
     verify = [anchor] + drafts
     _decode_target(tgt, st, rec, verify, positions, "verify", rnd, outputs=True)

@@ -36,7 +36,7 @@ class InjectPass:
 
 @dataclass(frozen=True)
 class DraftPass:
-    """One draft eval: logits of every block row `(block_size, n_vocab)`, and the records."""
+    """One draft eval: logits of every block row `(n_tokens, n_vocab)`, and the records."""
 
     logits: torch.Tensor
     records: tuple[Named, ...]
@@ -110,7 +110,7 @@ def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: t
 
 
 def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, list[Named]]:
-    """The first layer's input `(block_size, n_embd)` and its records.
+    """The first layer's input `(n_tokens, n_embd)` and its records.
 
     `inp_noise_embd` is the embedding rows (the drafter's own table, else the target's). A
     log-SNR conditioned drafter adds its term `dspark_log_snr_fc2` to them: the sum
@@ -118,15 +118,15 @@ def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tupl
     has them, docs/records.md).
     """
     table = draft.token_embd if draft.has_own_embeddings else target.token_embd
-    rows = table[tokens]  # (block_size, n_embd)
+    rows = table[tokens]  # (n_tokens, n_embd)
     records = [Named(names.INP_NOISE_EMBD, rows)]
     if draft.has_own_embeddings and target.hparams.n_embd == draft.hparams.n_embd:
-        borrowed = target.token_embd[tokens]  # (block_size, n_embd)
+        borrowed = target.token_embd[tokens]  # (n_tokens, n_embd)
         records.append(Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_TABLE_TARGET), borrowed))
     if draft.log_snr is None:
         return rows, records
     snr = log_snr_embed(draft.log_snr, tokens == draft.mask_token_id)
-    x = rows + snr.term  # (block_size, n_embd)
+    x = rows + snr.term  # (n_tokens, n_embd)
     records += [Named(names.DSPARK_LOG_SNR_FEAT, snr.feat), Named(names.DSPARK_LOG_SNR_FC1, snr.fc1),
                 Named(names.DSPARK_LOG_SNR_FC2, snr.term), Named(names.DSPARK_DRAFT_EMBD_SNR, x),
                 Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows)]

@@ -47,12 +47,14 @@ class _State:
     id_last: int
 
 
-def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int, numerics: Numerics) -> FlowTrace:
-    """Prefill `prompt[:-1]`, inject its features, then `rounds` rounds of draft / verify / inject."""
+def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int, numerics: Numerics,
+             *, block_rows: int) -> FlowTrace:
+    """Prefill `prompt[:-1]`, inject its features, then `rounds` rounds of draft / verify / inject,
+    each draft block `block_rows` rows long (featdiff.blocks: llama.cpp's n_max + 1)."""
     state, evals = _prefill(target, draft, prompt, numerics)
     done: list[Round] = []
     for r in range(PREFILL_ROUND + 1, PREFILL_ROUND + 1 + rounds):
-        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics)
+        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows)
         evals += traces
         done.append(one_round)
     return FlowTrace(tuple(evals), tuple(done))
@@ -69,8 +71,7 @@ def _prefill(target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Nu
 
 
 def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int,
-           numerics: Numerics) -> tuple[_State, Round, list[EvalTrace]]:
-    b = draft.block_size
+           numerics: Numerics, b: int) -> tuple[_State, Round, list[EvalTrace]]:
     positions = _ids(tuple(range(state.n_past, state.n_past + b)), numerics)
     block = (state.id_last,) + (draft.mask_token_id,) * (b - 1)
     dp = draft_block(draft, target, _ids(block, numerics), positions, state.draft_cache)

@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from featdiff import names
+from featdiff.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_ROWS
 from featdiff.reference.checks import log_snr_problems
 from featdiff.reference.gguf_io import GgufModel, array_len, has_meta, meta, read_gguf
-
-MIN_BLOCK_SIZE = 2  # the anchor plus at least one mask slot to draft
 
 
 def lint_gguf(model: Path, target: Path | None) -> list[str]:
@@ -73,11 +72,11 @@ def _fc_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
 
 def _block_size_problems(d: GgufModel) -> list[str]:
     if not has_meta(d, names.KEY_BLOCK_SIZE):
-        return [f"{names.KEY_BLOCK_SIZE} is missing; llama.cpp falls back to 16, which may not be the trained "
+        return [f"{names.KEY_BLOCK_SIZE} is missing; llama.cpp falls back to {DEFAULT_BLOCK_SIZE}, which may not be the trained "
                 "block size; export the trained value"]
     block_size = int(meta(d, names.KEY_BLOCK_SIZE))
-    if block_size < MIN_BLOCK_SIZE:
-        return [f"{names.KEY_BLOCK_SIZE} = {block_size} leaves no slot to draft; expected >= {MIN_BLOCK_SIZE}"]
+    if block_size < MIN_BLOCK_ROWS:
+        return [f"{names.KEY_BLOCK_SIZE} = {block_size} leaves no slot to draft; expected >= {MIN_BLOCK_ROWS}"]
     return []
 
 

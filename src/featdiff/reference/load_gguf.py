@@ -12,11 +12,11 @@ import torch
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import log_snr_problems
 from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
 from featdiff.reference.weights import Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors
 
-DEFAULT_BLOCK_SIZE = 16  # common/speculative.cpp falls back to 16 without dflash.block_size
 KEY_ROPE_DIMS = "{arch}.rope.dimension_count"
 
 

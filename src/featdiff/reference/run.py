@@ -3,7 +3,8 @@ PyTorch on the same token ids, and write a dump v1 with `source: "reference"`.
 
 `--prompt` is tokenized with llama.cpp's own vocabulary (featdiff.llama.tokenize) from the
 target GGUF, else the drafter GGUF (DFlash pairs share one vocabulary); with two HF
-directories there is no llama.cpp vocabulary, so `--tokens` is required.
+directories there is no llama.cpp vocabulary, so `--tokens` is required. Draft blocks are as
+long as the run's (`--block`, `--run`; featdiff.blocks), by default llama.cpp's default.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
 from featdiff.errors import InputError
+from featdiff.blocks import asked_block_rows, checked_block_rows
 from featdiff.reference.flow import FlowTrace, run_flow
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 from featdiff.reference.load import load_draft, load_target
@@ -25,18 +27,25 @@ log = logging.getLogger(__name__)
 
 
 def reference(target: Path, model: Path, output: Path, *, prompt: str | None, tokens: str | None,
-              rounds: int, dtype: str, device: str, kv_dtype: str, llama_dir: Path | None) -> Path:
-    """Compute the reference dump; return its path."""
+              rounds: int, dtype: str, device: str, kv_dtype: str, llama_dir: Path | None,
+              block: int | None = None, run: Path | None = None) -> Path:
+    """Compute the reference dump; return its path.
+
+    Draft blocks are `block` rows, else as long as the run dump `run`'s, else llama.cpp's default.
+    """
     numerics = numerics_from_options(dtype, device, kv_dtype)
+    asked = asked_block_rows(block, Path(run) if run is not None else None)
     prompt_ids = prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
     tgt = load_target(Path(target), numerics.dtype, numerics.device)
     dft = load_draft(Path(model), numerics.dtype, numerics.device)
     check_pair(tgt, dft)
     check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
-    log.info("reference: %d prompt tokens, %d rounds, block size %d", len(prompt_ids), rounds, dft.block_size)
+    rows = checked_block_rows(asked, dft.block_size, Path(model))
+    log.info("reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
+             len(prompt_ids), rounds, rows.rows, rows.origin, dft.block_size)
     with torch.no_grad():
-        trace = run_flow(tgt, dft, prompt_ids, rounds, numerics)
-    return write_reference(Path(output), trace, tgt, dft, numerics, prompt_ids)
+        trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows)
+    return write_reference(Path(output), trace, tgt, dft, numerics, prompt_ids, rows.rows)
 
 
 def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
@@ -74,8 +83,9 @@ def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> t
 
 
 def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft, numerics: Numerics,
-                    prompt: tuple[int, ...]) -> Path:
-    """Write the flow's records and manifest as a dump v1 with source "reference"."""
+                    prompt: tuple[int, ...], block_rows: int) -> Path:
+    """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
+    how it was computed, with the rows of its draft blocks."""
     writer = DumpWriter(output)
     for et in trace.evals:
         e = et.eval
@@ -85,7 +95,8 @@ def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft
                                               named.array.detach().cpu().numpy())
             writer.add(record, array)
     build = {"torch": torch.__version__, "device": str(numerics.device),
-             "dtype": str(numerics.dtype).removeprefix("torch."), "kv_dtype": numerics.kv_dtype}
+             "dtype": str(numerics.dtype).removeprefix("torch."), "kv_dtype": numerics.kv_dtype,
+             "block_rows": block_rows}
     manifest = Manifest(source="reference", models={"target": models_entry(target), "draft": models_entry(draft)},
                         build=build, evals=tuple(et.eval for et in trace.evals), records=(),
                         rounds=trace.rounds, prompt_tokens=prompt)

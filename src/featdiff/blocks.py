@@ -1,0 +1,102 @@
+"""How many rows a DFlash draft block has: llama.cpp's rule, shared by both producers.
+
+upstream `common_speculative_impl_draft_dflash` (common/speculative.cpp) decodes
+`[anchor, mask x n_max]`: `n_max + 1` rows, where `n_max` is `--spec-draft-n-max` clamped to
+`block_size - 1` (the GGUF's `dflash.block_size`), not the trained `block_size` itself. Block
+attention is bidirectional, so a reference block of another length differs on every row.
+(Anchor-first DSpark, `dflash.sample_from_anchor`, decodes `n_max` rows; featdiff's flow is
+DFlash's.)
+
+Consumes `--block`, a run dump's draft evals or llama.cpp's default; produces a checked
+`BlockRows`. Plain Python only: the in-process driver imports it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from featdiff import names
+from featdiff.dump import Eval, read_dump
+from featdiff.errors import InputError
+
+DEFAULT_DRAFT_MAX = 3    # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
+DEFAULT_BLOCK_SIZE = 16  # common/speculative.cpp falls back to 16 without dflash.block_size
+MIN_BLOCK_ROWS = 2       # the anchor plus one mask: one draft
+DRAFT_PHASE = "draft"    # the flow's draft evals (docs/flow.md); warm-up decodes carry phase `warmup`
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """Rows per draft block (the anchor and `rows - 1` masks), and what chose them."""
+
+    rows: int
+    origin: str  # `--block N`, the run dump's path, or llama.cpp's default
+
+
+def clamped_draft_max(draft_max: int, block_size: int) -> int:
+    """`draft_max` as llama.cpp uses it: at most `block_size - 1` (the anchor takes a row)."""
+    return min(draft_max, block_size - 1)
+
+
+def default_block_rows(block_size: int) -> BlockRows:
+    """What llama.cpp drafts out of the box: `min(DEFAULT_DRAFT_MAX, block_size - 1) + 1` rows."""
+    rows = clamped_draft_max(DEFAULT_DRAFT_MAX, block_size) + 1
+    return BlockRows(rows, f"llama.cpp's default --spec-draft-n-max {DEFAULT_DRAFT_MAX}")
+
+
+def asked_block_rows(block: int | None, run: Path | None) -> BlockRows | None:
+    """`--block N`, or the block length of the run dump `--run`; None when neither is given."""
+    if block is not None and run is not None:
+        raise InputError(f"--block {block} and --run {run} both set the draft block length; pass one of them "
+                         "(--run takes it from the run's draft evals)")
+    if block is not None:
+        return BlockRows(block, f"--block {block}")
+    if run is None:
+        return None
+    with read_dump(run) as dump:
+        rows = run_block_rows(dump.manifest.evals, str(run))
+    if rows is None:
+        raise InputError(f"{run}: no draft eval that ran, so no block length to follow; "
+                         "pass --block N (the run's --spec-draft-n-max + 1) instead")
+    return BlockRows(rows, str(run))
+
+
+def run_block_rows(evals: tuple[Eval, ...], source: str) -> int | None:
+    """The one length (`n_tokens`) of a run's draft blocks; None when it has no draft eval.
+
+    Failed decodes (`rc != 0`) drafted nothing and warm-up decodes are outside the flow: neither
+    counts. Blocks of several lengths are refused, naming `source`.
+    """
+    evals_by_rows: dict[int, list[int]] = {}
+    for e in evals:
+        if e.role == "draft" and e.phase == DRAFT_PHASE and e.rc == 0:
+            evals_by_rows.setdefault(e.n_tokens, []).append(e.eval)
+    if len(evals_by_rows) > 1:
+        seen = "; ".join(f"{rows} rows in evals {_listed(ids)}" for rows, ids in sorted(evals_by_rows.items()))
+        raise InputError(f"{source}: its draft blocks differ in length ({seen}); the reference drafts one length: "
+                         "pass --block N for the rounds to compare, or capture a run with one --spec-draft-n-max")
+    return next(iter(evals_by_rows), None)
+
+
+def checked_block_rows(asked: BlockRows | None, block_size: int, model: Path) -> BlockRows:
+    """`asked` (else llama.cpp's default) within what the drafter `model` of `block_size` drafts."""
+    key = f"{names.KEY_BLOCK_SIZE} = {block_size}"
+    if block_size < MIN_BLOCK_ROWS:
+        raise InputError(f"{model}: {key} leaves no row to draft; expected >= {MIN_BLOCK_ROWS}: "
+                         "re-export the drafter with its trained block size (see `featdiff lint`)")
+    chosen = asked or default_block_rows(block_size)
+    if chosen.rows > block_size:
+        raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows, more than {model} was trained on "
+                         f"({key}); llama.cpp clamps --spec-draft-n-max to block_size - 1, so a block has "
+                         f"{MIN_BLOCK_ROWS} .. {block_size} rows: pass --block in that range")
+    if chosen.rows < MIN_BLOCK_ROWS:
+        raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows; a block is the anchor plus at least one "
+                         f"mask, so expected {MIN_BLOCK_ROWS} .. {block_size} rows ({model}: {key}): "
+                         "pass --block in that range")
+    return chosen
+
+
+def _listed(ids: list[int], shown: int = 3) -> str:
+    more = f", ... ({len(ids)} in all)" if len(ids) > shown else ""
+    return ", ".join(map(str, ids[:shown])) + more
