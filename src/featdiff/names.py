@@ -173,6 +173,7 @@ CANDIDATE_SEP = "@"
 HYP_SLOTS = "slots"            # inp_g_embeddings@slots=1,0: fc applied to the slots in that order
 HYP_TABLE_TARGET = "table=target"  # inp_noise_embd@table=target: embedded with the target's table
 HYP_NO_LOG_SNR = "log_snr=none"    # dspark_draft_embd_snr@log_snr=none: the rows without the log-SNR term
+HYP_LEVELS_SWAPPED = "levels=swapped"  # dspark_log_snr_feat@levels=swapped: anchor row at min_log_snr, mask rows at max
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

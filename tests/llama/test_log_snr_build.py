@@ -6,6 +6,7 @@ conditioning than without."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ LOG_SNR_RECORDS = (names.INP_NOISE_EMBD, *names.LOG_SNR_RECORDS)
 # so only float32 rounding separates them (measured: at most 1.6e-7 relative, helper run of the patch)
 MAX_REL_ERR = 1e-5
 PROBE_ROUNDS = 6
+FAULT_VAR = "FEATDIFF_FAULT"  # patches/llama.cpp/0003-log-snr-faults.patch
 CONDITIONING_GAIN = 0.5  # tokens per block the conditioning must be worth, at least, on held-out prompts
 
 
@@ -35,13 +37,14 @@ def patched_dir(tools):  # noqa: F811
     return tools.source
 
 
-def _capture(d: Path, out: Path, tokens: str, llama_dir: Path) -> Path:
+def _capture(d: Path, out: Path, tokens: str, llama_dir: Path, fault: str | None = None) -> Path:
     """`featdiff capture --llama-dir` in its own process, as a user runs it: one process holds one
-    libllama (the suite's own process has loaded the pinned one already)."""
+    libllama (the suite's own process has loaded the pinned one already). `fault`: FEATDIFF_FAULT."""
     cmd = [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(d / "target.gguf"),
            "--model", str(d / "draft.gguf"), "--tokens", tokens, "--rounds", str(DEFAULT_ROUNDS),
            "--llama-dir", str(llama_dir), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | ({FAULT_VAR: fault} if fault else {})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -94,6 +97,15 @@ def test_an_export_without_the_log_snr_term_is_a_missing_term_on_the_patched_bui
     terms = [f for f in comparison.findings if f.kind == "missing_term"]
     assert terms and terms[0].fields["term"] == names.DSPARK_LOG_SNR_FC2, [f.message for f in comparison.findings]
     assert exit_code(comparison) == 1
+
+
+def test_log_snr_levels_swapped_in_the_graph_are_a_wrong_source(fixture_models, referenced, patched_dir, tmp_path):
+    d = fixture_models("log-snr")
+    run = _capture(d, tmp_path / "run.npz", DEFAULT_TOKENS, patched_dir, fault="log-snr-swapped")
+    comparison = compare_dumps(referenced("log-snr"), run)
+    first = next(f for f in comparison.findings if f.severity == "error")
+    assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", names.DSPARK_LOG_SNR_FEAT, "swapped")
+    assert "anchor row at min_log_snr" in first.message and exit_code(comparison) == 1
 
 
 @pytest.fixture(scope="session")

@@ -167,7 +167,15 @@ def detect_wrong_source(ev: Evidence) -> Finding | None:
     matches a ref candidate `<record>@<key>=<source>` (e.g. `inp_noise_embd@table=target`)."""
     for name, key, value, arr in _hypotheses(ev):
         if key not in OTHER_HYPOTHESES and explains(arr, ev.run, ev.tolerance):
-            return error_finding("wrong_source", ev, f"{ev.tensor} comes from the {value} {key} (it matches the "
-                                 f"reference's {name}); the checkpoint uses its own: ship it in the GGUF or fix "
-                                 f"which {key} the run reads", source=value, candidate=name)
+            return error_finding("wrong_source", ev, _source_message(ev.tensor, key, value, name),
+                                 source=value, candidate=name)
     return None
+
+
+def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
+    if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
+        return (f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
+                f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
+                f"max_log_snr and every mask row at min_log_snr")
+    return (f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
+            f"uses its own: ship it in the GGUF or fix which {key} the run reads")

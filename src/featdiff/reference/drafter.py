@@ -125,9 +125,12 @@ def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tupl
         records.append(Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_TABLE_TARGET), borrowed))
     if draft.log_snr is None:
         return rows, records
-    snr = log_snr_embed(draft.log_snr, tokens == draft.mask_token_id)
+    is_mask = tokens == draft.mask_token_id
+    snr = log_snr_embed(draft.log_snr, is_mask)
     x = rows + snr.term  # (n_tokens, n_embd)
+    swapped = log_snr_embed(draft.log_snr, ~is_mask).feat  # (n_tokens, LOG_SNR_N_FREQ): the levels swapped
     records += [Named(names.DSPARK_LOG_SNR_FEAT, snr.feat), Named(names.DSPARK_LOG_SNR_FC1, snr.fc1),
                 Named(names.DSPARK_LOG_SNR_FC2, snr.term), Named(names.DSPARK_DRAFT_EMBD_SNR, x),
-                Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows)]
+                Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows),
+                Named(names.candidate_name(names.DSPARK_LOG_SNR_FEAT, names.HYP_LEVELS_SWAPPED), swapped)]
     return x, records
