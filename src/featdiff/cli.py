@@ -180,7 +180,8 @@ def compare(
     if report_out is not None:
         from featdiff.report import write_report
 
-        typer.echo(write_report(ref, run, report_out, comparison=comparison, name_map=name_map), err=True)
+        typer.echo(write_report(ref, run, report_out, comparison=comparison, name_map=name_map,
+                                output_flag="--report"), err=True)
     raise typer.Exit(exit_code(comparison))
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from featdiff.errors import InputError
 from featdiff.names import PHASES, ROLES
+from featdiff.outputs import partial_path
 
 FORMAT = "featdiff-dump"
 VERSION = 1
@@ -189,8 +190,8 @@ def stored_array(array: np.ndarray) -> np.ndarray:
 class DumpWriter:
     """Writes a dump member by member; the manifest goes in last, on `close`.
 
-    The file is written under a temporary name and renamed at the end, so an existing dump at
-    `path` is never left half-overwritten.
+    The file is written under a temporary name (featdiff.outputs.partial_path) and renamed at the
+    end, so an existing dump at `path` is never left half-overwritten.
     """
 
     path: Path
@@ -199,7 +200,7 @@ class DumpWriter:
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        self._tmp = self.path.with_name(self.path.name + ".partial")
+        self._tmp = partial_path(self.path)
         self._zip = zipfile.ZipFile(self._tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
 
     def add(self, record: Record, array: np.ndarray) -> None:

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.outputs import check_output_dir, replaced
 
 N_VOCAB = 512
 MASK_TOKEN_ID = N_VOCAB - 1
@@ -121,16 +122,20 @@ def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, siz
     `sizes` defaults to TINY, or to `training.TRAINED_SIZES` for the trained variants.
     """
     v = VARIANTS[variant]
-    out = Path(outdir)
+    out = check_output_dir(Path(outdir), (), "OUTDIR")
     out.mkdir(parents=True, exist_ok=True)
     sizes, target, draft = (_trained_weights if v.is_trained else _random_weights)(v, seed, sizes)
-    _write_target_gguf(out / "target.gguf", target, v.target_arch, sizes)
+    with replaced(out / "target.gguf") as tmp:
+        _write_target_gguf(tmp, target, v.target_arch, sizes)
     _write_target_hf(out / "target-hf", target, v.target_arch, sizes)
     _write_draft_hf(out / "draft-hf", draft, v, sizes)
-    _write_draft_gguf(out / "draft.gguf", _gguf_view(draft, v, sizes), v, sizes)
+    with replaced(out / "draft.gguf") as tmp:
+        _write_draft_gguf(tmp, _gguf_view(draft, v, sizes), v, sizes)
     if v.is_trained:
-        _write_held_out_prompts(out / PROMPTS_FILE, seed, sizes)
-    (out / "VARIANT").write_text(f"{v.name}: {v.doc}\n")
+        with replaced(out / PROMPTS_FILE) as tmp:
+            _write_held_out_prompts(tmp, seed, sizes)
+    with replaced(out / "VARIANT") as tmp:
+        tmp.write_text(f"{v.name}: {v.doc}\n")
     return out
 
 
@@ -337,19 +342,25 @@ def _hf_config(s: Shape, n_vocab: int) -> dict:
     }
 
 
+def _write_hf(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """A Hugging Face model directory: config.json and model.safetensors, each replaced whole."""
+    path.mkdir(exist_ok=True)
+    with replaced(path / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=1))
+    with replaced(path / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp))
+
+
 def _write_target_hf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
-    path.mkdir(parents=True, exist_ok=True)
     arch_hf = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}[arch]
     config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(sz.target, sz.n_vocab),
               "tie_word_embeddings": False}
     tensors = {"model.embed_tokens.weight": w["token_embd"], "model.norm.weight": w["output_norm"],
                "lm_head.weight": w["output"], **_hf_layers("model.", w["layers"])}
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(tensors, str(path / "model.safetensors"))
+    _write_hf(path, config, tensors)
 
 
 def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
-    path.mkdir(parents=True, exist_ok=True)
     dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": sz.mask_token_id}
     if v.checkpoint_log_snr:
         dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR,
@@ -365,5 +376,4 @@ def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
     if "log_snr_fc1" in w:
         tensors.update({"log_snr_fc1.weight": w["log_snr_fc1"], "log_snr_fc1.bias": w["log_snr_fc1_b"],
                         "log_snr_fc2.weight": w["log_snr_fc2"], "log_snr_fc2.bias": w["log_snr_fc2_b"]})
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(tensors, str(path / "model.safetensors"))
+    _write_hf(path, config, tensors)

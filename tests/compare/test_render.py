@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from typer.testing import CliRunner
 
+import featdiff.compare
 import synth
 from featdiff.cli import app
 from featdiff.compare import compare_dumps, exit_code, render_summary, verdict, write_json
@@ -96,3 +98,14 @@ def test_cli_map_option_reads_a_name_map(synth_ref, synth_run, tmp_path):
     bad_map.write_text("[names\n")
     result = CliRunner().invoke(app, ["compare", str(synth_ref), str(synth_run()), "--map", str(bad_map)])
     assert result.exit_code == 2 and "bad.toml" in result.output
+
+
+def test_json_never_overwrites_the_name_map_it_was_compared_with(synth_ref, synth_run, tmp_path):
+    name_map = tmp_path / "fork.toml"
+    name_map.write_bytes((Path(featdiff.compare.__file__).parent / "maps" / "dspark.toml").read_bytes())
+    before = name_map.read_bytes()
+    result = CliRunner().invoke(app, ["compare", str(synth_ref), str(synth_run()), "--map", str(name_map),
+                                      "--json", str(name_map)])
+    assert result.exit_code == 2, result.output
+    assert f"{name_map}: --json must not be an input of this command" in result.output
+    assert name_map.read_bytes() == before and not list(tmp_path.glob("*.partial"))

@@ -52,7 +52,7 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
     return Comparison(ref_path=str(ref), run_path=str(run), findings=findings, pairs=metrics,
                       alignments=tuple(p.alignment for p in plan.pairs),
                       first_divergence=walk.first_divergence, skipped=plan.skipped, types=describe(types),
-                      coverage=coverage(plan))
+                      coverage=coverage(plan), map_path=None if name_map is None else str(name_map))
 
 
 def _nothing_paired(ref: Path, run: Path, plan: Plan, ref_manifest: Manifest, run_manifest: Manifest) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -14,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from featdiff.compare.result import Comparison, Finding, PairMetrics
+from featdiff.outputs import check_output, replaced
 
 EXIT_OK, EXIT_FINDINGS = 0, 1  # the contract's codes (DESIGN.md); 2 is the CLI's, for InputError
 SEVERITY_STYLE = {"error": "bold red", "info": "cyan"}
@@ -36,14 +38,15 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(c: Comparison, dest: str) -> None:
-    """Write `{"ok", "findings", "records", "coverage"}` to the file `dest`, or to stdout for "-"."""
+    """Write `{"ok", "findings", "records", "coverage"}` to the file `dest` (never one of the
+    comparison's inputs; replaced whole, never left half-written), or to stdout for "-"."""
     text = json.dumps(_jsonable(c.to_json()), indent=1, allow_nan=False) + "\n"
     if dest == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    with open(dest, "w", encoding="utf-8") as f:
-        f.write(text)
+    with replaced(check_output(Path(dest), c.inputs, "--json")) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def verdict(c: Comparison) -> str:

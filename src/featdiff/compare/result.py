@@ -7,6 +7,7 @@ render them). JSON keys are the contract's names (DESIGN.md, findings vocabulary
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Severity = Literal["error", "info"]
@@ -224,6 +225,12 @@ class Comparison:
     skipped: tuple[str, ...] = ()        # pairs not compared, one line each (no common rows, ...)
     types: dict[str, Any] = field(default_factory=dict)  # the types the tolerance model used
     coverage: Coverage = Coverage()
+    map_path: str | None = None  # the name map (--map) compare applied, if any
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        """The files this comparison was made of, which none of its outputs may overwrite."""
+        return tuple(Path(p) for p in (self.ref_path, self.run_path, self.map_path) if p is not None)
 
     @property
     def ok(self) -> bool:

@@ -18,6 +18,7 @@ from featdiff.errors import InputError
 from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
+from featdiff.outputs import check_output
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
@@ -109,12 +110,13 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     `draft_max + 1` rows (default: llama.cpp's `--spec-draft-n-max` default)."""
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
+    output = check_output(Path(output), (Path(target), Path(model)), "-o")
     rt = Runtime.load(llama_dir)
     models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
     try:
         ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
         cfg = flow_config(*models, DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
-        return _spooled(rt, models, ids, cfg, rounds, role_filters(filters, cfg.target_layers), Path(output))
+        return _spooled(rt, models, ids, cfg, rounds, role_filters(filters, cfg.target_layers), output)
     finally:
         for m in models:
             m.free()

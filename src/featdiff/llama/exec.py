@@ -24,6 +24,7 @@ from featdiff.gguf_meta import model_info
 from featdiff.llama import spool
 from featdiff.llama.capture import kept_globs, role_filters
 from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
+from featdiff.outputs import check_output
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +376,12 @@ def program_path(command: list[str]) -> Path:
     return Path(found)
 
 
+def command_files(command: list[str]) -> tuple[Path, ...]:
+    """The existing files a command line names, as `-m T.gguf` or `--model=T.gguf`: its inputs."""
+    named = [a for arg in command for a in (arg, arg.partition("=")[2]) if a]
+    return tuple(Path(a) for a in named if Path(a).is_file())
+
+
 def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
     """Run `command` with the preload, its stdin/stdout/stderr the caller's own; return its exit code."""
     proc = subprocess.Popen(command, env=pre.environ())
@@ -394,7 +401,7 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     """Run `command` under the preload and write its dump; llama-server is started, asked one
     greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server)."""
     program = program_path(command)
-    output = Path(output)
+    output = check_output(Path(output), (program, *command_files(command)), "-o")
     prefix = spool.prefix_for(output)
     remove_spool(prefix)
     build = {"command": list(command), "program": str(program), "filters": kept_globs(role_filters(filters)),

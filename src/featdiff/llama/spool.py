@@ -19,6 +19,7 @@ import numpy as np
 from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.errors import InputError
 from featdiff.names import PHASE_WARMUP, ROLES
+from featdiff.outputs import check_output
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def pack(prefix: Path, output: Path) -> Path:
     index, data = spool_files(prefix)
     if not index.is_file() or not data.is_file():
         raise InputError(f"{prefix}: no spool (.index/.data) here; was the capture started?")
+    output = check_output(Path(output), (index, data), "-o")
     events = read_index(index)
     if events.n_torn:
         log.warning("%s: dropped an incomplete last line (the capture was interrupted)", index)

@@ -17,6 +17,7 @@ import torch
 from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
 from featdiff.errors import InputError
 from featdiff.blocks import asked_block_rows, checked_block_rows
+from featdiff.outputs import check_output
 from featdiff.reference.flow import FlowTrace, run_flow
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 from featdiff.reference.load import load_draft, load_target
@@ -33,6 +34,7 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
 
     Draft blocks are `block` rows, else as long as the run dump `run`'s, else llama.cpp's default.
     """
+    output = check_output(Path(output), (Path(target), Path(model), run), "-o")
     numerics = numerics_from_options(dtype, device, kv_dtype)
     asked = asked_block_rows(block, Path(run) if run is not None else None)
     prompt_ids = prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
@@ -45,7 +47,7 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
              len(prompt_ids), rounds, rows.rows, rows.origin, dft.block_size)
     with torch.no_grad():
         trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows)
-    return write_reference(Path(output), trace, tgt, dft, numerics, prompt_ids, rows.rows)
+    return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows)
 
 
 def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from featdiff.compare.result import Comparison
 from featdiff.dump import Dump, read_dump
+from featdiff.outputs import check_output, check_output_dir, replaced
 from featdiff.report.evidence import layer_match_from_dumps, row_shift_from_dumps
 from featdiff.report.figure import DivergenceMap, LayerMatch, RowShift, bin_map, map_divergence
 from featdiff.report.heatmap import (MAX_MAP_COLS, MAX_MAP_ROWS, draw_divergence_map,
@@ -22,19 +23,23 @@ log = logging.getLogger(__name__)
 
 
 def write_report(ref: Path, run: Path, output: Path, *, comparison: Comparison,
-                 png_dir: Path | None = None, name_map: Path | None = None) -> Path:
+                 png_dir: Path | None = None, name_map: Path | None = None, output_flag: str = "-o") -> Path:
     """Write the self-contained HTML report to `output` (and each figure to `png_dir`).
 
-    `name_map` is the one compare used (`--map`), for finding a fork's feature tensor.
+    `name_map` is the one compare used (`--map`), for finding a fork's feature tensor. Neither
+    output may be an input (`output_flag` is the option that named `output`, for the message).
     """
+    inputs = (Path(ref), Path(run), name_map)
+    output = check_output(Path(output), inputs, output_flag)
+    if png_dir is not None:
+        png_dir = check_output_dir(Path(png_dir), inputs, "--png-dir")
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
         pictures = draw_pictures(ref_dump, run_dump, comparison, name_map)
         page = render_page(comparison, ref_dump.manifest, run_dump.manifest, pictures)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(page, encoding="utf-8")
+    with replaced(output) as tmp:
+        tmp.write_text(page, encoding="utf-8")
     if png_dir is not None:
-        write_pngs(pictures, Path(png_dir))
+        write_pngs(pictures, png_dir)
     return output
 
 
@@ -53,7 +58,8 @@ def write_pngs(pictures: tuple[Picture, ...], png_dir: Path) -> tuple[Path, ...]
     for p in pictures:
         if p.png is not None:
             path = png_dir / f"{p.slug}.png"
-            path.write_bytes(p.png)
+            with replaced(path) as tmp:
+                tmp.write_bytes(p.png)
             paths.append(path)
     log.info("wrote %d figures to %s", len(paths), png_dir)
     return tuple(paths)

@@ -1,0 +1,92 @@
+"""Output paths: where a command may write, and how it writes.
+
+Every command that writes (capture, reference, compare --json/--report, report, pack, fixture)
+checks each output path against the command's inputs before it writes (capture and reference
+before they run a model) with `check_output` / `check_output_dir`, and writes each file through `replaced`: under a temporary name beside it,
+renamed into place when complete, so a killed or failed run never leaves a truncated file where
+the user's old one was. An existing output that is not an input is replaced: that is what -o means.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from featdiff.errors import InputError
+
+PARTIAL_SUFFIX = ".partial"  # a file being written; renamed onto its real name once complete
+
+
+def partial_path(output: Path) -> Path:
+    """Where `output` is written until it is complete: beside it, so the rename stays on one filesystem."""
+    return output.with_name(output.name + PARTIAL_SUFFIX)
+
+
+@contextmanager
+def replaced(output: Path) -> Iterator[Path]:
+    """A temporary path to write `output`'s content to: renamed onto `output` when the block ends,
+    removed when it raises (the old `output`, if any, is left as it was)."""
+    tmp = partial_path(Path(output))
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(output)
+
+
+def check_output(output: Path, inputs: Iterable[Path | None], what: str) -> Path:
+    """`output` as a file a command may write: not one of its `inputs` (nor inside an input
+    directory), not an existing directory, in a directory that exists. `what` is the option
+    that names it (`-o`, `--json`), quoted in the message."""
+    output = Path(output)
+    _check_not_input(output, inputs, what)
+    if output.is_dir():
+        raise InputError(f"{output}: {what} names an existing directory, expected a file path; "
+                         f"choose another {what}")
+    _check_parent(output, what)
+    return output
+
+
+def check_output_dir(output: Path, inputs: Iterable[Path | None], what: str) -> Path:
+    """`output` as a directory a command may write files into: not one of its `inputs` (nor inside
+    an input directory), not an existing file. Missing directories on the way are the writer's to
+    create (`mkdir -p`: the user named a directory to make), unless one of them is a file."""
+    output = Path(output)
+    _check_not_input(output, inputs, what)
+    if output.exists() and not output.is_dir():
+        raise InputError(f"{output}: {what} names an existing file, expected a directory; choose another {what}")
+    blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise InputError(f"{output}: {what} needs {blocking} to be a directory, but it is a file; "
+                         f"choose another {what}")
+    return output
+
+
+def _check_not_input(output: Path, inputs: Iterable[Path | None], what: str) -> None:
+    for given in (Path(p) for p in inputs if p is not None):
+        if given.is_dir() and _is_within(output, given):
+            raise InputError(f"{output}: {what} must not be inside an input directory of this command, but it "
+                             f"is inside {given}; choose another {what} outside it")
+        if given.exists() and _is_same_file(output, given):
+            raise InputError(f"{output}: {what} must not be an input of this command, but it is the input "
+                             f"{given}; choose another {what}")
+
+
+def _is_same_file(output: Path, given: Path) -> bool:
+    """True when `output` is `given` under any spelling: a relative path, a symlink, a hard link."""
+    return output.exists() and os.path.samefile(output, given)
+
+
+def _is_within(output: Path, directory: Path) -> bool:
+    return output.resolve().is_relative_to(directory.resolve())
+
+
+def _check_parent(output: Path, what: str) -> None:
+    parent = output.parent
+    if not parent.is_dir():
+        found = "is a file" if parent.exists() else "does not exist"
+        raise InputError(f"{output}: {what} needs the directory {parent}, which {found}; "
+                         f"create the directory or choose another {what}")
