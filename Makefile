@@ -27,7 +27,7 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing: install Debian's chromium package (sudo apt-get install chromium)"; exit 1; fi; }
 
-demo: setup
+demo: setup tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 # llama-server, llama-speculative-simple (and llama-simple) from the pinned llama.cpp source, for

@@ -2,8 +2,9 @@
 # The main job end to end on a tiny drafter trained on its target: its accept rate through the
 # real llama.cpp spec loop next to the reference's, a capture of what the drafter receives, the
 # reference dump from the trained checkpoint, compare, and the triage report. Once for the
-# correct export, once for an export whose dflash.target_layers lack the converter's +1.
-# Run by `make demo` (featdiff on PATH).
+# correct export, once for an export whose dflash.target_layers lack the converter's +1; then a
+# GIDD log-SNR drafter on featdiff's patched llama.cpp (make tools), with and without its
+# conditioning. Run by `make demo` (featdiff on PATH).
 set -euo pipefail
 OUT=${DEMO_OUT:-demo-out}
 ROUNDS=3
@@ -39,6 +40,30 @@ fi
 featdiff inspect "$OUT/off-by-one/draft.gguf" | grep target_layers
 
 echo
+echo "== 3. a GIDD log-SNR drafter on llama.cpp's dflash graph (featdiff's patched build): $OUT/log-snr"
+BIN=$(python -m featdiff.llama.tools)   # the patched llama.cpp tools: built once (make tools), then found
+SRC=$(dirname "$(dirname "$BIN")")      # their tree, with its build in build/: a --llama-dir
+for v in trained-log-snr trained-no-log-snr; do
+    d=$OUT/log-snr/$v
+    featdiff fixture "$d" --variant "$v" >/dev/null
+    echo "-- $v: accept rate through the patched llama-server vs the trained checkpoint"
+    featdiff probe --target "$d/target.gguf" --model "$d/draft.gguf" --ref-model "$d/draft-hf" \
+        --prompts "$d/prompts.txt" --exec -- "$BIN/llama-server" -m "$d/target.gguf" -md "$d/draft.gguf" \
+        --spec-type draft-dflash --spec-draft-n-max 3 -c 256 -t 2 -td 2 > "$d/probe.txt" || true
+    tail -2 "$d/probe.txt"
+done
+d=$OUT/log-snr/trained-no-log-snr
+tokens=$(sed -n '1s/^tokens: //p' "$d/prompts.txt")
+echo "-- the export without its conditioning: capture (in-process, patched build), reference, compare"
+featdiff capture --llama-dir "$SRC" --target "$d/target.gguf" --model "$d/draft.gguf" \
+    --tokens "$tokens" --rounds "$ROUNDS" -o "$d/run.npz" >/dev/null
+featdiff reference --target "$d/target.gguf" --model "$d/draft-hf" \
+    --tokens "$tokens" --rounds "$ROUNDS" -o "$d/ref.npz" >/dev/null
+if featdiff compare "$d/ref.npz" "$d/run.npz" --report "$d/report.html"; then
+    echo "demo: the export without its log-SNR conditioning should give an error finding"; exit 1
+fi
+
+echo
 echo "== what the capture holds (first evals of $OUT/correct/run.npz)"
 featdiff inspect "$OUT/correct/run.npz" | head -24
 
@@ -46,3 +71,4 @@ echo
 echo "reports (open in a browser):"
 echo "  correct export: $OUT/correct/report.html"
 echo "  off by one:     $OUT/off-by-one/report.html"
+echo "  log-SNR lost:   $OUT/log-snr/trained-no-log-snr/report.html"
