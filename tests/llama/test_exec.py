@@ -246,3 +246,25 @@ def test_a_failing_program_exits_2_naming_its_exit_code(tools, tmp_path):
     result = CliRunner().invoke(app, ["capture", "--exec", "-o", str(tmp_path / "r.npz"), "--", *cmd])
     assert result.exit_code == 2 and "exited with code" in result.output
     assert not list(tmp_path.glob("r.npz.spool*"))
+
+
+def test_flow_notes_name_refused_decodes_and_n_past_drift_but_not_a_new_prompt():
+    from featdiff.llama.exec import derive_rounds, flow_notes
+
+    e = -1  # an embedding row
+    log = _log([(0, [5, 6, 7], [0, 1, 2]),          # prefill
+                (1, [e, e, e], [0, 1, 2]),          # inject
+                (1, [8, 9, 9, 9], [3, 4, 5, 6]),    # draft
+                (0, [8, 11, 12, 13], [3, 4, 5, 6]), # verify: the target takes none of the drafts
+                (1, [e, e, e, e], [3, 4, 5, 6]),    # inject
+                (1, [20, 9, 9, 9], [5, 6, 7, 8]),   # draft, refused below
+                (0, [20], [5]),                     # verify at 5 = 3 + 1 + 1: n_past one too far
+                (0, [2, 3], [0, 1])],               # a new prompt
+               rc={5: -1})
+    evals = flow_evals(log)
+    greedy = {3: (30, 31, 32, 33)}  # the verify's argmax rows: no draft matches
+    notes = flow_notes(evals, derive_rounds(evals, greedy), greedy)
+    assert any(n.startswith("eval 5 (draft draft, round 2, positions 5..8) failed with rc -1") for n in notes)
+    assert any("accepted 0 of 3 drafts" in n and "drifted by 1" in n for n in notes)
+    assert not any("outside the verified block" in n for n in notes)  # the prefill at 0 is a new prompt
+    assert flow_notes(flow_evals(_log([(0, [5, 6], [0, 1])])), (), {}) == ()

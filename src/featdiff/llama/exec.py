@@ -254,7 +254,8 @@ def memory_ops(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[MemoryOp, ...]:
     warm-up decodes, and ops before the first real eval (warm-up, probes), are left out."""
     roles = {c.index: c.role for c in log.contexts}
     real = [e.eval for e in evals if e.phase != WARMUP]
-    used = {ev.ctx for ev in log.evals if ev.eval in set(real)}
+    real_set = set(real)
+    used = {ev.ctx for ev in log.evals if ev.eval in real_set}
     first = real[0] if real else 0
     ops = [(e["after_eval"], MemoryOp(roles.get(e["ctx"], "target"), e["after_eval"], e["seq_id"], e["p0"], e["p1"]))
            for e in log.seq_rms if e["ctx"] in used and e.get("ok", True)]
@@ -270,39 +271,58 @@ def flow_notes(evals: tuple[Eval, ...], rounds: tuple[Round, ...],
     docs/flow.md: a round's verify starts where its draft block starts, and the next target
     decode starts inside the verified block at pos0 + accepted + 1, where `accepted` is what the
     target's greedy tokens (`greedy`: verify eval -> argmax rows) took of the drafts."""
-    notes = []
-    real = [e for e in evals if e.phase != WARMUP]
+    real = tuple(e for e in evals if e.phase != WARMUP)
     n_drafts = sum(e.phase == "draft" for e in real)
-    if n_drafts and not rounds:
-        notes.append(f"the drafter decoded {n_drafts} draft blocks but no round could be inferred: "
-                     "no target verify followed them where the flow expects it")
+    unrounded = [f"the drafter decoded {n_drafts} draft blocks but no round could be inferred: no target "
+                 "verify followed them where the flow expects it"] if n_drafts and not rounds else []
+    return (*unrounded, *_refused_notes(real), *_misplaced_block_notes(real),
+            *_continuation_notes(evals, real, rounds, greedy))
+
+
+def _refused_notes(real: tuple[Eval, ...]) -> list[str]:
+    """A decode llama.cpp refused, in the flow."""
+    out = []
     for e in (e for e in real if e.rc):
         span = f"positions {e.positions[0]}..{e.positions[-1]}" if e.positions else "no rows"
-        notes.append(f"eval {e.eval} ({e.role} {e.phase}, round {e.round}, {span}) failed with rc {e.rc}: "
-                     "llama.cpp refused the batch the program built (see the program's log)")
+        out.append(f"eval {e.eval} ({e.role} {e.phase}, round {e.round}, {span}) failed with rc {e.rc}: "
+                   "llama.cpp refused the batch the program built (see the program's log)")
+    return out
+
+
+def _misplaced_block_notes(real: tuple[Eval, ...]) -> list[str]:
+    """A draft block whose verify starts elsewhere: the round was paired on a broken convention."""
     drafts = {e.round: e for e in real if e.phase == "draft" and not e.rc}
+    out = []
     for v in (e for e in real if e.phase == "verify" and e.round in drafts and e.positions):
         d = drafts[v.round]
         if d.positions and d.positions[0] != v.positions[0]:
-            notes.append(f"the draft block of round {v.round} starts at position {d.positions[0]}, its verify at "
-                         f"{v.positions[0]}: the rounds were inferred from a run whose draft block is misplaced")
+            out.append(f"the draft block of round {v.round} starts at position {d.positions[0]}, its verify at "
+                       f"{v.positions[0]}: the rounds were inferred from a run whose draft block is misplaced")
+    return out
+
+
+def _continuation_notes(evals: tuple[Eval, ...], real: tuple[Eval, ...], rounds: tuple[Round, ...],
+                        greedy: dict[int, tuple[int, ...]]) -> list[str]:
+    """A next target decode that does not start at pos0 + accepted + 1 of the verify before it."""
     by_round = {r.round: r for r in rounds}
+    by_eval = {e.eval: e for e in evals}
+    targets = [e for e in real if e.role == "target" and e.positions]
+    out = []
     for v, nxt in next_decodes(evals).items():
-        ev = next(e for e in evals if e.eval == v)
-        rnd = by_round.get(ev.round)
+        ev, rnd = by_eval[v], by_round.get(by_eval[v].round)
         if nxt is not None and rnd is not None and greedy.get(v):
             took = _accepted(rnd.drafts, greedy[v])
             if took != rnd.accepted:
-                notes.append(f"after the verify of round {ev.round} the target accepted {took} of {len(rnd.drafts)} "
-                             f"drafts (argmax of its logits), but the next target decode starts at position "
-                             f"{nxt.positions[0]} = {rnd.pos0} + {rnd.accepted} + 1: the run's n_past drifted by "
-                             f"{rnd.accepted - took}; the rounds' accepted counts follow the positions")
-        later = [e for e in real if e.role == "target" and e.eval > v and e.positions]
-        if nxt is None and later:
-            notes.append(f"the target decode after the verify of round {ev.round} (eval {later[0].eval}) starts at "
-                         f"position {later[0].positions[0]}, outside the verified block {ev.positions[0]}.."
-                         f"{ev.positions[-1]}: the run's n_past does not follow the accepted drafts")
-    return tuple(notes)
+                out.append(f"after the verify of round {ev.round} the target accepted {took} of {len(rnd.drafts)} "
+                           f"drafts (argmax of its logits), but the next target decode starts at position "
+                           f"{nxt.positions[0]} = {rnd.pos0} + {rnd.accepted} + 1: the run's n_past drifted by "
+                           f"{rnd.accepted - took}; the rounds' accepted counts follow the positions")
+        later = next((e for e in targets if e.eval > v), None)
+        if nxt is None and later is not None and later.phase == "verify":  # a prefill starts a new prompt
+            out.append(f"the target decode after the verify of round {ev.round} (eval {later.eval}) starts at "
+                       f"position {later.positions[0]}, outside the verified block {ev.positions[0]}.."
+                       f"{ev.positions[-1]}: the run's n_past does not follow the accepted drafts")
+    return out
 
 
 # ---------------------------------------------------------------- packing
