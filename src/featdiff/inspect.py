@@ -53,10 +53,14 @@ def describe_dump(dump: Dump) -> str:
         by_eval.setdefault(r.eval, []).append(r)
     for ev in m.evals:
         pos = f"{ev.positions[0]}..{ev.positions[-1]}" if ev.positions else "-"
-        lines.append(f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}")
+        refused = f"  REFUSED by llama.cpp (rc {ev.rc})" if ev.rc else ""
+        lines.append(f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}{refused}")
         for r in by_eval.get(ev.eval, []):
             occ = f"#{r.occurrence}" if r.occurrence else ""
             lines.append(f"    {r.name + occ:32s} {r.op:10s} {r.ggml_type:5s} {str(r.shape):18s} {r.dtype}")
     for rnd in m.rounds:
         lines.append(f"round {rnd.round}: pos0 {rnd.pos0}, anchor {rnd.anchor}, drafts {list(rnd.drafts)}, accepted {rnd.accepted}")
+    if m.memory_ops:
+        lines.append(f"{len(m.memory_ops)} KV-cache removals recorded (memory_ops)")
+    lines += [f"flow note: {note}" for note in m.flow_notes]
     return "\n".join(lines)

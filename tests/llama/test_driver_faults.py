@@ -7,6 +7,7 @@ never a prompt read back from the faulty run."""
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -167,3 +168,15 @@ def _prefill_positions(planted) -> list[int]:
     with read_dump(planted("llama-speculative-simple", None)) as dump:
         prefill = next(e for e in dump.manifest.evals if e.phase == "prefill")
     return list(prefill.positions)
+
+
+def test_inspect_shows_refused_decodes_the_cache_removals_and_the_flow_notes(planted):
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    result = CliRunner().invoke(app, ["inspect", str(planted("llama-speculative-simple", "draft-pos"))])
+    assert result.exit_code == 0, result.output
+    assert "draft   round 1  4 tokens at 4..7  REFUSED by llama.cpp (rc -1)" in result.output
+    assert "KV-cache removals recorded (memory_ops)" in result.output
+    assert re.search(r"flow note: eval \d+ \(draft draft, round 1, positions 4\.\.7\) failed with rc -1", result.output)
