@@ -174,6 +174,7 @@ HYP_SLOTS = "slots"            # inp_g_embeddings@slots=1,0: fc applied to the s
 HYP_TABLE_TARGET = "table=target"  # inp_noise_embd@table=target: embedded with the target's table
 HYP_NO_LOG_SNR = "log_snr=none"    # dspark_draft_embd_snr@log_snr=none: the rows without the log-SNR term
 HYP_LEVELS_SWAPPED = "levels=swapped"  # dspark_log_snr_feat@levels=swapped: anchor row at min_log_snr, mask rows at max
+HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm: the term added to layer 0's attn norm
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

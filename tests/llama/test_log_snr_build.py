@@ -108,6 +108,17 @@ def test_log_snr_levels_swapped_in_the_graph_are_a_wrong_source(fixture_models, 
     assert "anchor row at min_log_snr" in first.message and exit_code(comparison) == 1
 
 
+def test_the_log_snr_term_added_after_the_first_norm_is_a_wrong_source(fixture_models, referenced, patched_dir,
+                                                                        tmp_path):
+    d = fixture_models("log-snr")
+    run = _capture(d, tmp_path / "run.npz", DEFAULT_TOKENS, patched_dir, fault="log-snr-after-norm")
+    comparison = compare_dumps(referenced("log-snr"), run)
+    first = next(f for f in comparison.findings if f.severity == "error")
+    assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", names.DSPARK_DRAFT_EMBD_SNR,
+                                                                   "after_norm")
+    assert "before the first layer" in first.message and exit_code(comparison) == 1
+
+
 @pytest.fixture(scope="session")
 def server_probed(fixture_models, tools):  # noqa: F811
     """variant -> the probe of that trained pair through the patched llama-server."""

@@ -173,6 +173,10 @@ def detect_wrong_source(ev: Evidence) -> Finding | None:
 
 
 def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
+    if f"{key}={value}" == names.HYP_TERM_AFTER_NORM:
+        return (f"{tensor} is the first layer's attention norm plus the log-SNR term (it matches the reference's "
+                f"{candidate}): add dspark_log_snr_fc2 to the noise embeddings before the first layer, so the "
+                f"residual stream carries it and the norm sees it")
     if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
         return (f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
                 f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "

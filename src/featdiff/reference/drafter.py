@@ -129,8 +129,10 @@ def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tupl
     snr = log_snr_embed(draft.log_snr, is_mask)
     x = rows + snr.term  # (n_tokens, n_embd)
     swapped = log_snr_embed(draft.log_snr, ~is_mask).feat  # (n_tokens, LOG_SNR_N_FREQ): the levels swapped
+    after_norm = rms_norm(rows, draft.layers[0].attn_norm, draft.hparams.rms_eps) + snr.term  # (n_tokens, n_embd)
     records += [Named(names.DSPARK_LOG_SNR_FEAT, snr.feat), Named(names.DSPARK_LOG_SNR_FC1, snr.fc1),
                 Named(names.DSPARK_LOG_SNR_FC2, snr.term), Named(names.DSPARK_DRAFT_EMBD_SNR, x),
                 Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows),
-                Named(names.candidate_name(names.DSPARK_LOG_SNR_FEAT, names.HYP_LEVELS_SWAPPED), swapped)]
+                Named(names.candidate_name(names.DSPARK_LOG_SNR_FEAT, names.HYP_LEVELS_SWAPPED), swapped),
+                Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_TERM_AFTER_NORM), after_norm)]
     return x, records
