@@ -285,12 +285,17 @@ def _row_skips(key: RecordKey, alignment: Alignment, ref: Side, run: Side, whole
     return out
 
 
+def is_cut_short(phase: str, n_run: int, n_ref: int) -> bool:
+    """Whether a run batch of `n_run` rows may be the reference's batch of `n_ref` rows cut short:
+    a verify (or the inject carrying it), since llama.cpp drafts no more tokens than are left to
+    generate (upstream common/speculative.cpp) and the reference drafts a full block every round."""
+    return phase in VERIFY_PHASES and 0 < n_run < n_ref
+
+
 def _verified_fewer(group: GroupKey, ref: Side, run: Side) -> bool:
-    """The run's verify (or the inject carrying it) is the reference's cut short: llama.cpp drafts
-    no more tokens than are left to generate (upstream common/speculative.cpp), the reference
-    drafts a full block every round."""
+    """The run's verify (or the inject carrying it) is the reference's cut short."""
     n = len(run.positions)
-    return group[1] in VERIFY_PHASES and 0 < n < len(ref.positions) and run.positions == ref.positions[:n]
+    return is_cut_short(group[1], n, len(ref.positions)) and run.positions == ref.positions[:n]
 
 
 def _skip(key: RecordKey, reason: str, records: int, rows: tuple[int, ...], run: Side, whole: bool) -> Skip:

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from featdiff import names
-from featdiff.compare.align import DRAFT_GROUP, VERIFY_PHASES, GroupKey, flow_rank, group_key
+from featdiff.compare.align import DRAFT_GROUP, GroupKey, flow_rank, group_key, is_cut_short
 from featdiff.compare.kvcache import detect_duplicate_rows, detect_stale, span as _span
 from featdiff.compare.result import Finding
 from featdiff.dump import Eval, Manifest
@@ -204,20 +204,22 @@ def _batch_offset(batch: Batch, ref_batch: Batch | None, run_batches: dict[Group
     return from_ref or _offset_from_flow(batch, run_batches)
 
 
+def _cut_short(batch: Batch, ref_batch: Batch) -> bool:
+    return is_cut_short(batch.key[1], len(batch.positions), len(ref_batch.positions))
+
+
 def _same_token_ids(batch: Batch, ref_batch: Batch) -> bool:
-    """Same tokens; a verify (or its inject) may be the reference's cut short (llama.cpp drafts
-    no more tokens than are left to generate)."""
-    n = len(batch.token_ids)
-    if batch.key[1] in VERIFY_PHASES and len(batch.positions) < len(ref_batch.positions):
-        return batch.token_ids == ref_batch.token_ids[:n]
+    """Same tokens; a verify (or its inject) may be the reference's cut short (align.is_cut_short)."""
+    if _cut_short(batch, ref_batch):
+        return batch.token_ids == ref_batch.token_ids[:len(batch.token_ids)]
     return batch.token_ids == ref_batch.token_ids
 
 
 def _decoded_alike(batch: Batch, ref_batch: Batch) -> bool:
     """Same tokens at the same positions (a verify possibly cut short, as `_same_token_ids`)."""
     n = len(batch.positions)
-    short = batch.key[1] in VERIFY_PHASES and 0 < n < len(ref_batch.positions)
-    return _same_token_ids(batch, ref_batch) and batch.positions == (ref_batch.positions[:n] if short else ref_batch.positions)
+    expected = ref_batch.positions[:n] if _cut_short(batch, ref_batch) else ref_batch.positions
+    return _same_token_ids(batch, ref_batch) and batch.positions == expected
 
 
 def _at_verify(found: Finding, block: Batch, run_batches: dict[GroupKey, Batch],
