@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from featdiff import fixtures
+from featdiff.filters import capture_filters
 from featdiff.llama import capture as cap
 from featdiff.llama import driver
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
@@ -57,7 +58,7 @@ def main() -> None:
         for i in range(args.repeats):  # interleaved, so drift hits every variant alike
             times["none"].append(_time_flow(rt, models, cfg, None))
             for label, filters in (("wiring", None), ("all", ["*"])):
-                sp = Spool.open(rt, Path(tmp) / f"s{i}{label}", cap.role_filters(filters, cfg.target_layers))
+                sp = Spool.open(rt, Path(tmp) / f"s{i}{label}", capture_filters(filters, cfg.target_layers).shim_globs())
                 times[label].append(_time_flow(rt, models, cfg, sp))
                 sp.close()
     base, base_min = statistics.median(times["none"]), min(times["none"])

@@ -19,16 +19,16 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "report"))
 
-from synthetic_dumps import Shape, compare_by_hand, planted_findings, write_pair  # noqa: E402
-
 from featdiff.dump import read_dump  # noqa: E402
 from featdiff.report import write_report  # noqa: E402
+
+from synthetic_dumps import Shape, compare_by_hand, planted_findings, write_pair  # noqa: E402
 
 SHAPE = Shape(n_layer=36, n_embd=256, n_prompt=600, rounds=8)
 VARIANT = "layers-plus1"

@@ -22,13 +22,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "compare"))
 
-from quantize import quantize_gguf  # noqa: E402
-
 from featdiff.compare import compare_dumps  # noqa: E402
 from featdiff.compare.tolerance import PRE_ATTENTION  # noqa: E402
 from featdiff.fixtures import write_fixture  # noqa: E402
 from featdiff.llama.capture import capture  # noqa: E402
 from featdiff.reference.run import reference  # noqa: E402
+
+from quantize import quantize_gguf  # noqa: E402
 
 VARIANTS = ("clean", "own-embd", "llama")
 PROMPT_LENGTHS = (10, 33)

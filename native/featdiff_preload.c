@@ -29,6 +29,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -629,6 +630,62 @@ static struct fdp_entry * shadow_copy(const struct llama_batch_ext * batch, int 
     return e;
 }
 
+/* Backend sampling (llama.cpp's default for the draft) leaves only its top-k candidates'
+ * logits; these functions, absent from older builds, are looked up at run time. */
+typedef uint32_t      (*fdp_count_fn)(struct llama_context *, int32_t);
+typedef float *       (*fdp_floats_fn)(struct llama_context *, int32_t);
+typedef llama_token * (*fdp_tokens_fn)(struct llama_context *, int32_t);
+
+/* Row `i` of the logits the program's sampler reads: the full row, or with backend sampling
+ * the candidates' logits in place and -inf elsewhere (what that sampler's distribution holds). */
+static int logits_row(struct llama_context * ctx, int32_t i, int32_t n_vocab, float * dst) {
+    static fdp_count_fn n_cand;
+    static fdp_floats_fn cand_logits;
+    static fdp_tokens_fn cand_ids;
+    static int looked_up;
+    if (!looked_up) {
+        n_cand = (fdp_count_fn) dlsym(RTLD_DEFAULT, "llama_get_sampled_logits_count_ith");
+        cand_logits = (fdp_floats_fn) dlsym(RTLD_DEFAULT, "llama_get_sampled_logits_ith");
+        cand_ids = (fdp_tokens_fn) dlsym(RTLD_DEFAULT, "llama_get_sampled_candidates_ith");
+        looked_up = 1;
+    }
+    const uint32_t k = n_cand && cand_logits && cand_ids ? n_cand(ctx, i) : 0;
+    if (k > 0) {
+        const float * v = cand_logits(ctx, i);
+        const llama_token * id = cand_ids(ctx, i);
+        if (!v || !id) return 0;
+        for (int32_t t = 0; t < n_vocab; ++t) dst[t] = -INFINITY;
+        for (uint32_t j = 0; j < k; ++j) {
+            if (id[j] >= 0 && id[j] < n_vocab) dst[id[j]] = v[j];
+        }
+        return 1;
+    }
+    const float * row = llama_get_logits_ith(ctx, i);
+    if (!row) return 0;
+    memcpy(dst, row, (size_t) n_vocab * sizeof(float));
+    return 1;
+}
+
+/* The logits of a draft token batch's output rows, as the program's sampler reads them:
+ * DSpark's Markov-biased logits exist nowhere else. Recorded as `draft_logits`,
+ * (n_outputs, n_vocab), if the filters keep that name. */
+static void read_back_logits(struct llama_context * ctx, const struct fdp_entry * e, int n) {
+    if (!e || n <= 0 || e[0].token < 0) return;
+    const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    int n_out = 0;
+    for (int i = 0; i < n; ++i) n_out += e[i].output != 0;
+    float * rows = n_out && n_vocab > 0 ? (float *) malloc((size_t) n_out * (size_t) n_vocab * sizeof(float)) : NULL;
+    if (!rows) return;
+    int j = 0;
+    for (int i = 0; i < n && j >= 0; ++i) {
+        if (!e[i].output) continue;
+        if (logits_row(ctx, i, n_vocab, rows + (size_t) j * (size_t) n_vocab)) j++;
+        else j = -1;
+    }
+    if (j == n_out) fd_capture_add_rows(G.cap, FD_ROLE_DRAFT, "draft_logits", rows, n_vocab, n_out);
+    free(rows);
+}
+
 static int32_t hook_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch) {
     init();
     if (!G.real.process) return -1;
@@ -641,9 +698,10 @@ static int32_t hook_process(struct llama_context * ctx, enum llama_process_type 
     int n = 0;
     struct fdp_entry * e = shadow_copy(batch, &n);
     int eval = eval_begin(c, type == LLAMA_PROCESS_TYPE_ENCODE ? "encode" : "decode", e, n);
-    free(e);
     double t0 = now_ms();
     int32_t rc = G.real.process(ctx, type, batch);
+    if (rc == 0 && c->role == FD_ROLE_DRAFT && type == LLAMA_PROCESS_TYPE_DECODE) read_back_logits(ctx, e, n);
+    free(e);
     eval_end(eval, rc, t0);
     pthread_mutex_unlock(&G.spool_lock);
     return rc;
@@ -674,9 +732,10 @@ static int32_t hook_decode(struct llama_context * ctx, struct llama_batch batch)
     }
     struct fdp_entry * e = entries_of(&batch);
     int eval = eval_begin(c, "decode", e, e ? batch.n_tokens : 0);
-    free(e);
     double t0 = now_ms();
     int32_t rc = G.real.decode(ctx, batch);
+    if (rc == 0 && c->role == FD_ROLE_DRAFT) read_back_logits(ctx, e, e ? batch.n_tokens : 0);
+    free(e);
     eval_end(eval, rc, t0);
     pthread_mutex_unlock(&G.spool_lock);
     return rc;

@@ -322,6 +322,32 @@ static void record_tensor(fd_capture * cap, int role, const struct ggml_tensor *
     cap->n_records++;
 }
 
+int fd_capture_add_rows(fd_capture * cap, int role, const char * name, const float * data,
+                        int64_t n_cols, int64_t n_rows) {
+    if (!cap || !data || role < 0 || role >= FD_N_ROLES || n_cols <= 0 || n_rows <= 0) return FD_EARG;
+    if (cap->eval < 0 || cap->error || !matches(cap, role, name)) return cap->error;
+    const int occurrence = next_occurrence(cap, role, name);
+    if (occurrence < 0) return FD_OK;
+    const size_t nbytes = (size_t) n_cols * (size_t) n_rows * sizeof(float);
+    char line[FD_LINE_MAX];
+    int rc = write_all(cap->fd_data, data, nbytes);
+    if (rc == FD_OK) {
+        int n = snprintf(line, sizeof(line), "{\"kind\":\"record\",\"eval\":%d,\"role\":%d,\"occurrence\":%d,\"name\":",
+                         cap->eval, role, occurrence);
+        n += json_str(line + n, sizeof(line) - n, name);
+        n += snprintf(line + n, sizeof(line) - n, ",\"op\":\"API\",\"ggml_type\":\"f32\",\"n_dims\":2,"
+                      "\"ne\":[%lld,%lld,1,1],\"nb\":[4,%lld,%lld,%lld],\"srcs\":[],\"dtype\":\"float32\","
+                      "\"offset\":%lld,\"nbytes\":%zu,\"is_leaf\":false}\n",
+                      (long long) n_cols, (long long) n_rows, (long long) (4 * n_cols),
+                      (long long) (4 * n_cols * n_rows), (long long) (4 * n_cols * n_rows), cap->data_off, nbytes);
+        rc = write_all(cap->fd_index, line, (size_t) n);
+    }
+    if (rc != FD_OK) { cap->error = rc; return rc; }
+    cap->data_off += (long long) nbytes;
+    cap->n_records++;
+    return FD_OK;
+}
+
 /* ---------------------------------------------------------------- logging */
 
 void fd_log_errors_only(int level, const char * text, void * user_data) {

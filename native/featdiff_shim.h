@@ -44,6 +44,11 @@ int  fd_capture_add_filter(fd_capture * cap, int role, const char * glob);
 void fd_capture_begin_eval(fd_capture * cap, int eval_index);
 /* Append a raw JSON line (an eval's metadata) to the index. */
 int  fd_capture_note(fd_capture * cap, const char * json_line);
+/* Record `n_rows` rows of `n_cols` floats the program read back through the API after an eval
+ * (no graph node holds them: DSpark's Markov-biased logits) under `name`, if the role's filters
+ * keep it; op "API" in the index. */
+int  fd_capture_add_rows(fd_capture * cap, int role, const char * name, const float * data,
+                         int64_t n_cols, int64_t n_rows);
 /* First error seen by the callback (which cannot return one), 0 if none. */
 int  fd_capture_error(const fd_capture * cap);
 long fd_capture_n_records(const fd_capture * cap);

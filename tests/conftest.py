@@ -7,8 +7,41 @@ from pathlib import Path
 
 import pytest
 
+from featdiff.compare.result import Comparison
 from featdiff.fixtures import write_fixture
+
+from findings_schema import validate_findings, written
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
+
+_UNCHECKED_TO_JSON = Comparison.to_json
+TOOLS_FIXTURE = "tools"  # tests/llama/test_exec.py: featdiff's build of the llama.cpp programs
+THROUGH_SERVER = "through_server"  # a probe parameter: True runs it through the built llama-server
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what needs `make tools` (`tools`): every test using the `tools` fixture, directly or
+    through another fixture, and every probe run `through_server`; `make test-fast` leaves them
+    out. (`browser` and `cuda` are marked where they are written.)"""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        through_server = callspec is not None and callspec.params.get(THROUGH_SERVER) is True
+        if TOOLS_FIXTURE in getattr(item, "fixturenames", ()) or through_server:
+            item.add_marker(pytest.mark.tools)
+
+
+
+def _checked_to_json(self: Comparison) -> dict:
+    """Comparison.to_json, each result validated against docs/findings.schema.json as written."""
+    out = _UNCHECKED_TO_JSON(self)
+    validate_findings(written(out))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def findings_json_follows_the_schema(monkeypatch):
+    """Every findings JSON a test makes (the CLI's --json, write_json, check's JSON, a to_json
+    call) is validated against the schema (tests/findings_schema.py)."""
+    monkeypatch.setattr(Comparison, "to_json", _checked_to_json)
 
 
 @pytest.fixture(scope="session")

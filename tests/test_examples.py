@@ -34,6 +34,7 @@ def test_readme_sh_block_runs(index, tmp_path):
             assert (tmp_path / written).exists(), (command, written)
 
 
+@pytest.mark.tools  # the demo runs the patched llama-server
 def test_demo_script_runs_end_to_end(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "examples" / "demo.sh")], cwd=tmp_path,
                             env={**_env(), "DEMO_OUT": str(tmp_path / "demo")}, capture_output=True, text=True)

@@ -1,11 +1,11 @@
-"""How many rows a DFlash draft block has: llama.cpp's rule, shared by both producers.
+"""How many rows a draft block has: llama.cpp's rule, shared by both producers.
 
 upstream `common_speculative_impl_draft_dflash` (common/speculative.cpp) decodes
-`[anchor, mask x n_max]`: `n_max + 1` rows, where `n_max` is `--spec-draft-n-max` clamped to
-`block_size - 1` (the GGUF's `dflash.block_size`), not the trained `block_size` itself. Block
-attention is bidirectional, so a reference block of another length differs on every row.
-(Anchor-first DSpark, `dflash.sample_from_anchor`, decodes `n_max` rows; featdiff's flow is
-DFlash's.)
+`[anchor, mask x ...]` and reads `n_max` drafts (`--spec-draft-n-max`) from it: DFlash and
+bonus-anchor DSpark from rows 1.., so `n_max + 1` rows and `n_max` clamped to `block_size - 1`;
+anchor-first DSpark (`dflash.sample_from_anchor` true or absent) from row 0, so `n_max` rows and
+`n_max` clamped to `block_size`. Block attention is bidirectional, so a reference block of another
+length differs on every row.
 
 Consumes `--block`, a run dump's draft evals or llama.cpp's default; produces a checked
 `BlockRows`. Plain Python only: the in-process driver imports it without torch.
@@ -22,7 +22,7 @@ from featdiff.errors import InputError
 
 DEFAULT_DRAFT_MAX = 3    # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
 DEFAULT_BLOCK_SIZE = 16  # common/speculative.cpp falls back to 16 without dflash.block_size
-MIN_BLOCK_ROWS = 2       # the anchor plus one mask: one draft
+MIN_BLOCK_ROWS = 2       # a DFlash block: the anchor plus one mask (anchor-first DSpark: 1 row)
 DRAFT_PHASE = "draft"    # the flow's draft evals (docs/flow.md); warm-up decodes carry phase `warmup`
 
 
@@ -34,14 +34,20 @@ class BlockRows:
     origin: str  # `--block N`, the run dump's path, or llama.cpp's default
 
 
-def clamped_draft_max(draft_max: int, block_size: int) -> int:
-    """`draft_max` as llama.cpp uses it: at most `block_size - 1` (the anchor takes a row)."""
-    return min(draft_max, block_size - 1)
+def block_rows(draft_max: int, first_draft_row: int) -> int:
+    """Rows of a block drafting `draft_max` tokens from row `first_draft_row` (0 or 1) on."""
+    return draft_max + first_draft_row
 
 
-def default_block_rows(block_size: int) -> BlockRows:
-    """What llama.cpp drafts out of the box: `min(DEFAULT_DRAFT_MAX, block_size - 1) + 1` rows."""
-    rows = clamped_draft_max(DEFAULT_DRAFT_MAX, block_size) + 1
+def clamped_draft_max(draft_max: int, block_size: int, first_draft_row: int = 1) -> int:
+    """`draft_max` as llama.cpp uses it: at most `block_size - first_draft_row` (what the block's
+    trained rows can draft)."""
+    return min(draft_max, block_size - first_draft_row)
+
+
+def default_block_rows(block_size: int, first_draft_row: int = 1) -> BlockRows:
+    """What llama.cpp drafts out of the box: its default `--spec-draft-n-max`, clamped."""
+    rows = block_rows(clamped_draft_max(DEFAULT_DRAFT_MAX, block_size, first_draft_row), first_draft_row)
     return BlockRows(rows, f"llama.cpp's default --spec-draft-n-max {DEFAULT_DRAFT_MAX}")
 
 
@@ -79,21 +85,23 @@ def run_block_rows(evals: tuple[Eval, ...], source: str) -> int | None:
     return next(iter(evals_by_rows), None)
 
 
-def checked_block_rows(asked: BlockRows | None, block_size: int, model: Path) -> BlockRows:
-    """`asked` (else llama.cpp's default) within what the drafter `model` of `block_size` drafts."""
+def checked_block_rows(asked: BlockRows | None, block_size: int, model: Path, first_draft_row: int = 1) -> BlockRows:
+    """`asked` (else llama.cpp's default) within what the drafter `model` of `block_size` drafts
+    from row `first_draft_row` on."""
     key = f"{names.KEY_BLOCK_SIZE} = {block_size}"
-    if block_size < MIN_BLOCK_ROWS:
-        raise InputError(f"{model}: {key} leaves no row to draft; expected >= {MIN_BLOCK_ROWS}: "
+    least = block_rows(1, first_draft_row)  # one draft
+    clamp = f"block_size - {first_draft_row}" if first_draft_row else "block_size"
+    if block_size < least:
+        raise InputError(f"{model}: {key} leaves no row to draft; expected >= {least}: "
                          "re-export the drafter with its trained block size (see `featdiff lint`)")
-    chosen = asked or default_block_rows(block_size)
+    chosen = asked or default_block_rows(block_size, first_draft_row)
     if chosen.rows > block_size:
         raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows, more than {model} was trained on "
-                         f"({key}); llama.cpp clamps --spec-draft-n-max to block_size - 1, so a block has "
-                         f"{MIN_BLOCK_ROWS} .. {block_size} rows: pass --block in that range")
-    if chosen.rows < MIN_BLOCK_ROWS:
-        raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows; a block is the anchor plus at least one "
-                         f"mask, so expected {MIN_BLOCK_ROWS} .. {block_size} rows ({model}: {key}): "
-                         "pass --block in that range")
+                         f"({key}); llama.cpp clamps --spec-draft-n-max to {clamp}, so a block has "
+                         f"{least} .. {block_size} rows: pass --block in that range")
+    if chosen.rows < least:
+        raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows; a block holds at least one draft, "
+                         f"so expected {least} .. {block_size} rows ({model}: {key}): pass --block in that range")
     return chosen
 
 

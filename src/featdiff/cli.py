@@ -57,6 +57,7 @@ PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text,
 RoundsOpt = Annotated[int, typer.Option("--rounds", min=0, help="Speculative rounds (draft, verify, inject) after the prefill.")]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Drafts per block, as llama.cpp's --spec-draft-n-max: the block is the anchor plus N masks, N clamped to dflash.block_size - 1. Default: 3, llama.cpp's default. In-process only: with --exec the program's command line decides.")]
 LlamaDirOpt = Annotated[Optional[Path], typer.Option("--llama-dir", help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.")]
+PMinOpt = Annotated[Optional[float], typer.Option("--p-min", min=0.0, max=1.0, help="llama.cpp's --spec-draft-p-min: a DSpark drafter with a confidence head stops drafting below it. Default 0 (reference: the --run dump's).")]
 
 
 @app.command()
@@ -87,16 +88,18 @@ def capture(
     filters: Annotated[Optional[list[str]], typer.Option("--filter", help="Glob on callback names to capture (repeatable). Default: the wiring tensors.")] = None,
     llama_dir: LlamaDirOpt = None,
     draft_max: DraftMaxOpt = None,
+    p_min: PMinOpt = None,
     exec_: Annotated[bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")] = False,
 ) -> None:
     """Capture named tensors from a real llama.cpp build into a dump."""
     from featdiff.llama import capture as capture_mod
 
     if exec_:
-        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max)
+        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max,
+                                        p_min=p_min)
     else:
         path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens, rounds=rounds,
-                                   filters=filters, llama_dir=llama_dir, draft_max=draft_max)
+                                   filters=filters, llama_dir=llama_dir, draft_max=draft_max, p_min=p_min)
     typer.echo(path)
 
 
@@ -149,15 +152,16 @@ def reference(
     device: Annotated[str, typer.Option("--device", help="Torch device.")] = "cpu",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Emulate the run's KV cache type: f16 or f32.")] = "f16",
     llama_dir: LlamaDirOpt = None,
-    block: Annotated[Optional[int], typer.Option("--block", help="Rows per draft block: the anchor and N-1 masks (a run's --spec-draft-n-max + 1), 2 .. dflash.block_size. Default: llama.cpp's default, min(3, block_size - 1) + 1.")] = None,
-    run: Annotated[Optional[Path], typer.Option("--run", help="A run dump (.npz): draft blocks as long as its draft evals. Instead of --block.")] = None,
+    block: Annotated[Optional[int], typer.Option("--block", help="Rows per draft block: the anchor and the masks; a run's --spec-draft-n-max + 1 (anchor-first DSpark: n-max), up to dflash.block_size. Default: llama.cpp's default --spec-draft-n-max 3, clamped.")] = None,
+    run: Annotated[Optional[Path], typer.Option("--run", help="A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block.")] = None,
+    p_min: PMinOpt = None,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
     from featdiff.reference import run as reference_run
 
     typer.echo(reference_run.reference(target, model, output, prompt=prompt, tokens=tokens,
                                        rounds=rounds, dtype=dtype, device=device,
-                                       kv_dtype=kv_dtype, llama_dir=llama_dir, block=block, run=run))
+                                       kv_dtype=kv_dtype, llama_dir=llama_dir, block=block, run=run, p_min=p_min))
 
 
 @app.command()
@@ -226,6 +230,36 @@ def lint(
     if not problems:
         typer.echo(f"{model}: ok")
     raise typer.Exit(EXIT_FINDINGS if problems else EXIT_OK)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def check(
+    ctx: typer.Context,
+    target: Annotated[Path, typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF (the run).")],
+    model: Annotated[Path, typer.Option("--model", exists=True, dir_okay=False, help="Drafter GGUF (the run).")],
+    ref_target: Annotated[Optional[Path], typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target.")] = None,
+    ref_model: Annotated[Optional[Path], typer.Option("--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model.")] = None,
+    llama_dir: LlamaDirOpt = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", exists=True, dir_okay=False, help="One prompt per line (`tokens: 1,2,3` for ids); the capture takes the first, the accept probe all. Default: two built-in prompts.")] = None,
+    rounds: Annotated[Optional[int], typer.Option("--rounds", min=1, help="In-process: speculative rounds of the capture and of the probe, per prompt. Default: 4.")] = None,
+    min_accept: Annotated[Optional[float], typer.Option("--min-accept", min=0.0, max=1.0, help="Fail when the run's accept rate (accepted / drafted tokens) is below this fraction.")] = None,
+    keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep the run and reference dumps in this directory (default: a temporary one).")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the check's JSON to FILE, or - for stdout only.")] = None,
+    report_out: Annotated[Optional[Path], typer.Option("--report", help="Also write the HTML triage report.")] = None,
+    summary_md: Annotated[Optional[Path], typer.Option("--summary-md", help="Write a Markdown verdict (also appended to $GITHUB_STEP_SUMMARY when set).")] = None,
+    exec_: Annotated[bool, typer.Option("--exec", help="Run around the llama-server or llama-speculative-simple command given after `--`.")] = False,
+) -> None:
+    """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
+    from featdiff.check import check as run_check
+    from featdiff.check import exit_code as check_exit_code
+    from featdiff.check import render_text
+
+    result = run_check(target, model, ref_target=ref_target, ref_model=ref_model, llama_dir=llama_dir,
+                       command=list(ctx.args) if exec_ else None, prompts=prompts, rounds=rounds,
+                       min_accept=min_accept, keep=keep, report=report_out, json_out=json_out, summary_md=summary_md)
+    if json_out != "-":
+        typer.echo(render_text(result))
+    raise typer.Exit(check_exit_code(result))
 
 
 def main() -> None:

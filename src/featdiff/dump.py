@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from featdiff.errors import InputError
-from featdiff.names import PHASES, ROLES
+from featdiff.filters import KEEP_ALL, FilterSet
+from featdiff.names import PHASES, ROLES, Role
 from featdiff.outputs import partial_path
 
 FORMAT = "featdiff-dump"
@@ -47,7 +49,7 @@ class Record:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Record":
+    def from_json(d: dict[str, Any]) -> Record:
         return Record(
             key=d["key"], role=d["role"], phase=d["phase"], eval=int(d["eval"]), name=d["name"],
             occurrence=int(d["occurrence"]), op=d["op"], ggml_type=d["ggml_type"],
@@ -74,7 +76,7 @@ class Eval:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Eval":
+    def from_json(d: dict[str, Any]) -> Eval:
         return Eval(
             eval=int(d["eval"]), role=d["role"], phase=d["phase"], n_tokens=int(d["n_tokens"]),
             positions=tuple(d["positions"]), token_ids=tuple(d.get("token_ids", ())),
@@ -97,7 +99,7 @@ class Round:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Round":
+    def from_json(d: dict[str, Any]) -> Round:
         return Round(
             round=int(d["round"]), pos0=int(d["pos0"]), anchor=int(d["anchor"]),
             drafts=tuple(d["drafts"]), accepted=int(d["accepted"]),
@@ -123,9 +125,72 @@ class MemoryOp:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "MemoryOp":
+    def from_json(d: dict[str, Any]) -> MemoryOp:
         return MemoryOp(role=d["role"], after_eval=int(d["after_eval"]), seq_id=int(d["seq_id"]),
                         p0=int(d["p0"]), p1=int(d["p1"]), op=d.get("op", "seq_rm"))
+
+
+KV_TYPE_DEFAULT = "f16"  # llama.cpp's KV cache type unless told otherwise (common.h cache_type_k / _v)
+
+
+@dataclass(frozen=True)
+class CacheTypes:
+    """The types one context's KV cache stores K and V in, as ggml names them (llama.cpp's
+    `-ctk` / `-ctv`, `-ctkd` / `-ctvd` for the drafter)."""
+
+    k: str = KV_TYPE_DEFAULT
+    v: str = KV_TYPE_DEFAULT
+
+    def to_json(self) -> dict[str, str]:
+        return {"k": self.k, "v": self.v}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> CacheTypes:
+        return CacheTypes(k=str(d.get("k", KV_TYPE_DEFAULT)).lower(), v=str(d.get("v", KV_TYPE_DEFAULT)).lower())
+
+
+def _default_kv() -> dict[Role, CacheTypes]:
+    return {role: CacheTypes() for role in ROLES}
+
+
+@dataclass(frozen=True)
+class Build:
+    """What a manifest's `build` says about how the dump was made, as far as a consumer reads it
+    (docs/dump.md), with the defaults that keys older dumps lack stand for. The manifest keeps
+    the producer's whole `build` (command line, library, statistics) for people to read."""
+
+    filters: FilterSet = KEEP_ALL  # what the capture kept; absent: every name
+    kv_types: dict[Role, CacheTypes] = field(default_factory=_default_kv)  # per role
+    dtype: str = "float32"  # the reference's compute dtype
+    draft_max: int | None = None  # the capture's drafts per block (--draft-max)
+    block_rows: int | None = None  # the reference's draft block rows
+    p_min: float = 0.0
+    llama: str = ""  # the llama.cpp version of a capture's build (`commit`)
+
+    @property
+    def kv_cache_types(self) -> tuple[str, ...]:
+        """Every type the run's KV caches stored K or V in, sorted."""
+        return tuple(sorted({t for c in self.kv_types.values() for t in (c.k, c.v)}))
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Build:
+        """Read `build`: `kv_types` per role (a capture), else `kv_dtype` for every cache (the
+        reference), else llama.cpp's default."""
+        if "kv_types" in d:
+            kv = {role: CacheTypes.from_json(d["kv_types"].get(role, {})) for role in ROLES}
+        else:
+            one = str(d.get("kv_dtype", KV_TYPE_DEFAULT)).lower()
+            kv = {role: CacheTypes(one, one) for role in ROLES}
+        return Build(filters=FilterSet.from_json(d.get("filters")), kv_types=kv,
+                     dtype=str(d.get("dtype", "float32")),
+                     draft_max=None if d.get("draft_max") is None else int(d["draft_max"]),
+                     block_rows=None if d.get("block_rows") is None else int(d["block_rows"]),
+                     p_min=float(d.get("p_min") or 0.0), llama=str(d.get("commit", "")))
+
+
+def kv_types_json(kv: dict[Role, CacheTypes]) -> dict[str, dict[str, str]]:
+    """A capture's `build.kv_types`: per role, the K and V cache types."""
+    return {role: kv[role].to_json() for role in sorted(kv)}
 
 
 @dataclass(frozen=True)
@@ -144,6 +209,11 @@ class Manifest:
     # the convention it inferred from: one sentence each (optional; `capture --exec` writes them)
     flow_notes: tuple[str, ...] = ()
 
+    @property
+    def build_info(self) -> Build:
+        """`build`, typed: what a consumer may read of it."""
+        return Build.from_json(self.build)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "build": self.build,
@@ -160,7 +230,7 @@ class Manifest:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Manifest":
+    def from_json(d: dict[str, Any]) -> Manifest:
         return Manifest(
             source=d["source"], models=d.get("models", {}), build=d.get("build", {}),
             evals=tuple(Eval.from_json(e) for e in d.get("evals", [])),
@@ -255,7 +325,7 @@ class Dump:
     def close(self) -> None:
         self._zip.close()
 
-    def __enter__(self) -> "Dump":
+    def __enter__(self) -> Dump:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -291,7 +361,8 @@ def _validated_manifest(path: Path, raw: Any, members: set[str]) -> Manifest:
         raise InputError(f"{path}: source {raw.get('source')!r}, expected one of {SOURCES}; re-run capture or reference")
     try:
         manifest = Manifest.from_json(raw)
-    except (KeyError, TypeError, ValueError) as e:
+        Build.from_json(manifest.build)  # once here: a malformed `build` is the file's fault, named here
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(f"{path}: manifest field {e} missing or malformed; re-run capture or reference") from None
     keys = [r.key for r in manifest.records]
     if len(set(keys)) != len(keys):

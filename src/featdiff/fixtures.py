@@ -1,5 +1,5 @@
-"""Tiny seeded models: a target (qwen3 or llama) and a DFlash drafter, as GGUF and as Hugging
-Face directories, with one wiring bug planted per variant.
+"""Tiny seeded models: a target (qwen3 or llama) and a DFlash (or DSpark) drafter, as GGUF and as
+Hugging Face directories, with one wiring bug planted per variant.
 
 A variant directory holds `target.gguf` and `draft.gguf` (what the run loads) and `target-hf/`,
 `draft-hf/` (the trained checkpoint, always correct: the reference reads these). The `trained*`
@@ -61,6 +61,9 @@ TINY = Sizes()
 HF_TARGET_LAYER_IDS = (1, 3)  # output-of-layer ids; GGUF stores them + 1 = [2, 4]
 BLOCK_SIZE = 4
 MIN_LOG_SNR, MAX_LOG_SNR = -9.0, 9.0
+MARKOV_RANK = 16          # R of a random DSpark's Markov head
+MARKOV_W2_SCALE = 2.0     # markov_w2.scale where a variant ships one
+CONF_GAIN = 2.0           # the confidence logit's spread: sigmoid spans most of (0, 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,13 @@ class Variant:
     gguf_swap_fc_blocks: bool = False  # fc column blocks 0 and 1 swapped in the GGUF
     gguf_drop_own_embd: bool = False   # GGUF omits the drafter's own embeddings/head
     gguf_drop_log_snr: bool = False    # GGUF omits the log-SNR tensors and keys (upstream loads it)
+    checkpoint_dspark: bool = False    # the trained drafter is DSpark: DFlash plus a Markov head
+    checkpoint_conf_head: bool = False     # ... with a confidence head
+    checkpoint_markov_scale: bool = False  # ... shipping markov_w2.scale
+    checkpoint_bonus_anchor: bool = False  # ... laid out bonus-anchor (sample_from_anchor false)
+    checkpoint_d2t: bool = False           # ... with a reduced draft vocabulary: own head of half the rows, d2t
+    gguf_drop_markov: bool = False     # GGUF omits the Markov and confidence tensors, keeps the dflash.* keys
+    gguf_flip_anchor: bool = False     # GGUF's dflash.sample_from_anchor is the opposite of the checkpoint's
     is_trained: bool = False           # the drafter is trained on its target (featdiff.training), not random
 
 
@@ -92,6 +102,18 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("slots-swapped", "fc column blocks of slots 0 and 1 swapped", gguf_swap_fc_blocks=True),
     Variant("borrowed-embd", "own-embeddings drafter exported without them, so the run borrows the target's",
             checkpoint_own_embd=True, gguf_drop_own_embd=True),
+    Variant("dspark", "anchor-first DSpark drafter: Markov head with markov_w2.scale, confidence head",
+            checkpoint_dspark=True, checkpoint_conf_head=True, checkpoint_markov_scale=True),
+    Variant("dspark-no-conf", "anchor-first DSpark drafter with a Markov head only",
+            checkpoint_dspark=True),
+    Variant("dspark-bonus", "bonus-anchor DSpark drafter (sample_from_anchor false) with a confidence head",
+            checkpoint_dspark=True, checkpoint_conf_head=True, checkpoint_bonus_anchor=True),
+    Variant("dspark-d2t", "anchor-first DSpark drafter drafting a reduced vocabulary (own head, d2t)",
+            checkpoint_dspark=True, checkpoint_conf_head=True, checkpoint_d2t=True),
+    Variant("dspark-lost-markov", "DSpark drafter exported without its Markov and confidence heads, keys kept",
+            checkpoint_dspark=True, checkpoint_conf_head=True, checkpoint_markov_scale=True, gguf_drop_markov=True),
+    Variant("dspark-anchor-flipped", "anchor-first DSpark drafter exported with dflash.sample_from_anchor = false",
+            checkpoint_dspark=True, checkpoint_conf_head=True, gguf_flip_anchor=True),
     Variant("trained", "drafter trained on its target: accept rate means something", is_trained=True),
     Variant("trained-layers-minus1", "trained drafter, dflash.target_layers without the +1 of the converter",
             gguf_layer_delta=-1, is_trained=True),
@@ -99,6 +121,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             checkpoint_log_snr=True, is_trained=True),
     Variant("trained-no-log-snr", "trained log-SNR drafter exported without its conditioning",
             checkpoint_log_snr=True, gguf_drop_log_snr=True, is_trained=True),
+    Variant("trained-dspark", "trained anchor-first DSpark drafter with a confidence head",
+            checkpoint_dspark=True, checkpoint_conf_head=True, is_trained=True),
 )}
 PROMPTS_FILE = "prompts.txt"  # a trained variant's held-out prompts, in `featdiff probe --prompts` format
 HELD_OUT_PROMPTS = 8
@@ -130,7 +154,7 @@ def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, siz
     _write_target_hf(out / "target-hf", target, v.target_arch, sizes)
     _write_draft_hf(out / "draft-hf", draft, v, sizes)
     with replaced(out / "draft.gguf") as tmp:
-        _write_draft_gguf(tmp, _gguf_view(draft, v, sizes), v, sizes)
+        _write_draft_gguf(tmp, _gguf_view(draft, v, sizes), v, sizes, _dspark_keys(draft, v))
     if v.is_trained:
         with replaced(out / PROMPTS_FILE) as tmp:
             _write_held_out_prompts(tmp, seed, sizes)
@@ -152,7 +176,8 @@ def _trained_weights(v: Variant, seed: int, sizes: Sizes | None) -> tuple[Sizes,
 
     sizes = sizes or training.TRAINED_SIZES
     pair = training.trained_pair(seed, sizes)
-    return sizes, pair.target, pair.draft_log_snr if v.checkpoint_log_snr else pair.draft
+    draft = pair.draft_dspark if v.checkpoint_dspark else pair.draft_log_snr if v.checkpoint_log_snr else pair.draft
+    return sizes, pair.target, draft
 
 
 def _write_held_out_prompts(path: Path, seed: int, sizes: Sizes) -> None:
@@ -218,6 +243,29 @@ def draft_weights(rng: np.random.Generator, v: Variant, sz: Sizes) -> dict:
         w["log_snr_fc1_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
         w["log_snr_fc2"] = _linear(rng, s.n_embd, s.n_embd)
         w["log_snr_fc2_b"] = (0.1 * rng.standard_normal(s.n_embd)).astype(np.float32)
+    if v.checkpoint_dspark:
+        w.update(_dspark_weights(rng, v, sz))
+    return w
+
+
+def _dspark_weights(rng: np.random.Generator, v: Variant, sz: Sizes) -> dict:
+    """A random DSpark head set for variant `v` (HF orientation; `d2t` absolute ids), drawn from `rng`.
+
+    The Markov bias `markov_w2 @ markov_w1[prev]` has a spread of about 1 (x markov_w2.scale), as
+    the random drafter's logits do, so it moves the argmax of most rows.
+    """
+    s = sz.draft
+    n_vocab_draft = sz.n_vocab // 2 if v.checkpoint_d2t else sz.n_vocab
+    w = {"markov_w1": rng.standard_normal((sz.n_vocab, MARKOV_RANK)).astype(np.float32),
+         "markov_w2": _linear(rng, n_vocab_draft, MARKOV_RANK)}
+    if v.checkpoint_markov_scale:
+        w["markov_w2_scale"] = np.array([MARKOV_W2_SCALE], dtype=np.float32)
+    if v.checkpoint_conf_head:
+        w["conf_proj"] = CONF_GAIN * _linear(rng, 1, s.n_embd + MARKOV_RANK)  # (1, n_embd + R)
+        w["conf_proj_b"] = (0.1 * rng.standard_normal(1)).astype(np.float32)
+    if v.checkpoint_d2t:
+        w["d2t"] = np.sort(rng.choice(sz.n_vocab, n_vocab_draft, replace=False)).astype(np.int64)
+        w["output"] = _linear(rng, n_vocab_draft, s.n_embd)  # the reduced head: one row per d2t entry
     return w
 
 
@@ -235,7 +283,19 @@ def _gguf_view(draft: dict, v: Variant, sz: Sizes) -> dict:
     if v.gguf_drop_log_snr:
         for k in ("log_snr_fc1", "log_snr_fc1_b", "log_snr_fc2", "log_snr_fc2_b"):
             w.pop(k, None)
+    if v.gguf_drop_markov:
+        for k in ("markov_w1", "markov_w2", "markov_w2_scale", "conf_proj", "conf_proj_b"):
+            w.pop(k, None)
     return w
+
+
+def _dspark_keys(draft: dict, v: Variant) -> dict[str, bool]:
+    """The dflash.* keys a DSpark export writes (upstream DSparkModel), from the checkpoint: kept
+    when the export drops the heads; sample_from_anchor flipped where the variant says so."""
+    if "markov_w1" not in draft:
+        return {}
+    return {names.KEY_SAMPLE_FROM_ANCHOR: v.checkpoint_bonus_anchor == v.gguf_flip_anchor,
+            names.KEY_HAS_CONFIDENCE_HEAD: "conf_proj" in draft}
 
 
 # --- GGUF --------------------------------------------------------------------------------------
@@ -298,7 +358,12 @@ def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
     _finish(wr)
 
 
-def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
+_DSPARK_GGUF = {"markov_w1": names.T_MARKOV_W1, "markov_w2": names.T_MARKOV_W2,
+                "markov_w2_scale": names.T_MARKOV_W2_SCALE, "conf_proj": names.T_CONF_PROJ_W,
+                "conf_proj_b": names.T_CONF_PROJ_B, "d2t": names.T_D2T}  # weights key -> GGUF tensor
+
+
+def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes, dspark_keys: dict[str, bool]) -> None:
     wr = GGUFWriter(str(path), names.ARCH_DFLASH)
     wr.add_name("featdiff tiny dflash drafter")
     _add_stack_keys(wr, names.ARCH_DFLASH, sz.draft)
@@ -314,13 +379,19 @@ def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
         wr.add_tensor(names.T_LOG_SNR_FC1_B, w["log_snr_fc1_b"])
         wr.add_tensor(names.T_LOG_SNR_FC2_W, w["log_snr_fc2"])
         wr.add_tensor(names.T_LOG_SNR_FC2_B, w["log_snr_fc2_b"])
+    for key, value in dspark_keys.items():
+        wr.add_bool(key, value)
     wr.add_tensor(names.T_FC, w["fc"])
     wr.add_tensor(names.T_ENC_NORM, w["hidden_norm"])
     wr.add_tensor(names.T_OUTPUT_NORM, w["norm"])
     if "token_embd" in w:
         wr.add_tensor(names.T_TOKEN_EMBD, w["token_embd"])
+    if "output" in w:
         wr.add_tensor(names.T_OUTPUT, w["output"])
     _add_layers(wr, w["layers"], None)
+    for key, name in _DSPARK_GGUF.items():
+        if key in w:
+            wr.add_tensor(name, w[key])  # d2t: int64 -> I64, as llama.cpp reads it
     _finish(wr)
 
 
@@ -360,6 +431,11 @@ def _write_target_hf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
     _write_hf(path, config, tensors)
 
 
+_DSPARK_HF = {"markov_w1": names.HF_MARKOV_W1, "markov_w2": names.HF_MARKOV_W2,
+              "markov_w2_scale": names.HF_MARKOV_W2_SCALE, "conf_proj": names.HF_CONF_PROJ_W,
+              "conf_proj_b": names.HF_CONF_PROJ_B}  # weights key -> HF tensor (d2t: offsets, below)
+
+
 def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
     dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": sz.mask_token_id}
     if v.checkpoint_log_snr:
@@ -372,8 +448,23 @@ def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
                **_hf_layers("", w["layers"])}
     if "token_embd" in w:
         tensors["embed_tokens.weight"] = w["token_embd"]
+    if "output" in w:
         tensors["lm_head.weight"] = w["output"]
     if "log_snr_fc1" in w:
         tensors.update({"log_snr_fc1.weight": w["log_snr_fc1"], "log_snr_fc1.bias": w["log_snr_fc1_b"],
                         "log_snr_fc2.weight": w["log_snr_fc2"], "log_snr_fc2.bias": w["log_snr_fc2_b"]})
+    if "markov_w1" in w:
+        config.update(_dspark_hf_config(w, v))
+        tensors.update({name: w[key] for key, name in _DSPARK_HF.items() if key in w})
+    if "d2t" in w:
+        tensors[names.HF_D2T] = w["d2t"] - np.arange(w["d2t"].size, dtype=np.int64)  # HF offsets: id = d2t[i] + i
     _write_hf(path, config, tensors)
+
+
+def _dspark_hf_config(w: dict, v: Variant) -> dict:
+    """What a DSpark checkpoint's config.json adds (upstream conversion/qwen.py DSparkModel reads it)."""
+    config = {"architectures": ["DSparkDraftModel"], names.HF_SAMPLE_FROM_ANCHOR: not v.checkpoint_bonus_anchor,
+              "markov_head_type": "vanilla"}  # load_hf.MARKOV_HEAD_TYPE: the only type llama.cpp runs
+    if "d2t" in w:
+        config[names.HF_DRAFT_VOCAB_SIZE] = int(w["d2t"].size)
+    return config

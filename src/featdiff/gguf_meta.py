@@ -7,7 +7,7 @@ types) that capture and inspect record, and that compare reads back from the man
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,28 @@ class ModelInfo:
     has_own_embeddings: bool = False
     has_log_snr_tensors: bool = False
     rope_freq_base: float = DEFAULT_ROPE_FREQ_BASE
+    dspark: dict[str, Any] | None = None     # a DSpark drafter's heads (`dspark_info`); None without markov_w1
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["weight_types"] = list(self.weight_types)
         d["target_layers"] = list(self.target_layers)
         return dict(sorted(d.items()))
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelInfo:
+        """A manifest's `models` entry; a field an older dump lacks (`dspark`, ...) takes its default."""
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        return cls(**{**d, "weight_types": tuple(d.get("weight_types", ())),
+                      "target_layers": tuple(d.get("target_layers", ()))})
+
+
+def dspark_info(rank: int, has_confidence_head: bool, sample_from_anchor: bool, causal: bool,
+                n_vocab_draft: int) -> dict[str, Any]:
+    """ModelInfo's `dspark` entry (docs/dump.md): what the Markov and confidence heads are."""
+    return {"markov": True, "rank": rank, "confidence_head": has_confidence_head,
+            "sample_from_anchor": sample_from_anchor, "causal": causal, "n_vocab_draft": n_vocab_draft}
 
 
 def file_sha256(path: Path) -> str:
@@ -97,4 +113,17 @@ def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
         has_own_embeddings=is_draft and names.T_TOKEN_EMBD in tensors,
         has_log_snr_tensors=any(n in tensors for n in names.LOG_SNR_TENSORS),
         rope_freq_base=float(field_value(reader, f"{arch}.rope.freq_base", DEFAULT_ROPE_FREQ_BASE)),
+        dspark=_gguf_dspark(reader, tensors, len(vocab)) if is_draft else None,
     )
+
+
+def _gguf_dspark(reader, tensors: dict[str, Any], n_vocab: int) -> dict[str, Any] | None:
+    """The `dspark` entry of a drafter GGUF: None without markov_w1 (llama.cpp runs it as DFlash)."""
+    w1 = tensors.get(names.T_MARKOV_W1)
+    if w1 is None:
+        return None
+    d2t = tensors.get(names.T_D2T)
+    return dspark_info(rank=int(w1.shape[0]), has_confidence_head=names.T_CONF_PROJ_W in tensors,  # ggml ne [rank, n_vocab]
+                       sample_from_anchor=bool(field_value(reader, names.KEY_SAMPLE_FROM_ANCHOR, True)),
+                       causal=bool(field_value(reader, names.KEY_CAUSAL, False)),
+                       n_vocab_draft=int(d2t.shape[0]) if d2t is not None else n_vocab)

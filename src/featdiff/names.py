@@ -21,6 +21,7 @@ KEY_TARGET_LAYERS = "dflash.target_layers"
 KEY_BLOCK_SIZE = "dflash.block_size"
 KEY_SAMPLE_FROM_ANCHOR = "dflash.sample_from_anchor"
 KEY_CAUSAL = "dflash.attention.causal"
+KEY_HAS_CONFIDENCE_HEAD = "dflash.has_confidence_head"
 KEY_LOG_SNR = "dflash.log_snr_conditioning"
 KEY_MIN_LOG_SNR = "dflash.min_log_snr"
 KEY_MAX_LOG_SNR = "dflash.max_log_snr"
@@ -36,6 +37,14 @@ T_LOG_SNR_FC1_W = "log_snr_fc1.weight"
 T_LOG_SNR_FC1_B = "log_snr_fc1.bias"
 T_LOG_SNR_FC2_W = "log_snr_fc2.weight"
 T_LOG_SNR_FC2_B = "log_snr_fc2.bias"
+# DSpark heads (upstream src/models/dflash.cpp): a GGUF with markov_w1 is run as draft-dspark
+T_MARKOV_W1 = "markov_w1.weight"        # numpy (n_vocab, rank): one row per previous (target) token
+T_MARKOV_W2 = "markov_w2.weight"        # numpy (n_vocab_draft, rank)
+T_MARKOV_W2_SCALE = "markov_w2.scale"   # numpy (1,), optional: multiplies markov_w2's product
+T_CONF_PROJ_W = "conf_proj.weight"      # numpy (1, n_embd + rank), optional confidence head
+T_CONF_PROJ_B = "conf_proj.bias"        # numpy (1,), optional
+T_D2T = "d2t"                           # int64 (n_vocab_draft,): absolute target id of each draft row
+DSPARK_TENSORS = (T_MARKOV_W1, T_MARKOV_W2)  # what makes a drafter DSpark
 LOG_SNR_TENSORS = (T_LOG_SNR_FC1_W, T_LOG_SNR_FC1_B, T_LOG_SNR_FC2_W, T_LOG_SNR_FC2_B)
 
 # --- llama.cpp graph callback names ------------------------------------------------------------
@@ -50,6 +59,10 @@ RESULT_NORM = "result_norm"
 RESULT_OUTPUT = "result_output"
 INP_EMBD = "inp_embd"  # the DFlash encoder graph's input
 TARGET_EMBD = "embd"   # the target's token embeddings: the input of layer 0
+# Records no graph callback names (docs/records.md, "featdiff names"): read back through the API
+DRAFT_LOGITS = "draft_logits"  # each draft row's logits as the sampler reads them (llama_get_logits_ith)
+DSPARK_CONF = "dspark_conf"    # DSpark confidence per draft row (llama_get_embeddings_nextn, column 0), (n, 1)
+DSPARK_MARKOV_BIAS = "dspark_markov_bias"  # reference-only: the Markov head's bias on each row's logits
 # reference-only records
 LAYER_INP = "layer_inp"  # layer_inp-<L>: the input of target layer L (= l_out-(L-1))
 LOG_SNR_EMBED = "log_snr_embed"  # the old name of dspark_log_snr_fc2: OLD_RECORD_NAMES
@@ -64,7 +77,7 @@ LOG_SNR_RECORDS = (DSPARK_LOG_SNR_FEAT, DSPARK_LOG_SNR_FC1, DSPARK_LOG_SNR_FC2, 
 # what dspark_draft_embd_snr is computed from: every other draft record is computed from it
 LOG_SNR_SUM_INPUTS = (INP_NOISE_EMBD, DSPARK_LOG_SNR_FEAT, DSPARK_LOG_SNR_FC1, DSPARK_LOG_SNR_FC2)
 # Records the checkpoint adds into another record (the sum): the candidates of missing_term / extra_term.
-TERM_RECORDS = (DSPARK_LOG_SNR_FC2,)
+TERM_RECORDS = (DSPARK_LOG_SNR_FC2, DSPARK_MARKOV_BIAS)
 # Record names older dumps used, and the name each has now: compare reads old reference dumps
 # through this table (docs/records.md, "Renamed records"). In those dumps `inp_noise_embd` also
 # holds the sum (rows + term), as `dspark_draft_embd_snr` does now.
@@ -98,6 +111,8 @@ DRAFT_WIRING: tuple[str, ...] = (
     RESULT_NORM,
     RESULT_OUTPUT,
     *LOG_SNR_RECORDS,  # absent from a drafter without log-SNR, and from upstream's graph
+    DRAFT_LOGITS,      # read back through the API, not a graph node (in-process and --exec)
+    DSPARK_CONF,       # read back in-process, for a DSpark drafter with a confidence head
 )
 TARGET_WIRING: tuple[str, ...] = (RESULT_OUTPUT,)
 # when the target layers are not known in advance (capture around a program): every layer
@@ -159,6 +174,16 @@ HF_BLOCK_SIZE = "block_size"
 HF_LOG_SNR = "log_snr_conditioning"
 HF_MIN_LOG_SNR = "min_log_snr"
 HF_MAX_LOG_SNR = "max_log_snr"
+# DSpark checkpoints (upstream conversion/qwen.py DSparkModel; tensor_mapping without `model.`)
+HF_MARKOV_W1 = "markov_head.markov_w1.weight"   # (n_vocab, rank)
+HF_MARKOV_W2 = "markov_head.markov_w2.weight"   # (n_vocab_draft, rank)
+HF_MARKOV_W2_SCALE = "markov_head.markov_w2.scale"
+HF_CONF_PROJ_W = "confidence_head.proj.weight"  # (1, n_embd + rank)
+HF_CONF_PROJ_B = "confidence_head.proj.bias"    # (1,)
+HF_D2T = "d2t"                                  # (n_vocab_draft,) offsets: target id = d2t[i] + i
+HF_SAMPLE_FROM_ANCHOR = "sample_from_anchor"    # absent: anchor-first (DFlash-lineage exports)
+HF_DRAFT_VOCAB_SIZE = "draft_vocab_size"
+HF_IS_CAUSAL = "is_causal"
 
 # --- reference: more llama.cpp callback names (src/models/dflash.cpp, llama-graph.cpp) -----------
 QCUR = "Qcur"
@@ -175,6 +200,8 @@ HYP_TABLE_TARGET = "table=target"  # inp_noise_embd@table=target: embedded with 
 HYP_NO_LOG_SNR = "log_snr=none"    # dspark_draft_embd_snr@log_snr=none: the rows without the log-SNR term
 HYP_LEVELS_SWAPPED = "levels=swapped"  # dspark_log_snr_feat@levels=swapped: anchor row at min_log_snr, mask rows at max
 HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm: the term added to layer 0's attn norm
+HYP_ANCHOR_BONUS = "anchor=bonus"  # draft_logits@anchor=bonus: the Markov chain laid out bonus-anchor (from row 1)
+HYP_ANCHOR_FIRST = "anchor=first"  # draft_logits@anchor=first: the Markov chain laid out anchor-first (from row 0)
 
 
 def candidate_name(record: str, hypothesis: str) -> str:
@@ -191,7 +218,12 @@ UNNAMED_NODE_PREFIX = "node_"  # ggml's name for a node nobody named: `node_<n>`
 # Names both producers are expected to write: a name in this set present on one side only is a
 # `missing_tensor` / `unexpected_tensor` error; any other one-sided name is only reported as info.
 # (inp_pos is left out: the reference does not record positions, the run's eval entries carry them.)
-WIRING_NAMES: tuple[str, ...] = DEFAULT_FILTERS
+# The API readbacks are left out: dumps captured before featdiff read them back lack them.
+READBACK_RECORDS = (DRAFT_LOGITS, DSPARK_CONF)
+# Readbacks that may hold only a sampler's top-k candidates (-inf elsewhere): `--exec` with
+# llama.cpp's backend draft sampling, its default
+TRUNCATED_READBACKS = (DRAFT_LOGITS,)
+WIRING_NAMES: tuple[str, ...] = tuple(n for n in DEFAULT_FILTERS if n not in READBACK_RECORDS)
 # Hugging Face config.json keys the reference reads
 HF_MODEL_TYPE = "model_type"
 HF_HIDDEN_SIZE = "hidden_size"

@@ -10,9 +10,9 @@ the user's old one was. An existing output that is not an input is replaced: tha
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from featdiff.errors import InputError
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff import names
+from featdiff.blocks import DEFAULT_DRAFT_MAX, run_block_rows
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
-from featdiff.blocks import DEFAULT_DRAFT_MAX, run_block_rows
+from featdiff.filters import capture_filters
 
 DEFAULT_ROUNDS = 6        # in-process: rounds per prompt
 DEFAULT_N_PREDICT = 16    # through llama-server: tokens per request
@@ -196,7 +197,7 @@ def run_through_server(command: list[str], prompts: tuple[Prompt, ...], n_predic
     requests = [server.CompletionRequest(p.text if p.text is not None else tuple(p.tokens or ()), n_predict) for p in prompts]
     with tempfile.TemporaryDirectory(prefix="featdiff-probe-") as work:
         prefix = Path(work) / "probe.spool"
-        answers = server.serve(command, preload(prefix, list(PROBE_FILTERS), llama_dir), requests, prefix)
+        answers = server.serve(command, preload(prefix, capture_filters(PROBE_FILTERS), llama_dir), requests, prefix)
         flow = exec_capture.read_flow(prefix)
     parts = split_requests(flow.evals)
     if len(parts) != len(prompts):

@@ -8,12 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import synth
 from featdiff.compare import compare_dumps
 from featdiff.compare.align import plan_pairs, row_contexts
 from featdiff.compare.namemap import NameMap, builtin_map, read_name_map
 from featdiff.dump import DumpWriter, Manifest, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
+
+import synth
 from transform import rewrite, split_eval
 
 
@@ -102,6 +103,13 @@ def test_missing_wiring_tensor_is_an_error(synth_ref, synth_run):
 
 def test_missing_tensor_not_reported_when_the_capture_filter_left_it_out(synth_ref, synth_run):
     run = synth_run(drop=lambda ev, name: name == "inp_g_embeddings", build={"filters": ["l_out-*", "inp_*_features"]})
+    assert not any(f.kind == "missing_tensor" for f in compare_dumps(synth_ref, run, None).findings)
+
+
+def test_missing_tensor_not_reported_for_a_name_the_capture_excluded(synth_ref, synth_run):
+    """An exclusion (`--filter '!inp_g_embeddings'`) is recorded in the manifest and read by compare."""
+    run = synth_run(drop=lambda ev, name: name == "inp_g_embeddings",
+                    build={"filters": {"draft": ["*", "!inp_g_embeddings"], "target": ["*"]}})
     assert not any(f.kind == "missing_tensor" for f in compare_dumps(synth_ref, run, None).findings)
 
 

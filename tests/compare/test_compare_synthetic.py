@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import synth
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.dump import read_dump
+
+import synth
 
 REF_MODELS = {"draft": {"target_layers": [2, 4]}, "target": {"n_embd": 16}}
 
@@ -148,15 +149,17 @@ def test_head_major_keys_are_a_layout_transpose(synth_ref, tmp_path):
     assert not c.alignments[c.first_divergence].comparable
 
 
-def test_layer_match_matrix_for_the_report(synth_ref, synth_run):
-    from featdiff.compare import layer_match_matrix, load_pair
-    from featdiff.dump import read_dump
+def test_comparison_carries_the_layer_match_and_the_row_shift_it_concluded(synth_ref, synth_run):
+    from featdiff.compare import layer_match_matrix
 
     run = synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS)
-    m = layer_match_matrix(synth_ref, run)
-    assert m.layers == tuple(range(6)) and m.expected_layers == (2, 4) and m.closest_layers == (3, 5)
-    assert m.similarity.shape == m.rel_err.shape == (2, 6) and m.similarity[0, 3] == max(m.similarity[0])
     c = compare_dumps(synth_ref, run, None)
-    with read_dump(synth_ref) as ref_d, read_dump(run) as run_d:
-        ref_rows, run_rows = load_pair(ref_d, run_d, c.alignments[c.first_divergence])
-    assert ref_rows.shape == run_rows.shape == (7, 32)
+    m = c.layer_match
+    assert m.layers == tuple(range(6)) and m.expected_layers == (2, 4) and m.closest_layers == (3, 5)
+    assert m.run_layers == (2, 4)  # what the run's manifest says: the GGUF stated the expected layers
+    assert m.similarity.shape == m.rel_err.shape == (2, 6) and m.similarity[0, 3] == max(m.similarity[0])
+    assert m.expected_columns() == (2, 4)
+    alone = layer_match_matrix(synth_ref, run)  # the search alone gives the same matrix
+    assert np.array_equal(alone.similarity, m.similarity) and alone.closest_layers == m.closest_layers
+    assert c.row_shift.record == "inp_target_features (e1 draft inject)" and c.row_shift.similarity.shape == (7, 7)
+    assert c.row_shift.best_shift() == 0  # wrong layers, not shifted rows

@@ -9,9 +9,9 @@ import pytest
 from featdiff.compare import detectors as d
 from featdiff.compare import wiring as w
 from featdiff.compare.detectors import Evidence, Rope, rotate
-from featdiff.compare.wiring import best_assignment
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance
+from featdiff.compare.wiring import best_assignment
 
 TOL = Tolerance(rel=1e-3, sources=("test",))
 RNG = np.random.default_rng(0)

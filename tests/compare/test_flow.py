@@ -8,9 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-import synth
 from featdiff.compare import flow, kvcache
 from featdiff.dump import Eval, Manifest, MemoryOp
+
+import synth
 
 SPEC = synth.Spec()  # prompt of 8 tokens: prefill 0..6; round 1 at 7..10, round 2 at 9..12
 PROMPT = SPEC.prompt

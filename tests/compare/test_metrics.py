@@ -7,9 +7,18 @@ import pytest
 
 from featdiff.compare.metrics import measure, relative_error, row_cosine, row_similarity
 from featdiff.compare.sketch import compare_sketches, projection, sample_rows, sketch, slot_sketches
-from featdiff.compare.tolerance import MAX_REL, REL_KV_F16, SAFETY, Tolerance, TypeInfo, tolerance_for
+from featdiff.compare.tolerance import (
+    MAX_REL,
+    REL_F32,
+    REL_KV_F16,
+    REL_KV_Q8_0,
+    SAFETY,
+    Tolerance,
+    TypeInfo,
+    tolerance_for,
+    type_info,
+)
 from featdiff.dump import Manifest
-from featdiff.compare.tolerance import type_info
 
 RNG = np.random.default_rng(0)
 
@@ -60,9 +69,23 @@ def test_tolerance_grows_with_the_types_and_is_capped():
 
 def test_type_info_reads_the_manifests():
     run = Manifest("llama.cpp", {"target": {"weight_types": ["f32", "q8_0"]}, "draft": {"weight_types": ["f32"]}},
-                   {"type_k": "q8_0"}, (), ())
-    ref = Manifest("reference", {}, {"dtype": "bfloat16"}, (), ())
-    assert type_info(ref, run) == TypeInfo("q8_0", ("q8_0",), "bfloat16")
+                   {"kv_types": {"target": {"k": "q8_0", "v": "f16"}, "draft": {"k": "f16", "v": "f16"}}}, (), ())
+    ref = Manifest("reference", {}, {"dtype": "bfloat16", "kv_dtype": "f16"}, (), ())
+    assert type_info(ref, run) == TypeInfo("q8_0", ("q8_0",), "bfloat16")  # the coarsest cache of the run
+
+
+def test_kv_type_defaults_to_llama_cpps_f16_and_reads_the_references_key():
+    assert type_info(Manifest("reference", {}, {}, (), ()), Manifest("llama.cpp", {}, {}, (), ())).kv_type == "f16"
+    as_ref = Manifest("reference", {}, {"kv_dtype": "f32"}, (), ())
+    assert type_info(as_ref, as_ref).kv_type == "f32"
+
+
+def test_q8_0_cache_bound_is_looser_than_f16_and_names_its_source():
+    q8, f16 = TypeInfo("q8_0", (), "float32"), TypeInfo("f16", (), "float32")
+    post = tolerance_for("l_out-3", False, q8)
+    assert post.rel == pytest.approx(SAFETY * np.hypot(REL_F32, REL_KV_Q8_0)) and "q8_0 KV cache" in post.sources
+    assert post.rel > tolerance_for("l_out-3", False, f16).rel
+    assert tolerance_for("inp_noise_embd", False, q8) == tolerance_for("inp_noise_embd", False, f16)  # before attention
 
 
 def test_sketches_are_deterministic_and_find_the_layer():
@@ -70,7 +93,7 @@ def test_sketches_are_deterministic_and_find_the_layer():
     feats = np.concatenate([layers[3], layers[5]], axis=1)  # (T, 2 * n_embd)
     proj = projection(64)
     assert np.array_equal(proj, projection(64))
-    err, sim = compare_sketches(slot_sketches(feats, 2, proj), np.stack([sketch(l, proj) for l in layers]))
+    err, sim = compare_sketches(slot_sketches(feats, 2, proj), np.stack([sketch(layer, proj) for layer in layers]))
     assert err.shape == (2, 6) and list(err.argmin(axis=1)) == [3, 5]
     assert err[0, 3] < 1e-5 and sim[1, 5] == pytest.approx(1.0)
 

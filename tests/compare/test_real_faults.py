@@ -14,6 +14,8 @@ from featdiff import names
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.compare.result import Finding
 from featdiff.dump import DumpWriter, read_dump, record_key
+
+from findings_schema import validate_findings, written
 from quantize import quantize_gguf
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from transform import rewrite
@@ -22,6 +24,7 @@ FIRST_INJECT = 1  # eval of the prefill's inject (docs/flow.md)
 
 
 def errors(c) -> list[Finding]:
+    validate_findings(written(c.to_json()))  # every real comparison's JSON follows the schema
     return [f for f in c.findings if f.severity == "error"]
 
 
@@ -44,6 +47,29 @@ def test_correct_fixture_pair_exits_zero_with_no_error(clean):
     assert exit_code(c) == 0 and c.ok and not errors(c)
     assert c.first_divergence is None and len(c.pairs) > 40
     assert {f.kind for f in c.findings} <= {"numeric_noise"}
+
+
+def test_in_process_capture_is_judged_by_llama_cpps_f16_cache(clean):
+    with read_dump(clean[1]) as d:
+        assert d.manifest.build["kv_types"] == {"draft": {"k": "f16", "v": "f16"}, "target": {"k": "f16", "v": "f16"}}
+    assert compare_dumps(*clean, None).types["kv_type"] == "f16"
+
+
+def test_capture_with_an_exclusion_filter_compares_clean(captured, checkpoint_ref):
+    """README's `--filter 'l_out-*' --filter '!l_out-0'` on top of the default wiring: the excluded
+    records are filtered out, not missing (the manifest keeps the exclusion)."""
+    from featdiff.filters import default_specs
+
+    with read_dump(captured("clean")) as d:
+        layers = tuple(d.manifest.models["draft"]["target_layers"])
+    run = captured("clean", filters=(*default_specs(layers), "l_out-*", "!l_out-0"))
+    with read_dump(run) as d:
+        assert "!l_out-0" in d.manifest.build["filters"]["draft"]
+        assert not any(r.name == "l_out-0" for r in d.records()) and any(r.name == "l_out-1" for r in d.records())
+    c = compare_dumps(checkpoint_ref("clean"), run, None)
+    assert exit_code(c) == 0 and c.ok, [(f.kind, f.tensor, f.message) for f in errors(c)]
+    assert c.coverage.ref_only > 0  # the reference's l_out-0: left out on purpose, so no finding
+    assert not any(f.kind == "missing_tensor" for f in c.findings)
 
 
 def test_q8_0_target_gives_numeric_noise_only(clean, fixture_models, tmp_path_factory):

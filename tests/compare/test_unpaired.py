@@ -10,10 +10,11 @@ from dataclasses import replace
 import numpy as np
 from typer.testing import CliRunner
 
-import synth
 from featdiff.cli import app
 from featdiff.compare import compare_dumps, exit_code, verdict
 from featdiff.dump import DumpWriter, read_dump, record_from_array, record_key
+
+import synth
 from transform import rewrite
 
 FIRST_DRAFT = 2  # the draft eval of round 1 (synth.flow)

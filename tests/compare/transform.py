@@ -3,9 +3,9 @@ chunks (a chunked prefill). The transforms of real dumps that plant one fault ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

@@ -17,6 +17,7 @@ from gguf import GGUFReader
 
 from featdiff import fixtures
 from featdiff.dump import read_dump
+
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 GOLDEN = Path(__file__).parent / "golden" / "clean_records.jsonl"
@@ -109,10 +110,11 @@ def test_filters_select_by_role_and_exclude(captured):
 
 
 def test_an_exclusion_can_name_a_role():
-    from featdiff.llama.capture import role_filters
+    from featdiff.filters import ROLE_IDS, capture_filters
 
-    globs = role_filters(["l_out-*", "!target:l_out-0"])
-    assert "!l_out-0" in globs[0] and "!l_out-0" not in globs[1] and "l_out-*" in globs[1]
+    globs = capture_filters(["l_out-*", "!target:l_out-0"]).shim_globs()
+    target, draft = globs[ROLE_IDS["target"]], globs[ROLE_IDS["draft"]]
+    assert "!l_out-0" in target and "!l_out-0" not in draft and "l_out-*" in draft
 
 
 def _long_capture_under_way(d: Path, out: Path) -> subprocess.Popen:

@@ -18,6 +18,8 @@ from featdiff.compare import compare_dumps, exit_code
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
 from featdiff.llama import exec as exec_capture
+
+from findings_schema import validate_findings, written
 from test_exec import RUN_TIMEOUT_S, TOKENS, _command, tools  # noqa: F401  (tools: a session fixture)
 
 FAULT_VAR = "FEATDIFF_FAULT"
@@ -80,6 +82,7 @@ def user_reference(planted, referenced):
 def _findings(planted, user_reference, program: str, fault: str | None):
     """The comparison, and its findings by kind (the first of each kind)."""
     comparison = compare_dumps(user_reference(program), planted(program, fault))
+    validate_findings(written(comparison.to_json()))  # the findings JSON of each fault follows the schema
     return comparison, {f.kind: f.to_json() for f in reversed(comparison.findings)}
 
 

@@ -17,6 +17,7 @@ from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.exec import ExecContext, ExecEval, ExecLog, flow_evals, prompt_from_evals
 from featdiff.llama.preload import preload, preload_library
+
 from real_flow import DEFAULT_TOKENS
 
 TOKENS = DEFAULT_TOKENS  # the server request

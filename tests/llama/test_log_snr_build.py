@@ -18,6 +18,7 @@ from featdiff.compare import compare_dumps, exit_code
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.probe import probe, read_prompts
+
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from test_exec import RUN_TIMEOUT_S, TOKENS, _command, tools  # noqa: F401  (tools: a session fixture)
 

@@ -46,7 +46,10 @@ def test_lint_flags_broken_drafter(case, variant_dir, edit_gguf, tmp_path):
     assert expected in result.output
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+LINT_NAMES = {"dspark-lost-markov"}  # its GGUF alone says the Markov head is gone (tests/reference/test_dspark_io.py)
+
+
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - LINT_NAMES))
 def test_lint_passes_fixture_drafters(variant, variant_dir):
     d = variant_dir(variant)
     assert lint_gguf(d / "draft.gguf", d / "target.gguf") == []

@@ -31,7 +31,7 @@ def test_manifest_carries_the_contract_fields(ref_dump):
         m = d.manifest
     assert m.source == "reference"
     assert m.prompt_tokens == tuple(range(1, 11))
-    assert set(m.build) == {"torch", "device", "dtype", "kv_dtype", "block_rows"}
+    assert set(m.build) == {"torch", "device", "dtype", "kv_dtype", "block_rows", "p_min"}
     assert m.build["kv_dtype"] == "f16" and m.build["dtype"] == "float32"
     assert m.build["block_rows"] == B  # llama.cpp's default: min(3, block_size - 1) + 1 = 4 for block size 4
     draft = m.models["draft"]

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from featdiff.report import write_report
 
 from chromium_probe import assert_renders, probe
-from featdiff.report import write_report
+
+pytestmark = pytest.mark.browser
+
 
 def test_report_renders_with_findings_and_every_figure_decoded(plus1_pair, tmp_path: Path) -> None:
     page = write_report(plus1_pair.ref, plus1_pair.run, tmp_path / "report.html",

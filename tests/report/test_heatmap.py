@@ -5,10 +5,18 @@ from __future__ import annotations
 import numpy as np
 
 from featdiff.compare.result import Comparison, PairMetrics
-from featdiff.report.figure import LayerMatch, RowShift, bin_map, map_divergence
-from featdiff.report.heatmap import (MAX_MAP_COLS, MAX_MAP_ROWS, MIN_LABEL_GAP_IN,
-                                     draw_divergence_map, draw_layer_match, draw_row_shift,
-                                     png_from_figure)
+from featdiff.compare.rowshift import RowShift
+from featdiff.compare.sketch import LayerMatch
+from featdiff.report.figure import bin_map, map_divergence
+from featdiff.report.heatmap import (
+    MAX_MAP_COLS,
+    MAX_MAP_ROWS,
+    MIN_LABEL_GAP_IN,
+    draw_divergence_map,
+    draw_layer_match,
+    draw_row_shift,
+    png_from_figure,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -51,7 +59,7 @@ def test_divergence_map_of_hundreds_of_records_and_thousands_of_positions_is_bin
 
 def test_layer_match_of_many_layers_keeps_ticks_and_drops_cell_numbers() -> None:
     matrix = np.random.default_rng(0).uniform(0, 1, (5, 80))
-    m = LayerMatch(matrix, tuple(range(80)), (3, 10, 20, 30, 40), n_rows=100)
+    m = LayerMatch("inp_target_features", tuple(range(80)), (3, 10, 20, 30, 40), 1 - matrix, matrix, tuple(range(100)))
     fig = draw_layer_match(m)
     ax = _axes(fig)
     assert not ax.texts and len(ax.get_xticks()) <= 40
@@ -61,7 +69,7 @@ def test_layer_match_of_many_layers_keeps_ticks_and_drops_cell_numbers() -> None
 
 
 def test_layer_match_of_few_layers_prints_each_cell() -> None:
-    m = LayerMatch(np.eye(2, 6), tuple(range(6)), (0, 1), n_rows=3)
+    m = LayerMatch("inp_target_features", tuple(range(6)), (0, 1), 1 - np.eye(2, 6), np.eye(2, 6), (0, 1, 2))
     assert len(_axes(draw_layer_match(m)).texts) == 12
 
 

@@ -5,27 +5,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from chromium_probe import assert_renders
 from featdiff.cli import app
-from featdiff.dump import read_dump
-from featdiff.report import layer_match_from_dumps, write_report
+from featdiff.report import write_report
+
+from chromium_probe import assert_renders
 
 EXIT_FINDINGS = 1
 
 
 def test_layer_match_of_the_off_by_one_demo_is_the_expected_layer_plus_one(real_pair) -> None:
-    pair = real_pair("layers-plus1")
-    with read_dump(pair.ref) as ref, read_dump(pair.run) as run:
-        m = layer_match_from_dumps(ref, run)
+    m = real_pair("layers-plus1").comparison.layer_match  # compare's, as the report draws it
     assert m is not None
-    assert m.expected == (2, 4) and m.run_layers == (3, 5)  # checkpoint ids + 1, and the GGUF's
-    assert m.best_layers() == tuple(L + 1 for L in m.expected)
+    assert m.expected_layers == (2, 4) and m.run_layers == (3, 5)  # checkpoint ids + 1, and the GGUF's
+    assert m.closest_layers == tuple(L + 1 for L in m.expected_layers)
     for k, j in enumerate(m.expected_columns()):
-        assert j is not None and m.matrix[k, j] < m.matrix[k].max()  # outlined cell is not the brightest
+        assert j is not None and m.similarity[k, j] < m.similarity[k].max()  # outlined cell is not the brightest
 
 
+@pytest.mark.browser
 def test_off_by_one_report_renders_in_chromium(real_pair, tmp_path: Path) -> None:
     pair = real_pair("layers-plus1")
     page = write_report(pair.ref, pair.run, tmp_path / "report.html", comparison=pair.comparison,

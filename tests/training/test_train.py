@@ -17,7 +17,8 @@ from featdiff.training.records import draft_record, target_record  # noqa: E402
 from featdiff.training.target import LOOKBACK, lookback_target  # noqa: E402
 
 SEED = 0
-TINY_RUN = TrainConfig(n_prompts=4, n_tokens=20, n_held_out=2, steps=2, seqs_per_step=2, anchors_per_seq=4, threads=1)
+TINY_RUN = TrainConfig(n_prompts=4, n_tokens=20, n_held_out=2, steps=2, dspark_steps=2, seqs_per_step=2,
+                       anchors_per_seq=4, threads=1)
 SAME_FORWARD_ATOL = 1e-4  # packed (one batch, masked) vs one block at a time: float32 summation order only
 
 
@@ -39,17 +40,18 @@ def test_lookback_target_continues_with_a_fixed_map_of_the_token_a_block_back(pa
     assert len(seen) > 20
 
 
-def test_packed_blocks_give_the_logits_of_one_block_at_a_time(pair):
+@pytest.mark.parametrize("n_block", [3, fixtures.BLOCK_SIZE])  # 3: anchor-first DSpark's default block
+def test_packed_blocks_give_the_logits_of_one_block_at_a_time(pair, n_block):
     target, draft, corpus = pair
     anchors = torch.tensor([[11, 15], [12, 18], [11, 19]])
-    batch = packed_batch(corpus, torch.arange(3), anchors, draft.mask_token_id)
+    batch = packed_batch(corpus, torch.arange(3), anchors, draft.mask_token_id, n_block)
     with torch.no_grad():
-        packed = block_logits(draft, target, batch).reshape(3, 2, fixtures.BLOCK_SIZE, -1)
+        packed = block_logits(draft, target, batch).reshape(3, 2, n_block, -1)
         for s, row in enumerate(anchors.tolist()):
             for k, a in enumerate(row):
                 ctx = inject(draft, corpus.features[s, :a], torch.arange(a), f32_cache(draft.hparams))
-                block = torch.tensor([int(corpus.tokens[s, a])] + [draft.mask_token_id] * (fixtures.BLOCK_SIZE - 1))
-                one = draft_block(draft, target, block, torch.arange(a, a + fixtures.BLOCK_SIZE), ctx.cache).logits
+                block = torch.tensor([int(corpus.tokens[s, a])] + [draft.mask_token_id] * (n_block - 1))
+                one = draft_block(draft, target, block, torch.arange(a, a + n_block), ctx.cache).logits
                 assert torch.allclose(packed[s, k], one, atol=SAME_FORWARD_ATOL), (s, a)
 
 
@@ -61,11 +63,12 @@ def test_held_out_prompts_are_not_training_prompts():
 
 def test_training_is_deterministic_given_the_seed():
     a, b = train_pair(3, config=TINY_RUN), train_pair(3, config=TINY_RUN)
-    for name in ("target", "draft", "draft_log_snr"):
+    for name in cache.CHECKPOINTS:
         flat_a, flat_b = cache._flat(getattr(a, name)), cache._flat(getattr(b, name))
         assert flat_a.keys() == flat_b.keys()
         assert all(np.array_equal(flat_a[k], flat_b[k]) for k in flat_a), name
     assert "log_snr_fc1" in a.draft_log_snr and "log_snr_fc1" not in a.draft
+    assert "markov_w1" in a.draft_dspark and "markov_w1" not in a.draft
 
 
 def test_cache_trains_once_then_loads(tmp_path, monkeypatch):

@@ -9,18 +9,21 @@ Called by the CLI:
 * `write_json(c, dest)`: `{"ok", "findings", "records", "coverage"}` to a file, or stdout for "-"
   (docs/findings.md is the contract).
 
-For report/ (all pure reads of dumps, nothing written):
+For report/ (which renders a `Comparison` and computes nothing of its own):
 * `Comparison` (result.py): `findings`, `pairs` (one `PairMetrics` per compared record set, in
-  eval and graph order, with `row_rel_err` per row and `positions`), `alignments` (parallel to
-  `pairs`: the `Alignment` plan of each: ref/run keys comma-joined when a record spans several
-  evals, layout, `rows`/`run_rows`/`positions`), `first_divergence` (index into `pairs`),
-  `skipped` (what was not compared, one line each), `coverage` (`Coverage`: record sets and rows
-  compared, and each `Skip` with its reason), `types` (what the tolerance model used).
-* `load_pair(ref_dump, run_dump, alignment) -> (ref, run)`: the compared (R, D) rows of a pair.
-* `layer_match_matrix(ref_dump, run_dump, name_map=None, eval_index=None) -> LayerMatch | None`:
-  the slot x layer matrix of the injected features; `LayerMatch.rel_err` / `.similarity` are
-  `(n_extract, len(layers))`, `.layers` the layer ids of the columns, `.expected_layers` the
-  checkpoint's `target_layers`, `.closest_layers` the best layer per slot.
+  eval and graph order, with `row_rel_err` per row and `positions`; `first_bad_position()`),
+  `alignments` (parallel to `pairs`: the `Alignment` plan of each: ref/run keys comma-joined when
+  a record spans several evals, layout, `rows`/`run_rows`/`positions`), `first_divergence`
+  (index into `pairs`), `skipped` (what was not compared, one line each), `coverage`
+  (`Coverage`: record sets and rows compared, and each `Skip` with its reason), `types` (what the
+  tolerance model used), `layer_match` (sketch.py `LayerMatch`: the first injected features'
+  slot x layer matrix; `.similarity` / `.rel_err` are `(n_extract, len(layers))`, `.layers` the
+  layer ids of the columns, `.expected_layers` the checkpoint's `target_layers`, `.run_layers`
+  the run's, `.closest_layers` the best layer per slot) and `row_shift` (rowshift.py `RowShift`:
+  run rows x ref rows of the first divergent record, cosine, `.best_shift()`). The findings JSON
+  carries all of it (docs/findings.md).
+* `layer_match_matrix(ref, run, name_map=None, eval_index=None) -> LayerMatch | None`: the
+  layer-match search alone, from two dump files.
 * `row_similarity(ref, run) -> (n_run, n_ref)` cosine of every run row with every ref row (row
   shifts show as an off-diagonal); `row_cosine(ref, run) -> (R,)` the same-row cosine.
 * `target_layers(manifest) -> tuple[int, ...]`: the drafter's `target_layers` a manifest states.
@@ -28,8 +31,9 @@ For report/ (all pure reads of dumps, nothing written):
 Modules: align.py (plan: pairs, name map, layouts, rows, what is left out), flow.py (token ids
 and positions against the flow and the reference), arrays.py (memory-mapped reads),
 metrics.py, tolerance.py (the tolerance model and its calibration), sketch.py (layer-match
-sketches), evidence.py (what the detectors see), detectors.py + wiring.py (one `detect_<kind>`
-per finding kind), diagnose.py (first divergence, own vs inherited error, the detector chain),
+sketches), rowshift.py (the row-shift matrix), evidence.py (what the detectors see),
+detectors.py + wiring.py (one `detect_<kind>` per finding kind), diagnose.py (first divergence,
+own vs inherited error, the detector chain),
 comparison.py (the stage), render.py (terminal, JSON, exit code), namemap.py + maps/ (forks).
 
 Findings fields beyond DESIGN.md's table: `rows` (zeros, nonfinite, stale) are token positions
@@ -52,15 +56,16 @@ One-sided records: reference-only candidates (`layer_inp-<L>`, `<record>@<h>`, a
 the log-SNR nodes is one `missing_term` instead); any other one-sided name is one info finding.
 """
 
-from featdiff.compare.comparison import compare_dumps, layer_match_matrix, load_pair
+from featdiff.compare.comparison import compare_dumps, layer_match_matrix
 from featdiff.compare.evidence import target_layers
 from featdiff.compare.metrics import row_cosine, row_similarity
 from featdiff.compare.render import exit_code, render_summary, verdict, write_json
 from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics, Skip
+from featdiff.compare.rowshift import RowShift
 from featdiff.compare.sketch import LayerMatch
 
 __all__ = [
-    "Alignment", "Comparison", "Coverage", "Finding", "LayerMatch", "PairMetrics", "Skip", "compare_dumps",
-    "exit_code", "layer_match_matrix", "load_pair", "render_summary", "row_cosine", "row_similarity",
+    "Alignment", "Comparison", "Coverage", "Finding", "LayerMatch", "PairMetrics", "RowShift", "Skip",
+    "compare_dumps", "exit_code", "layer_match_matrix", "render_summary", "row_cosine", "row_similarity",
     "target_layers", "verdict", "write_json",
 ]

@@ -13,8 +13,8 @@ drafts do not compare unrelated tokens.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 
@@ -97,9 +97,10 @@ class Plan:
 
 
 def is_reference_only(name: str) -> bool:
-    """Records only the reference writes, as candidates: `layer_inp-<L>`, `x@h`, and the old
-    names of graph records (`log_snr_embed`, names.OLD_RECORD_NAMES) in older reference dumps."""
-    return (names.CANDIDATE_SEP in name or name in names.OLD_RECORD_NAMES
+    """Records only the reference writes, as candidates: `layer_inp-<L>`, `x@h`, DSpark's
+    `dspark_markov_bias`, and the old names of graph records (`log_snr_embed`,
+    names.OLD_RECORD_NAMES) in older reference dumps."""
+    return (names.CANDIDATE_SEP in name or name in names.OLD_RECORD_NAMES or name == names.DSPARK_MARKOV_BIAS
             or name.startswith(names.LAYER_INP + "-"))
 
 
@@ -395,13 +396,36 @@ def side_rows(arrays: list[np.ndarray]) -> np.ndarray:
     return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)  # (n_rows, D)
 
 
-def pair_arrays(alignment: Alignment, ref_rows: np.ndarray, run_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Apply an alignment: the compared (R, D) rows of ref and run, in the same order."""
+def pair_arrays(alignment: Alignment, ref_rows: np.ndarray, run_rows: np.ndarray,
+                name: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Apply an alignment: the compared (R, D) rows of ref and run, in the same order, with the
+    values that carry no evidence zeroed on both sides (`comparable_values`)."""
     if not alignment.comparable:
         raise ValueError(f"{alignment.run_key}: not comparable ({alignment.layout})")
-    if not alignment.positions:
-        return ref_rows, run_rows
-    return _take(ref_rows, alignment.rows), _take(run_rows, alignment.run_rows)  # (R, D) each
+    if alignment.positions:
+        ref_rows, run_rows = _take(ref_rows, alignment.rows), _take(run_rows, alignment.run_rows)  # (R, D) each
+    return comparable_values(name, ref_rows, run_rows)
+
+
+def comparable_values(name: str, ref: np.ndarray, run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`ref`, `run` with the values that carry no evidence set to 0 on both sides:
+
+    * the same infinity on both sides: a reduced-vocabulary drafter's logits (`d2t`) are -inf off
+      its rows by construction, in the graph and in the reference alike;
+    * -inf in the run's `draft_logits` where the reference is finite: llama.cpp's backend sampler
+      (its default for the draft) keeps its top-k candidates only, so the preload reads back those
+      and nothing else (docs/records.md).
+
+    An infinity (or NaN) the run alone holds anywhere else stays: that is a fault.
+    """
+    if ref.shape != run.shape or ref.dtype.kind != "f" or np.isfinite(run).all():
+        return ref, run
+    blank = np.isinf(ref) & (ref == run)
+    if name in names.TRUNCATED_READBACKS:
+        blank |= np.isneginf(run) & np.isfinite(ref)
+    if not blank.any():
+        return ref, run
+    return np.where(blank, 0.0, ref).astype(ref.dtype), np.where(blank, 0.0, run).astype(run.dtype)
 
 
 def _take(rows: np.ndarray, index: tuple[int, ...]) -> np.ndarray:

@@ -3,7 +3,8 @@
 Pairs stream one at a time (read, align, measure, drop), so memory is bounded by the largest
 pair; only the roots are read again, with their candidates, for the detectors. The findings
 open with what the token ids and positions say (flow.py), and the comparison carries its
-coverage: what was compared and what was left out, and why.
+coverage: what was compared and what was left out, and why, and what the report draws of it:
+the layer match of the first injected features and the row shift of the first divergence.
 """
 
 from __future__ import annotations
@@ -13,17 +14,26 @@ from pathlib import Path
 
 import numpy as np
 
+from featdiff import __version__
 from featdiff.compare import diagnose, flow
-from featdiff.compare.align import Pair, Plan, pair_arrays, plan_pairs, side_rows
+from featdiff.compare.align import Pair, Plan, pair_arrays, plan_pairs
 from featdiff.compare.detectors import detect_numeric_noise
-from featdiff.compare.evidence import (Source, build_evidence, first_feature_pair, layer_match, open_source,
-                                       position_evidence, target_layers)
+from featdiff.compare.evidence import (
+    Source,
+    build_evidence,
+    first_feature_pair,
+    layer_match,
+    open_source,
+    position_evidence,
+    target_layers,
+)
 from featdiff.compare.metrics import Measurement, measure
 from featdiff.compare.namemap import NameMap, read_name_map
-from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics
+from featdiff.compare.result import Comparison, Coverage, Finding, PairMetrics
+from featdiff.compare.rowshift import RowShift, measure_row_shift
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance, TypeInfo, describe, tolerance_for, type_info
-from featdiff.dump import Dump, Manifest, read_dump
+from featdiff.dump import Manifest, read_dump
 from featdiff.errors import InputError
 
 NOT_MEASURED = Measurement(max_abs=float("nan"), nmse=float("nan"), cos_min=float("nan"),
@@ -47,12 +57,22 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
         within = [m.within(t) for m, t in zip(measured, tols)]
         walk = diagnose.find_roots(plan.pairs, within)
         findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules)
-    metrics = tuple(pair_metrics(p, m, t, ok, i in walk.inherited)
-                    for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within)))
+        metrics = tuple(pair_metrics(p, m, t, ok, i in walk.inherited)
+                        for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within)))
+        match = first_layer_match(ref_src, run_src, plan)
+        shift = row_shift_of(ref_src, run_src, plan.pairs[walk.first_divergence],
+                             metrics[walk.first_divergence]) if walk.first_divergence is not None else None
     return Comparison(ref_path=str(ref), run_path=str(run), findings=findings, pairs=metrics,
                       alignments=tuple(p.alignment for p in plan.pairs),
                       first_divergence=walk.first_divergence, skipped=plan.skipped, types=describe(types),
-                      coverage=coverage(plan), map_path=None if name_map is None else str(name_map))
+                      coverage=coverage(plan), map_path=None if name_map is None else str(name_map),
+                      versions=versions(run_dump.manifest), layer_match=match, row_shift=shift)
+
+
+def versions(run: Manifest) -> dict[str, str | None]:
+    """featdiff's version, and the llama.cpp version the run's build states (None: unknown)."""
+    llama = run.build_info.llama
+    return {"featdiff": __version__, "llama_cpp": llama if llama and llama != "unknown" else None}
 
 
 def _nothing_paired(ref: Path, run: Path, plan: Plan, ref_manifest: Manifest, run_manifest: Manifest) -> str:
@@ -89,7 +109,7 @@ def measure_pair(ref: Source, run: Source, pair: Pair) -> Measurement:
     """Read, align and measure one pair; a pair whose shapes cannot be aligned is not measured."""
     if not pair.alignment.comparable:
         return NOT_MEASURED
-    ref_rows, run_rows = pair_arrays(pair.alignment, ref.rows(pair.ref), run.rows(pair.run))
+    ref_rows, run_rows = pair_arrays(pair.alignment, ref.rows(pair.ref), run.rows(pair.run), pair.name)
     return measure(ref_rows, run_rows)
 
 
@@ -101,7 +121,7 @@ def pair_metrics(pair: Pair, m: Measurement, tol: Tolerance, within: bool, inher
         rel_p50=m.rel_p50, rel_p99=m.rel_p99, tolerance=tol.nmse, within=within,
         row_rel_err=m.row_rel, positions=pair.alignment.positions, round=rnd,
         run_name=pair.run_name if pair.run_name != pair.name else "", row_tolerance=tol.row_rel,
-        inherited=inherited,
+        inherited=inherited, tolerance_sources=tol.sources,
     )
 
 
@@ -183,38 +203,40 @@ def _deduplicated(findings: list[Finding]) -> tuple[Finding, ...]:
     return tuple(out)
 
 
-# --- helpers for report/ -------------------------------------------------------------------------
+# --- what the report draws: compare's own layer match and row shift ---------------------------
 
-def _opened(dump: Dump | Path | str) -> Dump:
-    return dump if isinstance(dump, Dump) else read_dump(dump)
+def first_layer_match(ref: Source, run: Source, plan: Plan, eval_index: int | None = None) -> LayerMatch | None:
+    """Slot x layer match of the run's injected features against every ref `layer_inp-<L>`: of
+    the first inject eval (or the run's inject eval `eval_index`), with the layers each manifest
+    names; None when the dumps have no feature pair or the reference recorded no layer inputs."""
+    pair = first_feature_pair(plan.pairs, eval_index)
+    if pair is None or not pair.alignment.comparable or not pair.alignment.positions:
+        return None
+    _, run_rows = pair_arrays(pair.alignment, ref.rows(pair.ref), run.rows(pair.run))
+    n_extract = len(target_layers(ref.manifest))
+    match = layer_match(ref, pair, run_rows, n_extract) if n_extract else None
+    return None if match is None else replace(match, run_layers=target_layers(run.manifest))
 
 
-def layer_match_matrix(ref_dump: Dump | Path | str, run_dump: Dump | Path | str,
-                       name_map: Path | None = None, eval_index: int | None = None) -> LayerMatch | None:
-    """Slot x layer matrix of the run's injected features against every ref `layer_inp-<L>`.
+def row_shift_of(ref: Source, run: Source, pair: Pair, metrics: PairMetrics) -> RowShift | None:
+    """Run rows x ref rows of one pair as compare aligned them (by position), around its first
+    row over tolerance; None when its two sides could not be aligned or hold no rows."""
+    if not pair.alignment.comparable:
+        return None
+    ref_rows, run_rows = pair_arrays(pair.alignment, ref.rows(pair.ref), run.rows(pair.run), pair.name)  # (R, D) each
+    if not len(ref_rows) or not len(run_rows):
+        return None
+    run_positions = pair.alignment.positions or tuple(range(len(run_rows)))
+    ref_positions = pair.alignment.positions or tuple(range(len(ref_rows)))
+    return measure_row_shift(run_rows, ref_rows, run_positions, ref_positions,
+                             f"{metrics.name} (e{metrics.eval} {metrics.role} {metrics.phase})",
+                             focus=metrics.first_bad_position())
 
-    For the first inject eval (or the run's inject eval `eval_index`); None when the dumps have
-    no feature pair or the reference recorded no layer inputs. Dumps given as paths are opened
-    and closed here.
-    """
-    ref, run = _opened(ref_dump), _opened(run_dump)
-    try:
+
+def layer_match_matrix(ref_dump: Path | str, run_dump: Path | str, name_map: Path | None = None,
+                       eval_index: int | None = None) -> LayerMatch | None:
+    """`first_layer_match` of two dump files, without the rest of the comparison (the layer-match
+    search on its own: bench/bench_compare.py times it at scale)."""
+    with read_dump(ref_dump) as ref, read_dump(run_dump) as run:
         plan = plan_pairs(ref.manifest, run.manifest, read_name_map(name_map))
-        pair = first_feature_pair(plan.pairs, eval_index)
-        if pair is None or not pair.alignment.comparable or not pair.alignment.positions:
-            return None
-        ref_src, run_src = open_source(ref), open_source(run)
-        _, run_rows = pair_arrays(pair.alignment, ref_src.rows(pair.ref), run_src.rows(pair.run))
-        n_extract = len(target_layers(ref.manifest))
-        return layer_match(ref_src, pair, run_rows, n_extract) if n_extract else None
-    finally:
-        for given, opened in ((ref_dump, ref), (run_dump, run)):
-            if opened is not given:
-                opened.close()
-
-
-def load_pair(ref_dump: Dump, run_dump: Dump, alignment: Alignment) -> tuple[np.ndarray, np.ndarray]:
-    """The compared rows of one pair, as compare saw them: two (R, D) float arrays."""
-    ref_rows = side_rows([ref_dump.array(k) for k in alignment.ref_key.split(",")])
-    run_rows = side_rows([run_dump.array(k) for k in alignment.run_key.split(",")])
-    return pair_arrays(alignment, ref_rows, run_rows)
+        return first_layer_match(open_source(ref), open_source(run), plan, eval_index)

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import fnmatch
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-from dataclasses import dataclass
-from typing import Callable
 
 from featdiff import names
 from featdiff.compare import detectors as d
 from featdiff.compare import wiring as w
-from featdiff.compare.flow import batch_label
 from featdiff.compare.align import DRAFT_GROUP, GroupKey, Pair, Plan, RecordKey, flow_rank
+from featdiff.compare.flow import batch_label
 from featdiff.compare.namemap import NameMap
 from featdiff.compare.result import Finding, Skip
 from featdiff.dump import Manifest
@@ -42,7 +42,6 @@ FEEDERS: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
 LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
 LEAF_OPS = ("NONE", "")  # ggml's op of a leaf (an input tensor)
 MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same fault again
-FILTERS_KEY = "filters"  # run manifest `build` key: the capture's name globs, when recorded
 
 # The detector chain, most specific evidence first; the first to return a Finding names the cause.
 CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
@@ -156,19 +155,12 @@ def _wiring(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in names.WIRING_NAMES)
 
 
-def _captured(name: str, role: str, manifest: Manifest) -> bool:
-    """Whether the run's capture would have kept `name` on `role`: its recorded filters, per role
-    (`{"target": [...], "draft": [...]}`) or one list for both (the first form); all when unknown."""
-    recorded = manifest.build.get(FILTERS_KEY) or ["*"]
-    globs = recorded.get(role, []) if isinstance(recorded, dict) else recorded
-    return any(fnmatch.fnmatchcase(name, g) for g in globs)
-
-
 def absent_keys(plan: Plan, run: Manifest) -> list[RecordKey]:
     """Wiring records of the reference the run's graph lacks: in an eval group the run has, and
-    kept by the run's recorded capture filters (so not merely filtered out)."""
+    kept by the run's recorded capture filters, exclusions included (so not merely filtered out)."""
+    kept = run.build_info.filters
     return [k for k in plan.ref_only
-            if _wiring(k[1]) and k[0] in plan.run_groups and _captured(k[1], k[0][0], run)]
+            if _wiring(k[1]) and k[0] in plan.run_groups and kept.keeps(k[0][0], k[1])]
 
 
 def absent_records(plan: Plan, run: Manifest) -> dict[GroupKey, tuple[str, ...]]:
@@ -333,9 +325,10 @@ def _no_draft_message(s: Skip, more: str, explained: bool, parting: str | None, 
 
 
 def _fewer_drafts_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    return (f"the run verified fewer drafts than the reference in round {s.round} (llama.cpp drafts no more tokens "
-            f"than are left to generate), so {len(s.rows)} rows of {_where(s)} at the end of the reference's batch "
-            f"were not compared{more}")
+    why = ("the error findings above say why the run drafted differently" if explained else
+           "llama.cpp drafts no more tokens than are left to generate")
+    return (f"the run verified fewer drafts than the reference in round {s.round} ({why}), so {len(s.rows)} rows of "
+            f"{_where(s)} at the end of the reference's batch were not compared{more}")
 
 
 def _positions(rows: tuple[int, ...]) -> str:

@@ -60,7 +60,7 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
     eval group that the run's graph lacks (diagnose.absent_records)."""
     ref_all, run_all = ref.rows(pair.ref), run.rows(pair.run)
     al = pair.alignment
-    ref_rows, run_rows = pair_arrays(al, ref_all, run_all) if al.comparable else (ref_all, run_all)
+    ref_rows, run_rows = pair_arrays(al, ref_all, run_all, pair.name) if al.comparable else (ref_all, run_all)
     n_extract = _n_extract(ref.manifest, ref_rows.shape[1])
     earlier, earlier_evals = _earlier(ref, pair)
     return Evidence(

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from featdiff import names
 from featdiff.compare.align import DRAFT_GROUP, GroupKey, flow_rank, group_key, is_cut_short
-from featdiff.compare.kvcache import detect_duplicate_rows, detect_stale, span as _span
+from featdiff.compare.kvcache import detect_duplicate_rows, detect_stale
+from featdiff.compare.kvcache import span as _span
 from featdiff.compare.result import Finding
 from featdiff.dump import Eval, Manifest
 
@@ -170,7 +171,7 @@ def _block_length_finding(block: Batch, ref_block: Batch) -> Finding:
     observed = block.token_ids[row] if n_run > n_ref else None
     return Finding(kind="block_token", tensor=names.INP_NOISE_EMBD, severity="error",
                    message=f"{block.label} has {n_run} rows where the reference's has {n_ref}; llama.cpp drafts "
-                           f"--spec-draft-n-max + 1 rows: make the reference's block as long as the run's "
+                           f"--spec-draft-n-max + 1 rows (anchor-first DSpark: n-max): make the reference's block as long as the run's "
                            f"(`featdiff reference --run run.npz`, or --block {n_run})",
                    fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2],
                            "eval": block.eval})

@@ -27,7 +27,7 @@ def exit_code(c: Comparison) -> int:
 
 
 def _jsonable(value: Any) -> Any:
-    """NaN/Inf as null: strict JSON has no spelling for them."""
+    """`value` with NaN/Inf as null (strict JSON has no spelling for them), tuples as lists."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -38,7 +38,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(c: Comparison, dest: str) -> None:
-    """Write `{"ok", "findings", "records", "coverage"}` to the file `dest` (never one of the
+    """Write the findings JSON (docs/findings.md) to the file `dest` (never one of the
     comparison's inputs; replaced whole, never left half-written), or to stdout for "-"."""
     text = json.dumps(_jsonable(c.to_json()), indent=1, allow_nan=False) + "\n"
     if dest == "-":

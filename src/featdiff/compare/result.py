@@ -1,15 +1,24 @@
 """The records compare produces: pair metrics, alignments, findings and the whole comparison.
 
 These are the contract between compare/ (which fills them) and report/ and the CLI (which
-render them). JSON keys are the contract's names (DESIGN.md, findings vocabulary).
+render them). JSON keys are the contract's names (docs/findings.md, docs/findings.schema.json).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
+from featdiff.compare.rowshift import RowShift
+from featdiff.compare.sketch import LayerMatch
+
+# The findings JSON's schema version (docs/findings.schema.json): keys are only ever added; it
+# changes only if a key's meaning does.
+SCHEMA_VERSION = 1
 Severity = Literal["error", "info"]
 Kind = Literal[
     "layer_offset", "slot_permutation", "layout_transpose", "row_shift", "position_offset",
@@ -49,7 +58,7 @@ class Finding:
                             "severity": self.severity, "message": self.message}.items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Finding":
+    def from_json(d: dict[str, Any]) -> Finding:
         core = {"kind", "tensor", "severity", "message"}
         return Finding(kind=d["kind"], tensor=d["tensor"], severity=d["severity"],
                        message=d["message"], fields={k: v for k, v in d.items() if k not in core})
@@ -98,9 +107,27 @@ class PairMetrics:
     run_name: str = ""                   # the run's own name when a name map renamed it
     row_tolerance: float = 0.0           # on each row's relative error
     inherited: bool = False              # beyond tolerance, but so is an input it depends on
+    tolerance_sources: tuple[str, ...] = ()  # what the tolerance allows for: "f32", "f16 KV cache", ...
 
     def to_json(self) -> dict[str, Any]:
         return dict(sorted(asdict(self).items()))
+
+    def row_positions(self) -> tuple[int, ...]:
+        """The position of each row of `row_rel_err`; row indices when compare recorded none that fit."""
+        if len(self.positions) == len(self.row_rel_err):
+            return tuple(self.positions)
+        return tuple(range(len(self.row_rel_err)))
+
+    def first_bad_position(self) -> int | None:
+        """The position of the first row over the row tolerance, else of the worst row; None
+        without rows."""
+        if not self.row_rel_err:
+            return None
+        err = np.nan_to_num(np.asarray(self.row_rel_err, dtype=np.float64), nan=np.inf)
+        # the row tolerance, else the nmse one: nmse is a squared relative error
+        bad = np.flatnonzero(err > (self.row_tolerance or math.sqrt(self.tolerance)))
+        row = int(bad[0]) if bad.size else int(np.argmax(err))
+        return self.row_positions()[row]
 
 
 @dataclass(frozen=True)
@@ -136,7 +163,7 @@ class Skip:
         return dict(sorted(d.items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Skip":
+    def from_json(d: dict[str, Any]) -> Skip:
         return Skip(role=d["role"], phase=d["phase"], round=int(d["round"]), name=d["name"],
                     occurrence=int(d["occurrence"]), reason=d["reason"], side=d["side"], whole=bool(d["whole"]),
                     records=int(d["records"]), rows=tuple(d["rows"]), evals=tuple(d["evals"]))
@@ -206,7 +233,7 @@ class Coverage:
                 "skipped": [s.to_json() for s in self.skips]}
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Coverage":
+    def from_json(d: dict[str, Any]) -> Coverage:
         return Coverage(pairs=int(d["pairs"]), rows=int(d["rows"]),
                         skips=tuple(Skip.from_json(s) for s in d["skipped"]),
                         ref_only=int(d["ref_only"]), run_only=int(d["run_only"]))
@@ -226,6 +253,9 @@ class Comparison:
     types: dict[str, Any] = field(default_factory=dict)  # the types the tolerance model used
     coverage: Coverage = Coverage()
     map_path: str | None = None  # the name map (--map) compare applied, if any
+    versions: dict[str, str | None] = field(default_factory=dict)  # featdiff's, and the run's llama.cpp
+    layer_match: LayerMatch | None = None  # the first injected features x the target's layer inputs
+    row_shift: RowShift | None = None      # run rows x ref rows of the first divergent record
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -237,5 +267,19 @@ class Comparison:
         return not any(f.severity == "error" for f in self.findings)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "findings": [f.to_json() for f in self.findings],
-                "records": [p.to_json() for p in self.pairs], "coverage": self.coverage.to_json()}
+        """The findings JSON (docs/findings.md; its schema: docs/findings.schema.json)."""
+        return {"schema_version": SCHEMA_VERSION, "versions": self.versions, "ok": self.ok,
+                "findings": [f.to_json() for f in self.findings],
+                "records": [p.to_json() for p in self.pairs], "coverage": self.coverage.to_json(),
+                "first_divergence": self._first_divergence_json(), "types": self.types,
+                "layer_match": None if self.layer_match is None else self.layer_match.to_json(),
+                "row_shift": None if self.row_shift is None else self.row_shift.to_json()}
+
+    def _first_divergence_json(self) -> dict[str, Any] | None:
+        """Which record first diverges (`record`: its index in `records`), or None."""
+        if self.first_divergence is None:
+            return None
+        p = self.pairs[self.first_divergence]
+        return {"record": self.first_divergence, "role": p.role, "phase": p.phase, "round": p.round,
+                "eval": p.eval, "name": p.name, "run_name": p.run_name or p.name, "occurrence": p.occurrence,
+                "nmse": p.nmse, "tolerance": p.tolerance}

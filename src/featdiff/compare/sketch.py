@@ -9,6 +9,7 @@ x 2048-token search costs 64 small matrix products, not 64 full comparisons. Pur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -17,12 +18,15 @@ SKETCH_DIM = 64
 MAX_SKETCH_ROWS = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LayerMatch:
-    """Slot x layer comparison of a concatenated feature row with the target's layer inputs.
+    """Slot x layer comparison of a concatenated feature row with the target's layer inputs:
+    what the layer-offset and slot detectors read, and what the report draws.
 
     `rel_err[k, j]`: rms(slot k - layer_inp-layers[j]) / rms(layer_inp-layers[j]), sketched.
     `similarity[k, j]`: mean cosine of the sketched rows. Both `(n_extract, len(layers))`.
+    `expected_layers`: the reference manifest's `target_layers` (slot k expects [k]);
+    `run_layers`: what the run's manifest says (its GGUF), when compare knows it.
     """
 
     tensor: str
@@ -30,7 +34,8 @@ class LayerMatch:
     expected_layers: tuple[int, ...]
     rel_err: np.ndarray
     similarity: np.ndarray
-    positions: tuple[int, ...]
+    positions: tuple[int, ...]  # the token positions of the sketched rows
+    run_layers: tuple[int, ...] = ()
 
     @property
     def closest_layers(self) -> tuple[int, ...]:
@@ -39,6 +44,24 @@ class LayerMatch:
 
     def closest_error(self, slot: int) -> float:
         return float(np.min(self.rel_err[slot]))
+
+    def expected_columns(self) -> tuple[int | None, ...]:
+        """The column of each slot's expected layer; None when not stated or not recorded."""
+        n_slots = self.rel_err.shape[0]
+        expected = self.expected_layers + (-1,) * (n_slots - len(self.expected_layers))
+        return tuple(self.layers.index(L) if L in self.layers else None for L in expected[:n_slots])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "layers": list(self.layers),
+            "expected_layers": list(self.expected_layers),
+            "run_layers": list(self.run_layers),
+            "closest_layers": list(self.closest_layers),
+            "rel_err": self.rel_err.tolist(),
+            "similarity": self.similarity.tolist(),
+            "positions": list(self.positions),
+        }
 
 
 def projection(n: int, dim: int = SKETCH_DIM) -> np.ndarray:
@@ -72,12 +95,12 @@ def compare_sketches(slots: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray,
     `slots` (n_extract, R, dim), `layers` (n_layer, R, dim) -> two (n_extract, n_layer) arrays.
     """
     s = slots.astype(np.float64)
-    l = layers.astype(np.float64)
+    lay = layers.astype(np.float64)
     ss = np.einsum("krd,krd->k", s, s)  # (n_extract,)
-    ll = np.einsum("lrd,lrd->l", l, l)  # (n_layer,)
-    sl = np.einsum("krd,lrd->kl", s, l)  # (n_extract, n_layer)
+    ll = np.einsum("lrd,lrd->l", lay, lay)  # (n_layer,)
+    sl = np.einsum("krd,lrd->kl", s, lay)  # (n_extract, n_layer)
     err = np.sqrt(np.maximum(ss[:, None] + ll[None, :] - 2 * sl, 0.0) / np.maximum(ll[None, :], 1e-30))
     s_rows = s / np.maximum(np.linalg.norm(s, axis=2, keepdims=True), 1e-30)  # (n_extract, R, dim)
-    l_rows = l / np.maximum(np.linalg.norm(l, axis=2, keepdims=True), 1e-30)  # (n_layer, R, dim)
+    l_rows = lay / np.maximum(np.linalg.norm(lay, axis=2, keepdims=True), 1e-30)  # (n_layer, R, dim)
     cos = np.einsum("krd,lrd->kl", s_rows, l_rows) / max(s.shape[1], 1)  # (n_extract, n_layer)
     return err, cos

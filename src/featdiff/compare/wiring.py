@@ -134,9 +134,17 @@ def detect_missing_term(ev: Evidence) -> Finding | None:
     the first layer computes from it, is the first to diverge."""
     for name, term in _terms(ev):
         if same_shape(ev) and explains(ev.ref - term, ev.run, ev.tolerance):
-            return error_finding("missing_term", ev, f"{ev.tensor} lacks the {name} term the checkpoint adds; "
-                                 f"the run's drafter ignores that conditioning (check its GGUF keys and tensors)", term=name)
+            return error_finding("missing_term", ev, _term_message(ev.tensor, name), term=name)
     return _unsummed_term(ev)
+
+
+def _term_message(tensor: str, term: str) -> str:
+    if term == names.DSPARK_MARKOV_BIAS:
+        return (f"{tensor} lacks the Markov head's bias ({term}): the run drafted as plain DFlash, from row 1, one "
+                f"row late; llama.cpp runs a drafter as DSpark only when its GGUF has {names.T_MARKOV_W1} and "
+                f"{names.T_MARKOV_W2}: re-export them (see `featdiff lint`)")
+    return (f"{tensor} lacks the {term} term the checkpoint adds; the run's drafter ignores that conditioning "
+            "(check its GGUF keys and tensors)")
 
 
 def _unsummed_term(ev: Evidence) -> Finding | None:
@@ -177,6 +185,11 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
         return (f"{tensor} is the first layer's attention norm plus the log-SNR term (it matches the reference's "
                 f"{candidate}): add dspark_log_snr_fc2 to the noise embeddings before the first layer, so the "
                 f"residual stream carries it and the norm sees it")
+    if f"{key}={value}" in (names.HYP_ANCHOR_BONUS, names.HYP_ANCHOR_FIRST):
+        trained, run = ("anchor-first", "bonus-anchor") if value == "bonus" else ("bonus-anchor", "anchor-first")
+        return (f"{tensor} carries the Markov chain laid out {run} (it matches the reference's {candidate}) but "
+                f"the checkpoint was trained {trained}: set {names.KEY_SAMPLE_FROM_ANCHOR} = "
+                f"{'true' if trained == 'anchor-first' else 'false'} in the drafter's GGUF")
     if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
         return (f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
                 f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "

@@ -95,6 +95,7 @@ int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, 
 void fd_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 float * fd_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 void fd_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+float * fd_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 const int32_t * fd_model_target_layer_ids(const struct llama_model * model);
 uint32_t fd_model_target_layer_ids_n(const struct llama_model * model);
 
@@ -107,6 +108,7 @@ int fd_capture_close(fd_capture * cap);
 int fd_capture_add_filter(fd_capture * cap, int role, const char * glob);
 void fd_capture_begin_eval(fd_capture * cap, int eval_index);
 int fd_capture_note(fd_capture * cap, const char * json_line);
+int fd_capture_add_rows(fd_capture * cap, int role, const char * name, const float * data, int64_t n_cols, int64_t n_rows);
 int fd_capture_error(const fd_capture * cap);
 long fd_capture_n_records(const fd_capture * cap);
 fd_context_tag * fd_tag_new(fd_capture * cap, int role);

@@ -13,18 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff import names
-from featdiff.dump import Eval, Round
+from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max
+from featdiff.dump import CacheTypes, Eval, Round, kv_types_json
 from featdiff.errors import InputError
+from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
 from featdiff.outputs import check_output
-from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
 log = logging.getLogger(__name__)
 
-ROLE_IDS = {"target": 0, "draft": 1}
 CTX_MIN = 256
 CTX_SLACK = 16
 MAX_THREADS = 8
@@ -43,31 +43,8 @@ class SpoolRecorder:
     def end_round(self, rnd: Round) -> None:
         self.spool.note("round", rnd.to_json())
 
-
-def role_filters(filters: list[str] | None, tapped: tuple[int, ...] | None = None) -> dict[int, list[str]]:
-    """Globs per role; `draft:GLOB` or `target:GLOB` limits one to a role, `!GLOB` excludes.
-
-    Without filters: the drafter's wiring tensors, and on the target the inputs of the `tapped`
-    layers and the logits. When the layers are unknown (around a program): every target layer,
-    and the positions as the graphs saw them. ggml's derived names ("x (view)", "x (permuted)")
-    are excluded unless a glob names "(".
-    """
-    if filters:
-        chosen = list(filters)
-    elif tapped:
-        target = [names.tapped_layer_name(L) for L in tapped] + list(names.TARGET_WIRING)
-        chosen = [f"draft:{g}" for g in names.DRAFT_WIRING] + [f"target:{g}" for g in target]
-    else:
-        chosen = [f"draft:{g}" for g in names.DRAFT_WIRING] + [f"target:{g}" for g in names.TARGET_ALL_LAYERS] + [names.INP_POS]
-    if not any("(" in f for f in chosen):
-        chosen.append(names.EXCLUDE_DERIVED)
-    out: dict[int, list[str]] = {0: [], 1: []}
-    for f in chosen:
-        bang = "!" if f.startswith("!") else ""
-        role, sep, glob = f.removeprefix("!").partition(":")
-        for i in ([ROLE_IDS[role]] if sep and role in ROLE_IDS else [0, 1]):
-            out[i].append(bang + (glob if sep and role in ROLE_IDS else f.removeprefix("!")))
-    return out
+    def readback(self, name: str, rows) -> None:
+        self.spool.add_rows(ROLE_IDS["draft"], name, rows)
 
 
 def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int]:
@@ -78,25 +55,36 @@ def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int
     return ids
 
 
-def flow_config(target: Model, draft: Model, draft_max: int = DEFAULT_DRAFT_MAX) -> driver.FlowConfig:
-    """The DFlash settings the upstream driver reads from the drafter, with `draft_max` drafts
-    per block (`--spec-draft-n-max`)."""
+def flow_config(target: Model, draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0) -> driver.FlowConfig:
+    """The DFlash / DSpark settings the upstream driver reads from the drafter, with `draft_max`
+    drafts per block (`--spec-draft-n-max`) and `p_min` (`--spec-draft-p-min`). Like llama.cpp's
+    automatic type, a drafter GGUF with `markov_w1.weight` runs as draft-dspark."""
     layers = tuple(draft.target_layer_ids())
     n_layer = int(target.rt.lib.llama_model_n_layer(target.ptr))
     if not layers or max(layers) >= n_layer:
-        raise InputError(f"{draft.path}: dflash.target_layers = {list(layers)} but the target has {n_layer} layers; ids must be < n_layer (see `featdiff lint`)")
+        raise InputError(f"{draft.path}: dflash.target_layers = {list(layers)} but the target has {n_layer} layers; "
+                         "ids must be < n_layer (see `featdiff lint`)")
     block_size = int(draft.meta(names.KEY_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
-    return driver.FlowConfig(layers, _draft_max(draft.path, draft_max, block_size),
-                             int(draft.rt.lib.llama_vocab_mask(draft.vocab)))
+    dspark = model_info(draft.path).dspark
+    first_row = 0 if dspark and dspark["sample_from_anchor"] else 1
+    confidence = bool(dspark and dspark["confidence_head"])
+    if p_min > 0.0 and not confidence:
+        raise InputError(f"{draft.path}: --p-min {p_min} but this drafter has no DSpark confidence head "
+                         "(llama.cpp refuses it for DSpark; featdiff's driver implements p_min for that head only): "
+                         "pass --p-min 0")
+    return driver.FlowConfig(layers, _draft_max(draft.path, draft_max, block_size, first_row),
+                             int(draft.rt.lib.llama_vocab_mask(draft.vocab)), first_draft_row=first_row,
+                             confidence=confidence, p_min=p_min,
+                             causal=draft.meta(names.KEY_CAUSAL) == "true")
 
 
-def _draft_max(path: Path, draft_max: int, block_size: int) -> int:
-    """`--draft-max` clamped to `block_size - 1` with a warning, as common_speculative_impl_draft_dflash
-    clamps n_max."""
+def _draft_max(path: Path, draft_max: int, block_size: int, first_row: int) -> int:
+    """`--draft-max` clamped to what a block drafts (featdiff.blocks) with a warning, as
+    common_speculative_impl_draft_dflash clamps n_max."""
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: expected >= 1 draft per block (llama.cpp's "
                          f"--spec-draft-n-max, default {DEFAULT_DRAFT_MAX})")
-    clamped = clamped_draft_max(draft_max, block_size)
+    clamped = clamped_draft_max(draft_max, block_size, first_row)
     if clamped != draft_max:
         log.warning("%s: --draft-max %d exceeds the trained block size (%s = %d); clamping to %d, as llama.cpp does",
                     path, draft_max, names.KEY_BLOCK_SIZE, block_size, clamped)
@@ -105,9 +93,9 @@ def _draft_max(path: Path, draft_max: int, block_size: int) -> int:
 
 def capture(target: Path | None, model: Path | None, output: Path, *, prompt: str | None = None,
             tokens: str | None = None, rounds: int = 2, filters: list[str] | None = None,
-            llama_dir: Path | None = None, draft_max: int | None = None) -> Path:
-    """Run the flow on the real build and write the dump; return its path. Draft blocks are
-    `draft_max + 1` rows (default: llama.cpp's `--spec-draft-n-max` default)."""
+            llama_dir: Path | None = None, draft_max: int | None = None, p_min: float | None = None) -> Path:
+    """Run the flow on the real build and write the dump; return its path. Draft blocks hold
+    `draft_max` drafts (default: llama.cpp's `--spec-draft-n-max` default; featdiff.blocks)."""
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
@@ -115,20 +103,20 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
     try:
         ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
-        cfg = flow_config(*models, DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
-        return _spooled(rt, models, ids, cfg, rounds, role_filters(filters, cfg.target_layers), output)
+        cfg = flow_config(*models, DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
+        return _spooled(rt, models, ids, cfg, rounds, capture_filters(filters, cfg.target_layers), output)
     finally:
         for m in models:
             m.free()
 
 
 def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
-             rounds: int, globs: dict[int, list[str]], output: Path) -> Path:
+             rounds: int, filters: FilterSet, output: Path) -> Path:
     """Run the flow into a spool beside `output`, then pack it; keep what a crash leaves."""
     prefix = spool.prefix_for(output)
-    sp = Spool.open(rt, prefix, globs)
+    sp = Spool.open(rt, prefix, filters.shim_globs())
     try:
-        sp.note("header", _header(rt, models, ids, globs, cfg))
+        sp.note("header", _header(rt, models, ids, filters, cfg))
         _run(rt, sp, models, ids, cfg, rounds)
     except KeyboardInterrupt:
         sp.close()
@@ -175,24 +163,24 @@ def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
     for layer in cfg.target_layers:
         lib.fd_set_embeddings_layer_inp(tgt.ptr, layer, True)
     lib.fd_set_embeddings_nextn(dft.ptr, True, True)
-    lib.llama_set_causal_attn(dft.ptr, False)
+    lib.llama_set_causal_attn(dft.ptr, cfg.causal)
 
 
-def kept_globs(filters: dict[int, list[str]]) -> dict[str, list[str]]:
-    """The globs a capture keeps per role, as a manifest's build records them (compare reads them)."""
-    return {role: sorted(g for g in filters[i] if not g.startswith("!")) for role, i in ROLE_IDS.items()}
-
-
-def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: dict[int, list[str]],
+def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: FilterSet,
             cfg: driver.FlowConfig) -> dict:
-    kept = kept_globs(filters)
     return {
         "models": {"target": model_info(models[0].path).to_json(), "draft": model_info(models[1].path).to_json()},
         "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
-                  "system_info": rt.system_info(), "commit": _commit(rt), "filters": kept,
-                  "draft_max": cfg.draft_max},
+                  "system_info": rt.system_info(), "commit": _commit(rt), "filters": filters.to_json(),
+                  "draft_max": cfg.draft_max, "p_min": cfg.p_min, "kv_types": kv_types_json(_kv_types())},
         "prompt_tokens": ids,
     }
+
+
+def _kv_types() -> dict[names.Role, CacheTypes]:
+    """The KV cache types both contexts run with: llama_context_default_params' f16 K and V,
+    which runtime.Context.new keeps."""
+    return {role: CacheTypes() for role in names.ROLES}
 
 
 def _commit(rt: Runtime) -> str:
@@ -217,14 +205,15 @@ def _progress(rounds: int):
 
 def capture_exec(command: list[str], output: Path, filters: list[str] | None,
                  llama_dir: Path | None, prompt: str | None = None, tokens: str | None = None,
-                 draft_max: int | None = None) -> Path:
+                 draft_max: int | None = None, p_min: float | None = None) -> Path:
     """Capture around an unmodified llama.cpp program (featdiff.llama.exec); llama-server gets
     one greedy completion request for `prompt` / `tokens`. The program's own command line sets
-    its block length, so `draft_max` is refused."""
+    its block length and p_min, so `draft_max` and `p_min` are refused."""
     from featdiff.llama.exec import capture_exec as run_exec
 
-    if draft_max is not None:
-        raise InputError(f"--draft-max {draft_max} drives the in-process flow; with --exec pass "
-                         "--spec-draft-n-max in the program's command line instead")
+    if draft_max is not None or p_min is not None:
+        flag = f"--draft-max {draft_max}" if draft_max is not None else f"--p-min {p_min}"
+        raise InputError(f"{flag} drives the in-process flow; with --exec pass --spec-draft-n-max / "
+                         "--spec-draft-p-min in the program's command line instead")
 
     return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens)

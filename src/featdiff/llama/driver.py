@@ -1,10 +1,12 @@
-"""The in-process DFlash flow through the real llama.cpp library (docs/flow.md).
+"""The in-process DFlash / DSpark flow through the real llama.cpp library (docs/flow.md).
 
-Mirrors upstream `examples/speculative-simple` with `--spec-type draft-dflash` and
-`common_speculative_impl_draft_dflash`: prefill the target with layer-input taps on, inject the
-features token-major into the drafter's KV cache, draft `[anchor, mask x draft_max]`
-non-causally (llama.cpp's `--spec-draft-n-max`), verify on the target, inject the verified rows,
-keep the accepted ones.
+Mirrors upstream `examples/speculative-simple` with `--spec-type draft-dflash` / `draft-dspark`
+and `common_speculative_impl_draft_dflash`: prefill the target with layer-input taps on, inject
+the features token-major into the drafter's KV cache, draft a block `[anchor, mask ...]`
+(featdiff.blocks: `draft_max` drafts, llama.cpp's `--spec-draft-n-max`), verify on the target,
+inject the verified rows, keep the accepted ones. The logits each draft row is sampled from (and
+a DSpark drafter's confidences) are read back through the API and recorded: no graph node holds
+DSpark's Markov-biased logits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from featdiff import names
+from featdiff.blocks import block_rows
 from featdiff.dump import Eval, Round
 from featdiff.llama.runtime import Context
 
@@ -25,6 +29,8 @@ class Recorder(Protocol):
 
     def end_round(self, rnd: Round) -> None: ...
 
+    def readback(self, name: str, rows: np.ndarray) -> None: ...
+
 
 class NullRecorder:
     """Records nothing: the flow alone, for benchmarks."""
@@ -35,17 +41,24 @@ class NullRecorder:
     def end_round(self, rnd: Round) -> None:
         pass
 
+    def readback(self, name: str, rows: np.ndarray) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class FlowConfig:
     target_layers: tuple[int, ...]  # input-of-layer ids, slot k = target_layers[k]
-    draft_max: int                  # drafts per block: --spec-draft-n-max, at most block_size - 1
+    draft_max: int                  # drafts per block: --spec-draft-n-max, clamped (featdiff.blocks)
     mask_token_id: int
+    first_draft_row: int = 1        # 0: anchor-first DSpark (drafts from the anchor's row); else 1
+    confidence: bool = False        # a DSpark confidence head: its value per row is read back
+    p_min: float = 0.0              # --spec-draft-p-min: DSpark stops drafting below this confidence
+    causal: bool = False            # dflash.attention.causal: block rows attend causally
 
     @property
     def block_rows(self) -> int:
-        """Rows of a draft block: the anchor and `draft_max` masks."""
-        return self.draft_max + 1
+        """Rows of a draft block (featdiff.blocks.block_rows)."""
+        return block_rows(self.draft_max, self.first_draft_row)
 
 
 @dataclass
@@ -98,15 +111,15 @@ def _inject(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConf
 
 def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, rnd: int) -> Round:
     pos0, anchor, B = st.n_past, st.id_last, cfg.block_rows
-    block = [anchor] + [cfg.mask_token_id] * cfg.draft_max
-    positions = list(range(pos0, pos0 + B))
-    _eval(st, rec, "draft", "draft", rnd, positions, block)
-    dft.decode_tokens(block, positions, outputs=True)
-    drafts = [int(np.argmax(dft.logits(i))) for i in range(1, B)]  # DFlash reads rows 1..draft_max
+    block = [anchor] + [cfg.mask_token_id] * (B - 1)
+    _eval(st, rec, "draft", "draft", rnd, list(range(pos0, pos0 + B)), block)
+    dft.decode_tokens(block, list(range(pos0, pos0 + B)), outputs=True)
+    drafts = _drafts(dft, rec, cfg, B)
     dft.seq_rm(pos0)  # the draft block leaves the draft KV cache
     verify = [anchor] + drafts
+    positions = list(range(pos0, pos0 + len(verify)))
     _decode_target(tgt, st, rec, verify, positions, "verify", rnd, outputs=True)
-    target_tokens = [int(np.argmax(tgt.logits(i))) for i in range(B)]
+    target_tokens = [int(np.argmax(tgt.logits(i))) for i in range(len(verify))]
     _inject(tgt, dft, st, rec, cfg, positions, rnd)
     accepted = _accepted(drafts, target_tokens)
     st.n_past = pos0 + accepted + 1
@@ -117,6 +130,23 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
                     target_tokens=tuple(target_tokens[:accepted + 1]))
     rec.end_round(rnd_rec)
     return rnd_rec
+
+
+def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[int]:
+    """The greedy drafts of the block just decoded, as common_speculative_impl_draft_dflash reads
+    them: rows `first_draft_row..`, a DSpark drafter stopping at the first confidence below p_min.
+    Every row's logits (and confidence) are recorded first."""
+    logits = np.stack([dft.logits(i) for i in range(n_rows)])  # (n_rows, n_vocab)
+    rec.readback(names.DRAFT_LOGITS, logits)
+    conf = np.array([[dft.nextn_value(i)] for i in range(n_rows)], dtype=np.float32) if cfg.confidence else None  # (n_rows, 1)
+    if conf is not None:
+        rec.readback(names.DSPARK_CONF, conf)
+    drafts = []
+    for i in range(cfg.first_draft_row, n_rows):
+        if conf is not None and cfg.p_min > 0.0 and conf[i, 0] < cfg.p_min:
+            break
+        drafts.append(int(np.argmax(logits[i])))
+    return drafts
 
 
 def _accepted(drafts: list[int], target_tokens: list[int]) -> int:

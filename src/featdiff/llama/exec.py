@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -18,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from featdiff import names
-from featdiff.dump import DumpWriter, Eval, Manifest, MemoryOp, Round
+from featdiff.dump import KV_TYPE_DEFAULT, CacheTypes, DumpWriter, Eval, Manifest, MemoryOp, Round, kv_types_json
 from featdiff.errors import InputError
+from featdiff.filters import capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import spool
-from featdiff.llama.capture import kept_globs, role_filters
 from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
 from featdiff.outputs import check_output
 
@@ -31,6 +33,19 @@ log = logging.getLogger(__name__)
 SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log")  # the preload's owner note, the server log
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
 WARMUP = names.PHASE_WARMUP
+# Upstream programs print their llama.cpp version for --version and exit (common/arg.cpp).
+UPSTREAM_PREFIX = "llama-"
+VERSION_FLAG = "--version"
+VERSION_TIMEOUT_S = 10
+UNKNOWN_VERSION = "unknown"
+# The program's KV cache types, as upstream common/arg.cpp reads them: (role, K or V) -> its flags,
+# and the environment variable used when no flag is given (a flag wins); else llama.cpp's f16.
+KV_OPTIONS: dict[tuple[names.Role, str], tuple[tuple[str, ...], str]] = {
+    ("target", "k"): (("-ctk", "--cache-type-k"), "LLAMA_ARG_CACHE_TYPE_K"),
+    ("target", "v"): (("-ctv", "--cache-type-v"), "LLAMA_ARG_CACHE_TYPE_V"),
+    ("draft", "k"): (("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
+    ("draft", "v"): (("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
+}
 
 
 # ---------------------------------------------------------------- what the preload noted
@@ -364,7 +379,7 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> Path:
     writer = DumpWriter(Path(output))
     spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
     manifest = Manifest(source="llama.cpp", models=_models(flow), evals=flow.evals, records=(),
-                        build={"kind": "exec", "library": flow.log.library, "commit": "unknown", **build},
+                        build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **build},
                         rounds=flow.rounds, prompt_tokens=flow.prompt_tokens, memory_ops=flow.memory_ops,
                         flow_notes=flow.notes)
     return writer.close(manifest)
@@ -415,6 +430,38 @@ def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> in
             proc.wait()
 
 
+def kv_types_of(command: list[str], environ: dict[str, str]) -> dict[names.Role, CacheTypes]:
+    """The KV cache types the program runs with, per role (KV_OPTIONS): its last flag of each,
+    else its environment, else f16."""
+    return {role: CacheTypes(k=_kv_type(command, environ, role, "k"), v=_kv_type(command, environ, role, "v"))
+            for role in names.ROLES}
+
+
+def _kv_type(command: list[str], environ: dict[str, str], role: names.Role, part: str) -> str:
+    flags, var = KV_OPTIONS[(role, part)]
+    return (_last_option(command, flags) or environ.get(var) or KV_TYPE_DEFAULT).lower()
+
+
+def _last_option(command: list[str], flags: tuple[str, ...]) -> str | None:
+    """The value after the last of `flags` in `command` (llama.cpp takes `-flag VALUE` only)."""
+    given = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg in flags]
+    return given[-1] if given else None
+
+
+def program_version(program: Path) -> str:
+    """The llama.cpp version an upstream program (`llama-*`, common/arg.cpp) reports for
+    `--version` ("version: 0.5.0-dev (build 0, commit unknown)"), else "unknown"."""
+    if not program.name.startswith(UPSTREAM_PREFIX):
+        return UNKNOWN_VERSION
+    try:
+        done = subprocess.run([str(program), VERSION_FLAG], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=VERSION_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return UNKNOWN_VERSION
+    found = re.search(r"^version: (.+)$", done.stdout + done.stderr, re.MULTILINE)
+    return found.group(1).strip() if found else UNKNOWN_VERSION
+
+
 def capture_exec(command: list[str], output: Path, filters: list[str] | None = None,
                  llama_dir: Path | None = None, *, prompt: str | None = None, tokens: str | None = None,
                  timeout_s: float | None = None) -> Path:
@@ -424,8 +471,10 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     output = check_output(Path(output), (program, *command_files(command)), "-o")
     prefix = spool.prefix_for(output)
     remove_spool(prefix)
-    build = {"command": list(command), "program": str(program), "filters": kept_globs(role_filters(filters)),
-             **_launch(command, preload(prefix, filters, llama_dir), prefix, prompt, tokens, timeout_s)}
+    kept = capture_filters(filters)
+    build = {"command": list(command), "program": str(program), "filters": kept.to_json(),
+             "kv_types": kv_types_json(kv_types_of(command, dict(os.environ))), "commit": program_version(program),
+             **_launch(command, preload(prefix, kept, llama_dir), prefix, prompt, tokens, timeout_s)}
     rc = int(build.get("exit_code", 0))
     try:
         path = pack_exec(prefix, output, build)

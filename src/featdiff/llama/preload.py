@@ -19,8 +19,8 @@ from pathlib import Path
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.filters import FilterSet, capture_filters
 from featdiff.llama import binding
-from featdiff.llama.capture import role_filters
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,10 @@ def preload_library(llama_dir: Path | None = None) -> Path:
     return path
 
 
-def preload(prefix: Path, filters: list[str] | None = None, llama_dir: Path | None = None) -> Preload:
-    """What to add to a program's environment to capture it into the spool at `prefix`."""
-    globs = role_filters(filters)
-    lines = "\n".join(f"{role}\t{g}" for role, gs in globs.items() for g in gs)
+def preload(prefix: Path, filters: FilterSet | None = None, llama_dir: Path | None = None) -> Preload:
+    """What to add to a program's environment to capture what `filters` keep (default: the
+    wiring, `capture_filters(None)`) into the spool at `prefix`."""
+    lines = (filters or capture_filters(None)).env_lines()
     library = preload_library(llama_dir)
     return Preload(library, ((PRELOAD_VAR, str(library)), (ENV_SPOOL, str(prefix)), (ENV_FILTERS, lines),
                              (ENV_ARCH_KEY, names.KEY_ARCH), (ENV_DRAFT_ARCH, names.ARCH_DFLASH)))

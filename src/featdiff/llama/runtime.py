@@ -149,6 +149,13 @@ class Context:
         ptr = self.rt.lib.llama_get_logits_ith(self.ptr, i)
         return np.frombuffer(self.rt.ffi.buffer(ptr, 4 * self.model.n_vocab), dtype=np.float32).copy()
 
+    def nextn_value(self, i: int) -> float:
+        """Column 0 of output row `i`'s nextn embedding: DSpark's confidence of that row."""
+        ptr = self.rt.lib.fd_get_embeddings_nextn_ith(self.ptr, i)
+        if ptr == self.rt.ffi.NULL:
+            raise RuntimeError(f"{self.model.path.name}: no nextn output at row {i}")
+        return float(ptr[0])
+
     def layer_input(self, layer: int, n_tokens: int) -> np.ndarray:
         """The tapped input of target layer `layer` for the last batch: (n_tokens, n_embd)."""
         ptr = self.rt.lib.fd_get_embeddings_layer_inp(self.ptr, layer)
@@ -195,6 +202,13 @@ class Spool:
         line = json.dumps({"kind": kind, **payload}, sort_keys=True)
         if self.rt.lib.fd_capture_note(self.ptr, line.encode()) != 0:
             raise OSError(f"{self.prefix}.index: write failed")
+
+    def add_rows(self, role: int, name: str, rows: np.ndarray) -> None:
+        """Record `rows` `(n_rows, n_cols)`, read back through the API, under `name` in the current eval."""
+        rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_rows, n_cols)
+        data = self.rt.ffi.from_buffer("float[]", rows)
+        if self.rt.lib.fd_capture_add_rows(self.ptr, role, name.encode(), data, rows.shape[1], rows.shape[0]) != 0:
+            raise OSError(f"{self.prefix}.data: write failed")
 
     def close(self) -> int:
         err = self.rt.lib.fd_capture_error(self.ptr)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from featdiff.errors import InputError
-from featdiff.tokens import parse_tokens
 from featdiff.llama.preload import Preload
+from featdiff.tokens import parse_tokens
 
 SERVER_PROGRAMS = ("llama-server",)
 HOST = "127.0.0.1"  # loopback only

@@ -3,8 +3,9 @@
 * inject: target features `(n_tokens, n_extract * n_embd_tgt)` -> `fc` -> encoder norm
   (`inp_g_embeddings`) -> per layer K = RoPE(k_norm(wk g)) and V = wv g, written to the cache;
 * draft: the noise block `[anchor, mask x (B-1)]` -> embeddings `inp_noise_embd` (+ the log-SNR
-  term: `dspark_draft_embd_snr`) -> layers with non-causal attention over the cache and the
-  block -> final norm -> logits.
+  term: `dspark_draft_embd_snr`) -> layers with non-causal attention (causal with
+  `dflash.attention.causal`) over the cache and the block -> final norm -> logits (scattered to
+  the target vocabulary through `d2t` for a reduced head); DSpark's heads follow (dspark.py).
 
 Besides the graph's names it records the reference-only candidates of docs/records.md.
 """
@@ -36,9 +37,10 @@ class InjectPass:
 
 @dataclass(frozen=True)
 class DraftPass:
-    """One draft eval: logits of every block row `(n_tokens, n_vocab)`, and the records."""
+    """One draft eval: the base logits and final-norm rows of every block row, and the records."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor  # (n_tokens, n_vocab): result_output
+    norm: torch.Tensor    # (n_tokens, n_embd): result_norm, what DSpark's confidence head reads
     records: tuple[Named, ...]
 
 
@@ -97,7 +99,7 @@ def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: t
     hp = draft.hparams
     x, records = noise_embeddings(draft, target, tokens)
     for il, layer in enumerate(draft.layers):
-        t = layer_forward(hp, layer, x, positions, cache, il, causal=False, visible=visible)
+        t = layer_forward(hp, layer, x, positions, cache, il, causal=draft.causal, visible=visible)
         records += [Named(names.layer_name(name, il), a) for name, a in (
             (names.NOISE_NORM, t.attn_norm), (names.QCUR, t.q), (names.KCUR, t.k), (names.VCUR, t.v),
             (names.KQV_OUT, t.kqv_out), (names.FFN_INP, t.ffn_inp), (names.FFN_OUT, t.ffn_out),
@@ -105,8 +107,13 @@ def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: t
         x = t.l_out
     norm = rms_norm(x, draft.output_norm, hp.rms_eps)
     logits = linear(norm, draft.output if draft.output is not None else target.output)
+    if draft.d2t is not None:  # a reduced head: its rows land on their target ids, -inf elsewhere
+        full = torch.full((logits.shape[0], target.hparams.n_vocab), float("-inf"), dtype=logits.dtype,
+                          device=logits.device)  # (n_tokens, n_vocab)
+        full[:, draft.d2t] = logits
+        logits = full
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
-    return DraftPass(logits, tuple(records))
+    return DraftPass(logits, norm, tuple(records))
 
 
 def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, list[Named]]:

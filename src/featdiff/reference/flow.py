@@ -1,5 +1,5 @@
-"""The DFlash greedy flow of docs/flow.md, in the reference: prefill, inject, then per round
-draft, verify and inject, with both KV caches trimmed to the accepted prefix.
+"""The DFlash / DSpark greedy flow of docs/flow.md, in the reference: prefill, inject, then per
+round draft, verify and inject, with both KV caches trimmed to the accepted prefix.
 
 Consumes loaded models and prompt tokens; produces every eval's manifest entry and records,
 and the rounds, in execution order.
@@ -15,6 +15,7 @@ from featdiff import names
 from featdiff.dump import Eval, Round
 from featdiff.reference.attention import KvCache, empty_cache, truncated
 from featdiff.reference.drafter import draft_block, inject
+from featdiff.reference.dspark import drafted, first_draft_row, sampled
 from featdiff.reference.numerics import Numerics
 from featdiff.reference.stack import Named
 from featdiff.reference.target import TargetPass, forward_target
@@ -48,13 +49,14 @@ class _State:
 
 
 def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int, numerics: Numerics,
-             *, block_rows: int) -> FlowTrace:
+             *, block_rows: int, p_min: float = 0.0) -> FlowTrace:
     """Prefill `prompt[:-1]`, inject its features, then `rounds` rounds of draft / verify / inject,
-    each draft block `block_rows` rows long (featdiff.blocks: llama.cpp's n_max + 1)."""
+    each draft block `block_rows` rows long (featdiff.blocks); a DSpark drafter with a confidence
+    head stops drafting below `p_min` (`--spec-draft-p-min`)."""
     state, evals = _prefill(target, draft, prompt, numerics)
     done: list[Round] = []
     for r in range(PREFILL_ROUND + 1, PREFILL_ROUND + 1 + rounds):
-        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows)
+        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows, p_min)
         evals += traces
         done.append(one_round)
     return FlowTrace(tuple(evals), tuple(done))
@@ -71,19 +73,21 @@ def _prefill(target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Nu
 
 
 def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int,
-           numerics: Numerics, b: int) -> tuple[_State, Round, list[EvalTrace]]:
-    positions = _ids(tuple(range(state.n_past, state.n_past + b)), numerics)
+           numerics: Numerics, b: int, p_min: float) -> tuple[_State, Round, list[EvalTrace]]:
+    block_positions = _ids(tuple(range(state.n_past, state.n_past + b)), numerics)
     block = (state.id_last,) + (draft.mask_token_id,) * (b - 1)
-    dp = draft_block(draft, target, _ids(block, numerics), positions, state.draft_cache)
-    drafts = tuple(int(t) for t in dp.logits[1:].argmax(-1))  # DFlash reads slots 1..B-1
+    dp = draft_block(draft, target, _ids(block, numerics), block_positions, state.draft_cache)
+    sp = sampled(draft, dp.logits, dp.norm, state.id_last)
+    drafts = drafted(sp, first_draft_row(draft), p_min)
     verify = (state.id_last,) + drafts
+    positions = _ids(tuple(range(state.n_past, state.n_past + len(verify))), numerics)
     tp = forward_target(target, _ids(verify, numerics), positions, state.target_cache, has_outputs=True)
     ip = inject(draft, features(tp, draft), positions, state.draft_cache)
     best = tuple(int(t) for t in tp.logits.argmax(-1))
     accepted = accepted_length(drafts, best)
     n_past = state.n_past + accepted + 1
     after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted])
-    traces = [EvalTrace(_eval(first_eval, "draft", "draft", positions, block, r), dp.records),
+    traces = [EvalTrace(_eval(first_eval, "draft", "draft", block_positions, block, r), dp.records + sp.records),
               EvalTrace(_eval(first_eval + 1, "target", "verify", positions, verify, r), tp.records),
               EvalTrace(_eval(first_eval + 2, "draft", "inject", positions, (), r), ip.records)]
     one_round = Round(round=r, pos0=state.n_past, anchor=state.id_last, drafts=drafts, accepted=accepted,

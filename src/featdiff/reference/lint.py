@@ -1,14 +1,17 @@
-"""`featdiff lint`: check a DFlash drafter GGUF's metadata and tensors, alone or against its
-target GGUF, without running anything. One line per problem, each naming the file.
+"""`featdiff lint`: check a DFlash (or DSpark) drafter GGUF's metadata and tensors, alone or
+against its target GGUF, without running anything. One line per problem, each naming the file.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from featdiff import names
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_ROWS
-from featdiff.reference.checks import log_snr_problems
+from featdiff.reference.checks import (DSPARK_FILE_TENSORS, d2t_problems, dspark_key_problems, dspark_problems,
+                                       log_snr_problems)
 from featdiff.reference.gguf_io import GgufModel, array_len, has_meta, meta, read_gguf
 
 
@@ -20,7 +23,7 @@ def lint_gguf(model: Path, target: Path | None) -> list[str]:
         return [f"{model}: {names.KEY_ARCH} = {d.arch!r}, expected {names.ARCH_DFLASH!r}; "
                 "lint checks DFlash drafter GGUFs (pass the target with --target)"]
     problems = [*_target_layer_problems(d, t), *_fc_problems(d, t), *_block_size_problems(d),
-                *_mask_problems(d, t), *_log_snr_problems(d), *_table_problems(d, t)]
+                *_mask_problems(d, t), *_log_snr_problems(d), *_table_problems(d, t), *_dspark_problems(d, t)]
     return [f"{model}: {p}" for p in problems]
 
 
@@ -113,13 +116,32 @@ def _table_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     n_vocab_tgt = _n_vocab(t) if t is not None else None
     n_vocab = n_vocab_tgt if n_vocab_tgt is not None else array_len(d, names.KEY_TOKEN_LIST)
     whose = "the target's" if n_vocab_tgt is not None else "the drafter's"
+    d2t = d.tensors.get(names.T_D2T)
     problems = []
     if t is not None and n_vocab_tgt is not None and _n_vocab(d) not in (None, n_vocab_tgt):
         problems.append(f"the drafter's vocabulary has {_n_vocab(d)} tokens, the target's {n_vocab_tgt}; "
                         "DFlash drafts in the target's vocabulary, pair the drafter with its target")
     for name in (names.T_TOKEN_EMBD, names.T_OUTPUT):
         tensor = d.tensors.get(name)
-        if tensor is not None and n_vocab is not None and list(tensor.ne) != [n_embd, n_vocab]:
+        if name == names.T_OUTPUT and d2t is not None:  # a reduced head: one row per d2t entry
+            if tensor is not None and list(tensor.ne) != [n_embd, d2t.ne[0]]:
+                problems.append(f"{name} ne = {list(tensor.ne)}, expected [n_embd, n_vocab_draft] = [{n_embd}, "
+                                f"{d2t.ne[0]}] for the d2t's reduced vocabulary; re-export the reduced head")
+        elif tensor is not None and n_vocab is not None and list(tensor.ne) != [n_embd, n_vocab]:
             problems.append(f"{name} ne = {list(tensor.ne)}, expected [n_embd, n_vocab] = [{n_embd}, {n_vocab}] for "
                             f"{whose} vocabulary; re-export the drafter's own table or drop it to borrow the target's")
+    return problems
+
+
+def _dspark_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """DSpark's tensors as llama.cpp loads them, its dflash.* keys against them, and d2t."""
+    shapes = {name: tuple(reversed(d.tensors[name].ne)) for name in DSPARK_FILE_TENSORS if name in d.tensors}  # numpy order
+    keys = {k: bool(meta(d, k)) for k in (names.KEY_SAMPLE_FROM_ANCHOR, names.KEY_HAS_CONFIDENCE_HEAD) if has_meta(d, k)}
+    problems = [*dspark_problems(shapes, _n_embd(d), _n_vocab(d)), *dspark_key_problems(keys, set(d.tensors))]
+    n_vocab = (_n_vocab(t) if t is not None else None) or _n_vocab(d)
+    if names.T_D2T in d.tensors and n_vocab is not None:
+        head = d.tensors.get(names.T_OUTPUT, d.tensors.get(names.T_TOKEN_EMBD))
+        head_rows = head.ne[1] if head is not None else n_vocab  # no own head: the run borrows the target's
+        ids = np.asarray(d.data[names.T_D2T].data).reshape(-1)  # (n_vocab_draft,): I64 read raw
+        problems += d2t_problems(ids, n_vocab, head_rows)
     return problems

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from featdiff import names
 from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
-from featdiff.reference.checks import log_snr_problems
+from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
-from featdiff.reference.weights import Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors
+from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, aligned,
+                                        layer_from_tensors)
 
 KEY_ROPE_DIMS = "{arch}.rope.dimension_count"
 
@@ -38,13 +40,15 @@ def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Ta
 
 
 def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
-    """A DFlash drafter from its GGUF; InputError for an inconsistent log-SNR export."""
+    """A DFlash (or DSpark) drafter from its GGUF; InputError for an inconsistent log-SNR or
+    DSpark export, or a `d2t` llama.cpp cannot use."""
     g = read_gguf(path)
     if g.arch != names.ARCH_DFLASH:
         raise InputError(f"{path}: architecture {g.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter as --model")
     token_embd = _optional(g, names.T_TOKEN_EMBD, dtype, device)
     output = _optional(g, names.T_OUTPUT, dtype, device)
     hp = _hparams(g, "neox", _draft_n_vocab(g))
+    head = output if output is not None else token_embd
     return Draft(source=Source(Path(path), is_gguf=True), hparams=hp,
                  target_layers=tuple(int(i) for i in meta(g, names.KEY_TARGET_LAYERS)),
                  block_size=int(meta(g, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)),
@@ -53,9 +57,11 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Dra
                  enc_norm=_tensor(g, names.T_ENC_NORM, dtype, device),
                  output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
                  token_embd=token_embd,
-                 output=output if output is not None else token_embd,  # llama.cpp: head falls back to own embeddings
+                 output=head,  # llama.cpp: the head falls back to the drafter's own embeddings
                  layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
-                 log_snr=_log_snr(g, dtype, device))
+                 log_snr=_log_snr(g, dtype, device), dspark=_dspark(g, hp, dtype, device),
+                 causal=bool(meta(g, names.KEY_CAUSAL, False)),
+                 d2t=_d2t(g, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab, device))
 
 
 def _hparams(g: GgufModel, rope_type: str, n_vocab: int) -> Hparams:
@@ -102,6 +108,33 @@ def _log_snr(g: GgufModel, dtype: torch.dtype, device: torch.device) -> LogSnr |
         return None
     t = [_tensor(g, name, dtype, device) for name in names.LOG_SNR_TENSORS]
     return LogSnr(min_log_snr=float(lo), max_log_snr=float(hi), fc1_w=t[0], fc1_b=t[1], fc2_w=t[2], fc2_b=t[3])
+
+
+def _dspark(g: GgufModel, hp: Hparams, dtype: torch.dtype, device: torch.device) -> DSpark | None:
+    """The Markov and confidence heads; None without `markov_w1`, as llama.cpp runs such a file as
+    plain DFlash whatever its `dflash.*` keys say (`featdiff lint` flags those keys)."""
+    shapes = {t: tuple(reversed(g.tensors[t].ne)) for t in DSPARK_FILE_TENSORS if t in g.tensors}  # numpy order
+    problems = dspark_problems(shapes, hp.n_embd, hp.n_vocab)
+    if problems:
+        raise InputError(f"{g.path}: " + "; ".join(problems))
+    if names.T_MARKOV_W1 not in shapes:
+        return None
+    t = {name: aligned(_optional(g, name, dtype, device)) for name in DSPARK_FILE_TENSORS if name != names.T_D2T}
+    return DSpark(markov_w1=t[names.T_MARKOV_W1], markov_w2=t[names.T_MARKOV_W2],
+                  markov_w2_scale=t[names.T_MARKOV_W2_SCALE], conf_w=t[names.T_CONF_PROJ_W],
+                  conf_b=t[names.T_CONF_PROJ_B],
+                  sample_from_anchor=bool(meta(g, names.KEY_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first
+
+
+def _d2t(g: GgufModel, n_vocab: int, head_rows: int, device: torch.device) -> torch.Tensor | None:
+    """The reduced vocabulary's absolute target ids, `(n_vocab_draft,)` int64, as stored."""
+    if names.T_D2T not in g.data:
+        return None
+    ids = np.asarray(g.data[names.T_D2T].data).reshape(-1)  # (n_vocab_draft,): I64 is read raw, not dequantized
+    problems = d2t_problems(ids, n_vocab, head_rows)
+    if problems:
+        raise InputError(f"{g.path}: " + "; ".join(problems))
+    return torch.from_numpy(ids.copy()).to(device)
 
 
 def _tensor(g: GgufModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

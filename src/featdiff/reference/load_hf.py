@@ -4,7 +4,9 @@
 The drafter is in the DFlash reference layout: `fc`, `hidden_norm`, `layers.*`, `norm`, optional
 `embed_tokens`/`lm_head`, and `dflash_config.target_layer_ids` naming layer *outputs*; GGUF ids
 name layer inputs, so the reference stores `hf + 1` (what the upstream converter writes).
-HF q/k rows are in rotate-half order, so every HF stack runs NeoX RoPE.
+HF q/k rows are in rotate-half order, so every HF stack runs NeoX RoPE. A DSpark checkpoint adds
+`markov_head.*`, `confidence_head.proj.*` and optionally `d2t`, stored as offsets (target id =
+d2t[i] + i; the record holds the absolute ids, as the GGUF does).
 """
 
 from __future__ import annotations
@@ -13,16 +15,25 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from featdiff import names
 from featdiff.errors import InputError
-from featdiff.reference.checks import log_snr_problems
-from featdiff.reference.weights import Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors
+from featdiff.reference.checks import d2t_problems, dspark_problems, log_snr_problems
+from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, aligned,
+                                        layer_from_tensors)
 
 DEFAULT_ROPE_THETA = 10000.0
 _FLAG_KEY = f"{names.HF_DFLASH_CONFIG}.{names.HF_LOG_SNR}"
+# GGUF name -> HF name of the DSpark tensors (upstream conversion/qwen.py DSparkModel)
+_HF_DSPARK = {names.T_MARKOV_W1: names.HF_MARKOV_W1, names.T_MARKOV_W2: names.HF_MARKOV_W2,
+              names.T_MARKOV_W2_SCALE: names.HF_MARKOV_W2_SCALE, names.T_CONF_PROJ_W: names.HF_CONF_PROJ_W,
+              names.T_CONF_PROJ_B: names.HF_CONF_PROJ_B, names.T_D2T: names.HF_D2T}
+MARKOV_HEAD_TYPE = "markov_head_type"  # config.json; the converter and llama.cpp run "vanilla" only
+MARKOV_VANILLA = "vanilla"
+DFLASH_CAUSAL = "causal"  # dflash_config's spelling of the top-level is_causal (the converter reads both)
 
 
 def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
@@ -44,7 +55,8 @@ def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Targ
 
 
 def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
-    """A DFlash drafter from its HF directory; InputError for an inconsistent log-SNR checkpoint."""
+    """A DFlash (or DSpark) drafter from its HF directory; InputError for an inconsistent log-SNR
+    or DSpark checkpoint."""
     config = _config(path)
     dflash = config.get(names.HF_DFLASH_CONFIG)
     if not isinstance(dflash, dict) or names.HF_TARGET_LAYER_IDS not in dflash:
@@ -54,15 +66,19 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
     hp = _hparams(path, config, names.ARCH_DFLASH)
     token_embd = w.get(names.HF_EMBED_TOKENS)
     output = w.get(names.HF_LM_HEAD)
+    head = output if output is not None else token_embd
+    causal = config.get(names.HF_IS_CAUSAL, dflash.get(DFLASH_CAUSAL, False))
+    d2t = _d2t(path, config, w, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab)  # first: a missing d2t says more than markov_w2's rows
     return Draft(source=Source(Path(path), is_gguf=False), hparams=hp,
                  target_layers=tuple(int(i) + 1 for i in dflash[names.HF_TARGET_LAYER_IDS]),  # gguf = hf + 1
                  block_size=int(_setting(path, config, dflash, names.HF_BLOCK_SIZE)),
                  mask_token_id=int(_setting(path, config, dflash, names.HF_MASK_TOKEN_ID)),
                  fc=_required(w, path, names.HF_FC), enc_norm=_required(w, path, names.HF_HIDDEN_NORM),
                  output_norm=_required(w, path, names.HF_NORM),
-                 token_embd=token_embd, output=output if output is not None else token_embd,
+                 token_embd=token_embd, output=head,
                  layers=tuple(_layer(w, path, names.HF_LAYER_PREFIX.format(il=il)) for il in range(hp.n_layer)),
-                 log_snr=_log_snr(path, dflash, w))
+                 log_snr=_log_snr(path, dflash, w), dspark=_dspark(path, config, w, hp),
+                 causal=bool(causal), d2t=d2t)
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -82,7 +98,8 @@ def _weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, 
         raise InputError(f"{path}: no {names.HF_WEIGHTS_GLOB} files; a Hugging Face directory needs its weights")
     w: dict[str, torch.Tensor] = {}
     for f in files:
-        w.update({k: t.to(dtype=dtype, device=device) for k, t in load_file(str(f)).items()})
+        w.update({k: t.to(dtype=dtype if t.is_floating_point() else t.dtype, device=device)  # d2t stays int
+                  for k, t in load_file(str(f)).items()})
     return w
 
 
@@ -141,3 +158,42 @@ def _log_snr(path: Path, dflash: dict[str, Any], w: dict[str, torch.Tensor]) -> 
         return None
     t = [w[name] for name in names.LOG_SNR_TENSORS]  # same tensor names in HF and GGUF
     return LogSnr(min_log_snr=float(lo), max_log_snr=float(hi), fc1_w=t[0], fc1_b=t[1], fc2_w=t[2], fc2_b=t[3])
+
+
+def _dspark(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], hp: Hparams) -> DSpark | None:
+    """The Markov and confidence heads; None for a checkpoint without `markov_head.markov_w1`."""
+    shapes = {t: tuple(w[hf].shape) for t, hf in _HF_DSPARK.items() if hf in w}
+    problems = dspark_problems(shapes, hp.n_embd, hp.n_vocab, _HF_DSPARK)
+    kind = config.get(MARKOV_HEAD_TYPE, MARKOV_VANILLA)
+    if names.HF_MARKOV_W1 in w and kind != MARKOV_VANILLA:
+        problems.append(f"{MARKOV_HEAD_TYPE} = {kind!r}, the converter and llama.cpp run {MARKOV_VANILLA!r} only; "
+                        "retrain or convert with a vanilla Markov head")
+    if problems:
+        raise InputError(f"{path}: " + "; ".join(problems))
+    if names.HF_MARKOV_W1 not in w:
+        return None
+    t = {name: aligned(w.get(hf)) for name, hf in _HF_DSPARK.items() if name != names.T_D2T}
+    return DSpark(markov_w1=t[names.T_MARKOV_W1], markov_w2=t[names.T_MARKOV_W2],
+                  markov_w2_scale=t[names.T_MARKOV_W2_SCALE], conf_w=t[names.T_CONF_PROJ_W],
+                  conf_b=t[names.T_CONF_PROJ_B],
+                  sample_from_anchor=bool(config.get(names.HF_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first
+
+
+def _d2t(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], n_vocab: int,
+         head_rows: int) -> torch.Tensor | None:
+    """The reduced vocabulary's absolute target ids, `(n_vocab_draft,)` int64, from HF offsets."""
+    n_vocab_draft = config.get(names.HF_DRAFT_VOCAB_SIZE) or n_vocab
+    if names.HF_D2T not in w:
+        if n_vocab_draft < n_vocab:
+            raise InputError(f"{path / names.HF_CONFIG}: {names.HF_DRAFT_VOCAB_SIZE} = {n_vocab_draft} < "
+                             f"vocab_size {n_vocab} but there is no {names.HF_D2T}; add the checkpoint's d2t table")
+        return None
+    offsets = w[names.HF_D2T].cpu().numpy().astype(np.int64).reshape(-1)  # (n_vocab_draft,), cast as the converter does
+    ids = offsets + np.arange(offsets.size, dtype=np.int64)  # HF offsets: target id = d2t[i] + i
+    problems = d2t_problems(ids, n_vocab, head_rows)
+    if names.HF_DRAFT_VOCAB_SIZE in config and offsets.size != n_vocab_draft:
+        problems.append(f"{names.HF_D2T} has {offsets.size} entries but {names.HF_DRAFT_VOCAB_SIZE} = "
+                        f"{n_vocab_draft}; save the d2t table of this head")
+    if problems:
+        raise InputError(f"{path}: " + "; ".join(problems))
+    return torch.from_numpy(ids).to(w[names.HF_D2T].device)

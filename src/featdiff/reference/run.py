@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
+from featdiff.dump import DumpWriter, Manifest, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
 from featdiff.blocks import asked_block_rows, checked_block_rows
 from featdiff.outputs import check_output
+from featdiff.reference.dspark import first_draft_row
 from featdiff.reference.flow import FlowTrace, run_flow
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 from featdiff.reference.load import load_draft, load_target
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def reference(target: Path, model: Path, output: Path, *, prompt: str | None, tokens: str | None,
               rounds: int, dtype: str, device: str, kv_dtype: str, llama_dir: Path | None,
-              block: int | None = None, run: Path | None = None) -> Path:
+              block: int | None = None, run: Path | None = None, p_min: float | None = None) -> Path:
     """Compute the reference dump; return its path.
 
     Draft blocks are `block` rows, else as long as the run dump `run`'s, else llama.cpp's default.
@@ -37,17 +38,26 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
     output = check_output(Path(output), (Path(target), Path(model), run), "-o")
     numerics = numerics_from_options(dtype, device, kv_dtype)
     asked = asked_block_rows(block, Path(run) if run is not None else None)
+    p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
     prompt_ids = prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
     tgt = load_target(Path(target), numerics.dtype, numerics.device)
     dft = load_draft(Path(model), numerics.dtype, numerics.device)
     check_pair(tgt, dft)
     check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
-    rows = checked_block_rows(asked, dft.block_size, Path(model))
+    rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
     log.info("reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
              len(prompt_ids), rounds, rows.rows, rows.origin, dft.block_size)
     with torch.no_grad():
-        trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows)
-    return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows)
+        trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows, p_min=p_min)
+    return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows, p_min)
+
+
+def run_p_min(run: Path | None) -> float:
+    """The `--spec-draft-p-min` the run dump `run` drafted with (its build's `p_min`), else 0."""
+    if run is None:
+        return 0.0
+    with read_dump(run) as dump:
+        return float(dump.manifest.build.get("p_min", 0.0) or 0.0)
 
 
 def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
@@ -85,7 +95,7 @@ def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> t
 
 
 def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft, numerics: Numerics,
-                    prompt: tuple[int, ...], block_rows: int) -> Path:
+                    prompt: tuple[int, ...], block_rows: int, p_min: float = 0.0) -> Path:
     """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
     how it was computed, with the rows of its draft blocks."""
     writer = DumpWriter(output)
@@ -98,7 +108,7 @@ def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft
             writer.add(record, array)
     build = {"torch": torch.__version__, "device": str(numerics.device),
              "dtype": str(numerics.dtype).removeprefix("torch."), "kv_dtype": numerics.kv_dtype,
-             "block_rows": block_rows}
+             "block_rows": block_rows, "p_min": p_min}
     manifest = Manifest(source="reference", models={"target": models_entry(target), "draft": models_entry(draft)},
                         build=build, evals=tuple(et.eval for et in trace.evals), records=(),
                         rounds=trace.rounds, prompt_tokens=prompt)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from featdiff import names
 from featdiff.errors import InputError
-from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, model_info
+from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, dspark_info, model_info
 
 RopeType = Literal["normal", "neox"]  # ggml's GGML_ROPE_TYPE_NORMAL (pairs 2i, 2i+1) / NEOX (i, i+d/2)
 
@@ -90,6 +90,32 @@ class LogSnr:
 
 
 @dataclass(frozen=True)
+class DSpark:
+    """DSpark's heads on a DFlash drafter (upstream `build_dspark_markov_head`) and its layout.
+
+    Block row i's logits get `scale * markov_w2 @ markov_w1[prev]`, `prev` chained by argmax from
+    the block's anchor; the confidence head scores `[result_norm(i); markov_w1[prev]]`.
+    Anchor-first (`sample_from_anchor`): a block of n_draft rows, drafts read from row 0; bonus
+    anchor: n_draft + 1 rows, row 0 unbiased, drafts from row 1.
+    """
+
+    markov_w1: torch.Tensor                 # (n_vocab, rank): row = previous (target) token
+    markov_w2: torch.Tensor                 # (n_vocab_draft, rank)
+    markov_w2_scale: torch.Tensor | None    # (1,)
+    conf_w: torch.Tensor | None             # (1, n_embd + rank)
+    conf_b: torch.Tensor | None             # (1,)
+    sample_from_anchor: bool
+
+    @property
+    def rank(self) -> int:
+        return self.markov_w1.shape[1]
+
+    @property
+    def has_confidence_head(self) -> bool:
+        return self.conf_w is not None
+
+
+@dataclass(frozen=True)
 class Draft:
     """The DFlash drafter. `target_layers` are GGUF ids: the *input* of that target layer."""
 
@@ -105,6 +131,9 @@ class Draft:
     output: torch.Tensor | None      # (n_vocab, n_embd); None: borrow the target's
     layers: tuple[Layer, ...]
     log_snr: LogSnr | None
+    dspark: DSpark | None = None        # the Markov (and confidence) head of a DSpark drafter
+    causal: bool = False                # dflash.attention.causal: block rows attend causally
+    d2t: torch.Tensor | None = None     # int64 (n_vocab_draft,): target id of each head row (reduced vocab)
 
     @property
     def has_own_embeddings(self) -> bool:
@@ -128,6 +157,13 @@ def layer_from_tensors(t: dict[str, torch.Tensor | None]) -> Layer:
 def tensors_of_layer(layer: Layer) -> dict[str, torch.Tensor | None]:
     """A layer's tensors keyed by their GGUF per-layer names: the inverse of `layer_from_tensors`."""
     return {name: getattr(layer, field) for name, field in _LAYER_FIELDS.items()}
+
+
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` in an allocation of its own, which torch aligns: torch's CPU matrix-vector product sums
+    in an order that depends on the buffer's alignment, and numpy's and safetensors' buffers differ
+    in it, so a GGUF and a HF load would give results that differ in the last bit."""
+    return t.clone() if t is not None else None
 
 
 def check_pair(target: Target, draft: Draft) -> None:
@@ -179,8 +215,18 @@ def models_entry(model: Target | Draft) -> dict[str, Any]:
         log_snr={"enabled": snr is not None, "min": snr.min_log_snr if snr else None,
                  "max": snr.max_log_snr if snr else None} if draft else None,
         has_own_embeddings=bool(draft and draft.has_own_embeddings), has_log_snr_tensors=snr is not None,
-        rope_freq_base=hp.rope_base,
+        rope_freq_base=hp.rope_base, dspark=_dspark_entry(draft) if draft is not None else None,
     ).to_json()
+
+
+def _dspark_entry(draft: Draft) -> dict[str, Any] | None:
+    """ModelInfo's `dspark` entry of a loaded drafter, as `model_info` reads it from a GGUF."""
+    dsp = draft.dspark
+    if dsp is None:
+        return None
+    return dspark_info(rank=dsp.rank, has_confidence_head=dsp.has_confidence_head,
+                       sample_from_anchor=dsp.sample_from_anchor, causal=draft.causal,
+                       n_vocab_draft=dsp.markov_w2.shape[0])
 
 
 def _hf_weight_types(path: Path) -> tuple[str, ...]:

@@ -1,25 +1,20 @@
-"""Figure data: what each heatmap of the report shows, as small frozen records.
+"""Figure data: the divergence map, laid out from a `Comparison`'s per-row errors.
 
-Consumes a `Comparison` (compare/result.py) and arrays already read from the two dumps; produces
-`DivergenceMap`, `LayerMatch` and `RowShift`, which tests check without parsing images. Pure: no
-I/O and no drawing (heatmap.py draws these, evidence.py reads the arrays).
+Consumes a `Comparison` (compare/result.py); produces a `DivergenceMap` (records x positions),
+which tests check without parsing images. The other two figures are compare's own records
+(`Comparison.layer_match`, `Comparison.row_shift`), drawn as they are. Pure: no I/O, no drawing
+(heatmap.py draws), and no measuring: every number comes from compare.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 
-from featdiff.compare.metrics import row_similarity
 from featdiff.compare.result import Comparison, PairMetrics
-
-# The row-shift matrix shows a window of run rows around the first row over tolerance: a one-row
-# shift must stay visible as one cell off the diagonal, and a shift shows in any window.
-MAX_SHIFT_ROWS = 64
-SHIFT_MARGIN_ROWS = 8  # ref rows beyond the window's positions on each side, to show shifts out of it
 
 
 @dataclass(frozen=True)
@@ -53,54 +48,6 @@ class DivergenceMap:
     n_records: int = 0            # records before binning
 
 
-@dataclass(frozen=True, eq=False)
-class LayerMatch:
-    """Which target layer input each feature slot carries.
-
-    `matrix` is (n_slots, n_layers): the mean over token rows of the cosine similarity between
-    slot k of the run's `inp_target_features` and the ref's `layer_inp-<layers[j]>` (compare's
-    layer-match sketch).
-    """
-
-    matrix: np.ndarray
-    layers: tuple[int, ...]          # target layer id L of each column
-    expected: tuple[int, ...]        # the ref manifest's models.draft.target_layers: slot k expects [k]
-    run_layers: tuple[int, ...] = ()  # what the run's manifest says (the GGUF), if anything
-    n_rows: int = 0                  # token rows averaged over
-
-    def best_layers(self) -> tuple[int, ...]:
-        """The layer whose input is most similar to each slot."""
-        return tuple(self.layers[j] for j in np.argmax(self.matrix, axis=1))
-
-    def expected_columns(self) -> tuple[int | None, ...]:
-        """The column of each slot's expected layer; None when not stated or not recorded."""
-        expected = self.expected + (-1,) * (self.matrix.shape[0] - len(self.expected))
-        return tuple(self.layers.index(L) if L in self.layers else None for L in expected[:self.matrix.shape[0]])
-
-
-@dataclass(frozen=True, eq=False)
-class RowShift:
-    """Cosine similarity of each run row with each ref row of one record: (n_run, n_ref)."""
-
-    matrix: np.ndarray
-    run_positions: tuple[int, ...]
-    ref_positions: tuple[int, ...]
-    record: str  # "<name> (e<eval> <role> <phase>)"
-    n_run_rows: int = 0  # rows of the record before the window was cut
-    n_ref_rows: int = 0
-
-    def best_shift(self) -> int | None:
-        """The most common `ref position - run position` of each run row's most similar ref row.
-
-        In the findings' convention run row i = ref row i + shift; None when there are no rows.
-        """
-        if self.matrix.size == 0:
-            return None
-        ref = np.asarray(self.ref_positions)[np.argmax(self.matrix, axis=1)]  # (n_run,)
-        values, counts = np.unique(ref - np.asarray(self.run_positions), return_counts=True)
-        return int(values[np.argmax(counts)])
-
-
 # --- divergence map ---------------------------------------------------------------------------
 
 def map_divergence(comparison: Comparison, max_cols: int | None = None) -> DivergenceMap:
@@ -111,12 +58,12 @@ def map_divergence(comparison: Comparison, max_cols: int | None = None) -> Diver
     """
     order = sorted(range(len(comparison.pairs)), key=lambda i: comparison.pairs[i].eval)
     pairs = [comparison.pairs[i] for i in order]
-    lo = min((min(_row_positions(p)) for p in pairs if p.row_rel_err), default=0)
-    hi = max((max(_row_positions(p)) for p in pairs if p.row_rel_err), default=0)
+    lo = min((min(p.row_positions()) for p in pairs if p.row_rel_err), default=0)
+    hi = max((max(p.row_positions()) for p in pairs if p.row_rel_err), default=0)
     width = math.ceil((hi - lo + 1) / max_cols) if max_cols else 1
     first_row = order.index(comparison.first_divergence) if comparison.first_divergence is not None else None
     first = pairs[first_row] if first_row is not None else None
-    first_pos = first_bad_position(first) if first is not None else None
+    first_pos = first.first_bad_position() if first is not None else None
     return DivergenceMap(matrix=_placed_errors(pairs, lo, width, math.ceil((hi - lo + 1) / width)),
                          row_labels=tuple(_record_label(p) for p in pairs), segments=_segments(pairs),
                          col_start=tuple(range(lo, hi + 1, width)), col_width=width, first_row=first_row,
@@ -129,7 +76,7 @@ def _placed_errors(pairs: Sequence[PairMetrics], lo: int, width: int, n_cols: in
     """(n_records, n_cols) row errors at column (position - lo) // width, NaN where none."""
     matrix = np.full((len(pairs), n_cols), np.nan, dtype=np.float32)  # (n_records, n_cols)
     for i, p in enumerate(pairs):
-        cols = (np.asarray(_row_positions(p), dtype=np.int64) - lo) // width
+        cols = (np.asarray(p.row_positions(), dtype=np.int64) - lo) // width
         err = np.asarray(p.row_rel_err, dtype=np.float64)
         # a non-finite row is as wrong as it gets; a bin (or a position compare saw under two
         # token histories) shows its largest error
@@ -157,24 +104,6 @@ def bin_map(m: DivergenceMap, max_rows: int, max_cols: int) -> DivergenceMap:
         col_width=col_width * m.col_width, rows_per_bin=per_bin * m.rows_per_bin,
         first_row=_bin_of(row_idx, m.first_row), first_col=_bin_of(col_idx, m.first_col),
         first_label=m.first_label, first_position=m.first_position, n_records=m.n_records)
-
-
-def _row_positions(p: PairMetrics) -> tuple[int, ...]:
-    """The positions of a pair's rows; row indices when compare recorded none that fit."""
-    if len(p.positions) == len(p.row_rel_err):
-        return tuple(p.positions)
-    return tuple(range(len(p.row_rel_err)))
-
-
-def first_bad_position(p: PairMetrics) -> int | None:
-    """The position of a pair's first row over its row tolerance, else of its worst row."""
-    if not p.row_rel_err:
-        return None
-    err = np.nan_to_num(np.asarray(p.row_rel_err, dtype=np.float64), nan=np.inf)
-    # compare's own row tolerance, else the nmse one: nmse is a squared relative error
-    bad = np.flatnonzero(err > (p.row_tolerance or math.sqrt(p.tolerance)))
-    row = int(bad[0]) if bad.size else int(np.argmax(err))
-    return _row_positions(p)[row]
 
 
 def _record_label(p: PairMetrics) -> str:
@@ -227,36 +156,3 @@ def _bin_label(labels: Sequence[str], starts: np.ndarray, i: int) -> str:
 
 def _bin_of(starts: np.ndarray, index: int | None) -> int | None:
     return None if index is None else int(np.searchsorted(starts, index, side="right") - 1)
-
-
-# --- row shift --------------------------------------------------------------------------------
-
-def measure_row_shift(run_rows: np.ndarray, ref_rows: np.ndarray, run_positions: Sequence[int],
-                      ref_positions: Sequence[int], record: str, focus: int | None = None) -> RowShift:
-    """Cosine of run rows (n_run, width) with ref rows (n_ref, width) in a window: MAX_SHIFT_ROWS
-    run rows from a little before position `focus` (default: the first rows), and the ref rows
-    within SHIFT_MARGIN_ROWS positions of them."""
-    run_idx = _run_window(run_positions, focus)
-    ref_idx = _ref_window(ref_positions, [run_positions[i] for i in run_idx], run_idx)
-    matrix = row_similarity(ref_rows[ref_idx], run_rows[run_idx])  # (n_run, n_ref)
-    return RowShift(matrix=matrix, run_positions=tuple(run_positions[i] for i in run_idx),
-                    ref_positions=tuple(ref_positions[i] for i in ref_idx), record=record,
-                    n_run_rows=len(run_rows), n_ref_rows=len(ref_rows))
-
-
-def _run_window(positions: Sequence[int], focus: int | None) -> np.ndarray:
-    """Up to MAX_SHIFT_ROWS row indices, starting a quarter window before the focus row."""
-    at = next((i for i, p in enumerate(positions) if p >= focus), 0) if focus is not None else 0
-    start = max(0, min(at - MAX_SHIFT_ROWS // 4, len(positions) - MAX_SHIFT_ROWS))
-    return np.arange(start, min(start + MAX_SHIFT_ROWS, len(positions)))
-
-
-def _ref_window(positions: Sequence[int], run_window: Sequence[int], run_idx: np.ndarray) -> np.ndarray:
-    """Ref rows within SHIFT_MARGIN_ROWS positions of the run window; the same indices when
-    no position falls there."""
-    if len(run_window):
-        lo, hi = min(run_window) - SHIFT_MARGIN_ROWS, max(run_window) + SHIFT_MARGIN_ROWS
-        near = np.flatnonzero((np.asarray(positions) >= lo) & (np.asarray(positions) <= hi))
-        if near.size:
-            return near[: MAX_SHIFT_ROWS + 2 * SHIFT_MARGIN_ROWS]
-    return run_idx[run_idx < len(positions)]

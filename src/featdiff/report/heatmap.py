@@ -1,6 +1,7 @@
-"""Heatmaps: draws the figure data of figure.py with matplotlib (Agg, no pyplot state).
+"""Heatmaps: draws the figure data with matplotlib (Agg, no pyplot state).
 
-Consumes `DivergenceMap`, `LayerMatch` and `RowShift`; produces matplotlib `Figure`s and PNG
+Consumes figure.py's `DivergenceMap` and compare's `LayerMatch` and `RowShift` as compare returned
+them (`Comparison.layer_match`, `Comparison.row_shift`); produces matplotlib `Figure`s and PNG
 bytes. Every figure states its colour scale on its colour bar; sizes grow with the data up to a
 cap, and tick labels are thinned so they never overlap.
 """
@@ -16,7 +17,9 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from featdiff.report.figure import DivergenceMap, LayerMatch, RowShift
+from featdiff.compare.rowshift import RowShift
+from featdiff.compare.sketch import LayerMatch
+from featdiff.report.figure import DivergenceMap
 
 # Relative error per row: f32 rounding sits near 1e-7, the f16 KV cache and flash attention
 # near 1e-3, a wiring fault near 1. A fixed range keeps reports comparable with each other.
@@ -107,32 +110,33 @@ def _mark_first_divergence(ax, m: DivergenceMap) -> None:
 # --- layer match ------------------------------------------------------------------------------
 
 def draw_layer_match(m: LayerMatch) -> Figure:
-    """Feature slots x target layer inputs, cosine; expected cells outlined, best marked."""
-    n_slots, n_layers = m.matrix.shape
+    """Feature slots x target layer inputs, cosine; expected cells outlined, compare's closest
+    layer of each slot (the one its layer-offset detector reads) starred."""
+    n_slots, n_layers = m.similarity.shape
     fig = Figure(figsize=(min(14.0, max(7.0, 2.6 + 0.42 * n_layers)), min(9.0, max(3.4, 2.3 + 0.6 * n_slots))))
     ax = _axes_in_inches(fig, left=1.5, right=0.4, top=0.75, bottom=1.3)
-    image = ax.imshow(m.matrix, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP,
+    image = ax.imshow(m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP,
                       norm=Normalize(*COSINE_RANGE, clip=True))
     cols = _tick_indices(n_layers, 40)
     ax.set_xticks(cols, [str(m.layers[j]) for j in cols], fontsize=LABEL_PT + 0.5)
     ax.set_yticks(range(n_slots), [_slot_label(m, k) for k in range(n_slots)], fontsize=LABEL_PT + 0.5)
     ax.set_xlabel("target layer L (ref layer_inp-L: the input of layer L)", fontsize=LABEL_PT + 1)
     if n_layers <= 48:
-        _annotate_cells(ax, m.matrix)
+        _annotate_cells(ax, m.similarity)
     _outline_expected(ax, m)
     ax.set_title("Layer match: which target layer input each feature slot carries\n"
-                 "red box = the layer the checkpoint expects, white star = the best match",
+                 "red box = the layer the checkpoint expects, white star = the closest match",
                  fontsize=10, loc="left")
     cax = fig.add_axes(_inches_to_box(fig, left=1.5, bottom=0.5, width=4.5, height=0.16))
     bar = fig.colorbar(image, cax=cax, orientation="horizontal")
-    bar.set_label(f"cosine similarity, mean over {m.n_rows} token rows (colour clipped to [0, 1])",
+    bar.set_label(f"cosine similarity, mean over {len(m.positions)} token rows (colour clipped to [0, 1])",
                   fontsize=LABEL_PT + 0.5)
     bar.ax.tick_params(labelsize=LABEL_PT)
     return fig
 
 
 def _slot_label(m: LayerMatch, k: int) -> str:
-    expected = str(m.expected[k]) if k < len(m.expected) else "?"
+    expected = str(m.expected_layers[k]) if k < len(m.expected_layers) else "?"
     return f"slot {k}\nexpects L={expected}"
 
 
@@ -147,7 +151,7 @@ def _outline_expected(ax, m: LayerMatch) -> None:
     for k, j in enumerate(m.expected_columns()):
         if j is not None:
             ax.add_patch(Rectangle((j - 0.5, k - 0.5), 1, 1, fill=False, edgecolor=MARK, linewidth=3))
-    best = np.argmax(m.matrix, axis=1)  # (n_slots,)
+    best = np.array([m.layers.index(L) for L in m.closest_layers])  # (n_slots,) columns
     ax.plot(best + 0.3, np.arange(len(best)) - 0.25, linestyle="none", marker="*", markersize=13,
             markerfacecolor="white", markeredgecolor="black", markeredgewidth=0.8)
 
@@ -156,10 +160,10 @@ def _outline_expected(ax, m: LayerMatch) -> None:
 
 def draw_row_shift(m: RowShift) -> Figure:
     """Run rows x ref rows of one record, cosine; the same-position cells dashed."""
-    n_run, n_ref = m.matrix.shape
+    n_run, n_ref = m.similarity.shape
     fig = Figure(figsize=(7.0, 6.4))
     ax = _axes_in_inches(fig, left=1.1, right=0.4, top=0.9, bottom=1.4)
-    image = ax.imshow(m.matrix, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP,
+    image = ax.imshow(m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP,
                       norm=Normalize(*COSINE_RANGE, clip=True))
     _position_ticks(ax, m)
     same = [(j, i) for i, p in enumerate(m.run_positions) for j, q in enumerate(m.ref_positions) if p == q]
@@ -177,7 +181,7 @@ def draw_row_shift(m: RowShift) -> Figure:
 
 
 def _position_ticks(ax, m: RowShift) -> None:
-    n_run, n_ref = m.matrix.shape
+    n_run, n_ref = m.similarity.shape
     rows, cols = _tick_indices(n_run, 24), _tick_indices(n_ref, 24)
     ax.set_yticks(rows, [str(m.run_positions[i]) for i in rows], fontsize=LABEL_PT)
     ax.set_xticks(cols, [str(m.ref_positions[j]) for j in cols], fontsize=LABEL_PT, rotation=90)

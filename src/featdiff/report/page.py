@@ -10,8 +10,9 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from featdiff import __version__
 from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics

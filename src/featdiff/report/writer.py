@@ -1,8 +1,8 @@
 """Writer: the report from two dumps and their comparison, as one HTML file (and PNGs).
 
-Consumes the ref and run dump paths and the `Comparison` compare made of them; reads the
-arrays the figures need (evidence.py), draws them (heatmap.py) and writes the page (page.py).
-Never runs a model.
+Consumes the ref and run dump paths (their manifests, for the page's facts) and the `Comparison`
+compare made of them; draws what compare concluded (heatmap.py) and writes the page (page.py).
+Never runs a model and measures nothing: every figure is compare's data.
 """
 
 from __future__ import annotations
@@ -11,12 +11,19 @@ import logging
 from pathlib import Path
 
 from featdiff.compare.result import Comparison
-from featdiff.dump import Dump, read_dump
+from featdiff.compare.rowshift import RowShift
+from featdiff.compare.sketch import LayerMatch
+from featdiff.dump import read_dump
 from featdiff.outputs import check_output, check_output_dir, replaced
-from featdiff.report.evidence import layer_match_from_dumps, row_shift_from_dumps
-from featdiff.report.figure import DivergenceMap, LayerMatch, RowShift, bin_map, map_divergence
-from featdiff.report.heatmap import (MAX_MAP_COLS, MAX_MAP_ROWS, draw_divergence_map,
-                                     draw_layer_match, draw_row_shift, png_from_figure)
+from featdiff.report.figure import DivergenceMap, bin_map, map_divergence
+from featdiff.report.heatmap import (
+    MAX_MAP_COLS,
+    MAX_MAP_ROWS,
+    draw_divergence_map,
+    draw_layer_match,
+    draw_row_shift,
+    png_from_figure,
+)
 from featdiff.report.page import Picture, render_page
 
 log = logging.getLogger(__name__)
@@ -26,15 +33,15 @@ def write_report(ref: Path, run: Path, output: Path, *, comparison: Comparison,
                  png_dir: Path | None = None, name_map: Path | None = None, output_flag: str = "-o") -> Path:
     """Write the self-contained HTML report to `output` (and each figure to `png_dir`).
 
-    `name_map` is the one compare used (`--map`), for finding a fork's feature tensor. Neither
-    output may be an input (`output_flag` is the option that named `output`, for the message).
+    `name_map` is the one compare used (`--map`): an input, never overwritten. Neither output may
+    be an input (`output_flag` is the option that named `output`, for the message).
     """
     inputs = (Path(ref), Path(run), name_map)
     output = check_output(Path(output), inputs, output_flag)
     if png_dir is not None:
         png_dir = check_output_dir(Path(png_dir), inputs, "--png-dir")
+    pictures = draw_pictures(comparison)
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
-        pictures = draw_pictures(ref_dump, run_dump, comparison, name_map)
         page = render_page(comparison, ref_dump.manifest, run_dump.manifest, pictures)
     with replaced(output) as tmp:
         tmp.write_text(page, encoding="utf-8")
@@ -43,12 +50,11 @@ def write_report(ref: Path, run: Path, output: Path, *, comparison: Comparison,
     return output
 
 
-def draw_pictures(ref: Dump, run: Dump, comparison: Comparison,
-                  name_map: Path | None = None) -> tuple[Picture, ...]:
+def draw_pictures(comparison: Comparison) -> tuple[Picture, ...]:
     """The three figures of the page, in order: divergence map, layer match, row shift."""
     return (_divergence_picture(bin_map(map_divergence(comparison, MAX_MAP_COLS), MAX_MAP_ROWS, MAX_MAP_COLS)),
-            _layer_match_picture(layer_match_from_dumps(ref, run, name_map)),
-            _row_shift_picture(row_shift_from_dumps(ref, run, comparison)))
+            _layer_match_picture(comparison.layer_match),
+            _row_shift_picture(comparison.row_shift))
 
 
 def write_pngs(pictures: tuple[Picture, ...], png_dir: Path) -> tuple[Path, ...]:
@@ -85,10 +91,10 @@ def _layer_match_picture(m: LayerMatch | None) -> Picture:
             "with the same positions in the ref dump (the reference writes them)."))
     run_says = f"; the run's manifest says {list(m.run_layers)}" if m.run_layers else ""
     caption = (f"Each row is a slot of the run's inp_target_features, each column the input of a target "
-               f"layer in the reference; colour is the cosine similarity averaged over {m.n_rows} token rows "
-               f"(on compare's random-projection sketch of the rows, as its layer_offset detector sees them). "
-               f"The checkpoint expects target_layers {list(m.expected)} (red boxes){run_says}; "
-               f"the best match per slot (white stars) is {list(m.best_layers())}.")
+               f"layer in the reference; colour is the cosine similarity averaged over {len(m.positions)} token "
+               f"rows (on compare's random-projection sketch of the rows, as its layer_offset detector sees "
+               f"them). The checkpoint expects target_layers {list(m.expected_layers)} (red boxes){run_says}; "
+               f"the closest match per slot (white stars) is {list(m.closest_layers)}.")
     return Picture("layer-match", title, caption, png_from_figure(draw_layer_match(m)))
 
 

@@ -7,7 +7,8 @@ fixtures' layout (HF orientation), which the fixtures' writers save as GGUF and 
 * `corpus`: its greedy continuations of random prompts, and held-out prompts;
 * `objective`: packed `[anchor, mask ...]` blocks through the reference's own drafter forward,
   the DFlash loss and the accepted length;
-* `train`: the training loop of both drafters (plain, and GIDD log-SNR conditioned);
+* `train`: the training loop of the drafters (plain, GIDD log-SNR conditioned, and DSpark);
+* `dspark`: the anchor-first DSpark objective (Markov and confidence heads) and its held-out drafts;
 * `cache`: trained once per machine under $FEATDIFF_CACHE/trained (~/.cache/featdiff/trained).
 """
 

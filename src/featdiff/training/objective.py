@@ -33,27 +33,29 @@ class Batch:
     weights: torch.Tensor        # (n_rows,): loss weight, 0 on anchor rows
 
 
-def packed_batch(corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask_token_id: int) -> Batch:
-    """Blocks at `anchors` `(n_seq, n_anchor)` in the sequences `seqs` `(n_seq,)` of the corpus."""
+def packed_batch(corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask_token_id: int,
+                 n_block: int = BLOCK_SIZE) -> Batch:
+    """Blocks of `n_block` rows at `anchors` `(n_seq, n_anchor)` in the sequences `seqs` `(n_seq,)`
+    of the corpus."""
     n_seq, n_tokens = len(seqs), corpus.tokens.shape[1]
-    row = torch.arange(BLOCK_SIZE)
+    row = torch.arange(n_block)
     positions = anchors[:, :, None] + row  # (n_seq, n_anchor, B)
     labels = torch.gather(corpus.tokens[seqs], 1, positions.reshape(n_seq, -1))  # (n_seq, n_anchor * B)
     tokens = torch.where(row == 0, labels.reshape(positions.shape), mask_token_id)  # (n_seq, n_anchor, B)
     weights = torch.where(row == 0, 0.0, torch.exp(-(row - 1) / ROW_DECAY))  # (B,)
     return Batch(features=corpus.features[seqs].reshape(n_seq * n_tokens, -1),  # (n_seq * n_tokens, n_extract * n_embd_tgt)
                  ctx_positions=torch.arange(n_tokens).repeat(n_seq), tokens=tokens.reshape(-1),
-                 positions=positions.reshape(-1), visible=_visibility(anchors, n_tokens),
+                 positions=positions.reshape(-1), visible=_visibility(anchors, n_tokens, n_block),
                  labels=labels.reshape(-1), weights=weights.repeat(anchors.numel()))
 
 
-def _visibility(anchors: torch.Tensor, n_tokens: int) -> torch.Tensor:
+def _visibility(anchors: torch.Tensor, n_tokens: int, n_block: int) -> torch.Tensor:
     """`(n_rows, n_seq * n_tokens + n_rows)`: each block row sees its sequence's context before
     its anchor, then its own block's rows."""
     n_seq, n_anchor = anchors.shape
-    row_seq = torch.arange(n_seq).repeat_interleave(n_anchor * BLOCK_SIZE)  # (n_rows,)
-    row_anchor = anchors.repeat_interleave(BLOCK_SIZE, dim=1).reshape(-1)  # (n_rows,)
-    row_block = torch.arange(n_seq * n_anchor).repeat_interleave(BLOCK_SIZE)  # (n_rows,)
+    row_seq = torch.arange(n_seq).repeat_interleave(n_anchor * n_block)  # (n_rows,)
+    row_anchor = anchors.repeat_interleave(n_block, dim=1).reshape(-1)  # (n_rows,)
+    row_block = torch.arange(n_seq * n_anchor).repeat_interleave(n_block)  # (n_rows,)
     cell_seq, cell_pos = torch.arange(n_seq).repeat_interleave(n_tokens), torch.arange(n_tokens).repeat(n_seq)
     sees_context = (row_seq[:, None] == cell_seq[None, :]) & (cell_pos[None, :] < row_anchor[:, None])
     sees_block = row_block[:, None] == row_block[None, :]  # (n_rows, n_rows)
@@ -85,5 +87,12 @@ def mean_accepted_length(draft: Draft, target: Target, corpus: Corpus) -> float:
     batch = packed_batch(corpus, torch.arange(n_seq), anchors, draft.mask_token_id)
     with torch.no_grad():
         drafts = block_logits(draft, target, batch).argmax(-1).reshape(-1, BLOCK_SIZE)[:, 1:]  # (n_blocks, B-1)
-    hits = (drafts == batch.labels.reshape(-1, BLOCK_SIZE)[:, 1:]).int().cumprod(dim=1)  # (n_blocks, B-1)
+    return accepted_length(drafts, batch.labels.reshape(-1, BLOCK_SIZE)[:, 1:])
+
+
+def accepted_length(drafts: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean accepted drafts + 1 per block (greedy verify): the prefix of each block's drafts
+    `(n_blocks, n_draft)` that equals the sequence's tokens there `(n_blocks, n_draft)`, plus the
+    target's own token."""
+    hits = (drafts == labels).int().cumprod(dim=1)  # (n_blocks, n_draft)
     return 1.0 + float(hits.sum(dim=1).float().mean())

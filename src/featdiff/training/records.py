@@ -12,9 +12,11 @@ import torch
 
 from featdiff import fixtures, names
 from featdiff.fixtures import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
-from featdiff.reference.weights import Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors, tensors_of_layer
+from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors,
+                                        tensors_of_layer)
 
 LOG_SNR_KEYS = ("log_snr_fc1", "log_snr_fc1_b", "log_snr_fc2", "log_snr_fc2_b")  # fixtures' keys, in LogSnr's order
+DSPARK_KEYS = ("markov_w1", "markov_w2", "conf_proj", "conf_proj_b")  # fixtures' keys of DSpark's heads
 
 
 def target_record(w: dict, sizes: Sizes, seed: int) -> Target:
@@ -48,6 +50,21 @@ def draft_weights_of(draft: Draft) -> dict:
     if draft.log_snr is not None:
         snr = draft.log_snr
         w.update(zip(LOG_SNR_KEYS, map(_array, (snr.fc1_w, snr.fc1_b, snr.fc2_w, snr.fc2_b))))
+    return w
+
+
+def dspark_record(w: dict, trainable: bool) -> DSpark:
+    """The reference's `DSpark` heads of a fixtures DSpark weight dict: anchor-first, no scale
+    tensor, no reduced vocabulary. (`draft_record` of the same dict is its DFlash body.)"""
+    w1, w2, conf_w, conf_b = (_tensor(w[k], trainable) for k in DSPARK_KEYS)
+    return DSpark(markov_w1=w1, markov_w2=w2, markov_w2_scale=None, conf_w=conf_w, conf_b=conf_b,
+                  sample_from_anchor=True)
+
+
+def dspark_weights_of(draft: Draft, dsp: DSpark) -> dict:
+    """A DFlash body and its DSpark heads back as one fixtures weight dict."""
+    w = draft_weights_of(draft)
+    w.update(zip(DSPARK_KEYS, map(_array, (dsp.markov_w1, dsp.markov_w2, dsp.conf_w, dsp.conf_b))))
     return w
 
 

@@ -1,8 +1,9 @@
-"""Train the pair's two drafters on the target's corpus: a plain DFlash drafter, and a GIDD
-log-SNR conditioned one, trained with the conditioning it runs with (its noise rows carry
+"""Train the pair's drafters on the target's corpus: a plain DFlash drafter; a GIDD log-SNR
+conditioned one, trained with the conditioning it runs with (its noise rows carry
 `log_snr_embed`: anchor rows at max_log_snr, mask rows at min_log_snr, as the reference computes
-it; no intermediate noise levels are sampled). Deterministic given the seed and the torch build
-(one rng stream per purpose, a fixed torch thread count).
+it; no intermediate noise levels are sampled); and an anchor-first DSpark drafter (dspark.py).
+Deterministic given the seed and the torch build (one rng stream per purpose, a fixed torch
+thread count).
 """
 
 from __future__ import annotations
@@ -11,37 +12,44 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from featdiff import fixtures
 from featdiff.fixtures import BLOCK_SIZE, Sizes
-from featdiff.reference.weights import Target
+from featdiff.reference.weights import Draft, DSpark, Target
+from featdiff.training import dspark
 from featdiff.training.corpus import Corpus, held_out_prompts, make_corpus, prompts
-from featdiff.training.objective import Batch, block_loss, mean_accepted_length, packed_batch
-from featdiff.training.records import draft_record, draft_weights_of, parameters, target_record
+from featdiff.training.objective import block_loss, mean_accepted_length, packed_batch
+from featdiff.training.records import (DSPARK_KEYS, draft_record, draft_weights_of, dspark_record, dspark_weights_of,
+                                       parameters, target_record)
 from featdiff.training.target import lookback_target
 
 log = logging.getLogger(__name__)
 
 TRAINED_SIZES = fixtures.Sizes(n_vocab=256)  # a small vocabulary: a short training sees every token often
-STREAM_INIT, STREAM_STEPS = 3, 4  # rng streams per seed (corpus.py holds 1 and 2)
+STREAM_INIT, STREAM_STEPS, STREAM_DSPARK = 3, 4, 5  # rng streams per seed (corpus.py holds 1 and 2)
+MARKOV_RANK = 16         # R of DSpark's Markov head: markov_w1 and markov_w2 are (n_vocab, R)
+DSPARK_BLOCKS = tuple(range(2, BLOCK_SIZE + 1))  # block lengths DSpark trains on: any --spec-draft-n-max runs
 LOG_SNR_INIT_GAIN = 4.0  # the log-SNR term starts about as large as a token embedding, so the drafter leans on it
+CONF_LR_GAIN = 10.0      # the confidence head's bias travels to logit(accept rate) ~ 3 while AdamW moves it ~lr a step
+PEAK_LR = "peak_lr"      # our key in an optimizer param group: the group's lr before the schedule
 LR_WARMUP = 20           # steps of linear warm-up before the cosine decay
 LOG_EVERY = 40           # steps between debug lines of the loss
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How much corpus and training; the defaults take about 20 s on two CPU cores."""
+    """How much corpus and training; the defaults take about 30 s on two CPU cores."""
 
     n_prompts: int = 64
     n_tokens: int = 48        # per corpus sequence: prompt + greedy continuation
     n_held_out: int = 16      # held-out prompts the accepted length is measured on
     steps: int = 160
+    dspark_steps: int = 160
     seqs_per_step: int = 8
     anchors_per_seq: int = 16
     lr: float = 1e-2
@@ -53,16 +61,18 @@ DEFAULT_CONFIG = TrainConfig()
 
 @dataclass(frozen=True)
 class TrainedPair:
-    """The target and its two trained drafters (fixtures layout), and how training went."""
+    """The target and its three trained drafters (fixtures layout), and how training went."""
 
     target: dict
     draft: dict
     draft_log_snr: dict
-    meta: dict  # train_seconds, and each drafter's held-out mean accepted length (reference, offline)
+    draft_dspark: dict  # anchor-first DSpark: a DFlash body plus DSPARK_KEYS (Markov and confidence heads)
+    meta: dict  # train_seconds (dspark_train_seconds of them), each drafter's held-out mean accepted
+    #             length (reference, offline), and the DSpark confidence head's held-out ranking (AUC)
 
 
 def train_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = DEFAULT_CONFIG) -> TrainedPair:
-    """The target of `seed`, its corpus, and both drafters trained on it."""
+    """The target of `seed`, its corpus, and the three drafters trained on it."""
     start = time.perf_counter()
     with _torch_threads(config.threads):
         target_w, inits = _target_and_inits(seed, sizes)
@@ -72,26 +82,82 @@ def train_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = DE
         rng = np.random.default_rng((seed, STREAM_STEPS))
         drafts = [train_drafter(target, corpus, w, sizes, config, rng) for w in inits]
         accepted = [mean_accepted_length(draft_record(w, sizes, trainable=False), target, held_out) for w in drafts]
-    meta = {"train_seconds": round(time.perf_counter() - start, 1),
-            "held_out_mean_accepted_length": {"draft": accepted[0], "draft_log_snr": accepted[1]}}
-    return TrainedPair(target=target_w, draft=drafts[0], draft_log_snr=drafts[1], meta=meta)
+        draft_dspark, dspark_seconds = _timed_dspark(seed, target, corpus, sizes, config)
+        dspark_accepted, auc = _dspark_held_out(draft_dspark, target, held_out, sizes)
+    meta = {"train_seconds": round(time.perf_counter() - start, 1), "dspark_train_seconds": round(dspark_seconds, 1),
+            "held_out_mean_accepted_length": {"draft": accepted[0], "draft_log_snr": accepted[1],
+                                              "draft_dspark": dspark_accepted},
+            "held_out_dspark_confidence_auc": auc}
+    return TrainedPair(target=target_w, draft=drafts[0], draft_log_snr=drafts[1], draft_dspark=draft_dspark, meta=meta)
 
 
 def train_drafter(target: Target, corpus: Corpus, init: dict, sizes: Sizes, config: TrainConfig,
                   rng: np.random.Generator) -> dict:
-    """A drafter trained from `init` (fixtures layout) on the corpus; its weights, same layout."""
+    """A DFlash drafter trained from `init` (fixtures layout) on the corpus; its weights, same layout."""
     draft = draft_record(init, sizes, trainable=True)
-    opt = torch.optim.AdamW(parameters(draft), lr=config.lr, weight_decay=0.0)
-    for step in range(config.steps):
+    _fit([(parameters(draft), config.lr)], config.steps, _dflash_losses(draft, target, corpus, config, sizes, rng))
+    return draft_weights_of(draft)
+
+
+def train_dspark(target: Target, corpus: Corpus, init: dict, sizes: Sizes, config: TrainConfig,
+                 rng: np.random.Generator) -> dict:
+    """An anchor-first DSpark drafter trained from `init` (a fixtures drafter plus DSPARK_KEYS);
+    its weights, same layout."""
+    draft, dsp = draft_record(init, sizes, trainable=True), dspark_record(init, trainable=True)
+    groups = [(parameters(draft) + [dsp.markov_w1, dsp.markov_w2], config.lr),
+              ([dsp.conf_w, dsp.conf_b], config.lr * CONF_LR_GAIN)]
+    _fit(groups, config.dspark_steps, _dspark_losses(draft, dsp, target, corpus, config, sizes, rng))
+    return dspark_weights_of(draft, dsp)
+
+
+def _timed_dspark(seed: int, target: Target, corpus: Corpus, sizes: Sizes, config: TrainConfig) -> tuple[dict, float]:
+    """The DSpark drafter of `seed` (its own rng stream), and the seconds it took."""
+    start = time.perf_counter()
+    rng = np.random.default_rng((seed, STREAM_DSPARK))
+    w = train_dspark(target, corpus, _dspark_init(rng, sizes), sizes, config, rng)
+    return w, time.perf_counter() - start
+
+
+def _dspark_held_out(w: dict, target: Target, held_out: Corpus, sizes: Sizes) -> tuple[float, float | None]:
+    """A DSpark drafter's held-out mean accepted length (N_DRAFT drafts), and how its confidence
+    ranks right drafts above wrong ones with BLOCK_SIZE drafts: there the last row (the permuted
+    anchor, which no context row holds) is mostly wrong, so the head has wrong drafts to rank."""
+    body, heads = draft_record(w, sizes, trainable=False), dspark_record(w, trainable=False)
+    accepted = dspark.mean_accepted_length(dspark.draft_held_out(body, heads, target, held_out))
+    return accepted, dspark.confidence_auc(dspark.draft_held_out(body, heads, target, held_out, n_draft=BLOCK_SIZE))
+
+
+def _dflash_losses(draft: Draft, target: Target, corpus: Corpus, config: TrainConfig, sizes: Sizes,
+                   rng: np.random.Generator) -> Iterator[torch.Tensor]:
+    """The DFlash loss of each step's batch: blocks of BLOCK_SIZE rows, labels to the block's end."""
+    while True:
+        seqs, anchors = _sample_anchors(corpus, config, rng, BLOCK_SIZE - 1)
+        yield block_loss(draft, target, packed_batch(corpus, seqs, anchors, sizes.mask_token_id))
+
+
+def _dspark_losses(draft: Draft, dsp: DSpark, target: Target, corpus: Corpus, config: TrainConfig, sizes: Sizes,
+                   rng: np.random.Generator) -> Iterator[torch.Tensor]:
+    """The DSpark loss of each step's batch: anchor-first blocks of a length drawn from
+    DSPARK_BLOCKS, labels one past the block's end."""
+    while True:
+        n_block = int(rng.choice(DSPARK_BLOCKS))
+        seqs, anchors = _sample_anchors(corpus, config, rng, n_block)
+        batch = dspark.anchor_first_batch(corpus, seqs, anchors, sizes.mask_token_id, n_block)
+        yield dspark.dspark_loss(draft, dsp, target, batch)
+
+
+def _fit(groups: list[tuple[list[torch.Tensor], float]], steps: int, losses: Iterable[torch.Tensor]) -> None:
+    """AdamW on each group of tensors at its peak learning rate, for `steps` losses (each
+    computed after the previous step)."""
+    opt = torch.optim.AdamW([{"params": params, "lr": lr, PEAK_LR: lr} for params, lr in groups], weight_decay=0.0)
+    for step, loss in zip(range(steps), losses):
         for group in opt.param_groups:
-            group["lr"] = config.lr * _schedule(step, config.steps)
-        loss = block_loss(draft, target, _sample_batch(corpus, config, sizes, rng))
+            group["lr"] = group[PEAK_LR] * _schedule(step, steps)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % LOG_EVERY == 0 or step == config.steps - 1:
+        if step % LOG_EVERY == 0 or step == steps - 1:
             log.debug("step %d: loss %.4f", step, loss.item())
-    return draft_weights_of(draft)
 
 
 def _target_and_inits(seed: int, sizes: Sizes) -> tuple[dict, tuple[dict, dict]]:
@@ -105,14 +171,26 @@ def _target_and_inits(seed: int, sizes: Sizes) -> tuple[dict, tuple[dict, dict]]
     return target_w, (plain, conditioned)
 
 
-def _sample_batch(corpus: Corpus, config: TrainConfig, sizes: Sizes, rng: np.random.Generator) -> Batch:
-    """`seqs_per_step` sequences, `anchors_per_seq` distinct anchors each, in their continuation."""
+def _dspark_init(rng: np.random.Generator, sizes: Sizes) -> dict:
+    """A DSpark drafter's initial weights: the fixtures' random drafter, a random markov_w1 and
+    zero markov_w2 (the Markov bias starts at 0), and a confidence head at 0.5."""
+    w = fixtures.draft_weights(rng, fixtures.VARIANTS["trained"], sizes)
+    w1 = rng.standard_normal((sizes.n_vocab, MARKOV_RANK)).astype(np.float32)
+    zeros = (np.zeros((sizes.n_vocab, MARKOV_RANK)), np.zeros((1, sizes.draft.n_embd + MARKOV_RANK)), np.zeros(1))
+    w.update(zip(DSPARK_KEYS, (w1, *(a.astype(np.float32) for a in zeros))))
+    return w
+
+
+def _sample_anchors(corpus: Corpus, config: TrainConfig, rng: np.random.Generator,
+                    n_after: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`seqs_per_step` sequences `(n_seq,)` and `anchors_per_seq` distinct anchors in each one's
+    continuation `(n_seq, n_anchor)`, each with `n_after` tokens after it (its block's labels)."""
     n_seq, n_tokens = corpus.tokens.shape
     seqs = rng.choice(n_seq, config.seqs_per_step, replace=False)
-    last = n_tokens - BLOCK_SIZE  # the last anchor whose block ends inside the sequence
+    last = n_tokens - 1 - n_after
     anchors = [rng.choice(np.arange(int(corpus.first_anchor[s]), last + 1), config.anchors_per_seq, replace=False)
                for s in seqs]
-    return packed_batch(corpus, torch.from_numpy(seqs), torch.from_numpy(np.stack(anchors)), sizes.mask_token_id)
+    return torch.from_numpy(seqs), torch.from_numpy(np.stack(anchors))
 
 
 def _schedule(step: int, steps: int) -> float:
