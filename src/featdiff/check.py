@@ -365,10 +365,10 @@ def _probe_of_flow(manifest: Manifest, program: str, ref_target: Path, ref_model
 
 def write_outputs(result: CheckResult, json_out: str | None, summary_md: Path | None) -> None:
     """The JSON (`-`: stdout), the Markdown summary, and that summary appended to $GITHUB_STEP_SUMMARY."""
-    from featdiff.compare.render import _jsonable  # NaN/Inf as null, as the findings JSON writes them
+    from featdiff.compare.render import jsonable  # NaN/Inf as null, as the findings JSON writes them
 
     if json_out is not None:
-        text = json.dumps(_jsonable(result.to_json()), indent=1, sort_keys=True, allow_nan=False) + "\n"
+        text = json.dumps(jsonable(result.to_json()), indent=1, sort_keys=True, allow_nan=False) + "\n"
         if json_out == "-":
             print(text, end="", flush=True)
         else:

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featdiff import names
+from featdiff import fixtures, names
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.capture import capture
+from featdiff.probe import probe
 from featdiff.reference.run import reference
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from test_exec import RUN_TIMEOUT_S, TOKENS, tools  # noqa: F401  (tools: a session fixture)
@@ -25,6 +26,8 @@ SERVER_ARGS = ["--spec-type", "draft-dspark", "--spec-draft-n-max", "3", "-c", "
 # the sampled logits and confidences come after the whole drafter: only float32 rounding and the
 # f16 KV cache separate the two sides (measured: NMSE <= 1e-7)
 MAX_NMSE = 1e-5
+PROBE_ROUNDS = 4
+MIN_TRAINED_ACCEPT = 2.0  # tokens per block (accepted drafts + 1); issue 11's bar for the trained DSpark
 
 
 @pytest.fixture(scope="session")
@@ -121,3 +124,17 @@ def test_dspark_drafter_around_llama_server_compares_clean(fixture_models, tools
                     dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run)
     comparison = compare_dumps(ref, run)
     _assert_clean_with_sampled_logits(comparison, conf=False)  # the server's confidences are not read back
+
+
+@pytest.mark.parametrize("through_server", [False, True])
+def test_trained_dspark_accepts_at_least_two_per_block_as_the_reference_does(fixture_models, tools, through_server):  # noqa: F811
+    """The trained anchor-first DSpark pair through the real spec loop (in-process draft-dspark, and
+    llama-server --spec-type draft-dspark): >= 2 tokens per block, round by round the reference's figure."""
+    d = fixture_models("trained-dspark")
+    command = ([str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"),
+                *SERVER_ARGS] if through_server else None)
+    result = probe(d / "target.gguf", d / "draft.gguf", prompts=d / fixtures.PROMPTS_FILE, rounds=PROBE_ROUNDS,
+                   ref_model=d / "draft-hf", command=command)
+    assert result.run.mean_accepted_length >= MIN_TRAINED_ACCEPT, result.run
+    assert not result.has_gap and result.run.mean_accepted_length == result.ref.mean_accepted_length, (result.run,
+                                                                                                       result.ref)

@@ -26,21 +26,21 @@ def exit_code(c: Comparison) -> int:
     return EXIT_OK if c.ok else EXIT_FINDINGS
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """`value` with NaN/Inf as null (strict JSON has no spelling for them), tuples as lists."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 
 def write_json(c: Comparison, dest: str) -> None:
     """Write the findings JSON (docs/findings.md) to the file `dest` (never one of the
     comparison's inputs; replaced whole, never left half-written), or to stdout for "-"."""
-    text = json.dumps(_jsonable(c.to_json()), indent=1, allow_nan=False) + "\n"
+    text = json.dumps(jsonable(c.to_json()), indent=1, allow_nan=False) + "\n"
     if dest == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
