@@ -158,7 +158,9 @@ def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], round
     (clamped as llama.cpp clamps them), nothing captured."""
     from featdiff.llama.capture import flow_config
     from featdiff.llama.runtime import Model, Runtime
+    from featdiff.reference.lint import preflight
 
+    preflight(Path(model), Path(target))
     rt = Runtime.load(llama_dir)
     tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
     try:

@@ -229,3 +229,34 @@ def test_a_reference_of_longer_blocks_names_the_block_length(run_draft_max_2, re
     assert first.kind == "block_token" and first.tensor == "inp_noise_embd"
     assert "has 3 rows where the reference's has 4" in first.message
     assert "--spec-draft-n-max + 1 rows" in first.message
+
+
+def _rewritten(src: Path, dst: Path, **edits) -> Path:
+    """tests/reference/conftest.py's GGUF rewriter (a crafted broken drafter)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reference_conftest", Path(__file__).parents[1] / "reference" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.rewrite_gguf(src, dst, **edits)
+
+
+@pytest.mark.parametrize("what", ["mask", "fc"])
+def test_a_pair_llama_cpp_would_misrun_is_refused_before_it_loads(fixture_models, tmp_path, what):
+    """The pre-flight (lint's run checks): a mask token outside the vocabulary made the first draft
+    decode fail (exit 3 before); both refusals are one line, exit 2, and leave no spool."""
+    from gguf import GGUFValueType
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    d = fixture_models("clean")
+    edits = ({"set_keys": {"tokenizer.ggml.mask_token_id": (100000, GGUFValueType.UINT32)}} if what == "mask"
+             else {"replace_tensors": {"fc.weight": np.ones((64, 192), np.float32)}})
+    broken = _rewritten(d / "draft.gguf", tmp_path / "D.gguf", **edits)
+    out = tmp_path / "run.npz"
+    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(broken),
+                                      "--tokens", "1,2,3,4", "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"{broken}: " in result.output and ("mask_token_id" if what == "mask" else "fc.weight") in result.output
+    assert not out.exists() and not list(tmp_path.glob("run.npz.spool*"))

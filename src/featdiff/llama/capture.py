@@ -21,6 +21,7 @@ from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
 from featdiff.outputs import check_output
+from featdiff.reference.lint import preflight
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
+    preflight(Path(model), Path(target))
     rt = Runtime.load(llama_dir)
     models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from featdiff import names
+from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_ROWS
 from featdiff.reference.checks import (DSPARK_FILE_TENSORS, d2t_problems, dspark_key_problems, dspark_problems,
                                        log_snr_problems)
@@ -25,6 +26,20 @@ def lint_gguf(model: Path, target: Path | None) -> list[str]:
     problems = [*_target_layer_problems(d, t), *_fc_problems(d, t), *_block_size_problems(d),
                 *_mask_problems(d, t), *_log_snr_problems(d), *_table_problems(d, t), *_dspark_problems(d, t)]
     return [f"{model}: {p}" for p in problems]
+
+
+def preflight(model: Path, target: Path) -> None:
+    """Refuse, before llama.cpp sees them, a pair it would abort on or misrun from the first decode:
+    lint's checks of the target layer ids, fc's width and the mask token (InputError, the first
+    problem, one line)."""
+    d, t = read_gguf(Path(model)), read_gguf(Path(target))
+    if d.arch != names.ARCH_DFLASH:
+        raise InputError(f"{model}: {names.KEY_ARCH} = {d.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter "
+                         "as --model and the target as --target")
+    problems = [*_target_layer_problems(d, t), *_fc_problems(d, t), *_mask_problems(d, t)]
+    if problems:
+        more = f" ({len(problems) - 1} more: `featdiff lint {model} --target {target}`)" if len(problems) > 1 else ""
+        raise InputError(f"{model}: {problems[0]}{more}")
 
 
 def _n_embd(g: GgufModel) -> int | None:
