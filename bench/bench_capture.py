@@ -53,7 +53,7 @@ def main() -> None:
         d = fixtures.write_fixture(Path(tmp) / "pair", "clean", sizes=SIZES)
         rt = Runtime.load()
         models = (Model.load(rt, d / "target.gguf"), Model.load(rt, d / "draft.gguf"))
-        cfg = cap.flow_config(*models)
+        cfg = cap.flow_config(models[1])
         times: dict[str, list[float]] = {"none": [], "wiring": [], "all": []}
         for i in range(args.repeats):  # interleaved, so drift hits every variant alike
             times["none"].append(_time_flow(rt, models, cfg, None))

@@ -34,6 +34,23 @@ class BlockRows:
     origin: str  # `--block N`, the run dump's path, or llama.cpp's default
 
 
+def first_draft_row(is_dspark: bool, sample_from_anchor: bool) -> int:
+    """The block row llama.cpp reads the first draft from: 0 for anchor-first DSpark, else 1."""
+    return 0 if is_dspark and sample_from_anchor else 1
+
+
+def read_drafts(best: list[int], conf: list[float] | None, first_row: int, p_min: float) -> list[int]:
+    """The drafts of a block, as common_speculative_impl_draft_dflash reads them: the greedy token
+    `best[i]` of rows `first_row..`, a DSpark drafter with a confidence head (`conf`, one value per
+    row) stopping at the first row below `p_min` when `p_min` > 0."""
+    out = []
+    for i in range(first_row, len(best)):
+        if p_min > 0.0 and conf is not None and conf[i] < p_min:
+            break
+        out.append(best[i])
+    return out
+
+
 def block_rows(draft_max: int, first_draft_row: int) -> int:
     """Rows of a block drafting `draft_max` tokens from row `first_draft_row` (0 or 1) on."""
     return draft_max + first_draft_row

@@ -164,7 +164,7 @@ def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], round
     rt = Runtime.load(llama_dir)
     tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
     try:
-        cfg = flow_config(tgt_model, dft_model, draft_max)
+        cfg = flow_config(dft_model, draft_max)
         return tuple(_run_prompt(rt, tgt_model, dft_model, p, rounds, cfg) for p in prompts)
     finally:
         dft_model.free()

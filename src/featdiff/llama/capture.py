@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff import names
-from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max
+from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row
 from featdiff.dump import CacheTypes, Eval, Round, kv_types_json
 from featdiff.errors import InputError
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
@@ -56,18 +56,14 @@ def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int
     return ids
 
 
-def flow_config(target: Model, draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0) -> driver.FlowConfig:
+def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0) -> driver.FlowConfig:
     """The DFlash / DSpark settings the upstream driver reads from the drafter, with `draft_max`
     drafts per block (`--spec-draft-n-max`) and `p_min` (`--spec-draft-p-min`). Like llama.cpp's
     automatic type, a drafter GGUF with `markov_w1.weight` runs as draft-dspark."""
-    layers = tuple(draft.target_layer_ids())
-    n_layer = int(target.rt.lib.llama_model_n_layer(target.ptr))
-    if not layers or max(layers) >= n_layer:
-        raise InputError(f"{draft.path}: dflash.target_layers = {list(layers)} but the target has {n_layer} layers; "
-                         "ids must be < n_layer (see `featdiff lint`)")
+    layers = tuple(draft.target_layer_ids())  # their range against the target: preflight, before loading
     block_size = int(draft.meta(names.KEY_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
-    dspark = model_info(draft.path).dspark
-    first_row = 0 if dspark and dspark["sample_from_anchor"] else 1
+    dspark = model_info(draft.path, with_hash=False).dspark
+    first_row = first_draft_row(dspark is not None, bool(dspark and dspark["sample_from_anchor"]))
     confidence = bool(dspark and dspark["confidence_head"])
     if p_min > 0.0 and not confidence:
         raise InputError(f"{draft.path}: --p-min {p_min} but this drafter has no DSpark confidence head "
@@ -105,7 +101,7 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
     try:
         ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
-        cfg = flow_config(*models, DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
+        cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
         return _spooled(rt, models, ids, cfg, rounds, capture_filters(filters, cfg.target_layers), output)
     finally:
         for m in models:

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from featdiff import names
-from featdiff.blocks import block_rows
+from featdiff.blocks import block_rows, read_drafts
 from featdiff.dump import Eval, Round
 from featdiff.llama.runtime import Context
 
@@ -111,9 +111,9 @@ def _inject(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConf
 
 def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, rnd: int) -> Round:
     pos0, anchor, B = st.n_past, st.id_last, cfg.block_rows
-    block = [anchor] + [cfg.mask_token_id] * (B - 1)
-    _eval(st, rec, "draft", "draft", rnd, list(range(pos0, pos0 + B)), block)
-    dft.decode_tokens(block, list(range(pos0, pos0 + B)), outputs=True)
+    block, block_positions = [anchor] + [cfg.mask_token_id] * (B - 1), list(range(pos0, pos0 + B))
+    _eval(st, rec, "draft", "draft", rnd, block_positions, block)
+    dft.decode_tokens(block, block_positions, outputs=True)
     drafts = _drafts(dft, rec, cfg, B)
     dft.seq_rm(pos0)  # the draft block leaves the draft KV cache
     verify = [anchor] + drafts
@@ -133,20 +133,15 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
 
 
 def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[int]:
-    """The greedy drafts of the block just decoded, as common_speculative_impl_draft_dflash reads
-    them: rows `first_draft_row..`, a DSpark drafter stopping at the first confidence below p_min.
-    Every row's logits (and confidence) are recorded first."""
+    """The greedy drafts of the block just decoded (featdiff.blocks.read_drafts); every row's
+    logits (and confidence) are recorded first."""
     logits = np.stack([dft.logits(i) for i in range(n_rows)])  # (n_rows, n_vocab)
     rec.readback(names.DRAFT_LOGITS, logits)
     conf = np.array([[dft.nextn_value(i)] for i in range(n_rows)], dtype=np.float32) if cfg.confidence else None  # (n_rows, 1)
     if conf is not None:
         rec.readback(names.DSPARK_CONF, conf)
-    drafts = []
-    for i in range(cfg.first_draft_row, n_rows):
-        if conf is not None and cfg.p_min > 0.0 and conf[i, 0] < cfg.p_min:
-            break
-        drafts.append(int(np.argmax(logits[i])))
-    return drafts
+    return read_drafts(logits.argmax(axis=1).tolist(), conf[:, 0].tolist() if conf is not None else None,
+                       cfg.first_draft_row, cfg.p_min)
 
 
 def _accepted(drafts: list[int], target_tokens: list[int]) -> int:

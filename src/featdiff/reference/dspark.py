@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featdiff import names
+from featdiff import blocks, names
 from featdiff.reference.stack import Named
 from featdiff.reference.weights import Draft, DSpark
 
@@ -43,8 +43,8 @@ class HeadPass:
 
 
 def first_draft_row(draft: Draft) -> int:
-    """The block row llama.cpp reads the first draft from: 0 for anchor-first DSpark, else 1."""
-    return 0 if draft.dspark is not None and draft.dspark.sample_from_anchor else 1
+    """The block row llama.cpp reads `draft`'s first draft from (featdiff.blocks.first_draft_row)."""
+    return blocks.first_draft_row(draft.dspark is not None, draft.dspark is not None and draft.dspark.sample_from_anchor)
 
 
 def sampled(draft: Draft, base: torch.Tensor, norm: torch.Tensor, anchor: int) -> Sampled:
@@ -102,11 +102,6 @@ def _scattered(bias: torch.Tensor, d2t: torch.Tensor | None, n_vocab: int) -> to
 
 
 def drafted(s: Sampled, first_row: int, p_min: float) -> tuple[int, ...]:
-    """The greedy drafts of a block: rows `first_row..`, stopping at the first confidence below
-    `p_min` when `p_min` > 0 and the drafter has a confidence head (llama.cpp's DSpark loop)."""
-    out = []
-    for i in range(first_row, s.logits.shape[0]):
-        if p_min > 0.0 and s.conf is not None and float(s.conf[i, 0]) < p_min:
-            break
-        out.append(int(s.logits[i].argmax()))
-    return tuple(out)
+    """The greedy drafts of a sampled block (featdiff.blocks.read_drafts)."""
+    conf = s.conf[:, 0].tolist() if s.conf is not None else None
+    return tuple(blocks.read_drafts(s.logits.argmax(-1).tolist(), conf, first_row, p_min))
