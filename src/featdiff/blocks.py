@@ -51,6 +51,15 @@ def read_drafts(best: list[int], conf: list[float] | None, first_row: int, p_min
     return out
 
 
+def accepted_length(drafts: tuple[int, ...] | list[int], best: tuple[int, ...] | list[int]) -> int:
+    """Greedy acceptance: the length of the longest prefix on which the drafts equal the target's
+    greedy tokens `best` (a verify's argmax rows; a shorter `best` bounds it)."""
+    n = 0
+    while n < len(drafts) and n < len(best) and drafts[n] == best[n]:
+        n += 1
+    return n
+
+
 def block_rows(draft_max: int, first_draft_row: int) -> int:
     """Rows of a block drafting `draft_max` tokens from row `first_draft_row` (0 or 1) on."""
     return draft_max + first_draft_row

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from featdiff import names
-from featdiff.blocks import block_rows, read_drafts
+from featdiff.blocks import accepted_length, block_rows, read_drafts
 from featdiff.dump import Eval, Round
 from featdiff.llama.runtime import Context
 
@@ -121,7 +121,7 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
     _decode_target(tgt, st, rec, verify, positions, "verify", rnd, outputs=True)
     target_tokens = [int(np.argmax(tgt.logits(i))) for i in range(len(verify))]
     _inject(tgt, dft, st, rec, cfg, positions, rnd)
-    accepted = _accepted(drafts, target_tokens)
+    accepted = accepted_length(drafts, target_tokens)
     st.n_past = pos0 + accepted + 1
     st.id_last = target_tokens[accepted]
     tgt.seq_rm(st.n_past)
@@ -143,10 +143,3 @@ def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[i
     return read_drafts(logits.argmax(axis=1).tolist(), conf[:, 0].tolist() if conf is not None else None,
                        cfg.first_draft_row, cfg.p_min)
 
-
-def _accepted(drafts: list[int], target_tokens: list[int]) -> int:
-    """Length of the longest prefix where the target's greedy token equals the draft."""
-    n = 0
-    while n < len(drafts) and drafts[n] == target_tokens[n]:
-        n += 1
-    return n

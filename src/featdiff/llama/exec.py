@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from featdiff import names
+from featdiff.blocks import accepted_length
 from featdiff.dump import KV_TYPE_DEFAULT, CacheTypes, DumpWriter, Eval, Manifest, MemoryOp, Round, kv_types_json
 from featdiff.errors import InputError
 from featdiff.filters import capture_filters
@@ -226,7 +227,7 @@ def derive_rounds(evals: tuple[Eval, ...], greedy: dict[int, tuple[int, ...]]) -
             accepted = nxt.positions[0] - v.positions[0] - 1
             target_tokens = drafts[:accepted] + nxt.token_ids[:1]
         elif v.eval in greedy:
-            accepted = _accepted(drafts, greedy[v.eval])
+            accepted = accepted_length(drafts, greedy[v.eval])
             target_tokens = greedy[v.eval][:accepted + 1]
         else:
             continue
@@ -234,12 +235,6 @@ def derive_rounds(evals: tuple[Eval, ...], greedy: dict[int, tuple[int, ...]]) -
                          accepted=accepted, target_tokens=tuple(target_tokens)))
     return tuple(out)
 
-
-def _accepted(drafts: tuple[int, ...], best: tuple[int, ...]) -> int:
-    n = 0
-    while n < len(drafts) and n < len(best) and drafts[n] == best[n]:
-        n += 1
-    return n
 
 
 def greedy_tokens(log: ExecLog, data: Path, evals: tuple[Eval, ...]) -> dict[int, tuple[int, ...]]:
@@ -326,7 +321,7 @@ def _continuation_notes(evals: tuple[Eval, ...], real: tuple[Eval, ...], rounds:
     for v, nxt in next_decodes(evals).items():
         ev, rnd = by_eval[v], by_round.get(by_eval[v].round)
         if nxt is not None and rnd is not None and greedy.get(v):
-            took = _accepted(rnd.drafts, greedy[v])
+            took = accepted_length(rnd.drafts, greedy[v])
             if took != rnd.accepted:
                 out.append(f"after the verify of round {ev.round} the target accepted {took} of {len(rnd.drafts)} "
                            f"drafts (argmax of its logits), but the next target decode starts at position "

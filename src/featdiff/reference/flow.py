@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from featdiff import names
+from featdiff.blocks import accepted_length
 from featdiff.dump import Eval, Round
 from featdiff.reference.attention import KvCache, empty_cache, truncated
 from featdiff.reference.drafter import draft_block, inject
@@ -102,13 +103,6 @@ def features(tp: TargetPass, draft: Draft) -> torch.Tensor:
     """
     return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, n_extract * n_embd_tgt)
 
-
-def accepted_length(drafts: tuple[int, ...], best: tuple[int, ...]) -> int:
-    """Length of the longest prefix on which the drafts equal the target's greedy tokens."""
-    n = 0
-    while n < len(drafts) and drafts[n] == best[n]:
-        n += 1
-    return n
 
 
 def _ids(values: tuple[int, ...], numerics: Numerics) -> torch.Tensor:
