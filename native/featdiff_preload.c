@@ -670,7 +670,7 @@ static int logits_row(struct llama_context * ctx, int32_t i, int32_t n_vocab, fl
  * DSpark's Markov-biased logits exist nowhere else. Recorded as `draft_logits`,
  * (n_outputs, n_vocab), if the filters keep that name. */
 static void read_back_logits(struct llama_context * ctx, const struct fdp_entry * e, int n) {
-    if (!e || n <= 0 || e[0].token < 0) return;
+    if (!e || n <= 0 || e[0].token < 0 || !fd_capture_keeps(G.cap, FD_ROLE_DRAFT, "draft_logits")) return;
     const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
     int n_out = 0;
     for (int i = 0; i < n; ++i) n_out += e[i].output != 0;

@@ -286,12 +286,12 @@ static int json_str(char * buf, size_t cap, const char * s) {
     return (int) n;
 }
 
-static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, int eval, int role,
+static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, const char * op, int eval, int role,
                       int occurrence, const char * dtype, long long off, size_t nbytes, int is_leaf) {
     int n = snprintf(buf, cap, "{\"kind\":\"record\",\"eval\":%d,\"role\":%d,\"occurrence\":%d,\"name\":", eval, role, occurrence);
     n += json_str(buf + n, cap - n, t->name);
     n += snprintf(buf + n, cap - n, ",\"op\":\"%s\",\"ggml_type\":\"%s\",\"n_dims\":%d,\"ne\":[%lld,%lld,%lld,%lld],\"nb\":[%zu,%zu,%zu,%zu],\"srcs\":[",
-                  ggml_op_desc(t), ggml_type_name(t->type), ggml_n_dims(t),
+                  op, ggml_type_name(t->type), ggml_n_dims(t),
                   (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2], (long long) t->ne[3],
                   t->nb[0], t->nb[1], t->nb[2], t->nb[3]);
     for (int i = 0, first = 1; i < GGML_MAX_SRC && (size_t) n < cap - 80; ++i) {
@@ -305,21 +305,33 @@ static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, int 
     return n;
 }
 
+/* Append one record: its data, then its index line (an index line means complete data).
+ * `t` describes the data (name, type, ne, nb, srcs); `op` is what the index calls its op. */
+static int append_record(fd_capture * cap, const void * data, size_t nbytes, const struct ggml_tensor * t,
+                         const char * op, int role, int occurrence, const char * dtype, int is_leaf) {
+    char line[FD_LINE_MAX];
+    int rc = write_all(cap->fd_data, data, nbytes);
+    if (rc == FD_OK) {
+        int n = index_line(line, sizeof(line), t, op, cap->eval, role, occurrence, dtype, cap->data_off, nbytes, is_leaf);
+        rc = write_all(cap->fd_index, line, (size_t) n);
+    }
+    if (rc != FD_OK) { cap->error = rc; return rc; }
+    cap->data_off += (long long) nbytes;
+    cap->n_records++;
+    return FD_OK;
+}
+
 static void record_tensor(fd_capture * cap, int role, const struct ggml_tensor * t, int occurrence, int is_leaf) {
     size_t nbytes = 0;
     const char * dtype = NULL;
-    char line[FD_LINE_MAX];
     char * data = host_array(t, &nbytes, &dtype);
     if (!data) { cap->error = FD_ENOMEM; return; }
-    int rc = write_all(cap->fd_data, data, nbytes);   /* data first: an index line means complete data */
+    append_record(cap, data, nbytes, t, ggml_op_desc(t), role, occurrence, dtype, is_leaf);
     free(data);
-    if (rc == FD_OK) {
-        int n = index_line(line, sizeof(line), t, cap->eval, role, occurrence, dtype, cap->data_off, nbytes, is_leaf);
-        rc = write_all(cap->fd_index, line, (size_t) n);
-    }
-    if (rc != FD_OK) { cap->error = rc; return; }
-    cap->data_off += (long long) nbytes;
-    cap->n_records++;
+}
+
+int fd_capture_keeps(fd_capture * cap, int role, const char * name) {
+    return cap && role >= 0 && role < FD_N_ROLES && matches(cap, role, name);
 }
 
 int fd_capture_add_rows(fd_capture * cap, int role, const char * name, const float * data,
@@ -328,24 +340,15 @@ int fd_capture_add_rows(fd_capture * cap, int role, const char * name, const flo
     if (cap->eval < 0 || cap->error || !matches(cap, role, name)) return cap->error;
     const int occurrence = next_occurrence(cap, role, name);
     if (occurrence < 0) return FD_OK;
-    const size_t nbytes = (size_t) n_cols * (size_t) n_rows * sizeof(float);
-    char line[FD_LINE_MAX];
-    int rc = write_all(cap->fd_data, data, nbytes);
-    if (rc == FD_OK) {
-        int n = snprintf(line, sizeof(line), "{\"kind\":\"record\",\"eval\":%d,\"role\":%d,\"occurrence\":%d,\"name\":",
-                         cap->eval, role, occurrence);
-        n += json_str(line + n, sizeof(line) - n, name);
-        n += snprintf(line + n, sizeof(line) - n, ",\"op\":\"API\",\"ggml_type\":\"f32\",\"n_dims\":2,"
-                      "\"ne\":[%lld,%lld,1,1],\"nb\":[4,%lld,%lld,%lld],\"srcs\":[],\"dtype\":\"float32\","
-                      "\"offset\":%lld,\"nbytes\":%zu,\"is_leaf\":false}\n",
-                      (long long) n_cols, (long long) n_rows, (long long) (4 * n_cols),
-                      (long long) (4 * n_cols * n_rows), (long long) (4 * n_cols * n_rows), cap->data_off, nbytes);
-        rc = write_all(cap->fd_index, line, (size_t) n);
-    }
-    if (rc != FD_OK) { cap->error = rc; return rc; }
-    cap->data_off += (long long) nbytes;
-    cap->n_records++;
-    return FD_OK;
+    struct ggml_tensor rows;   /* describes the rows for the index line: contiguous f32, no sources */
+    memset(&rows, 0, sizeof(rows));
+    rows.type = GGML_TYPE_F32;
+    rows.ne[0] = n_cols; rows.ne[1] = n_rows; rows.ne[2] = rows.ne[3] = 1;
+    rows.nb[0] = sizeof(float);
+    for (int i = 1; i < GGML_MAX_DIMS; ++i) rows.nb[i] = rows.nb[i - 1] * (size_t) rows.ne[i - 1];
+    snprintf(rows.name, sizeof(rows.name), "%s", name);
+    return append_record(cap, data, (size_t) n_cols * (size_t) n_rows * sizeof(float), &rows, "API", role, occurrence,
+                         "float32", 0);
 }
 
 /* ---------------------------------------------------------------- logging */

@@ -44,6 +44,8 @@ int  fd_capture_add_filter(fd_capture * cap, int role, const char * glob);
 void fd_capture_begin_eval(fd_capture * cap, int eval_index);
 /* Append a raw JSON line (an eval's metadata) to the index. */
 int  fd_capture_note(fd_capture * cap, const char * json_line);
+/* Whether the role's filters keep records named `name` (so a caller can skip reading them). */
+int  fd_capture_keeps(fd_capture * cap, int role, const char * name);
 /* Record `n_rows` rows of `n_cols` floats the program read back through the API after an eval
  * (no graph node holds them: DSpark's Markov-biased logits) under `name`, if the role's filters
  * keep it; op "API" in the index. */
