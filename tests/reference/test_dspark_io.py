@@ -152,31 +152,6 @@ def test_lint_says_the_export_lost_its_markov_head(variant_dir):
     assert result.exit_code == 1 and "lost its Markov head" in result.output
 
 
-LINTED = {
-    # name: (variant, rewrite arguments, expected text of the problem line)
-    "conf-key-without-proj": ("dspark", {"drop_tensors": (names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)},
-                              "dflash.has_confidence_head = true but conf_proj.weight is missing"),
-    "proj-with-conf-key-false": ("dspark", {"drop_keys": (names.KEY_HAS_CONFIDENCE_HEAD,),
-                                            "set_keys": {names.KEY_HAS_CONFIDENCE_HEAD: (False, GGUFValueType.BOOL)}},
-                                 "dflash.has_confidence_head = false but conf_proj.weight is present"),
-    "no-anchor-key": ("dspark-bonus", {"drop_keys": (names.KEY_SAMPLE_FROM_ANCHOR,)},
-                      "dflash.sample_from_anchor is missing, so llama.cpp drafts anchor-first"),
-    "keys-without-markov": ("dspark-no-conf", {"drop_tensors": (names.T_MARKOV_W1, names.T_MARKOV_W2)},
-                            "are set but markov_w1.weight is missing, so llama.cpp runs it as plain DFlash"),
-    "w1-without-w2": ("dspark", {"drop_tensors": (names.T_MARKOV_W2,)}, "carries markov_w1.weight but no markov_w2.weight"),
-    "reduced-head-rows": ("dspark-d2t", {"replace_tensors": {names.T_OUTPUT: np.zeros((200, N_EMBD), np.float32)}},
-                          "output.weight ne = [64, 200], expected [n_embd, n_vocab_draft] = [64, 256]"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(LINTED))
-def test_lint_flags_broken_dspark_drafter(case, variant_dir, edit_gguf, tmp_path):
-    variant, edits, expected = LINTED[case]
-    d = variant_dir(variant)
-    broken = edit_gguf(d / "draft.gguf", tmp_path / "D.gguf", **edits)
-    problems = lint_gguf(broken, d / "target.gguf")
-    assert any(expected in p for p in problems), problems
-    assert all(p.startswith(f"{broken}: ") for p in problems)
 
 
 def test_fixture_command_writes_a_dspark_pair(tmp_path):

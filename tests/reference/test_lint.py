@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from featdiff import names
 from featdiff.cli import app
-from featdiff.fixtures import VARIANTS
+from featdiff.fixtures import TINY, VARIANTS
 from featdiff.reference.lint import lint_gguf
 
 runner = CliRunner()
@@ -30,6 +30,19 @@ BROKEN = {
     "own-embd-vocab": ("own-embd", {"replace_tensors": {names.T_TOKEN_EMBD: RNG.standard_normal((500, 64)).astype(np.float32)}},
                        "token_embd.weight ne = [64, 500], expected [n_embd, n_vocab] = [64, 512]"),
     "no-block-size": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,)}, "dflash.block_size is missing"),
+    # DSpark: the keys and tensors of the Markov and confidence heads (upstream src/models/dflash.cpp)
+    "conf-key-without-proj": ("dspark", {"drop_tensors": (names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)},
+                              "dflash.has_confidence_head = true but conf_proj.weight is missing"),
+    "proj-with-conf-key-false": ("dspark", {"drop_keys": (names.KEY_HAS_CONFIDENCE_HEAD,),
+                                            "set_keys": {names.KEY_HAS_CONFIDENCE_HEAD: (False, GGUFValueType.BOOL)}},
+                                 "dflash.has_confidence_head = false but conf_proj.weight is present"),
+    "no-anchor-key": ("dspark-bonus", {"drop_keys": (names.KEY_SAMPLE_FROM_ANCHOR,)},
+                      "dflash.sample_from_anchor is missing, so llama.cpp drafts anchor-first"),
+    "keys-without-markov": ("dspark-no-conf", {"drop_tensors": (names.T_MARKOV_W1, names.T_MARKOV_W2)},
+                            "are set but markov_w1.weight is missing, so llama.cpp runs it as plain DFlash"),
+    "w1-without-w2": ("dspark", {"drop_tensors": (names.T_MARKOV_W2,)}, "carries markov_w1.weight but no markov_w2.weight"),
+    "reduced-head-rows": ("dspark-d2t", {"replace_tensors": {names.T_OUTPUT: np.zeros((200, TINY.draft.n_embd), np.float32)}},
+                          "output.weight ne = [64, 200], expected [n_embd, n_vocab_draft] = [64, 256]"),
 }
 
 
