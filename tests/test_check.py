@@ -70,6 +70,11 @@ def _server_command(tools, d: Path) -> list[str]:
     ]
 
 
+def _pair_args(d: Path) -> list[str]:
+    """`--target` and `--model` of a fixture pair's GGUFs."""
+    return ["--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf")]
+
+
 @pytest.fixture(scope="session")
 def checked(tmp_path_factory, fixture_models, tools):
     """(variant, mode) -> the outputs of `featdiff check` on that trained pair, run once through the
@@ -81,10 +86,7 @@ def checked(tmp_path_factory, fixture_models, tools):
             d, out = fixture_models(variant), tmp_path_factory.mktemp(f"check-{variant}-{mode}")
             args = [
                 "check",
-                "--target",
-                str(d / "target.gguf"),
-                "--model",
-                str(d / "draft.gguf"),
+                *_pair_args(d),
                 "--ref-model",
                 str(d / "draft-hf"),
                 "--prompts",
@@ -231,10 +233,7 @@ def test_an_output_that_is_an_input_exits_2_before_anything_runs(fixture_models,
         app,
         [
             "check",
-            "--target",
-            str(d / "target.gguf"),
-            "--model",
-            str(d / "draft.gguf"),
+            *_pair_args(d),
             "--report",
             str(d / "draft.gguf"),
         ],
@@ -251,10 +250,7 @@ def test_prompts_for_a_program_with_its_own_prompt_exit_2(fixture_models, tools,
         app,
         [
             "check",
-            "--target",
-            str(d / "target.gguf"),
-            "--model",
-            str(d / "draft.gguf"),
+            *_pair_args(d),
             "--prompts",
             str(prompts),
             "--exec",
