@@ -345,19 +345,12 @@ def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:
 def _probe_of_flow(manifest: Manifest, program: str, ref_target: Path, ref_model: Path) -> Probe:
     """The probe of a captured flow: its rounds, and the reference drafter's at the same places."""
     from featdiff.blocks import run_block_rows
-    from featdiff.probe import PromptProbe, RunTrace, reference_rounds
-    from featdiff.reference.load import load_draft, load_target
-    from featdiff.reference.run import numerics_from_options
-    from featdiff.reference.weights import check_pair
+    from featdiff.probe import RunTrace, probe_traces
 
-    numerics = numerics_from_options("float32", "cpu", "f16")
-    ref_t = load_target(ref_target, numerics.dtype, numerics.device)
-    ref_d = load_draft(ref_model, numerics.dtype, numerics.device)
-    check_pair(ref_t, ref_d)
     trace = RunTrace(
         Path(program).name, manifest.prompt_tokens, manifest.rounds, run_block_rows(manifest.evals, program)
     )
-    return Probe((PromptProbe(trace.label, trace.prompt_tokens, reference_rounds(trace, ref_t, ref_d, numerics)),))
+    return probe_traces((trace,), ref_target, ref_model)
 
 
 # ---------------------------------------------------------------- what people and scripts read

@@ -277,10 +277,6 @@ def probe(target: Path, model: Path, *, prompts: Path | None = None, rounds: int
           llama_dir: Path | None = None, draft_max: int | None = None) -> Probe:
     """Run the accept-rate probe; see the module docstring. `draft_max` (in-process only; default
     llama.cpp's `--spec-draft-n-max` default) sets the drafts per block."""
-    from featdiff.reference.load import load_draft, load_target
-    from featdiff.reference.run import numerics_from_options
-    from featdiff.reference.weights import check_pair
-
     chosen = read_prompts(prompts)
     if command and draft_max is not None:
         raise InputError(f"--draft-max {draft_max} drives the in-process run; with --exec pass --spec-draft-n-max "
@@ -290,9 +286,19 @@ def probe(target: Path, model: Path, *, prompts: Path | None = None, rounds: int
     else:
         traces = run_in_process(target, model, chosen, rounds, llama_dir,
                                 DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
+    return probe_traces(traces, Path(ref_target or target), Path(ref_model or model), dtype, kv_dtype)
+
+
+def probe_traces(traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path, dtype: str = "float32",
+                 kv_dtype: str = "f16") -> Probe:
+    """The probe of runs already made: each trace's rounds beside the reference drafter's."""
+    from featdiff.reference.load import load_draft, load_target
+    from featdiff.reference.run import numerics_from_options
+    from featdiff.reference.weights import check_pair
+
     numerics = numerics_from_options(dtype, "cpu", kv_dtype)
-    ref_t = load_target(Path(ref_target or target), numerics.dtype, numerics.device)
-    ref_d = load_draft(Path(ref_model or model), numerics.dtype, numerics.device)
+    ref_t = load_target(ref_target, numerics.dtype, numerics.device)
+    ref_d = load_draft(ref_model, numerics.dtype, numerics.device)
     check_pair(ref_t, ref_d)
     return Probe(tuple(PromptProbe(t.label, t.prompt_tokens, reference_rounds(t, ref_t, ref_d, numerics),
                                    t.server_draft_n, t.server_draft_n_accepted) for t in traces))
