@@ -35,11 +35,13 @@ demo: setup tools
 tools: setup
 	$(BIN)/python -m featdiff.llama.tools
 
-# ruff (pyproject.toml [tool.ruff]): the lint rules, and the formatter's check on every file it holds
+# ruff (pyproject.toml [tool.ruff]): the lint rules, and the formatter's check on every file it
+# holds; mypy (pyproject.toml [tool.mypy]): the package's types
 LINTED := src tests bench
 lint: setup
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
 
 test: setup lint browser tools
 	$(BIN)/python -m pytest -q -m "not cuda"

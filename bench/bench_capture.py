@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from featdiff import fixtures
+from featdiff import fixtures, pairs
 from featdiff.filters import capture_filters
 from featdiff.llama import capture as cap
 from featdiff.llama import driver
@@ -23,8 +23,8 @@ from featdiff.llama.runtime import Context, Model, Runtime, Spool
 
 # A 16 x 1024 target (about 250M parameters, f32): big enough that the model, not the fixed
 # per-captured-node cost (one sub-graph split and one host copy each), sets the wall time.
-SIZES = fixtures.Sizes(target=fixtures.Shape(n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
-                       draft=fixtures.Shape(n_layer=2, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
+SIZES = pairs.Sizes(target=pairs.Shape(n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
+                       draft=pairs.Shape(n_layer=2, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
                        n_vocab=8192)
 PROMPT = [(i * 37) % 4000 + 1 for i in range(192)]
 ROUNDS = 8

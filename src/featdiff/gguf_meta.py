@@ -15,7 +15,6 @@ from featdiff import names
 from featdiff.errors import InputError
 
 HASH_CHUNK = 1 << 22
-DEFAULT_ROPE_FREQ_BASE = 10000.0  # llama.cpp's value when {arch}.rope.freq_base is absent
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class ModelInfo:
     log_snr: dict[str, Any] | None = None    # {"enabled", "min", "max"} for a drafter
     has_own_embeddings: bool = False
     has_log_snr_tensors: bool = False
-    rope_freq_base: float = DEFAULT_ROPE_FREQ_BASE
+    rope_freq_base: float = names.ROPE_FREQ_BASE_DEFAULT
     dspark: dict[str, Any] | None = None     # a DSpark drafter's heads (`dspark_info`); None without markov_w1
 
     def to_json(self) -> dict[str, Any]:
@@ -112,7 +111,7 @@ def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
         log_snr=log_snr,
         has_own_embeddings=is_draft and names.T_TOKEN_EMBD in tensors,
         has_log_snr_tensors=any(n in tensors for n in names.LOG_SNR_TENSORS),
-        rope_freq_base=float(field_value(reader, f"{arch}.rope.freq_base", DEFAULT_ROPE_FREQ_BASE)),
+        rope_freq_base=float(field_value(reader, names.KEY_ROPE_FREQ_BASE.format(arch=arch), names.ROPE_FREQ_BASE_DEFAULT)),
         dspark=_gguf_dspark(reader, tensors, len(vocab)) if is_draft else None,
     )
 

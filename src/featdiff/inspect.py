@@ -40,6 +40,7 @@ def _log_snr_text(log_snr: dict | None, has_tensors: bool) -> str:
     enabled = bool(log_snr and log_snr.get("enabled"))
     if not enabled:
         return "tensors without the flag" if has_tensors else "off"
+    assert log_snr is not None  # enabled
     return f"on, log-SNR {log_snr['min']} .. {log_snr['max']}, tensors {'present' if has_tensors else 'MISSING'}"
 
 

@@ -26,6 +26,8 @@ KEY_LOG_SNR = "dflash.log_snr_conditioning"
 KEY_MIN_LOG_SNR = "dflash.min_log_snr"
 KEY_MAX_LOG_SNR = "dflash.max_log_snr"
 KEY_MASK_TOKEN = "tokenizer.ggml.mask_token_id"
+# llama.cpp's RoPE base when `{arch}.rope.freq_base` is absent (HF: `rope_theta` absent)
+ROPE_FREQ_BASE_DEFAULT = 10000.0
 
 # --- GGUF tensor names -------------------------------------------------------------------------
 T_TOKEN_EMBD = "token_embd.weight"
@@ -141,6 +143,7 @@ KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
 KEY_KEY_LENGTH = "{arch}.attention.key_length"
 KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
 KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_CONTEXT_LENGTH = "{arch}.context_length"  # the positions the model was trained on (n_ctx_train)
 KEY_TOKEN_LIST = "tokenizer.ggml.tokens"
 ARCH_QWEN3 = "qwen3"
 ARCH_LLAMA = "llama"
@@ -235,5 +238,6 @@ HF_INTERMEDIATE_SIZE = "intermediate_size"
 HF_RMS_EPS = "rms_norm_eps"
 HF_ROPE_THETA = "rope_theta"
 HF_VOCAB_SIZE = "vocab_size"
+HF_MAX_POSITIONS = "max_position_embeddings"  # config.json: the trained context (n_ctx_train)
 HF_TIE_EMBEDDINGS = "tie_word_embeddings"
 GGUF_OPTIONAL_LAYER = ("attn_q_norm", "attn_k_norm")  # qwen3 and dflash have q/k norms, llama not

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from featdiff import fixtures
+from featdiff import pairs
 from featdiff.dump import read_dump
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
@@ -57,7 +57,7 @@ def test_feature_slot_k_is_bitwise_the_input_of_target_layer_k(captured, variant
 
 
 def test_injected_kv_has_one_row_per_context_token(captured):
-    s = fixtures.DRAFT
+    s = pairs.DRAFT
     with read_dump(captured("clean")) as dump:
         for ev in (e for e in dump.manifest.evals if e.phase == "inject"):
             for il in range(s.n_layer):
@@ -73,12 +73,12 @@ def test_noise_rows_are_the_embedding_rows_of_the_block_tokens(captured, fixture
         drafts = [e for e in dump.manifest.evals if e.phase == "draft"]
         assert drafts
         for ev in drafts:
-            assert ev.token_ids[1:] == (fixtures.MASK_TOKEN_ID,) * (fixtures.BLOCK_SIZE - 1)
+            assert ev.token_ids[1:] == (pairs.MASK_TOKEN_ID,) * (pairs.BLOCK_SIZE - 1)
             assert np.array_equal(_one(dump, ev.eval, "inp_noise_embd"), table[list(ev.token_ids)])
 
 
 def test_flow_follows_upstream_positions_and_rounds(captured):
-    B = fixtures.BLOCK_SIZE
+    B = pairs.BLOCK_SIZE
     with read_dump(captured("clean")) as dump:
         m = dump.manifest
         assert [(e.role, e.phase) for e in m.evals[:2]] == [("target", "prefill"), ("draft", "inject")]
@@ -184,7 +184,7 @@ def test_draft_max_sets_the_block_to_the_anchor_and_n_masks(run_draft_max_2):
         assert m.build["draft_max"] == 2
         for rnd in m.rounds:
             draft, verify, inject = (e for e in m.evals if e.round == rnd.round)
-            assert draft.token_ids == (rnd.anchor, fixtures.MASK_TOKEN_ID, fixtures.MASK_TOKEN_ID)
+            assert draft.token_ids == (rnd.anchor, pairs.MASK_TOKEN_ID, pairs.MASK_TOKEN_ID)
             assert draft.positions == verify.positions == inject.positions == tuple(range(rnd.pos0, rnd.pos0 + 3))
             assert len(rnd.drafts) == 2 and verify.token_ids == (rnd.anchor, *rnd.drafts)
 
@@ -197,8 +197,8 @@ def test_draft_max_beyond_the_block_size_is_clamped_with_a_warning(fixture_model
         out = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens="1,2,3,4", rounds=1, draft_max=9)
     assert "--draft-max 9 exceeds the trained block size (dflash.block_size = 4); clamping to 3" in caplog.text
     with read_dump(out) as dump:
-        assert dump.manifest.build["draft_max"] == fixtures.BLOCK_SIZE - 1
-        assert [e.n_tokens for e in dump.manifest.evals if e.phase == "draft"] == [fixtures.BLOCK_SIZE]
+        assert dump.manifest.build["draft_max"] == pairs.BLOCK_SIZE - 1
+        assert [e.n_tokens for e in dump.manifest.evals if e.phase == "draft"] == [pairs.BLOCK_SIZE]
 
 
 def test_reference_of_the_runs_block_length_compares_clean(run_draft_max_2, fixture_models, tmp_path):

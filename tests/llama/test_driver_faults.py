@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from featdiff import fixtures
+from featdiff import pairs
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
@@ -24,7 +24,7 @@ from test_exec import RUN_TIMEOUT_S, TOKENS, _command, tools  # noqa: F401  (too
 
 FAULT_VAR = "FEATDIFF_FAULT"
 VARIANT = "clean"
-MASK = fixtures.MASK_TOKEN_ID
+MASK = pairs.MASK_TOKEN_ID
 # faults after which llama.cpp refuses a decode the program cannot go on without (a batch that
 # repeats positions; llama-server's inject at a position the cache does not continue)
 FAILS_THE_PROGRAM = ("inject-twice", "inject-pos")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from featdiff import fixtures
+from featdiff import pairs
 from featdiff.cli import app
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
@@ -80,7 +80,7 @@ def _real_evals(dump):
 
 @pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
 def test_capture_holds_both_models_in_the_flow_phases(exec_captured, program):
-    B, mask = fixtures.BLOCK_SIZE, fixtures.MASK_TOKEN_ID
+    B, mask = pairs.BLOCK_SIZE, pairs.MASK_TOKEN_ID
     with read_dump(exec_captured(program)) as dump:
         m = dump.manifest
         evals = _real_evals(dump)

@@ -13,8 +13,9 @@ import pytest
 from featdiff.compare import compare_dumps, exit_code
 from featdiff.compare.tolerance import TypeInfo, tolerance_for
 from featdiff.dump import MANIFEST_MEMBER, CacheTypes, read_dump
-from featdiff.fixtures import Shape, Sizes, write_fixture
+from featdiff.fixtures import write_fixture
 from featdiff.llama import exec as exec_capture
+from featdiff.pairs import Shape, Sizes
 from featdiff.reference.run import reference
 
 from test_exec import RUN_TIMEOUT_S, _command, tools  # noqa: F401  (tools: a session fixture)

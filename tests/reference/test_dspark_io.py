@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from featdiff import names
 from featdiff.cli import app
 from featdiff.errors import InputError
-from featdiff.fixtures import MARKOV_RANK, TINY
+from featdiff.pairs import MARKOV_RANK, TINY
 from featdiff.gguf_meta import ModelInfo
 from featdiff.reference.lint import lint_gguf
 from featdiff.reference.load import load_draft

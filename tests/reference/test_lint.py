@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from featdiff import names
 from featdiff.cli import app
-from featdiff.fixtures import TINY, VARIANTS
+from featdiff.pairs import TINY, VARIANTS
 from featdiff.reference.lint import lint_gguf
 
 runner = CliRunner()

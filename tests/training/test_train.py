@@ -8,7 +8,7 @@ import pytest
 
 import torch
 
-from featdiff import fixtures  # noqa: E402
+from featdiff import fixtures, pairs  # noqa: E402
 from featdiff.reference.drafter import draft_block, inject  # noqa: E402
 from featdiff.training import TRAINED_SIZES, TrainConfig, cache, held_out_prompts, train_pair, trained_pair  # noqa: E402
 from featdiff.training.corpus import f32_cache, make_corpus, prompts  # noqa: E402
@@ -26,7 +26,7 @@ SAME_FORWARD_ATOL = 1e-4  # packed (one batch, masked) vs one block at a time: f
 def pair():
     """An untrained drafter on the lookback target, and a small corpus of that target."""
     target = target_record(lookback_target(np.random.default_rng(SEED), TRAINED_SIZES), TRAINED_SIZES, SEED)
-    init = fixtures.draft_weights(np.random.default_rng(1), fixtures.VARIANTS["trained-log-snr"], TRAINED_SIZES)
+    init = pairs.draft_weights(np.random.default_rng(1), pairs.VARIANTS["trained-log-snr"], TRAINED_SIZES)
     corpus = make_corpus(target, prompts(SEED, 3, TRAINED_SIZES), 24)
     return target, draft_record(init, TRAINED_SIZES, trainable=False), corpus
 
@@ -40,7 +40,7 @@ def test_lookback_target_continues_with_a_fixed_map_of_the_token_a_block_back(pa
     assert len(seen) > 20
 
 
-@pytest.mark.parametrize("n_block", [3, fixtures.BLOCK_SIZE])  # 3: anchor-first DSpark's default block
+@pytest.mark.parametrize("n_block", [3, pairs.BLOCK_SIZE])  # 3: anchor-first DSpark's default block
 def test_packed_blocks_give_the_logits_of_one_block_at_a_time(pair, n_block):
     target, draft, corpus = pair
     anchors = torch.tensor([[11, 15], [12, 18], [11, 19]])
@@ -91,8 +91,8 @@ def test_trained_variants_write_both_formats_with_the_converter_convention(fixtu
 
     d = fixture_models("trained-log-snr")
     info = model_info(d / "draft.gguf")
-    assert list(info.target_layers) == [i + 1 for i in fixtures.HF_TARGET_LAYER_IDS]
-    assert info.has_log_snr_tensors and info.block_size == fixtures.BLOCK_SIZE
+    assert list(info.target_layers) == [i + 1 for i in pairs.HF_TARGET_LAYER_IDS]
+    assert info.has_log_snr_tensors and info.block_size == pairs.BLOCK_SIZE
     config = (d / "draft-hf" / "config.json").read_text()
     assert '"target_layer_ids"' in config and '"log_snr_conditioning": true' in config
     assert len((d / fixtures.PROMPTS_FILE).read_text().splitlines()) == fixtures.HELD_OUT_PROMPTS

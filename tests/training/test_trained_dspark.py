@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff.fixtures import BLOCK_SIZE
+from featdiff.pairs import BLOCK_SIZE
 from featdiff.reference.dspark import heads
 from featdiff.training import TRAINED_SIZES, held_out_prompts, trained_pair
 from featdiff.training.corpus import make_corpus

@@ -279,7 +279,7 @@ def _pair(key: RecordKey, ref_entries, run_entries, ref_ctx, run_ctx,
 def _row_skips(key: RecordKey, alignment: Alignment, ref: Side, run: Side, whole: bool) -> list[Skip]:
     """A skip per reason rows of this pair were left out (token history, no row at that position)."""
     unmatched = "fewer_drafts" if _verified_fewer(key[0], ref, run) else "position"
-    out = []
+    out: list[Skip] = []
     for reason, rows in (("token_history", alignment.history_rows), (unmatched, alignment.unmatched_rows)):
         if rows:
             out.append(_skip(key, reason, len(run.records), rows, run, whole=whole and not out))
@@ -348,11 +348,16 @@ def _row_alignment(base: Alignment, ref: Side, run: Side) -> Alignment:
     """Match rows by (position, how many times that position was seen before), then context;
     record the positions of the rows left out: another token history, or no row there at all."""
     if ref.positions == run.positions and ref.contexts == run.contexts:  # the common case, at C speed
-        rows = tuple(range(len(ref.positions)))
-        return Alignment(**{**base.__dict__, "layout": _layout(ref, run), "rows": rows, "run_rows": rows,
+        every = tuple(range(len(ref.positions)))
+        return Alignment(**{**base.__dict__, "layout": _layout(ref, run), "rows": every, "run_rows": every,
                             "positions": ref.positions})
     ref_at = {k: i for i, k in enumerate(_occurrence_keys(ref.positions))}
-    rows, run_rows, positions, history, unmatched, met = [], [], [], [], [], set()
+    rows: list[int] = []
+    run_rows: list[int] = []
+    positions: list[int] = []
+    history: list[int] = []
+    unmatched: list[int] = []
+    met: set[int] = set()
     for j, k in enumerate(_occurrence_keys(run.positions)):
         i = ref_at.get(k)
         if i is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from featdiff import names
 from featdiff.compare.metrics import relative_error, row_relative_error
 from featdiff.compare.result import Finding
 from featdiff.compare.sketch import LayerMatch
@@ -21,7 +22,6 @@ from featdiff.compare.tolerance import Tolerance
 
 MAX_ROW_SHIFT = 8          # rows: a block is 4..16 rows; a shift past that is not a shift
 MAX_POSITION_OFFSET = 8    # RoPE positions tried on either side
-DEFAULT_ROPE_BASE = 10000.0  # llama.cpp's default rope.freq_base when a manifest gives none
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Rope:
 
     n_head: int
     head_dim: int
-    base: float = DEFAULT_ROPE_BASE
+    base: float = names.ROPE_FREQ_BASE_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from featdiff.compare import wiring as w
 from featdiff.compare.align import DRAFT_GROUP, GroupKey, Pair, Plan, RecordKey, flow_rank
 from featdiff.compare.flow import batch_label
 from featdiff.compare.namemap import NameMap
-from featdiff.compare.result import Finding, Skip
+from featdiff.compare.result import Finding, Severity, Skip
 from featdiff.dump import Manifest
 
 # Which (role, phase) evals feed which, per docs/flow.md.
@@ -79,7 +79,8 @@ def _inputs(pair: Pair, earlier: list[int], pairs: tuple[Pair, ...]) -> tuple[li
 
 def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
     """Walk pairs in order; a divergent pair is a root when none of its inputs diverges."""
-    roots, inherited = [], []
+    roots: list[int] = []
+    inherited: list[int] = []
     by_group: dict[tuple, list[int]] = {}
     first_bad: dict[tuple[str, str], int] = {}  # (role, phase) -> first eval holding a divergence
     for i, pair in enumerate(pairs):
@@ -253,7 +254,7 @@ def detect_unpaired(skips: tuple[Skip, ...], explained: bool, parting: str | Non
     skips = tuple(sorted(skips, key=lambda s: (flow_rank((s.role, s.phase, s.round)), s.evals[:1])))
     first = skips[0]
     reason = first.reason
-    severity = "info" if first.is_expected or (explained and reason in EXPLAINABLE_SKIPS) else "error"
+    severity: Severity = "info" if first.is_expected or (explained and reason in EXPLAINABLE_SKIPS) else "error"
     more = _more(skips)
     message = _UNPAIRED_MESSAGES[reason](first, more, explained, parting, rounds)
     return Finding(kind="unpaired", tensor=first.name, severity=severity, message=message,

@@ -14,7 +14,7 @@ import numpy as np
 from featdiff import names
 from featdiff.compare.align import Pair, Side, pair_arrays, row_contexts, side_rows
 from featdiff.compare.arrays import MemberIndex, index_members, read_array
-from featdiff.compare.detectors import DEFAULT_ROPE_BASE, Evidence, Rope
+from featdiff.compare.detectors import Evidence, Rope
 from featdiff.compare.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
 from featdiff.compare.tolerance import EXACT, Tolerance
 from featdiff.dump import Dump, Eval, Manifest, Record
@@ -143,7 +143,7 @@ def _rope(manifest: Manifest, pair: Pair) -> Rope | None:
     if pair.run.records[0].op != ROPE_OP or len(record.shape) != 3:
         return None
     model = manifest.models.get(pair.group[0], {})
-    base = next((float(model[k]) for k in ROPE_BASE_KEYS if isinstance(model, dict) and k in model), DEFAULT_ROPE_BASE)
+    base = next((float(model[k]) for k in ROPE_BASE_KEYS if isinstance(model, dict) and k in model), names.ROPE_FREQ_BASE_DEFAULT)
     return Rope(n_head=record.shape[1], head_dim=record.shape[2], base=base)
 
 
@@ -180,8 +180,9 @@ def _target_rows(ref: Source, contexts: list[int | None], positions: list[int],
             by_pos[p] = (ev.eval, row)
             if c is not None:
                 by_ctx[c] = (ev.eval, row)
-    out = [by_ctx.get(c) if c is not None else by_pos.get(p) for c, p in zip(contexts, positions)]
-    return None if not out or any(o is None for o in out) else out
+    found = [by_ctx.get(c) if c is not None else by_pos.get(p) for c, p in zip(contexts, positions)]
+    out = [o for o in found if o is not None]
+    return out if out and len(out) == len(found) else None
 
 
 def _layer_inputs(manifest: Manifest, evals: set[int], width: int) -> dict[int, dict[int, Record]]:

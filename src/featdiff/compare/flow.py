@@ -260,7 +260,9 @@ def _offset_from_flow(batch: Batch, run_batches: dict[GroupKey, Batch]) -> Findi
     role, phase, rnd = batch.key
     if phase == "inject":
         carried = _target_before(batch, run_batches)
-        k = _constant_offset(batch.positions, carried.positions) if carried is not None else None
+        if carried is None:
+            return None
+        k = _constant_offset(batch.positions, carried.positions)
         return None if k is None else _position_finding(
             batch, k, f"those of the target rows it carries, {_span(carried.positions)}", _hint(batch))
     start = _expected_start(batch, run_batches)

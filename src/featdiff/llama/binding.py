@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from featdiff.cache_dir import ENV_CACHE, cache_root  # noqa: F401 - ENV_CACHE: preload.py reads it here until it moves
 from featdiff.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,6 @@ SHIM_SOURCES = ("featdiff_shim.c", "featdiff_ext.cpp")
 SHIM_HEADERS = ("featdiff_shim.h", "featdiff_ext.h")
 LIBS = ("llama", "ggml", "ggml-base")
 ENV_LLAMA_DIR = "FEATDIFF_LLAMA_DIR"
-ENV_CACHE = "FEATDIFF_CACHE"
 
 CDEF = """
 typedef int32_t llama_token;
@@ -180,8 +180,7 @@ def build_key(build: LlamaBuild) -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "featdiff"
-    return Path(base) / "binding"
+    return cache_root() / "binding"
 
 
 def load(llama_dir: Path | None = None) -> tuple[ModuleType, LlamaBuild]:

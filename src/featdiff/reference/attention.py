@@ -105,7 +105,7 @@ def _flash_f16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch
     """
     n_tokens, n_head, d = q.shape
     products = torch.einsum("thd,chd->thc", q.to(torch.float16).double(), k.double())  # (n_tokens, n_head, n_cells)
-    scores = products.float() * np.float32(scale)
+    scores = products.float() * torch.tensor(scale, dtype=torch.float32)  # scale rounded to f32 first
     m = torch.full((n_tokens, n_head), float("-inf"), device=q.device)
     s_sum = torch.zeros((n_tokens, n_head), device=q.device)
     acc = torch.zeros((n_tokens, n_head, d), dtype=torch.float16, device=q.device)

@@ -22,7 +22,7 @@ from featdiff.reference.attention import KvCache, cache_with, layer_kv
 from featdiff.reference.log_snr import log_snr_embed
 from featdiff.reference.numerics import linear, rms_norm, rope
 from featdiff.reference.stack import Named, layer_forward
-from featdiff.reference.weights import Draft, Target
+from featdiff.reference.weights import Draft, Target, present
 
 MAX_PERMUTED_SLOTS = 4  # slot-order candidates for n_extract <= 4 (at most 23 of them)
 
@@ -59,7 +59,7 @@ def inject(draft: Draft, features: torch.Tensor, positions: torch.Tensor, cache:
     for il, layer in enumerate(draft.layers):
         k = linear(g, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
         v = linear(g, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
-        k = rope(rms_norm(k, layer.k_norm, hp.rms_eps), positions, hp.rope_base, hp.rope_type)
+        k = rope(rms_norm(k, present(layer.k_norm, f"blk.{il}.attn_k_norm.weight"), hp.rms_eps), positions, hp.rope_base, hp.rope_type)
         records += [Named(names.layer_name(names.KCUR_INJECTED, il), k),
                     Named(names.layer_name(names.VCUR_INJECTED, il), v)]
         k_cache, v_cache = layer_kv(cache, il, k, v)
@@ -124,10 +124,10 @@ def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tupl
     `dspark_draft_embd_snr` is what the layers consume (names as the graph that computes them
     has them, docs/records.md).
     """
-    table = draft.token_embd if draft.has_own_embeddings else target.token_embd
+    table = draft.token_embd if draft.token_embd is not None else target.token_embd
     rows = table[tokens]  # (n_tokens, n_embd)
     records = [Named(names.INP_NOISE_EMBD, rows)]
-    if draft.has_own_embeddings and target.hparams.n_embd == draft.hparams.n_embd:
+    if draft.token_embd is not None and target.hparams.n_embd == draft.hparams.n_embd:
         borrowed = target.token_embd[tokens]  # (n_tokens, n_embd)
         records.append(Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_TABLE_TARGET), borrowed))
     if draft.log_snr is None:

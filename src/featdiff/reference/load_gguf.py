@@ -16,8 +16,8 @@ from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
-from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, aligned,
-                                        layer_from_tensors)
+from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, RopeType, Source, Target, aligned,
+                                        layer_from_tensors, present)
 
 KEY_ROPE_DIMS = "{arch}.rope.dimension_count"
 
@@ -28,7 +28,7 @@ def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Ta
     if g.arch not in names.TARGET_ARCHS:
         raise InputError(f"{path}: architecture {g.arch!r}, the reference runs targets of {names.TARGET_ARCHS}; "
                          "pass a qwen3 or llama target")
-    rope_type = "normal" if g.arch == names.ARCH_LLAMA else "neox"
+    rope_type: RopeType = "normal" if g.arch == names.ARCH_LLAMA else "neox"
     n_vocab = g.tensors[names.T_TOKEN_EMBD].ne[1] if names.T_TOKEN_EMBD in g.tensors else 0
     hp = _hparams(g, rope_type, n_vocab)
     token_embd = _tensor(g, names.T_TOKEN_EMBD, dtype, device)
@@ -64,7 +64,7 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Dra
                  d2t=_d2t(g, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab, device))
 
 
-def _hparams(g: GgufModel, rope_type: str, n_vocab: int) -> Hparams:
+def _hparams(g: GgufModel, rope_type: RopeType, n_vocab: int) -> Hparams:
     n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), int(meta(g, names.KEY_HEAD_COUNT))
     n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
     n_rot = int(meta(g, KEY_ROPE_DIMS, n_embd_head))
@@ -75,7 +75,7 @@ def _hparams(g: GgufModel, rope_type: str, n_vocab: int) -> Hparams:
                    n_head=n_head, n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
                    n_embd_head=n_embd_head, n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH)),
                    n_vocab=n_vocab, rms_eps=float(meta(g, names.KEY_RMS_EPS)),
-                   rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, 10000.0)), rope_type=rope_type)
+                   rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)), rope_type=rope_type)
 
 
 def _draft_n_vocab(g: GgufModel) -> int:
@@ -120,7 +120,8 @@ def _dspark(g: GgufModel, hp: Hparams, dtype: torch.dtype, device: torch.device)
     if names.T_MARKOV_W1 not in shapes:
         return None
     t = {name: aligned(_optional(g, name, dtype, device)) for name in DSPARK_FILE_TENSORS if name != names.T_D2T}
-    return DSpark(markov_w1=t[names.T_MARKOV_W1], markov_w2=t[names.T_MARKOV_W2],
+    return DSpark(markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
+                  markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
                   markov_w2_scale=t[names.T_MARKOV_W2_SCALE], conf_w=t[names.T_CONF_PROJ_W],
                   conf_b=t[names.T_CONF_PROJ_B],
                   sample_from_anchor=bool(meta(g, names.KEY_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first

@@ -23,9 +23,8 @@ from featdiff import names
 from featdiff.errors import InputError
 from featdiff.reference.checks import d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, aligned,
-                                        layer_from_tensors)
+                                        layer_from_tensors, present)
 
-DEFAULT_ROPE_THETA = 10000.0
 _FLAG_KEY = f"{names.HF_DFLASH_CONFIG}.{names.HF_LOG_SNR}"
 # GGUF name -> HF name of the DSpark tensors (upstream conversion/qwen.py DSparkModel)
 _HF_DSPARK = {names.T_MARKOV_W1: names.HF_MARKOV_W1, names.T_MARKOV_W2: names.HF_MARKOV_W2,
@@ -136,7 +135,7 @@ def _hparams(path: Path, config: dict[str, Any], arch: str) -> Hparams:
                    n_ff=int(_config_value(path, config, names.HF_INTERMEDIATE_SIZE)),
                    n_vocab=int(_config_value(path, config, names.HF_VOCAB_SIZE)),
                    rms_eps=float(_config_value(path, config, names.HF_RMS_EPS)),
-                   rope_base=float(_config_value(path, config, names.HF_ROPE_THETA, DEFAULT_ROPE_THETA)),
+                   rope_base=float(_config_value(path, config, names.HF_ROPE_THETA, names.ROPE_FREQ_BASE_DEFAULT)),
                    rope_type="neox")
 
 
@@ -157,6 +156,7 @@ def _log_snr(path: Path, dflash: dict[str, Any], w: dict[str, torch.Tensor]) -> 
     if not flag:
         return None
     t = [w[name] for name in names.LOG_SNR_TENSORS]  # same tensor names in HF and GGUF
+    assert lo is not None and hi is not None  # log_snr_problems: a flagged drafter has both
     return LogSnr(min_log_snr=float(lo), max_log_snr=float(hi), fc1_w=t[0], fc1_b=t[1], fc2_w=t[2], fc2_b=t[3])
 
 
@@ -173,7 +173,8 @@ def _dspark(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], hp: 
     if names.HF_MARKOV_W1 not in w:
         return None
     t = {name: aligned(w.get(hf)) for name, hf in _HF_DSPARK.items() if name != names.T_D2T}
-    return DSpark(markov_w1=t[names.T_MARKOV_W1], markov_w2=t[names.T_MARKOV_W2],
+    return DSpark(markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
+                  markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
                   markov_w2_scale=t[names.T_MARKOV_W2_SCALE], conf_w=t[names.T_CONF_PROJ_W],
                   conf_b=t[names.T_CONF_PROJ_B],
                   sample_from_anchor=bool(config.get(names.HF_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 from safetensors import safe_open
@@ -147,11 +147,14 @@ class Draft:
 _LAYER_FIELDS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
                  "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "ffn_norm": "ffn_norm",
                  "ffn_gate": "ffn_gate", "ffn_up": "ffn_up", "ffn_down": "ffn_down"}  # GGUF per-layer name -> field
+_OPTIONAL_LAYER_TENSORS = ("attn_q_norm", "attn_k_norm")  # Layer's None-able fields (llama has no q/k norm)
 
 
 def layer_from_tensors(t: dict[str, torch.Tensor | None]) -> Layer:
     """A `Layer` from tensors keyed by their GGUF per-layer names (`attn_q`, `ffn_up`, ...)."""
-    return Layer(**{field: t[name] for name, field in _LAYER_FIELDS.items()})
+    fields: dict[str, Any] = {field: t[name] if name in _OPTIONAL_LAYER_TENSORS else present(t[name], name)
+                              for name, field in _LAYER_FIELDS.items()}
+    return Layer(**fields)
 
 
 def tensors_of_layer(layer: Layer) -> dict[str, torch.Tensor | None]:
@@ -159,11 +162,24 @@ def tensors_of_layer(layer: Layer) -> dict[str, torch.Tensor | None]:
     return {name: getattr(layer, field) for name, field in _LAYER_FIELDS.items()}
 
 
+@overload
+def aligned(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def aligned(t: None) -> None: ...
+@overload
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     """`t` in an allocation of its own, which torch aligns: torch's CPU matrix-vector product sums
     in an order that depends on the buffer's alignment, and numpy's and safetensors' buffers differ
     in it, so a GGUF and a HF load would give results that differ in the last bit."""
     return t.clone() if t is not None else None
+
+
+def present(t: torch.Tensor | None, name: str) -> torch.Tensor:
+    """`t`, which its loader has checked the file holds: None here is a bug of featdiff's."""
+    if t is None:
+        raise ValueError(f"{name}: the loader let a missing tensor through")
+    return t
 
 
 def check_pair(target: Target, draft: Draft) -> None:

@@ -189,15 +189,13 @@ def _key_values(facts: Iterable[tuple[str, Any]]) -> str:
 
 def summarise_ints(values: Sequence[int]) -> str:
     """Integers as ranges, `0..11, 14, 20..23`, cut after MAX_INTS_SHOWN pieces."""
-    pieces: list[str] = []
-    start = prev = None
-    for v in list(values) + [None]:
-        if start is not None and (v is None or v != prev + 1):
-            pieces.append(str(start) if start == prev else f"{start}..{prev}")
-            start = None
-        if v is not None and start is None:
-            start = v
-        prev = v
+    spans: list[list[int]] = []  # [first, last] of each run of consecutive integers
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    pieces = [str(a) if a == b else f"{a}..{b}" for a, b in spans]
     cut = pieces[:MAX_INTS_SHOWN]
     return ", ".join(cut) + (f", ... ({len(values)} in all)" if len(pieces) > len(cut) else "")
 

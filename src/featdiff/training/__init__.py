@@ -1,5 +1,5 @@
 """Tiny *trained* DFlash drafters, so that accept rate means something (fixture variants
-`trained*`). Consumes a seed and `fixtures.Sizes`; produces the trained pair's weights in the
+`trained*`). Consumes a seed and `pairs.Sizes`; produces the trained pair's weights in the
 fixtures' layout (HF orientation), which the fixtures' writers save as GGUF and HF directories.
 
 * `target`: a seeded qwen3 target whose greedy continuation a tiny drafter can learn, and only

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-from featdiff.fixtures import BLOCK_SIZE, Sizes
-from featdiff.llama.binding import ENV_CACHE
+from featdiff.pairs import BLOCK_SIZE, Sizes
+from featdiff.cache_dir import cache_root
 from featdiff.training.train import DEFAULT_CONFIG, TRAINED_SIZES, TrainConfig, TrainedPair, train_pair
 
 log = logging.getLogger(__name__)
 
 # The code the trained weights depend on is part of the cache key: editing it retrains (once).
-KEYED_SOURCES = ("training/*.py", "reference/*.py", "fixtures.py")
+KEYED_SOURCES = ("training/*.py", "reference/*.py", "pairs.py")
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 CACHE_SUBDIR = "trained"
 META_FILE = "meta.json"
@@ -44,8 +44,8 @@ def trained_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = 
 
 
 def cache_dir() -> Path:
-    """$FEATDIFF_CACHE/trained, else ~/.cache/featdiff/trained (the binding's cache root)."""
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "featdiff") / CACHE_SUBDIR
+    """The trained pairs' directory in featdiff's cache (featdiff.cache_dir)."""
+    return cache_root() / CACHE_SUBDIR
 
 
 def cache_key(seed: int, sizes: Sizes, config: TrainConfig) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featdiff.fixtures import HF_TARGET_LAYER_IDS, Sizes
+from featdiff.pairs import HF_TARGET_LAYER_IDS, Sizes
 from featdiff.probe import TOKENS_PREFIX
 from featdiff.reference.attention import KvCache, empty_cache
 from featdiff.reference.target import forward_target

@@ -19,7 +19,7 @@ from torch.nn.functional import binary_cross_entropy_with_logits, cross_entropy
 
 from featdiff import names
 from featdiff.reference.drafter import draft_block, inject
-from featdiff.reference.weights import Draft, DSpark, Target
+from featdiff.reference.weights import Draft, DSpark, Target, present
 from featdiff.training.corpus import Corpus, f32_cache
 from featdiff.training.objective import ROW_DECAY, Batch, accepted_length, packed_batch
 
@@ -85,11 +85,12 @@ def chained(dsp: DSpark, base: torch.Tensor, norm: torch.Tensor, anchors: torch.
     `(n_blocks, n_block, n_embd)`, reading rows `first_row ..` (0: anchor-first; 1: bonus anchor,
     whose row 0 is no draft); prev starts at each block's anchor `(n_blocks,)`."""
     prev, drafts, conf_logits = anchors, [], []
+    conf_w, conf_b = present(dsp.conf_w, "conf_proj"), present(dsp.conf_b, "conf_proj_b")
     for i in range(first_row, base.shape[1]):
         w1_prev = dsp.markov_w1[prev]  # (n_blocks, rank)
         col = base[:, i] + w1_prev @ dsp.markov_w2.T  # (n_blocks, n_vocab)
         feat = torch.cat([norm[:, i], w1_prev], dim=1)  # (n_blocks, n_embd + rank)
-        conf_logits.append((feat @ dsp.conf_w.T + dsp.conf_b)[:, 0])
+        conf_logits.append((feat @ conf_w.T + conf_b)[:, 0])
         prev = col.argmax(dim=-1)
         drafts.append(prev)
     return Chain(drafts=torch.stack(drafts, dim=1), conf_logits=torch.stack(conf_logits, dim=1))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featdiff.fixtures import BLOCK_SIZE
+from featdiff.pairs import BLOCK_SIZE
 from featdiff.reference.drafter import draft_block, inject
 from featdiff.reference.weights import Draft, Target
 from featdiff.training.corpus import Corpus, f32_cache

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featdiff import fixtures, names
-from featdiff.fixtures import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
+from featdiff import names, pairs
+from featdiff.pairs import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
 from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors,
-                                        tensors_of_layer)
+                                        present, tensors_of_layer)
 
 LOG_SNR_KEYS = ("log_snr_fc1", "log_snr_fc1_b", "log_snr_fc2", "log_snr_fc2_b")  # fixtures' keys, in LogSnr's order
 DSPARK_KEYS = ("markov_w1", "markov_w2", "conf_proj", "conf_proj_b")  # fixtures' keys of DSpark's heads
@@ -32,7 +32,7 @@ def draft_record(w: dict, sizes: Sizes, trainable: bool) -> Draft:
     with `trainable`, its tensors are autograd leaves."""
     snr = None
     if LOG_SNR_KEYS[0] in w:
-        snr = LogSnr(fixtures.MIN_LOG_SNR, fixtures.MAX_LOG_SNR, *(_tensor(w[k], trainable) for k in LOG_SNR_KEYS))
+        snr = LogSnr(pairs.MIN_LOG_SNR, pairs.MAX_LOG_SNR, *(_tensor(w[k], trainable) for k in LOG_SNR_KEYS))
     return Draft(source=Source(Path("<trained drafter>"), is_gguf=False),
                  hparams=_hparams(sizes.draft, names.ARCH_DFLASH, sizes.n_vocab),
                  target_layers=tuple(i + 1 for i in HF_TARGET_LAYER_IDS),  # gguf = hf + 1
@@ -79,17 +79,17 @@ def parameters(draft: Draft) -> list[torch.Tensor]:
 
 def _hparams(s: Shape, arch: str, n_vocab: int) -> Hparams:
     return Hparams(arch=arch, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_head_kv=s.n_head_kv,
-                   n_embd_head=s.n_embd_head, n_ff=s.n_ff, n_vocab=n_vocab, rms_eps=fixtures.RMS_EPS,
-                   rope_base=fixtures.ROPE_BASE, rope_type="neox")  # HF orientation: rotate-half RoPE
+                   n_embd_head=s.n_embd_head, n_ff=s.n_ff, n_vocab=n_vocab, rms_eps=pairs.RMS_EPS,
+                   rope_base=pairs.ROPE_BASE, rope_type="neox")  # HF orientation: rotate-half RoPE
 
 
 def _layer(layer: dict, trainable: bool = False) -> Layer:
-    return layer_from_tensors({k: _tensor(layer.get(k), trainable) for k in names.GGUF_TO_HF_LAYER})
+    return layer_from_tensors({k: _tensor(layer[k], trainable) if k in layer else None for k in names.GGUF_TO_HF_LAYER})
 
 
-def _tensor(a: np.ndarray | None, trainable: bool = False) -> torch.Tensor | None:
-    return None if a is None else torch.tensor(a, dtype=torch.float32, requires_grad=trainable)
+def _tensor(a: np.ndarray, trainable: bool = False) -> torch.Tensor:
+    return torch.tensor(a, dtype=torch.float32, requires_grad=trainable)
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().astype(np.float32)
+def _array(t: torch.Tensor | None) -> np.ndarray:
+    return present(t, "a trained tensor").detach().cpu().numpy().astype(np.float32)

@@ -12,11 +12,13 @@ faint. Every draft of a block then reads a context row, at the right depth.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from featdiff import fixtures, names
-from featdiff.fixtures import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
+from featdiff import names, pairs
+from featdiff.pairs import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
 from featdiff.reference.numerics import ffn, linear, rms_norm
 from featdiff.reference.weights import Layer, layer_from_tensors
 
@@ -38,7 +40,7 @@ def lookback_target(rng: np.random.Generator, sizes: Sizes) -> dict:
     if s.n_layer <= COPY_LAYER or s.n_embd_head < 2 * POSITION_PAIRS:
         raise ValueError(f"a lookback target needs > {COPY_LAYER} layers and heads of >= {2 * POSITION_PAIRS} "
                          f"dims; got {s.n_layer} layers, heads of {s.n_embd_head}")
-    w = fixtures.target_weights(rng, names.ARCH_QWEN3, sizes)
+    w = pairs.target_weights(rng, names.ARCH_QWEN3, sizes)
     u = rng.standard_normal(s.n_embd)
     u /= np.linalg.norm(u)
     off_u = np.eye(s.n_embd) - np.outer(u, u)  # (n_embd, n_embd): removes the shared direction
@@ -62,11 +64,11 @@ def _positional_head(s: Shape, u: np.ndarray) -> dict[str, np.ndarray]:
     key is turned back by (LOOKBACK - 1) * theta_i, so the rotations cancel at that distance.
     """
     d, half = s.n_embd_head, s.n_embd_head // 2
-    theta = fixtures.ROPE_BASE ** (-2.0 * np.arange(half) / d)  # ggml's RoPE angle per pair and position
-    pairs = np.arange(POSITION_PAIRS)
+    theta = pairs.ROPE_BASE ** (-2.0 * np.arange(half) / d)  # ggml's RoPE angle per pair and position
+    pair_ids = np.arange(POSITION_PAIRS)
     q0, k0 = np.zeros(d), np.zeros(d)
-    q0[pairs] = 1.0
-    k0[pairs], k0[pairs + half] = np.cos((LOOKBACK - 1) * theta[pairs]), np.sin((LOOKBACK - 1) * theta[pairs])
+    q0[pair_ids] = 1.0
+    k0[pair_ids], k0[pair_ids + half] = np.cos((LOOKBACK - 1) * theta[pair_ids]), np.sin((LOOKBACK - 1) * theta[pair_ids])
     return {"attn_norm": np.ones(s.n_embd),  # a weighted norm would leak other directions into u
             "attn_q": np.tile(np.outer(q0, u), (s.n_head, 1)),     # (n_head * n_embd_head, n_embd)
             "attn_k": np.tile(np.outer(k0, u), (s.n_head_kv, 1)),  # (n_head_kv * n_embd_head, n_embd)
@@ -88,8 +90,8 @@ def _copy_vectors(w: dict, sizes: Sizes) -> np.ndarray:
     s = sizes.target
     feature, copy = (_frozen_layer(w["layers"][il]) for il in (FEATURE_LAYER, COPY_LAYER))
     e = torch.from_numpy(np.asarray(w["token_embd"], np.float32))  # (n_vocab, n_embd)
-    x = e + ffn(rms_norm(e, feature.ffn_norm, fixtures.RMS_EPS), feature)  # the input of COPY_LAYER
-    v = linear(rms_norm(x, copy.attn_norm, fixtures.RMS_EPS), copy.wv)
+    x = e + ffn(rms_norm(e, feature.ffn_norm, pairs.RMS_EPS), feature)  # the input of COPY_LAYER
+    v = linear(rms_norm(x, copy.attn_norm, pairs.RMS_EPS), copy.wv)
     v = v.reshape(-1, s.n_head_kv, s.n_embd_head)  # (n_vocab, n_head_kv, n_embd_head)
     heads = v.repeat_interleave(s.n_head // s.n_head_kv, dim=1)  # (n_vocab, n_head, n_embd_head): GQA
     return linear(heads.reshape(-1, s.n_head * s.n_embd_head), copy.wo).numpy()  # (n_vocab, n_embd)
@@ -101,6 +103,6 @@ def _frozen_layer(layer: dict) -> Layer:
 
 
 def _as_float32(w: dict) -> dict:
-    out = {k: np.asarray(a, np.float32) for k, a in w.items() if k != "layers"}
+    out: dict[str, Any] = {k: np.asarray(a, np.float32) for k, a in w.items() if k != "layers"}
     out["layers"] = [{k: np.asarray(a, np.float32) for k, a in layer.items()} for layer in w["layers"]]
     return out

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from featdiff import fixtures
-from featdiff.fixtures import BLOCK_SIZE, Sizes
-from featdiff.reference.weights import Draft, DSpark, Target
+from featdiff import pairs
+from featdiff.pairs import BLOCK_SIZE, Sizes
+from featdiff.reference.weights import Draft, DSpark, Target, present
 from featdiff.training import dspark
 from featdiff.training.corpus import Corpus, held_out_prompts, make_corpus, prompts
 from featdiff.training.objective import block_loss, mean_accepted_length, packed_batch
@@ -30,7 +30,7 @@ from featdiff.training.target import lookback_target
 
 log = logging.getLogger(__name__)
 
-TRAINED_SIZES = fixtures.Sizes(n_vocab=256)  # a small vocabulary: a short training sees every token often
+TRAINED_SIZES = pairs.Sizes(n_vocab=256)  # a small vocabulary: a short training sees every token often
 STREAM_INIT, STREAM_STEPS, STREAM_DSPARK = 3, 4, 5  # rng streams per seed (corpus.py holds 1 and 2)
 MARKOV_RANK = 16         # R of DSpark's Markov head: markov_w1 and markov_w2 are (n_vocab, R)
 DSPARK_BLOCKS = tuple(range(2, BLOCK_SIZE + 1))  # block lengths DSpark trains on: any --spec-draft-n-max runs
@@ -104,8 +104,8 @@ def train_dspark(target: Target, corpus: Corpus, init: dict, sizes: Sizes, confi
     """An anchor-first DSpark drafter trained from `init` (a fixtures drafter plus DSPARK_KEYS);
     its weights, same layout."""
     draft, dsp = draft_record(init, sizes, trainable=True), dspark_record(init, trainable=True)
-    groups = [(parameters(draft) + [dsp.markov_w1, dsp.markov_w2], config.lr),
-              ([dsp.conf_w, dsp.conf_b], config.lr * CONF_LR_GAIN)]
+    conf = [present(dsp.conf_w, "conf_proj"), present(dsp.conf_b, "conf_proj_b")]
+    groups = [(parameters(draft) + [dsp.markov_w1, dsp.markov_w2], config.lr), (conf, config.lr * CONF_LR_GAIN)]
     _fit(groups, config.dspark_steps, _dspark_losses(draft, dsp, target, corpus, config, sizes, rng))
     return dspark_weights_of(draft, dsp)
 
@@ -164,8 +164,8 @@ def _target_and_inits(seed: int, sizes: Sizes) -> tuple[dict, tuple[dict, dict]]
     """The target of `seed`, and the two drafters' initial weights (the fixtures' random init)."""
     target_w = lookback_target(np.random.default_rng(seed), sizes)
     rng = np.random.default_rng((seed, STREAM_INIT))
-    plain = fixtures.draft_weights(rng, fixtures.VARIANTS["trained"], sizes)
-    conditioned = fixtures.draft_weights(rng, fixtures.VARIANTS["trained-log-snr"], sizes)
+    plain = pairs.draft_weights(rng, pairs.VARIANTS["trained"], sizes)
+    conditioned = pairs.draft_weights(rng, pairs.VARIANTS["trained-log-snr"], sizes)
     for k in ("log_snr_fc2", "log_snr_fc2_b"):
         conditioned[k] = conditioned[k] * LOG_SNR_INIT_GAIN
     return target_w, (plain, conditioned)
@@ -174,7 +174,7 @@ def _target_and_inits(seed: int, sizes: Sizes) -> tuple[dict, tuple[dict, dict]]
 def _dspark_init(rng: np.random.Generator, sizes: Sizes) -> dict:
     """A DSpark drafter's initial weights: the fixtures' random drafter, a random markov_w1 and
     zero markov_w2 (the Markov bias starts at 0), and a confidence head at 0.5."""
-    w = fixtures.draft_weights(rng, fixtures.VARIANTS["trained"], sizes)
+    w = pairs.draft_weights(rng, pairs.VARIANTS["trained"], sizes)
     w1 = rng.standard_normal((sizes.n_vocab, MARKOV_RANK)).astype(np.float32)
     zeros = (np.zeros((sizes.n_vocab, MARKOV_RANK)), np.zeros((1, sizes.draft.n_embd + MARKOV_RANK)), np.zeros(1))
     w.update(zip(DSPARK_KEYS, (w1, *(a.astype(np.float32) for a in zeros))))
