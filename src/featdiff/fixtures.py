@@ -28,6 +28,7 @@ from featdiff.pairs import (
     N_POS_TRAIN,
     RMS_EPS,
     ROPE_BASE,
+    ROPE_SCALINGS,
     TINY,
     VARIANTS,
     Shape,
@@ -36,6 +37,7 @@ from featdiff.pairs import (
     draft_weights,
     target_weights,
 )
+from featdiff.reference.rope_params import llama3_freq_factors
 
 PROMPTS_FILE = "prompts.txt"  # a trained variant's held-out prompts, in `featdiff probe --prompts` format
 HELD_OUT_PROMPTS = 8
@@ -63,8 +65,8 @@ def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, siz
     out.mkdir(parents=True, exist_ok=True)
     sizes, target, draft = (_trained_weights if v.is_trained else _random_weights)(v, seed, sizes)
     with replaced(out / "target.gguf") as tmp:
-        _write_target_gguf(tmp, target, v.target_arch, sizes)
-    _write_target_hf(out / "target-hf", target, v.target_arch, sizes)
+        _write_target_gguf(tmp, target, v.target_arch, sizes, v.rope)
+    _write_target_hf(out / "target-hf", target, v.target_arch, sizes, v.rope)
     _write_draft_hf(out / "draft-hf", draft, v, sizes)
     with replaced(out / "draft.gguf") as tmp:
         _write_draft_gguf(tmp, _gguf_view(draft, v, sizes), v, sizes, _dspark_keys(draft, v))
@@ -161,6 +163,22 @@ def _add_stack_keys(wr: GGUFWriter, arch: str, s: Shape) -> None:
     wr.add_float32(f"{arch}.rope.freq_base", ROPE_BASE)
 
 
+def _add_rope_scaling(wr: GGUFWriter, arch: str, rope: str, n_rot: int) -> None:
+    """A `rope` variant's scaling as the GGUF converter writes it: llama3 as the `rope_freqs`
+    tensor of per-pair factors, YaRN as `{arch}.rope.scaling.*` keys."""
+    if not rope:
+        return
+    spec = ROPE_SCALINGS[rope]
+    if rope == "llama3":
+        factors = llama3_freq_factors(ROPE_BASE, n_rot, spec["factor"], spec["low_freq_factor"],
+                                      spec["high_freq_factor"], spec["original_max_position_embeddings"])
+        wr.add_tensor(names.T_ROPE_FREQS, np.array(factors, dtype=np.float32))
+        return
+    wr.add_string(names.KEY_ROPE_SCALING_TYPE.format(arch=arch), spec["rope_type"])
+    wr.add_float32(names.KEY_ROPE_SCALING_FACTOR.format(arch=arch), spec["factor"])
+    wr.add_uint32(names.KEY_ROPE_SCALING_ORIG_CTX.format(arch=arch), spec["original_max_position_embeddings"])
+
+
 def _add_layers(wr: GGUFWriter, layers: list[dict], permute_heads: tuple[int, int] | None) -> None:
     for il, layer in enumerate(layers):
         for k, a in layer.items():
@@ -176,10 +194,11 @@ def _finish(wr: GGUFWriter) -> None:
     wr.close()
 
 
-def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
+def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes, rope: str = "") -> None:
     wr = GGUFWriter(str(path), arch)
     wr.add_name(f"featdiff tiny {arch} target")
     _add_stack_keys(wr, arch, sz.target)
+    _add_rope_scaling(wr, arch, rope, sz.target.n_embd_head)
     _add_vocab(wr, sz)
     wr.add_tensor(names.T_TOKEN_EMBD, w["token_embd"])
     wr.add_tensor(names.T_OUTPUT_NORM, w["output_norm"])
@@ -197,6 +216,7 @@ def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes, dspark_keys: d
     wr = GGUFWriter(str(path), names.ARCH_DFLASH)
     wr.add_name("featdiff tiny dflash drafter")
     _add_stack_keys(wr, names.ARCH_DFLASH, sz.draft)
+    _add_rope_scaling(wr, names.ARCH_DFLASH, v.rope, sz.draft.n_embd_head)
     _add_vocab(wr, sz)
     gguf_ids = [i + 1 + v.gguf_layer_delta for i in HF_TARGET_LAYER_IDS]  # converter: gguf = hf + 1
     wr.add_array(names.KEY_TARGET_LAYERS, gguf_ids)
@@ -234,8 +254,9 @@ def _hf_layers(prefix: str, layers: list[dict]) -> dict[str, np.ndarray]:
             for il, layer in enumerate(layers) for k, a in layer.items()}
 
 
-def _hf_config(s: Shape, n_vocab: int) -> dict:
-    return {
+def _hf_config(s: Shape, n_vocab: int, rope: str = "") -> dict:
+    scaling = {"rope_scaling": ROPE_SCALINGS[rope]} if rope else {}
+    return {**scaling,
         "hidden_size": s.n_embd, "num_hidden_layers": s.n_layer, "num_attention_heads": s.n_head,
         "num_key_value_heads": s.n_head_kv, "head_dim": s.n_embd_head, "intermediate_size": s.n_ff,
         "rms_norm_eps": RMS_EPS, "rope_theta": ROPE_BASE, "vocab_size": n_vocab,
@@ -252,9 +273,9 @@ def _write_hf(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> None:
         save_file(tensors, str(tmp))
 
 
-def _write_target_hf(path: Path, w: dict, arch: str, sz: Sizes) -> None:
+def _write_target_hf(path: Path, w: dict, arch: str, sz: Sizes, rope: str = "") -> None:
     arch_hf = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}[arch]
-    config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(sz.target, sz.n_vocab),
+    config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(sz.target, sz.n_vocab, rope),
               "tie_word_embeddings": False}
     tensors = {"model.embed_tokens.weight": w["token_embd"], "model.norm.weight": w["output_norm"],
                "lm_head.weight": w["output"], **_hf_layers("model.", w["layers"])}
@@ -271,7 +292,7 @@ def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
     if v.checkpoint_log_snr:
         dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR,
                               "max_log_snr": MAX_LOG_SNR})
-    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_config(sz.draft, sz.n_vocab),
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_config(sz.draft, sz.n_vocab, v.rope),
               "block_size": BLOCK_SIZE, "num_target_layers": sz.target.n_layer,
               "target_hidden_size": sz.target.n_embd, "dflash_config": dflash_config}
     tensors = {"fc.weight": w["fc"], "hidden_norm.weight": w["hidden_norm"], "norm.weight": w["norm"],

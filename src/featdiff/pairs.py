@@ -58,6 +58,20 @@ MARKOV_W2_SCALE = 2.0  # markov_w2.scale where a variant ships one
 CONF_GAIN = 2.0  # the confidence logit's spread: sigmoid spans most of (0, 1)
 
 
+# The RoPE scalings of the `rope` variants, as a HF config's `rope_scaling` states them. The
+# original context is small, so that the few positions a test decodes reach the scaled dims.
+ROPE_SCALINGS: dict[str, dict] = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
 @dataclass(frozen=True)
 class Variant:
     """What the checkpoint is, and what the GGUF the run loads gets wrong about it."""
@@ -78,6 +92,7 @@ class Variant:
     checkpoint_d2t: bool = False  # ... with a reduced draft vocabulary: own head of half the rows, d2t
     gguf_drop_markov: bool = False  # GGUF omits the Markov and confidence tensors, keeps the dflash.* keys
     gguf_flip_anchor: bool = False  # GGUF's dflash.sample_from_anchor is the opposite of the checkpoint's
+    rope: str = ""  # RoPE scaling of both stacks: "" plain, "llama3" (rope_freqs), "yarn" (ROPE_SCALINGS)
     is_trained: bool = False  # the drafter is trained on its target (featdiff.training), not random
 
 
@@ -144,6 +159,13 @@ VARIANTS: dict[str, Variant] = {
             checkpoint_conf_head=True,
             gguf_flip_anchor=True,
         ),
+        Variant(
+            "llama3-rope",
+            "llama target and drafter with llama3 RoPE scaling (rope_freqs)",
+            target_arch="llama",
+            rope="llama3",
+        ),
+        Variant("yarn", "qwen3 target and drafter with YaRN RoPE scaling", rope="yarn"),
         Variant("trained", "drafter trained on its target: accept rate means something", is_trained=True),
         Variant(
             "trained-layers-minus1",

@@ -59,7 +59,7 @@ def inject(draft: Draft, features: torch.Tensor, positions: torch.Tensor, cache:
     for il, layer in enumerate(draft.layers):
         k = linear(g, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
         v = linear(g, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
-        k = rope(rms_norm(k, present(layer.k_norm, f"blk.{il}.attn_k_norm.weight"), hp.rms_eps), positions, hp.rope_base, hp.rope_type)
+        k = rope(rms_norm(k, present(layer.k_norm, f"blk.{il}.attn_k_norm.weight"), hp.rms_eps), positions, hp)
         records += [Named(names.layer_name(names.KCUR_INJECTED, il), k),
                     Named(names.layer_name(names.VCUR_INJECTED, il), v)]
         k_cache, v_cache = layer_kv(cache, il, k, v)

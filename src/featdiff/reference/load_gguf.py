@@ -15,11 +15,12 @@ from featdiff import names
 from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
+from featdiff.reference import rope_params
 from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
+from featdiff.reference.rope_params import RopeScaling, llama_scaling
 from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, RopeType, Source, Target, aligned,
                                         layer_from_tensors, present)
 
-KEY_ROPE_DIMS = "{arch}.rope.dimension_count"
 
 
 def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
@@ -67,15 +68,32 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Dra
 def _hparams(g: GgufModel, rope_type: RopeType, n_vocab: int) -> Hparams:
     n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), int(meta(g, names.KEY_HEAD_COUNT))
     n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
-    n_rot = int(meta(g, KEY_ROPE_DIMS, n_embd_head))
-    if n_rot != n_embd_head:
-        raise InputError(f"{g.path}: {KEY_ROPE_DIMS.format(arch=g.arch)} = {n_rot} but the head size is "
-                         f"{n_embd_head}; the reference implements full-width RoPE only")
+    n_rot = int(meta(g, names.KEY_ROPE_DIMS, n_embd_head))
+    if not 0 < n_rot <= n_embd_head or n_rot % 2:
+        raise InputError(f"{g.path}: {names.KEY_ROPE_DIMS.format(arch=g.arch)} = {n_rot} but the head size is "
+                         f"{n_embd_head}; expected an even count of rotated dims up to it; re-export the GGUF")
     return Hparams(arch=g.arch, n_layer=int(meta(g, names.KEY_BLOCK_COUNT)), n_embd=n_embd,
                    n_head=n_head, n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
                    n_embd_head=n_embd_head, n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH)),
                    n_vocab=n_vocab, rms_eps=float(meta(g, names.KEY_RMS_EPS)),
-                   rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)), rope_type=rope_type)
+                   rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)), rope_type=rope_type,
+                   rope_scaling=_rope_scaling(g, n_rot), n_rot=n_rot)
+
+
+def _rope_scaling(g: GgufModel, n_rot: int) -> RopeScaling:
+    """The GGUF's RoPE scaling keys and `rope_freqs` (read by the llama and dflash graphs only;
+    qwen3's passes no frequency factors), as llama.cpp turns them into ggml_rope_ext's parameters."""
+    if float(meta(g, names.KEY_ROPE_YARN_LOG_MUL, 0.0)) != 0.0:
+        raise InputError(f"{g.path}: {names.KEY_ROPE_YARN_LOG_MUL.format(arch=g.arch)} is set; the reference does not "
+                         "implement YaRN's log multiplier (DeepSeek's); compare a model without it, or add it to featdiff")
+    factor = float(meta(g, names.KEY_ROPE_SCALING_FACTOR, meta(g, names.KEY_ROPE_SCALE_LINEAR, 0.0)))
+    freq_factors = None
+    if names.T_ROPE_FREQS in g.tensors and g.arch in (names.ARCH_LLAMA, names.ARCH_DFLASH):
+        freq_factors = tuple(float(x) for x in array_from_tensor(g, names.T_ROPE_FREQS).reshape(-1)[: n_rot // 2])
+    n_ctx_train = int(meta(g, names.KEY_CONTEXT_LENGTH, 0))
+    return llama_scaling(g.path, str(meta(g, names.KEY_ROPE_SCALING_TYPE, rope_params.GGUF_DEFAULT_TYPE)), factor,
+                         int(meta(g, names.KEY_ROPE_SCALING_ORIG_CTX, n_ctx_train)),
+                         float(meta(g, names.KEY_ROPE_SCALING_ATTN_FACTOR, 1.0)), freq_factors)
 
 
 def _draft_n_vocab(g: GgufModel) -> int:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from featdiff import names
 from featdiff.errors import InputError
 from featdiff.reference.checks import d2t_problems, dspark_problems, log_snr_problems
+from featdiff.reference.rope_params import hf_rope
 from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, aligned,
                                         layer_from_tensors, present)
 
@@ -129,14 +130,16 @@ def _config_value(path: Path, config: dict[str, Any], key: str, default: Any = N
 def _hparams(path: Path, config: dict[str, Any], arch: str) -> Hparams:
     n_embd = int(_config_value(path, config, names.HF_HIDDEN_SIZE))
     n_head = int(_config_value(path, config, names.HF_NUM_HEADS))
+    n_embd_head = int(_config_value(path, config, names.HF_HEAD_DIM, n_embd // n_head))
+    base, scaling, n_rot = hf_rope(path / names.HF_CONFIG, config, n_embd_head)
     return Hparams(arch=arch, n_layer=int(_config_value(path, config, names.HF_NUM_LAYERS)), n_embd=n_embd,
                    n_head=n_head, n_head_kv=int(_config_value(path, config, names.HF_NUM_KV_HEADS, n_head)),
-                   n_embd_head=int(_config_value(path, config, names.HF_HEAD_DIM, n_embd // n_head)),
+                   n_embd_head=n_embd_head,
                    n_ff=int(_config_value(path, config, names.HF_INTERMEDIATE_SIZE)),
                    n_vocab=int(_config_value(path, config, names.HF_VOCAB_SIZE)),
                    rms_eps=float(_config_value(path, config, names.HF_RMS_EPS)),
-                   rope_base=float(_config_value(path, config, names.HF_ROPE_THETA, names.ROPE_FREQ_BASE_DEFAULT)),
-                   rope_type="neox")
+                   rope_base=float(base if base is not None else names.ROPE_FREQ_BASE_DEFAULT),
+                   rope_type="neox", rope_scaling=scaling, n_rot=n_rot)
 
 
 def _layer(w: dict[str, torch.Tensor], path: Path, prefix: str) -> Layer:

@@ -12,7 +12,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from featdiff.reference.weights import Layer, RopeType
+from featdiff.reference.rope_params import PLAIN, RopeScaling
+from featdiff.reference.weights import Hparams, Layer
 
 KvDtype = Literal["f16", "f32"]
 KV_DTYPES: tuple[KvDtype, ...] = ("f16", "f32")
@@ -49,36 +50,74 @@ def ffn(x: torch.Tensor, layer: Layer) -> torch.Tensor:
     return linear(gate / (1.0 + torch.exp(-gate)) * linear(x, layer.ffn_up), layer.ffn_down)
 
 
-def rope_cache(positions: torch.Tensor, n_dims: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(positions: torch.Tensor, n_dims: int, base: float,
+               scaling: RopeScaling = PLAIN) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin, `(n_tokens, n_dims / 2)` float32, as ggml_rope_cache_init builds them.
 
-    ggml grows the angle by repeated float32 multiplication, `theta *= powf(base, -2.0f/n_dims)`,
-    and takes cosf/sinf of it; float64 cos rounded to float32 is the correctly rounded cosf.
+    ggml grows the angle by repeated float32 multiplication, `theta *= powf(base, -2.0f/n_dims)`;
+    per pair i it divides by the frequency factor (`rope_freqs`), and `rope_yarn` mixes the
+    interpolated angle `freq_scale * theta` with the extrapolated one by YaRN's ramp over the
+    correction dims, scaling cos and sin by `attn_factor` (times `1 + 0.1 ln(1/freq_scale)` under
+    YaRN). All in float32, as the C does; float64 cos rounded to float32 is the correctly rounded cosf.
     """
-    exponent = np.float32(-2.0) / np.float32(n_dims)
-    theta_scale = np.float32(np.float64(np.float32(base)) ** np.float64(exponent))
+    f32 = np.float32
+    exponent = f32(-2.0) / f32(n_dims)
+    theta_scale = f32(np.float64(f32(base)) ** np.float64(exponent))
+    low, high = _yarn_corr_dims(n_dims, scaling.n_ctx_orig, base, scaling.beta_fast, scaling.beta_slow)
+    freq_scale, ext_factor = f32(scaling.freq_scale), f32(scaling.ext_factor)
+    mscale = f32(scaling.attn_factor)
+    if ext_factor != 0:
+        mscale = f32(mscale * (f32(1.0) + f32(0.1) * np.log(f32(1.0) / freq_scale)))
     theta = positions.cpu().numpy().astype(np.float32)
     columns = []
-    for _ in range(n_dims // 2):
-        columns.append(theta)
+    for i in range(n_dims // 2):
+        ff = f32(scaling.freq_factors[i]) if scaling.freq_factors is not None else f32(1.0)
+        extrap = theta / ff
+        angle = freq_scale * extrap
+        if ext_factor != 0:
+            y = f32((f32(i) - low) / f32(max(0.001, float(high - low))))
+            ramp = f32(1.0) - f32(min(1.0, max(0.0, float(y))))
+            mix = f32(ramp * ext_factor)
+            angle = angle * (f32(1.0) - mix) + extrap * mix
+        columns.append(angle.astype(np.float32))
         theta = theta * theta_scale
     thetas = np.stack(columns, axis=-1).astype(np.float64)  # (n_tokens, n_dims / 2)
-    return np.cos(thetas).astype(np.float32), np.sin(thetas).astype(np.float32)
+    cos = (np.cos(thetas).astype(np.float32) * mscale).astype(np.float32)
+    sin = (np.sin(thetas).astype(np.float32) * mscale).astype(np.float32)
+    return cos, sin
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float, rope_type: RopeType) -> torch.Tensor:
-    """Rotate `(n_tokens, n_head, n_embd_head)` at `positions`.
+def _yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[np.float32, np.float32]:
+    """ggml_rope_yarn_corr_dims: the pair range YaRN's ramp runs over, in float32."""
+    f32 = np.float32
+    if n_ctx_orig <= 0:
+        return f32(0.0), f32(n_dims - 1)
 
-    NeoX pairs dims (i, i + d/2) (HF rotate-half, qwen3, dflash); normal pairs (2i, 2i + 1)
+    def corr_dim(n_rot: float) -> np.float32:
+        return f32(f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))) / (f32(2) * np.log(f32(base))))
+
+    start, end = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
+    return f32(max(0.0, start)), f32(min(n_dims - 1.0, end))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, hp: Hparams) -> torch.Tensor:
+    """Rotate `(n_tokens, n_head, n_embd_head)` at `positions` with the stack's RoPE (`hp`):
+    its base, type, scaling and rotated dims (the first `hp.n_rot`; the rest pass through).
+
+    NeoX pairs dims (i, i + n_rot/2) (HF rotate-half, qwen3, dflash); normal pairs (2i, 2i + 1)
     (ggml's GGML_ROPE_TYPE_NORMAL, llama GGUFs whose q/k rows the converter permuted).
     """
     n_tokens, n_head, d = x.shape
-    cos_np, sin_np = rope_cache(positions, d, base)
-    cos = torch.from_numpy(cos_np).to(x)[:, None, :]  # (n_tokens, 1, d/2)
-    sin = torch.from_numpy(sin_np).to(x)[:, None, :]  # (n_tokens, 1, d/2)
-    if rope_type == "neox":
-        x0, x1 = x[..., : d // 2], x[..., d // 2:]
-        return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (n_tokens, n_head, d)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    pairs = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (n_tokens, n_head, d/2, 2)
-    return pairs.reshape(n_tokens, n_head, d)  # (n_tokens, n_head, d)
+    n_rot = hp.n_rot or d
+    cos_np, sin_np = rope_cache(positions, n_rot, hp.rope_base, hp.rope_scaling)
+    cos = torch.from_numpy(cos_np).to(x)[:, None, :]  # (n_tokens, 1, n_rot/2)
+    sin = torch.from_numpy(sin_np).to(x)[:, None, :]  # (n_tokens, 1, n_rot/2)
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    if hp.rope_type == "neox":
+        x0, x1 = rot[..., : n_rot // 2], rot[..., n_rot // 2:]
+        rotated = torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (n_tokens, n_head, n_rot)
+    else:
+        x0, x1 = rot[..., 0::2], rot[..., 1::2]
+        pairs = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (n_tokens, n_head, n_rot/2, 2)
+        rotated = pairs.reshape(n_tokens, n_head, n_rot)
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated  # (n_tokens, n_head, d)

@@ -55,8 +55,8 @@ def layer_forward(hp: Hparams, layer: Layer, x: torch.Tensor, positions: torch.T
         q = rms_norm(q, layer.q_norm, hp.rms_eps)
     if layer.k_norm is not None:
         k = rms_norm(k, layer.k_norm, hp.rms_eps)
-    q = rope(q, positions, hp.rope_base, hp.rope_type)
-    k = rope(k, positions, hp.rope_base, hp.rope_type)
+    q = rope(q, positions, hp)
+    k = rope(k, positions, hp)
     k_cache, v_cache = layer_kv(cache, il, k, v)
     kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
     kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal, visible)

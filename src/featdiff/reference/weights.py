@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.reference.rope_params import RopeScaling
 from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, dspark_info, model_info
 
 RopeType = Literal["normal", "neox"]  # ggml's GGML_ROPE_TYPE_NORMAL (pairs 2i, 2i+1) / NEOX (i, i+d/2)
@@ -46,6 +47,8 @@ class Hparams:
     rms_eps: float
     rope_base: float
     rope_type: RopeType
+    rope_scaling: RopeScaling = RopeScaling()
+    n_rot: int | None = None  # dims RoPE rotates, from the first (partial rotary); None: the whole head
 
 
 @dataclass(frozen=True)
