@@ -21,10 +21,26 @@ from featdiff.filters import (
 
 
 def test_role_prefix_limits_a_glob_and_a_bang_excludes():
-    fs = parse_filters(["l_out-*", "!l_out-0", "draft:Qcur-*", "!target:embd", "other:x"])
-    assert fs.draft == RoleFilter(include=("l_out-*", "Qcur-*", "other:x"), exclude=("l_out-0",))
-    assert fs.target == RoleFilter(include=("l_out-*", "other:x"), exclude=("l_out-0", "embd"))
+    fs = parse_filters(["l_out-*", "!l_out-0", "draft:Qcur-*", "!target:embd", "blk.0:x"])
+    assert fs.draft == RoleFilter(include=("l_out-*", "Qcur-*", "blk.0:x"), exclude=("l_out-0",))
+    assert fs.target == RoleFilter(include=("l_out-*", "blk.0:x"), exclude=("l_out-0", "embd"))
     assert fs.keeps("draft", "l_out-1") and not fs.keeps("draft", "l_out-0") and not fs.keeps("target", "Qcur-0")
+
+
+@pytest.mark.parametrize("spec", ["drafter:*", "!targets:l_out-*", "Draft:Qcur-*"])
+def test_a_prefix_spelled_like_a_role_but_no_role_is_refused(spec):
+    """A typo of a role would be a glob on both roles that matches nothing: an empty capture."""
+    head = spec.removeprefix("!").split(":")[0]
+    with pytest.raises(InputError) as e:
+        parse_filters(["l_out-*", spec])
+    assert str(e.value) == (
+        f"--filter {spec!r}: unknown role {head!r}; roles are target, draft (or drop the prefix for both)"
+    )
+
+
+def test_a_prefix_that_is_no_word_stays_part_of_the_glob():
+    fs = parse_filters(["*:x", "l_out-0:*"])
+    assert fs.target == fs.draft == RoleFilter(include=("*:x", "l_out-0:*"))
 
 
 def test_manifest_form_keeps_the_exclusions_and_reads_back():

@@ -8,7 +8,8 @@ anchor-first DSpark (`dflash.sample_from_anchor` true or absent) from row 0, so 
 length differs on every row.
 
 Consumes `--block`, a run dump's draft evals or llama.cpp's default; produces a checked
-`BlockRows`. Plain Python only: the in-process driver imports it without torch.
+`BlockRows`, and the bounds both producers and `featdiff lint` hold a drafter's `block_size` and a
+flow's positions to. Plain Python only: the in-process driver imports it without torch.
 """
 
 from __future__ import annotations
@@ -19,10 +20,22 @@ from pathlib import Path
 from featdiff import names
 from featdiff.dump import Eval, read_dump
 from featdiff.errors import InputError
+from featdiff.tokens import MIN_PROMPT_TOKENS
 
 DEFAULT_DRAFT_MAX = 3    # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
 DEFAULT_BLOCK_SIZE = 16  # common/speculative.cpp falls back to 16 without dflash.block_size
-MIN_BLOCK_ROWS = 2       # a DFlash block: the anchor plus one mask (anchor-first DSpark: 1 row)
+# The most rows a trained block may have: llama.cpp decodes a draft block in one batch, and a
+# non-causal batch must fit one ubatch (src/llama-context.cpp decode: GGML_ASSERT "non-causal
+# attention requires n_ubatch >= n_tokens"). The draft context inherits the main context's
+# n_ubatch (common/speculative.cpp common_base_params_to_speculative), whose default is 512
+# (common/common.h common_params.n_ubatch; llama_context_default_params agrees), so a block of
+# block_size rows (--spec-draft-n-max block_size - 1) aborts past it.
+MAX_BLOCK_SIZE = 512
+# The positions a flow may reach when the target states no trained context (an HF config without
+# max_position_embeddings; llama.cpp refuses a GGUF without {arch}.context_length). A chosen bound,
+# not llama.cpp's: wiring faults show in the first rounds, 32768 positions are thousands of rounds
+# of a 4-row block, and a runaway --rounds stops here instead of running for days.
+UNSTATED_N_CTX_TRAIN = 32768
 DRAFT_PHASE = "draft"    # the flow's draft evals (docs/flow.md); warm-up decodes carry phase `warmup`
 
 
@@ -111,15 +124,60 @@ def run_block_rows(evals: tuple[Eval, ...], source: str) -> int | None:
     return next(iter(evals_by_rows), None)
 
 
+def block_size_problem(block_size: int, first_draft_row: int = 1) -> str | None:
+    """Why llama.cpp cannot draft with a trained `block_size` whose drafts start at row
+    `first_draft_row`, as a sentence without the file name; None when it can."""
+    least = block_rows(1, first_draft_row)  # one draft
+    key = f"{names.KEY_BLOCK_SIZE} = {block_size}"
+    fix = f"expected {least} .. {MAX_BLOCK_SIZE}: re-export the drafter with its trained block size"
+    if block_size < least:
+        return f"{key} leaves no row to draft; {fix}"
+    if block_size > MAX_BLOCK_SIZE:
+        return (f"{key} is more rows than llama.cpp's draft batch holds in one ubatch (n_ubatch {MAX_BLOCK_SIZE}; a "
+                f"larger non-causal block aborts it); {fix}")
+    return None
+
+
+def flow_positions(n_prompt: int, rounds: int, rows: int) -> int:
+    """The positions a flow of `rounds` rounds of `rows`-row blocks after an `n_prompt`-token
+    prompt may reach: one block more than the rounds (featdiff.llama.capture.new_contexts sizes
+    its contexts by it)."""
+    return n_prompt + (rounds + 1) * rows
+
+
+def max_rounds(n_ctx: int, n_prompt: int, rows: int) -> int:
+    """The most rounds whose `flow_positions` fit `n_ctx`; -1 when not even zero rounds do."""
+    return max((n_ctx - n_prompt) // max(rows, 1) - 1, -1)  # a block has a row at least
+
+
+def check_rounds_fit(rounds: int, rows: int, n_ctx_train: int | None, target: Path,
+                     n_prompt: int | None = None) -> None:
+    """InputError when a flow of `rounds` rounds of `rows`-row blocks after an `n_prompt`-token
+    prompt (None: not known yet, the shortest prompt) reaches past the context the target file
+    `target` was trained on (`n_ctx_train`; None: it states none, UNSTATED_N_CTX_TRAIN bounds it)."""
+    n_ctx = n_ctx_train if n_ctx_train is not None else UNSTATED_N_CTX_TRAIN
+    least = n_prompt if n_prompt is not None else MIN_PROMPT_TOKENS
+    need = flow_positions(least, rounds, rows)
+    if need <= n_ctx:
+        return
+    prompt = f"{least} prompt tokens" if n_prompt is not None else f"a prompt of {least} tokens at least"
+    trained = (f"{target} was trained on {n_ctx} positions" if n_ctx_train is not None
+               else f"{target} states no trained context length, so featdiff allows {n_ctx} positions")
+    fit = max_rounds(n_ctx, least, rows)
+    fix = f"pass --rounds {fit} or fewer" if fit >= 0 else "shorten the prompt"
+    raise InputError(f"--rounds {rounds}: the flow reaches position {need} ({prompt} + ({rounds} + 1) blocks of "
+                     f"{rows} rows) but {trained}; {fix}")
+
+
 def checked_block_rows(asked: BlockRows | None, block_size: int, model: Path, first_draft_row: int = 1) -> BlockRows:
     """`asked` (else llama.cpp's default) within what the drafter `model` of `block_size` drafts
     from row `first_draft_row` on."""
     key = f"{names.KEY_BLOCK_SIZE} = {block_size}"
     least = block_rows(1, first_draft_row)  # one draft
     clamp = f"block_size - {first_draft_row}" if first_draft_row else "block_size"
-    if block_size < least:
-        raise InputError(f"{model}: {key} leaves no row to draft; expected >= {least}: "
-                         "re-export the drafter with its trained block size (see `featdiff lint`)")
+    problem = block_size_problem(block_size, first_draft_row)
+    if problem is not None:
+        raise InputError(f"{model}: {problem} (see `featdiff lint`)")
     chosen = asked or default_block_rows(block_size, first_draft_row)
     if chosen.rows > block_size:
         raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows, more than {model} was trained on "

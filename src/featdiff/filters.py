@@ -10,6 +10,7 @@ the same question afterwards, for compare (was a name absent from the run, or fi
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from featdiff.names import ROLES, Role
 ROLE_IDS: dict[Role, int] = {"target": 0, "draft": 1}
 NOT = "!"  # a glob's prefix that makes it an exclusion
 ROLE_SEP = ":"  # `draft:GLOB` limits a glob to one role
+ROLE_WORD = re.compile(r"[A-Za-z]+")  # a prefix before ROLE_SEP spelled like a role: a role or a typo of one
 DERIVED_MARK = "("  # ggml's derived names are "x (view)", "x (permuted)" ...: kept only when a glob names "("
 MAX_GLOBS = 64  # per role, includes and exclusions together (featdiff_shim.c FD_MAX_FILTERS)
 
@@ -99,18 +101,13 @@ KEEP_ALL = FilterSet(target=RoleFilter(("*",)), draft=RoleFilter(("*",)))
 
 
 def parse_filters(specs: Iterable[str]) -> FilterSet:
-    """The `--filter` specs as a FilterSet: `[!][role:]glob`, `role` one of `target`, `draft`
-    (any other prefix is part of the glob); without a role a glob applies to both."""
+    """The `--filter` specs as a FilterSet: `[!][role:]glob`, `role` one of `target`, `draft`;
+    without a role a glob applies to both (`_split_role`)."""
     per_role: dict[Role, list[str]] = {role: [] for role in ROLES}
     for spec in specs:
-        bang = NOT if spec.startswith(NOT) else ""
-        body = spec.removeprefix(NOT)
-        head, sep, glob = body.partition(ROLE_SEP)
-        if sep and head in ROLES:
-            per_role[head].append(bang + glob)
-        else:
-            for globs in per_role.values():
-                globs.append(bang + body)
+        role, glob = _split_role(spec)
+        for r in (role,) if role is not None else ROLES:
+            per_role[r].append(glob)
     for role, globs in per_role.items():
         if len(set(globs)) > MAX_GLOBS:
             raise InputError(
@@ -118,6 +115,25 @@ def parse_filters(specs: Iterable[str]) -> FilterSet:
                 "per role; merge some into one glob"
             )
     return FilterSet(**{role: RoleFilter.from_globs(globs) for role, globs in per_role.items()})
+
+
+def _split_role(spec: str) -> tuple[Role | None, str]:
+    """A `--filter` spec's role (None: both) and its glob, `!` kept. A prefix of letters only that
+    is no role (`drafter:*`) is refused: read as a glob it would match nothing on both roles, and
+    no llama.cpp callback name has such a prefix (upstream names are `<base>-<il>` and ggml's
+    derived `x (view)`); any other prefix is part of the glob."""
+    bang = NOT if spec.startswith(NOT) else ""
+    head, sep, glob = spec.removeprefix(NOT).partition(ROLE_SEP)
+    if not sep:
+        return None, spec
+    role = next((r for r in ROLES if r == head), None)
+    if role is not None:
+        return role, bang + glob
+    if ROLE_WORD.fullmatch(head):
+        raise InputError(
+            f"--filter {spec!r}: unknown role {head!r}; roles are {', '.join(ROLES)} (or drop the prefix for both)"
+        )
+    return None, spec
 
 
 def default_specs(tapped: tuple[int, ...] | None = None) -> list[str]:

@@ -30,6 +30,13 @@ BROKEN = {
     "own-embd-vocab": ("own-embd", {"replace_tensors": {names.T_TOKEN_EMBD: RNG.standard_normal((500, 64)).astype(np.float32)}},
                        "token_embd.weight ne = [64, 500], expected [n_embd, n_vocab] = [64, 512]"),
     "no-block-size": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,)}, "dflash.block_size is missing"),
+    "block-size-0": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,), "set_keys": {names.KEY_BLOCK_SIZE: (0, GGUFValueType.UINT32)}},
+                     "dflash.block_size = 0 leaves no row to draft"),
+    "block-size-past-ubatch": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,),
+                                         "set_keys": {names.KEY_BLOCK_SIZE: (100000, GGUFValueType.UINT32)}},
+                               "dflash.block_size = 100000 is more rows than llama.cpp's draft batch holds in one ubatch"),
+    "dspark-no-block-size": ("dspark", {"drop_keys": (names.KEY_BLOCK_SIZE,)},
+                             "dflash.block_size is missing, which llama.cpp's DSpark Markov head asserts on"),
     # DSpark: the keys and tensors of the Markov and confidence heads (upstream src/models/dflash.cpp)
     "conf-key-without-proj": ("dspark", {"drop_tensors": (names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)},
                               "dflash.has_confidence_head = true but conf_proj.weight is missing"),

@@ -65,6 +65,40 @@ def meta(model: GgufModel, key: str, default: Any = _MISSING) -> Any:
     return f.contents()
 
 
+def int_meta(model: GgufModel, key: str, default: Any = _MISSING) -> int:
+    """An integer metadata value (`{arch}` filled in); InputError naming the file and key when it is
+    stored as another type (llama.cpp reads these keys as integers)."""
+    value = meta(model, key, default)
+    if not _is_int(value):
+        raise InputError(f"{model.path}: metadata key {key.format(arch=model.arch)!r} = {value!r}, expected an "
+                         "integer; re-export the GGUF with the trained value")
+    return int(value)
+
+
+def int_list_meta(model: GgufModel, key: str) -> list[int]:
+    """An array of integers (`{arch}` filled in); InputError when absent or holding anything else."""
+    value = meta(model, key)
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise InputError(f"{model.path}: metadata key {key.format(arch=model.arch)!r} = {value!r}, expected an "
+                         "array of integers; re-export the GGUF with the trained ids")
+    return [int(v) for v in value]
+
+
+def trained_context(model: GgufModel) -> int | None:
+    """The positions the model was trained on (`{arch}.context_length`); None when absent."""
+    if not has_meta(model, names.KEY_CONTEXT_LENGTH):
+        return None
+    n = int_meta(model, names.KEY_CONTEXT_LENGTH)
+    if n < 1:
+        raise InputError(f"{model.path}: {names.KEY_CONTEXT_LENGTH.format(arch=model.arch)} = {n}, expected >= 1; "
+                         "re-export the GGUF with the trained context length")
+    return n
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def has_meta(model: GgufModel, key: str) -> bool:
     """Whether the metadata key (with `{arch}` filled in) is present."""
     return key.format(arch=model.arch) in model.reader.fields

@@ -1,49 +1,86 @@
 """`featdiff lint`: check a DFlash (or DSpark) drafter GGUF's metadata and tensors, alone or
 against its target GGUF, without running anything. One line per problem, each naming the file.
+
+`preflight` runs the same checks before llama.cpp loads a pair, and refuses the fatal ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from featdiff import names
+from featdiff.blocks import (DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, block_rows, block_size_problem,
+                             check_rounds_fit, clamped_draft_max, first_draft_row)
 from featdiff.errors import InputError
-from featdiff.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_ROWS
 from featdiff.reference.checks import (DSPARK_FILE_TENSORS, d2t_problems, dspark_key_problems, dspark_problems,
                                        log_snr_problems)
-from featdiff.reference.gguf_io import GgufModel, array_len, has_meta, meta, read_gguf
+from featdiff.reference.gguf_io import (GgufModel, array_len, has_meta, int_list_meta, int_meta, meta, read_gguf,
+                                        trained_context)
+
+Severity = Literal["fatal", "advisory"]
+# fatal: llama.cpp aborts on it (GGML_ASSERT), refuses to load the file, or misruns from the first
+# decode, so `preflight` refuses the pair. advisory: llama.cpp loads and runs the file, otherwise
+# than trained; a capture shows what that does, and lint lists it.
+FATAL: Severity = "fatal"
+ADVISORY: Severity = "advisory"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a drafter GGUF: a sentence without the file name, and its severity."""
+
+    text: str
+    severity: Severity
 
 
 def lint_gguf(model: Path, target: Path | None) -> list[str]:
     """Problems of the drafter GGUF `model` (and its fit to `target`), one line each; [] when clean."""
     d = read_gguf(Path(model))
     t = read_gguf(Path(target)) if target is not None else None
-    if d.arch != names.ARCH_DFLASH:
-        return [f"{model}: {names.KEY_ARCH} = {d.arch!r}, expected {names.ARCH_DFLASH!r}; "
-                "lint checks DFlash drafter GGUFs (pass the target with --target)"]
-    problems = [*_target_layer_problems(d, t), *_fc_problems(d, t), *_block_size_problems(d),
-                *_mask_problems(d, t), *_log_snr_problems(d), *_table_problems(d, t), *_dspark_problems(d, t)]
-    return [f"{model}: {p}" for p in problems]
+    return [f"{model}: {p.text}" for p in drafter_problems(d, t)]
 
 
-def preflight(model: Path, target: Path) -> None:
-    """Refuse, before llama.cpp sees them, a pair it would abort on or misrun from the first decode:
-    lint's checks of the target layer ids, fc's width and the mask token (InputError, the first
-    problem, one line)."""
+def preflight(model: Path, target: Path, *, rounds: int | None = None, draft_max: int = DEFAULT_DRAFT_MAX) -> None:
+    """Refuse, before llama.cpp sees them, a pair it would abort on, refuse or misrun from the
+    first decode: lint's fatal problems (InputError, the first problem, one line). With `rounds`,
+    also a flow whose positions reach past the target's trained context (`draft_max` drafts per
+    block, as capture's `--draft-max`; the prompt is not known yet: the shortest)."""
     d, t = read_gguf(Path(model)), read_gguf(Path(target))
+    fatal = [p.text for p in drafter_problems(d, t) if p.severity == FATAL]
+    if fatal:
+        more = f" ({len(fatal) - 1} more: `featdiff lint {model} --target {target}`)" if len(fatal) > 1 else ""
+        raise InputError(f"{model}: {fatal[0]}{more}")
+    if rounds is not None:
+        check_rounds_fit(rounds, _capture_block_rows(d, draft_max), trained_context(t), Path(target))
+
+
+def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
+    """Every problem of the drafter `d` (and its fit to the target `t`), each with its severity."""
     if d.arch != names.ARCH_DFLASH:
-        raise InputError(f"{model}: {names.KEY_ARCH} = {d.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter "
-                         "as --model and the target as --target")
-    problems = [*_target_layer_problems(d, t), *_fc_problems(d, t), *_mask_problems(d, t)]
-    if problems:
-        more = f" ({len(problems) - 1} more: `featdiff lint {model} --target {target}`)" if len(problems) > 1 else ""
-        raise InputError(f"{model}: {problems[0]}{more}")
+        return [Problem(f"{names.KEY_ARCH} = {d.arch!r}, expected {names.ARCH_DFLASH!r}; pass the DFlash drafter "
+                        "GGUF as the model and its target with --target", FATAL)]
+    return [Problem(text, severity) for check, severity in _CHECKS for text in check(d, t)]
+
+
+def _capture_block_rows(d: GgufModel, draft_max: int) -> int:
+    """The rows of the blocks an in-process capture drafts with `draft_max` (featdiff.blocks)."""
+    block_size = int_meta(d, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
+    first_row = _first_draft_row(d)
+    return block_rows(clamped_draft_max(draft_max, block_size, first_row), first_row)
+
+
+def _first_draft_row(d: GgufModel) -> int:
+    """The block row llama.cpp reads the drafter's first draft from (featdiff.blocks)."""
+    return first_draft_row(names.T_MARKOV_W1 in d.tensors, bool(meta(d, names.KEY_SAMPLE_FROM_ANCHOR, True)))
 
 
 def _n_embd(g: GgufModel) -> int | None:
-    return int(meta(g, names.KEY_EMBEDDING_LENGTH)) if has_meta(g, names.KEY_EMBEDDING_LENGTH) else None
+    return int_meta(g, names.KEY_EMBEDDING_LENGTH) if has_meta(g, names.KEY_EMBEDDING_LENGTH) else None
 
 
 def _n_vocab(g: GgufModel) -> int | None:
@@ -57,12 +94,12 @@ def _n_vocab(g: GgufModel) -> int | None:
 def _target_layer_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     if not has_meta(d, names.KEY_TARGET_LAYERS):
         return [f"{names.KEY_TARGET_LAYERS} is missing; llama.cpp refuses to load the drafter without it"]
-    ids = [int(i) for i in meta(d, names.KEY_TARGET_LAYERS)]
+    ids = int_list_meta(d, names.KEY_TARGET_LAYERS)
     if not ids:
         return [f"{names.KEY_TARGET_LAYERS} is empty; expected the trained layer ids + 1"]
     problems = [f"{names.KEY_TARGET_LAYERS} = {ids} has negative ids; ids are target layer indices"] if min(ids) < 0 else []
     if t is not None and has_meta(t, names.KEY_BLOCK_COUNT):
-        n_layer = int(meta(t, names.KEY_BLOCK_COUNT))
+        n_layer = int_meta(t, names.KEY_BLOCK_COUNT)
         if max(ids) >= n_layer:
             problems.append(f"{names.KEY_TARGET_LAYERS} = {ids} but the target has {n_layer} layers; "
                             "ids must be < n_layer (an id equal to n_layer aborts llama.cpp)")
@@ -75,7 +112,7 @@ def _fc_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
         return [f"{names.T_FC} is missing; llama.cpp refuses to load the drafter without it"]
     if not has_meta(d, names.KEY_TARGET_LAYERS):
         return []
-    n_extract = len(meta(d, names.KEY_TARGET_LAYERS))
+    n_extract = len(int_list_meta(d, names.KEY_TARGET_LAYERS))
     n_embd = _n_embd(d)
     problems = []
     if n_embd is not None and list(fc.ne) != [n_extract * n_embd, n_embd]:
@@ -88,21 +125,29 @@ def _fc_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return problems
 
 
-def _block_size_problems(d: GgufModel) -> list[str]:
+def _block_size_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """A block size llama.cpp cannot draft with; absent from a DSpark drafter, its Markov head
+    aborts llama.cpp (src/models/dflash.cpp: GGML_ASSERT "DSpark draft requires 'dflash.block_size'")."""
     if not has_meta(d, names.KEY_BLOCK_SIZE):
-        return [f"{names.KEY_BLOCK_SIZE} is missing; llama.cpp falls back to {DEFAULT_BLOCK_SIZE}, which may not be the trained "
-                "block size; export the trained value"]
-    block_size = int(meta(d, names.KEY_BLOCK_SIZE))
-    if block_size < MIN_BLOCK_ROWS:
-        return [f"{names.KEY_BLOCK_SIZE} = {block_size} leaves no slot to draft; expected >= {MIN_BLOCK_ROWS}"]
-    return []
+        return [f"{names.KEY_BLOCK_SIZE} is missing, which llama.cpp's DSpark Markov head asserts on; export the "
+                "trained block size"] if names.T_MARKOV_W1 in d.tensors else []
+    problem = block_size_problem(int_meta(d, names.KEY_BLOCK_SIZE), _first_draft_row(d))
+    return [problem] if problem is not None else []
+
+
+def _unstated_block_size(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """A DFlash drafter without `dflash.block_size`: llama.cpp falls back to its default."""
+    if has_meta(d, names.KEY_BLOCK_SIZE) or names.T_MARKOV_W1 in d.tensors:
+        return []
+    return [f"{names.KEY_BLOCK_SIZE} is missing; llama.cpp falls back to {DEFAULT_BLOCK_SIZE}, which may not be the "
+            "trained block size; export the trained value"]
 
 
 def _mask_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     if not has_meta(d, names.KEY_MASK_TOKEN):
         return [f"{names.KEY_MASK_TOKEN} is missing; the run reads the mask token from the drafter's vocabulary "
                 "and cannot build the noise block; set it to the trained mask token id"]
-    mask = int(meta(d, names.KEY_MASK_TOKEN))
+    mask = int_meta(d, names.KEY_MASK_TOKEN)
     problems = []
     for who, g in (("the drafter", d), ("the target", t)):
         n_vocab = _n_vocab(g) if g is not None else None
@@ -112,7 +157,7 @@ def _mask_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return problems
 
 
-def _log_snr_problems(d: GgufModel) -> list[str]:
+def _log_snr_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     flag = bool(meta(d, names.KEY_LOG_SNR, False))
     lo, hi = meta(d, names.KEY_MIN_LOG_SNR, None), meta(d, names.KEY_MAX_LOG_SNR, None)
     problems = log_snr_problems(names.KEY_LOG_SNR, flag, lo, hi, set(d.tensors))
@@ -149,10 +194,9 @@ def _table_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
 
 
 def _dspark_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
-    """DSpark's tensors as llama.cpp loads them, its dflash.* keys against them, and d2t."""
+    """DSpark's tensors as llama.cpp loads them, and d2t."""
     shapes = {name: tuple(reversed(d.tensors[name].ne)) for name in DSPARK_FILE_TENSORS if name in d.tensors}  # numpy order
-    keys = {k: bool(meta(d, k)) for k in (names.KEY_SAMPLE_FROM_ANCHOR, names.KEY_HAS_CONFIDENCE_HEAD) if has_meta(d, k)}
-    problems = [*dspark_problems(shapes, _n_embd(d), _n_vocab(d)), *dspark_key_problems(keys, set(d.tensors))]
+    problems = dspark_problems(shapes, _n_embd(d), _n_vocab(d))
     n_vocab = (_n_vocab(t) if t is not None else None) or _n_vocab(d)
     if names.T_D2T in d.tensors and n_vocab is not None:
         head = d.tensors.get(names.T_OUTPUT, d.tensors.get(names.T_TOKEN_EMBD))
@@ -160,3 +204,24 @@ def _dspark_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
         ids = np.asarray(d.data[names.T_D2T].data).reshape(-1)  # (n_vocab_draft,): I64 read raw
         problems += d2t_problems(ids, n_vocab, head_rows)
     return problems
+
+
+def _dspark_key_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """DSpark's dflash.* keys against its tensors."""
+    keys = {k: bool(meta(d, k)) for k in (names.KEY_SAMPLE_FROM_ANCHOR, names.KEY_HAS_CONFIDENCE_HEAD) if has_meta(d, k)}
+    return dspark_key_problems(keys, set(d.tensors))
+
+
+# Each check of a drafter and the severity of its problems, in lint's order: written once, so lint
+# lists them all and preflight refuses the fatal ones.
+_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+    (_target_layer_problems, FATAL),  # no ids: refused; an id >= n_layer: GGML_ASSERT
+    (_fc_problems, FATAL),            # a wrong width: refused at load
+    (_block_size_problems, FATAL),    # no row to draft, or a block past one ubatch: GGML_ASSERT
+    (_unstated_block_size, ADVISORY),
+    (_mask_problems, FATAL),          # no mask token: every draft block holds token -1
+    (_log_snr_problems, FATAL),       # the log-SNR keys and tensors llama.cpp requires together
+    (_table_problems, FATAL),         # a table of the wrong shape: refused at load
+    (_dspark_problems, FATAL),        # the DSpark tensors and d2t: refused at load, or out-of-range rows
+    (_dspark_key_problems, ADVISORY),  # keys llama.cpp reads otherwise than the checkpoint was trained
+)

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import torch
 
+from featdiff import names
 from featdiff.dump import DumpWriter, Manifest, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
-from featdiff.blocks import asked_block_rows, checked_block_rows
+from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows
 from featdiff.outputs import check_output
 from featdiff.reference.dspark import first_draft_row
 from featdiff.reference.flow import FlowTrace, run_flow
+from featdiff.reference.gguf_io import read_gguf, trained_context
+from featdiff.reference.load_hf import _config as read_config  # config.json, read and checked once
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 from featdiff.reference.load import load_draft, load_target
 from featdiff.reference.numerics import COMPUTE_DTYPES, KV_DTYPES, Numerics
@@ -40,16 +43,32 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
     asked = asked_block_rows(block, Path(run) if run is not None else None)
     p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
     prompt_ids = prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-    tgt = load_target(Path(target), numerics.dtype, numerics.device)
     dft = load_draft(Path(model), numerics.dtype, numerics.device)
+    rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
+    # before the target's weights load: its trained context bounds the flow's positions
+    check_rounds_fit(rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(prompt_ids))
+    tgt = load_target(Path(target), numerics.dtype, numerics.device)
     check_pair(tgt, dft)
     check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
-    rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
     log.info("reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
              len(prompt_ids), rounds, rows.rows, rows.origin, dft.block_size)
     with torch.no_grad():
         trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows, p_min=p_min)
     return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows, p_min)
+
+
+def trained_context_of(target: Path) -> int | None:
+    """The positions the target was trained on: its GGUF's `{arch}.context_length`, its HF
+    config.json's `max_position_embeddings`; None when it does not say."""
+    if not target.is_dir():
+        return trained_context(read_gguf(target))
+    n = read_config(target).get(names.HF_MAX_POSITIONS)
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InputError(f"{target / names.HF_CONFIG}: {names.HF_MAX_POSITIONS} = {n!r}, expected a positive "
+                         "integer (the trained context length); fix config.json")
+    return n
 
 
 def run_p_min(run: Path | None) -> float:
@@ -71,7 +90,7 @@ def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
         torch.zeros(1, device=dev)
     except (RuntimeError, AssertionError) as e:
         raise InputError(f"--device {device!r}: unusable by this torch {torch.__version__} ({e}); use --device cpu") from None
-    return Numerics(dtype=COMPUTE_DTYPES[dtype], device=dev, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+    return Numerics(dtype=COMPUTE_DTYPES[dtype], device=dev, kv_dtype=kv_dtype)
 
 
 def prompt_tokens(target: Path, model: Path, prompt: str | None, tokens: str | None,
