@@ -2,7 +2,10 @@
 round draft, verify and inject, with both KV caches trimmed to the accepted prefix.
 
 Consumes loaded models and prompt tokens; produces every eval's manifest entry and records,
-and the rounds, in execution order.
+and the rounds, in execution order. Following a run (`follow`: the run dump's rounds), each round
+verifies the run's own drafts and keeps the run's accepted prefix and next anchor, so the
+reference decodes the very tokens the run decoded, even where its own choices would differ (a
+quantized target, a server's own loop); its records still hold what it computes on them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from featdiff.reference.target import TargetPass, forward_target
 from featdiff.reference.weights import Draft, Hparams, Target
 
 PREFILL_ROUND = 0  # the prefill and its inject carry round 0; speculative rounds count from 1
+
+
+class FollowError(ValueError):
+    """The run's rounds do not chain (a round starts where the earlier ones do not lead), so the
+    reference cannot decode what the run decoded; the caller names the run dump."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +58,16 @@ class _State:
 
 
 def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int, numerics: Numerics,
-             *, block_rows: int, p_min: float = 0.0) -> FlowTrace:
+             *, block_rows: int, p_min: float = 0.0, follow: tuple[Round, ...] | None = None) -> FlowTrace:
     """Prefill `prompt[:-1]`, inject its features, then `rounds` rounds of draft / verify / inject,
     each draft block `block_rows` rows long (featdiff.blocks); a DSpark drafter with a confidence
-    head stops drafting below `p_min` (`--spec-draft-p-min`)."""
+    head stops drafting below `p_min` (`--spec-draft-p-min`). With `follow` (a run's rounds, one
+    per round), each round decodes the run's drafts and keeps the run's accepted prefix."""
     state, evals = _prefill(target, draft, prompt, numerics)
     done: list[Round] = []
     for r in range(PREFILL_ROUND + 1, PREFILL_ROUND + 1 + rounds):
-        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows, p_min)
+        plan = follow[r - PREFILL_ROUND - 1] if follow is not None else None
+        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows, p_min, plan)
         evals += traces
         done.append(one_round)
     return FlowTrace(tuple(evals), tuple(done))
@@ -73,19 +83,29 @@ def _prefill(target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Nu
     return _State(tp.cache, ip.cache, n, prompt[n]), evals
 
 
-def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int,
-           numerics: Numerics, b: int, p_min: float) -> tuple[_State, Round, list[EvalTrace]]:
+def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int, numerics: Numerics, b: int,
+           p_min: float, plan: Round | None = None) -> tuple[_State, Round, list[EvalTrace]]:
+    if plan is not None and (plan.pos0, plan.anchor) != (state.n_past, state.id_last):
+        raise FollowError(f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
+                          f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}")
+    if plan is not None and not 0 <= plan.accepted <= len(plan.drafts):
+        raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
     block_positions = _ids(tuple(range(state.n_past, state.n_past + b)), numerics)
     block = (state.id_last,) + (draft.mask_token_id,) * (b - 1)
     dp = draft_block(draft, target, _ids(block, numerics), block_positions, state.draft_cache)
     sp = sampled(draft, dp.logits, dp.norm, state.id_last)
-    drafts = drafted(sp, first_draft_row(draft), p_min)
+    drafts = drafted(sp, first_draft_row(draft), p_min) if plan is None else tuple(plan.drafts)
     verify = (state.id_last,) + drafts
     positions = _ids(tuple(range(state.n_past, state.n_past + len(verify))), numerics)
     tp = forward_target(target, _ids(verify, numerics), positions, state.target_cache, has_outputs=True)
     ip = inject(draft, features(tp, draft), positions, state.draft_cache)
     best = tuple(int(t) for t in tp.logits.argmax(-1))
-    accepted = accepted_length(drafts, best)
+    if plan is None:
+        accepted = accepted_length(drafts, best)
+    else:  # the run's accept, and its next anchor where the run dump holds it
+        accepted = plan.accepted
+        if len(plan.target_tokens) > accepted:
+            best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1:]
     n_past = state.n_past + accepted + 1
     after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted])
     traces = [EvalTrace(_eval(first_eval, "draft", "draft", block_positions, block, r), dp.records + sp.records),

@@ -38,7 +38,7 @@ DFLASH_CAUSAL = "causal"  # dflash_config's spelling of the top-level is_causal 
 
 def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
     """A qwen3 or llama target from its HF directory."""
-    config = _config(path)
+    config = read_config(path)
     arch = config.get(names.HF_MODEL_TYPE)
     if arch not in names.TARGET_ARCHS:
         raise InputError(f"{path / names.HF_CONFIG}: model_type {arch!r}, the reference runs targets of "
@@ -57,7 +57,7 @@ def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Targ
 def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
     """A DFlash (or DSpark) drafter from its HF directory; InputError for an inconsistent log-SNR
     or DSpark checkpoint."""
-    config = _config(path)
+    config = read_config(path)
     dflash = config.get(names.HF_DFLASH_CONFIG)
     if not isinstance(dflash, dict) or names.HF_TARGET_LAYER_IDS not in dflash:
         raise InputError(f"{path / names.HF_CONFIG}: no {names.HF_DFLASH_CONFIG}.{names.HF_TARGET_LAYER_IDS}; "
@@ -81,7 +81,7 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
                  causal=bool(causal), d2t=d2t)
 
 
-def _config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     f = Path(path) / names.HF_CONFIG
     try:
         config = json.loads(f.read_text())

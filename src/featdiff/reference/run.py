@@ -5,24 +5,27 @@ PyTorch on the same token ids, and write a dump v1 with `source: "reference"`.
 target GGUF, else the drafter GGUF (DFlash pairs share one vocabulary); with two HF
 directories there is no llama.cpp vocabulary, so `--tokens` is required. Draft blocks are as
 long as the run's (`--block`, `--run`; featdiff.blocks), by default llama.cpp's default.
+`--follow run.npz` replays the run instead of deciding: its prompt, its rounds, its drafts and
+accepted prefixes (featdiff.reference.flow), so every eval of the run has its reference eval.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from featdiff import names
-from featdiff.dump import DumpWriter, Manifest, read_dump, record_from_array, record_key
+from featdiff.dump import DumpWriter, Manifest, Round, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
 from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows
 from featdiff.outputs import check_output
 from featdiff.reference.dspark import first_draft_row
-from featdiff.reference.flow import FlowTrace, run_flow
+from featdiff.reference.flow import FollowError, FlowTrace, run_flow
 from featdiff.reference.gguf_io import read_gguf, trained_context
-from featdiff.reference.load_hf import _config as read_config  # config.json, read and checked once
+from featdiff.reference.load_hf import read_config
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 from featdiff.reference.load import load_draft, load_target
 from featdiff.reference.numerics import COMPUTE_DTYPES, KV_DTYPES, Numerics
@@ -33,16 +36,21 @@ log = logging.getLogger(__name__)
 
 def reference(target: Path, model: Path, output: Path, *, prompt: str | None, tokens: str | None,
               rounds: int, dtype: str, device: str, kv_dtype: str, llama_dir: Path | None,
-              block: int | None = None, run: Path | None = None, p_min: float | None = None) -> Path:
+              block: int | None = None, run: Path | None = None, p_min: float | None = None,
+              follow: Path | None = None) -> Path:
     """Compute the reference dump; return its path.
 
     Draft blocks are `block` rows, else as long as the run dump `run`'s, else llama.cpp's default.
+    With `follow` (a run dump), the prompt, the rounds and the blocks are that run's, replayed.
     """
-    output = check_output(Path(output), (Path(target), Path(model), run), "-o")
+    output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
     numerics = numerics_from_options(dtype, device, kv_dtype)
+    plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
+    run = Path(follow) if follow is not None else run
     asked = asked_block_rows(block, Path(run) if run is not None else None)
     p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
-    prompt_ids = prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+    prompt_ids = plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+    rounds = len(plan.rounds) if plan is not None else rounds
     dft = load_draft(Path(model), numerics.dtype, numerics.device)
     rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
     # before the target's weights load: its trained context bounds the flow's positions
@@ -53,8 +61,38 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
     log.info("reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
              len(prompt_ids), rounds, rows.rows, rows.origin, dft.block_size)
     with torch.no_grad():
-        trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows, p_min=p_min)
-    return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows, p_min)
+        try:
+            trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows, p_min=p_min,
+                             follow=plan.rounds if plan is not None else None)
+        except FollowError as e:
+            raise InputError(f"{follow}: --follow cannot replay this run: {e}; compare it without --follow") from None
+    return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows, p_min,
+                           followed=Path(follow) if follow is not None else None)
+
+
+@dataclass(frozen=True)
+class FollowedRun:
+    """What `--follow` replays of a run dump: its prompt and its speculative rounds."""
+
+    prompt: tuple[int, ...]
+    rounds: tuple[Round, ...]
+
+
+def followed_run(run: Path, prompt: str | None, tokens: str | None, block: int | None,
+                 also_run: Path | None) -> FollowedRun:
+    """The run dump `run` as a plan to replay; InputError for options it replaces, or a dump that
+    holds no flow to follow."""
+    given = [flag for flag, value in (("--prompt", prompt), ("--tokens", tokens), ("--block", block),
+                                      ("--run", also_run)) if value is not None]
+    if given:
+        raise InputError(f"--follow {run} takes the prompt, the rounds and the draft blocks from the run; "
+                         f"drop {', '.join(given)}")
+    with read_dump(run) as dump:
+        m = dump.manifest
+    if not m.prompt_tokens or not m.rounds:
+        raise InputError(f"{run}: no prompt tokens or no speculative rounds to follow; --follow replays a capture's "
+                         "flow (featdiff capture), pass --tokens/--rounds instead")
+    return FollowedRun(tuple(m.prompt_tokens), tuple(m.rounds))
 
 
 def trained_context_of(target: Path) -> int | None:
@@ -114,7 +152,8 @@ def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> t
 
 
 def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft, numerics: Numerics,
-                    prompt: tuple[int, ...], block_rows: int, p_min: float = 0.0) -> Path:
+                    prompt: tuple[int, ...], block_rows: int, p_min: float = 0.0,
+                    followed: Path | None = None) -> Path:
     """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
     how it was computed, with the rows of its draft blocks."""
     writer = DumpWriter(output)
@@ -128,6 +167,8 @@ def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft
     build = {"torch": torch.__version__, "device": str(numerics.device),
              "dtype": str(numerics.dtype).removeprefix("torch."), "kv_dtype": numerics.kv_dtype,
              "block_rows": block_rows, "p_min": p_min}
+    if followed is not None:
+        build["follow"] = str(followed)  # the run dump whose decisions this reference replayed
     manifest = Manifest(source="reference", models={"target": models_entry(target), "draft": models_entry(draft)},
                         build=build, evals=tuple(et.eval for et in trace.evals), records=(),
                         rounds=trace.rounds, prompt_tokens=prompt)

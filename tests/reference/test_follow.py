@@ -1,0 +1,69 @@
+"""`reference --follow`: the reference replays a run's own decisions (prompt, drafts, accepted
+prefixes), so a run whose drafts differ from the reference's (a Q4_0 target) still pairs every
+eval, where a reference deciding for itself leaves rows out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from featdiff.compare import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.errors import InputError
+from featdiff.llama.capture import capture
+from featdiff.reference.run import reference
+from quantize import quantize_gguf
+from real_flow import DEFAULT_TOKENS
+
+ROUNDS = 4
+NOT_THE_SAME_HISTORY = {"token_history", "position", "missing_eval"}  # skips a replayed flow cannot have
+
+
+@pytest.fixture(scope="module")
+def q4_run(variant_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """The clean pair's drafter run on a Q4_0 target: its greedy path leaves the f32 reference's."""
+    d, work = variant_dir("clean"), tmp_path_factory.mktemp("follow")
+    target = quantize_gguf(d / "target.gguf", work / "target-q4_0.gguf", GGMLQuantizationType.Q4_0)
+    return d, capture(target, d / "draft.gguf", work / "run.npz", tokens=DEFAULT_TOKENS, rounds=ROUNDS)
+
+
+def _reference(d: Path, out: Path, **kw) -> Path:
+    return reference(
+        d / "target.gguf", d / "draft-hf", out, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, **kw
+    )
+
+
+def _flow(path: Path) -> list[tuple]:
+    with read_dump(path) as dump:
+        return [(e.role, e.phase, e.round, e.positions, e.token_ids) for e in dump.manifest.evals]
+
+
+def test_following_the_run_pairs_every_eval(q4_run, tmp_path):
+    d, run = q4_run
+    own = _reference(d, tmp_path / "own.npz", prompt=None, tokens=DEFAULT_TOKENS, rounds=ROUNDS, run=run)
+    assert _flow(own) != _flow(run)  # the premise: left to itself, the reference decodes other tokens
+    skipped = {s.reason for s in compare_dumps(own, run).coverage.skips}
+    assert skipped & NOT_THE_SAME_HISTORY, skipped
+
+    followed = _reference(d, tmp_path / "followed.npz", prompt=None, tokens=None, rounds=0, follow=run)
+    assert _flow(followed) == _flow(run)
+    comparison = compare_dumps(followed, run)
+    assert not {s.reason for s in comparison.coverage.skips} & NOT_THE_SAME_HISTORY
+    assert comparison.coverage.rows > compare_dumps(own, run).coverage.rows  # rows left out before now compare
+    with read_dump(followed) as dump:
+        assert dump.manifest.build["follow"] == str(run)
+
+
+def test_follow_replaces_the_options_that_would_decide_otherwise(q4_run, tmp_path):
+    d, run = q4_run
+    with pytest.raises(InputError, match="drop --tokens"):
+        _reference(d, tmp_path / "x.npz", prompt=None, tokens="1,2,3", rounds=2, follow=run)
+
+
+def test_a_dump_without_rounds_cannot_be_followed(q4_run, tmp_path):
+    d, run = q4_run
+    no_rounds = _reference(d, tmp_path / "prefill.npz", prompt=None, tokens=DEFAULT_TOKENS, rounds=0)
+    with pytest.raises(InputError, match="no speculative rounds"):
+        _reference(d, tmp_path / "x.npz", prompt=None, tokens=None, rounds=2, follow=no_rounds)
