@@ -54,10 +54,10 @@ def test_writer_never_leaves_a_half_written_dump_in_place(tmp_path):
 
 @pytest.mark.parametrize("edit, expected", [
     (lambda m: {**m, "version": 2}, "dump version 2, this featdiff reads version 1"),
-    (lambda m: {**m, "format": "other"}, "format 'other'"),
+    (lambda m: {**m, "format": "other"}, "format \"other\""),
     (lambda m: {**m, "records": m["records"] + m["records"][:1]}, "appears twice"),
-    (lambda m: {**m, "records": [{**m["records"][0], "key": "nope"}]}, "has no nope.npy member"),
-    (lambda m: {k: v for k, v in m.items() if k != "records"}, "missing or malformed"),
+    (lambda m: {**m, "records": [{**m["records"][0], "key": "nope"}]}, "has no member 'nope.npy'"),
+    (lambda m: {k: v for k, v in m.items() if k != "records"}, "manifest records: expected a list, got nothing"),
 ])
 def test_crafted_manifests_are_refused_naming_the_file(tmp_path, edit, expected):
     bad = _rewrite_manifest(_write(tmp_path / "d.npz"), tmp_path / "bad.npz", edit)

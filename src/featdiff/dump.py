@@ -1,30 +1,226 @@
 """Dump format v1: one `.npz` (a zip of `.npy` members) plus a `manifest.json` member.
 
 Producers (capture, reference) write through `DumpWriter`; consumers (compare, report) read
-through `read_dump`, which validates format, version and keys once, at the boundary.
+through `read_dump`, which checks the zip's directory, every manifest field and each member's size
+against its record once, at the boundary, and `Dump.array`, which checks a member's `.npy` header
+before it reads exactly the declared bytes (docs/dump.md, "Reading limits").
 Arrays are stored in numpy order: reversed ggml `ne`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import tokenize
 import zipfile
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, get_type_hints
 
 import numpy as np
 
 from featdiff.errors import InputError
 from featdiff.filters import KEEP_ALL, FilterSet
+from featdiff.gguf_meta import ModelInfo
 from featdiff.names import PHASES, ROLES, Role
 from featdiff.outputs import partial_path
 
 FORMAT = "featdiff-dump"
 VERSION = 1
 MANIFEST_MEMBER = "manifest.json"
+NPY_SUFFIX = ".npy"
 SOURCES = ("llama.cpp", "reference")
+DTYPES = ("float32", "int32", "int64")  # what a dump stores: stored_array; native/featdiff_shim.c host_array
+MEMORY_OPS = ("seq_rm", "clear")  # llama_memory_seq_rm, llama_memory_clear (docs/dump.md `memory_ops`)
+RERUN = "re-run capture or reference"  # the fix for a damaged or foreign dump
+
+# Reading limits (docs/dump.md "Reading limits"): what a hostile file may cost the reader.
+MAX_MANIFEST_BYTES = 64 << 20  # ~170,000 records at ~400 bytes each; a 2,700-record capture writes 1 MB
+MAX_INFLATION = 100  # a deflated member may inflate to 100x its compressed size (real arrays: < 10x) ...
+INFLATION_FLOOR = 1 << 20  # ... or to 1 MiB, whichever is more (a small all-zero array deflates ~1000x)
+NPY_MIN_HEADER = 10  # magic (6), version (2), header length (2 in .npy 1.0, 4 in 2.0): numpy.lib.format
+NPY_MAX_HEADER_TEXT = 10_000  # numpy's own cap on a header's text (read_array_header_* max_header_size)
+NPY_MAX_HEADER = 12 + NPY_MAX_HEADER_TEXT  # the longest preamble (.npy 2.0) and that text
+MAX_DIMS = 32  # numpy 1.x's NPY_MAXDIMS; a ggml tensor has at most 4
+INT64 = 1 << 63  # every int of a manifest is a llama.cpp int32/int64 (or a count): |x| < 2**63
+READ_CHUNK = 1 << 20  # bytes an array read inflates at a time
+SHOWN_CHARS = 40  # how much of a bad value a message quotes
+_REQUIRED = object()  # `_Fields.get`'s default: the field has none
+
+
+# --- typed manifest parsing: every field checked, a bad one named by its path -------------------
+
+
+class ManifestError(ValueError):
+    """A malformed manifest field: its path (`records[3].shape[1]`), what was expected, what was found.
+    `read_dump` turns it into an `InputError` naming the file."""
+
+    def __init__(self, where: str, expected: str, got: Any) -> None:
+        super().__init__(f"manifest{' ' + where if where else ''}: expected {expected}, got {_shown(got)}")
+
+
+def _shown(value: Any) -> str:
+    """A value as the message quotes it: one line of JSON, ASCII, cut after SHOWN_CHARS."""
+    if value is _REQUIRED:
+        return "nothing (the field is missing)"
+    try:
+        text = json.dumps(_preview(value), ensure_ascii=True)
+    except (TypeError, ValueError):  # not JSON's (a message about our own records), or an int too long to print
+        text = type(value).__name__
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def _preview(value: Any, depth: int = 8) -> Any:
+    """As much of `value` as a message shows, so that quoting a huge or deep value costs nothing:
+    16 items of a list or object (their JSON is longer than SHOWN_CHARS, so it is cut), strings
+    cut, "..." below `depth` levels."""
+    if depth == 0:
+        return "..."
+    if isinstance(value, str):
+        return value[: SHOWN_CHARS + 1]
+    if isinstance(value, list):
+        return [_preview(v, depth - 1) for v in value[:16]]
+    if isinstance(value, dict):
+        return {str(k)[: SHOWN_CHARS + 1]: _preview(v, depth - 1) for k, v in itertools.islice(value.items(), 16)}
+    return value
+
+
+def _int_kind(lo: int) -> str:
+    return "a non-negative int" if lo == 0 else "an int" if lo == -INT64 else f"an int >= {lo}"
+
+
+def _as_int(value: Any, where: str, lo: int = -INT64) -> int:
+    """An int in [lo, 2**63); a bool or a float is not an int."""
+    if type(value) is not int or not lo <= value < INT64:
+        raise ManifestError(where, _int_kind(lo), value)
+    return value
+
+
+def _as_count(value: Any, where: str) -> int:
+    return _as_int(value, where, 0)
+
+
+def _as_str(value: Any, where: str, choices: tuple[str, ...] | None = None) -> str:
+    """A string, one of `choices` when given."""
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        raise ManifestError(where, "a string" if choices is None else f"one of {', '.join(choices)}", value)
+    return value
+
+
+def _as_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ManifestError(where, "true or false", value)
+    return value
+
+
+def _as_number(value: Any, where: str) -> float:
+    """A finite float, or an int in (-2**63, 2**63) (not a bool)."""
+    ok = -INT64 < value < INT64 if type(value) is int else type(value) is float and math.isfinite(value)
+    if not ok:
+        raise ManifestError(where, "a number", value)
+    return float(value)
+
+
+def _as_number_or_null(value: Any, where: str) -> float | None:
+    return None if value is None else _as_number(value, where)
+
+
+def _as_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(where, "a list", value)
+    return value
+
+
+def _as_ints(value: Any, where: str, lo: int = -INT64) -> tuple[int, ...]:
+    """A list of ints in [lo, 2**63): checked in one pass, the bad one named when there is one."""
+    items = _as_list(value, where)
+    if all(type(x) is int and lo <= x < INT64 for x in items):
+        return tuple(items)
+    return tuple(_as_int(x, f"{where}[{i}]", lo) for i, x in enumerate(items))
+
+
+def _as_counts(value: Any, where: str) -> tuple[int, ...]:
+    return _as_ints(value, where, 0)
+
+
+def _as_strs(value: Any, where: str) -> tuple[str, ...]:
+    return tuple(_as_str(x, f"{where}[{i}]") for i, x in enumerate(_as_list(value, where)))
+
+
+def _as_object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ManifestError(where, "an object", value)
+    return value
+
+
+def _as_object_or_null(value: Any, where: str) -> dict[str, Any] | None:
+    return None if value is None else _as_object(value, where)
+
+
+def _as_count_or_null(value: Any, where: str) -> int | None:
+    return None if value is None else _as_count(value, where)
+
+
+def _as_objects(value: Any, where: str, read: Callable[[Any, str], Any]) -> tuple[Any, ...]:
+    """A list of objects, each read by `read(item, 'where[i]')`."""
+    return tuple(read(item, f"{where}[{i}]") for i, item in enumerate(_as_list(value, where)))
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """One JSON object of the manifest and its path there, read field by field with types checked."""
+
+    d: dict[str, Any]
+    at: str
+
+    @staticmethod
+    def of(value: Any, at: str) -> _Fields:
+        return _Fields(_as_object(value, at), at)
+
+    def get(self, key: str, read: Callable[..., Any], *args: Any, default: Any = _REQUIRED) -> Any:
+        """Field `key` read by `read` (which names `at.key` when it fails); `default` when absent.
+        A required field that is absent reaches `read` as `_REQUIRED`, which no check accepts."""
+        if key not in self.d and default is not _REQUIRED:
+            return default
+        return read(self.d.get(key, _REQUIRED), f"{self.at}.{key}" if self.at else key, *args)
+
+
+# What each `models` entry field must be, by ModelInfo's own field types (featdiff.gguf_meta: the
+# one home of those names); a field of a type not listed here is passed through unchecked.
+_READ_BY_TYPE: dict[Any, Callable[[Any, str], Any]] = {
+    str: _as_str, int: _as_int, float: _as_number, bool: _as_bool, tuple[int, ...]: _as_ints,
+    tuple[str, ...]: _as_strs, dict[str, Any] | None: _as_object_or_null,
+}
+MODEL_FIELDS = {name: _READ_BY_TYPE[t] for name, t in get_type_hints(ModelInfo).items() if t in _READ_BY_TYPE}
+
+
+def _as_models(value: Any, where: str) -> dict[str, Any]:
+    """`models`: per role an object whose ModelInfo fields have ModelInfo's types (others are kept)."""
+    for role, info in _as_object(value, where).items():
+        entry = _Fields.of(info, f"{where}.{role}" if role.isidentifier() else f"{where}[{json.dumps(role)}]")
+        for key, read in MODEL_FIELDS.items():
+            if key in entry.d:
+                entry.get(key, read)
+    return value
+
+
+def _as_filters(value: Any, where: str) -> Any:
+    """`build.filters`: null, one list of globs, or per role a list (filters.FilterSet.from_json)."""
+    if isinstance(value, list):
+        _as_strs(value, where)
+    elif isinstance(value, dict):
+        for role in ROLES:
+            if role in value:
+                _as_strs(value[role], f"{where}.{role}")
+    elif value is not None:
+        raise ManifestError(where, "null, a list of globs or per role a list of them", value)
+    return value
+
+
+# --- the records ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -45,16 +241,29 @@ class Record:
     shape: tuple[int, ...]
     nb: tuple[int, ...] = ()
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the array's data, as the record declares it."""
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
     def to_json(self) -> dict[str, Any]:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Record:
+    def from_json(d: Any, at: str = "record") -> Record:
+        """A manifest record, every field checked; `shape` is `ne` reversed (numpy order), as both
+        producers write it (llama/spool.py record_from_event, record_from_array)."""
+        f = _Fields.of(d, at)
+        ne, shape = f.get("ne", _as_counts), f.get("shape", _as_counts)
+        if shape != tuple(reversed(ne)):
+            raise ManifestError(f"{at}.shape", f"ne reversed, {list(reversed(ne))}", list(shape))
+        if len(shape) > MAX_DIMS:
+            raise ManifestError(f"{at}.shape", f"at most {MAX_DIMS} dimensions", list(shape))
         return Record(
-            key=d["key"], role=d["role"], phase=d["phase"], eval=int(d["eval"]), name=d["name"],
-            occurrence=int(d["occurrence"]), op=d["op"], ggml_type=d["ggml_type"],
-            ne=tuple(d["ne"]), srcs=tuple(d["srcs"]), dtype=d["dtype"], shape=tuple(d["shape"]),
-            nb=tuple(d.get("nb", ())),
+            key=f.get("key", _as_str), role=f.get("role", _as_str, ROLES), phase=f.get("phase", _as_str, PHASES),
+            eval=f.get("eval", _as_count), name=f.get("name", _as_str), occurrence=f.get("occurrence", _as_count),
+            op=f.get("op", _as_str), ggml_type=f.get("ggml_type", _as_str), ne=ne, srcs=f.get("srcs", _as_strs),
+            dtype=f.get("dtype", _as_str, DTYPES), shape=shape, nb=f.get("nb", _as_counts, default=()),
         )
 
 
@@ -76,12 +285,27 @@ class Eval:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Eval:
-        return Eval(
-            eval=int(d["eval"]), role=d["role"], phase=d["phase"], n_tokens=int(d["n_tokens"]),
-            positions=tuple(d["positions"]), token_ids=tuple(d.get("token_ids", ())),
-            seq_ids=tuple(d.get("seq_ids", ())), round=int(d.get("round", 0)), rc=int(d.get("rc", 0)),
+    def from_json(d: Any, at: str = "eval") -> Eval:
+        """An eval, every field checked: one position per token, and `token_ids` and `seq_ids`
+        one per token or none (an embeddings batch has no token ids), as every producer writes."""
+        f = _Fields.of(d, at)
+        ev = Eval(
+            eval=f.get("eval", _as_count), role=f.get("role", _as_str, ROLES), phase=f.get("phase", _as_str, PHASES),
+            n_tokens=f.get("n_tokens", _as_count), positions=f.get("positions", _as_ints),
+            token_ids=f.get("token_ids", _as_ints, default=()), seq_ids=f.get("seq_ids", _as_ints, default=()),
+            round=f.get("round", _as_count, default=0), rc=f.get("rc", _as_int, default=0),
         )
+        _check_per_token(ev, at)
+        return ev
+
+
+def _check_per_token(ev: Eval, at: str) -> None:
+    """One position per token; `token_ids` and `seq_ids` one per token or none."""
+    if len(ev.positions) != ev.n_tokens:
+        raise ManifestError(f"{at}.positions", f"{ev.n_tokens} items (n_tokens)", list(ev.positions))
+    for key, values in (("token_ids", ev.token_ids), ("seq_ids", ev.seq_ids)):
+        if values and len(values) != ev.n_tokens:
+            raise ManifestError(f"{at}.{key}", f"{ev.n_tokens} items (n_tokens) or none", list(values))
 
 
 @dataclass(frozen=True)
@@ -99,11 +323,14 @@ class Round:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Round:
+    def from_json(d: Any, at: str = "round") -> Round:
+        f = _Fields.of(d, at)
         return Round(
-            round=int(d["round"]), pos0=int(d["pos0"]), anchor=int(d["anchor"]),
-            drafts=tuple(d["drafts"]), accepted=int(d["accepted"]),
-            target_tokens=tuple(d.get("target_tokens", ())),
+            # `accepted` and `pos0` are any ints: capture --exec derives them from the positions of
+            # the next decode (llama/exec.py), which a program that rewinds can put anywhere
+            round=f.get("round", _as_count), pos0=f.get("pos0", _as_int), anchor=f.get("anchor", _as_int),
+            drafts=f.get("drafts", _as_ints), accepted=f.get("accepted", _as_int),
+            target_tokens=f.get("target_tokens", _as_ints, default=()),
         )
 
 
@@ -119,15 +346,19 @@ class MemoryOp:
     seq_id: int
     p0: int
     p1: int
-    op: str = "seq_rm"
+    op: str = MEMORY_OPS[0]
 
     def to_json(self) -> dict[str, Any]:
         return dict(sorted(asdict(self).items()))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> MemoryOp:
-        return MemoryOp(role=d["role"], after_eval=int(d["after_eval"]), seq_id=int(d["seq_id"]),
-                        p0=int(d["p0"]), p1=int(d["p1"]), op=d.get("op", "seq_rm"))
+    def from_json(d: Any, at: str = "memory_op") -> MemoryOp:
+        f = _Fields.of(d, at)
+        return MemoryOp(
+            role=f.get("role", _as_str, ROLES), after_eval=f.get("after_eval", _as_int, -1),
+            seq_id=f.get("seq_id", _as_int), p0=f.get("p0", _as_int), p1=f.get("p1", _as_int),
+            op=f.get("op", _as_str, MEMORY_OPS, default=MEMORY_OPS[0]),
+        )
 
 
 KV_TYPE_DEFAULT = "f16"  # llama.cpp's KV cache type unless told otherwise (common.h cache_type_k / _v)
@@ -145,8 +376,10 @@ class CacheTypes:
         return {"k": self.k, "v": self.v}
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> CacheTypes:
-        return CacheTypes(k=str(d.get("k", KV_TYPE_DEFAULT)).lower(), v=str(d.get("v", KV_TYPE_DEFAULT)).lower())
+    def from_json(d: Any, at: str = "kv_types") -> CacheTypes:
+        f = _Fields.of(d, at)
+        return CacheTypes(k=f.get("k", _as_str, default=KV_TYPE_DEFAULT).lower(),
+                          v=f.get("v", _as_str, default=KV_TYPE_DEFAULT).lower())
 
 
 def _default_kv() -> dict[Role, CacheTypes]:
@@ -173,19 +406,24 @@ class Build:
         return tuple(sorted({t for c in self.kv_types.values() for t in (c.k, c.v)}))
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Build:
+    def from_json(d: Any, at: str = "build") -> Build:
         """Read `build`: `kv_types` per role (a capture), else `kv_dtype` for every cache (the
         reference), else llama.cpp's default."""
-        if "kv_types" in d:
-            kv = {role: CacheTypes.from_json(d["kv_types"].get(role, {})) for role in ROLES}
+        f = _Fields.of(d, at)
+        if "kv_types" in f.d:
+            per_role = _Fields.of(f.d["kv_types"], f"{at}.kv_types")
+            kv = {role: per_role.get(role, CacheTypes.from_json, default=CacheTypes()) for role in ROLES}
         else:
-            one = str(d.get("kv_dtype", KV_TYPE_DEFAULT)).lower()
+            one = f.get("kv_dtype", _as_str, default=KV_TYPE_DEFAULT).lower()
             kv = {role: CacheTypes(one, one) for role in ROLES}
-        return Build(filters=FilterSet.from_json(d.get("filters")), kv_types=kv,
-                     dtype=str(d.get("dtype", "float32")),
-                     draft_max=None if d.get("draft_max") is None else int(d["draft_max"]),
-                     block_rows=None if d.get("block_rows") is None else int(d["block_rows"]),
-                     p_min=float(d.get("p_min") or 0.0), llama=str(d.get("commit", "")))
+        return Build(
+            filters=FilterSet.from_json(f.get("filters", _as_filters, default=None)), kv_types=kv,
+            dtype=f.get("dtype", _as_str, default="float32"),
+            draft_max=f.get("draft_max", _as_count_or_null, default=None),
+            block_rows=f.get("block_rows", _as_count_or_null, default=None),
+            p_min=f.get("p_min", _as_number_or_null, default=None) or 0.0,
+            llama=f.get("commit", _as_str, default=""),
+        )
 
 
 def kv_types_json(kv: dict[Role, CacheTypes]) -> dict[str, dict[str, str]]:
@@ -230,15 +468,20 @@ class Manifest:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> Manifest:
+    def from_json(d: Any, at: str = "") -> Manifest:
+        """The whole manifest, every field checked (ManifestError names the first bad one); `build`
+        is checked as `Build` reads it, `models` as ModelInfo types its fields."""
+        f = _Fields.of(d, at)
+        build = f.get("build", _as_object, default={})
+        Build.from_json(build, f"{at}.build" if at else "build")
         return Manifest(
-            source=d["source"], models=d.get("models", {}), build=d.get("build", {}),
-            evals=tuple(Eval.from_json(e) for e in d.get("evals", [])),
-            records=tuple(Record.from_json(r) for r in d["records"]),
-            rounds=tuple(Round.from_json(r) for r in d.get("rounds", [])),
-            prompt_tokens=tuple(d.get("prompt_tokens", ())),
-            memory_ops=tuple(MemoryOp.from_json(m) for m in d.get("memory_ops", [])),
-            flow_notes=tuple(d.get("flow_notes", ())),
+            source=f.get("source", _as_str, SOURCES), models=f.get("models", _as_models, default={}), build=build,
+            evals=f.get("evals", _as_objects, Eval.from_json, default=()),
+            records=f.get("records", _as_objects, Record.from_json),
+            rounds=f.get("rounds", _as_objects, Round.from_json, default=()),
+            prompt_tokens=f.get("prompt_tokens", _as_ints, default=()),
+            memory_ops=f.get("memory_ops", _as_objects, MemoryOp.from_json, default=()),
+            flow_notes=f.get("flow_notes", _as_strs, default=()),
         )
 
 
@@ -248,12 +491,15 @@ def record_key(eval_index: int, role: str, name: str, occurrence: int) -> str:
 
 
 def stored_array(array: np.ndarray) -> np.ndarray:
-    """The array as a dump stores it: float32 for floats, int32/int64 kept."""
+    """The array as a dump stores it: float32 for floats, int32/int64 kept (DTYPES)."""
     if array.dtype.kind == "f":
         return np.ascontiguousarray(array, dtype=np.float32)
-    if array.dtype in (np.int32, np.int64):
+    if str(array.dtype) in DTYPES:
         return np.ascontiguousarray(array)
     raise ValueError(f"dump arrays are float or int32/int64, got {array.dtype}")
+
+
+# --- writing ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -278,7 +524,7 @@ class DumpWriter:
         if record.shape != array.shape or record.dtype != str(array.dtype):
             raise ValueError(f"{record.key}: record says {record.dtype}{record.shape}, array is {array.dtype}{array.shape}")
         assert self._zip is not None
-        with self._zip.open(record.key + ".npy", "w", force_zip64=True) as f:
+        with self._zip.open(record.key + NPY_SUFFIX, "w", force_zip64=True) as f:
             np.lib.format.write_array(f, array, allow_pickle=False)
         self._records.append(record)
 
@@ -305,6 +551,21 @@ def record_from_array(key: str, role: str, phase: str, eval_index: int, name: st
     return record, stored
 
 
+# --- reading ----------------------------------------------------------------------------------
+
+# What reading a damaged member raises: a bad local header or CRC, bad deflate data, a short
+# member, an I/O error, a malformed .npy header (numpy raises ValueError), a zip feature zipfile
+# does not implement (a version or flag a damaged entry claims).
+_DAMAGE = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError)
+ZIP_UNSUPPORTED_FLAGS = 0x1 | 0x20 | 0x40  # encrypted, compressed patched data, strong encryption (APPNOTE 4.4.4)
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message, first line only (numpy's header errors run to three)."""
+    lines = str(e).splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class Dump:
     """A validated dump opened for lazy reading: the manifest now, arrays on demand."""
 
@@ -315,9 +576,16 @@ class Dump:
         self.by_key = {r.key: r for r in manifest.records}
 
     def array(self, record: Record | str) -> np.ndarray:
-        key = record if isinstance(record, str) else record.key
-        with self._zip.open(key + ".npy") as f:
-            return np.lib.format.read_array(f, allow_pickle=False)
+        """The record's array: its `.npy` header checked against the record, then exactly the
+        declared bytes read, never more; InputError naming the file and record when the member
+        disagrees with its record or is damaged."""
+        record = self.by_key[record] if isinstance(record, str) else record
+        try:
+            info = self._zip.getinfo(record.key + NPY_SUFFIX)
+            with self._zip.open(info) as f:
+                return read_member_array(f, record, info.file_size)
+        except _DAMAGE as e:
+            raise InputError(f"{self.path}: record {record.key!r}: {_one_line(e)}; {RERUN}") from None
 
     def records(self) -> Iterator[Record]:
         return iter(self.manifest.records)
@@ -332,45 +600,159 @@ class Dump:
         self.close()
 
 
+def read_npy_header(f: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """A `.npy` stream's (shape, fortran_order, dtype), read up to the data; ValueError when the
+    magic, version or header is malformed or the header is longer than numpy's cap."""
+    major, minor = np.lib.format.read_magic(f)
+    if (major, minor) not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy version {major}.{minor}, expected 1.0 or 2.0")
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    try:
+        return read_header(f, max_header_size=NPY_MAX_HEADER_TEXT)
+    except tokenize.TokenError as e:  # numpy's fallback parser of Python 2 headers tokenizes the text
+        raise ValueError(f"the .npy header is not a Python literal ({e.args[0]})") from None
+
+
+def read_member_array(f: IO[bytes], record: Record, size: int) -> np.ndarray:
+    """The array of a `.npy` stream of `size` bytes holding `record`: the header must say the
+    record's dtype and shape in C order and leave exactly the declared bytes, which are read in
+    READ_CHUNK pieces into one array of that size; ValueError when anything disagrees."""
+    shape, fortran_order, dtype = read_npy_header(f)
+    if dtype != np.dtype(record.dtype) or shape != record.shape or fortran_order:
+        order = "Fortran" if fortran_order else "C"
+        raise ValueError(f"the .npy header says {dtype.str} {shape} in {order} order, the record "
+                         f"{record.dtype} {record.shape} in C order")
+    if f.tell() + record.nbytes != size:
+        raise ValueError(f"the member holds {size} bytes, a {f.tell()}-byte header and {record.nbytes} data bytes expected")
+    out = np.empty(record.shape, dtype=dtype)
+    data = out.reshape(-1).view(np.uint8)  # (nbytes,): the array's own memory
+    done = 0
+    while done < record.nbytes:
+        chunk = f.read(min(READ_CHUNK, record.nbytes - done))
+        if not chunk:
+            raise ValueError(f"the member ends after {done} of {record.nbytes} data bytes")
+        data[done : done + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        done += len(chunk)
+    if f.read(1):  # also where zipfile checks the CRC, at the member's end
+        raise ValueError(f"the member holds more than its {record.nbytes} data bytes")
+    return out
+
+
 def read_dump(path: str | Path) -> Dump:
-    """Open and validate a dump; raise `InputError` naming the file for anything unusable."""
+    """Open and validate a dump; raise `InputError` naming the file for anything unusable.
+
+    Reads the zip's central directory and the manifest member, and no array data: every member
+    is checked for its bounds and compression (`_check_member`), every manifest field for its
+    type (`Manifest.from_json`), every record's member for the size its declared array needs."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such dump; run `featdiff capture` or `featdiff reference` to make one")
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise InputError(f"{path}: not a readable .npz ({e}); re-run the capture or reference that wrote it") from None
-    names = zf.namelist()
-    if MANIFEST_MEMBER not in names:
-        raise InputError(f"{path}: no {MANIFEST_MEMBER} member, so not a featdiff dump; re-run capture or reference")
+    except _DAMAGE as e:
+        raise InputError(f"{path}: not a readable .npz ({_one_line(e)}); re-run the capture or reference that wrote it") from None
     try:
-        raw = json.loads(zf.read(MANIFEST_MEMBER).decode("utf-8"))
-    except (ValueError, zipfile.BadZipFile, OSError) as e:
-        raise InputError(f"{path}: {MANIFEST_MEMBER} is unreadable ({e}); re-run capture or reference") from None
-    manifest = _validated_manifest(path, raw, set(names))
+        manifest = _manifest_of(path, zf)
+    except InputError:
+        zf.close()
+        raise
     return Dump(path, manifest, zf)
 
 
-def _validated_manifest(path: Path, raw: Any, members: set[str]) -> Manifest:
+def _manifest_of(path: Path, zf: zipfile.ZipFile) -> Manifest:
+    """The checked manifest of an open dump, its members checked against it."""
+    infos = zf.infolist()
+    names = [i.filename for i in infos]
+    dup = _first_duplicate(names)
+    if dup is not None:
+        raise InputError(f"{path}: member {dup!r} appears twice in the zip; {RERUN}")
+    size = path.stat().st_size
+    for info in infos:
+        _check_member(path, info, size)
+    members = dict(zip(names, infos))
+    raw = _manifest_json(path, zf, members.get(MANIFEST_MEMBER))
+    return _validated_manifest(path, raw, members)
+
+
+def _check_member(path: Path, info: zipfile.ZipInfo, size: int) -> None:
+    """Refuse a member the reader cannot read safely, from its directory entry alone: encrypted,
+    compressed other than by deflate, reaching past the file's end, or inflating past
+    MAX_INFLATION times its compressed size (and INFLATION_FLOOR): a zip bomb."""
+    where = f"{path}: member {info.filename!r}"
+    if info.flag_bits & ZIP_UNSUPPORTED_FLAGS:
+        raise InputError(f"{where} is encrypted or patched (flags {info.flag_bits:#x}); a dump's members are plain. {RERUN}")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise InputError(f"{where} uses zip method {info.compress_type}; a dump's members are stored or deflated. {RERUN}")
+    if not 0 <= info.header_offset <= info.header_offset + 30 + info.compress_size <= size:  # 30: a local header's fixed part
+        raise InputError(f"{where} reaches past the end of the {size}-byte file (truncated?); {RERUN}")
+    if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+        raise InputError(f"{where} is stored in {info.compress_size} bytes but says it holds {info.file_size}; {RERUN}")
+    if info.file_size > max(MAX_INFLATION * info.compress_size, INFLATION_FLOOR):
+        raise InputError(f"{where} inflates {info.compress_size} bytes to {info.file_size}, more than "
+                         f"{MAX_INFLATION}x: refused as a zip bomb; {RERUN}")
+
+
+def _manifest_json(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> Any:
+    """The manifest member parsed, its size checked against MAX_MANIFEST_BYTES before it is read;
+    a key twice in one object and NaN / Infinity are refused as not JSON's."""
+    if info is None:
+        raise InputError(f"{path}: no {MANIFEST_MEMBER} member, so not a featdiff dump; {RERUN}")
+    if info.file_size > MAX_MANIFEST_BYTES:
+        raise InputError(f"{path}: {MANIFEST_MEMBER} is {info.file_size} bytes, more than the "
+                         f"{MAX_MANIFEST_BYTES} a manifest may take; {RERUN}")
+    try:
+        with zf.open(info) as f:
+            text = f.read(MAX_MANIFEST_BYTES + 1).decode("utf-8")
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except (*_DAMAGE, RecursionError) as e:
+        raise InputError(f"{path}: {MANIFEST_MEMBER} is unreadable ({_one_line(e)}); {RERUN}") from None
+
+
+def _first_duplicate(items: list[str]) -> str | None:
+    """The first item that appeared before, None when all are distinct."""
+    seen: set[str] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    dup = _first_duplicate([k for k, _ in pairs])
+    if dup is not None:
+        raise ValueError(f"key {dup!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _validated_manifest(path: Path, raw: Any, members: dict[str, zipfile.ZipInfo]) -> Manifest:
+    """The typed manifest; each record's member present and as large as its declared array
+    needs (a header of NPY_MIN_HEADER .. NPY_MAX_HEADER bytes plus the data)."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise InputError(f"{path}: format {raw.get('format') if isinstance(raw, dict) else raw!r}, expected {FORMAT!r}; this is not a featdiff dump")
-    if raw.get("version") != VERSION:
-        raise InputError(f"{path}: dump version {raw.get('version')}, this featdiff reads version {VERSION}; upgrade featdiff or re-run the producer")
-    if raw.get("source") not in SOURCES:
-        raise InputError(f"{path}: source {raw.get('source')!r}, expected one of {SOURCES}; re-run capture or reference")
+        got = _shown(raw.get("format")) if isinstance(raw, dict) else _shown(raw)
+        raise InputError(f"{path}: format {got}, expected {json.dumps(FORMAT)}; this is not a featdiff dump")
+    if type(raw.get("version")) is not int or raw["version"] != VERSION:
+        raise InputError(f"{path}: dump version {_shown(raw.get('version'))}, this featdiff reads version "
+                         f"{VERSION}; upgrade featdiff or re-run the producer")
     try:
         manifest = Manifest.from_json(raw)
-        Build.from_json(manifest.build)  # once here: a malformed `build` is the file's fault, named here
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise InputError(f"{path}: manifest field {e} missing or malformed; re-run capture or reference") from None
-    keys = [r.key for r in manifest.records]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
+    except ManifestError as e:
+        raise InputError(f"{path}: {e}; {RERUN}") from None
+    dup = _first_duplicate([r.key for r in manifest.records])
+    if dup is not None:
         raise InputError(f"{path}: record key {dup!r} appears twice; keys must be unique, re-run the producer")
     for r in manifest.records:
-        if r.key + ".npy" not in members:
-            raise InputError(f"{path}: record {r.key!r} has no {r.key}.npy member (truncated file?); re-run capture or reference")
-        if r.role not in ROLES or r.phase not in PHASES:
-            raise InputError(f"{path}: record {r.key!r} has role {r.role!r} / phase {r.phase!r}; expected {ROLES} / {PHASES}")
+        _check_record_member(path, r, members.get(r.key + NPY_SUFFIX))
     return manifest
+
+
+def _check_record_member(path: Path, record: Record, info: zipfile.ZipInfo | None) -> None:
+    if info is None:
+        raise InputError(f"{path}: record {record.key!r} has no member {record.key + NPY_SUFFIX!r} (truncated file?); {RERUN}")
+    if not NPY_MIN_HEADER <= info.file_size - record.nbytes <= NPY_MAX_HEADER:
+        raise InputError(f"{path}: record {record.key!r} declares {record.dtype} {record.shape} ({record.nbytes} "
+                         f"bytes) but its member holds {info.file_size}; {RERUN}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.dump import Dump, Record
+from featdiff.dump import Dump, Record, read_npy_header
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header (APPNOTE 4.3.7), 30 bytes
 LOCAL_HEADER_MAGIC = b"PK\x03\x04"
@@ -20,15 +20,17 @@ LOCAL_HEADER_MAGIC = b"PK\x03\x04"
 
 @dataclass(frozen=True)
 class MemberIndex:
-    """Where each stored member's bytes start in the file; compressed members are absent."""
+    """Where each stored member's bytes start and end in the file; compressed members are absent."""
 
     path: Path
     offsets: dict[str, int]
+    ends: dict[str, int]
 
 
 def index_members(dump: Dump) -> MemberIndex:
     """Locate the data of every uncompressed member of `dump`'s file."""
     offsets: dict[str, int] = {}
+    ends: dict[str, int] = {}
     with zipfile.ZipFile(dump.path) as zf, open(dump.path, "rb") as f:
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
@@ -39,20 +41,27 @@ def index_members(dump: Dump) -> MemberIndex:
                 continue
             name_len, extra_len = fields[9], fields[10]
             offsets[info.filename] = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
-    return MemberIndex(Path(dump.path), offsets)
+            ends[info.filename] = offsets[info.filename] + info.compress_size
+    return MemberIndex(Path(dump.path), offsets, ends)
 
 
 def read_array(dump: Dump, index: MemberIndex, record: Record) -> np.ndarray:
-    """The record's array: a read-only memory map when stored, else a copy read by `dump`."""
+    """The record's array: a read-only memory map when stored, else a copy read by `dump`.
+
+    Only a member whose `.npy` header says what the record declares, followed by exactly the
+    declared bytes, is mapped; any other goes to `dump.array`, which refuses it with an InputError.
+    A mapped member's CRC is not checked: that would read it whole."""
     start = index.offsets.get(record.key + ".npy")
     if start is None:
         return dump.array(record)
     with open(index.path, "rb") as f:
         f.seek(start)
-        major, _ = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read_header(f)
+        try:
+            shape, fortran, dtype = read_npy_header(f)
+        except ValueError:
+            return dump.array(record)
         data_start = f.tell()
-    if fortran or dtype.hasobject or int(np.prod(shape)) == 0:
+        fits = data_start + record.nbytes == index.ends[record.key + ".npy"] <= f.seek(0, 2)
+    if (shape, fortran, dtype) != (record.shape, False, np.dtype(record.dtype)) or not fits or record.nbytes == 0:
         return dump.array(record)
     return np.memmap(index.path, dtype=dtype, mode="r", offset=data_start, shape=shape)
