@@ -9,22 +9,37 @@ Arrays are stored in numpy order: reversed ggml `ne`.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import tokenize
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, get_type_hints
+from typing import IO, Any
 
 import numpy as np
 
 from featdiff.errors import InputError
 from featdiff.filters import KEEP_ALL, FilterSet
-from featdiff.gguf_meta import ModelInfo
+from featdiff.manifest_fields import (
+    Fields,
+    ManifestError,
+    as_count,
+    as_count_or_null,
+    as_counts,
+    as_filters,
+    as_int,
+    as_ints,
+    as_models,
+    as_number_or_null,
+    as_object,
+    as_objects,
+    as_str,
+    as_strs,
+    shown,
+)
 from featdiff.names import PHASES, ROLES, Role
 from featdiff.outputs import partial_path
 
@@ -45,179 +60,7 @@ NPY_MIN_HEADER = 10  # magic (6), version (2), header length (2 in .npy 1.0, 4 i
 NPY_MAX_HEADER_TEXT = 10_000  # numpy's own cap on a header's text (read_array_header_* max_header_size)
 NPY_MAX_HEADER = 12 + NPY_MAX_HEADER_TEXT  # the longest preamble (.npy 2.0) and that text
 MAX_DIMS = 32  # numpy 1.x's NPY_MAXDIMS; a ggml tensor has at most 4
-INT64 = 1 << 63  # every int of a manifest is a llama.cpp int32/int64 (or a count): |x| < 2**63
 READ_CHUNK = 1 << 20  # bytes an array read inflates at a time
-SHOWN_CHARS = 40  # how much of a bad value a message quotes
-_REQUIRED = object()  # `_Fields.get`'s default: the field has none
-
-
-# --- typed manifest parsing: every field checked, a bad one named by its path -------------------
-
-
-class ManifestError(ValueError):
-    """A malformed manifest field: its path (`records[3].shape[1]`), what was expected, what was found.
-    `read_dump` turns it into an `InputError` naming the file."""
-
-    def __init__(self, where: str, expected: str, got: Any) -> None:
-        super().__init__(f"manifest{' ' + where if where else ''}: expected {expected}, got {_shown(got)}")
-
-
-def _shown(value: Any) -> str:
-    """A value as the message quotes it: one line of JSON, ASCII, cut after SHOWN_CHARS."""
-    if value is _REQUIRED:
-        return "nothing (the field is missing)"
-    try:
-        text = json.dumps(_preview(value), ensure_ascii=True)
-    except (TypeError, ValueError):  # not JSON's (a message about our own records), or an int too long to print
-        text = type(value).__name__
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
-
-
-def _preview(value: Any, depth: int = 8) -> Any:
-    """As much of `value` as a message shows, so that quoting a huge or deep value costs nothing:
-    16 items of a list or object (their JSON is longer than SHOWN_CHARS, so it is cut), strings
-    cut, "..." below `depth` levels."""
-    if depth == 0:
-        return "..."
-    if isinstance(value, str):
-        return value[: SHOWN_CHARS + 1]
-    if isinstance(value, list):
-        return [_preview(v, depth - 1) for v in value[:16]]
-    if isinstance(value, dict):
-        return {str(k)[: SHOWN_CHARS + 1]: _preview(v, depth - 1) for k, v in itertools.islice(value.items(), 16)}
-    return value
-
-
-def _int_kind(lo: int) -> str:
-    return "a non-negative int" if lo == 0 else "an int" if lo == -INT64 else f"an int >= {lo}"
-
-
-def _as_int(value: Any, where: str, lo: int = -INT64) -> int:
-    """An int in [lo, 2**63); a bool or a float is not an int."""
-    if type(value) is not int or not lo <= value < INT64:
-        raise ManifestError(where, _int_kind(lo), value)
-    return value
-
-
-def _as_count(value: Any, where: str) -> int:
-    return _as_int(value, where, 0)
-
-
-def _as_str(value: Any, where: str, choices: tuple[str, ...] | None = None) -> str:
-    """A string, one of `choices` when given."""
-    if not isinstance(value, str) or (choices is not None and value not in choices):
-        raise ManifestError(where, "a string" if choices is None else f"one of {', '.join(choices)}", value)
-    return value
-
-
-def _as_bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ManifestError(where, "true or false", value)
-    return value
-
-
-def _as_number(value: Any, where: str) -> float:
-    """A finite float, or an int in (-2**63, 2**63) (not a bool)."""
-    ok = -INT64 < value < INT64 if type(value) is int else type(value) is float and math.isfinite(value)
-    if not ok:
-        raise ManifestError(where, "a number", value)
-    return float(value)
-
-
-def _as_number_or_null(value: Any, where: str) -> float | None:
-    return None if value is None else _as_number(value, where)
-
-
-def _as_list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ManifestError(where, "a list", value)
-    return value
-
-
-def _as_ints(value: Any, where: str, lo: int = -INT64) -> tuple[int, ...]:
-    """A list of ints in [lo, 2**63): checked in one pass, the bad one named when there is one."""
-    items = _as_list(value, where)
-    if all(type(x) is int and lo <= x < INT64 for x in items):
-        return tuple(items)
-    return tuple(_as_int(x, f"{where}[{i}]", lo) for i, x in enumerate(items))
-
-
-def _as_counts(value: Any, where: str) -> tuple[int, ...]:
-    return _as_ints(value, where, 0)
-
-
-def _as_strs(value: Any, where: str) -> tuple[str, ...]:
-    return tuple(_as_str(x, f"{where}[{i}]") for i, x in enumerate(_as_list(value, where)))
-
-
-def _as_object(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ManifestError(where, "an object", value)
-    return value
-
-
-def _as_object_or_null(value: Any, where: str) -> dict[str, Any] | None:
-    return None if value is None else _as_object(value, where)
-
-
-def _as_count_or_null(value: Any, where: str) -> int | None:
-    return None if value is None else _as_count(value, where)
-
-
-def _as_objects(value: Any, where: str, read: Callable[[Any, str], Any]) -> tuple[Any, ...]:
-    """A list of objects, each read by `read(item, 'where[i]')`."""
-    return tuple(read(item, f"{where}[{i}]") for i, item in enumerate(_as_list(value, where)))
-
-
-@dataclass(frozen=True)
-class _Fields:
-    """One JSON object of the manifest and its path there, read field by field with types checked."""
-
-    d: dict[str, Any]
-    at: str
-
-    @staticmethod
-    def of(value: Any, at: str) -> _Fields:
-        return _Fields(_as_object(value, at), at)
-
-    def get(self, key: str, read: Callable[..., Any], *args: Any, default: Any = _REQUIRED) -> Any:
-        """Field `key` read by `read` (which names `at.key` when it fails); `default` when absent.
-        A required field that is absent reaches `read` as `_REQUIRED`, which no check accepts."""
-        if key not in self.d and default is not _REQUIRED:
-            return default
-        return read(self.d.get(key, _REQUIRED), f"{self.at}.{key}" if self.at else key, *args)
-
-
-# What each `models` entry field must be, by ModelInfo's own field types (featdiff.gguf_meta: the
-# one home of those names); a field of a type not listed here is passed through unchecked.
-_READ_BY_TYPE: dict[Any, Callable[[Any, str], Any]] = {
-    str: _as_str, int: _as_int, float: _as_number, bool: _as_bool, tuple[int, ...]: _as_ints,
-    tuple[str, ...]: _as_strs, dict[str, Any] | None: _as_object_or_null,
-}
-MODEL_FIELDS = {name: _READ_BY_TYPE[t] for name, t in get_type_hints(ModelInfo).items() if t in _READ_BY_TYPE}
-
-
-def _as_models(value: Any, where: str) -> dict[str, Any]:
-    """`models`: per role an object whose ModelInfo fields have ModelInfo's types (others are kept)."""
-    for role, info in _as_object(value, where).items():
-        entry = _Fields.of(info, f"{where}.{role}" if role.isidentifier() else f"{where}[{json.dumps(role)}]")
-        for key, read in MODEL_FIELDS.items():
-            if key in entry.d:
-                entry.get(key, read)
-    return value
-
-
-def _as_filters(value: Any, where: str) -> Any:
-    """`build.filters`: null, one list of globs, or per role a list (filters.FilterSet.from_json)."""
-    if isinstance(value, list):
-        _as_strs(value, where)
-    elif isinstance(value, dict):
-        for role in ROLES:
-            if role in value:
-                _as_strs(value[role], f"{where}.{role}")
-    elif value is not None:
-        raise ManifestError(where, "null, a list of globs or per role a list of them", value)
-    return value
 
 
 # --- the records ------------------------------------------------------------------------------
@@ -253,17 +96,17 @@ class Record:
     def from_json(d: Any, at: str = "record") -> Record:
         """A manifest record, every field checked; `shape` is `ne` reversed (numpy order), as both
         producers write it (llama/spool.py record_from_event, record_from_array)."""
-        f = _Fields.of(d, at)
-        ne, shape = f.get("ne", _as_counts), f.get("shape", _as_counts)
+        f = Fields.of(d, at)
+        ne, shape = f.get("ne", as_counts), f.get("shape", as_counts)
         if shape != tuple(reversed(ne)):
             raise ManifestError(f"{at}.shape", f"ne reversed, {list(reversed(ne))}", list(shape))
         if len(shape) > MAX_DIMS:
             raise ManifestError(f"{at}.shape", f"at most {MAX_DIMS} dimensions", list(shape))
         return Record(
-            key=f.get("key", _as_str), role=f.get("role", _as_str, ROLES), phase=f.get("phase", _as_str, PHASES),
-            eval=f.get("eval", _as_count), name=f.get("name", _as_str), occurrence=f.get("occurrence", _as_count),
-            op=f.get("op", _as_str), ggml_type=f.get("ggml_type", _as_str), ne=ne, srcs=f.get("srcs", _as_strs),
-            dtype=f.get("dtype", _as_str, DTYPES), shape=shape, nb=f.get("nb", _as_counts, default=()),
+            key=f.get("key", as_str), role=f.get("role", as_str, ROLES), phase=f.get("phase", as_str, PHASES),
+            eval=f.get("eval", as_count), name=f.get("name", as_str), occurrence=f.get("occurrence", as_count),
+            op=f.get("op", as_str), ggml_type=f.get("ggml_type", as_str), ne=ne, srcs=f.get("srcs", as_strs),
+            dtype=f.get("dtype", as_str, DTYPES), shape=shape, nb=f.get("nb", as_counts, default=()),
         )
 
 
@@ -288,12 +131,12 @@ class Eval:
     def from_json(d: Any, at: str = "eval") -> Eval:
         """An eval, every field checked: one position per token, and `token_ids` and `seq_ids`
         one per token or none (an embeddings batch has no token ids), as every producer writes."""
-        f = _Fields.of(d, at)
+        f = Fields.of(d, at)
         ev = Eval(
-            eval=f.get("eval", _as_count), role=f.get("role", _as_str, ROLES), phase=f.get("phase", _as_str, PHASES),
-            n_tokens=f.get("n_tokens", _as_count), positions=f.get("positions", _as_ints),
-            token_ids=f.get("token_ids", _as_ints, default=()), seq_ids=f.get("seq_ids", _as_ints, default=()),
-            round=f.get("round", _as_count, default=0), rc=f.get("rc", _as_int, default=0),
+            eval=f.get("eval", as_count), role=f.get("role", as_str, ROLES), phase=f.get("phase", as_str, PHASES),
+            n_tokens=f.get("n_tokens", as_count), positions=f.get("positions", as_ints),
+            token_ids=f.get("token_ids", as_ints, default=()), seq_ids=f.get("seq_ids", as_ints, default=()),
+            round=f.get("round", as_count, default=0), rc=f.get("rc", as_int, default=0),
         )
         _check_per_token(ev, at)
         return ev
@@ -324,13 +167,13 @@ class Round:
 
     @staticmethod
     def from_json(d: Any, at: str = "round") -> Round:
-        f = _Fields.of(d, at)
+        f = Fields.of(d, at)
         return Round(
             # `accepted` and `pos0` are any ints: capture --exec derives them from the positions of
             # the next decode (llama/exec.py), which a program that rewinds can put anywhere
-            round=f.get("round", _as_count), pos0=f.get("pos0", _as_int), anchor=f.get("anchor", _as_int),
-            drafts=f.get("drafts", _as_ints), accepted=f.get("accepted", _as_int),
-            target_tokens=f.get("target_tokens", _as_ints, default=()),
+            round=f.get("round", as_count), pos0=f.get("pos0", as_int), anchor=f.get("anchor", as_int),
+            drafts=f.get("drafts", as_ints), accepted=f.get("accepted", as_int),
+            target_tokens=f.get("target_tokens", as_ints, default=()),
         )
 
 
@@ -353,11 +196,11 @@ class MemoryOp:
 
     @staticmethod
     def from_json(d: Any, at: str = "memory_op") -> MemoryOp:
-        f = _Fields.of(d, at)
+        f = Fields.of(d, at)
         return MemoryOp(
-            role=f.get("role", _as_str, ROLES), after_eval=f.get("after_eval", _as_int, -1),
-            seq_id=f.get("seq_id", _as_int), p0=f.get("p0", _as_int), p1=f.get("p1", _as_int),
-            op=f.get("op", _as_str, MEMORY_OPS, default=MEMORY_OPS[0]),
+            role=f.get("role", as_str, ROLES), after_eval=f.get("after_eval", as_int, -1),
+            seq_id=f.get("seq_id", as_int), p0=f.get("p0", as_int), p1=f.get("p1", as_int),
+            op=f.get("op", as_str, MEMORY_OPS, default=MEMORY_OPS[0]),
         )
 
 
@@ -377,9 +220,9 @@ class CacheTypes:
 
     @staticmethod
     def from_json(d: Any, at: str = "kv_types") -> CacheTypes:
-        f = _Fields.of(d, at)
-        return CacheTypes(k=f.get("k", _as_str, default=KV_TYPE_DEFAULT).lower(),
-                          v=f.get("v", _as_str, default=KV_TYPE_DEFAULT).lower())
+        f = Fields.of(d, at)
+        return CacheTypes(k=f.get("k", as_str, default=KV_TYPE_DEFAULT).lower(),
+                          v=f.get("v", as_str, default=KV_TYPE_DEFAULT).lower())
 
 
 def _default_kv() -> dict[Role, CacheTypes]:
@@ -409,20 +252,20 @@ class Build:
     def from_json(d: Any, at: str = "build") -> Build:
         """Read `build`: `kv_types` per role (a capture), else `kv_dtype` for every cache (the
         reference), else llama.cpp's default."""
-        f = _Fields.of(d, at)
+        f = Fields.of(d, at)
         if "kv_types" in f.d:
-            per_role = _Fields.of(f.d["kv_types"], f"{at}.kv_types")
+            per_role = Fields.of(f.d["kv_types"], f"{at}.kv_types")
             kv = {role: per_role.get(role, CacheTypes.from_json, default=CacheTypes()) for role in ROLES}
         else:
-            one = f.get("kv_dtype", _as_str, default=KV_TYPE_DEFAULT).lower()
+            one = f.get("kv_dtype", as_str, default=KV_TYPE_DEFAULT).lower()
             kv = {role: CacheTypes(one, one) for role in ROLES}
         return Build(
-            filters=FilterSet.from_json(f.get("filters", _as_filters, default=None)), kv_types=kv,
-            dtype=f.get("dtype", _as_str, default="float32"),
-            draft_max=f.get("draft_max", _as_count_or_null, default=None),
-            block_rows=f.get("block_rows", _as_count_or_null, default=None),
-            p_min=f.get("p_min", _as_number_or_null, default=None) or 0.0,
-            llama=f.get("commit", _as_str, default=""),
+            filters=FilterSet.from_json(f.get("filters", as_filters, default=None)), kv_types=kv,
+            dtype=f.get("dtype", as_str, default="float32"),
+            draft_max=f.get("draft_max", as_count_or_null, default=None),
+            block_rows=f.get("block_rows", as_count_or_null, default=None),
+            p_min=f.get("p_min", as_number_or_null, default=None) or 0.0,
+            llama=f.get("commit", as_str, default=""),
         )
 
 
@@ -471,17 +314,17 @@ class Manifest:
     def from_json(d: Any, at: str = "") -> Manifest:
         """The whole manifest, every field checked (ManifestError names the first bad one); `build`
         is checked as `Build` reads it, `models` as ModelInfo types its fields."""
-        f = _Fields.of(d, at)
-        build = f.get("build", _as_object, default={})
+        f = Fields.of(d, at)
+        build = f.get("build", as_object, default={})
         Build.from_json(build, f"{at}.build" if at else "build")
         return Manifest(
-            source=f.get("source", _as_str, SOURCES), models=f.get("models", _as_models, default={}), build=build,
-            evals=f.get("evals", _as_objects, Eval.from_json, default=()),
-            records=f.get("records", _as_objects, Record.from_json),
-            rounds=f.get("rounds", _as_objects, Round.from_json, default=()),
-            prompt_tokens=f.get("prompt_tokens", _as_ints, default=()),
-            memory_ops=f.get("memory_ops", _as_objects, MemoryOp.from_json, default=()),
-            flow_notes=f.get("flow_notes", _as_strs, default=()),
+            source=f.get("source", as_str, SOURCES), models=f.get("models", as_models, default={}), build=build,
+            evals=f.get("evals", as_objects, Eval.from_json, default=()),
+            records=f.get("records", as_objects, Record.from_json),
+            rounds=f.get("rounds", as_objects, Round.from_json, default=()),
+            prompt_tokens=f.get("prompt_tokens", as_ints, default=()),
+            memory_ops=f.get("memory_ops", as_objects, MemoryOp.from_json, default=()),
+            flow_notes=f.get("flow_notes", as_strs, default=()),
         )
 
 
@@ -733,10 +576,10 @@ def _validated_manifest(path: Path, raw: Any, members: dict[str, zipfile.ZipInfo
     """The typed manifest; each record's member present and as large as its declared array
     needs (a header of NPY_MIN_HEADER .. NPY_MAX_HEADER bytes plus the data)."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        got = _shown(raw.get("format")) if isinstance(raw, dict) else _shown(raw)
+        got = shown(raw.get("format")) if isinstance(raw, dict) else shown(raw)
         raise InputError(f"{path}: format {got}, expected {json.dumps(FORMAT)}; this is not a featdiff dump")
     if type(raw.get("version")) is not int or raw["version"] != VERSION:
-        raise InputError(f"{path}: dump version {_shown(raw.get('version'))}, this featdiff reads version "
+        raise InputError(f"{path}: dump version {shown(raw.get('version'))}, this featdiff reads version "
                          f"{VERSION}; upgrade featdiff or re-run the producer")
     try:
         manifest = Manifest.from_json(raw)

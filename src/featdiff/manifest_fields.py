@@ -1,0 +1,191 @@
+"""Typed reading of a JSON manifest, field by field: each reader checks one value's type and
+range and raises `ManifestError` naming the value's path (`records[3].shape[1]`), which
+`featdiff.dump` turns into an InputError naming the file. No value is trusted, none is coerced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from featdiff.gguf_meta import ModelInfo
+from featdiff.names import ROLES
+
+INT64 = 1 << 63  # every int of a manifest is a llama.cpp int32/int64 (or a count): |x| < 2**63
+SHOWN_CHARS = 40  # how much of a bad value a message quotes
+REQUIRED = object()  # `Fields.get`'s default: the field has none
+
+
+class ManifestError(ValueError):
+    """A malformed manifest field: its path (`records[3].shape[1]`), what was expected, what was found.
+    `read_dump` turns it into an `InputError` naming the file."""
+
+    def __init__(self, where: str, expected: str, got: Any) -> None:
+        super().__init__(f"manifest{' ' + where if where else ''}: expected {expected}, got {shown(got)}")
+
+
+def shown(value: Any) -> str:
+    """A value as the message quotes it: one line of JSON, ASCII, cut after SHOWN_CHARS."""
+    if value is REQUIRED:
+        return "nothing (the field is missing)"
+    try:
+        text = json.dumps(preview(value), ensure_ascii=True)
+    except (TypeError, ValueError):  # not JSON's (a message about our own records), or an int too long to print
+        text = type(value).__name__
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+def preview(value: Any, depth: int = 8) -> Any:
+    """As much of `value` as a message shows, so that quoting a huge or deep value costs nothing:
+    16 items of a list or object (their JSON is longer than SHOWN_CHARS, so it is cut), strings
+    cut, "..." below `depth` levels."""
+    if depth == 0:
+        return "..."
+    if isinstance(value, str):
+        return value[: SHOWN_CHARS + 1]
+    if isinstance(value, list):
+        return [preview(v, depth - 1) for v in value[:16]]
+    if isinstance(value, dict):
+        return {str(k)[: SHOWN_CHARS + 1]: preview(v, depth - 1) for k, v in itertools.islice(value.items(), 16)}
+    return value
+
+
+def _int_kind(lo: int) -> str:
+    return "a non-negative int" if lo == 0 else "an int" if lo == -INT64 else f"an int >= {lo}"
+
+
+def as_int(value: Any, where: str, lo: int = -INT64) -> int:
+    """An int in [lo, 2**63); a bool or a float is not an int."""
+    if type(value) is not int or not lo <= value < INT64:
+        raise ManifestError(where, _int_kind(lo), value)
+    return value
+
+
+def as_count(value: Any, where: str) -> int:
+    return as_int(value, where, 0)
+
+
+def as_str(value: Any, where: str, choices: tuple[str, ...] | None = None) -> str:
+    """A string, one of `choices` when given."""
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        raise ManifestError(where, "a string" if choices is None else f"one of {', '.join(choices)}", value)
+    return value
+
+
+def as_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ManifestError(where, "true or false", value)
+    return value
+
+
+def as_number(value: Any, where: str) -> float:
+    """A finite float, or an int in (-2**63, 2**63) (not a bool)."""
+    ok = -INT64 < value < INT64 if type(value) is int else type(value) is float and math.isfinite(value)
+    if not ok:
+        raise ManifestError(where, "a number", value)
+    return float(value)
+
+
+def as_number_or_null(value: Any, where: str) -> float | None:
+    return None if value is None else as_number(value, where)
+
+
+def as_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ManifestError(where, "a list", value)
+    return value
+
+
+def as_ints(value: Any, where: str, lo: int = -INT64) -> tuple[int, ...]:
+    """A list of ints in [lo, 2**63): checked in one pass, the bad one named when there is one."""
+    items = as_list(value, where)
+    if all(type(x) is int and lo <= x < INT64 for x in items):
+        return tuple(items)
+    return tuple(as_int(x, f"{where}[{i}]", lo) for i, x in enumerate(items))
+
+
+def as_counts(value: Any, where: str) -> tuple[int, ...]:
+    return as_ints(value, where, 0)
+
+
+def as_strs(value: Any, where: str) -> tuple[str, ...]:
+    return tuple(as_str(x, f"{where}[{i}]") for i, x in enumerate(as_list(value, where)))
+
+
+def as_object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ManifestError(where, "an object", value)
+    return value
+
+
+def as_object_or_null(value: Any, where: str) -> dict[str, Any] | None:
+    return None if value is None else as_object(value, where)
+
+
+def as_count_or_null(value: Any, where: str) -> int | None:
+    return None if value is None else as_count(value, where)
+
+
+def as_objects(value: Any, where: str, read: Callable[[Any, str], Any]) -> tuple[Any, ...]:
+    """A list of objects, each read by `read(item, 'where[i]')`."""
+    return tuple(read(item, f"{where}[{i}]") for i, item in enumerate(as_list(value, where)))
+
+
+@dataclass(frozen=True)
+class Fields:
+    """One JSON object of the manifest and its path there, read field by field with types checked."""
+
+    d: dict[str, Any]
+    at: str
+
+    @staticmethod
+    def of(value: Any, at: str) -> Fields:
+        return Fields(as_object(value, at), at)
+
+    def get(self, key: str, read: Callable[..., Any], *args: Any, default: Any = REQUIRED) -> Any:
+        """Field `key` read by `read` (which names `at.key` when it fails); `default` when absent.
+        A required field that is absent reaches `read` as `REQUIRED`, which no check accepts."""
+        if key not in self.d and default is not REQUIRED:
+            return default
+        return read(self.d.get(key, REQUIRED), f"{self.at}.{key}" if self.at else key, *args)
+
+
+# What each `models` entry field must be, by ModelInfo's own field types (featdiff.gguf_meta: the
+# one home of those names); a field of a type not listed here is passed through unchecked.
+_READ_BY_TYPE: dict[Any, Callable[[Any, str], Any]] = {
+    str: as_str,
+    int: as_int,
+    float: as_number,
+    bool: as_bool,
+    tuple[int, ...]: as_ints,
+    tuple[str, ...]: as_strs,
+    dict[str, Any] | None: as_object_or_null,
+}
+MODEL_FIELDS = {name: _READ_BY_TYPE[t] for name, t in get_type_hints(ModelInfo).items() if t in _READ_BY_TYPE}
+
+
+def as_models(value: Any, where: str) -> dict[str, Any]:
+    """`models`: per role an object whose ModelInfo fields have ModelInfo's types (others are kept)."""
+    for role, info in as_object(value, where).items():
+        entry = Fields.of(info, f"{where}.{role}" if role.isidentifier() else f"{where}[{json.dumps(role)}]")
+        for key, read in MODEL_FIELDS.items():
+            if key in entry.d:
+                entry.get(key, read)
+    return value
+
+
+def as_filters(value: Any, where: str) -> Any:
+    """`build.filters`: null, one list of globs, or per role a list (filters.FilterSet.from_json)."""
+    if isinstance(value, list):
+        as_strs(value, where)
+    elif isinstance(value, dict):
+        for role in ROLES:
+            if role in value:
+                as_strs(value[role], f"{where}.{role}")
+    elif value is not None:
+        raise ManifestError(where, "null, a list of globs or per role a list of them", value)
+    return value
