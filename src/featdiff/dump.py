@@ -36,11 +36,13 @@ from featdiff.manifest_fields import (
     as_number_or_null,
     as_object,
     as_objects,
+    as_phase,
+    as_role,
     as_str,
     as_strs,
     shown,
 )
-from featdiff.names import PHASES, ROLES, Role
+from featdiff.names import ROLES, Phase, Role
 from featdiff.outputs import partial_path
 
 FORMAT = "featdiff-dump"
@@ -71,8 +73,8 @@ class Record:
     """One captured tensor: where it came from and how its array is stored."""
 
     key: str
-    role: str
-    phase: str
+    role: Role
+    phase: Phase
     eval: int
     name: str
     occurrence: int
@@ -103,7 +105,7 @@ class Record:
         if len(shape) > MAX_DIMS:
             raise ManifestError(f"{at}.shape", f"at most {MAX_DIMS} dimensions", list(shape))
         return Record(
-            key=f.get("key", as_str), role=f.get("role", as_str, ROLES), phase=f.get("phase", as_str, PHASES),
+            key=f.get("key", as_str), role=f.get("role", as_role), phase=f.get("phase", as_phase),
             eval=f.get("eval", as_count), name=f.get("name", as_str), occurrence=f.get("occurrence", as_count),
             op=f.get("op", as_str), ggml_type=f.get("ggml_type", as_str), ne=ne, srcs=f.get("srcs", as_strs),
             dtype=f.get("dtype", as_str, DTYPES), shape=shape, nb=f.get("nb", as_counts, default=()),
@@ -115,8 +117,8 @@ class Eval:
     """One graph evaluation (a llama_decode of one ubatch), in execution order."""
 
     eval: int
-    role: str
-    phase: str
+    role: Role
+    phase: Phase
     n_tokens: int
     positions: tuple[int, ...]
     token_ids: tuple[int, ...]
@@ -133,7 +135,7 @@ class Eval:
         one per token or none (an embeddings batch has no token ids), as every producer writes."""
         f = Fields.of(d, at)
         ev = Eval(
-            eval=f.get("eval", as_count), role=f.get("role", as_str, ROLES), phase=f.get("phase", as_str, PHASES),
+            eval=f.get("eval", as_count), role=f.get("role", as_role), phase=f.get("phase", as_phase),
             n_tokens=f.get("n_tokens", as_count), positions=f.get("positions", as_ints),
             token_ids=f.get("token_ids", as_ints, default=()), seq_ids=f.get("seq_ids", as_ints, default=()),
             round=f.get("round", as_count, default=0), rc=f.get("rc", as_int, default=0),
@@ -184,7 +186,7 @@ class MemoryOp:
     eval `after_eval` (-1: before the first eval). Facts the preload (or the driver) saw, so compare
     can follow which rows each context's cache holds."""
 
-    role: str
+    role: Role
     after_eval: int
     seq_id: int
     p0: int
@@ -198,7 +200,7 @@ class MemoryOp:
     def from_json(d: Any, at: str = "memory_op") -> MemoryOp:
         f = Fields.of(d, at)
         return MemoryOp(
-            role=f.get("role", as_str, ROLES), after_eval=f.get("after_eval", as_int, -1),
+            role=f.get("role", as_role), after_eval=f.get("after_eval", as_int, -1),
             seq_id=f.get("seq_id", as_int), p0=f.get("p0", as_int), p1=f.get("p1", as_int),
             op=f.get("op", as_str, MEMORY_OPS, default=MEMORY_OPS[0]),
         )
@@ -382,7 +384,7 @@ class DumpWriter:
         return self.path
 
 
-def record_from_array(key: str, role: str, phase: str, eval_index: int, name: str, occurrence: int,
+def record_from_array(key: str, role: Role, phase: Phase, eval_index: int, name: str, occurrence: int,
                       array: np.ndarray, op: str = "NONE", ggml_type: str = "f32",
                       srcs: tuple[str, ...] = ()) -> tuple[Record, np.ndarray]:
     """A record for an array computed outside llama.cpp (the reference), ne = reversed shape."""

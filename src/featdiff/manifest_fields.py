@@ -10,10 +10,10 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import Any, cast, get_type_hints
 
 from featdiff.gguf_meta import ModelInfo
-from featdiff.names import ROLES
+from featdiff.names import PHASES, ROLES, Phase, Role
 
 INT64 = 1 << 63  # every int of a manifest is a llama.cpp int32/int64 (or a count): |x| < 2**63
 SHOWN_CHARS = 40  # how much of a bad value a message quotes
@@ -74,6 +74,16 @@ def as_str(value: Any, where: str, choices: tuple[str, ...] | None = None) -> st
     if not isinstance(value, str) or (choices is not None and value not in choices):
         raise ManifestError(where, "a string" if choices is None else f"one of {', '.join(choices)}", value)
     return value
+
+
+def as_role(value: Any, where: str) -> Role:
+    """A record role (names.ROLES), typed."""
+    return cast(Role, as_str(value, where, ROLES))
+
+
+def as_phase(value: Any, where: str) -> Phase:
+    """An eval phase (names.PHASES), typed."""
+    return cast(Phase, as_str(value, where, PHASES))
 
 
 def as_bool(value: Any, where: str) -> bool:

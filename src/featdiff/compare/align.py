@@ -23,8 +23,9 @@ from featdiff.compare.metrics import as_rows
 from featdiff.compare.namemap import NameMap
 from featdiff.compare.result import Alignment, Skip
 from featdiff.dump import Eval, Manifest, Record
+from featdiff.names import Role
 
-GroupKey = tuple[str, str, int]        # (role, phase, round)
+GroupKey = tuple[Role, str, int]       # (role, phase, round)
 RecordKey = tuple[GroupKey, str, int]  # (group, ref name, occurrence)
 TOKEN_PHASES = ("prefill", "verify", "draft")
 DRAFT_GROUP = ("draft", "draft")  # (role, phase) of the eval that opens a round

@@ -15,6 +15,7 @@ import numpy as np
 
 from featdiff.compare.rowshift import RowShift
 from featdiff.compare.sketch import LayerMatch
+from featdiff.names import Role
 
 # The findings JSON's schema version (docs/findings.schema.json): keys are only ever added; it
 # changes only if a key's meaning does.
@@ -135,7 +136,7 @@ class Skip:
     """One record set (role, phase, round, name, occurrence) not compared, or compared without
     some of its rows: why, on which side the records are, and which positions were left out."""
 
-    role: str
+    role: Role
     phase: str
     round: int
     name: str            # the reference's name (the run's, mapped, when only the run has it)

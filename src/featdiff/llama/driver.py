@@ -83,7 +83,7 @@ def run_flow(tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: Fl
     return done
 
 
-def _eval(st: _State, rec: Recorder, role: str, phase: str, rnd: int, positions: list[int],
+def _eval(st: _State, rec: Recorder, role: names.Role, phase: names.Phase, rnd: int, positions: list[int],
           tokens: list[int]) -> None:
     rec.begin_eval(Eval(eval=st.n_evals, role=role, phase=phase, n_tokens=len(positions),
                         positions=tuple(positions), token_ids=tuple(tokens),
@@ -92,7 +92,7 @@ def _eval(st: _State, rec: Recorder, role: str, phase: str, rnd: int, positions:
 
 
 def _decode_target(tgt: Context, st: _State, rec: Recorder, tokens: list[int],
-                   positions: list[int], phase: str, rnd: int, outputs: bool) -> None:
+                   positions: list[int], phase: names.Phase, rnd: int, outputs: bool) -> None:
     _eval(st, rec, "target", phase, rnd, positions, tokens)
     tgt.decode_tokens(tokens, positions, outputs)
 
