@@ -143,7 +143,10 @@ def _rope(manifest: Manifest, pair: Pair) -> Rope | None:
     if pair.run.records[0].op != ROPE_OP or len(record.shape) != 3:
         return None
     model = manifest.models.get(pair.group[0], {})
-    base = next((float(model[k]) for k in ROPE_BASE_KEYS if isinstance(model, dict) and k in model), names.ROPE_FREQ_BASE_DEFAULT)
+    given = (model.get(k) for k in ROPE_BASE_KEYS) if isinstance(model, dict) else iter(())
+    # a base that is no positive number (a hand-edited manifest) is taken as absent, not trusted
+    base = next((float(v) for v in given if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+                names.ROPE_FREQ_BASE_DEFAULT)
     return Rope(n_head=record.shape[1], head_dim=record.shape[2], base=base)
 
 
