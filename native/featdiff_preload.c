@@ -18,8 +18,10 @@
  * Phases are decided in Python from these facts (featdiff/llama/exec.py), not here.
  * Environment: FEATDIFF_SPOOL (spool prefix), FEATDIFF_FILTERS (lines "<role>\t<glob>", role 0
  * target, 1 draft), FEATDIFF_ARCH_KEY and FEATDIFF_DRAFT_ARCH (a model whose architecture
- * metadata equals this is a drafter). Nothing here aborts: on a failure the preload says so once
- * on stderr, stops capturing, and the program runs on untouched.
+ * metadata equals this is a drafter), FEATDIFF_PARENT_PID (featdiff's pid: on Linux every
+ * process the library loads into dies with its parent, so the program never outlives featdiff).
+ * Nothing here aborts: on a failure the preload says so once on stderr, stops capturing, and the
+ * program runs on untouched.
  */
 #define _GNU_SOURCE
 #include "featdiff_shim.h"
@@ -39,7 +41,30 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifdef __linux__
+#include <signal.h>
+#include <sys/prctl.h>
+#endif
+
 #define FDP_META_MAX 128
+
+/* ---------------------------------------------------------------- dying with featdiff */
+
+#ifdef __linux__
+/* Runs when the library loads, in every process started with the preload (a wrapper script's
+ * shell, the program it starts, ...): each gets SIGKILL when its own parent dies, so a chain of
+ * them dies with featdiff, even when featdiff itself is killed with SIGKILL. A process whose
+ * parent is already gone (reparented to init, pid 1) when it gets here missed that signal: it
+ * exits now. Only pid 1 counts as gone: a wrapper's child has the wrapper as its parent, and a
+ * featdiff that is pid 1 itself (a container's init) is alive. */
+__attribute__((constructor)) static void fdp_die_with_parent(void) {
+    const char * featdiff = getenv("FEATDIFF_PARENT_PID");
+    if (!featdiff || !*featdiff) return;
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return;
+    const pid_t parent = getppid();
+    if (parent == 1 && atol(featdiff) != 1) raise(SIGKILL);
+}
+#endif
 
 /* ---------------------------------------------------------------- the program's functions */
 

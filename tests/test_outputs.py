@@ -6,6 +6,7 @@ half-written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.outputs import partial_path, replaced
+from featdiff.errors import InputError
+from featdiff.outputs import failed_output, lock_path, output_lock, partial_path, replaced
 
 
 def _refused(args: list[str], *kept: Path) -> str:
@@ -205,3 +207,35 @@ def test_a_failed_write_leaves_the_old_file_as_it_was(tmp_path):
             tmp.write_text("half a rep")
             raise OSError("disk full")
     assert old.read_text() == "the user's report" and not partial_path(old).exists()
+
+
+# --- one writer per output; a failed run writes beside the user's dump ---------------------------
+
+def test_an_output_lock_refuses_a_second_writer_naming_the_first(tmp_path):
+    out = tmp_path / "run.npz"
+    with output_lock(out) as lock:
+        assert lock == lock_path(out) and lock.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(InputError) as refused:
+            with output_lock(out):
+                pass
+        assert str(refused.value) == (f"{out}: another featdiff run is writing {out} (pid {os.getpid()}); "
+                                      "wait for it or choose another -o")
+        assert lock.read_text() == f"{os.getpid()}\n"  # the refused run leaves the holder's lock alone
+    assert not lock.exists()
+
+
+def test_a_lock_file_left_by_a_killed_run_does_not_block(tmp_path):
+    out = tmp_path / "run.npz"
+    lock_path(out).write_text("99999\n")  # its flock went with its process
+    with output_lock(out):
+        assert lock_path(out).read_text() == f"{os.getpid()}\n"
+    assert not lock_path(out).exists()
+
+
+def test_a_failed_run_writes_beside_an_existing_dump_never_over_it(tmp_path):
+    out = tmp_path / "run.npz"
+    assert failed_output(out) == out
+    out.write_bytes(b"the user's dump")
+    assert failed_output(out) == tmp_path / "run.failed.npz"
+    (tmp_path / "run.failed.npz").write_bytes(b"an earlier failure's")
+    assert failed_output(out) == tmp_path / "run.failed-2.npz"

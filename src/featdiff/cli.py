@@ -1,5 +1,6 @@
 """The command line: one typer function per command. Each parses, calls one library function,
-renders and exits; `main` is the only place that turns `InputError` into exit code 2.
+renders and exits; `main` is the only place that turns `InputError` into exit code 2, and SIGINT /
+SIGTERM into `Interrupted` and exit code 130 / 143.
 
 Library imports sit inside the commands so that `featdiff compare` never loads torch or the
 llama.cpp binding.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -18,11 +20,12 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from featdiff.errors import InputError
+from featdiff.errors import InputError, Interrupted
 
 class _App(TyperGroup):
-    """The one place an `InputError` becomes a one-line message and exit code 2, and any other
-    exception (a bug of featdiff's) a one-line message and exit code 3, its traceback in a file."""
+    """The one place an `InputError` becomes a one-line message and exit code 2, an interruption
+    (SIGINT, SIGTERM) one line saying what was kept and exit code 128 + signal (130, 143), and any
+    other exception (a bug of featdiff's) a one-line message and exit code 3, its traceback in a file."""
 
     def invoke(self, ctx: typer.Context) -> object:
         try:
@@ -30,6 +33,10 @@ class _App(TyperGroup):
         except InputError as e:
             typer.echo(f"featdiff: error: {e}", err=True)
             raise typer.Exit(EXIT_INPUT) from None
+        except KeyboardInterrupt as e:
+            stop = e if isinstance(e, Interrupted) else Interrupted.of(e)
+            typer.echo(f"featdiff: {stop}", err=True)
+            raise typer.Exit(stop.exit_code) from None
         except Exception as e:  # noqa: BLE001 - the contract: a bug exits 3 with one line, not a traceback
             if type(e).__module__.startswith(CLI_FRAMEWORK_MODULES):
                 raise  # usage errors, --help, typer.Exit: the framework's own way out
@@ -49,7 +56,8 @@ def _crash_report() -> str:
 app = typer.Typer(cls=_App, add_completion=False, no_args_is_help=True,
                   help="featdiff: which tensor a llama.cpp drafter port gets wrong, and why.")
 
-EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3  # and 128 + signal when interrupted: 130, 143
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # each raises Interrupted; a second one ends featdiff at once
 CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are the CLI framework's (typer vendors click)
 
 TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
@@ -135,9 +143,11 @@ def pack(
     output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
 ) -> None:
     """Pack the complete records of a capture spool into a dump (after a crash or a kill)."""
-    from featdiff.llama.spool import pack as pack_spool
+    from featdiff.llama.recover import pack_spool
 
-    typer.echo(pack_spool(spool, output))
+    packed = pack_spool(spool, output)
+    typer.echo(f"featdiff: {packed.summary()}", err=True)
+    typer.echo(packed.path)
 
 
 @app.command()
@@ -262,8 +272,19 @@ def check(
     raise typer.Exit(check_exit_code(result))
 
 
+def _raise_interrupted(signum: int, frame: object) -> None:
+    """The first SIGINT or SIGTERM unwinds featdiff as an `Interrupted` (the running command packs
+    what it has); a second one takes the signal's default action and ends it at once."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    raise Interrupted(signum)
+
+
 def main() -> None:
-    """Console entry point: configure logging once and run the app."""
+    """Console entry point: configure logging once, turn SIGINT / SIGTERM into `Interrupted`,
+    and run the app."""
     logging.basicConfig(level=logging.WARNING, format="featdiff: %(message)s", stream=sys.stderr)
     logging.getLogger("featdiff").setLevel(logging.INFO)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _raise_interrupted)
     app()

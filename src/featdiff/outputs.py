@@ -5,10 +5,15 @@ checks each output path against the command's inputs before it writes (capture a
 before they run a model) with `check_output` / `check_output_dir`, and writes each file through `replaced`: under a temporary name beside it,
 renamed into place when complete, so a killed or failed run never leaves a truncated file where
 the user's old one was. An existing output that is not an input is replaced: that is what -o means.
+
+A command that writes a dump from a capture holds the output's lock (`output_lock`) from before
+it touches the spool until the dump is in place, so two runs never write one output at once; a
+failed or interrupted run writes what it has to `failed_output`, never over the user's dump.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -17,6 +22,9 @@ from pathlib import Path
 from featdiff.errors import InputError
 
 PARTIAL_SUFFIX = ".partial"  # a file being written; renamed onto its real name once complete
+LOCK_SUFFIX = ".lock"  # beside an output while a run writes it; holds the writer's pid
+FAILED_TAG = ".failed"  # `<stem>.failed<suffix>`: what a failed run decoded, beside the user's dump
+PID_BYTES = 32
 
 
 def partial_path(output: Path) -> Path:
@@ -90,3 +98,74 @@ def _check_parent(output: Path, what: str) -> None:
         found = "is a file" if parent.exists() else "does not exist"
         raise InputError(f"{output}: {what} needs the directory {parent}, which {found}; "
                          f"create the directory or choose another {what}")
+
+
+def lock_path(output: Path) -> Path:
+    """The lock file of `output`: beside it, `<output>.lock`."""
+    return output.with_name(output.name + LOCK_SUFFIX)
+
+
+@contextmanager
+def output_lock(output: Path, what: str = "-o") -> Iterator[Path]:
+    """Hold `output`'s lock (an exclusive flock on `<output>.lock`) for the block; another run
+    holding it is an InputError naming its pid. The lock file is removed on release while still
+    locked, so a run that opened it meanwhile sees it gone and locks a new one (`_acquire`)."""
+    path = lock_path(Path(output))
+    fd = _acquire(path, Path(output), what)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _acquire(path: Path, output: Path, what: str) -> int:
+    """An open, flock-ed descriptor of the lock file now at `path`, with this pid written in it."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise InputError(f"{path}: cannot create the lock file beside {what} {output} ({e.strerror}); "
+                             f"check that the directory is writable or choose another {what}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, PID_BYTES, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise InputError(f"{output}: another featdiff run is writing {output} (pid {holder}); "
+                             f"wait for it or choose another {what}") from None
+        if _is_linked(fd, path):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)  # its holder removed this file as it let go: lock the one at `path` now
+
+
+def _is_linked(fd: int, path: Path) -> bool:
+    """True when the open file `fd` is still the file named `path` (not unlinked or replaced)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def failed_output(output: Path) -> Path:
+    """Where a failed or interrupted run writes what it has: `output` when nothing is there, else
+    the first free `<stem>.failed<suffix>`, `<stem>.failed-2<suffix>`, ... beside it, so the
+    user's dump is never replaced by a partial one."""
+    output = Path(output)
+    if not output.exists():
+        return output
+    return free_path(output.with_name(f"{output.stem}{FAILED_TAG}{output.suffix}"))
+
+
+def free_path(path: Path) -> Path:
+    """`path` if nothing is there, else the first free `<stem>-2<suffix>`, `<stem>-3<suffix>`, ..."""
+    n = 1
+    found = Path(path)
+    while found.exists():
+        n += 1
+        found = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return found

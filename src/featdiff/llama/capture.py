@@ -1,12 +1,15 @@
 """In-process capture: run the DFlash flow through the real llama.cpp build with the shim's
 eval callback on both contexts, spool what the filters select, then pack the spool into a dump.
 
-The spool sits beside the output (`<output>.spool.index/.data`) while the capture runs; if the
-process dies, `featdiff.llama.spool.pack` still turns it into a dump of the complete records.
+The spool sits beside the output (`<output>.spool.index/.data`) while the capture runs, under
+the output's lock (featdiff.outputs.output_lock); if the process dies, `featdiff pack` still turns
+it into a dump of the complete records. An interrupted capture packs what it has, beside a dump
+already at the output (featdiff.outputs.failed_output), never over it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -15,12 +18,12 @@ from pathlib import Path
 from featdiff import names
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row
 from featdiff.dump import CacheTypes, Eval, Round, kv_types_json
-from featdiff.errors import InputError
+from featdiff.errors import InputError, Interrupted
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
-from featdiff.outputs import check_output
+from featdiff.outputs import check_output, failed_output, output_lock
 from featdiff.reference.lint import preflight
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
@@ -96,41 +99,49 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
-    preflight(Path(model), Path(target))
-    rt = Runtime.load(llama_dir)
-    models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
-    try:
-        ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
-        cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
-        return _spooled(rt, models, ids, cfg, rounds, capture_filters(filters, cfg.target_layers), output)
-    finally:
-        for m in models:
-            m.free()
+    with output_lock(output):
+        preflight(Path(model), Path(target))
+        rt = Runtime.load(llama_dir)
+        models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
+        try:
+            ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
+            cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
+            kept = capture_filters(filters, cfg.target_layers)
+            packed = _spooled(rt, models, ids, cfg, rounds, kept, output)
+        finally:
+            for m in models:
+                m.free()
+    if filters:
+        spool.warn_unmatched_filters(kept, packed)
+    return packed.path
 
 
 def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
-             rounds: int, filters: FilterSet, output: Path) -> Path:
+             rounds: int, filters: FilterSet, output: Path) -> spool.Packed:
     """Run the flow into a spool beside `output`, then pack it; keep what a crash leaves."""
     prefix = spool.prefix_for(output)
+    spool.set_aside(prefix, output)
     sp = Spool.open(rt, prefix, filters.shim_globs())
     try:
-        sp.note("header", _header(rt, models, ids, filters, cfg))
+        sp.note(spool.HEADER, _header(rt, models, ids, filters, cfg))
         _run(rt, sp, models, ids, cfg, rounds)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         sp.close()
-        log.warning("interrupted: packing the complete records into %s", spool.pack(prefix, output))
+        packed = spool.pack(prefix, failed_output(output))
         spool.remove_spool(prefix)
-        raise
+        raise Interrupted.of(stop, packed.summary()) from None
     except BaseException:
         sp.close()
-        log.error("capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`", prefix, prefix, output)
+        log.error("capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
+                  prefix, prefix, failed_output(output))
         raise
     err = sp.close()
     if err:
         raise OSError(f"{prefix}.data: the shim failed to write the spool (error {err})")
-    path = spool.pack(prefix, output)
+    packed = spool.pack(prefix, output)
     spool.remove_spool(prefix)
-    return path
+    spool.warn_dropped(packed)
+    return packed
 
 
 def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds: int,
@@ -148,9 +159,13 @@ def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds
 def _run(rt: Runtime, sp: Spool, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
          rounds: int) -> None:
     tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)))
+    bar = _progress(rounds)
     try:
-        driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=_progress(rounds))
+        driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp),
+                        on_round=None if bar is None else functools.partial(bar.update, 1))
     finally:
+        if bar is not None:
+            bar.close()  # before any message: an interruption's line starts a line of its own
         dft.free()
         tgt.free()
 
@@ -197,8 +212,7 @@ def _progress(rounds: int):
         return None
     from tqdm import tqdm
 
-    bar = tqdm(total=rounds, desc="rounds", unit="round", leave=False)
-    return lambda: bar.update(1)
+    return tqdm(total=rounds, desc="rounds", unit="round", leave=False)
 
 
 def capture_exec(command: list[str], output: Path, filters: list[str] | None,

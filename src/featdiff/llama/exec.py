@@ -22,16 +22,18 @@ import numpy as np
 from featdiff import names
 from featdiff.blocks import accepted_length
 from featdiff.dump import KV_TYPE_DEFAULT, CacheTypes, DumpWriter, Eval, Manifest, MemoryOp, Round, kv_types_json
-from featdiff.errors import InputError
+from featdiff.errors import InputError, Interrupted
 from featdiff.filters import capture_filters
 from featdiff.gguf_meta import model_info
-from featdiff.llama import spool
+from featdiff.llama import server, spool
 from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
-from featdiff.outputs import check_output
+from featdiff.outputs import check_output, failed_output, output_lock
 
 log = logging.getLogger(__name__)
 
-SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log")  # the preload's owner note, the server log
+BUILD_SUFFIX = ".build.json"  # the manifest's build entry as known at launch: `featdiff pack` of a dead run reads it
+# the preload's owner note, the server log, the launch's build entry
+SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log", BUILD_SUFFIX)
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
 WARMUP = names.PHASE_WARMUP
 # Upstream programs print their llama.cpp version for --version and exit (common/arg.cpp).
@@ -90,13 +92,13 @@ class ExecLog:
     records: tuple[dict[str, Any], ...]  # the shim's record lines
     n_torn: int
     seq_rms: tuple[dict[str, Any], ...] = ()  # the preload's exec_seq_rm lines: removals from a cache
+    n_unreadable: int = 0  # complete lines that are no JSON event
 
 
 def read_exec_log(index: Path) -> ExecLog:
     """Parse a preload spool index; lines are JSON, written by native/featdiff_preload.c."""
-    raw = index.read_bytes()
-    complete, _, torn = raw.rpartition(b"\n")
-    events = [json.loads(line) for line in complete.split(b"\n") if line] if complete else []
+    lines = spool.read_index_lines(index)
+    events = lines.events
     models = {e["model"]: e["path"] for e in events if e["kind"] == "exec_model"}
     done = {e["eval"]: int(e["rc"]) for e in events if e["kind"] == "exec_done"}
     start = next((e for e in events if e["kind"] == "exec_start"), {})
@@ -106,9 +108,10 @@ def read_exec_log(index: Path) -> ExecLog:
                        for e in events if e["kind"] == "exec_context"),
         evals=tuple(_exec_eval(e, done.get(e["eval"])) for e in events if e["kind"] == "exec_eval"),
         clears=tuple((e["ctx"], e["after_eval"]) for e in events if e["kind"] == "exec_clear"),
-        records=tuple(e for e in events if e["kind"] == "record"),
-        n_torn=int(bool(torn)),
+        records=tuple(e for e in events if e["kind"] == spool.RECORD),
+        n_torn=lines.n_torn,
         seq_rms=tuple(e for e in events if e["kind"] == "exec_seq_rm"),
+        n_unreadable=lines.n_unreadable,
     )
 
 
@@ -366,18 +369,32 @@ def read_flow(prefix: Path) -> ExecFlow:
                     flow_notes(evals, rounds, greedy))
 
 
-def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> Path:
+def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
     """Write the dump of the spool at `prefix`; `build` adds to the manifest's build entry."""
     flow = read_flow(prefix)
-    if flow.log.n_torn:
-        log.warning("%s.index: dropped an incomplete last line (the program was interrupted)", prefix)
     writer = DumpWriter(Path(output))
-    spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
+    written = spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
     manifest = Manifest(source="llama.cpp", models=_models(flow), evals=flow.evals, records=(),
                         build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **build},
                         rounds=flow.rounds, prompt_tokens=flow.prompt_tokens, memory_ops=flow.memory_ops,
                         flow_notes=flow.notes)
-    return writer.close(manifest)
+    return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
+
+
+def save_build(prefix: Path, build: dict[str, Any]) -> None:
+    """Keep the build entry known at launch beside the spool, for `featdiff pack` of a run that dies."""
+    Path(f"{prefix}{BUILD_SUFFIX}").write_text(json.dumps(build, sort_keys=True))
+
+
+def saved_build(prefix: Path) -> dict[str, Any]:
+    """The build entry `save_build` kept for the spool at `prefix` ({} when there is none, or it is cut off)."""
+    path = Path(f"{prefix}{BUILD_SUFFIX}")
+    try:
+        found = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        log.warning("%s: not readable JSON; packing without the command line and filters it held", path)
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _models(flow: ExecFlow) -> dict[str, Any]:
@@ -413,16 +430,15 @@ def command_files(command: list[str]) -> tuple[Path, ...]:
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
-    """Run `command` with the preload, its stdin/stdout/stderr the caller's own; return its exit code."""
+    """Run `command` with the preload, its stdin/stdout/stderr the caller's own; return its exit
+    code. Stopped (server.stop_process) if featdiff is interrupted or it overruns `timeout_s`."""
     proc = subprocess.Popen(command, env=pre.environ())
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise InputError(f"{command[0]}: still running after {timeout_s:.0f} s; stopped it") from None
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop_process(proc)
 
 
 def kv_types_of(command: list[str], environ: dict[str, str]) -> dict[names.Role, CacheTypes]:
@@ -461,36 +477,63 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
                  llama_dir: Path | None = None, *, prompt: str | None = None, tokens: str | None = None,
                  timeout_s: float | None = None) -> Path:
     """Run `command` under the preload and write its dump; llama-server is started, asked one
-    greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server)."""
+    greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server). A program that
+    fails or is interrupted leaves its dump at `failed_output(output)`, never over a dump at -o."""
     program = program_path(command)
     output = check_output(Path(output), (program, *command_files(command)), "-o")
-    prefix = spool.prefix_for(output)
-    remove_spool(prefix)
     kept = capture_filters(filters)
-    build = {"command": list(command), "program": str(program), "filters": kept.to_json(),
-             "kv_types": kv_types_json(kv_types_of(command, dict(os.environ))), "commit": program_version(program),
-             **_launch(command, preload(prefix, kept, llama_dir), prefix, prompt, tokens, timeout_s)}
+    with output_lock(output):
+        prefix = spool.prefix_for(output)
+        spool.set_aside(prefix, output)
+        build = {"command": list(command), "program": str(program), "filters": kept.to_json(),
+                 "kv_types": kv_types_json(kv_types_of(command, dict(os.environ))), "commit": program_version(program)}
+        pre = preload(prefix, kept, llama_dir)
+        save_build(prefix, build)
+        try:
+            build |= _launch(command, pre, prefix, prompt, tokens, timeout_s)
+        except KeyboardInterrupt as stop:
+            raise _pack_interrupted(stop, prefix, output, build) from None
+        packed = _pack_run(command, prefix, output, build)
+    if filters:
+        spool.warn_unmatched_filters(kept, packed)
+    rc = int(build.get("exit_code", 0))
+    if rc != 0:
+        failed = build.get("server_error") or f"{command[0]}: exited with code {rc} under capture"
+        raise InputError(f"{failed}; {packed.path} holds what it decoded before that (compare it against the "
+                         "reference to see why); run the command without featdiff to see whether it fails alone")
+    return packed.path
+
+
+def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
+    """Pack the spool of a run that ended (to -o, or beside it if the program failed) and remove it."""
     rc = int(build.get("exit_code", 0))
     try:
-        path = pack_exec(prefix, output, build)
+        packed = pack_exec(prefix, failed_output(output) if rc != 0 else output, build)
     except InputError:
+        remove_spool(prefix)  # the program never reached llama.cpp: the spool holds nothing
         if rc != 0:  # it failed before any llama.cpp call: its own exit is the news
             raise InputError(f"{command[0]}: exited with code {rc} before decoding anything; run it without featdiff to see why") from None
         raise
-    finally:
+    remove_spool(prefix)
+    spool.warn_dropped(packed)
+    return packed
+
+
+def _pack_interrupted(stop: KeyboardInterrupt, prefix: Path, output: Path, build: dict[str, Any]) -> Interrupted:
+    """featdiff was interrupted while the program ran (it has been stopped): pack what it decoded
+    beside a dump at -o (or to -o if there is none) and say where."""
+    try:
+        packed = pack_exec(prefix, failed_output(output), build)
+    except InputError:
         remove_spool(prefix)
-    if rc != 0:
-        failed = build.get("server_error") or f"{command[0]}: exited with code {rc} under capture"
-        raise InputError(f"{failed}; {path} holds what it decoded before that (compare it against the "
-                         "reference to see why); run the command without featdiff to see whether it fails alone")
-    return path
+        return Interrupted.of(stop, "the program was stopped before it decoded anything; no dump written")
+    remove_spool(prefix)
+    return Interrupted.of(stop, f"stopped the program; {packed.summary()}")
 
 
 def _launch(command: list[str], pre: Preload, prefix: Path, prompt: str | None, tokens: str | None,
             timeout_s: float | None) -> dict[str, Any]:
     """Run the program (or serve one request); return what the manifest's build records of it."""
-    from featdiff.llama import server
-
     if server.is_server(command):
         request = server.request_from(prompt, tokens)
         try:

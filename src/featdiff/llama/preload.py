@@ -37,6 +37,9 @@ ENV_SPOOL = "FEATDIFF_SPOOL"
 ENV_FILTERS = "FEATDIFF_FILTERS"
 ENV_ARCH_KEY = "FEATDIFF_ARCH_KEY"
 ENV_DRAFT_ARCH = "FEATDIFF_DRAFT_ARCH"
+# the pid of the featdiff that runs the program: the preload makes each process it loads into die
+# with its parent (Linux PR_SET_PDEATHSIG), and the program exit at once if featdiff is already gone
+ENV_PARENT_PID = "FEATDIFF_PARENT_PID"
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,12 @@ class Preload:
     env: tuple[tuple[str, str], ...]
 
     def environ(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """`base` (default: this process's environment) plus the preload's variables."""
+        """`base` (default: this process's environment) plus the preload's variables, and this
+        process's pid as the parent the program dies with (`ENV_PARENT_PID`)."""
         merged = dict(os.environ if base is None else base)
         for key, value in self.env:
             merged[key] = f"{value}:{merged[key]}" if key == PRELOAD_VAR and merged.get(key) else value
+        merged[ENV_PARENT_PID] = str(os.getpid())
         return merged
 
 

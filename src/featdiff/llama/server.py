@@ -109,7 +109,7 @@ def serve(command: list[str], pre: Preload, requests: list[CompletionRequest], p
             _wait_ready(proc, port, log_path)
             return tuple(_complete(port, r, log_path) for r in requests)
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
 def serve_one(command: list[str], pre: Preload, request: CompletionRequest, prefix: Path) -> ServerResult:
@@ -152,16 +152,20 @@ def _complete(port: int, request: CompletionRequest, log_path: Path) -> ServerRe
                         predicted_n=int(timings.get("predicted_n", 0)))
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (llama-server shuts down cleanly), then SIGKILL if it lingers."""
+def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM (llama-server shuts down cleanly), then SIGKILL if it lingers past `timeout_s`,
+    or if featdiff is interrupted again while it waits."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _tail(log_path: Path) -> str:

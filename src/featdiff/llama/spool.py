@@ -1,27 +1,89 @@
 """Pack a shim spool (<prefix>.data + <prefix>.index) into a dump (format v1).
 
 The index holds one JSON line per event: a `header` (models, build, prompt), an `eval`, a
-`round`, or a `record` (written by the C shim after its data). Lines without a final newline
-are the tail of a process that died mid-write; they and anything after them are ignored, so a
-killed capture still packs into a readable dump of its complete records.
+`round`, or a `record` (written by the C shim after its data). A line without a final newline is
+the tail of a process that died mid-write, and a record whose bytes are not all in the data file
+cannot be read back: both are dropped and counted, every other record is kept, so a killed
+capture still packs into a readable dump of its complete records (`Packed` says what was dropped).
+
+The spool sits beside the dump it becomes (`prefix_for`); a spool found there when a capture
+starts is an earlier capture's that died before packing, and is moved aside, never overwritten.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections import Counter
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.errors import InputError
-from featdiff.names import PHASE_WARMUP, ROLES
+from featdiff.filters import FilterSet, RoleFilter
+from featdiff.names import PHASE_WARMUP, ROLES, Role
 from featdiff.outputs import check_output
 
 log = logging.getLogger(__name__)
+
+HEADER = "header"  # the first line of an in-process spool (capture.py); the preload's lines are others
+RECORD = "record"
+RECORD_FIELDS = ("eval", "role", "name", "occurrence", "op", "ggml_type", "ne", "nb", "srcs", "dtype",
+                 "offset", "nbytes")  # what a shim `record` line holds (featdiff_shim.c)
+# why a pack dropped something, as its summary says it
+DROP_DATA_SHORT = "data file ends early"  # a record whose bytes are not all in <prefix>.data
+DROP_MISSIZED = "byte count does not match the shape"
+DROP_TORN = "torn index line"  # the last line, cut off: the process died mid-write
+DROP_UNREADABLE = "unreadable index line"
+ASIDE_STAMP = "%Y%m%dT%H%M%SZ"  # UTC: `<output>.spool-20250101T120000Z.*`
+RECOVERED_TAG = ".recovered-"  # the dump the set-aside message suggests: `<stem>.recovered-<stamp><suffix>`
+
+
+@dataclass(frozen=True)
+class IndexLines:
+    """The complete, readable lines of a spool index, and how many were not."""
+
+    events: tuple[dict[str, Any], ...]
+    n_torn: int  # an incomplete last line
+    n_unreadable: int  # complete lines that are no JSON event (or a record without its fields)
+
+
+def read_index_lines(index_path: Path) -> IndexLines:
+    """Parse the complete lines of a spool index (either kind: in-process or the preload's)."""
+    complete, _, torn = index_path.read_bytes().rpartition(b"\n")
+    events, bad = [], 0
+    for line in complete.split(b"\n") if complete else []:
+        event = _event(line)
+        if event is None:
+            bad += 1
+        else:
+            events.append(event)
+    return IndexLines(tuple(events), int(bool(torn)), bad)
+
+
+def _event(line: bytes) -> dict[str, Any] | None:
+    """One index line as an event, or None when it is not one."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+        return None
+    if event["kind"] == RECORD and not all(k in event for k in RECORD_FIELDS):
+        return None
+    return event
+
+
+def first_kind(index_path: Path) -> str | None:
+    """The kind of the first readable line of a spool index (None: it holds none): `header` for
+    an in-process spool, one of the preload's kinds for a `capture --exec` spool."""
+    lines = read_index_lines(index_path)
+    return lines.events[0]["kind"] if lines.events else None
 
 
 @dataclass(frozen=True)
@@ -33,26 +95,25 @@ class SpoolEvents:
     rounds: tuple[Round, ...]
     records: tuple[dict[str, Any], ...]
     n_torn: int  # incomplete trailing lines dropped
+    n_unreadable: int = 0  # complete lines dropped: no JSON event
 
 
 def read_index(index_path: Path) -> SpoolEvents:
-    """Parse the complete lines of a spool index."""
-    raw = index_path.read_bytes()
-    complete, _, torn = raw.rpartition(b"\n")
+    """Parse the complete lines of an in-process spool index."""
+    lines = read_index_lines(index_path)
     header: dict[str, Any] = {}
     evals, rounds, records = [], [], []
-    for line in complete.split(b"\n") if complete else []:
-        event = json.loads(line)
+    for event in (dict(e) for e in lines.events):
         kind = event.pop("kind")
-        if kind == "header":
+        if kind == HEADER:
             header = event
         elif kind == "eval":
             evals.append(Eval.from_json(event))
         elif kind == "round":
             rounds.append(Round.from_json(event))
-        elif kind == "record":
+        elif kind == RECORD:
             records.append(event)
-    return SpoolEvents(header, tuple(evals), tuple(rounds), tuple(records), int(bool(torn)))
+    return SpoolEvents(header, tuple(evals), tuple(rounds), tuple(records), lines.n_torn, lines.n_unreadable)
 
 
 def _n_dims(ne: list[int]) -> int:
@@ -87,31 +148,95 @@ def record_from_event(event: dict[str, Any], phase: str, n_dims: int | None = No
     )
 
 
+@dataclass(frozen=True)
+class Written:
+    """What `write_records` did: the (role, name) of each record it added, and the reason of
+    each it dropped."""
+
+    names: tuple[tuple[Role, str], ...]
+    dropped: tuple[str, ...]
+
+
 def write_records(writer: DumpWriter, records: tuple[dict[str, Any], ...], evals: tuple[Eval, ...],
-                  data: Path) -> None:
-    """Add every record whose data is complete in `data` to the dump being written."""
+                  data: Path) -> Written:
+    """Add every record whose bytes are all in `data` to the dump being written; drop the others
+    (a short one never hides the complete ones after it)."""
     phases = {e.eval: e.phase for e in evals}
     n_tokens = {e.eval: e.n_tokens for e in evals}
     dims = dims_by_name(records, n_tokens)
+    kept, dropped = [], []
     with open(data, "rb") as f:
         for event in records:
             n = _n_dims(event["ne"])
             if n_tokens.get(int(event["eval"])) == 1:
                 n = min(max(n, dims.get(event["name"], n + 1)), 4)  # keep the token dimension
             record = record_from_event(event, phases.get(int(event["eval"]), PHASE_WARMUP), n)
-            f.seek(int(event["offset"]))
-            buf = f.read(int(event["nbytes"]))
-            if len(buf) != int(event["nbytes"]):
-                break  # the data file ends early: this record and later ones are incomplete
-            writer.add(record, np.frombuffer(buf, dtype=record.dtype).reshape(record.shape))
+            array, why = _read_array(f, event, record)
+            if array is None:
+                dropped.append(why)
+                continue
+            writer.add(record, array)
+            kept.append((record.role, record.name))
+    return Written(tuple(kept), tuple(dropped))
+
+
+def _read_array(f: BinaryIO, event: dict[str, Any], record: Record) -> tuple[np.ndarray | None, str]:
+    """The record's array from the open data file, or None and why it cannot be read."""
+    nbytes = int(event["nbytes"])
+    if nbytes != int(np.prod(record.shape)) * np.dtype(record.dtype).itemsize:
+        return None, DROP_MISSIZED
+    f.seek(int(event["offset"]))
+    buf = f.read(nbytes)
+    if len(buf) != nbytes:
+        return None, DROP_DATA_SHORT
+    return np.frombuffer(buf, dtype=record.dtype).reshape(record.shape), ""
+
+
+@dataclass(frozen=True)
+class Packed:
+    """What a pack wrote: the dump, how many records it kept, and what it dropped, per reason."""
+
+    path: Path
+    kept: int
+    dropped: tuple[tuple[str, int], ...] = ()  # (reason, count), reasons that dropped something
+    names: frozenset[tuple[Role, str]] = frozenset()  # (role, name) of the kept records
+
+    @staticmethod
+    def of(path: Path, written: Written, n_torn: int, n_unreadable: int) -> Packed:
+        counts = Counter(written.dropped) + Counter({DROP_TORN: n_torn, DROP_UNREADABLE: n_unreadable})
+        return Packed(path, len(written.names), tuple(sorted(counts.items())), frozenset(written.names))
+
+    def summary(self) -> str:
+        """One sentence: kept, and (if anything) dropped with the count of each reason."""
+        kept = f"packed {self.kept} complete records into {self.path}"
+        if not self.dropped:
+            return kept
+        counts = ", ".join(f"{n}: {reason}" for reason, n in self.dropped)
+        return f"{kept}; warning: dropped {sum(n for _, n in self.dropped)} ({counts})"
+
+
+def warn_dropped(packed: Packed) -> None:
+    """A pack that dropped something says so (never silently)."""
+    if packed.dropped:
+        log.warning("%s", packed.summary())
 
 
 SPOOL_SUFFIXES = (".index", ".data")
+SPOOL_TAG = ".spool"
 
 
 def prefix_for(output: Path) -> Path:
     """Where a capture spools while it writes `output`: beside it, `<output>.spool.*`."""
-    return output.with_name(output.name + ".spool")
+    return output.with_name(output.name + SPOOL_TAG)
+
+
+def owner_output(prefix: Path) -> Path | None:
+    """The output whose capture spools at `prefix` (the inverse of `prefix_for`); None for a
+    prefix no capture spools at (one set aside, one named by hand)."""
+    name = Path(prefix).name
+    if not name.endswith(SPOOL_TAG) or name == SPOOL_TAG:
+        return None
+    return Path(prefix).with_name(name.removesuffix(SPOOL_TAG))
 
 
 def spool_files(prefix: Path) -> tuple[Path, Path]:
@@ -119,23 +244,85 @@ def spool_files(prefix: Path) -> tuple[Path, Path]:
     return Path(f"{prefix}.index"), Path(f"{prefix}.data")
 
 
+def spool_paths(prefix: Path) -> tuple[Path, ...]:
+    """Every file of the spool at `prefix`, whoever wrote it: `<prefix>.<anything>`."""
+    start = prefix.name + "."
+    parent = prefix.parent
+    return tuple(sorted(p for p in parent.iterdir() if p.name.startswith(start))) if parent.is_dir() else ()
+
+
 def remove_spool(prefix: Path, suffixes: tuple[str, ...] = SPOOL_SUFFIXES) -> None:
     for suffix in suffixes:
         Path(f"{prefix}{suffix}").unlink(missing_ok=True)
 
 
-def pack(prefix: Path, output: Path) -> Path:
-    """Write the dump of everything complete in the spool at `prefix`; return its path."""
-    index, data = spool_files(prefix)
-    if not index.is_file() or not data.is_file():
-        raise InputError(f"{prefix}: no spool (.index/.data) here; was the capture started?")
+def set_aside(prefix: Path, output: Path) -> Path | None:
+    """Move a spool found at `prefix` (an earlier capture to `output` died before packing it; its
+    lock is free, so it is not running) to `<prefix>-<UTC time>.*`, every file of it, and say
+    where and how to pack it. Returns the new prefix (None: there was no spool)."""
+    found = spool_paths(prefix)
+    if not found:
+        return None
+    stamp = datetime.now(UTC).strftime(ASIDE_STAMP)
+    aside = _free_prefix(prefix.with_name(f"{prefix.name}-{stamp}"))
+    for path in found:
+        os.rename(path, aside.with_name(aside.name + path.name[len(prefix.name):]))
+    recovered = output.with_name(f"{output.stem}{RECOVERED_TAG}{stamp}{output.suffix}")
+    log.warning("found the spool of an earlier capture to %s that never finished (%s.*); moved it to %s.* "
+                "instead of overwriting it: recover it with `featdiff pack %s -o %s`",
+                output, prefix, aside, aside, recovered)
+    return aside
+
+
+def _free_prefix(prefix: Path) -> Path:
+    """`prefix`, or `<prefix>-2`, `<prefix>-3` ..., the first that no spool file uses."""
+    n, found = 1, prefix
+    while spool_paths(found):
+        n += 1
+        found = prefix.with_name(f"{prefix.name}-{n}")
+    return found
+
+
+def pack(prefix: Path, output: Path) -> Packed:
+    """Write the dump of every complete record in the in-process spool at `prefix`."""
+    index, data = require_spool(prefix)
     output = check_output(Path(output), (index, data), "-o")
     events = read_index(index)
-    if events.n_torn:
-        log.warning("%s: dropped an incomplete last line (the capture was interrupted)", index)
     writer = DumpWriter(output)
-    write_records(writer, events.records, events.evals, data)
+    written = write_records(writer, events.records, events.evals, data)
     manifest = Manifest(source="llama.cpp", models=events.header.get("models", {}),
                         build=events.header.get("build", {}), evals=events.evals, records=(),
                         rounds=events.rounds, prompt_tokens=tuple(events.header.get("prompt_tokens", ())))
-    return writer.close(manifest)
+    return Packed.of(writer.close(manifest), written, events.n_torn, events.n_unreadable)
+
+
+def require_spool(prefix: Path) -> tuple[Path, Path]:
+    """The index and data files of the spool at `prefix`, checked to exist."""
+    index, data = spool_files(prefix)
+    if not index.is_file() or not data.is_file():
+        raise InputError(f"{prefix}: no spool here ({index.name} and {data.name} expected); give the prefix a "
+                         "capture left, e.g. run.npz.spool for -o run.npz")
+    return index, data
+
+
+# ---------------------------------------------------------------- filters that caught nothing
+
+def unmatched_globs(filters: FilterSet, names: frozenset[tuple[Role, str]]) -> tuple[tuple[str, tuple[Role, ...]], ...]:
+    """Each include glob of `filters` that matched no record name of any role it applies to,
+    with those roles (a glob given without a role applies to both)."""
+    roles_of: dict[str, list[Role]] = {}
+    for role in ROLES:
+        for glob in filters.role(role).include:
+            roles_of.setdefault(glob, []).append(role)
+    return tuple((glob, tuple(roles)) for glob, roles in roles_of.items()
+                 if not any(RoleFilter((glob,)).keeps(name) for role, name in names if role in roles))
+
+
+def warn_unmatched_filters(filters: FilterSet, packed: Packed) -> None:
+    """One warning per `--filter` glob that caught no tensor in the whole capture: a misspelt
+    name or a layer the model does not have. Only for the user's own globs (the caller's to say):
+    the default wiring set names tensors some architectures lack."""
+    for glob, roles in unmatched_globs(filters, packed.names):
+        spec = glob if len(roles) == len(ROLES) else f"{roles[0]}:{glob}"
+        log.warning("--filter %r matched no tensor of the %s in this capture; check the name with "
+                    "`featdiff inspect` or the records list in docs/records.md", spec, " or the ".join(roles))
