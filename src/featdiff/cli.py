@@ -27,7 +27,7 @@ class _App(TyperGroup):
     (SIGINT, SIGTERM) one line saying what was kept and exit code 128 + signal (130, 143), and any
     other exception (a bug of featdiff's) a one-line message and exit code 3, its traceback in a file."""
 
-    def invoke(self, ctx: typer.Context) -> object:
+    def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]  # typer.Context: click's, narrowed
         try:
             return super().invoke(ctx)
         except InputError as e:
@@ -62,7 +62,7 @@ CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are th
 
 TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")]
-RoundsOpt = Annotated[int, typer.Option("--rounds", min=0, help="Speculative rounds (draft, verify, inject) after the prefill.")]
+RoundsOpt = Annotated[int, typer.Option("--rounds", min=0, help="Speculative rounds (draft, verify, inject) after the prefill; at most what fits the target's trained context: prompt + (rounds + 1) x block rows <= {arch}.context_length (HF: max_position_embeddings; 32768 when the target states none).")]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Drafts per block, as llama.cpp's --spec-draft-n-max: the block is the anchor plus N masks, N clamped to dflash.block_size - 1. Default: 3, llama.cpp's default. In-process only: with --exec the program's command line decides.")]
 LlamaDirOpt = Annotated[Optional[Path], typer.Option("--llama-dir", help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.")]
 PMinOpt = Annotated[Optional[float], typer.Option("--p-min", min=0.0, max=1.0, help="llama.cpp's --spec-draft-p-min: a DSpark drafter with a confidence head stops drafting below it. Default 0 (reference: the --run dump's).")]
@@ -165,13 +165,15 @@ def reference(
     block: Annotated[Optional[int], typer.Option("--block", help="Rows per draft block: the anchor and the masks; a run's --spec-draft-n-max + 1 (anchor-first DSpark: n-max), up to dflash.block_size. Default: llama.cpp's default --spec-draft-n-max 3, clamped.")] = None,
     run: Annotated[Optional[Path], typer.Option("--run", help="A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block.")] = None,
     p_min: PMinOpt = None,
+    follow: Annotated[Optional[Path], typer.Option("--follow", exists=True, dir_okay=False, help="A run dump (.npz) to replay: its prompt, rounds, drafts and accepted prefixes instead of the reference's own, so every eval of the run pairs (a quantized target, a server's own loop). Replaces --prompt/--tokens/--rounds/--block/--run.")] = None,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
     from featdiff.reference import run as reference_run
 
     typer.echo(reference_run.reference(target, model, output, prompt=prompt, tokens=tokens,
                                        rounds=rounds, dtype=dtype, device=device,
-                                       kv_dtype=kv_dtype, llama_dir=llama_dir, block=block, run=run, p_min=p_min))
+                                       kv_dtype=kv_dtype, llama_dir=llama_dir, block=block, run=run, p_min=p_min,
+                                       follow=follow))
 
 
 @app.command()

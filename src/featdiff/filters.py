@@ -19,8 +19,9 @@ from featdiff import names
 from featdiff.errors import InputError
 from featdiff.names import ROLES, Role
 
-# The shim's role ids (featdiff_shim.h: FD_ROLE_TARGET = 0, FD_ROLE_DRAFT = 1).
-ROLE_IDS: dict[Role, int] = {"target": 0, "draft": 1}
+# The shim's role ids: a role's index in names.ROLES, as featdiff_shim.h's enum numbers them
+# (FD_ROLE_TARGET, FD_ROLE_DRAFT; tests/llama/test_capture.py holds the two equal through the binding).
+ROLE_IDS: dict[Role, int] = {role: i for i, role in enumerate(ROLES)}
 NOT = "!"  # a glob's prefix that makes it an exclusion
 ROLE_SEP = ":"  # `draft:GLOB` limits a glob to one role
 ROLE_WORD = re.compile(r"[A-Za-z]+")  # a prefix before ROLE_SEP spelled like a role: a role or a typo of one

@@ -160,7 +160,7 @@ def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], round
     from featdiff.llama.runtime import Model, Runtime
     from featdiff.reference.lint import preflight
 
-    preflight(Path(model), Path(target))
+    preflight(Path(model), Path(target), rounds=rounds, draft_max=draft_max)
     rt = Runtime.load(llama_dir)
     tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
     try:

@@ -288,7 +288,7 @@ def test_sigterm_of_an_in_process_capture_packs_what_it_decoded_beside_the_users
     good = Path(shutil.copy(exec_spool_packed.path, out)).read_bytes()
     index = spool.spool_files(spool.prefix_for(out))[0]
     proc = _featdiff(["capture", "--target", models / "target.gguf", "--model", models / "draft.gguf",
-                      "--tokens", DEFAULT_TOKENS, "--rounds", "2000", "--filter", "*", "-o", out])  # fmt: skip
+                      "--tokens", DEFAULT_TOKENS, "--rounds", "900", "--filter", "*", "-o", out])  # fmt: skip
     _wait_until(lambda: index.exists() and index.stat().st_size > 100_000, proc, "a spool of 100 kB")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=RUN_TIMEOUT_S)

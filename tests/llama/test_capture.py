@@ -118,10 +118,11 @@ def test_an_exclusion_can_name_a_role():
 
 
 def _long_capture_under_way(d: Path, out: Path) -> subprocess.Popen:
-    """A capture of 2000 rounds in a child process, returned once its spool holds 200 kB."""
+    """A long capture (900 rounds: within the fixture's trained context) in a child process, returned
+    once its spool holds 200 kB."""
     index = out.with_name(out.name + ".spool.index")
     code = ("from featdiff.llama.capture import capture; "
-            f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=2000, filters=['*'])")
+            f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=900, filters=['*'])")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
@@ -260,3 +261,13 @@ def test_a_pair_llama_cpp_would_misrun_is_refused_before_it_loads(fixture_models
     assert result.exit_code == 2, result.output
     assert f"{broken}: " in result.output and ("mask_token_id" if what == "mask" else "fc.weight") in result.output
     assert not out.exists() and not list(tmp_path.glob("run.npz.spool*"))
+
+
+def test_role_ids_are_the_shims():
+    """Python numbers the roles by their order in names.ROLES; the shim's header enum must agree
+    (read through the compiled binding, so a change on either side fails here)."""
+    from featdiff.filters import ROLE_IDS
+    from featdiff.llama.runtime import Runtime
+
+    lib = Runtime.load().lib
+    assert (ROLE_IDS["target"], ROLE_IDS["draft"]) == (lib.FD_ROLE_TARGET, lib.FD_ROLE_DRAFT)

@@ -67,3 +67,18 @@ def test_a_dump_without_rounds_cannot_be_followed(q4_run, tmp_path):
     no_rounds = _reference(d, tmp_path / "prefill.npz", prompt=None, tokens=DEFAULT_TOKENS, rounds=0)
     with pytest.raises(InputError, match="no speculative rounds"):
         _reference(d, tmp_path / "x.npz", prompt=None, tokens=None, rounds=2, follow=no_rounds)
+
+
+def test_the_cli_follows_a_run(q4_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    d, run = q4_run
+    out = tmp_path / "cli.npz"
+    args = ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft-hf"), "--follow", str(run)]
+    result = CliRunner().invoke(app, [*args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert _flow(out) == _flow(run)
+    refused = CliRunner().invoke(app, [*args, "--tokens", "1,2", "-o", str(tmp_path / "x.npz")])
+    assert refused.exit_code == 2 and "drop --tokens" in refused.output

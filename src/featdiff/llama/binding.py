@@ -5,7 +5,7 @@ from a guess. The compiled module is cached per build under ~/.cache/featdiff (o
 $FEATDIFF_CACHE), keyed by the headers, the library and the shim sources it was built from.
 
 Accepted layouts for a build (`--llama-dir DIR` or $FEATDIFF_LLAMA_DIR):
-* an install prefix: DIR/include/llama.h and DIR/lib/libllama.so (also lib64/);
+* an install prefix: DIR/include/llama.h and DIR/lib/libllama.so (.dylib on macOS; also lib64/);
 * a llama.cpp checkout: DIR/include/llama.h, DIR/ggml/include/ggml.h and the libraries of a
   CMake build under DIR/build (build/bin or build/src, build/ggml/src).
 Without either, the pinned llama-cpp-python's include/ and lib/ are used.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from featdiff.cache_dir import ENV_CACHE, cache_root  # noqa: F401 - ENV_CACHE: preload.py reads it here until it moves
+from featdiff.cache_dir import cache_root
 from featdiff.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ NATIVE_DIR = Path(__file__).resolve().parents[3] / "native"
 SHIM_SOURCES = ("featdiff_shim.c", "featdiff_ext.cpp")
 SHIM_HEADERS = ("featdiff_shim.h", "featdiff_ext.h")
 LIBS = ("llama", "ggml", "ggml-base")
+# the shared library's file name on this platform (macOS builds make .dylib, Linux .so)
+LIBLLAMA = "libllama.dylib" if sys.platform == "darwin" else "libllama.so"
 ENV_LLAMA_DIR = "FEATDIFF_LLAMA_DIR"
 
 CDEF = """
@@ -61,6 +63,8 @@ struct llama_context_params {
 struct llama_embd { const float * data; size_t n_rows; size_t n_embd; };
 
 void llama_backend_init(void);
+size_t ggml_backend_reg_count(void);
+void ggml_backend_load_all_from_path(const char * dir_path);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 const char * llama_print_system_info(void);
 struct llama_model_params llama_model_default_params(void);
@@ -100,7 +104,8 @@ const int32_t * fd_model_target_layer_ids(const struct llama_model * model);
 uint32_t fd_model_target_layer_ids_n(const struct llama_model * model);
 
 /* featdiff_shim.h */
-enum { FD_ROLE_TARGET = 0, FD_ROLE_DRAFT = 1 };
+static const int FD_ROLE_TARGET;  /* the header's values, read when the binding compiles */
+static const int FD_ROLE_DRAFT;
 typedef struct fd_capture fd_capture;
 typedef struct fd_context_tag { fd_capture * cap; int role; } fd_context_tag;
 fd_capture * fd_capture_open(const char * prefix);
@@ -129,7 +134,7 @@ class LlamaBuild:
 
     @property
     def libllama(self) -> Path:
-        return next(d / "libllama.so" for d in self.lib_dirs if (d / "libllama.so").exists())
+        return next(d / LIBLLAMA for d in self.lib_dirs if (d / LIBLLAMA).exists())
 
 
 def find_build(llama_dir: Path | None = None) -> LlamaBuild:
@@ -156,9 +161,10 @@ def _pinned_build() -> LlamaBuild:
 
 def _checked(build: LlamaBuild) -> LlamaBuild:
     existing = tuple(d for d in build.lib_dirs if d.is_dir())
-    if not any((d / "libllama.so").exists() for d in existing):
+    if not any((d / LIBLLAMA).exists() for d in existing):
         where = ", ".join(str(d) for d in build.lib_dirs)
-        raise InputError(f"{build.root}: no libllama.so in {where}; build llama.cpp with -DBUILD_SHARED_LIBS=ON")
+        raise InputError(f"{build.root}: no {LIBLLAMA} in {where} (looked for {build.lib_dirs[0] / LIBLLAMA}); "
+                         "build llama.cpp with -DBUILD_SHARED_LIBS=ON, or pass its install prefix")
     for h in ("llama.h", "ggml.h", "ggml-backend.h"):
         if not any((d / h).is_file() for d in build.include_dirs):
             raise InputError(f"{build.root}: header {h} not found in {', '.join(map(str, build.include_dirs))}")

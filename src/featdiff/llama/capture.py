@@ -100,7 +100,8 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
     with output_lock(output):
-        preflight(Path(model), Path(target))
+        preflight(Path(model), Path(target), rounds=rounds,
+                  draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
         rt = Runtime.load(llama_dir)
         models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
         try:

@@ -58,7 +58,7 @@ class ExecContext:
     """A llama_context the program created (memory-fitting probes create throwaway ones)."""
 
     index: int
-    role: str
+    role: names.Role
     arch: str
     model_path: str | None
     ok: bool
@@ -158,11 +158,11 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     when the length budget leaves no room to draft); before that it is `prefill`. Warm-up and
     probe decodes are kept, as phase `warmup`.
     """
-    roles = {c.index: c.role for c in log.contexts}
+    roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
     warm = warmup_evals(log)
     walk, out = _Walk(), []
     for ev in log.evals:
-        role = roles.get(ev.ctx, "target")
+        role: names.Role = roles.get(ev.ctx, "target")
         phase, walk = (WARMUP, walk) if ev.eval in warm else _step(walk, role, ev)
         out.append(Eval(eval=ev.eval, role=role, phase=phase, n_tokens=len(ev.positions),
                         positions=ev.positions, token_ids=() if ev.is_embd else ev.token_ids,
@@ -171,7 +171,7 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     return tuple(out)
 
 
-def _step(walk: _Walk, role: str, ev: ExecEval) -> tuple[str, _Walk]:
+def _step(walk: _Walk, role: names.Role, ev: ExecEval) -> tuple[names.Phase, _Walk]:
     """The phase of one real eval, and the walk after it."""
     if role == "draft":
         if ev.is_embd:
@@ -265,7 +265,7 @@ def memory_ops(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[MemoryOp, ...]:
     """The removals the program made from the caches of its flow's contexts, in order: a
     memory clear is a removal of everything (seq -1, p0 -1, p1 -1). Ops on contexts that ran only
     warm-up decodes, and ops before the first real eval (warm-up, probes), are left out."""
-    roles = {c.index: c.role for c in log.contexts}
+    roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
     real = [e.eval for e in evals if e.phase != WARMUP]
     real_set = set(real)
     used = {ev.ctx for ev in log.evals if ev.eval in real_set}
@@ -400,7 +400,7 @@ def saved_build(prefix: Path) -> dict[str, Any]:
 def _models(flow: ExecFlow) -> dict[str, Any]:
     """The model of the context each role ran its real (non-warm-up) evals on."""
     used = {ev.ctx for ev, e in zip(flow.log.evals, flow.evals) if e.phase != WARMUP}
-    out = {}
+    out: dict[str, Any] = {}
     for c in flow.log.contexts:
         if c.index in used and c.role not in out and c.model_path:
             out[c.role] = model_info(Path(c.model_path)).to_json()
@@ -485,7 +485,7 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     with output_lock(output):
         prefix = spool.prefix_for(output)
         spool.set_aside(prefix, output)
-        build = {"command": list(command), "program": str(program), "filters": kept.to_json(),
+        build: dict[str, Any] = {"command": list(command), "program": str(program), "filters": kept.to_json(),
                  "kv_types": kv_types_json(kv_types_of(command, dict(os.environ))), "commit": program_version(program)}
         pre = preload(prefix, kept, llama_dir)
         save_build(prefix, build)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff import names
+from featdiff.cache_dir import cache_root
 from featdiff.errors import InputError
 from featdiff.filters import FilterSet, capture_filters
 from featdiff.llama import binding
@@ -63,7 +64,7 @@ def preload_library(llama_dir: Path | None = None) -> Path:
     """The preload library for the headers of `llama_dir` (default: the pinned build), compiled once."""
     build = binding.find_build(llama_dir)
     key = _preload_key(build)
-    path = _cache_root() / "preload" / key / PRELOAD_NAME
+    path = cache_root() / "preload" / key / PRELOAD_NAME
     if not path.is_file():
         _compile_preload(build, path)
     return path
@@ -76,11 +77,6 @@ def preload(prefix: Path, filters: FilterSet | None = None, llama_dir: Path | No
     library = preload_library(llama_dir)
     return Preload(library, ((PRELOAD_VAR, str(library)), (ENV_SPOOL, str(prefix)), (ENV_FILTERS, lines),
                              (ENV_ARCH_KEY, names.KEY_ARCH), (ENV_DRAFT_ARCH, names.ARCH_DFLASH)))
-
-
-def _cache_root() -> Path:
-    """Where the cffi binding caches too (binding.py): $FEATDIFF_CACHE or ~/.cache/featdiff."""
-    return Path(os.environ.get(binding.ENV_CACHE) or Path.home() / ".cache" / "featdiff")
 
 
 def _preload_key(build: binding.LlamaBuild) -> str:

@@ -35,7 +35,21 @@ class Runtime:
         if not os.environ.get(ENV_VERBOSE):
             rt.lib.llama_log_set(rt.ffi.cast("ggml_log_callback", rt.ffi.addressof(rt.lib, "fd_log_errors_only")), rt.ffi.NULL)
         rt.lib.llama_backend_init()
+        rt.load_backends()
         return rt
+
+    def load_backends(self) -> None:
+        """A build made with GGML_BACKEND_DL=ON registers no backend until its backend libraries
+        (libggml-cpu*.so, libggml-cuda.so, ...) are loaded, as llama.cpp's programs do at start;
+        load those beside the build's libraries. Builds with backends linked in have them already."""
+        if self.lib.ggml_backend_reg_count() > 0:
+            return
+        for d in self.build.lib_dirs:
+            self.lib.ggml_backend_load_all_from_path(str(d).encode())
+        if self.lib.ggml_backend_reg_count() == 0:
+            dirs = ", ".join(str(d) for d in self.build.lib_dirs)
+            raise InputError(f"{self.build.libllama}: this build registers no ggml backend and none loads from {dirs} "
+                             "(a GGML_BACKEND_DL build keeps libggml-cpu*.so there); rebuild it or pass its install prefix")
 
     def system_info(self) -> str:
         return self.ffi.string(self.lib.llama_print_system_info()).decode()

@@ -26,7 +26,7 @@ import numpy as np
 from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.errors import InputError
 from featdiff.filters import FilterSet, RoleFilter
-from featdiff.names import PHASE_WARMUP, ROLES, Role
+from featdiff.names import PHASE_WARMUP, ROLES, Phase, Role
 from featdiff.outputs import check_output
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def dims_by_name(records: tuple[dict[str, Any], ...], n_tokens: dict[int, int]) 
     return dims
 
 
-def record_from_event(event: dict[str, Any], phase: str, n_dims: int | None = None) -> Record:
+def record_from_event(event: dict[str, Any], phase: Phase, n_dims: int | None = None) -> Record:
     """A dump record from a shim `record` line; numpy shape = reversed ggml ne[:n_dims]
     (default: ggml's own dimension count)."""
     ne = tuple(int(x) for x in event["ne"][:n_dims or _n_dims(event["ne"])])
