@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+from featdiff.version import VERSION as __version__  # noqa: F401 - the public spelling of the version
 
 # submodule -> the function of this module that calling it runs
 _CALLABLE_SUBMODULES = {"compare": "_compare", "reference": "_reference", "report": "_report", "check": "_check"}

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff import __version__
 from featdiff.compare import diagnose, flow
 from featdiff.compare.align import Pair, Plan, pair_arrays, plan_pairs
 from featdiff.compare.detectors import detect_numeric_noise
@@ -35,6 +34,7 @@ from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance, TypeInfo, describe, tolerance_for, type_info
 from featdiff.dump import Manifest, read_dump
 from featdiff.errors import InputError
+from featdiff.version import VERSION
 
 NOT_MEASURED = Measurement(max_abs=float("nan"), nmse=float("nan"), cos_min=float("nan"),
                            cos_median=float("nan"), rel_p50=float("nan"), rel_p99=float("nan"),
@@ -72,7 +72,7 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
 def versions(run: Manifest) -> dict[str, str | None]:
     """featdiff's version, and the llama.cpp version the run's build states (None: unknown)."""
     llama = run.build_info.llama
-    return {"featdiff": __version__, "llama_cpp": llama if llama and llama != "unknown" else None}
+    return {"featdiff": VERSION, "llama_cpp": llama if llama and llama != "unknown" else None}
 
 
 def _nothing_paired(ref: Path, run: Path, plan: Plan, ref_manifest: Manifest, run_manifest: Manifest) -> str:

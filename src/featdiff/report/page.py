@@ -14,10 +14,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from featdiff import __version__
 from featdiff.compare.result import Alignment, Comparison, Coverage, Finding, PairMetrics
 from featdiff.dump import Manifest
 from featdiff.report.figure import eval_label
+from featdiff.version import VERSION
 
 MAX_INTS_SHOWN = 12  # a row list longer than this is shown as ranges, then cut
 
@@ -45,7 +45,7 @@ def render_page(comparison: Comparison, ref: Manifest, run: Manifest, pictures: 
         _records(comparison, len(pictures) + 1),
         _alignments(comparison.alignments),
         _dumps(ref, run, comparison.types),
-        f"<footer>featdiff {_e(__version__)}</footer>",
+        f"<footer>featdiff {_e(VERSION)}</footer>",
     ])
     return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
