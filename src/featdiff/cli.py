@@ -99,15 +99,19 @@ def capture(
     p_min: PMinOpt = None,
     exec_: Annotated[bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")] = False,
 ) -> None:
-    """Capture named tensors from a real llama.cpp build into a dump."""
+    """Capture named tensors from a real llama.cpp build into a dump. In-process, llama.cpp's run options follow the
+    featdiff options as the programs spell them: -ctk/-ctv, -ctkd/-ctvd (drafter), -fa on|off|auto, -ngl, -ngld, -t, -c."""
     from featdiff.llama import capture as capture_mod
 
     if exec_:
         path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max,
                                         p_min=p_min)
     else:
+        from featdiff.llama.options import parse_run_options
+
         path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens, rounds=rounds,
-                                   filters=filters, llama_dir=llama_dir, draft_max=draft_max, p_min=p_min)
+                                   filters=filters, llama_dir=llama_dir, draft_max=draft_max, p_min=p_min,
+                                   options=parse_run_options(list(ctx.args)))
     typer.echo(path)
 
 

@@ -15,6 +15,7 @@ from featdiff.compare.tolerance import TypeInfo, tolerance_for
 from featdiff.dump import MANIFEST_MEMBER, CacheTypes, read_dump
 from featdiff.fixtures import write_fixture
 from featdiff.llama import exec as exec_capture
+from featdiff.llama.options import options_of_command
 from featdiff.pairs import Shape, Sizes
 from featdiff.reference.run import reference
 
@@ -71,10 +72,10 @@ def runs(head32, tools, tmp_path_factory):  # noqa: F811
 
 
 def test_cache_types_come_from_the_flags_then_the_environment_then_f16():
-    kv = exec_capture.kv_types_of(
+    kv = options_of_command(
         ["llama-server", "-ctk", "q8_0", "-ctk", "Q4_0", "-ctvd", "q5_1"],
         {"LLAMA_ARG_CACHE_TYPE_V": "bf16", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V": "q8_0"},
-    )
+    ).kv
     assert kv == {"target": CacheTypes(k="q4_0", v="bf16"), "draft": CacheTypes(k="f16", v="q5_1")}
 
 
@@ -125,3 +126,23 @@ def test_f16_cache_is_judged_by_the_f16_bound(runs):
     c = compare_dumps(*runs["f16"])
     assert exit_code(c) == 0 and c.types["kv_type"] == "f16"
     assert _post_attention_tolerance(c) == tolerance_for("l_out-5", False, TypeInfo("f16", (), "float32")).nmse
+
+
+def test_in_process_q8_0_cache_is_recorded_and_judged_by_its_bound(head32, tmp_path):
+    """In-process capture takes llama.cpp's -ctk/-ctv/-ctkd/-ctvd/-fa as the programs spell them,
+    records them, and compare judges the run by the q8_0 bound: clean."""
+    from featdiff.llama.capture import capture
+    from featdiff.llama.options import parse_run_options
+
+    options = parse_run_options(Q8_0_CACHES + ["-t", "1"])
+    run = capture(head32 / "target.gguf", head32 / "draft.gguf", tmp_path / "run.npz", tokens="1,2,3,4,5,6,7,8",
+                  rounds=3, filters=["*"], options=options)  # fmt: skip
+    with read_dump(run) as d:
+        q8 = {"k": "q8_0", "v": "q8_0"}
+        assert d.manifest.build["kv_types"] == {"draft": q8, "target": q8}
+        assert d.manifest.build["run_options"]["flash_attn"] == "on" and d.manifest.build["run_options"]["threads"] == 1
+    ref = reference(head32 / "target-hf", head32 / "draft-hf", tmp_path / "ref.npz", prompt=None, tokens=None,
+                    rounds=0, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run)  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok and c.types["kv_type"] == "q8_0", [f.message for f in c.findings if f.severity == "error"]
+    assert _post_attention_tolerance(c) == tolerance_for("l_out-5", False, TypeInfo("q8_0", (), "float32")).nmse

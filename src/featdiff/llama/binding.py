@@ -53,9 +53,15 @@ typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool as
 enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
 
 struct llama_model_params { int32_t n_gpu_layers; bool vocab_only; ...; };
+enum ggml_type { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
+                GGML_TYPE_Q8_0, GGML_TYPE_BF16, GGML_TYPE_IQ4_NL, ... };
+enum llama_flash_attn_type { LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                             LLAMA_FLASH_ATTN_TYPE_ENABLED, ... };
 struct llama_context_params {
     uint32_t n_ctx; uint32_t n_batch; uint32_t n_ubatch; uint32_t n_seq_max;
     int32_t n_threads; int32_t n_threads_batch;
+    enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k; enum ggml_type type_v;
     ggml_backend_sched_eval_callback cb_eval; void * cb_eval_user_data;
     struct llama_context * ctx_other;
     ...;

@@ -17,17 +17,20 @@ from pathlib import Path
 
 from featdiff import names
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row
-from featdiff.dump import CacheTypes, Eval, Round, kv_types_json
+from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import driver, spool
+from featdiff.llama.options import RunOptions
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
 from featdiff.outputs import check_output, failed_output, output_lock
 from featdiff.reference.lint import preflight
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
 log = logging.getLogger(__name__)
+
+DEFAULT_OPTIONS = RunOptions()  # llama.cpp's defaults
 
 CTX_MIN = 256
 CTX_SLACK = 16
@@ -93,9 +96,11 @@ def _draft_max(path: Path, draft_max: int, block_size: int, first_row: int) -> i
 
 def capture(target: Path | None, model: Path | None, output: Path, *, prompt: str | None = None,
             tokens: str | None = None, rounds: int = 2, filters: list[str] | None = None,
-            llama_dir: Path | None = None, draft_max: int | None = None, p_min: float | None = None) -> Path:
+            llama_dir: Path | None = None, draft_max: int | None = None, p_min: float | None = None,
+            options: RunOptions = DEFAULT_OPTIONS) -> Path:
     """Run the flow on the real build and write the dump; return its path. Draft blocks hold
-    `draft_max` drafts (default: llama.cpp's `--spec-draft-n-max` default; featdiff.blocks)."""
+    `draft_max` drafts (default: llama.cpp's `--spec-draft-n-max` default; featdiff.blocks);
+    `options` are llama.cpp's run options (KV types, flash attention, offload, threads, context)."""
     if target is None or model is None:
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
@@ -103,12 +108,13 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
         preflight(Path(model), Path(target), rounds=rounds,
                   draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
         rt = Runtime.load(llama_dir)
-        models = (Model.load(rt, Path(target)), Model.load(rt, Path(model)))
+        models = (Model.load(rt, Path(target), n_gpu_layers=options.n_gpu_layers),
+                  Model.load(rt, Path(model), n_gpu_layers=options.n_gpu_layers_draft))
         try:
             ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
             cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
             kept = capture_filters(filters, cfg.target_layers)
-            packed = _spooled(rt, models, ids, cfg, rounds, kept, output)
+            packed = _spooled(rt, models, ids, cfg, rounds, kept, output, options)
         finally:
             for m in models:
                 m.free()
@@ -118,14 +124,14 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
 
 
 def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
-             rounds: int, filters: FilterSet, output: Path) -> spool.Packed:
+             rounds: int, filters: FilterSet, output: Path, options: RunOptions) -> spool.Packed:
     """Run the flow into a spool beside `output`, then pack it; keep what a crash leaves."""
     prefix = spool.prefix_for(output)
     spool.set_aside(prefix, output)
     sp = Spool.open(rt, prefix, filters.shim_globs())
     try:
-        sp.note(spool.HEADER, _header(rt, models, ids, filters, cfg))
-        _run(rt, sp, models, ids, cfg, rounds)
+        sp.note(spool.HEADER, _header(rt, models, ids, filters, cfg, options))
+        _run(rt, sp, models, ids, cfg, rounds, options)
     except KeyboardInterrupt as stop:
         sp.close()
         packed = spool.pack(prefix, failed_output(output))
@@ -146,20 +152,24 @@ def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driv
 
 
 def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds: int,
-                 cfg: driver.FlowConfig, tags: tuple = (None, None)) -> tuple[Context, Context]:
-    """The target and draft contexts of one flow, sized for it, with DFlash switched on; `tags`
-    are the shim's callback tags (None: no callback)."""
-    n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_rows + CTX_SLACK)
-    threads = min(os.cpu_count() or 1, MAX_THREADS)
-    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0])
-    dft = Context.new(rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt)
+                 cfg: driver.FlowConfig, tags: tuple = (None, None),
+                 options: RunOptions = DEFAULT_OPTIONS) -> tuple[Context, Context]:
+    """The target and draft contexts of one flow, sized for it (at least `options.n_ctx`), with
+    DFlash switched on and the run's KV types, flash attention and threads; `tags` are the shim's
+    callback tags (None: no callback)."""
+    n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_rows + CTX_SLACK, options.n_ctx or 0)
+    threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
+    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"],
+                      flash_attn=options.flash_attn)
+    dft = Context.new(rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"],
+                      flash_attn=options.flash_attn)
     enable_dflash(tgt, dft, cfg)
     return tgt, dft
 
 
 def _run(rt: Runtime, sp: Spool, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
-         rounds: int) -> None:
-    tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)))
+         rounds: int, options: RunOptions) -> None:
+    tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)), options)
     bar = _progress(rounds)
     try:
         driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp),
@@ -181,20 +191,14 @@ def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
 
 
 def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: FilterSet,
-            cfg: driver.FlowConfig) -> dict:
+            cfg: driver.FlowConfig, options: RunOptions) -> dict:
     return {
         "models": {"target": model_info(models[0].path).to_json(), "draft": model_info(models[1].path).to_json()},
         "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
                   "system_info": rt.system_info(), "commit": _commit(rt), "filters": filters.to_json(),
-                  "draft_max": cfg.draft_max, "p_min": cfg.p_min, "kv_types": kv_types_json(_kv_types())},
+                  "draft_max": cfg.draft_max, "p_min": cfg.p_min, **options.build_json()},
         "prompt_tokens": ids,
     }
-
-
-def _kv_types() -> dict[names.Role, CacheTypes]:
-    """The KV cache types both contexts run with: llama_context_default_params' f16 K and V,
-    which runtime.Context.new keeps."""
-    return {role: CacheTypes() for role in names.ROLES}
 
 
 def _commit(rt: Runtime) -> str:

@@ -21,11 +21,12 @@ import numpy as np
 
 from featdiff import names
 from featdiff.blocks import accepted_length
-from featdiff.dump import KV_TYPE_DEFAULT, CacheTypes, DumpWriter, Eval, Manifest, MemoryOp, Round, kv_types_json
+from featdiff.dump import DumpWriter, Eval, Manifest, MemoryOp, Round
 from featdiff.errors import InputError, Interrupted
 from featdiff.filters import capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import server, spool
+from featdiff.llama.options import options_of_command
 from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
 from featdiff.outputs import check_output, failed_output, output_lock
 
@@ -41,14 +42,6 @@ UPSTREAM_PREFIX = "llama-"
 VERSION_FLAG = "--version"
 VERSION_TIMEOUT_S = 10
 UNKNOWN_VERSION = "unknown"
-# The program's KV cache types, as upstream common/arg.cpp reads them: (role, K or V) -> its flags,
-# and the environment variable used when no flag is given (a flag wins); else llama.cpp's f16.
-KV_OPTIONS: dict[tuple[names.Role, str], tuple[tuple[str, ...], str]] = {
-    ("target", "k"): (("-ctk", "--cache-type-k"), "LLAMA_ARG_CACHE_TYPE_K"),
-    ("target", "v"): (("-ctv", "--cache-type-v"), "LLAMA_ARG_CACHE_TYPE_V"),
-    ("draft", "k"): (("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
-    ("draft", "v"): (("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
-}
 
 
 # ---------------------------------------------------------------- what the preload noted
@@ -441,24 +434,6 @@ def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> in
         server.stop_process(proc)
 
 
-def kv_types_of(command: list[str], environ: dict[str, str]) -> dict[names.Role, CacheTypes]:
-    """The KV cache types the program runs with, per role (KV_OPTIONS): its last flag of each,
-    else its environment, else f16."""
-    return {role: CacheTypes(k=_kv_type(command, environ, role, "k"), v=_kv_type(command, environ, role, "v"))
-            for role in names.ROLES}
-
-
-def _kv_type(command: list[str], environ: dict[str, str], role: names.Role, part: str) -> str:
-    flags, var = KV_OPTIONS[(role, part)]
-    return (_last_option(command, flags) or environ.get(var) or KV_TYPE_DEFAULT).lower()
-
-
-def _last_option(command: list[str], flags: tuple[str, ...]) -> str | None:
-    """The value after the last of `flags` in `command` (llama.cpp takes `-flag VALUE` only)."""
-    given = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg in flags]
-    return given[-1] if given else None
-
-
 def program_version(program: Path) -> str:
     """The llama.cpp version an upstream program (`llama-*`, common/arg.cpp) reports for
     `--version` ("version: 0.5.0-dev (build 0, commit unknown)"), else "unknown"."""
@@ -486,7 +461,7 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
         prefix = spool.prefix_for(output)
         spool.set_aside(prefix, output)
         build: dict[str, Any] = {"command": list(command), "program": str(program), "filters": kept.to_json(),
-                 "kv_types": kv_types_json(kv_types_of(command, dict(os.environ))), "commit": program_version(program)}
+                 **options_of_command(command, os.environ).build_json(), "commit": program_version(program)}
         pre = preload(prefix, kept, llama_dir)
         save_build(prefix, build)
         try:

@@ -12,11 +12,15 @@ from typing import Any
 
 import numpy as np
 
+from featdiff.dump import CacheTypes
 from featdiff.errors import InputError
 from featdiff.llama import binding
 
 ENV_VERBOSE = "FEATDIFF_LLAMA_LOG"
 META_BUF = 256
+# llama.cpp's -fa choices -> its llama_flash_attn_type values (read from the build's header)
+FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED",
+                    "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED"}
 N_POS_ARR = 4  # llama_batch_ext_set_pos reads up to 4 positions (M-RoPE); upstream passes {p,p,p,0}
 
 
@@ -62,9 +66,12 @@ class Model:
     path: Path
 
     @staticmethod
-    def load(rt: Runtime, path: Path, vocab_only: bool = False) -> "Model":
+    def load(rt: Runtime, path: Path, vocab_only: bool = False, n_gpu_layers: int | None = None) -> "Model":
+        """Load a GGUF; `n_gpu_layers` as llama.cpp's -ngl (None: the library's default)."""
         params = rt.lib.llama_model_default_params()
         params.vocab_only = vocab_only
+        if n_gpu_layers is not None:
+            params.n_gpu_layers = n_gpu_layers
         ptr = rt.lib.llama_model_load_from_file(str(path).encode(), params)
         if ptr == rt.ffi.NULL:
             raise InputError(f"{path}: llama.cpp refused to load this model (set {ENV_VERBOSE}=1 to see why); check it with `featdiff lint`")
@@ -118,8 +125,13 @@ class Context:
 
     @staticmethod
     def new(rt: Runtime, model: Model, n_ctx: int, n_threads: int, tag: Any = None,
-            ctx_other: "Context | None" = None) -> "Context":
+            ctx_other: "Context | None" = None, kv: CacheTypes | None = None, flash_attn: str = "auto") -> "Context":
+        """A context with llama.cpp's defaults but for the size, threads, callback, `kv` cache
+        types (default f16) and `flash_attn` (on / off / auto)."""
         p = rt.lib.llama_context_default_params()
+        if kv is not None:
+            p.type_k, p.type_v = ggml_type(rt, kv.k), ggml_type(rt, kv.v)
+        p.flash_attn_type = getattr(rt.lib, FLASH_ATTN_TYPES[flash_attn])
         p.n_ctx = p.n_batch = p.n_ubatch = n_ctx  # one ubatch per decode: one graph per eval
         p.n_seq_max = 1
         p.n_threads = p.n_threads_batch = n_threads
@@ -130,7 +142,10 @@ class Context:
             p.ctx_other = ctx_other.ptr
         ptr = rt.lib.llama_init_from_model(model.ptr, p)
         if ptr == rt.ffi.NULL:
-            raise InputError(f"{model.path}: llama_init_from_model failed (a drafter that borrows the target's embeddings needs ctx_other)")
+            told = f" with K/V cache types {kv.k}/{kv.v} and -fa {flash_attn}" if kv is not None and kv != CacheTypes() else ""
+            raise InputError(f"{model.path}: llama_init_from_model failed{told}; a quantized K/V type needs head sizes "
+                             "that are a multiple of its block (32 for q8_0) and a quantized V needs -fa on; "
+                             f"set {ENV_VERBOSE}=1 to see llama.cpp's reason")
         return Context(rt, ptr, model, rt.lib.llama_batch_ext_init(ptr), tag)
 
     def decode_tokens(self, tokens: list[int], positions: list[int], outputs: bool) -> None:
@@ -228,3 +243,12 @@ class Spool:
         err = self.rt.lib.fd_capture_error(self.ptr)
         rc = self.rt.lib.fd_capture_close(self.ptr)
         return err or rc
+
+
+def ggml_type(rt: Runtime, name: str) -> int:
+    """The build's ggml_type value of a KV cache type name (`q8_0`: GGML_TYPE_Q8_0)."""
+    value = getattr(rt.lib, f"GGML_TYPE_{name.upper()}", None)
+    if value is None:
+        raise InputError(f"KV cache type {name!r}: the binding knows no GGML_TYPE_{name.upper()}; use one of "
+                         "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1")
+    return int(value)

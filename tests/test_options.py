@@ -1,0 +1,41 @@
+"""llama.cpp run options as featdiff reads them: strictly for an in-process capture, leniently
+from a program's command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from featdiff.dump import CacheTypes
+from featdiff.errors import InputError
+from featdiff.llama.options import RunOptions, options_of_command, parse_run_options
+
+
+def test_in_process_options_are_read_as_llama_cpp_spells_them():
+    o = parse_run_options(["-ctk", "Q8_0", "--cache-type-v", "q8_0", "-fa", "on", "-ngl", "0", "-t", "2", "-c", "512"])
+    assert o.kv["target"] == CacheTypes("q8_0", "q8_0") and o.kv["draft"] == CacheTypes()
+    assert (o.flash_attn, o.n_gpu_layers, o.threads, o.n_ctx) == ("on", 0, 2, 512)
+    assert parse_run_options([]) == RunOptions()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--bogus", "1"], "--bogus: not a featdiff capture option"),
+        (["-ctk"], "-ctk: expects a value"),
+        (["-ctk", "q3_k"], "not a KV cache type"),
+        (["-fa", "yes"], "-fa yes: expected one of on, off, auto"),
+        (["-t", "0"], "-t 0: expected an integer >= 1"),
+        (["-ngl", "many"], "-ngl many"),
+        (["-ub", "8"], "-ub: in-process capture decodes each batch as one graph"),
+    ],
+)
+def test_bad_in_process_options_are_refused(args, says):
+    with pytest.raises(InputError, match=says):
+        parse_run_options(args)
+
+
+def test_a_programs_options_come_from_its_last_flags_then_its_environment():
+    o = options_of_command(["llama-server", "-m", "t.gguf", "-fa", "off", "--other", "x", "-ngl", "99", "-ngl", "12"],
+                           {"LLAMA_ARG_CACHE_TYPE_K": "q4_0"})  # fmt: skip
+    assert (o.flash_attn, o.n_gpu_layers, o.kv["target"].k) == ("off", 12, "q4_0")
+    assert o.build_json()["run_options"]["n_gpu_layers"] == 12
