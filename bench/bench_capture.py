@@ -23,9 +23,11 @@ from featdiff.llama.runtime import Context, Model, Runtime, Spool
 
 # A 16 x 1024 target (about 250M parameters, f32): big enough that the model, not the fixed
 # per-captured-node cost (one sub-graph split and one host copy each), sets the wall time.
-SIZES = pairs.Sizes(target=pairs.Shape(n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
-                       draft=pairs.Shape(n_layer=2, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
-                       n_vocab=8192)
+SIZES = pairs.Sizes(
+    target=pairs.Shape(n_layer=16, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
+    draft=pairs.Shape(n_layer=2, n_embd=1024, n_head=16, n_head_kv=4, n_embd_head=64, n_ff=2816),
+    n_vocab=8192,
+)
 PROMPT = [(i * 37) % 4000 + 1 for i in range(192)]
 ROUNDS = 8
 
@@ -58,17 +60,23 @@ def main() -> None:
         for i in range(args.repeats):  # interleaved, so drift hits every variant alike
             times["none"].append(_time_flow(rt, models, cfg, None))
             for label, filters in (("wiring", None), ("all", ["*"])):
-                sp = Spool.open(rt, Path(tmp) / f"s{i}{label}", capture_filters(filters, cfg.target_layers).shim_globs())
+                sp = Spool.open(
+                    rt, Path(tmp) / f"s{i}{label}", capture_filters(filters, cfg.target_layers).shim_globs()
+                )
                 times[label].append(_time_flow(rt, models, cfg, sp))
                 sp.close()
     base, base_min = statistics.median(times["none"]), min(times["none"])
-    print(f"flow: {len(PROMPT)}-token prefill + {ROUNDS} rounds, target {SIZES.target.n_layer}x{SIZES.target.n_embd}, {args.repeats} interleaved repeats")
+    print(
+        f"flow: {len(PROMPT)}-token prefill + {ROUNDS} rounds, target {SIZES.target.n_layer}x{SIZES.target.n_embd}, {args.repeats} interleaved repeats"
+    )
     print(f"{'':22s} {'median':>9s} {'ratio':>6s} {'min':>9s} {'ratio':>6s}")
     for label in ("none", "wiring", "all"):
         t, t_min = statistics.median(times[label]), min(times[label])
         print(f"callback {label:13s} {t * 1e3:7.1f}ms {t / base:6.3f} {t_min * 1e3:7.1f}ms {t_min / base_min:6.3f}")
-    print(f"ratio wiring/none = {statistics.median(times['wiring']) / base:.3f} (median), "
-          f"{min(times['wiring']) / base_min:.3f} (min); goal <= 1.05")
+    print(
+        f"ratio wiring/none = {statistics.median(times['wiring']) / base:.3f} (median), "
+        f"{min(times['wiring']) / base_min:.3f} (min); goal <= 1.05"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def write_pair(work: Path, n_layer: int, n_embd: int, n_tokens: int, all_l_out: 
     rng = np.random.default_rng(0)
     layers = [0, *(L for L in TARGET_LAYERS if L < n_layer)] if not all_l_out else list(range(n_layer))
     positions = tuple(range(n_tokens))
-    evals = (Eval(0, "target", "prefill", n_tokens, positions, tuple(p % 500 for p in positions), (0,) * n_tokens),
-             Eval(1, "draft", "inject", n_tokens, positions, (), (0,) * n_tokens))
+    evals = (
+        Eval(0, "target", "prefill", n_tokens, positions, tuple(p % 500 for p in positions), (0,) * n_tokens),
+        Eval(1, "draft", "inject", n_tokens, positions, (), (0,) * n_tokens),
+    )
     ref_w, run_w = DumpWriter(work / "ref.npz"), DumpWriter(work / "run.npz")
     h = rng.standard_normal((n_tokens, n_embd), dtype=np.float32)
     slots = {}
@@ -47,13 +49,24 @@ def write_pair(work: Path, n_layer: int, n_embd: int, n_tokens: int, all_l_out: 
         h = h + 0.3 * rng.standard_normal((n_tokens, n_embd), dtype=np.float32)
         if L in layers:
             _add(ref_w, 0, "target", "prefill", f"l_out-{L}", h)
-            _add(run_w, 0, "target", "prefill", f"l_out-{L}", h + NOISE * rng.standard_normal(h.shape, dtype=np.float32))
+            _add(
+                run_w, 0, "target", "prefill", f"l_out-{L}", h + NOISE * rng.standard_normal(h.shape, dtype=np.float32)
+            )
     feats = np.concatenate([slots[L] for L in TARGET_LAYERS if L in slots], axis=1)  # (n_tokens, n_extract * n_embd)
     _add(ref_w, 1, "draft", "inject", "inp_target_features", feats)
-    _add(run_w, 1, "draft", "inject", "inp_target_features", feats + NOISE * rng.standard_normal(feats.shape, dtype=np.float32))
+    _add(
+        run_w,
+        1,
+        "draft",
+        "inject",
+        "inp_target_features",
+        feats + NOISE * rng.standard_normal(feats.shape, dtype=np.float32),
+    )
     models = {"draft": {"target_layers": list(TARGET_LAYERS)}, "target": {}}
-    return (ref_w.close(Manifest("reference", models, {}, evals, ())),
-            run_w.close(Manifest("llama.cpp", models, {}, evals, ())))
+    return (
+        ref_w.close(Manifest("reference", models, {}, evals, ())),
+        run_w.close(Manifest("llama.cpp", models, {}, evals, ())),
+    )
 
 
 def _add(writer: DumpWriter, eval_index: int, role: str, phase: str, name: str, a: np.ndarray) -> None:
@@ -93,8 +106,10 @@ def search(work: Path, n_layer: int, n_embd: int, n_tokens: int) -> None:
     match = layer_match_matrix(ref, run)
     dt = time.perf_counter() - t0
     assert match is not None and match.closest_layers == TARGET_LAYERS
-    print(f"layer-match search: {n_layer} layers x {n_embd} wide x {n_tokens} tokens: {dt:.2f} s "
-          f"(matrix {match.rel_err.shape}, closest layers {match.closest_layers})")
+    print(
+        f"layer-match search: {n_layer} layers x {n_embd} wide x {n_tokens} tokens: {dt:.2f} s "
+        f"(matrix {match.rel_err.shape}, closest layers {match.closest_layers})"
+    )
 
 
 def main() -> None:

@@ -67,15 +67,22 @@ def main() -> None:
         compare_dumps = compare_function()
         if compare_dumps is None:
             comparison = compare_by_hand(ref, run, planted_findings(VARIANT))
-            t_report = best_time(lambda: write_report(ref, run, out / "report.html", comparison=comparison), args.repeat)
-            print(f"report (write_report only, hand-measured comparison of {len(comparison.pairs)} pairs): "
-                  f"{t_report:.2f} s; featdiff.compare.compare_dumps not available, no ratio")
+            t_report = best_time(
+                lambda: write_report(ref, run, out / "report.html", comparison=comparison), args.repeat
+            )
+            print(
+                f"report (write_report only, hand-measured comparison of {len(comparison.pairs)} pairs): "
+                f"{t_report:.2f} s; featdiff.compare.compare_dumps not available, no ratio"
+            )
             return
         t_compare = best_time(lambda: compare_dumps(ref, run, None), args.repeat)
-        t_report = best_time(lambda: write_report(ref, run, out / "report.html",
-                                                  comparison=compare_dumps(ref, run, None)), args.repeat)
-        print(f"compare alone: {t_compare:.2f} s   report (compare + write_report): {t_report:.2f} s   "
-              f"ratio report / compare: {t_report / t_compare:.2f}x")
+        t_report = best_time(
+            lambda: write_report(ref, run, out / "report.html", comparison=compare_dumps(ref, run, None)), args.repeat
+        )
+        print(
+            f"compare alone: {t_compare:.2f} s   report (compare + write_report): {t_report:.2f} s   "
+            f"ratio report / compare: {t_report / t_compare:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,18 @@ def run_case(work: Path, variant: str, tokens: str, quantized: bool, i: int) -> 
     if quantized:
         target = quantize_gguf(target, fx / "target-q8_0.gguf")
     run = capture(target, fx / "draft.gguf", work / f"{variant}-{i}-{quantized}.run.npz", tokens=tokens, rounds=ROUNDS)
-    ref = reference(fx / "target.gguf", fx / "draft-hf", work / f"{variant}-{i}.ref.npz", prompt=None,
-                    tokens=tokens, rounds=ROUNDS, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None)
+    ref = reference(
+        fx / "target.gguf",
+        fx / "draft-hf",
+        work / f"{variant}-{i}.ref.npz",
+        prompt=None,
+        tokens=tokens,
+        rounds=ROUNDS,
+        dtype="float32",
+        device="cpu",
+        kv_dtype="f16",
+        llama_dir=None,
+    )
     c = compare_dumps(ref, run, None)
     return list(c.pairs)
 
@@ -62,7 +72,9 @@ def main() -> None:
         for variant in VARIANTS:
             for i, tokens in enumerate(prompts()):
                 for p in run_case(work, variant, tokens, quantized, i):
-                    cls = ("q8_0 " if quantized else "f32  ") + ("pre-attention" if p.name in PRE_ATTENTION else "post-attention")
+                    cls = ("q8_0 " if quantized else "f32  ") + (
+                        "pre-attention" if p.name in PRE_ATTENTION else "post-attention"
+                    )
                     stats[(cls, p.name)].append((math.sqrt(p.nmse), max(p.row_rel_err, default=0.0)))
     by_class: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for (cls, name), vals in stats.items():

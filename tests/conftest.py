@@ -29,7 +29,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.tools)
 
 
-
 def _checked_to_json(self: Comparison) -> dict:
     """Comparison.to_json, each result validated against docs/findings.schema.json as written."""
     out = _UNCHECKED_TO_JSON(self)
@@ -64,14 +63,24 @@ def captured(tmp_path_factory, fixture_models):
 
     made: dict[tuple, Path] = {}
 
-    def get(variant: str = "clean", filters: tuple[str, ...] | None = None,
-            tokens: str = DEFAULT_TOKENS, rounds: int = DEFAULT_ROUNDS) -> Path:
+    def get(
+        variant: str = "clean",
+        filters: tuple[str, ...] | None = None,
+        tokens: str = DEFAULT_TOKENS,
+        rounds: int = DEFAULT_ROUNDS,
+    ) -> Path:
         key = (variant, filters, tokens, rounds)
         if key not in made:
             d = fixture_models(variant)
             out = tmp_path_factory.mktemp(f"run-{variant}") / "run.npz"
-            made[key] = capture(d / "target.gguf", d / "draft.gguf", out, tokens=tokens,
-                                rounds=rounds, filters=list(filters) if filters else None)
+            made[key] = capture(
+                d / "target.gguf",
+                d / "draft.gguf",
+                out,
+                tokens=tokens,
+                rounds=rounds,
+                filters=list(filters) if filters else None,
+            )
         return made[key]
 
     return get
@@ -85,14 +94,30 @@ def referenced(tmp_path_factory, fixture_models):
 
     made: dict[tuple, Path] = {}
 
-    def get(variant: str = "clean", model: str = "draft-hf", target: str = "target.gguf",
-            tokens: str = DEFAULT_TOKENS, rounds: int = DEFAULT_ROUNDS, kv_dtype: str = "f16") -> Path:
+    def get(
+        variant: str = "clean",
+        model: str = "draft-hf",
+        target: str = "target.gguf",
+        tokens: str = DEFAULT_TOKENS,
+        rounds: int = DEFAULT_ROUNDS,
+        kv_dtype: str = "f16",
+    ) -> Path:
         key = (variant, model, target, tokens, rounds, kv_dtype)
         if key not in made:
             d = fixture_models(variant)
             out = tmp_path_factory.mktemp(f"ref-{variant}") / "ref.npz"
-            made[key] = reference(d / target, d / model, out, prompt=None, tokens=tokens, rounds=rounds,
-                                  dtype="float32", device="cpu", kv_dtype=kv_dtype, llama_dir=None)
+            made[key] = reference(
+                d / target,
+                d / model,
+                out,
+                prompt=None,
+                tokens=tokens,
+                rounds=rounds,
+                dtype="float32",
+                device="cpu",
+                kv_dtype=kv_dtype,
+                llama_dir=None,
+            )
         return made[key]
 
     return get

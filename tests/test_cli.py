@@ -32,8 +32,9 @@ def test_help_shows_the_contract_flags(command, flags):
         assert flag in result.output, (command, flag)
 
 
-@pytest.mark.parametrize("command, flags", [("reference", ["--block", "--run"]), ("capture", ["--draft-max"]),
-                                            ("probe", ["--draft-max"])])
+@pytest.mark.parametrize(
+    "command, flags", [("reference", ["--block", "--run"]), ("capture", ["--draft-max"]), ("probe", ["--draft-max"])]
+)
 def test_help_shows_the_block_length_flags(command, flags):
     result = CliRunner().invoke(app, [command, "--help"])
     assert result.exit_code == 0, result.output
@@ -42,8 +43,21 @@ def test_help_shows_the_block_length_flags(command, flags):
 
 
 def test_capture_exec_refuses_draft_max_naming_the_programs_flag(tmp_path):
-    result = CliRunner().invoke(app, ["capture", "--exec", "--draft-max", "2", "-o", str(tmp_path / "r.npz"), "--",
-                                      "llama-speculative-simple", "-m", "T.gguf"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--exec",
+            "--draft-max",
+            "2",
+            "-o",
+            str(tmp_path / "r.npz"),
+            "--",
+            "llama-speculative-simple",
+            "-m",
+            "T.gguf",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "--draft-max 2" in result.output and "--spec-draft-n-max" in result.output
     assert not list(tmp_path.iterdir())
@@ -52,8 +66,22 @@ def test_capture_exec_refuses_draft_max_naming_the_programs_flag(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_capture_refuses_a_draft_max_below_1(fixture_models, tmp_path, value):
     d = fixture_models("clean")
-    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      "--tokens", "1,2,3", "--draft-max", value, "-o", str(tmp_path / "r.npz")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--tokens",
+            "1,2,3",
+            "--draft-max",
+            value,
+            "-o",
+            str(tmp_path / "r.npz"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert f"--draft-max {value}: expected >= 1" in result.output
     assert not list(tmp_path.iterdir())
@@ -75,44 +103,94 @@ def test_fixture_list_names_every_variant():
 
 def test_capture_of_a_model_llama_cpp_refuses_exits_2_naming_it(fixture_models, tmp_path):
     d = fixture_models("log-snr")  # upstream refuses log-SNR tensors: "wrong number of tensors"
-    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      "--tokens", "1,2,3", "-o", str(tmp_path / "r.npz")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--tokens",
+            "1,2,3",
+            "-o",
+            str(tmp_path / "r.npz"),
+        ],
+    )
     assert result.exit_code == 2
     assert str(d / "draft.gguf") in result.output
     assert not list(tmp_path.iterdir())  # no spool or partial dump left behind
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--tokens", "1,x"], "expected comma-separated integers"),
-    (["--tokens", "5"], "needs >= 2 token ids"),
-    (["--tokens", "1,99999"], "out of range"),
-    ([], "exactly one of --prompt"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--tokens", "1,x"], "expected comma-separated integers"),
+        (["--tokens", "5"], "needs >= 2 token ids"),
+        (["--tokens", "1,99999"], "out of range"),
+        ([], "exactly one of --prompt"),
+    ],
+)
 def test_bad_prompts_exit_2(fixture_models, tmp_path, args, expected):
     d = fixture_models("clean")
-    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      *args, "-o", str(tmp_path / "r.npz")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            *args,
+            "-o",
+            str(tmp_path / "r.npz"),
+        ],
+    )
     assert result.exit_code == 2 and expected in result.output
 
 
 def test_bad_llama_dir_exits_2(fixture_models, tmp_path):
     d = fixture_models("clean")
-    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      "--tokens", "1,2", "--llama-dir", str(tmp_path), "-o", str(tmp_path / "r.npz")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--tokens",
+            "1,2",
+            "--llama-dir",
+            str(tmp_path),
+            "-o",
+            str(tmp_path / "r.npz"),
+        ],
+    )
     assert result.exit_code == 2 and "no include/llama.h" in result.output
 
 
 def test_the_binding_is_cffi_only():
     forbidden = "c" + "types"  # spelled apart so this file does not match itself
-    out = subprocess.run(["git", "grep", "-n", "-I", "-w", forbidden, "--", ":!*.md"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "grep", "-n", "-I", "-w", forbidden, "--", ":!*.md"], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.stdout == ""
 
 
 def test_inspect_lists_a_captures_evals_and_records(captured):
     result = CliRunner().invoke(app, ["inspect", str(captured("clean"))])
     assert result.exit_code == 0, result.output
-    for text in ("llama.cpp dump", "target prefill", "draft  inject", "draft  draft", "target verify",
-                 "inp_target_features", "Kcur_injected-0", "round 1: pos0"):
+    for text in (
+        "llama.cpp dump",
+        "target prefill",
+        "draft  inject",
+        "draft  draft",
+        "target verify",
+        "inp_target_features",
+        "Kcur_injected-0",
+        "round 1: pos0",
+    ):
         assert text in result.output, text
 
 

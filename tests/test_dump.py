@@ -17,8 +17,15 @@ from featdiff.errors import InputError
 def _write(path, n_records=2):
     w = DumpWriter(path)
     for i in range(n_records):
-        rec, arr = record_from_array(record_key(0, "draft", f"t-{i}", 0), "draft", "inject", 0, f"t-{i}", 0,
-                                     np.arange(6, dtype=np.float64).reshape(2, 3) + i)
+        rec, arr = record_from_array(
+            record_key(0, "draft", f"t-{i}", 0),
+            "draft",
+            "inject",
+            0,
+            f"t-{i}",
+            0,
+            np.arange(6, dtype=np.float64).reshape(2, 3) + i,
+        )
         w.add(rec, arr)
     ev = Eval(eval=0, role="draft", phase="inject", n_tokens=2, positions=(0, 1), token_ids=(), seq_ids=(0, 0))
     return w.close(Manifest(source="reference", models={}, build={}, evals=(ev,), records=()))
@@ -48,17 +55,22 @@ def test_writer_never_leaves_a_half_written_dump_in_place(tmp_path):
     path = _write(tmp_path / "d.npz")
     before = path.read_bytes()
     w = DumpWriter(path)  # a second write in progress goes to a .partial file
-    assert path.read_bytes() == before and not any(p.name == "d.npz" and p.stat().st_size == 0 for p in tmp_path.iterdir())
+    assert path.read_bytes() == before and not any(
+        p.name == "d.npz" and p.stat().st_size == 0 for p in tmp_path.iterdir()
+    )
     del w
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (lambda m: {**m, "version": 2}, "dump version 2, this featdiff reads version 1"),
-    (lambda m: {**m, "format": "other"}, "format \"other\""),
-    (lambda m: {**m, "records": m["records"] + m["records"][:1]}, "appears twice"),
-    (lambda m: {**m, "records": [{**m["records"][0], "key": "nope"}]}, "has no member 'nope.npy'"),
-    (lambda m: {k: v for k, v in m.items() if k != "records"}, "manifest records: expected a list, got nothing"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda m: {**m, "version": 2}, "dump version 2, this featdiff reads version 1"),
+        (lambda m: {**m, "format": "other"}, 'format "other"'),
+        (lambda m: {**m, "records": m["records"] + m["records"][:1]}, "appears twice"),
+        (lambda m: {**m, "records": [{**m["records"][0], "key": "nope"}]}, "has no member 'nope.npy'"),
+        (lambda m: {k: v for k, v in m.items() if k != "records"}, "manifest records: expected a list, got nothing"),
+    ],
+)
 def test_crafted_manifests_are_refused_naming_the_file(tmp_path, edit, expected):
     bad = _rewrite_manifest(_write(tmp_path / "d.npz"), tmp_path / "bad.npz", edit)
     with pytest.raises(InputError, match=expected) as e:

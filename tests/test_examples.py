@@ -36,8 +36,13 @@ def test_readme_sh_block_runs(index, tmp_path):
 
 @pytest.mark.tools  # the demo runs the patched llama-server
 def test_demo_script_runs_end_to_end(tmp_path):
-    result = subprocess.run(["bash", str(ROOT / "examples" / "demo.sh")], cwd=tmp_path,
-                            env={**_env(), "DEMO_OUT": str(tmp_path / "demo")}, capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(ROOT / "examples" / "demo.sh")],
+        cwd=tmp_path,
+        env={**_env(), "DEMO_OUT": str(tmp_path / "demo")},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "layer_offset" in result.stdout and "GAP" in result.stdout
     for label in ("correct", "off-by-one"):

@@ -39,8 +39,10 @@ def models(fixture_models, tmp_path) -> Path:
 @pytest.fixture
 def dumps(captured, referenced, tmp_path) -> tuple[Path, Path]:
     """Private copies of a real reference dump and a real capture of the clean pair."""
-    return (Path(shutil.copy(referenced("clean"), tmp_path / "ref.npz")),
-            Path(shutil.copy(captured("clean"), tmp_path / "run.npz")))
+    return (
+        Path(shutil.copy(referenced("clean"), tmp_path / "ref.npz")),
+        Path(shutil.copy(captured("clean"), tmp_path / "run.npz")),
+    )
 
 
 @pytest.fixture
@@ -54,11 +56,13 @@ def spool(tmp_path) -> Path:
 
 # --- an output that is an input -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["draft.gguf", "target.gguf"])
 def test_capture_refuses_to_write_over_its_models(models, name):
     t, m = models / "target.gguf", models / "draft.gguf"
-    line = _refused(["capture", "--target", str(t), "--model", str(m), "--tokens", "1,2,3",
-                     "-o", str(models / name)], t, m)
+    line = _refused(
+        ["capture", "--target", str(t), "--model", str(m), "--tokens", "1,2,3", "-o", str(models / name)], t, m
+    )
     assert str(models / name) in line and "must not be an input of this command" in line and "choose another -o" in line
     assert not list(models.glob("*.spool*")) and not list(models.glob("*.partial"))
 
@@ -66,8 +70,20 @@ def test_capture_refuses_to_write_over_its_models(models, name):
 def test_capture_refuses_a_symlink_to_its_model(models, tmp_path):
     link = tmp_path / "link.gguf"
     link.symlink_to(models / "draft.gguf")
-    line = _refused(["capture", "--target", str(models / "target.gguf"), "--model", str(models / "draft.gguf"),
-                     "--tokens", "1,2,3", "-o", str(link)], models / "draft.gguf")
+    line = _refused(
+        [
+            "capture",
+            "--target",
+            str(models / "target.gguf"),
+            "--model",
+            str(models / "draft.gguf"),
+            "--tokens",
+            "1,2,3",
+            "-o",
+            str(link),
+        ],
+        models / "draft.gguf",
+    )
     assert str(link) in line and str(models / "draft.gguf") in line
 
 
@@ -80,13 +96,32 @@ def test_capture_exec_refuses_a_model_of_the_command_line(models, spelling):
     assert str(t) in line and "must not be an input of this command" in line
 
 
-@pytest.mark.parametrize("model, output", [("draft.gguf", "target.gguf"), ("draft.gguf", "draft.gguf"),
-                                           ("draft-hf", "draft-hf"), ("draft-hf", "draft-hf/ref.npz"),
-                                           ("draft-hf", "draft-hf/model.safetensors")])
+@pytest.mark.parametrize(
+    "model, output",
+    [
+        ("draft.gguf", "target.gguf"),
+        ("draft.gguf", "draft.gguf"),
+        ("draft-hf", "draft-hf"),
+        ("draft-hf", "draft-hf/ref.npz"),
+        ("draft-hf", "draft-hf/model.safetensors"),
+    ],
+)
 def test_reference_refuses_its_models_and_their_directories(models, model, output):
     kept = [models / "target.gguf", models / "draft.gguf", models / "draft-hf" / "model.safetensors"]
-    line = _refused(["reference", "--target", str(models / "target.gguf"), "--model", str(models / model),
-                     "--tokens", "1,2,3", "-o", str(models / output)], *kept)
+    line = _refused(
+        [
+            "reference",
+            "--target",
+            str(models / "target.gguf"),
+            "--model",
+            str(models / model),
+            "--tokens",
+            "1,2,3",
+            "-o",
+            str(models / output),
+        ],
+        *kept,
+    )
     assert str(models / output) in line and "choose another -o" in line
     if model == "draft-hf":
         assert "inside" in line and str(models / "draft-hf") in line
@@ -96,8 +131,22 @@ def test_reference_refuses_its_models_and_their_directories(models, model, outpu
 def test_reference_refuses_to_write_over_its_run(models, tmp_path):
     run = tmp_path / "run.npz"
     run.write_bytes(b"the user's capture")
-    line = _refused(["reference", "--target", str(models / "target.gguf"), "--model", str(models / "draft.gguf"),
-                     "--tokens", "1,2,3", "--run", str(run), "-o", str(run)], run)
+    line = _refused(
+        [
+            "reference",
+            "--target",
+            str(models / "target.gguf"),
+            "--model",
+            str(models / "draft.gguf"),
+            "--tokens",
+            "1,2,3",
+            "--run",
+            str(run),
+            "-o",
+            str(run),
+        ],
+        run,
+    )
     assert str(run) in line
 
 
@@ -113,8 +162,9 @@ def test_report_refuses_to_write_over_a_dump(dumps):
 
 
 def test_report_refuses_a_png_dir_that_is_a_dump(dumps, tmp_path):
-    line = _refused(["report", str(dumps[0]), str(dumps[1]), "-o", str(tmp_path / "r.html"),
-                     "--png-dir", str(dumps[0])], *dumps)
+    line = _refused(
+        ["report", str(dumps[0]), str(dumps[1]), "-o", str(tmp_path / "r.html"), "--png-dir", str(dumps[0])], *dumps
+    )
     assert str(dumps[0]) in line and "--png-dir" in line
     assert not (tmp_path / "r.html").exists()
 
@@ -127,6 +177,7 @@ def test_pack_refuses_to_write_over_its_spool(spool, suffix):
 
 
 # --- an output that cannot be a file here -------------------------------------------------------
+
 
 def test_fixture_refuses_an_outdir_that_is_a_file(tmp_path):
     f = tmp_path / "notes.txt"
@@ -143,8 +194,10 @@ def test_an_output_that_is_a_directory_is_refused(spool, tmp_path):
 
 def test_a_file_output_in_a_missing_directory_is_refused_naming_it(spool, dumps, tmp_path):
     missing = tmp_path / "no-such-dir"
-    for command in (["pack", str(spool), "-o", str(missing / "out.npz")],
-                    ["compare", str(dumps[0]), str(dumps[1]), "--json", str(missing / "out.json")]):
+    for command in (
+        ["pack", str(spool), "-o", str(missing / "out.npz")],
+        ["compare", str(dumps[0]), str(dumps[1]), "--json", str(missing / "out.json")],
+    ):
         line = _refused(command)
         assert f"{missing / 'out'}" in line and f"the directory {missing}, which does not exist" in line
     assert not missing.exists()
@@ -162,23 +215,38 @@ def test_a_directory_output_is_made_with_its_parents_unless_one_is_a_file(tmp_pa
 
 def test_capture_in_a_missing_directory_is_refused_before_it_runs(models, tmp_path):
     out = tmp_path / "no-such-dir" / "run.npz"
-    line = _refused(["capture", "--target", str(models / "target.gguf"), "--model", str(models / "draft.gguf"),
-                     "--tokens", "1,2,3", "-o", str(out)])
+    line = _refused(
+        [
+            "capture",
+            "--target",
+            str(models / "target.gguf"),
+            "--model",
+            str(models / "draft.gguf"),
+            "--tokens",
+            "1,2,3",
+            "-o",
+            str(out),
+        ]
+    )
     assert f"{out.parent}, which does not exist" in line
 
 
 # --- what may be written is written whole ------------------------------------------------------
 
+
 def test_compare_and_report_write_new_outputs_and_replace_old_ones_whole(dumps, tmp_path):
     old = tmp_path / "findings.json"
     old.write_text("the last run's findings")
-    result = CliRunner().invoke(app, ["compare", str(dumps[0]), str(dumps[1]), "--json", str(old),
-                                      "--report", str(tmp_path / "new.html")])
+    result = CliRunner().invoke(
+        app, ["compare", str(dumps[0]), str(dumps[1]), "--json", str(old), "--report", str(tmp_path / "new.html")]
+    )
     assert result.exit_code == 0, result.output
     assert "findings" in json.loads(old.read_text())
     assert (tmp_path / "new.html").read_text().startswith("<!doctype html>")
-    result = CliRunner().invoke(app, ["report", str(dumps[0]), str(dumps[1]), "-o", str(tmp_path / "r.html"),
-                                      "--png-dir", str(tmp_path / "png")])
+    result = CliRunner().invoke(
+        app,
+        ["report", str(dumps[0]), str(dumps[1]), "-o", str(tmp_path / "r.html"), "--png-dir", str(tmp_path / "png")],
+    )
     assert result.exit_code == 0, result.output
     assert list((tmp_path / "png").glob("*.png"))  # a clean pair has no row-shift figure
     assert not list(tmp_path.rglob("*.partial"))
@@ -211,6 +279,7 @@ def test_a_failed_write_leaves_the_old_file_as_it_was(tmp_path):
 
 # --- one writer per output; a failed run writes beside the user's dump ---------------------------
 
+
 def test_an_output_lock_refuses_a_second_writer_naming_the_first(tmp_path):
     out = tmp_path / "run.npz"
     with output_lock(out) as lock:
@@ -218,8 +287,9 @@ def test_an_output_lock_refuses_a_second_writer_naming_the_first(tmp_path):
         with pytest.raises(InputError) as refused:
             with output_lock(out):
                 pass
-        assert str(refused.value) == (f"{out}: another featdiff run is writing {out} (pid {os.getpid()}); "
-                                      "wait for it or choose another -o")
+        assert str(refused.value) == (
+            f"{out}: another featdiff run is writing {out} (pid {os.getpid()}); wait for it or choose another -o"
+        )
         assert lock.read_text() == f"{os.getpid()}\n"  # the refused run leaves the holder's lock alone
     assert not lock.exists()
 

@@ -53,11 +53,26 @@ def probed(fixture_models, prompts_file):
                 from featdiff.llama.tools import ensure_tools
 
                 server = ensure_tools().program("llama-server")
-                command = [str(server), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SERVER_ARGS,
-                           "--spec-draft-n-max", str(draft_max)]
-            made[key] = probe(d / "target.gguf", d / "draft.gguf", prompts=prompts, rounds=ROUNDS,
-                              ref_target=d / "target-hf", ref_model=d / "draft-hf", command=command,
-                              draft_max=None if through_server else draft_max)
+                command = [
+                    str(server),
+                    "-m",
+                    str(d / "target.gguf"),
+                    "-md",
+                    str(d / "draft.gguf"),
+                    *SERVER_ARGS,
+                    "--spec-draft-n-max",
+                    str(draft_max),
+                ]
+            made[key] = probe(
+                d / "target.gguf",
+                d / "draft.gguf",
+                prompts=prompts,
+                rounds=ROUNDS,
+                ref_target=d / "target-hf",
+                ref_model=d / "draft-hf",
+                command=command,
+                draft_max=None if through_server else draft_max,
+            )
         return made[key]
 
     return get
@@ -97,9 +112,24 @@ def test_report_names_the_gap(probed):
 @pytest.mark.parametrize("variant, code", [("clean", 0), ("layers-plus1", 1)])
 def test_probe_exit_code_is_1_on_a_gap(fixture_models, prompts_file, variant, code):
     d = fixture_models(variant)
-    result = CliRunner().invoke(app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      "--ref-target", str(d / "target-hf"), "--ref-model", str(d / "draft-hf"),
-                                      "--prompts", str(prompts_file), "--rounds", str(ROUNDS)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "probe",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--ref-target",
+            str(d / "target-hf"),
+            "--ref-model",
+            str(d / "draft-hf"),
+            "--prompts",
+            str(prompts_file),
+            "--rounds",
+            str(ROUNDS),
+        ],
+    )
     assert result.exit_code == code, result.output
     assert "run drafted/accepted" in result.output
 
@@ -107,8 +137,9 @@ def test_probe_exit_code_is_1_on_a_gap(fixture_models, prompts_file, variant, co
 def test_empty_prompts_file_exits_2(fixture_models, tmp_path):
     d, empty = fixture_models("clean"), tmp_path / "none.txt"
     empty.write_text("\n")
-    result = CliRunner().invoke(app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      "--prompts", str(empty)])
+    result = CliRunner().invoke(
+        app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"), "--prompts", str(empty)]
+    )
     assert result.exit_code == 2 and "no prompts" in result.output
 
 
@@ -130,7 +161,22 @@ def test_reference_drafts_blocks_as_long_as_the_runs(probed, draft_max_2_prompts
 
 def test_probe_exec_refuses_draft_max(fixture_models):
     d = fixture_models("clean")
-    result = CliRunner().invoke(app, ["probe", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                      "--draft-max", "2", "--exec", "--", "llama-server", "-m", str(d / "target.gguf")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "probe",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--draft-max",
+            "2",
+            "--exec",
+            "--",
+            "llama-server",
+            "-m",
+            str(d / "target.gguf"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "--draft-max 2" in result.output and "--spec-draft-n-max" in result.output

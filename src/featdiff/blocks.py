@@ -22,7 +22,7 @@ from featdiff.dump import Eval, read_dump
 from featdiff.errors import InputError
 from featdiff.tokens import MIN_PROMPT_TOKENS
 
-DEFAULT_DRAFT_MAX = 3    # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
+DEFAULT_DRAFT_MAX = 3  # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
 DEFAULT_BLOCK_SIZE = 16  # common/speculative.cpp falls back to 16 without dflash.block_size
 # The most rows a trained block may have: llama.cpp decodes a draft block in one batch, and a
 # non-causal batch must fit one ubatch (src/llama-context.cpp decode: GGML_ASSERT "non-causal
@@ -36,7 +36,7 @@ MAX_BLOCK_SIZE = 512
 # not llama.cpp's: wiring faults show in the first rounds, 32768 positions are thousands of rounds
 # of a 4-row block, and a runaway --rounds stops here instead of running for days.
 UNSTATED_N_CTX_TRAIN = 32768
-DRAFT_PHASE = "draft"    # the flow's draft evals (docs/flow.md); warm-up decodes carry phase `warmup`
+DRAFT_PHASE = "draft"  # the flow's draft evals (docs/flow.md); warm-up decodes carry phase `warmup`
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,10 @@ def default_block_rows(block_size: int, first_draft_row: int = 1) -> BlockRows:
 def asked_block_rows(block: int | None, run: Path | None) -> BlockRows | None:
     """`--block N`, or the block length of the run dump `--run`; None when neither is given."""
     if block is not None and run is not None:
-        raise InputError(f"--block {block} and --run {run} both set the draft block length; pass one of them "
-                         "(--run takes it from the run's draft evals)")
+        raise InputError(
+            f"--block {block} and --run {run} both set the draft block length; pass one of them "
+            "(--run takes it from the run's draft evals)"
+        )
     if block is not None:
         return BlockRows(block, f"--block {block}")
     if run is None:
@@ -102,8 +104,10 @@ def asked_block_rows(block: int | None, run: Path | None) -> BlockRows | None:
     with read_dump(run) as dump:
         rows = run_block_rows(dump.manifest.evals, str(run))
     if rows is None:
-        raise InputError(f"{run}: no draft eval that ran, so no block length to follow; "
-                         "pass --block N (the run's --spec-draft-n-max + 1) instead")
+        raise InputError(
+            f"{run}: no draft eval that ran, so no block length to follow; "
+            "pass --block N (the run's --spec-draft-n-max + 1) instead"
+        )
     return BlockRows(rows, str(run))
 
 
@@ -119,8 +123,10 @@ def run_block_rows(evals: tuple[Eval, ...], source: str) -> int | None:
             evals_by_rows.setdefault(e.n_tokens, []).append(e.eval)
     if len(evals_by_rows) > 1:
         seen = "; ".join(f"{rows} rows in evals {_listed(ids)}" for rows, ids in sorted(evals_by_rows.items()))
-        raise InputError(f"{source}: its draft blocks differ in length ({seen}); the reference drafts one length: "
-                         "pass --block N for the rounds to compare, or capture a run with one --spec-draft-n-max")
+        raise InputError(
+            f"{source}: its draft blocks differ in length ({seen}); the reference drafts one length: "
+            "pass --block N for the rounds to compare, or capture a run with one --spec-draft-n-max"
+        )
     return next(iter(evals_by_rows), None)
 
 
@@ -133,8 +139,10 @@ def block_size_problem(block_size: int, first_draft_row: int = 1) -> str | None:
     if block_size < least:
         return f"{key} leaves no row to draft; {fix}"
     if block_size > MAX_BLOCK_SIZE:
-        return (f"{key} is more rows than llama.cpp's draft batch holds in one ubatch (n_ubatch {MAX_BLOCK_SIZE}; a "
-                f"larger non-causal block aborts it); {fix}")
+        return (
+            f"{key} is more rows than llama.cpp's draft batch holds in one ubatch (n_ubatch {MAX_BLOCK_SIZE}; a "
+            f"larger non-causal block aborts it); {fix}"
+        )
     return None
 
 
@@ -150,8 +158,9 @@ def max_rounds(n_ctx: int, n_prompt: int, rows: int) -> int:
     return max((n_ctx - n_prompt) // max(rows, 1) - 1, -1)  # a block has a row at least
 
 
-def check_rounds_fit(rounds: int, rows: int, n_ctx_train: int | None, target: Path,
-                     n_prompt: int | None = None) -> None:
+def check_rounds_fit(
+    rounds: int, rows: int, n_ctx_train: int | None, target: Path, n_prompt: int | None = None
+) -> None:
     """InputError when a flow of `rounds` rounds of `rows`-row blocks after an `n_prompt`-token
     prompt (None: not known yet, the shortest prompt) reaches past the context the target file
     `target` was trained on (`n_ctx_train`; None: it states none, UNSTATED_N_CTX_TRAIN bounds it)."""
@@ -161,12 +170,17 @@ def check_rounds_fit(rounds: int, rows: int, n_ctx_train: int | None, target: Pa
     if need <= n_ctx:
         return
     prompt = f"{least} prompt tokens" if n_prompt is not None else f"a prompt of {least} tokens at least"
-    trained = (f"{target} was trained on {n_ctx} positions" if n_ctx_train is not None
-               else f"{target} states no trained context length, so featdiff allows {n_ctx} positions")
+    trained = (
+        f"{target} was trained on {n_ctx} positions"
+        if n_ctx_train is not None
+        else f"{target} states no trained context length, so featdiff allows {n_ctx} positions"
+    )
     fit = max_rounds(n_ctx, least, rows)
     fix = f"pass --rounds {fit} or fewer" if fit >= 0 else "shorten the prompt"
-    raise InputError(f"--rounds {rounds}: the flow reaches position {need} ({prompt} + ({rounds} + 1) blocks of "
-                     f"{rows} rows) but {trained}; {fix}")
+    raise InputError(
+        f"--rounds {rounds}: the flow reaches position {need} ({prompt} + ({rounds} + 1) blocks of "
+        f"{rows} rows) but {trained}; {fix}"
+    )
 
 
 def checked_block_rows(asked: BlockRows | None, block_size: int, model: Path, first_draft_row: int = 1) -> BlockRows:
@@ -180,12 +194,16 @@ def checked_block_rows(asked: BlockRows | None, block_size: int, model: Path, fi
         raise InputError(f"{model}: {problem} (see `featdiff lint`)")
     chosen = asked or default_block_rows(block_size, first_draft_row)
     if chosen.rows > block_size:
-        raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows, more than {model} was trained on "
-                         f"({key}); llama.cpp clamps --spec-draft-n-max to {clamp}, so a block has "
-                         f"{least} .. {block_size} rows: pass --block in that range")
+        raise InputError(
+            f"{chosen.origin}: draft blocks of {chosen.rows} rows, more than {model} was trained on "
+            f"({key}); llama.cpp clamps --spec-draft-n-max to {clamp}, so a block has "
+            f"{least} .. {block_size} rows: pass --block in that range"
+        )
     if chosen.rows < least:
-        raise InputError(f"{chosen.origin}: draft blocks of {chosen.rows} rows; a block holds at least one draft, "
-                         f"so expected {least} .. {block_size} rows ({model}: {key}): pass --block in that range")
+        raise InputError(
+            f"{chosen.origin}: draft blocks of {chosen.rows} rows; a block holds at least one draft, "
+            f"so expected {least} .. {block_size} rows ({model}: {key}): pass --block in that range"
+        )
     return chosen
 
 

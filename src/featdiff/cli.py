@@ -22,6 +22,7 @@ from typer.core import TyperGroup
 
 from featdiff.errors import InputError, Interrupted
 
+
 class _App(TyperGroup):
     """The one place an `InputError` becomes a one-line message and exit code 2, an interruption
     (SIGINT, SIGTERM) one line saying what was kept and exit code 128 + signal (130, 143), and any
@@ -40,8 +41,11 @@ class _App(TyperGroup):
         except Exception as e:  # noqa: BLE001 - the contract: a bug exits 3 with one line, not a traceback
             if type(e).__module__.startswith(CLI_FRAMEWORK_MODULES):
                 raise  # usage errors, --help, typer.Exit: the framework's own way out
-            typer.echo(f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; "
-                       f"the traceback is in {_crash_report()}", err=True)
+            typer.echo(
+                f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; "
+                f"the traceback is in {_crash_report()}",
+                err=True,
+            )
             raise typer.Exit(EXIT_INTERNAL) from None
 
 
@@ -53,25 +57,62 @@ def _crash_report() -> str:
     return path
 
 
-app = typer.Typer(cls=_App, add_completion=False, no_args_is_help=True,
-                  help="featdiff: which tensor a llama.cpp drafter port gets wrong, and why.")
+app = typer.Typer(
+    cls=_App,
+    add_completion=False,
+    no_args_is_help=True,
+    help="featdiff: which tensor a llama.cpp drafter port gets wrong, and why.",
+)
 
 EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3  # and 128 + signal when interrupted: 130, 143
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # each raises Interrupted; a second one ends featdiff at once
 CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are the CLI framework's (typer vendors click)
 
 TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")]
-RoundsOpt = Annotated[int, typer.Option("--rounds", min=0, help="Speculative rounds (draft, verify, inject) after the prefill; at most what fits the target's trained context: prompt + (rounds + 1) x block rows <= {arch}.context_length (HF: max_position_embeddings; 32768 when the target states none).")]
-DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Drafts per block, as llama.cpp's --spec-draft-n-max: the block is the anchor plus N masks, N clamped to dflash.block_size - 1. Default: 3, llama.cpp's default. In-process only: with --exec the program's command line decides.")]
-LlamaDirOpt = Annotated[Optional[Path], typer.Option("--llama-dir", help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.")]
-PMinOpt = Annotated[Optional[float], typer.Option("--p-min", min=0.0, max=1.0, help="llama.cpp's --spec-draft-p-min: a DSpark drafter with a confidence head stops drafting below it. Default 0 (reference: the --run dump's).")]
+PromptOpt = Annotated[
+    Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")
+]
+RoundsOpt = Annotated[
+    int,
+    typer.Option(
+        "--rounds",
+        min=0,
+        help="Speculative rounds (draft, verify, inject) after the prefill; at most what fits the target's trained context: prompt + (rounds + 1) x block rows <= {arch}.context_length (HF: max_position_embeddings; 32768 when the target states none).",
+    ),
+]
+DraftMaxOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--draft-max",
+        help="Drafts per block, as llama.cpp's --spec-draft-n-max: the block is the anchor plus N masks, N clamped to dflash.block_size - 1. Default: 3, llama.cpp's default. In-process only: with --exec the program's command line decides.",
+    ),
+]
+LlamaDirOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--llama-dir",
+        help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.",
+    ),
+]
+PMinOpt = Annotated[
+    Optional[float],
+    typer.Option(
+        "--p-min",
+        min=0.0,
+        max=1.0,
+        help="llama.cpp's --spec-draft-p-min: a DSpark drafter with a confidence head stops drafting below it. Default 0 (reference: the --run dump's).",
+    ),
+]
 
 
 @app.command()
 def fixture(
-    outdir: Annotated[Optional[Path], typer.Argument(help="Directory to write target.gguf, draft.gguf and the HF dirs into.")] = None,
-    variant: Annotated[str, typer.Option("--variant", help="Which planted bug (see `featdiff fixture --list`).")] = "clean",
+    outdir: Annotated[
+        Optional[Path], typer.Argument(help="Directory to write target.gguf, draft.gguf and the HF dirs into.")
+    ] = None,
+    variant: Annotated[
+        str, typer.Option("--variant", help="Which planted bug (see `featdiff fixture --list`).")
+    ] = "clean",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the tiny models.")] = 0,
     list_variants: Annotated[bool, typer.Option("--list", help="List the variants and exit.")] = False,
 ) -> None:
@@ -88,30 +129,50 @@ def fixture(
 def capture(
     ctx: typer.Context,
     output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
-    target: Annotated[Optional[Path], typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", exists=True, dir_okay=False, help="Drafter model GGUF.")] = None,
+    target: Annotated[
+        Optional[Path], typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF.")
+    ] = None,
+    model: Annotated[
+        Optional[Path], typer.Option("--model", exists=True, dir_okay=False, help="Drafter model GGUF.")
+    ] = None,
     prompt: PromptOpt = None,
     tokens: TokensOpt = None,
     rounds: RoundsOpt = 2,
-    filters: Annotated[Optional[list[str]], typer.Option("--filter", help="Glob on callback names to capture (repeatable). Default: the wiring tensors.")] = None,
+    filters: Annotated[
+        Optional[list[str]],
+        typer.Option("--filter", help="Glob on callback names to capture (repeatable). Default: the wiring tensors."),
+    ] = None,
     llama_dir: LlamaDirOpt = None,
     draft_max: DraftMaxOpt = None,
     p_min: PMinOpt = None,
-    exec_: Annotated[bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")] = False,
+    exec_: Annotated[
+        bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")
+    ] = False,
 ) -> None:
     """Capture named tensors from a real llama.cpp build into a dump. In-process, llama.cpp's run options follow the
     featdiff options as the programs spell them: -ctk/-ctv, -ctkd/-ctvd (drafter), -fa on|off|auto, -ngl, -ngld, -t, -c."""
     from featdiff.llama import capture as capture_mod
 
     if exec_:
-        path = capture_mod.capture_exec(list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max,
-                                        p_min=p_min)
+        path = capture_mod.capture_exec(
+            list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max, p_min=p_min
+        )
     else:
         from featdiff.llama.options import parse_run_options
 
-        path = capture_mod.capture(target, model, output, prompt=prompt, tokens=tokens, rounds=rounds,
-                                   filters=filters, llama_dir=llama_dir, draft_max=draft_max, p_min=p_min,
-                                   options=parse_run_options(list(ctx.args)))
+        path = capture_mod.capture(
+            target,
+            model,
+            output,
+            prompt=prompt,
+            tokens=tokens,
+            rounds=rounds,
+            filters=filters,
+            llama_dir=llama_dir,
+            draft_max=draft_max,
+            p_min=p_min,
+            options=parse_run_options(list(ctx.args)),
+        )
     typer.echo(path)
 
 
@@ -120,23 +181,53 @@ def probe(
     ctx: typer.Context,
     target: Annotated[Path, typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF (the run).")],
     model: Annotated[Path, typer.Option("--model", exists=True, dir_okay=False, help="Drafter GGUF (the run).")],
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", exists=True, dir_okay=False, help="One prompt per line; `tokens: 1,2,3` for token ids. Default: two built-in prompts.")] = None,
+    prompts: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--prompts",
+            exists=True,
+            dir_okay=False,
+            help="One prompt per line; `tokens: 1,2,3` for token ids. Default: two built-in prompts.",
+        ),
+    ] = None,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Speculative rounds per prompt (in-process run).")] = 6,
-    n_predict: Annotated[int, typer.Option("--n-predict", min=1, help="Tokens per request (run through llama-server).")] = 16,
-    ref_target: Annotated[Optional[Path], typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target.")] = None,
-    ref_model: Annotated[Optional[Path], typer.Option("--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model.")] = None,
+    n_predict: Annotated[
+        int, typer.Option("--n-predict", min=1, help="Tokens per request (run through llama-server).")
+    ] = 16,
+    ref_target: Annotated[
+        Optional[Path],
+        typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
+    ] = None,
+    ref_model: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model."
+        ),
+    ] = None,
     llama_dir: LlamaDirOpt = None,
     draft_max: DraftMaxOpt = None,
-    exec_: Annotated[bool, typer.Option("--exec", help="Run through the llama-server command given after `--` instead of in-process.")] = False,
+    exec_: Annotated[
+        bool,
+        typer.Option("--exec", help="Run through the llama-server command given after `--` instead of in-process."),
+    ] = False,
 ) -> None:
     """Greedy accept-rate probe: the real spec loop side by side with the reference drafter."""
     from featdiff.probe import exit_code as probe_exit_code
     from featdiff.probe import probe as run_probe
     from featdiff.probe import render_probe
 
-    result = run_probe(target, model, prompts=prompts, rounds=rounds, ref_target=ref_target, ref_model=ref_model,
-                       command=list(ctx.args) if exec_ else None, n_predict=n_predict, llama_dir=llama_dir,
-                       draft_max=draft_max)
+    result = run_probe(
+        target,
+        model,
+        prompts=prompts,
+        rounds=rounds,
+        ref_target=ref_target,
+        ref_model=ref_model,
+        command=list(ctx.args) if exec_ else None,
+        n_predict=n_predict,
+        llama_dir=llama_dir,
+        draft_max=draft_max,
+    )
     typer.echo(render_probe(result))
     raise typer.Exit(probe_exit_code(result))
 
@@ -166,27 +257,68 @@ def reference(
     device: Annotated[str, typer.Option("--device", help="Torch device.")] = "cpu",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Emulate the run's KV cache type: f16 or f32.")] = "f16",
     llama_dir: LlamaDirOpt = None,
-    block: Annotated[Optional[int], typer.Option("--block", help="Rows per draft block: the anchor and the masks; a run's --spec-draft-n-max + 1 (anchor-first DSpark: n-max), up to dflash.block_size. Default: llama.cpp's default --spec-draft-n-max 3, clamped.")] = None,
-    run: Annotated[Optional[Path], typer.Option("--run", help="A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block.")] = None,
+    block: Annotated[
+        Optional[int],
+        typer.Option(
+            "--block",
+            help="Rows per draft block: the anchor and the masks; a run's --spec-draft-n-max + 1 (anchor-first DSpark: n-max), up to dflash.block_size. Default: llama.cpp's default --spec-draft-n-max 3, clamped.",
+        ),
+    ] = None,
+    run: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--run",
+            help="A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block.",
+        ),
+    ] = None,
     p_min: PMinOpt = None,
-    follow: Annotated[Optional[Path], typer.Option("--follow", exists=True, dir_okay=False, help="A run dump (.npz) to replay: its prompt, rounds, drafts and accepted prefixes instead of the reference's own, so every eval of the run pairs (a quantized target, a server's own loop). Replaces --prompt/--tokens/--rounds/--block/--run.")] = None,
+    follow: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--follow",
+            exists=True,
+            dir_okay=False,
+            help="A run dump (.npz) to replay: its prompt, rounds, drafts and accepted prefixes instead of the reference's own, so every eval of the run pairs (a quantized target, a server's own loop). Replaces --prompt/--tokens/--rounds/--block/--run.",
+        ),
+    ] = None,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
     from featdiff.reference import run as reference_run
 
-    typer.echo(reference_run.reference(target, model, output, prompt=prompt, tokens=tokens,
-                                       rounds=rounds, dtype=dtype, device=device,
-                                       kv_dtype=kv_dtype, llama_dir=llama_dir, block=block, run=run, p_min=p_min,
-                                       follow=follow))
+    typer.echo(
+        reference_run.reference(
+            target,
+            model,
+            output,
+            prompt=prompt,
+            tokens=tokens,
+            rounds=rounds,
+            dtype=dtype,
+            device=device,
+            kv_dtype=kv_dtype,
+            llama_dir=llama_dir,
+            block=block,
+            run=run,
+            p_min=p_min,
+            follow=follow,
+        )
+    )
 
 
 @app.command()
 def compare(
     ref: Annotated[Path, typer.Argument(help="Reference dump (or any dump taken as the truth).")],
     run: Annotated[Path, typer.Argument(help="Run dump to diagnose.")],
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write findings JSON to FILE, or - for stdout only.")] = None,
+    json_out: Annotated[
+        Optional[str], typer.Option("--json", help="Write findings JSON to FILE, or - for stdout only.")
+    ] = None,
     report_out: Annotated[Optional[Path], typer.Option("--report", help="Also write the HTML triage report.")] = None,
-    name_map: Annotated[Optional[Path], typer.Option("--map", exists=True, dir_okay=False, help="Name map (TOML) for forks that name tensors their own way.")] = None,
+    name_map: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--map", exists=True, dir_okay=False, help="Name map (TOML) for forks that name tensors their own way."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the per-record table too.")] = False,
 ) -> None:
     """Align two dumps, find the first divergent tensor and name the wiring fault."""
@@ -200,8 +332,10 @@ def compare(
     if report_out is not None:
         from featdiff.report import write_report
 
-        typer.echo(write_report(ref, run, report_out, comparison=comparison, name_map=name_map,
-                                output_flag="--report"), err=True)
+        typer.echo(
+            write_report(ref, run, report_out, comparison=comparison, name_map=name_map, output_flag="--report"),
+            err=True,
+        )
     raise typer.Exit(exit_code(comparison))
 
 
@@ -211,7 +345,9 @@ def report(
     run: Annotated[Path, typer.Argument(help="Run dump.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")],
     png_dir: Annotated[Optional[Path], typer.Option("--png-dir", help="Also write each figure as a PNG here.")] = None,
-    name_map: Annotated[Optional[Path], typer.Option("--map", exists=True, dir_okay=False, help="Name map (TOML).")] = None,
+    name_map: Annotated[
+        Optional[Path], typer.Option("--map", exists=True, dir_okay=False, help="Name map (TOML).")
+    ] = None,
 ) -> None:
     """Write a self-contained HTML triage report with heatmaps."""
     from featdiff.compare import compare_dumps, exit_code
@@ -235,7 +371,10 @@ def inspect(
 @app.command()
 def lint(
     model: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Drafter GGUF.")],
-    target: Annotated[Optional[Path], typer.Option("--target", exists=True, dir_okay=False, help="Target GGUF, to check ids and widths against.")] = None,
+    target: Annotated[
+        Optional[Path],
+        typer.Option("--target", exists=True, dir_okay=False, help="Target GGUF, to check ids and widths against."),
+    ] = None,
 ) -> None:
     """Check a drafter GGUF's DFlash metadata and tensors; one line per problem."""
     from featdiff.reference.lint import lint_gguf
@@ -253,26 +392,82 @@ def check(
     ctx: typer.Context,
     target: Annotated[Path, typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF (the run).")],
     model: Annotated[Path, typer.Option("--model", exists=True, dir_okay=False, help="Drafter GGUF (the run).")],
-    ref_target: Annotated[Optional[Path], typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target.")] = None,
-    ref_model: Annotated[Optional[Path], typer.Option("--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model.")] = None,
+    ref_target: Annotated[
+        Optional[Path],
+        typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
+    ] = None,
+    ref_model: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model."
+        ),
+    ] = None,
     llama_dir: LlamaDirOpt = None,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", exists=True, dir_okay=False, help="One prompt per line (`tokens: 1,2,3` for ids); the capture takes the first, the accept probe all. Default: two built-in prompts.")] = None,
-    rounds: Annotated[Optional[int], typer.Option("--rounds", min=1, help="In-process: speculative rounds of the capture and of the probe, per prompt. Default: 4.")] = None,
-    min_accept: Annotated[Optional[float], typer.Option("--min-accept", min=0.0, max=1.0, help="Fail when the run's accept rate (accepted / drafted tokens) is below this fraction.")] = None,
-    keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep the run and reference dumps in this directory (default: a temporary one).")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the check's JSON to FILE, or - for stdout only.")] = None,
+    prompts: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--prompts",
+            exists=True,
+            dir_okay=False,
+            help="One prompt per line (`tokens: 1,2,3` for ids); the capture takes the first, the accept probe all. Default: two built-in prompts.",
+        ),
+    ] = None,
+    rounds: Annotated[
+        Optional[int],
+        typer.Option(
+            "--rounds",
+            min=1,
+            help="In-process: speculative rounds of the capture and of the probe, per prompt. Default: 4.",
+        ),
+    ] = None,
+    min_accept: Annotated[
+        Optional[float],
+        typer.Option(
+            "--min-accept",
+            min=0.0,
+            max=1.0,
+            help="Fail when the run's accept rate (accepted / drafted tokens) is below this fraction.",
+        ),
+    ] = None,
+    keep: Annotated[
+        Optional[Path],
+        typer.Option("--keep", help="Keep the run and reference dumps in this directory (default: a temporary one)."),
+    ] = None,
+    json_out: Annotated[
+        Optional[str], typer.Option("--json", help="Write the check's JSON to FILE, or - for stdout only.")
+    ] = None,
     report_out: Annotated[Optional[Path], typer.Option("--report", help="Also write the HTML triage report.")] = None,
-    summary_md: Annotated[Optional[Path], typer.Option("--summary-md", help="Write a Markdown verdict (also appended to $GITHUB_STEP_SUMMARY when set).")] = None,
-    exec_: Annotated[bool, typer.Option("--exec", help="Run around the llama-server or llama-speculative-simple command given after `--`.")] = False,
+    summary_md: Annotated[
+        Optional[Path],
+        typer.Option("--summary-md", help="Write a Markdown verdict (also appended to $GITHUB_STEP_SUMMARY when set)."),
+    ] = None,
+    exec_: Annotated[
+        bool,
+        typer.Option(
+            "--exec", help="Run around the llama-server or llama-speculative-simple command given after `--`."
+        ),
+    ] = False,
 ) -> None:
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
     from featdiff.check import check as run_check
     from featdiff.check import exit_code as check_exit_code
     from featdiff.check import render_text
 
-    result = run_check(target, model, ref_target=ref_target, ref_model=ref_model, llama_dir=llama_dir,
-                       command=list(ctx.args) if exec_ else None, prompts=prompts, rounds=rounds,
-                       min_accept=min_accept, keep=keep, report=report_out, json_out=json_out, summary_md=summary_md)
+    result = run_check(
+        target,
+        model,
+        ref_target=ref_target,
+        ref_model=ref_model,
+        llama_dir=llama_dir,
+        command=list(ctx.args) if exec_ else None,
+        prompts=prompts,
+        rounds=rounds,
+        min_accept=min_accept,
+        keep=keep,
+        report=report_out,
+        json_out=json_out,
+        summary_md=summary_md,
+    )
     if json_out != "-":
         typer.echo(render_text(result))
     raise typer.Exit(check_exit_code(result))

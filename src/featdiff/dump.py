@@ -105,10 +105,19 @@ class Record:
         if len(shape) > MAX_DIMS:
             raise ManifestError(f"{at}.shape", f"at most {MAX_DIMS} dimensions", list(shape))
         return Record(
-            key=f.get("key", as_str), role=f.get("role", as_role), phase=f.get("phase", as_phase),
-            eval=f.get("eval", as_count), name=f.get("name", as_str), occurrence=f.get("occurrence", as_count),
-            op=f.get("op", as_str), ggml_type=f.get("ggml_type", as_str), ne=ne, srcs=f.get("srcs", as_strs),
-            dtype=f.get("dtype", as_str, DTYPES), shape=shape, nb=f.get("nb", as_counts, default=()),
+            key=f.get("key", as_str),
+            role=f.get("role", as_role),
+            phase=f.get("phase", as_phase),
+            eval=f.get("eval", as_count),
+            name=f.get("name", as_str),
+            occurrence=f.get("occurrence", as_count),
+            op=f.get("op", as_str),
+            ggml_type=f.get("ggml_type", as_str),
+            ne=ne,
+            srcs=f.get("srcs", as_strs),
+            dtype=f.get("dtype", as_str, DTYPES),
+            shape=shape,
+            nb=f.get("nb", as_counts, default=()),
         )
 
 
@@ -135,10 +144,15 @@ class Eval:
         one per token or none (an embeddings batch has no token ids), as every producer writes."""
         f = Fields.of(d, at)
         ev = Eval(
-            eval=f.get("eval", as_count), role=f.get("role", as_role), phase=f.get("phase", as_phase),
-            n_tokens=f.get("n_tokens", as_count), positions=f.get("positions", as_ints),
-            token_ids=f.get("token_ids", as_ints, default=()), seq_ids=f.get("seq_ids", as_ints, default=()),
-            round=f.get("round", as_count, default=0), rc=f.get("rc", as_int, default=0),
+            eval=f.get("eval", as_count),
+            role=f.get("role", as_role),
+            phase=f.get("phase", as_phase),
+            n_tokens=f.get("n_tokens", as_count),
+            positions=f.get("positions", as_ints),
+            token_ids=f.get("token_ids", as_ints, default=()),
+            seq_ids=f.get("seq_ids", as_ints, default=()),
+            round=f.get("round", as_count, default=0),
+            rc=f.get("rc", as_int, default=0),
         )
         _check_per_token(ev, at)
         return ev
@@ -173,8 +187,11 @@ class Round:
         return Round(
             # `accepted` and `pos0` are any ints: capture --exec derives them from the positions of
             # the next decode (llama/exec.py), which a program that rewinds can put anywhere
-            round=f.get("round", as_count), pos0=f.get("pos0", as_int), anchor=f.get("anchor", as_int),
-            drafts=f.get("drafts", as_ints), accepted=f.get("accepted", as_int),
+            round=f.get("round", as_count),
+            pos0=f.get("pos0", as_int),
+            anchor=f.get("anchor", as_int),
+            drafts=f.get("drafts", as_ints),
+            accepted=f.get("accepted", as_int),
             target_tokens=f.get("target_tokens", as_ints, default=()),
         )
 
@@ -200,8 +217,11 @@ class MemoryOp:
     def from_json(d: Any, at: str = "memory_op") -> MemoryOp:
         f = Fields.of(d, at)
         return MemoryOp(
-            role=f.get("role", as_role), after_eval=f.get("after_eval", as_int, -1),
-            seq_id=f.get("seq_id", as_int), p0=f.get("p0", as_int), p1=f.get("p1", as_int),
+            role=f.get("role", as_role),
+            after_eval=f.get("after_eval", as_int, -1),
+            seq_id=f.get("seq_id", as_int),
+            p0=f.get("p0", as_int),
+            p1=f.get("p1", as_int),
             op=f.get("op", as_str, MEMORY_OPS, default=MEMORY_OPS[0]),
         )
 
@@ -223,8 +243,9 @@ class CacheTypes:
     @staticmethod
     def from_json(d: Any, at: str = "kv_types") -> CacheTypes:
         f = Fields.of(d, at)
-        return CacheTypes(k=f.get("k", as_str, default=KV_TYPE_DEFAULT).lower(),
-                          v=f.get("v", as_str, default=KV_TYPE_DEFAULT).lower())
+        return CacheTypes(
+            k=f.get("k", as_str, default=KV_TYPE_DEFAULT).lower(), v=f.get("v", as_str, default=KV_TYPE_DEFAULT).lower()
+        )
 
 
 def _default_kv() -> dict[Role, CacheTypes]:
@@ -262,7 +283,8 @@ class Build:
             one = f.get("kv_dtype", as_str, default=KV_TYPE_DEFAULT).lower()
             kv = {role: CacheTypes(one, one) for role in ROLES}
         return Build(
-            filters=FilterSet.from_json(f.get("filters", as_filters, default=None)), kv_types=kv,
+            filters=FilterSet.from_json(f.get("filters", as_filters, default=None)),
+            kv_types=kv,
             dtype=f.get("dtype", as_str, default="float32"),
             draft_max=f.get("draft_max", as_count_or_null, default=None),
             block_rows=f.get("block_rows", as_count_or_null, default=None),
@@ -320,7 +342,9 @@ class Manifest:
         build = f.get("build", as_object, default={})
         Build.from_json(build, f"{at}.build" if at else "build")
         return Manifest(
-            source=f.get("source", as_str, SOURCES), models=f.get("models", as_models, default={}), build=build,
+            source=f.get("source", as_str, SOURCES),
+            models=f.get("models", as_models, default={}),
+            build=build,
             evals=f.get("evals", as_objects, Eval.from_json, default=()),
             records=f.get("records", as_objects, Record.from_json),
             rounds=f.get("rounds", as_objects, Round.from_json, default=()),
@@ -367,7 +391,9 @@ class DumpWriter:
     def add(self, record: Record, array: np.ndarray) -> None:
         """Store one record's array; its `dtype`/`shape` fields must match what is stored."""
         if record.shape != array.shape or record.dtype != str(array.dtype):
-            raise ValueError(f"{record.key}: record says {record.dtype}{record.shape}, array is {array.dtype}{array.shape}")
+            raise ValueError(
+                f"{record.key}: record says {record.dtype}{record.shape}, array is {array.dtype}{array.shape}"
+            )
         assert self._zip is not None
         with self._zip.open(record.key + NPY_SUFFIX, "w", force_zip64=True) as f:
             np.lib.format.write_array(f, array, allow_pickle=False)
@@ -384,15 +410,34 @@ class DumpWriter:
         return self.path
 
 
-def record_from_array(key: str, role: Role, phase: Phase, eval_index: int, name: str, occurrence: int,
-                      array: np.ndarray, op: str = "NONE", ggml_type: str = "f32",
-                      srcs: tuple[str, ...] = ()) -> tuple[Record, np.ndarray]:
+def record_from_array(
+    key: str,
+    role: Role,
+    phase: Phase,
+    eval_index: int,
+    name: str,
+    occurrence: int,
+    array: np.ndarray,
+    op: str = "NONE",
+    ggml_type: str = "f32",
+    srcs: tuple[str, ...] = (),
+) -> tuple[Record, np.ndarray]:
     """A record for an array computed outside llama.cpp (the reference), ne = reversed shape."""
     stored = stored_array(array)
-    record = Record(key=key, role=role, phase=phase, eval=eval_index, name=name,
-                    occurrence=occurrence, op=op, ggml_type=ggml_type,
-                    ne=tuple(reversed(stored.shape)), srcs=srcs, dtype=str(stored.dtype),
-                    shape=tuple(stored.shape))
+    record = Record(
+        key=key,
+        role=role,
+        phase=phase,
+        eval=eval_index,
+        name=name,
+        occurrence=occurrence,
+        op=op,
+        ggml_type=ggml_type,
+        ne=tuple(reversed(stored.shape)),
+        srcs=srcs,
+        dtype=str(stored.dtype),
+        shape=tuple(stored.shape),
+    )
     return record, stored
 
 
@@ -465,10 +510,14 @@ def read_member_array(f: IO[bytes], record: Record, size: int) -> np.ndarray:
     shape, fortran_order, dtype = read_npy_header(f)
     if dtype != np.dtype(record.dtype) or shape != record.shape or fortran_order:
         order = "Fortran" if fortran_order else "C"
-        raise ValueError(f"the .npy header says {dtype.str} {shape} in {order} order, the record "
-                         f"{record.dtype} {record.shape} in C order")
+        raise ValueError(
+            f"the .npy header says {dtype.str} {shape} in {order} order, the record "
+            f"{record.dtype} {record.shape} in C order"
+        )
     if f.tell() + record.nbytes != size:
-        raise ValueError(f"the member holds {size} bytes, a {f.tell()}-byte header and {record.nbytes} data bytes expected")
+        raise ValueError(
+            f"the member holds {size} bytes, a {f.tell()}-byte header and {record.nbytes} data bytes expected"
+        )
     out = np.empty(record.shape, dtype=dtype)
     data = out.reshape(-1).view(np.uint8)  # (nbytes,): the array's own memory
     done = 0
@@ -495,7 +544,9 @@ def read_dump(path: str | Path) -> Dump:
     try:
         zf = zipfile.ZipFile(path)
     except _DAMAGE as e:
-        raise InputError(f"{path}: not a readable .npz ({_one_line(e)}); re-run the capture or reference that wrote it") from None
+        raise InputError(
+            f"{path}: not a readable .npz ({_one_line(e)}); re-run the capture or reference that wrote it"
+        ) from None
     try:
         manifest = _manifest_of(path, zf)
     except InputError:
@@ -525,16 +576,24 @@ def _check_member(path: Path, info: zipfile.ZipInfo, size: int) -> None:
     MAX_INFLATION times its compressed size (and INFLATION_FLOOR): a zip bomb."""
     where = f"{path}: member {info.filename!r}"
     if info.flag_bits & ZIP_UNSUPPORTED_FLAGS:
-        raise InputError(f"{where} is encrypted or patched (flags {info.flag_bits:#x}); a dump's members are plain. {RERUN}")
+        raise InputError(
+            f"{where} is encrypted or patched (flags {info.flag_bits:#x}); a dump's members are plain. {RERUN}"
+        )
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-        raise InputError(f"{where} uses zip method {info.compress_type}; a dump's members are stored or deflated. {RERUN}")
-    if not 0 <= info.header_offset <= info.header_offset + 30 + info.compress_size <= size:  # 30: a local header's fixed part
+        raise InputError(
+            f"{where} uses zip method {info.compress_type}; a dump's members are stored or deflated. {RERUN}"
+        )
+    if (
+        not 0 <= info.header_offset <= info.header_offset + 30 + info.compress_size <= size
+    ):  # 30: a local header's fixed part
         raise InputError(f"{where} reaches past the end of the {size}-byte file (truncated?); {RERUN}")
     if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
         raise InputError(f"{where} is stored in {info.compress_size} bytes but says it holds {info.file_size}; {RERUN}")
     if info.file_size > max(MAX_INFLATION * info.compress_size, INFLATION_FLOOR):
-        raise InputError(f"{where} inflates {info.compress_size} bytes to {info.file_size}, more than "
-                         f"{MAX_INFLATION}x: refused as a zip bomb; {RERUN}")
+        raise InputError(
+            f"{where} inflates {info.compress_size} bytes to {info.file_size}, more than "
+            f"{MAX_INFLATION}x: refused as a zip bomb; {RERUN}"
+        )
 
 
 def _manifest_json(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> Any:
@@ -543,8 +602,10 @@ def _manifest_json(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo | None
     if info is None:
         raise InputError(f"{path}: no {MANIFEST_MEMBER} member, so not a featdiff dump; {RERUN}")
     if info.file_size > MAX_MANIFEST_BYTES:
-        raise InputError(f"{path}: {MANIFEST_MEMBER} is {info.file_size} bytes, more than the "
-                         f"{MAX_MANIFEST_BYTES} a manifest may take; {RERUN}")
+        raise InputError(
+            f"{path}: {MANIFEST_MEMBER} is {info.file_size} bytes, more than the "
+            f"{MAX_MANIFEST_BYTES} a manifest may take; {RERUN}"
+        )
     try:
         with zf.open(info) as f:
             text = f.read(MAX_MANIFEST_BYTES + 1).decode("utf-8")
@@ -581,8 +642,10 @@ def _validated_manifest(path: Path, raw: Any, members: dict[str, zipfile.ZipInfo
         got = shown(raw.get("format")) if isinstance(raw, dict) else shown(raw)
         raise InputError(f"{path}: format {got}, expected {json.dumps(FORMAT)}; this is not a featdiff dump")
     if type(raw.get("version")) is not int or raw["version"] != VERSION:
-        raise InputError(f"{path}: dump version {shown(raw.get('version'))}, this featdiff reads version "
-                         f"{VERSION}; upgrade featdiff or re-run the producer")
+        raise InputError(
+            f"{path}: dump version {shown(raw.get('version'))}, this featdiff reads version "
+            f"{VERSION}; upgrade featdiff or re-run the producer"
+        )
     try:
         manifest = Manifest.from_json(raw)
     except ManifestError as e:
@@ -597,7 +660,11 @@ def _validated_manifest(path: Path, raw: Any, members: dict[str, zipfile.ZipInfo
 
 def _check_record_member(path: Path, record: Record, info: zipfile.ZipInfo | None) -> None:
     if info is None:
-        raise InputError(f"{path}: record {record.key!r} has no member {record.key + NPY_SUFFIX!r} (truncated file?); {RERUN}")
+        raise InputError(
+            f"{path}: record {record.key!r} has no member {record.key + NPY_SUFFIX!r} (truncated file?); {RERUN}"
+        )
     if not NPY_MIN_HEADER <= info.file_size - record.nbytes <= NPY_MAX_HEADER:
-        raise InputError(f"{path}: record {record.key!r} declares {record.dtype} {record.shape} ({record.nbytes} "
-                         f"bytes) but its member holds {info.file_size}; {RERUN}")
+        raise InputError(
+            f"{path}: record {record.key!r} declares {record.dtype} {record.shape} ({record.nbytes} "
+            f"bytes) but its member holds {info.file_size}; {RERUN}"
+        )

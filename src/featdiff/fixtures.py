@@ -107,7 +107,10 @@ def _gguf_view(draft: dict, v: Variant, sz: Sizes) -> dict:
     if v.gguf_swap_fc_blocks:
         n = sz.target.n_embd
         fc = w["fc"].copy()
-        fc[:, 0:n], fc[:, n:2 * n] = draft["fc"][:, n:2 * n], draft["fc"][:, 0:n]  # (n_embd, n_extract * n_embd_tgt)
+        fc[:, 0:n], fc[:, n : 2 * n] = (
+            draft["fc"][:, n : 2 * n],
+            draft["fc"][:, 0:n],
+        )  # (n_embd, n_extract * n_embd_tgt)
         w["fc"] = fc
     if v.gguf_drop_own_embd:
         w.pop("token_embd", None)
@@ -126,18 +129,23 @@ def _dspark_keys(draft: dict, v: Variant) -> dict[str, bool]:
     when the export drops the heads; sample_from_anchor flipped where the variant says so."""
     if "markov_w1" not in draft:
         return {}
-    return {names.KEY_SAMPLE_FROM_ANCHOR: v.checkpoint_bonus_anchor == v.gguf_flip_anchor,
-            names.KEY_HAS_CONFIDENCE_HEAD: "conf_proj" in draft}
+    return {
+        names.KEY_SAMPLE_FROM_ANCHOR: v.checkpoint_bonus_anchor == v.gguf_flip_anchor,
+        names.KEY_HAS_CONFIDENCE_HEAD: "conf_proj" in draft,
+    }
 
 
 # --- GGUF --------------------------------------------------------------------------------------
 
+
 def _permute_qk_for_ggml(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF rotate-half q/k rows -> ggml's interleaved RoPE pairs (the llama converter's permute)."""
     n_out, n_in = w.shape
-    return (w.reshape(n_head, 2, n_out // n_head // 2, n_in)  # (n_head, 2, head_dim/2, n_in)
-            .swapaxes(1, 2)
-            .reshape(n_out, n_in))
+    return (
+        w.reshape(n_head, 2, n_out // n_head // 2, n_in)  # (n_head, 2, head_dim/2, n_in)
+        .swapaxes(1, 2)
+        .reshape(n_out, n_in)
+    )
 
 
 def _add_vocab(wr: GGUFWriter, sz: Sizes) -> None:
@@ -170,8 +178,14 @@ def _add_rope_scaling(wr: GGUFWriter, arch: str, rope: str, n_rot: int) -> None:
         return
     spec = ROPE_SCALINGS[rope]
     if rope == "llama3":
-        factors = llama3_freq_factors(ROPE_BASE, n_rot, spec["factor"], spec["low_freq_factor"],
-                                      spec["high_freq_factor"], spec["original_max_position_embeddings"])
+        factors = llama3_freq_factors(
+            ROPE_BASE,
+            n_rot,
+            spec["factor"],
+            spec["low_freq_factor"],
+            spec["high_freq_factor"],
+            spec["original_max_position_embeddings"],
+        )
         wr.add_tensor(names.T_ROPE_FREQS, np.array(factors, dtype=np.float32))
         return
     wr.add_string(names.KEY_ROPE_SCALING_TYPE.format(arch=arch), spec["rope_type"])
@@ -207,9 +221,14 @@ def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes, rope: str = ""
     _finish(wr)
 
 
-_DSPARK_GGUF = {"markov_w1": names.T_MARKOV_W1, "markov_w2": names.T_MARKOV_W2,
-                "markov_w2_scale": names.T_MARKOV_W2_SCALE, "conf_proj": names.T_CONF_PROJ_W,
-                "conf_proj_b": names.T_CONF_PROJ_B, "d2t": names.T_D2T}  # weights key -> GGUF tensor
+_DSPARK_GGUF = {
+    "markov_w1": names.T_MARKOV_W1,
+    "markov_w2": names.T_MARKOV_W2,
+    "markov_w2_scale": names.T_MARKOV_W2_SCALE,
+    "conf_proj": names.T_CONF_PROJ_W,
+    "conf_proj_b": names.T_CONF_PROJ_B,
+    "d2t": names.T_D2T,
+}  # weights key -> GGUF tensor
 
 
 def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes, dspark_keys: dict[str, bool]) -> None:
@@ -248,19 +267,30 @@ def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes, dspark_keys: d
 # --- Hugging Face directories ------------------------------------------------------------------
 
 
-
 def _hf_layers(prefix: str, layers: list[dict]) -> dict[str, np.ndarray]:
-    return {f"{prefix}layers.{il}.{names.GGUF_TO_HF_LAYER[k]}.weight": a
-            for il, layer in enumerate(layers) for k, a in layer.items()}
+    return {
+        f"{prefix}layers.{il}.{names.GGUF_TO_HF_LAYER[k]}.weight": a
+        for il, layer in enumerate(layers)
+        for k, a in layer.items()
+    }
 
 
 def _hf_config(s: Shape, n_vocab: int, rope: str = "") -> dict:
     scaling = {"rope_scaling": ROPE_SCALINGS[rope]} if rope else {}
-    return {**scaling,
-        "hidden_size": s.n_embd, "num_hidden_layers": s.n_layer, "num_attention_heads": s.n_head,
-        "num_key_value_heads": s.n_head_kv, "head_dim": s.n_embd_head, "intermediate_size": s.n_ff,
-        "rms_norm_eps": RMS_EPS, "rope_theta": ROPE_BASE, "vocab_size": n_vocab,
-        "max_position_embeddings": N_POS_TRAIN, "hidden_act": "silu", "torch_dtype": "float32",
+    return {
+        **scaling,
+        "hidden_size": s.n_embd,
+        "num_hidden_layers": s.n_layer,
+        "num_attention_heads": s.n_head,
+        "num_key_value_heads": s.n_head_kv,
+        "head_dim": s.n_embd_head,
+        "intermediate_size": s.n_ff,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_BASE,
+        "vocab_size": n_vocab,
+        "max_position_embeddings": N_POS_TRAIN,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
     }
 
 
@@ -275,35 +305,62 @@ def _write_hf(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> None:
 
 def _write_target_hf(path: Path, w: dict, arch: str, sz: Sizes, rope: str = "") -> None:
     arch_hf = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama")}[arch]
-    config = {"architectures": [arch_hf[0]], "model_type": arch_hf[1], **_hf_config(sz.target, sz.n_vocab, rope),
-              "tie_word_embeddings": False}
-    tensors = {"model.embed_tokens.weight": w["token_embd"], "model.norm.weight": w["output_norm"],
-               "lm_head.weight": w["output"], **_hf_layers("model.", w["layers"])}
+    config = {
+        "architectures": [arch_hf[0]],
+        "model_type": arch_hf[1],
+        **_hf_config(sz.target, sz.n_vocab, rope),
+        "tie_word_embeddings": False,
+    }
+    tensors = {
+        "model.embed_tokens.weight": w["token_embd"],
+        "model.norm.weight": w["output_norm"],
+        "lm_head.weight": w["output"],
+        **_hf_layers("model.", w["layers"]),
+    }
     _write_hf(path, config, tensors)
 
 
-_DSPARK_HF = {"markov_w1": names.HF_MARKOV_W1, "markov_w2": names.HF_MARKOV_W2,
-              "markov_w2_scale": names.HF_MARKOV_W2_SCALE, "conf_proj": names.HF_CONF_PROJ_W,
-              "conf_proj_b": names.HF_CONF_PROJ_B}  # weights key -> HF tensor (d2t: offsets, below)
+_DSPARK_HF = {
+    "markov_w1": names.HF_MARKOV_W1,
+    "markov_w2": names.HF_MARKOV_W2,
+    "markov_w2_scale": names.HF_MARKOV_W2_SCALE,
+    "conf_proj": names.HF_CONF_PROJ_W,
+    "conf_proj_b": names.HF_CONF_PROJ_B,
+}  # weights key -> HF tensor (d2t: offsets, below)
 
 
 def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
     dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": sz.mask_token_id}
     if v.checkpoint_log_snr:
-        dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR,
-                              "max_log_snr": MAX_LOG_SNR})
-    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **_hf_config(sz.draft, sz.n_vocab, v.rope),
-              "block_size": BLOCK_SIZE, "num_target_layers": sz.target.n_layer,
-              "target_hidden_size": sz.target.n_embd, "dflash_config": dflash_config}
-    tensors = {"fc.weight": w["fc"], "hidden_norm.weight": w["hidden_norm"], "norm.weight": w["norm"],
-               **_hf_layers("", w["layers"])}
+        dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR, "max_log_snr": MAX_LOG_SNR})
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **_hf_config(sz.draft, sz.n_vocab, v.rope),
+        "block_size": BLOCK_SIZE,
+        "num_target_layers": sz.target.n_layer,
+        "target_hidden_size": sz.target.n_embd,
+        "dflash_config": dflash_config,
+    }
+    tensors = {
+        "fc.weight": w["fc"],
+        "hidden_norm.weight": w["hidden_norm"],
+        "norm.weight": w["norm"],
+        **_hf_layers("", w["layers"]),
+    }
     if "token_embd" in w:
         tensors["embed_tokens.weight"] = w["token_embd"]
     if "output" in w:
         tensors["lm_head.weight"] = w["output"]
     if "log_snr_fc1" in w:
-        tensors.update({"log_snr_fc1.weight": w["log_snr_fc1"], "log_snr_fc1.bias": w["log_snr_fc1_b"],
-                        "log_snr_fc2.weight": w["log_snr_fc2"], "log_snr_fc2.bias": w["log_snr_fc2_b"]})
+        tensors.update(
+            {
+                "log_snr_fc1.weight": w["log_snr_fc1"],
+                "log_snr_fc1.bias": w["log_snr_fc1_b"],
+                "log_snr_fc2.weight": w["log_snr_fc2"],
+                "log_snr_fc2.bias": w["log_snr_fc2_b"],
+            }
+        )
     if "markov_w1" in w:
         config.update(_dspark_hf_config(w, v))
         tensors.update({name: w[key] for key, name in _DSPARK_HF.items() if key in w})
@@ -314,8 +371,11 @@ def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
 
 def _dspark_hf_config(w: dict, v: Variant) -> dict:
     """What a DSpark checkpoint's config.json adds (upstream conversion/qwen.py DSparkModel reads it)."""
-    config = {"architectures": ["DSparkDraftModel"], names.HF_SAMPLE_FROM_ANCHOR: not v.checkpoint_bonus_anchor,
-              "markov_head_type": "vanilla"}  # load_hf.MARKOV_HEAD_TYPE: the only type llama.cpp runs
+    config = {
+        "architectures": ["DSparkDraftModel"],
+        names.HF_SAMPLE_FROM_ANCHOR: not v.checkpoint_bonus_anchor,
+        "markov_head_type": "vanilla",
+    }  # load_hf.MARKOV_HEAD_TYPE: the only type llama.cpp runs
     if "d2t" in w:
         config[names.HF_DRAFT_VOCAB_SIZE] = int(w["d2t"].size)
     return config

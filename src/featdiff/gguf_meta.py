@@ -27,15 +27,15 @@ class ModelInfo:
     n_layer: int
     n_embd: int
     n_vocab: int
-    weight_types: tuple[str, ...]             # distinct ggml types of the 2-D weights
-    target_layers: tuple[int, ...] = ()      # drafter: input-of-layer ids (GGUF convention)
+    weight_types: tuple[str, ...]  # distinct ggml types of the 2-D weights
+    target_layers: tuple[int, ...] = ()  # drafter: input-of-layer ids (GGUF convention)
     block_size: int = 0
     mask_token_id: int = -1
-    log_snr: dict[str, Any] | None = None    # {"enabled", "min", "max"} for a drafter
+    log_snr: dict[str, Any] | None = None  # {"enabled", "min", "max"} for a drafter
     has_own_embeddings: bool = False
     has_log_snr_tensors: bool = False
     rope_freq_base: float = names.ROPE_FREQ_BASE_DEFAULT
-    dspark: dict[str, Any] | None = None     # a DSpark drafter's heads (`dspark_info`); None without markov_w1
+    dspark: dict[str, Any] | None = None  # a DSpark drafter's heads (`dspark_info`); None without markov_w1
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -48,15 +48,27 @@ class ModelInfo:
         """A manifest's `models` entry; a field an older dump lacks (`dspark`, ...) takes its default."""
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
-        return cls(**{**d, "weight_types": tuple(d.get("weight_types", ())),
-                      "target_layers": tuple(d.get("target_layers", ()))})
+        return cls(
+            **{
+                **d,
+                "weight_types": tuple(d.get("weight_types", ())),
+                "target_layers": tuple(d.get("target_layers", ())),
+            }
+        )
 
 
-def dspark_info(rank: int, has_confidence_head: bool, sample_from_anchor: bool, causal: bool,
-                n_vocab_draft: int) -> dict[str, Any]:
+def dspark_info(
+    rank: int, has_confidence_head: bool, sample_from_anchor: bool, causal: bool, n_vocab_draft: int
+) -> dict[str, Any]:
     """ModelInfo's `dspark` entry (docs/dump.md): what the Markov and confidence heads are."""
-    return {"markov": True, "rank": rank, "confidence_head": has_confidence_head,
-            "sample_from_anchor": sample_from_anchor, "causal": causal, "n_vocab_draft": n_vocab_draft}
+    return {
+        "markov": True,
+        "rank": rank,
+        "confidence_head": has_confidence_head,
+        "sample_from_anchor": sample_from_anchor,
+        "causal": causal,
+        "n_vocab_draft": n_vocab_draft,
+    }
 
 
 def file_sha256(path: Path) -> str:
@@ -96,11 +108,15 @@ def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
     is_draft = arch == names.ARCH_DFLASH
     log_snr = None
     if is_draft:
-        log_snr = {"enabled": bool(field_value(reader, names.KEY_LOG_SNR, False)),
-                   "min": field_value(reader, names.KEY_MIN_LOG_SNR),
-                   "max": field_value(reader, names.KEY_MAX_LOG_SNR)}
+        log_snr = {
+            "enabled": bool(field_value(reader, names.KEY_LOG_SNR, False)),
+            "min": field_value(reader, names.KEY_MIN_LOG_SNR),
+            "max": field_value(reader, names.KEY_MAX_LOG_SNR),
+        }
     return ModelInfo(
-        path=str(path), sha256=file_sha256(path) if with_hash else "", architecture=arch,
+        path=str(path),
+        sha256=file_sha256(path) if with_hash else "",
+        architecture=arch,
         n_layer=int(field_value(reader, f"{arch}.block_count", 0)),
         n_embd=int(field_value(reader, f"{arch}.embedding_length", 0)),
         n_vocab=len(vocab),
@@ -111,7 +127,9 @@ def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
         log_snr=log_snr,
         has_own_embeddings=is_draft and names.T_TOKEN_EMBD in tensors,
         has_log_snr_tensors=any(n in tensors for n in names.LOG_SNR_TENSORS),
-        rope_freq_base=float(field_value(reader, names.KEY_ROPE_FREQ_BASE.format(arch=arch), names.ROPE_FREQ_BASE_DEFAULT)),
+        rope_freq_base=float(
+            field_value(reader, names.KEY_ROPE_FREQ_BASE.format(arch=arch), names.ROPE_FREQ_BASE_DEFAULT)
+        ),
         dspark=_gguf_dspark(reader, tensors, len(vocab)) if is_draft else None,
     )
 
@@ -122,7 +140,10 @@ def _gguf_dspark(reader, tensors: dict[str, Any], n_vocab: int) -> dict[str, Any
     if w1 is None:
         return None
     d2t = tensors.get(names.T_D2T)
-    return dspark_info(rank=int(w1.shape[0]), has_confidence_head=names.T_CONF_PROJ_W in tensors,  # ggml ne [rank, n_vocab]
-                       sample_from_anchor=bool(field_value(reader, names.KEY_SAMPLE_FROM_ANCHOR, True)),
-                       causal=bool(field_value(reader, names.KEY_CAUSAL, False)),
-                       n_vocab_draft=int(d2t.shape[0]) if d2t is not None else n_vocab)
+    return dspark_info(
+        rank=int(w1.shape[0]),
+        has_confidence_head=names.T_CONF_PROJ_W in tensors,  # ggml ne [rank, n_vocab]
+        sample_from_anchor=bool(field_value(reader, names.KEY_SAMPLE_FROM_ANCHOR, True)),
+        causal=bool(field_value(reader, names.KEY_CAUSAL, False)),
+        n_vocab_draft=int(d2t.shape[0]) if d2t is not None else n_vocab,
+    )

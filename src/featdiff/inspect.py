@@ -24,8 +24,10 @@ def describe(path: Path) -> str:
 
 def describe_gguf(path: Path) -> str:
     info = model_info(path, with_hash=False)
-    lines = [f"{path}: {info.architecture}, {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.n_vocab}",
-             f"  weight types: {', '.join(info.weight_types) or '-'}"]
+    lines = [
+        f"{path}: {info.architecture}, {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.n_vocab}",
+        f"  weight types: {', '.join(info.weight_types) or '-'}",
+    ]
     if info.architecture == "dflash":
         lines += [
             f"  dflash.target_layers = {list(info.target_layers)} (inputs of these target layers; HF ids = these - 1)",
@@ -55,12 +57,16 @@ def describe_dump(dump: Dump) -> str:
     for ev in m.evals:
         pos = f"{ev.positions[0]}..{ev.positions[-1]}" if ev.positions else "-"
         refused = f"  REFUSED by llama.cpp (rc {ev.rc})" if ev.rc else ""
-        lines.append(f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}{refused}")
+        lines.append(
+            f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}{refused}"
+        )
         for r in by_eval.get(ev.eval, []):
             occ = f"#{r.occurrence}" if r.occurrence else ""
             lines.append(f"    {r.name + occ:32s} {r.op:10s} {r.ggml_type:5s} {str(r.shape):18s} {r.dtype}")
     for rnd in m.rounds:
-        lines.append(f"round {rnd.round}: pos0 {rnd.pos0}, anchor {rnd.anchor}, drafts {list(rnd.drafts)}, accepted {rnd.accepted}")
+        lines.append(
+            f"round {rnd.round}: pos0 {rnd.pos0}, anchor {rnd.anchor}, drafts {list(rnd.drafts)}, accepted {rnd.accepted}"
+        )
     if m.memory_ops:
         lines.append(f"{len(m.memory_ops)} KV-cache removals recorded (memory_ops)")
     lines += [f"flow note: {note}" for note in m.flow_notes]

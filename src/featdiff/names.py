@@ -40,12 +40,12 @@ T_LOG_SNR_FC1_B = "log_snr_fc1.bias"
 T_LOG_SNR_FC2_W = "log_snr_fc2.weight"
 T_LOG_SNR_FC2_B = "log_snr_fc2.bias"
 # DSpark heads (upstream src/models/dflash.cpp): a GGUF with markov_w1 is run as draft-dspark
-T_MARKOV_W1 = "markov_w1.weight"        # numpy (n_vocab, rank): one row per previous (target) token
-T_MARKOV_W2 = "markov_w2.weight"        # numpy (n_vocab_draft, rank)
-T_MARKOV_W2_SCALE = "markov_w2.scale"   # numpy (1,), optional: multiplies markov_w2's product
-T_CONF_PROJ_W = "conf_proj.weight"      # numpy (1, n_embd + rank), optional confidence head
-T_CONF_PROJ_B = "conf_proj.bias"        # numpy (1,), optional
-T_D2T = "d2t"                           # int64 (n_vocab_draft,): absolute target id of each draft row
+T_MARKOV_W1 = "markov_w1.weight"  # numpy (n_vocab, rank): one row per previous (target) token
+T_MARKOV_W2 = "markov_w2.weight"  # numpy (n_vocab_draft, rank)
+T_MARKOV_W2_SCALE = "markov_w2.scale"  # numpy (1,), optional: multiplies markov_w2's product
+T_CONF_PROJ_W = "conf_proj.weight"  # numpy (1, n_embd + rank), optional confidence head
+T_CONF_PROJ_B = "conf_proj.bias"  # numpy (1,), optional
+T_D2T = "d2t"  # int64 (n_vocab_draft,): absolute target id of each draft row
 DSPARK_TENSORS = (T_MARKOV_W1, T_MARKOV_W2)  # what makes a drafter DSpark
 LOG_SNR_TENSORS = (T_LOG_SNR_FC1_W, T_LOG_SNR_FC1_B, T_LOG_SNR_FC2_W, T_LOG_SNR_FC2_B)
 
@@ -60,10 +60,10 @@ L_OUT = "l_out"
 RESULT_NORM = "result_norm"
 RESULT_OUTPUT = "result_output"
 INP_EMBD = "inp_embd"  # the DFlash encoder graph's input
-TARGET_EMBD = "embd"   # the target's token embeddings: the input of layer 0
+TARGET_EMBD = "embd"  # the target's token embeddings: the input of layer 0
 # Records no graph callback names (docs/records.md, "featdiff names"): read back through the API
 DRAFT_LOGITS = "draft_logits"  # each draft row's logits as the sampler reads them (llama_get_logits_ith)
-DSPARK_CONF = "dspark_conf"    # DSpark confidence per draft row (llama_get_embeddings_nextn, column 0), (n, 1)
+DSPARK_CONF = "dspark_conf"  # DSpark confidence per draft row (llama_get_embeddings_nextn, column 0), (n, 1)
 DSPARK_MARKOV_BIAS = "dspark_markov_bias"  # reference-only: the Markov head's bias on each row's logits
 # reference-only records
 LAYER_INP = "layer_inp"  # layer_inp-<L>: the input of target layer L (= l_out-(L-1))
@@ -71,9 +71,9 @@ LOG_SNR_EMBED = "log_snr_embed"  # the old name of dspark_log_snr_fc2: OLD_RECOR
 
 # GIDD log-SNR conditioning on the `dflash` graph, as the fork that implements it names its
 # nodes (DESIGN.md; docs/records.md). Only a log-SNR conditioned drafter has them.
-DSPARK_LOG_SNR_FEAT = "dspark_log_snr_feat"      # a leaf (host-filled sin/cos features): src[] of fc1's MUL_MAT
-DSPARK_LOG_SNR_FC1 = "dspark_log_snr_fc1"        # silu(fc1 feat + b1)
-DSPARK_LOG_SNR_FC2 = "dspark_log_snr_fc2"        # fc2 fc1out + b2: the term added to the noise embeddings
+DSPARK_LOG_SNR_FEAT = "dspark_log_snr_feat"  # a leaf (host-filled sin/cos features): src[] of fc1's MUL_MAT
+DSPARK_LOG_SNR_FC1 = "dspark_log_snr_fc1"  # silu(fc1 feat + b1)
+DSPARK_LOG_SNR_FC2 = "dspark_log_snr_fc2"  # fc2 fc1out + b2: the term added to the noise embeddings
 DSPARK_DRAFT_EMBD_SNR = "dspark_draft_embd_snr"  # inp_noise_embd + the term: what the first layer reads
 LOG_SNR_RECORDS = (DSPARK_LOG_SNR_FEAT, DSPARK_LOG_SNR_FC1, DSPARK_LOG_SNR_FC2, DSPARK_DRAFT_EMBD_SNR)
 # what dspark_draft_embd_snr is computed from: every other draft record is computed from it
@@ -113,8 +113,8 @@ DRAFT_WIRING: tuple[str, ...] = (
     RESULT_NORM,
     RESULT_OUTPUT,
     *LOG_SNR_RECORDS,  # absent from a drafter without log-SNR, and from upstream's graph
-    DRAFT_LOGITS,      # read back through the API, not a graph node (in-process and --exec)
-    DSPARK_CONF,       # read back in-process, for a DSpark drafter with a confidence head
+    DRAFT_LOGITS,  # read back through the API, not a graph node (in-process and --exec)
+    DSPARK_CONF,  # read back in-process, for a DSpark drafter with a confidence head
 )
 TARGET_WIRING: tuple[str, ...] = (RESULT_OUTPUT,)
 # when the target layers are not known in advance (capture around a program): every layer
@@ -129,9 +129,26 @@ def tapped_layer_name(layer: int) -> str:
 
 # --- ggml types (ggml.h enum ggml_type) --------------------------------------------------------
 GGML_TYPE_NAMES: dict[int, str] = {
-    0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",
-    10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 15: "q8_k",
-    24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64", 30: "bf16",
+    0: "f32",
+    1: "f16",
+    2: "q4_0",
+    3: "q4_1",
+    6: "q5_0",
+    7: "q5_1",
+    8: "q8_0",
+    9: "q8_1",
+    10: "q2_k",
+    11: "q3_k",
+    12: "q4_k",
+    13: "q5_k",
+    14: "q6_k",
+    15: "q8_k",
+    24: "i8",
+    25: "i16",
+    26: "i32",
+    27: "i64",
+    28: "f64",
+    30: "bf16",
 }
 
 # --- reference: GGUF keys templated on the architecture (`{arch}` = general.architecture) -------
@@ -160,10 +177,16 @@ TARGET_ARCHS = (ARCH_QWEN3, ARCH_LLAMA)
 # GGUF per-layer tensors: `blk.<il>.<name>.weight`; the value is the HF module under `layers.<il>.`
 GGUF_LAYER_PREFIX = "blk.{il}."
 GGUF_TO_HF_LAYER = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 LOG_SNR_N_FREQ = 128  # sinusoidal features of the GIDD log-SNR embedding (64 sin + 64 cos)
@@ -171,12 +194,12 @@ LOG_SNR_N_FREQ = 128  # sinusoidal features of the GIDD log-SNR embedding (64 si
 # --- reference: Hugging Face checkpoints (config.json + *.safetensors) ---------------------------
 HF_CONFIG = "config.json"
 HF_WEIGHTS_GLOB = "*.safetensors"
-HF_TARGET_PREFIX = "model."             # target: model.layers.<il>..., model.embed_tokens, model.norm
+HF_TARGET_PREFIX = "model."  # target: model.layers.<il>..., model.embed_tokens, model.norm
 HF_EMBED_TOKENS = "embed_tokens.weight"
 HF_NORM = "norm.weight"
 HF_LM_HEAD = "lm_head.weight"
 HF_LAYER_PREFIX = "layers.{il}."
-HF_FC = "fc.weight"                     # DFlash drafter layout
+HF_FC = "fc.weight"  # DFlash drafter layout
 HF_HIDDEN_NORM = "hidden_norm.weight"
 HF_DFLASH_CONFIG = "dflash_config"
 HF_TARGET_LAYER_IDS = "target_layer_ids"  # output-of-layer ids: gguf = hf + 1
@@ -186,13 +209,13 @@ HF_LOG_SNR = "log_snr_conditioning"
 HF_MIN_LOG_SNR = "min_log_snr"
 HF_MAX_LOG_SNR = "max_log_snr"
 # DSpark checkpoints (upstream conversion/qwen.py DSparkModel; tensor_mapping without `model.`)
-HF_MARKOV_W1 = "markov_head.markov_w1.weight"   # (n_vocab, rank)
-HF_MARKOV_W2 = "markov_head.markov_w2.weight"   # (n_vocab_draft, rank)
+HF_MARKOV_W1 = "markov_head.markov_w1.weight"  # (n_vocab, rank)
+HF_MARKOV_W2 = "markov_head.markov_w2.weight"  # (n_vocab_draft, rank)
 HF_MARKOV_W2_SCALE = "markov_head.markov_w2.scale"
 HF_CONF_PROJ_W = "confidence_head.proj.weight"  # (1, n_embd + rank)
-HF_CONF_PROJ_B = "confidence_head.proj.bias"    # (1,)
-HF_D2T = "d2t"                                  # (n_vocab_draft,) offsets: target id = d2t[i] + i
-HF_SAMPLE_FROM_ANCHOR = "sample_from_anchor"    # absent: anchor-first (DFlash-lineage exports)
+HF_CONF_PROJ_B = "confidence_head.proj.bias"  # (1,)
+HF_D2T = "d2t"  # (n_vocab_draft,) offsets: target id = d2t[i] + i
+HF_SAMPLE_FROM_ANCHOR = "sample_from_anchor"  # absent: anchor-first (DFlash-lineage exports)
 HF_DRAFT_VOCAB_SIZE = "draft_vocab_size"
 HF_IS_CAUSAL = "is_causal"
 
@@ -206,9 +229,9 @@ FFN_OUT = "ffn_out"
 NOISE_NORM = "noise_norm"
 # reference-only hypothesis candidates: `<record>@<hypothesis>` (docs/flow.md)
 CANDIDATE_SEP = "@"
-HYP_SLOTS = "slots"            # inp_g_embeddings@slots=1,0: fc applied to the slots in that order
+HYP_SLOTS = "slots"  # inp_g_embeddings@slots=1,0: fc applied to the slots in that order
 HYP_TABLE_TARGET = "table=target"  # inp_noise_embd@table=target: embedded with the target's table
-HYP_NO_LOG_SNR = "log_snr=none"    # dspark_draft_embd_snr@log_snr=none: the rows without the log-SNR term
+HYP_NO_LOG_SNR = "log_snr=none"  # dspark_draft_embd_snr@log_snr=none: the rows without the log-SNR term
 HYP_LEVELS_SWAPPED = "levels=swapped"  # dspark_log_snr_feat@levels=swapped: anchor row at min_log_snr, mask rows at max
 HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm: the term added to layer 0's attn norm
 HYP_ANCHOR_BONUS = "anchor=bonus"  # draft_logits@anchor=bonus: the Markov chain laid out bonus-anchor (from row 1)
@@ -223,6 +246,7 @@ def candidate_name(record: str, hypothesis: str) -> str:
 def slots_hypothesis(perm: tuple[int, ...]) -> str:
     """`slots=1,0`: slot k of the staged row carries the layer of reference slot perm[k]."""
     return f"{HYP_SLOTS}=" + ",".join(str(p) for p in perm)
+
 
 # --- record-name conventions compare relies on (docs/flow.md) ---------------------------------
 UNNAMED_NODE_PREFIX = "node_"  # ggml's name for a node nobody named: `node_<n>`; never paired

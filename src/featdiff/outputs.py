@@ -52,8 +52,7 @@ def check_output(output: Path, inputs: Iterable[Path | None], what: str) -> Path
     output = Path(output)
     _check_not_input(output, inputs, what)
     if output.is_dir():
-        raise InputError(f"{output}: {what} names an existing directory, expected a file path; "
-                         f"choose another {what}")
+        raise InputError(f"{output}: {what} names an existing directory, expected a file path; choose another {what}")
     _check_parent(output, what)
     return output
 
@@ -68,19 +67,24 @@ def check_output_dir(output: Path, inputs: Iterable[Path | None], what: str) -> 
         raise InputError(f"{output}: {what} names an existing file, expected a directory; choose another {what}")
     blocking = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
-        raise InputError(f"{output}: {what} needs {blocking} to be a directory, but it is a file; "
-                         f"choose another {what}")
+        raise InputError(
+            f"{output}: {what} needs {blocking} to be a directory, but it is a file; choose another {what}"
+        )
     return output
 
 
 def _check_not_input(output: Path, inputs: Iterable[Path | None], what: str) -> None:
     for given in (Path(p) for p in inputs if p is not None):
         if given.is_dir() and _is_within(output, given):
-            raise InputError(f"{output}: {what} must not be inside an input directory of this command, but it "
-                             f"is inside {given}; choose another {what} outside it")
+            raise InputError(
+                f"{output}: {what} must not be inside an input directory of this command, but it "
+                f"is inside {given}; choose another {what} outside it"
+            )
         if given.exists() and _is_same_file(output, given):
-            raise InputError(f"{output}: {what} must not be an input of this command, but it is the input "
-                             f"{given}; choose another {what}")
+            raise InputError(
+                f"{output}: {what} must not be an input of this command, but it is the input "
+                f"{given}; choose another {what}"
+            )
 
 
 def _is_same_file(output: Path, given: Path) -> bool:
@@ -96,8 +100,10 @@ def _check_parent(output: Path, what: str) -> None:
     parent = output.parent
     if not parent.is_dir():
         found = "is a file" if parent.exists() else "does not exist"
-        raise InputError(f"{output}: {what} needs the directory {parent}, which {found}; "
-                         f"create the directory or choose another {what}")
+        raise InputError(
+            f"{output}: {what} needs the directory {parent}, which {found}; "
+            f"create the directory or choose another {what}"
+        )
 
 
 def lock_path(output: Path) -> Path:
@@ -125,15 +131,19 @@ def _acquire(path: Path, output: Path, what: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise InputError(f"{path}: cannot create the lock file beside {what} {output} ({e.strerror}); "
-                             f"check that the directory is writable or choose another {what}") from None
+            raise InputError(
+                f"{path}: cannot create the lock file beside {what} {output} ({e.strerror}); "
+                f"check that the directory is writable or choose another {what}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, PID_BYTES, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise InputError(f"{output}: another featdiff run is writing {output} (pid {holder}); "
-                             f"wait for it or choose another {what}") from None
+            raise InputError(
+                f"{output}: another featdiff run is writing {output} (pid {holder}); "
+                f"wait for it or choose another {what}"
+            ) from None
         if _is_linked(fd, path):
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())

@@ -20,8 +20,8 @@ from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
 from featdiff.filters import capture_filters
 
-DEFAULT_ROUNDS = 6        # in-process: rounds per prompt
-DEFAULT_N_PREDICT = 16    # through llama-server: tokens per request
+DEFAULT_ROUNDS = 6  # in-process: rounds per prompt
+DEFAULT_N_PREDICT = 16  # through llama-server: tokens per request
 DEFAULT_PROMPTS = ("The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens in blocks.")
 TOKENS_PREFIX = "tokens:"  # a prompts-file line `tokens: 1,2,3` gives token ids instead of text
 PROBE_FILTERS = (f"target:{names.RESULT_OUTPUT}",)  # the last verify's greedy tokens; nothing else is needed
@@ -79,7 +79,7 @@ class PromptProbe:
     label: str
     prompt_tokens: tuple[int, ...]
     rounds: tuple[RoundPair, ...]
-    server_draft_n: int | None = None           # what llama-server itself reported, when probed through it
+    server_draft_n: int | None = None  # what llama-server itself reported, when probed through it
     server_draft_n_accepted: int | None = None
 
     @property
@@ -125,6 +125,7 @@ def exit_code(probe_result: Probe) -> int:
 
 # ---------------------------------------------------------------- prompts
 
+
 def read_prompts(path: Path | None) -> tuple[Prompt, ...]:
     """One prompt per non-empty line of `path` (`tokens: 1,2,3` for ids); DEFAULT_PROMPTS without one."""
     from featdiff.tokens import parse_tokens
@@ -134,11 +135,16 @@ def read_prompts(path: Path | None) -> tuple[Prompt, ...]:
     lines = [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
     if not lines:
         raise InputError(f"{path}: no prompts; expected one prompt per line (or `{TOKENS_PREFIX} 1,2,3`)")
-    return tuple(Prompt(tokens=tuple(parse_tokens(ln[len(TOKENS_PREFIX):])))
-                 if ln.startswith(TOKENS_PREFIX) else Prompt(text=ln) for ln in lines)
+    return tuple(
+        Prompt(tokens=tuple(parse_tokens(ln[len(TOKENS_PREFIX) :])))
+        if ln.startswith(TOKENS_PREFIX)
+        else Prompt(text=ln)
+        for ln in lines
+    )
 
 
 # ---------------------------------------------------------------- run side
+
 
 @dataclass(frozen=True)
 class RunTrace:
@@ -152,8 +158,9 @@ class RunTrace:
     server_draft_n_accepted: int | None = None
 
 
-def run_in_process(target: Path, model: Path, prompts: tuple[Prompt, ...], rounds: int,
-                   llama_dir: Path | None, draft_max: int) -> tuple[RunTrace, ...]:
+def run_in_process(
+    target: Path, model: Path, prompts: tuple[Prompt, ...], rounds: int, llama_dir: Path | None, draft_max: int
+) -> tuple[RunTrace, ...]:
     """Each prompt through the in-process DFlash driver, `rounds` rounds of `draft_max` drafts
     (clamped as llama.cpp clamps them), nothing captured."""
     from featdiff.llama.capture import flow_config
@@ -186,8 +193,9 @@ def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int, cfg) -> R
     return RunTrace(prompt.label, tuple(ids), tuple(done), cfg.block_rows)
 
 
-def run_through_server(command: list[str], prompts: tuple[Prompt, ...], n_predict: int,
-                       llama_dir: Path | None) -> tuple[RunTrace, ...]:
+def run_through_server(
+    command: list[str], prompts: tuple[Prompt, ...], n_predict: int, llama_dir: Path | None
+) -> tuple[RunTrace, ...]:
     """Each prompt as one greedy request to llama-server under the preload; rounds from its decodes."""
     from featdiff.llama import exec as exec_capture
     from featdiff.llama import server
@@ -195,15 +203,21 @@ def run_through_server(command: list[str], prompts: tuple[Prompt, ...], n_predic
 
     exec_capture.program_path(command)
     if not server.is_server(command):
-        raise InputError(f"{command[0]}: probe --exec drives llama-server (one request per prompt); give a llama-server command")
-    requests = [server.CompletionRequest(p.text if p.text is not None else tuple(p.tokens or ()), n_predict) for p in prompts]
+        raise InputError(
+            f"{command[0]}: probe --exec drives llama-server (one request per prompt); give a llama-server command"
+        )
+    requests = [
+        server.CompletionRequest(p.text if p.text is not None else tuple(p.tokens or ()), n_predict) for p in prompts
+    ]
     with tempfile.TemporaryDirectory(prefix="featdiff-probe-") as work:
         prefix = Path(work) / "probe.spool"
         answers = server.serve(command, preload(prefix, capture_filters(PROBE_FILTERS), llama_dir), requests, prefix)
         flow = exec_capture.read_flow(prefix)
     parts = split_requests(flow.evals)
     if len(parts) != len(prompts):
-        raise InputError(f"{command[0]}: {len(prompts)} requests but {len(parts)} prompts decoded from position 0; is the prompt cache on?")
+        raise InputError(
+            f"{command[0]}: {len(prompts)} requests but {len(parts)} prompts decoded from position 0; is the prompt cache on?"
+        )
     block_rows = run_block_rows(flow.evals, command[0])  # what --spec-draft-n-max made of the block
     return tuple(_trace_of(p, part, flow.rounds, a, block_rows) for p, part, a in zip(prompts, parts, answers))
 
@@ -222,8 +236,9 @@ def split_requests(evals: tuple[Eval, ...]) -> list[tuple[Eval, ...]]:
     return [tuple(p) for p in parts]
 
 
-def _trace_of(prompt: Prompt, part: tuple[Eval, ...], rounds: tuple[Round, ...], answer,
-              block_rows: int | None) -> RunTrace:
+def _trace_of(
+    prompt: Prompt, part: tuple[Eval, ...], rounds: tuple[Round, ...], answer, block_rows: int | None
+) -> RunTrace:
     from featdiff.llama.exec import prompt_from_evals
 
     numbers = {e.round for e in part if e.phase == "verify"}
@@ -232,6 +247,7 @@ def _trace_of(prompt: Prompt, part: tuple[Eval, ...], rounds: tuple[Round, ...],
 
 
 # ---------------------------------------------------------------- reference side
+
 
 def history(trace: RunTrace) -> tuple[int, ...]:
     """Every token of the run's sequence: the prompt, then each round's target tokens."""
@@ -256,8 +272,9 @@ def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[
             if not r.drafts:  # a verify of no drafts: nothing to draft on either side
                 out.append(RoundPair(r.pos0, (), (), 0, 0))
                 continue
-            ref = run_flow(ref_target, ref_draft, tokens[:r.pos0 + 1], 1, numerics,
-                           block_rows=_block_rows(trace)).rounds[0]
+            ref = run_flow(
+                ref_target, ref_draft, tokens[: r.pos0 + 1], 1, numerics, block_rows=_block_rows(trace)
+            ).rounds[0]
             n = len(r.drafts)  # the same budget: upstream truncates a draft to what fits
             out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, min(ref.accepted, n)))
     return tuple(out)
@@ -271,26 +288,42 @@ def _block_rows(trace: RunTrace) -> int:
 
 # ---------------------------------------------------------------- the probe
 
-def probe(target: Path, model: Path, *, prompts: Path | None = None, rounds: int = DEFAULT_ROUNDS,
-          ref_target: Path | None = None, ref_model: Path | None = None, command: list[str] | None = None,
-          n_predict: int = DEFAULT_N_PREDICT, dtype: str = "float32", kv_dtype: str = "f16",
-          llama_dir: Path | None = None, draft_max: int | None = None) -> Probe:
+
+def probe(
+    target: Path,
+    model: Path,
+    *,
+    prompts: Path | None = None,
+    rounds: int = DEFAULT_ROUNDS,
+    ref_target: Path | None = None,
+    ref_model: Path | None = None,
+    command: list[str] | None = None,
+    n_predict: int = DEFAULT_N_PREDICT,
+    dtype: str = "float32",
+    kv_dtype: str = "f16",
+    llama_dir: Path | None = None,
+    draft_max: int | None = None,
+) -> Probe:
     """Run the accept-rate probe; see the module docstring. `draft_max` (in-process only; default
     llama.cpp's `--spec-draft-n-max` default) sets the drafts per block."""
     chosen = read_prompts(prompts)
     if command and draft_max is not None:
-        raise InputError(f"--draft-max {draft_max} drives the in-process run; with --exec pass --spec-draft-n-max "
-                         "in the llama-server command line instead")
+        raise InputError(
+            f"--draft-max {draft_max} drives the in-process run; with --exec pass --spec-draft-n-max "
+            "in the llama-server command line instead"
+        )
     if command:
         traces = run_through_server(command, chosen, n_predict, llama_dir)
     else:
-        traces = run_in_process(target, model, chosen, rounds, llama_dir,
-                                DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
+        traces = run_in_process(
+            target, model, chosen, rounds, llama_dir, DEFAULT_DRAFT_MAX if draft_max is None else draft_max
+        )
     return probe_traces(traces, Path(ref_target or target), Path(ref_model or model), dtype, kv_dtype)
 
 
-def probe_traces(traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path, dtype: str = "float32",
-                 kv_dtype: str = "f16") -> Probe:
+def probe_traces(
+    traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path, dtype: str = "float32", kv_dtype: str = "f16"
+) -> Probe:
     """The probe of runs already made: each trace's rounds beside the reference drafter's."""
     from featdiff.reference.load import load_draft, load_target
     from featdiff.reference.run import numerics_from_options
@@ -300,8 +333,18 @@ def probe_traces(traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path
     ref_t = load_target(ref_target, numerics.dtype, numerics.device)
     ref_d = load_draft(ref_model, numerics.dtype, numerics.device)
     check_pair(ref_t, ref_d)
-    return Probe(tuple(PromptProbe(t.label, t.prompt_tokens, reference_rounds(t, ref_t, ref_d, numerics),
-                                   t.server_draft_n, t.server_draft_n_accepted) for t in traces))
+    return Probe(
+        tuple(
+            PromptProbe(
+                t.label,
+                t.prompt_tokens,
+                reference_rounds(t, ref_t, ref_d, numerics),
+                t.server_draft_n,
+                t.server_draft_n_accepted,
+            )
+            for t in traces
+        )
+    )
 
 
 def render_probe(result: Probe) -> str:
@@ -312,8 +355,11 @@ def render_probe(result: Probe) -> str:
         other = [str(i + 1) for i, r in enumerate(p.rounds) if r.drafts_differ]
         lines.append(f"{_short(p.label):40s} {_fmt(p.run):>30s} {_fmt(p.ref):>31s}  {','.join(other) or '-'}")
     lines.append(f"{'overall':40s} {_fmt(result.run):>30s} {_fmt(result.ref):>31s}")
-    verdict = ("GAP: run and reference accept differently; compare a capture against the reference to find why"
-               if result.has_gap else "agree: run and reference accept the same drafts")
+    verdict = (
+        "GAP: run and reference accept differently; compare a capture against the reference to find why"
+        if result.has_gap
+        else "agree: run and reference accept the same drafts"
+    )
     return "\n".join(lines + [verdict])
 
 
@@ -322,4 +368,4 @@ def _fmt(s: AcceptStats) -> str:
 
 
 def _short(label: str, width: int = 40) -> str:
-    return label if len(label) <= width else label[:width - 3] + "..."
+    return label if len(label) <= width else label[: width - 3] + "..."

@@ -27,9 +27,13 @@ def parse_tokens(tokens: str) -> tuple[int, ...]:
 def check_prompt(ids: tuple[int, ...] | list[int], n_vocab: int, vocab_of: Path) -> None:
     """InputError for a prompt too short for the flow, or with ids outside the vocabulary."""
     if len(ids) < MIN_PROMPT_TOKENS:
-        raise InputError(f"{vocab_of}: the prompt needs >= {MIN_PROMPT_TOKENS} token ids (the flow needs at least "
-                         f"{MIN_PROMPT_TOKENS}: a prefill and an anchor); got {len(ids)}")
+        raise InputError(
+            f"{vocab_of}: the prompt needs >= {MIN_PROMPT_TOKENS} token ids (the flow needs at least "
+            f"{MIN_PROMPT_TOKENS}: a prefill and an anchor); got {len(ids)}"
+        )
     bad = [t for t in ids if not 0 <= t < n_vocab]
     if bad:
-        raise InputError(f"{vocab_of}: token ids {bad[:5]} are out of range: outside the target vocabulary of "
-                         f"{n_vocab} tokens (0..{n_vocab - 1})")
+        raise InputError(
+            f"{vocab_of}: token ids {bad[:5]} are out of range: outside the target vocabulary of "
+            f"{n_vocab} tokens (0..{n_vocab - 1})"
+        )

@@ -14,8 +14,14 @@ import synth  # noqa: E402
 
 # The trained checkpoint behind each fault variant (the reference reads draft-hf, always correct):
 # the layer and slot faults share clean's checkpoint, so they share its reference.
-CHECKPOINT_OF = {"clean": "clean", "layers-plus1": "clean", "layers-minus1": "clean",
-                 "slots-swapped": "clean", "no-log-snr": "no-log-snr", "borrowed-embd": "borrowed-embd"}
+CHECKPOINT_OF = {
+    "clean": "clean",
+    "layers-plus1": "clean",
+    "layers-minus1": "clean",
+    "slots-swapped": "clean",
+    "no-log-snr": "no-log-snr",
+    "borrowed-embd": "borrowed-embd",
+}
 SYNTH_NOISE = 1e-7  # below every tolerance: only planted faults diverge
 
 

@@ -37,14 +37,14 @@ MASK = 99
 
 @dataclass(frozen=True)
 class Weights:
-    emb: np.ndarray      # (vocab, n_embd)
-    pos: np.ndarray      # (n_pos, n_embd)
-    layers: np.ndarray   # (n_layer, n_embd, n_embd)
-    fc: np.ndarray       # (k * n_embd, n_embd)
-    wk: np.ndarray       # (n_embd, n_embd)
+    emb: np.ndarray  # (vocab, n_embd)
+    pos: np.ndarray  # (n_pos, n_embd)
+    layers: np.ndarray  # (n_layer, n_embd, n_embd)
+    fc: np.ndarray  # (k * n_embd, n_embd)
+    wk: np.ndarray  # (n_embd, n_embd)
     draft_emb: np.ndarray
     target_emb_for_draft: np.ndarray
-    snr: np.ndarray      # (2, n_embd): anchor row, mask row
+    snr: np.ndarray  # (2, n_embd): anchor row, mask row
 
 
 def weights(spec: Spec) -> Weights:
@@ -54,12 +54,16 @@ def weights(spec: Spec) -> Weights:
     def mat(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1)).astype(np.float32)
 
-    return Weights(emb=rng.standard_normal((128, n)).astype(np.float32),
-                   pos=0.3 * rng.standard_normal((512, n)).astype(np.float32),
-                   layers=mat(spec.n_layer, n, n), fc=mat(k * n, n), wk=mat(n, n),
-                   draft_emb=rng.standard_normal((128, n)).astype(np.float32),
-                   target_emb_for_draft=rng.standard_normal((128, n)).astype(np.float32),
-                   snr=rng.standard_normal((2, n)).astype(np.float32))
+    return Weights(
+        emb=rng.standard_normal((128, n)).astype(np.float32),
+        pos=0.3 * rng.standard_normal((512, n)).astype(np.float32),
+        layers=mat(spec.n_layer, n, n),
+        fc=mat(k * n, n),
+        wk=mat(n, n),
+        draft_emb=rng.standard_normal((128, n)).astype(np.float32),
+        target_emb_for_draft=rng.standard_normal((128, n)).astype(np.float32),
+        snr=rng.standard_normal((2, n)).astype(np.float32),
+    )
 
 
 def layer_inputs(w: Weights, tokens: list[int], positions: list[int]) -> list[np.ndarray]:
@@ -80,7 +84,7 @@ def _inject_records(spec: Spec, w: Weights, inputs: list[np.ndarray], ref: bool)
     recs = [("inp_target_features", feats), ("inp_g_embeddings", g), ("Kcur_injected-0", k)]
     if ref:
         n = spec.n_embd
-        swapped = np.concatenate([feats[:, n:2 * n], feats[:, :n], feats[:, 2 * n:]], axis=1)  # (T, k * n_embd)
+        swapped = np.concatenate([feats[:, n : 2 * n], feats[:, :n], feats[:, 2 * n :]], axis=1)  # (T, k * n_embd)
         recs.append(("inp_g_embeddings@slots=1,0", _norm(swapped @ w.fc)))
     return recs
 
@@ -113,17 +117,29 @@ def _target_records(spec: Spec, inputs: list[np.ndarray], ref: bool) -> list[tup
     return recs
 
 
-def flow(spec: Spec) -> tuple[list[tuple[Eval, list[tuple[str, np.ndarray]], list[tuple[str, np.ndarray]]]], list[Round]]:
+def flow(
+    spec: Spec,
+) -> tuple[list[tuple[Eval, list[tuple[str, np.ndarray]], list[tuple[str, np.ndarray]]]], list[Round]]:
     """Every eval with its (ref records, run records), and the rounds."""
     w = weights(spec)
     P = list(spec.prompt)
     out, rounds = [], []
     pos = list(range(len(P) - 1))
     inputs = layer_inputs(w, P[:-1], pos)
-    out.append((Eval(0, "target", "prefill", len(pos), tuple(pos), tuple(P[:-1]), (0,) * len(pos), 0),
-                _target_records(spec, inputs, True), _target_records(spec, inputs, False)))
-    out.append((Eval(1, "draft", "inject", len(pos), tuple(pos), (), (0,) * len(pos), 0),
-                _inject_records(spec, w, inputs, True), _inject_records(spec, w, inputs, False)))
+    out.append(
+        (
+            Eval(0, "target", "prefill", len(pos), tuple(pos), tuple(P[:-1]), (0,) * len(pos), 0),
+            _target_records(spec, inputs, True),
+            _target_records(spec, inputs, False),
+        )
+    )
+    out.append(
+        (
+            Eval(1, "draft", "inject", len(pos), tuple(pos), (), (0,) * len(pos), 0),
+            _inject_records(spec, w, inputs, True),
+            _inject_records(spec, w, inputs, False),
+        )
+    )
     n_past, anchor = len(P) - 1, P[-1]
     for r in range(1, spec.rounds + 1):
         B = spec.block_size
@@ -131,14 +147,29 @@ def flow(spec: Spec) -> tuple[list[tuple[Eval, list[tuple[str, np.ndarray]], lis
         block = [anchor] + [MASK] * (B - 1)
         drafts = [(anchor * 7 + i + r) % 50 + 10 for i in range(B - 1)]
         e = len(out)
-        out.append((Eval(e, "draft", "draft", B, tuple(pos), tuple(block), (0,) * B, r),
-                    _draft_records(spec, w, block, True), _draft_records(spec, w, block, False)))
+        out.append(
+            (
+                Eval(e, "draft", "draft", B, tuple(pos), tuple(block), (0,) * B, r),
+                _draft_records(spec, w, block, True),
+                _draft_records(spec, w, block, False),
+            )
+        )
         verify = [anchor] + drafts
         inputs = layer_inputs(w, verify, pos)
-        out.append((Eval(e + 1, "target", "verify", B, tuple(pos), tuple(verify), (0,) * B, r),
-                    _target_records(spec, inputs, True), _target_records(spec, inputs, False)))
-        out.append((Eval(e + 2, "draft", "inject", B, tuple(pos), (), (0,) * B, r),
-                    _inject_records(spec, w, inputs, True), _inject_records(spec, w, inputs, False)))
+        out.append(
+            (
+                Eval(e + 1, "target", "verify", B, tuple(pos), tuple(verify), (0,) * B, r),
+                _target_records(spec, inputs, True),
+                _target_records(spec, inputs, False),
+            )
+        )
+        out.append(
+            (
+                Eval(e + 2, "draft", "inject", B, tuple(pos), (), (0,) * B, r),
+                _inject_records(spec, w, inputs, True),
+                _inject_records(spec, w, inputs, False),
+            )
+        )
         rounds.append(Round(r, n_past, anchor, tuple(drafts), 1, (drafts[0], 42)))
         n_past, anchor = n_past + 2, 42
     return out, rounds
@@ -163,27 +194,54 @@ def _node(name: str) -> tuple[str, tuple[str, ...]]:
     return NODES.get(name, ("NONE", ()))
 
 
-def write(path: Path, spec: Spec = Spec(), side: str = "ref", mutate: Mutation | None = None,
-          noise: float = 0.0, models: dict | None = None, build: dict | None = None,
-          drop: Callable[[Eval, str], bool] | None = None) -> Path:
+def write(
+    path: Path,
+    spec: Spec = Spec(),
+    side: str = "ref",
+    mutate: Mutation | None = None,
+    noise: float = 0.0,
+    models: dict | None = None,
+    build: dict | None = None,
+    drop: Callable[[Eval, str], bool] | None = None,
+) -> Path:
     """Write the ref or run side of the synthetic flow; `mutate` rewrites run arrays."""
     evals, rounds = flow(spec)
     rng = np.random.default_rng(1234)
     writer = DumpWriter(Path(path))
     for ev, ref_recs, run_recs in evals:
-        for name, arr in (ref_recs if side == "ref" else run_recs):
+        for name, arr in ref_recs if side == "ref" else run_recs:
             if drop is not None and drop(ev, name):
                 continue
             if side == "run":
-                arr = arr + noise * rng.standard_normal(arr.shape).astype(np.float32) * np.abs(arr).mean() if noise else arr
+                arr = (
+                    arr + noise * rng.standard_normal(arr.shape).astype(np.float32) * np.abs(arr).mean()
+                    if noise
+                    else arr
+                )
                 arr = mutate(ev, name, arr) if mutate else arr
-            rec, stored = record_from_array(record_key(ev.eval, ev.role, name, 0), ev.role, ev.phase, ev.eval,
-                                            name, 0, np.asarray(arr, dtype=np.float32))
+            rec, stored = record_from_array(
+                record_key(ev.eval, ev.role, name, 0),
+                ev.role,
+                ev.phase,
+                ev.eval,
+                name,
+                0,
+                np.asarray(arr, dtype=np.float32),
+            )
             op, srcs = _node(name)
             writer.add(replace(rec, op=op, srcs=srcs), stored)
-    m = models if models is not None else {"draft": {"target_layers": list(spec.target_layers)},
-                                           "target": {"n_embd": spec.n_embd}}
-    manifest = Manifest(source="reference" if side == "ref" else "llama.cpp", models=m, build=build or {},
-                        evals=tuple(e for e, _, _ in evals), records=(), rounds=tuple(rounds),
-                        prompt_tokens=spec.prompt)
+    m = (
+        models
+        if models is not None
+        else {"draft": {"target_layers": list(spec.target_layers)}, "target": {"n_embd": spec.n_embd}}
+    )
+    manifest = Manifest(
+        source="reference" if side == "ref" else "llama.cpp",
+        models=m,
+        build=build or {},
+        evals=tuple(e for e, _, _ in evals),
+        records=(),
+        rounds=tuple(rounds),
+        prompt_tokens=spec.prompt,
+    )
     return writer.close(manifest)

@@ -78,8 +78,9 @@ def test_rows_with_a_different_history_are_left_out(synth_ref, tmp_path):
 def test_rows_at_positions_the_other_side_lacks_are_counted(synth_ref, tmp_path):
     run = synth.write(tmp_path / "run.npz", side="run")
     with read_dump(run) as d:
-        evals = tuple(replace(e, positions=tuple(p + 1 for p in e.positions)) if e.eval == 1 else e
-                      for e in d.manifest.evals)
+        evals = tuple(
+            replace(e, positions=tuple(p + 1 for p in e.positions)) if e.eval == 1 else e for e in d.manifest.evals
+        )
     c = compare_dumps(synth_ref, rewrite(run, tmp_path / "late.npz", evals=evals), None)
     feats = next(a for p, a in zip(c.pairs, c.alignments) if p.eval == 1 and p.name == "inp_target_features")
     assert feats.unmatched_rows == (0, 7) and feats.positions == tuple(range(1, 7))
@@ -108,8 +109,10 @@ def test_missing_tensor_not_reported_when_the_capture_filter_left_it_out(synth_r
 
 def test_missing_tensor_not_reported_for_a_name_the_capture_excluded(synth_ref, synth_run):
     """An exclusion (`--filter '!inp_g_embeddings'`) is recorded in the manifest and read by compare."""
-    run = synth_run(drop=lambda ev, name: name == "inp_g_embeddings",
-                    build={"filters": {"draft": ["*", "!inp_g_embeddings"], "target": ["*"]}})
+    run = synth_run(
+        drop=lambda ev, name: name == "inp_g_embeddings",
+        build={"filters": {"draft": ["*", "!inp_g_embeddings"], "target": ["*"]}},
+    )
     assert not any(f.kind == "missing_tensor" for f in compare_dumps(synth_ref, run, None).findings)
 
 
@@ -122,11 +125,19 @@ def test_extra_run_names_outside_the_wiring_set_are_one_info_and_nodes_are_ignor
         for r in d.records():
             w.add(r, np.array(d.array(r)))
         for il in range(2):
-            rec, arr = record_from_array(record_key(0, "target", f"Qcur-{il}", 0), "target", "prefill", 0,
-                                         f"Qcur-{il}", 0, np.ones((7, 4), np.float32))
+            rec, arr = record_from_array(
+                record_key(0, "target", f"Qcur-{il}", 0),
+                "target",
+                "prefill",
+                0,
+                f"Qcur-{il}",
+                0,
+                np.ones((7, 4), np.float32),
+            )
             w.add(rec, arr)
-        rec, arr = record_from_array(record_key(0, "target", "node_12", 0), "target", "prefill", 0, "node_12", 0,
-                                     np.ones((7, 4), np.float32))
+        rec, arr = record_from_array(
+            record_key(0, "target", "node_12", 0), "target", "prefill", 0, "node_12", 0, np.ones((7, 4), np.float32)
+        )
         w.add(rec, arr)
     wide = w.close(base)
     c = compare_dumps(synth_ref, wide, None)
@@ -143,8 +154,15 @@ def test_unexpected_wiring_tensor_is_an_error(synth_ref, synth_run, tmp_path):
         base = d.manifest
         for r in d.records():
             w.add(r, np.array(d.array(r)))
-    rec, arr = record_from_array(record_key(1, "draft", "inp_g_embeddings", 1), "draft", "inject", 1,
-                                 "inp_g_embeddings", 1, np.ones((7, 16), np.float32))
+    rec, arr = record_from_array(
+        record_key(1, "draft", "inp_g_embeddings", 1),
+        "draft",
+        "inject",
+        1,
+        "inp_g_embeddings",
+        1,
+        np.ones((7, 16), np.float32),
+    )
     w.add(rec, arr)
     c = compare_dumps(synth_ref, w.close(base), None)
     f = next(f for f in c.findings if f.kind == "unexpected_tensor")
@@ -170,6 +188,7 @@ def test_dumps_sharing_nothing_are_unusable_input(synth_ref, tmp_path):
 
 # --- name maps ---------------------------------------------------------------------------------
 
+
 def test_dspark_map_translates_the_fork_names():
     m = read_name_map(builtin_map("dspark"))
     assert m.fork == "dspark"
@@ -187,7 +206,7 @@ def test_layer_placeholder_carries_the_index(tmp_path):
     assert read_name_map(p).ref_name("fork_kv-x") == "fork_kv-x"
 
 
-@pytest.mark.parametrize("text", ["[names\n", '[names]\na = 3\n', '[fork_only]\nnames = "x"\n'])
+@pytest.mark.parametrize("text", ["[names\n", "[names]\na = 3\n", '[fork_only]\nnames = "x"\n'])
 def test_bad_name_maps_are_unusable_input_naming_the_file(tmp_path, text):
     p = tmp_path / "bad.toml"
     p.write_text(text)
@@ -196,8 +215,11 @@ def test_bad_name_maps_are_unusable_input_naming_the_file(tmp_path, text):
 
 
 def test_a_fork_dump_pairs_through_the_map(synth_ref, synth_run, tmp_path):
-    fork = {"inp_target_features": "dspark_ctx_feat", "inp_g_embeddings": "dspark_hidden_norm",
-            "inp_noise_embd": "dspark_draft_embd"}
+    fork = {
+        "inp_target_features": "dspark_ctx_feat",
+        "inp_g_embeddings": "dspark_hidden_norm",
+        "inp_noise_embd": "dspark_draft_embd",
+    }
     run = synth_run()
     w = DumpWriter(tmp_path / "fork.npz")
     with read_dump(run) as d:
@@ -230,8 +252,15 @@ def test_positions_the_graph_used_are_checked_against_the_batch(synth_ref, tmp_p
             w.add(r, np.array(d.array(r)))
         for ev in base.evals:
             shift = 1 if ev.phase == "inject" and ev.round == 1 else 0
-            rec, arr = record_from_array(record_key(ev.eval, ev.role, "inp_pos", 0), ev.role, ev.phase, ev.eval,
-                                         "inp_pos", 0, np.asarray(ev.positions, np.int32) + shift)
+            rec, arr = record_from_array(
+                record_key(ev.eval, ev.role, "inp_pos", 0),
+                ev.role,
+                ev.phase,
+                ev.eval,
+                "inp_pos",
+                0,
+                np.asarray(ev.positions, np.int32) + shift,
+            )
             w.add(rec, arr)
     c = compare_dumps(synth_ref, w.close(base), None)
     f = next(f for f in c.findings if f.severity == "error")
@@ -241,7 +270,8 @@ def test_positions_the_graph_used_are_checked_against_the_batch(synth_ref, tmp_p
 
 def test_not_conditioned_when_the_injected_features_are_empty(synth_ref, tmp_path):
     run = synth.write(tmp_path / "run.npz", side="run")
-    empty = rewrite(run, tmp_path / "empty.npz",
-                    lambda r, a: a[:, :0] if r.name == "inp_target_features" else a)  # (n_tokens, 0)
+    empty = rewrite(
+        run, tmp_path / "empty.npz", lambda r, a: a[:, :0] if r.name == "inp_target_features" else a
+    )  # (n_tokens, 0)
     f = next(f for f in compare_dumps(synth_ref, empty, None).findings if f.kind == "not_conditioned")
     assert f.fields["detail"] == "empty injected features"

@@ -62,8 +62,10 @@ def test_missing_term_found_when_log_snr_is_dropped(tmp_path, synth_run):
 def test_missing_term_found_at_the_sum_when_the_run_skips_the_term(tmp_path, synth_run):
     ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
     w = synth.weights(synth.Spec())
-    run = synth_run(spec=synth.Spec(log_snr=True),
-                    mutate=lambda ev, n, a: w.draft_emb[list(ev.token_ids)] if n == "dspark_draft_embd_snr" else a)
+    run = synth_run(
+        spec=synth.Spec(log_snr=True),
+        mutate=lambda ev, n, a: w.draft_emb[list(ev.token_ids)] if n == "dspark_draft_embd_snr" else a,
+    )
     f = only_error(compare_dumps(ref, run, None))
     assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "dspark_draft_embd_snr", "dspark_log_snr_fc2")
     assert "expected_in" not in f.fields
@@ -125,8 +127,11 @@ def test_layer_offset_seen_even_inside_a_wide_tolerance(synth_ref, synth_run):
 def test_several_independent_roots_each_get_a_finding(tmp_path, synth_run):
     ref = synth.write(tmp_path / "ref-snr.npz", synth.Spec(log_snr=True))
     w = synth.weights(synth.Spec())
-    run = synth_run(spec=synth.Spec(target_layers=(3, 5), log_snr=True), models=REF_MODELS,
-                    mutate=lambda ev, n, a: w.draft_emb[list(ev.token_ids)] if n == "dspark_draft_embd_snr" else a)
+    run = synth_run(
+        spec=synth.Spec(target_layers=(3, 5), log_snr=True),
+        models=REF_MODELS,
+        mutate=lambda ev, n, a: w.draft_emb[list(ev.token_ids)] if n == "dspark_draft_embd_snr" else a,
+    )
     assert {f.kind for f in errors(compare_dumps(ref, run, None))} == {"layer_offset", "missing_term"}
 
 
@@ -140,7 +145,9 @@ def test_head_major_keys_are_a_layout_transpose(synth_ref, tmp_path):
     from transform import rewrite
 
     def head_major(r, a):
-        return np.ascontiguousarray(a.transpose(1, 0, 2)) if r.name == "Kcur_injected-0" and r.eval == 1 else a  # (n_head_kv, T, head_dim)
+        return (
+            np.ascontiguousarray(a.transpose(1, 0, 2)) if r.name == "Kcur_injected-0" and r.eval == 1 else a
+        )  # (n_head_kv, T, head_dim)
 
     run = rewrite(synth.write(tmp_path / "run.npz", side="run"), tmp_path / "hm.npz", head_major)
     c = compare_dumps(synth_ref, run, None)

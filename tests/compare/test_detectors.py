@@ -36,6 +36,7 @@ def noisy(a: np.ndarray, scale: float = 1e-5) -> np.ndarray:
 
 # --- nonfinite, zeros, stale -------------------------------------------------------------------
 
+
 def test_nonfinite_reports_the_positions_holding_nan_or_inf():
     ref = rows()
     run = ref.copy()
@@ -73,6 +74,7 @@ def test_stale_silent_without_a_matching_earlier_row():
 
 
 # --- rows, layouts, positions ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shift", [1, -1, 2])
 def test_row_shift_found_with_its_sign(shift):
@@ -134,6 +136,7 @@ def test_position_offset_silent_on_unrelated_keys():
 
 # --- feature slots -----------------------------------------------------------------------------
 
+
 def layer_match(observed: tuple[int, ...], expected=(2, 4), layers=tuple(range(6)), err_match=1e-4) -> LayerMatch:
     err = np.ones((len(expected), len(layers)))
     for k, L in enumerate(observed):
@@ -145,8 +148,12 @@ def layer_match(observed: tuple[int, ...], expected=(2, 4), layers=tuple(range(6
 def test_layer_offset_names_slot_layers_and_delta(observed, delta):
     f = w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match(observed)))
     assert f.kind == "layer_offset"
-    assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == \
-        (0, 2, observed[0], delta)
+    assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == (
+        0,
+        2,
+        observed[0],
+        delta,
+    )
     assert "slot 0 of inp_target_features is the input of target layer" in f.message
 
 
@@ -178,8 +185,9 @@ def test_slot_permutation_found_by_slot_assignment():
 
 def test_slot_permutation_found_from_a_reference_candidate():
     ref, cand = rows(width=N), rows(width=N, seed=4)
-    f = w.detect_slot_permutation(evidence(ref, noisy(cand), tensor="inp_g_embeddings",
-                                           candidates={"inp_g_embeddings@slots=1,0": cand}))
+    f = w.detect_slot_permutation(
+        evidence(ref, noisy(cand), tensor="inp_g_embeddings", candidates={"inp_g_embeddings@slots=1,0": cand})
+    )
     assert f.fields["permutation"] == [1, 0] and f.tensor == "inp_g_embeddings"
 
 
@@ -198,17 +206,33 @@ def test_best_assignment_exhaustive_and_greedy_agree_on_a_clear_cost():
 
 # --- terms and sources -------------------------------------------------------------------------
 
+
 def test_missing_term_names_the_reference_component():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_missing_term(evidence(embd + term, noisy(embd), tensor="dspark_draft_embd_snr",
-                                       record="dspark_draft_embd_snr", candidates={"dspark_log_snr_fc2": term}))
+    f = w.detect_missing_term(
+        evidence(
+            embd + term,
+            noisy(embd),
+            tensor="dspark_draft_embd_snr",
+            record="dspark_draft_embd_snr",
+            candidates={"dspark_log_snr_fc2": term},
+        )
+    )
     assert (f.kind, f.tensor, f.fields) == ("missing_term", "dspark_draft_embd_snr", {"term": "dspark_log_snr_fc2"})
 
 
 def test_missing_term_found_downstream_when_the_run_graph_has_no_sum():
     out, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_missing_term(evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0",
-                                       candidates={"dspark_log_snr_fc2": term}, absent=LOG_SNR_ABSENT))
+    f = w.detect_missing_term(
+        evidence(
+            out,
+            rows(4, N, seed=3),
+            tensor="l_out-0",
+            record="l_out-0",
+            candidates={"dspark_log_snr_fc2": term},
+            absent=LOG_SNR_ABSENT,
+        )
+    )
     assert (f.kind, f.tensor) == ("missing_term", "l_out-0")
     assert f.fields == {"term": "dspark_log_snr_fc2", "expected_in": "dspark_draft_embd_snr"}
 
@@ -226,8 +250,9 @@ def test_missing_term_downstream_silent_when_the_sum_is_there_or_the_pair_feeds_
 
 def test_extra_term_names_the_reference_component():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_extra_term(evidence(embd, noisy(embd + term), tensor="inp_noise_embd",
-                                     candidates={"dspark_log_snr_fc2": term}))
+    f = w.detect_extra_term(
+        evidence(embd, noisy(embd + term), tensor="inp_noise_embd", candidates={"dspark_log_snr_fc2": term})
+    )
     assert f.kind == "extra_term" and f.fields["term"] == "dspark_log_snr_fc2" and f.tensor == "inp_noise_embd"
 
 
@@ -239,8 +264,9 @@ def test_terms_silent_when_the_residual_is_something_else():
 
 def test_wrong_source_names_the_table():
     own, target = rows(4, N), rows(4, N, seed=7)
-    f = w.detect_wrong_source(evidence(own, noisy(target), tensor="inp_noise_embd",
-                                       candidates={"inp_noise_embd@table=target": target}))
+    f = w.detect_wrong_source(
+        evidence(own, noisy(target), tensor="inp_noise_embd", candidates={"inp_noise_embd@table=target": target})
+    )
     assert f.kind == "wrong_source" and f.fields["source"] == "target"
 
 
@@ -264,9 +290,15 @@ def test_scale_silent_on_noise_and_on_other_data():
 
 # --- fallbacks ---------------------------------------------------------------------------------
 
+
 def test_divergence_carries_metric_value_and_tolerance():
     f = d.detect_divergence(evidence(rows(), rows(seed=1)), 0.5)
-    assert (f.kind, f.fields["metric"], f.fields["value"], f.fields["tolerance"]) == ("divergence", "nmse", 0.5, TOL.nmse)
+    assert (f.kind, f.fields["metric"], f.fields["value"], f.fields["tolerance"]) == (
+        "divergence",
+        "nmse",
+        0.5,
+        TOL.nmse,
+    )
 
 
 def test_divergence_on_unalignable_shapes_reports_both():

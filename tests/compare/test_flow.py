@@ -31,8 +31,10 @@ def clean_ops(evals: list[Eval]) -> tuple[MemoryOp, ...]:
     for r in rounds:
         draft = next(e for e in evals if e.round == r.round and e.phase == "draft")
         inject = next(e for e in evals if e.round == r.round and e.phase == "inject")
-        ops += [MemoryOp("draft", draft.eval, 0, r.pos0, -1),
-                MemoryOp("draft", inject.eval, 0, r.pos0 + r.accepted + 1, -1)]
+        ops += [
+            MemoryOp("draft", draft.eval, 0, r.pos0, -1),
+            MemoryOp("draft", inject.eval, 0, r.pos0 + r.accepted + 1, -1),
+        ]
     return tuple(ops)
 
 
@@ -61,13 +63,16 @@ def test_clean_flow_has_no_finding():
 
 # --- block_token ---------------------------------------------------------------------------------
 
+
 def test_block_token_found_when_the_anchor_is_a_mask_token():
     run = manifest(changed(clean_evals(), FIRST_DRAFT, token_ids=(synth.MASK,) * 4))
     f = flow.detect_block_token(REF, run)
     assert (f.kind, f.severity, f.tensor) == ("block_token", "error", "inp_noise_embd")
     assert f.fields == {"row": 0, "expected": PROMPT[-1], "observed": synth.MASK, "round": 1, "eval": FIRST_DRAFT}
-    assert f.message.startswith(f"row 0 of the draft block of round 1 is token {synth.MASK} (the mask token); "
-                                f"the flow expects the anchor {PROMPT[-1]}, the last accepted target token")
+    assert f.message.startswith(
+        f"row 0 of the draft block of round 1 is token {synth.MASK} (the mask token); "
+        f"the flow expects the anchor {PROMPT[-1]}, the last accepted target token"
+    )
 
 
 def test_block_token_found_when_a_mask_row_carries_another_token():
@@ -77,15 +82,23 @@ def test_block_token_found_when_a_mask_row_carries_another_token():
 
 
 def test_block_token_found_when_the_block_is_shorter_than_the_references():
-    evals = changed(clean_evals(), FIRST_DRAFT, token_ids=(PROMPT[-1], synth.MASK, synth.MASK), n_tokens=3,
-                    positions=(7, 8, 9), seq_ids=(0,) * 3)
+    evals = changed(
+        clean_evals(),
+        FIRST_DRAFT,
+        token_ids=(PROMPT[-1], synth.MASK, synth.MASK),
+        n_tokens=3,
+        positions=(7, 8, 9),
+        seq_ids=(0,) * 3,
+    )
     f = flow.detect_block_token(REF, manifest(evals))
     assert (f.fields["row"], f.fields["expected"], f.fields["observed"]) == (3, synth.MASK, None)
     assert "has 3 rows where the reference's has 4" in f.message
 
 
 def test_block_token_takes_the_mask_from_the_reference_blocks_when_no_manifest_states_it():
-    bare = Manifest("llama.cpp", {}, {}, tuple(changed(clean_evals(), FIRST_DRAFT, token_ids=(PROMPT[-1], 5, 5, 5))), ())
+    bare = Manifest(
+        "llama.cpp", {}, {}, tuple(changed(clean_evals(), FIRST_DRAFT, token_ids=(PROMPT[-1], 5, 5, 5))), ()
+    )
     f = flow.detect_block_token(replace(REF, models={}), bare)
     assert (f.fields["row"], f.fields["expected"], f.fields["observed"]) == (1, synth.MASK, 5)
 
@@ -95,6 +108,7 @@ def test_block_token_silent_on_the_clean_flow():
 
 
 # --- position_offset -----------------------------------------------------------------------------
+
 
 def test_inject_rows_one_position_late_are_a_position_offset_of_the_inject_batch():
     run = manifest(shifted(clean_evals(), 1, lambda e: e.eval == 1))
@@ -139,8 +153,9 @@ def test_later_positions_are_not_compared_with_the_reference_after_another_accep
     """Accepting another count moves the next block and changes its anchor (t_accepted): the
     block is not compared with the reference's, so that is not an offset of the run."""
     evals = shifted(clean_evals(), 1, lambda e: e.round == 2)
-    evals = [replace(e, token_ids=(43,) + e.token_ids[1:]) if e.round == 2 and e.phase != "inject" else e
-             for e in evals]
+    evals = [
+        replace(e, token_ids=(43,) + e.token_ids[1:]) if e.round == 2 and e.phase != "inject" else e for e in evals
+    ]
     assert flow.detect_position_offset(REF, manifest(evals)) is None
 
 
@@ -150,12 +165,18 @@ def test_position_offset_silent_on_the_clean_flow():
 
 # --- the draft KV cache: stale, duplicate_rows ---------------------------------------------------
 
+
 def test_stale_rows_found_when_the_rejected_rows_stay_in_the_draft_cache():
     evals = clean_evals()
     ops = tuple(op for op in clean_ops(evals) if op.after_eval != FIRST_INJECT)  # no seq_rm(n_past) in round 1
     f = kvcache.detect_stale(manifest(evals, memory_ops=ops))
     assert (f.kind, f.tensor, f.severity) == ("stale", "Kcur_injected-*", "error")
-    assert (f.fields["rows"], f.fields["source_eval"], f.fields["round"], f.fields["eval"]) == ([9, 10], FIRST_INJECT, 2, 5)
+    assert (f.fields["rows"], f.fields["source_eval"], f.fields["round"], f.fields["eval"]) == (
+        [9, 10],
+        FIRST_INJECT,
+        2,
+        5,
+    )
     assert "holds positions 9..10" in f.fields["detail"] and "starts at n_past 9" in f.message
 
 
@@ -178,13 +199,17 @@ def test_stale_says_nothing_without_memory_ops_or_on_the_clean_flow():
 def _inject_twice(evals: list[Eval]) -> list[Eval]:
     """Round 1's inject decoded twice (the second renumbered after it, later evals moved on)."""
     again = replace(evals[FIRST_INJECT], eval=FIRST_INJECT + 1)
-    return evals[:FIRST_INJECT + 1] + [again] + [replace(e, eval=e.eval + 1) for e in evals[FIRST_INJECT + 1:]]
+    return evals[: FIRST_INJECT + 1] + [again] + [replace(e, eval=e.eval + 1) for e in evals[FIRST_INJECT + 1 :]]
 
 
 def test_duplicate_rows_found_from_memory_ops():
     evals = _inject_twice(clean_evals())
-    ops = (MemoryOp("draft", FIRST_DRAFT, 0, 7, -1), MemoryOp("draft", FIRST_INJECT + 1, 0, 9, -1),
-           MemoryOp("draft", 6, 0, 9, -1), MemoryOp("draft", 8, 0, 11, -1))
+    ops = (
+        MemoryOp("draft", FIRST_DRAFT, 0, 7, -1),
+        MemoryOp("draft", FIRST_INJECT + 1, 0, 9, -1),
+        MemoryOp("draft", 6, 0, 9, -1),
+        MemoryOp("draft", 8, 0, 11, -1),
+    )
     f = kvcache.detect_duplicate_rows(manifest(evals, memory_ops=ops))
     assert (f.kind, f.severity) == ("duplicate_rows", "error")
     assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"]) == ([7, 8], [4, 5], 2)
@@ -193,8 +218,12 @@ def test_duplicate_rows_found_from_memory_ops():
 
 def test_duplicate_rows_found_without_memory_ops_from_two_injects_of_one_round():
     f = kvcache.detect_duplicate_rows(manifest(_inject_twice(clean_evals())))
-    assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"], f.fields["eval"]) == \
-        ([7, 8, 9, 10], [4, 5], 1, 5)
+    assert (f.fields["rows"], f.fields["source_evals"], f.fields["round"], f.fields["eval"]) == (
+        [7, 8, 9, 10],
+        [4, 5],
+        1,
+        5,
+    )
 
 
 def test_duplicate_rows_silent_on_the_clean_flow():
@@ -205,12 +234,17 @@ def test_duplicate_rows_silent_on_the_clean_flow():
 
 def test_a_removal_between_two_injects_is_not_a_duplicate():
     evals = _inject_twice(clean_evals())
-    ops = (MemoryOp("draft", FIRST_DRAFT, 0, 7, -1), MemoryOp("draft", FIRST_INJECT, 0, 7, -1),
-           MemoryOp("draft", FIRST_INJECT + 1, 0, 9, -1), MemoryOp("draft", 6, 0, 9, -1))
+    ops = (
+        MemoryOp("draft", FIRST_DRAFT, 0, 7, -1),
+        MemoryOp("draft", FIRST_INJECT, 0, 7, -1),
+        MemoryOp("draft", FIRST_INJECT + 1, 0, 9, -1),
+        MemoryOp("draft", 6, 0, 9, -1),
+    )
     assert kvcache.detect_duplicate_rows(manifest(evals, memory_ops=ops)) is None
 
 
 # --- the prompt, the producer's notes, where histories part --------------------------------------
+
 
 def test_another_prompt_is_an_unpaired_error_naming_the_first_differing_token():
     run = manifest(clean_evals(), prompt_tokens=PROMPT[:3] + (50,) + PROMPT[4:])
@@ -243,8 +277,11 @@ def test_flow_notes_become_a_finding():
 def test_check_flow_lists_findings_in_the_order_the_run_met_them():
     evals = shifted(changed(clean_evals(), 5, token_ids=(synth.MASK,) * 4), 1, lambda e: e.eval == 1)
     found = flow.check_flow(REF, manifest(evals, flow_notes=("a note",)))
-    assert [(f.kind, f.fields.get("eval")) for f in found] == [("position_offset", 1), ("block_token", 5),
-                                                               ("flow_note", None)]
+    assert [(f.kind, f.fields.get("eval")) for f in found] == [
+        ("position_offset", 1),
+        ("block_token", 5),
+        ("flow_note", None),
+    ]
 
 
 def test_history_divergence_names_the_first_batch_decoded_otherwise():
@@ -270,6 +307,8 @@ def test_rows_staged_twice_in_one_inject_batch_are_duplicate_rows():
 def test_a_refused_batch_that_repeats_positions_is_named_as_refused_not_held():
     evals = clean_evals()
     twice = replace(evals[1], n_tokens=14, positions=evals[1].positions * 2, seq_ids=(0,) * 14, rc=-1)
-    f = kvcache.detect_duplicate_rows(manifest([twice if e.eval == 1 else e for e in evals], memory_ops=clean_ops(evals)))
+    f = kvcache.detect_duplicate_rows(
+        manifest([twice if e.eval == 1 else e for e in evals], memory_ops=clean_ops(evals))
+    )
     assert f.fields["rows"] == list(range(7)) and "llama.cpp refused it (rc -1)" in f.message
     assert "held twice" not in f.message

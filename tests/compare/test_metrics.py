@@ -62,14 +62,22 @@ def test_tolerance_grows_with_the_types_and_is_capped():
     q2 = TypeInfo("f16", ("q2_k",), "float32")
     post, pre = tolerance_for("l_out-3", False, f32), tolerance_for("inp_noise_embd", False, f32)
     assert pre.rel < post.rel == pytest.approx(SAFETY * np.hypot(1e-6, REL_KV_F16), rel=1e-3)
-    assert tolerance_for("l_out-3", False, q8).rel > post.rel and "q8_0 weights" in tolerance_for("l_out-3", False, q8).sources
+    assert (
+        tolerance_for("l_out-3", False, q8).rel > post.rel
+        and "q8_0 weights" in tolerance_for("l_out-3", False, q8).sources
+    )
     assert tolerance_for("l_out-3", False, q2).rel == MAX_REL
     assert tolerance_for("inp_pos", True, q2).rel == 0.0
 
 
 def test_type_info_reads_the_manifests():
-    run = Manifest("llama.cpp", {"target": {"weight_types": ["f32", "q8_0"]}, "draft": {"weight_types": ["f32"]}},
-                   {"kv_types": {"target": {"k": "q8_0", "v": "f16"}, "draft": {"k": "f16", "v": "f16"}}}, (), ())
+    run = Manifest(
+        "llama.cpp",
+        {"target": {"weight_types": ["f32", "q8_0"]}, "draft": {"weight_types": ["f32"]}},
+        {"kv_types": {"target": {"k": "q8_0", "v": "f16"}, "draft": {"k": "f16", "v": "f16"}}},
+        (),
+        (),
+    )
     ref = Manifest("reference", {}, {"dtype": "bfloat16", "kv_dtype": "f16"}, (), ())
     assert type_info(ref, run) == TypeInfo("q8_0", ("q8_0",), "bfloat16")  # the coarsest cache of the run
 

@@ -42,6 +42,7 @@ def clean(captured, checkpoint_ref) -> tuple[Path, Path]:
 
 # --- the correct pair --------------------------------------------------------------------------
 
+
 def test_correct_fixture_pair_exits_zero_with_no_error(clean):
     c = compare_dumps(*clean, None)
     assert exit_code(c) == 0 and c.ok and not errors(c)
@@ -87,13 +88,18 @@ def test_q8_0_target_gives_numeric_noise_only(clean, fixture_models, tmp_path_fa
 
 # --- faults planted in the GGUF the run loads --------------------------------------------------
 
+
 @pytest.mark.parametrize("variant,delta,observed", [("layers-plus1", 1, [3, 5]), ("layers-minus1", -1, [1, 3])])
 def test_layer_offset_found_when_target_layers_are_off(captured, checkpoint_ref, variant, delta, observed):
     c = compare_dumps(checkpoint_ref(variant), captured(variant), None)
     f = the_error(c)
     assert (f.kind, f.tensor) == ("layer_offset", "inp_target_features")
-    assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == \
-        (0, 2, 2 + delta, delta)
+    assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == (
+        0,
+        2,
+        2 + delta,
+        delta,
+    )
     assert f.fields["observed_layers"] == observed
     assert c.pairs[c.first_divergence].eval == FIRST_INJECT
 
@@ -127,10 +133,16 @@ def test_missing_term_found_against_an_old_reference_dump(captured, checkpoint_r
 def _old_log_snr_layout(src: Path, dst: Path) -> Path:
     """The reference dump as featdiff wrote it before docs/records.md: `inp_noise_embd` holds the
     sum, `log_snr_embed` the term, `inp_noise_embd@log_snr=none` the rows."""
-    renamed = {names.DSPARK_DRAFT_EMBD_SNR: names.INP_NOISE_EMBD, names.DSPARK_LOG_SNR_FC2: names.LOG_SNR_EMBED,
-               names.INP_NOISE_EMBD: names.candidate_name(names.INP_NOISE_EMBD, names.HYP_NO_LOG_SNR)}
-    dropped = (names.DSPARK_LOG_SNR_FEAT, names.DSPARK_LOG_SNR_FC1,
-               names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR))
+    renamed = {
+        names.DSPARK_DRAFT_EMBD_SNR: names.INP_NOISE_EMBD,
+        names.DSPARK_LOG_SNR_FC2: names.LOG_SNR_EMBED,
+        names.INP_NOISE_EMBD: names.candidate_name(names.INP_NOISE_EMBD, names.HYP_NO_LOG_SNR),
+    }
+    dropped = (
+        names.DSPARK_LOG_SNR_FEAT,
+        names.DSPARK_LOG_SNR_FC1,
+        names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR),
+    )
     with read_dump(src) as dump:
         writer = DumpWriter(dst)
         for r in dump.records():
@@ -149,14 +161,17 @@ def test_wrong_source_found_when_the_run_borrows_the_target_embeddings(captured,
 
 # --- faults planted by transforming the correct capture ----------------------------------------
 
+
 def transformed(clean, tmp_path, fn) -> object:
     return compare_dumps(clean[0], rewrite(clean[1], tmp_path / "run.npz", fn), None)
 
 
 def at(name: str, eval_index: int, change):
     """A rewrite that changes one record of one eval."""
+
     def fn(r, a):
         return change(a) if r.name == name and r.eval == eval_index else a
+
     return fn
 
 
@@ -170,7 +185,10 @@ def test_row_shift_found_in_shifted_features(clean, tmp_path, shift):
 def test_layout_transpose_found_in_layer_major_staging(clean, tmp_path):
     def layer_major(a):
         n_tokens, width = a.shape
-        return a.reshape(n_tokens, 2, width // 2).transpose(1, 0, 2).reshape(n_tokens, width)  # (2, T, n_embd) read as (T, 2 * n_embd)
+        return (
+            a.reshape(n_tokens, 2, width // 2).transpose(1, 0, 2).reshape(n_tokens, width)
+        )  # (2, T, n_embd) read as (T, 2 * n_embd)
+
     f = the_error(transformed(clean, tmp_path, at("inp_target_features", FIRST_INJECT, layer_major)))
     assert (f.kind, f.tensor) == ("layout_transpose", "inp_target_features") and "layer-major" in f.fields["detail"]
 
@@ -192,6 +210,7 @@ def test_nonfinite_found_in_nan_and_inf(clean, tmp_path):
         a = a.copy()
         a[2, 5], a[6, 0] = np.nan, np.inf
         return a
+
     f = the_error(transformed(clean, tmp_path, at("inp_g_embeddings", FIRST_INJECT, poison)))
     assert (f.kind, f.tensor, f.fields["rows"]) == ("nonfinite", "inp_g_embeddings", [2, 6])
 
@@ -200,9 +219,13 @@ def test_stale_found_in_data_from_the_previous_round(clean, tmp_path):
     from featdiff.dump import read_dump
 
     with read_dump(clean[1]) as run:
-        injects = [e for e in run.manifest.evals if e.phase == "inject" and e.n_tokens == run.manifest.evals[-1].n_tokens]
+        injects = [
+            e for e in run.manifest.evals if e.phase == "inject" and e.n_tokens == run.manifest.evals[-1].n_tokens
+        ]
         previous, current = injects[-2], injects[-1]
-        old = np.array(run.array(next(r for r in run.records() if r.eval == previous.eval and r.name == "inp_target_features")))
+        old = np.array(
+            run.array(next(r for r in run.records() if r.eval == previous.eval and r.name == "inp_target_features"))
+        )
     f = the_error(transformed(clean, tmp_path, at("inp_target_features", current.eval, lambda a: old)))
     assert (f.kind, f.tensor, f.fields["source_eval"]) == ("stale", "inp_target_features", previous.eval)
     assert f.fields["rows"] == list(current.positions)
@@ -215,11 +238,13 @@ def test_position_offset_found_in_keys_roped_two_positions_late(clean, tmp_path)
         n_tokens, n_head, head_dim = a.shape
         rows = rotate(a.reshape(n_tokens, -1), 2, Rope(n_head, head_dim), neox=True)  # (T, n_head * head_dim)
         return rows.reshape(a.shape)  # (T, n_head, head_dim)
+
     f = the_error(transformed(clean, tmp_path, at("Kcur_injected-0", FIRST_INJECT, late)))
     assert (f.kind, f.tensor, f.fields["offset"]) == ("position_offset", "Kcur_injected-0", 2)
 
 
 # --- faults in the token ids and positions of the flow -------------------------------------------
+
 
 def test_draft_block_without_its_anchor_is_a_block_token_not_an_ok(clean, tmp_path):
     """The driver put the mask token in row 0: every draft row has another token history, so
@@ -235,8 +260,13 @@ def test_draft_block_without_its_anchor_is_a_block_token_not_an_ok(clean, tmp_pa
         evals = tuple(replace(e, token_ids=(mask,) + e.token_ids[1:]) if e.eval == block.eval else e for e in m.evals)
     c = compare_dumps(clean[0], rewrite(clean[1], tmp_path / "run.npz", evals=evals), None)
     f = the_error(c)
-    assert (f.kind, f.fields["row"], f.fields["observed"], f.fields["expected"], f.fields["round"]) == \
-        ("block_token", 0, mask, block.token_ids[0], 1)
+    assert (f.kind, f.fields["row"], f.fields["observed"], f.fields["expected"], f.fields["round"]) == (
+        "block_token",
+        0,
+        mask,
+        block.token_ids[0],
+        1,
+    )
     unpaired = next(u for u in c.findings if u.kind == "unpaired")
     assert unpaired.fields["reason"] == "token_history" and unpaired.tensor == "inp_noise_embd"
     assert c.coverage.rows_skipped > 0

@@ -110,8 +110,9 @@ def test_json_never_overwrites_the_name_map_it_was_compared_with(synth_ref, synt
     name_map = tmp_path / "fork.toml"
     name_map.write_bytes((Path(featdiff.compare.__file__).parent / "maps" / "dspark.toml").read_bytes())
     before = name_map.read_bytes()
-    result = CliRunner().invoke(app, ["compare", str(synth_ref), str(synth_run()), "--map", str(name_map),
-                                      "--json", str(name_map)])
+    result = CliRunner().invoke(
+        app, ["compare", str(synth_ref), str(synth_run()), "--map", str(name_map), "--json", str(name_map)]
+    )
     assert result.exit_code == 2, result.output
     assert f"{name_map}: --json must not be an input of this command" in result.output
     assert name_map.read_bytes() == before and not list(tmp_path.glob("*.partial"))

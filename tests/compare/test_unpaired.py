@@ -53,8 +53,13 @@ def test_draft_block_without_its_anchor_fails_with_block_token_then_unpaired(syn
     code, data = compare_json(synth_ref, run)
     assert code == 1 and data["ok"] is False
     first = data["findings"][0]
-    assert (first["kind"], first["row"], first["expected"], first["observed"], first["round"]) == \
-        ("block_token", 0, synth.Spec().prompt[-1], synth.MASK, 1)
+    assert (first["kind"], first["row"], first["expected"], first["observed"], first["round"]) == (
+        "block_token",
+        0,
+        synth.Spec().prompt[-1],
+        synth.MASK,
+        1,
+    )
     unpaired = next(f for f in data["findings"] if f["kind"] == "unpaired")
     assert unpaired["reason"] == "token_history" and unpaired["tensor"] == "inp_noise_embd"
     assert unpaired["rows"] == [7, 8, 9, 10] and unpaired["round"] == 1
@@ -69,20 +74,31 @@ def test_draft_block_one_position_late_fails_with_position_offset(synth_ref, tmp
     code, data = compare_json(synth_ref, run_with(tmp_path, "late.npz", late))
     assert code == 1
     first = data["findings"][0]
-    assert (first["kind"], first["offset"], first["phase"], first["round"], first["eval"]) == \
-        ("position_offset", 1, "draft", 1, FIRST_DRAFT)
+    assert (first["kind"], first["offset"], first["phase"], first["round"], first["eval"]) == (
+        "position_offset",
+        1,
+        "draft",
+        1,
+        FIRST_DRAFT,
+    )
     reasons = {f["reason"] for f in data["findings"] if f["kind"] == "unpaired"}
     assert reasons <= {"token_history", "position"} and reasons
 
 
 def test_unpaired_rows_alone_are_an_error(synth_ref, tmp_path):
     """Another token history that no finding explains still fails: an OK never rests on it."""
+
     def other_drafts(e):
         return replace(e, token_ids=(e.token_ids[0], 77, 78, 79)) if e.phase == "verify" and e.round == 1 else e
 
     c = compare_dumps(synth_ref, run_with(tmp_path, "other.npz", other_drafts), None)
     (f,) = [f for f in c.findings if f.severity == "error"]
-    assert (f.kind, f.fields["reason"], f.fields["phase"], f.fields["round"]) == ("unpaired", "token_history", "verify", 1)
+    assert (f.kind, f.fields["reason"], f.fields["phase"], f.fields["round"]) == (
+        "unpaired",
+        "token_history",
+        "verify",
+        1,
+    )
     assert f.fields["rows"] == [8, 9, 10] and "the verify batch of round 1" in f.message
     assert exit_code(c) == 1 and verdict(c).endswith("; 11 record sets skipped, 71 rows left out")
     assert (c.coverage.pairs_skipped, c.coverage.rows_skipped) == (11, 71)
@@ -137,14 +153,22 @@ def test_stale_draft_cache_from_memory_ops_fails_the_run(synth_ref, tmp_path):
 
 def test_the_server_prefill_row_is_an_expected_skip(tmp_path):
     """llama-server's prefill outputs its last row; the reference's outputs none: info, still OK."""
+
     def with_prefill_logits(side: str, rows: int):
         path = synth.write(tmp_path / f"{side}.npz", side=side)
         w = DumpWriter(tmp_path / f"{side}-logits.npz")
         with read_dump(path) as d:
             for r in d.records():
                 w.add(r, np.array(d.array(r)))
-            rec, arr = record_from_array(record_key(0, "target", "result_output", 0), "target", "prefill", 0,
-                                         "result_output", 0, np.ones((rows, 16), np.float32))
+            rec, arr = record_from_array(
+                record_key(0, "target", "result_output", 0),
+                "target",
+                "prefill",
+                0,
+                "result_output",
+                0,
+                np.ones((rows, 16), np.float32),
+            )
             w.add(rec, arr)
             return w.close(d.manifest)
 
@@ -193,4 +217,6 @@ def test_dumps_of_other_prompts_that_share_nothing_say_so_and_exit_2(synth_ref, 
     run = run_with(tmp_path, "other-prompt.npz", other_tokens, prompt_tokens=prompt)
     result = CliRunner().invoke(app, ["compare", str(synth_ref), str(run)])
     assert result.exit_code == 2
-    assert "the run decoded another prompt than the reference: they differ at token 0 (run 6, reference 5" in result.output
+    assert (
+        "the run decoded another prompt than the reference: they differ at token 0 (run 6, reference 5" in result.output
+    )

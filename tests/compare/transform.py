@@ -14,8 +14,14 @@ from featdiff.dump import DumpWriter, Eval, Manifest, Record, read_dump, record_
 ArrayFn = Callable[[Record, np.ndarray], np.ndarray | None]  # None drops the record
 
 
-def rewrite(src: Path, dst: Path, fn: ArrayFn | None = None, evals: tuple[Eval, ...] | None = None,
-            build: dict | None = None, **manifest_fields) -> Path:
+def rewrite(
+    src: Path,
+    dst: Path,
+    fn: ArrayFn | None = None,
+    evals: tuple[Eval, ...] | None = None,
+    build: dict | None = None,
+    **manifest_fields,
+) -> Path:
     """Copy `src` to `dst`, passing every array through `fn`; `manifest_fields` replace the
     manifest's (e.g. `prompt_tokens`, `memory_ops`, `flow_notes`)."""
     with read_dump(src) as dump:
@@ -28,8 +34,15 @@ def rewrite(src: Path, dst: Path, fn: ArrayFn | None = None, evals: tuple[Eval, 
             a = np.ascontiguousarray(a, dtype=a.dtype)
             writer.add(replace(r, shape=a.shape, ne=tuple(reversed(a.shape)), dtype=str(a.dtype)), a)
         m = dump.manifest
-        return writer.close(replace(m, build=build if build is not None else m.build,
-                                    evals=evals if evals is not None else m.evals, records=(), **manifest_fields))
+        return writer.close(
+            replace(
+                m,
+                build=build if build is not None else m.build,
+                evals=evals if evals is not None else m.evals,
+                records=(),
+                **manifest_fields,
+            )
+        )
 
 
 def split_eval(src: Path, dst: Path, eval_index: int, at: int) -> Path:
@@ -41,9 +54,17 @@ def split_eval(src: Path, dst: Path, eval_index: int, at: int) -> Path:
             a = np.array(dump.array(r))
             for rec, part in _split_record(r, a, eval_index, at, m):
                 writer.add(rec, part)
-        return writer.close(Manifest(source=m.source, models=m.models, build=m.build,
-                                     evals=tuple(_split_evals(m.evals, eval_index, at)), records=(),
-                                     rounds=m.rounds, prompt_tokens=m.prompt_tokens))
+        return writer.close(
+            Manifest(
+                source=m.source,
+                models=m.models,
+                build=m.build,
+                evals=tuple(_split_evals(m.evals, eval_index, at)),
+                records=(),
+                rounds=m.rounds,
+                prompt_tokens=m.prompt_tokens,
+            )
+        )
 
 
 def _split_evals(evals: tuple[Eval, ...], eval_index: int, at: int) -> list[Eval]:
@@ -55,8 +76,16 @@ def _split_evals(evals: tuple[Eval, ...], eval_index: int, at: int) -> list[Eval
             out.append(replace(ev, eval=ev.eval + 1))
         else:
             for k, (lo, hi) in enumerate(((0, at), (at, ev.n_tokens))):
-                out.append(replace(ev, eval=ev.eval + k, n_tokens=hi - lo, positions=ev.positions[lo:hi],
-                                   token_ids=ev.token_ids[lo:hi], seq_ids=ev.seq_ids[lo:hi]))
+                out.append(
+                    replace(
+                        ev,
+                        eval=ev.eval + k,
+                        n_tokens=hi - lo,
+                        positions=ev.positions[lo:hi],
+                        token_ids=ev.token_ids[lo:hi],
+                        seq_ids=ev.seq_ids[lo:hi],
+                    )
+                )
     return out
 
 
@@ -75,5 +104,10 @@ def _split_record(r: Record, a: np.ndarray, eval_index: int, at: int, m: Manifes
 
 
 def _moved(r: Record, eval_index: int, a: np.ndarray) -> Record:
-    return replace(r, eval=eval_index, key=record_key(eval_index, r.role, r.name, r.occurrence),
-                   shape=a.shape, ne=tuple(reversed(a.shape)))
+    return replace(
+        r,
+        eval=eval_index,
+        key=record_key(eval_index, r.role, r.name, r.occurrence),
+        shape=a.shape,
+        ne=tuple(reversed(a.shape)),
+    )

@@ -31,7 +31,13 @@ def test_cuda_capture_matches_the_cpu_capture(fixture_models, captured, tmp_path
 
     llama_dir = _cuda_build()
     d = fixture_models("clean")
-    run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "cuda.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS,
-                  llama_dir=llama_dir)
+    run = capture(
+        d / "target.gguf",
+        d / "draft.gguf",
+        tmp_path / "cuda.npz",
+        tokens=DEFAULT_TOKENS,
+        rounds=DEFAULT_ROUNDS,
+        llama_dir=llama_dir,
+    )
     comparison = compare_dumps(captured("clean"), run, None)
     assert comparison.ok, [f.message for f in comparison.findings]

@@ -53,7 +53,7 @@ def test_feature_slot_k_is_bitwise_the_input_of_target_layer_k(captured, variant
             for k, layer in enumerate(layers):
                 tapped = _layer_input(dump, source.eval, layer)
                 for row in range(ev.n_tokens):
-                    assert np.array_equal(feats[row, k * n_embd:(k + 1) * n_embd], tapped[row]), (ev.eval, k, row)
+                    assert np.array_equal(feats[row, k * n_embd : (k + 1) * n_embd], tapped[row]), (ev.eval, k, row)
 
 
 def test_injected_kv_has_one_row_per_context_token(captured):
@@ -95,8 +95,10 @@ def test_flow_follows_upstream_positions_and_rounds(captured):
 
 def test_capture_record_list_matches_golden(captured):
     with read_dump(captured("clean")) as dump:
-        got = [json.dumps([r.eval, r.role, r.phase, r.name, r.occurrence, list(r.shape), r.dtype])
-               for r in dump.manifest.records]
+        got = [
+            json.dumps([r.eval, r.role, r.phase, r.name, r.occurrence, list(r.shape), r.dtype])
+            for r in dump.manifest.records
+        ]
     if os.environ.get("FEATDIFF_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text("\n".join(got) + "\n")
@@ -121,8 +123,10 @@ def _long_capture_under_way(d: Path, out: Path) -> subprocess.Popen:
     """A long capture (900 rounds: within the fixture's trained context) in a child process, returned
     once its spool holds 200 kB."""
     index = out.with_name(out.name + ".spool.index")
-    code = ("from featdiff.llama.capture import capture; "
-            f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=900, filters=['*'])")
+    code = (
+        "from featdiff.llama.capture import capture; "
+        f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=900, filters=['*'])"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
@@ -169,14 +173,21 @@ def test_interrupted_capture_still_writes_a_readable_dump(fixture_models, tmp_pa
 
 # --- the block length follows --draft-max, as llama.cpp's --spec-draft-n-max ------------------
 
+
 @pytest.fixture(scope="module")
 def run_draft_max_2(fixture_models, tmp_path_factory) -> Path:
     """A capture of the clean pair with 2 drafts per block: 3-row draft blocks."""
     from featdiff.llama.capture import capture
 
     d = fixture_models("clean")
-    return capture(d / "target.gguf", d / "draft.gguf", tmp_path_factory.mktemp("draft-max-2") / "run.npz",
-                   tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS, draft_max=2)
+    return capture(
+        d / "target.gguf",
+        d / "draft.gguf",
+        tmp_path_factory.mktemp("draft-max-2") / "run.npz",
+        tokens=DEFAULT_TOKENS,
+        rounds=DEFAULT_ROUNDS,
+        draft_max=2,
+    )
 
 
 def test_draft_max_sets_the_block_to_the_anchor_and_n_masks(run_draft_max_2):
@@ -195,7 +206,9 @@ def test_draft_max_beyond_the_block_size_is_clamped_with_a_warning(fixture_model
 
     d = fixture_models("clean")
     with caplog.at_level("WARNING", logger="featdiff"):
-        out = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens="1,2,3,4", rounds=1, draft_max=9)
+        out = capture(
+            d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens="1,2,3,4", rounds=1, draft_max=9
+        )
     assert "--draft-max 9 exceeds the trained block size (dflash.block_size = 4); clamping to 3" in caplog.text
     with read_dump(out) as dump:
         assert dump.manifest.build["draft_max"] == pairs.BLOCK_SIZE - 1
@@ -209,9 +222,24 @@ def test_reference_of_the_runs_block_length_compares_clean(run_draft_max_2, fixt
     from featdiff.compare import compare_dumps, exit_code
 
     d, ref = fixture_models("clean"), tmp_path / "ref.npz"
-    result = CliRunner().invoke(app, ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft-hf"),
-                                      "--tokens", DEFAULT_TOKENS, "--rounds", str(DEFAULT_ROUNDS),
-                                      "--run", str(run_draft_max_2), "-o", str(ref)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "reference",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft-hf"),
+            "--tokens",
+            DEFAULT_TOKENS,
+            "--rounds",
+            str(DEFAULT_ROUNDS),
+            "--run",
+            str(run_draft_max_2),
+            "-o",
+            str(ref),
+        ],
+    )
     assert result.exit_code == 0, result.output
     with read_dump(ref) as dump:
         assert dump.manifest.build["block_rows"] == 3
@@ -236,7 +264,9 @@ def _rewritten(src: Path, dst: Path, **edits) -> Path:
     """tests/reference/conftest.py's GGUF rewriter (a crafted broken drafter)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("reference_conftest", Path(__file__).parents[1] / "reference" / "conftest.py")
+    spec = importlib.util.spec_from_file_location(
+        "reference_conftest", Path(__file__).parents[1] / "reference" / "conftest.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.rewrite_gguf(src, dst, **edits)
@@ -252,12 +282,17 @@ def test_a_pair_llama_cpp_would_misrun_is_refused_before_it_loads(fixture_models
     from featdiff.cli import app
 
     d = fixture_models("clean")
-    edits = ({"set_keys": {"tokenizer.ggml.mask_token_id": (100000, GGUFValueType.UINT32)}} if what == "mask"
-             else {"replace_tensors": {"fc.weight": np.ones((64, 192), np.float32)}})
+    edits = (
+        {"set_keys": {"tokenizer.ggml.mask_token_id": (100000, GGUFValueType.UINT32)}}
+        if what == "mask"
+        else {"replace_tensors": {"fc.weight": np.ones((64, 192), np.float32)}}
+    )
     broken = _rewritten(d / "draft.gguf", tmp_path / "D.gguf", **edits)
     out = tmp_path / "run.npz"
-    result = CliRunner().invoke(app, ["capture", "--target", str(d / "target.gguf"), "--model", str(broken),
-                                      "--tokens", "1,2,3,4", "-o", str(out)])
+    result = CliRunner().invoke(
+        app,
+        ["capture", "--target", str(d / "target.gguf"), "--model", str(broken), "--tokens", "1,2,3,4", "-o", str(out)],
+    )
     assert result.exit_code == 2, result.output
     assert f"{broken}: " in result.output and ("mask_token_id" if what == "mask" else "fc.weight") in result.output
     assert not out.exists() and not list(tmp_path.glob("run.npz.spool*"))

@@ -56,7 +56,8 @@ def planted(tmp_path_factory, fixture_models, tools):  # noqa: F811
             with _fault(fault):
                 try:
                     made[(program, fault)] = exec_capture.capture_exec(
-                        _command(tools, program, fixture_models(VARIANT)), out, tokens=tokens, timeout_s=RUN_TIMEOUT_S)
+                        _command(tools, program, fixture_models(VARIANT)), out, tokens=tokens, timeout_s=RUN_TIMEOUT_S
+                    )
                 except InputError as e:  # llama.cpp refused a batch and the program failed: the dump is the evidence
                     assert fault in FAILS_THE_PROGRAM and "holds what it decoded" in str(e) and out.is_file(), e
                     made[(program, fault)] = out
@@ -132,8 +133,11 @@ NAMED = {
     "npast-drift": ("llama-speculative-simple", "position_offset", {"offset": 1, "phase": "verify", "round": 2}),
     "layer-major": ("llama-speculative-simple", "layout_transpose", {"tensor": "inp_target_features"}),
     "slots-reversed": ("llama-speculative-simple", "slot_permutation", {"permutation": [1, 0]}),
-    "layers-plus1": ("llama-speculative-simple", "layer_offset",
-                     {"slot": 0, "expected_layer": 2, "observed_layer": 3, "delta": 1}),
+    "layers-plus1": (
+        "llama-speculative-simple",
+        "layer_offset",
+        {"slot": 0, "expected_layer": 2, "observed_layer": 3, "delta": 1},
+    ),
     "no-inject": ("llama-speculative-simple", "not_conditioned", {"detail": "no inject eval"}),
 }
 
@@ -151,7 +155,7 @@ def test_rows_injected_twice_are_duplicate_rows(planted, user_reference):
     comparison, found = _findings(planted, user_reference, "llama-speculative-simple", "inject-twice")
     prefill = _prefill_positions(planted)
     assert _first_error(comparison) == "duplicate_rows"
-    assert found["duplicate_rows"]["rows"][:len(prefill)] == prefill
+    assert found["duplicate_rows"]["rows"][: len(prefill)] == prefill
     assert exit_code(comparison) == 1
 
 
@@ -163,7 +167,7 @@ def test_rejected_rows_left_in_the_draft_cache_are_stale(planted, user_reference
     with read_dump(planted(program, "keep-rejected")) as dump:
         first = next(r for r in dump.manifest.rounds if r.accepted < len(r.drafts))
     left = list(range(first.pos0 + first.accepted + 1, first.pos0 + len(first.drafts) + 1))
-    assert f["rows"][:len(left)] == left
+    assert f["rows"][: len(left)] == left
     assert exit_code(comparison) == 1
 
 

@@ -38,11 +38,27 @@ def dspark_run(tmp_path_factory, fixture_models):
     def get(variant: str, p_min: float = 0.0) -> tuple[Path, Path]:
         if (variant, p_min) not in made:
             d, out = fixture_models(variant), tmp_path_factory.mktemp(f"dspark-{variant}")
-            run = capture(d / "target.gguf", d / "draft.gguf", out / "run.npz", tokens=DEFAULT_TOKENS,
-                          rounds=DEFAULT_ROUNDS, p_min=p_min)
-            ref = reference(d / "target.gguf", d / "draft-hf", out / "ref.npz", prompt=None, tokens=DEFAULT_TOKENS,
-                            rounds=DEFAULT_ROUNDS, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None,
-                            run=run)
+            run = capture(
+                d / "target.gguf",
+                d / "draft.gguf",
+                out / "run.npz",
+                tokens=DEFAULT_TOKENS,
+                rounds=DEFAULT_ROUNDS,
+                p_min=p_min,
+            )
+            ref = reference(
+                d / "target.gguf",
+                d / "draft-hf",
+                out / "ref.npz",
+                prompt=None,
+                tokens=DEFAULT_TOKENS,
+                rounds=DEFAULT_ROUNDS,
+                dtype="float32",
+                device="cpu",
+                kv_dtype="f16",
+                llama_dir=None,
+                run=run,
+            )
             made[(variant, p_min)] = (run, ref)
         return made[(variant, p_min)]
 
@@ -96,8 +112,11 @@ def test_an_export_that_lost_its_markov_head_is_a_missing_term(dspark_run):
     run, ref = dspark_run("dspark-lost-markov")
     comparison = compare_dumps(ref, run)
     first = next(f for f in comparison.findings if f.severity == "error")
-    assert (first.kind, first.tensor, first.fields["term"]) == ("missing_term", names.DRAFT_LOGITS,
-                                                                 names.DSPARK_MARKOV_BIAS)
+    assert (first.kind, first.tensor, first.fields["term"]) == (
+        "missing_term",
+        names.DRAFT_LOGITS,
+        names.DSPARK_MARKOV_BIAS,
+    )
     assert "plain DFlash" in first.message and exit_code(comparison) == 1
 
 
@@ -120,8 +139,19 @@ def test_dspark_drafter_around_llama_server_compares_clean(fixture_models, tools
         m = dump.manifest
         tokens = ",".join(map(str, m.prompt_tokens))
         rounds = sum(1 for r in m.rounds if r.drafts)
-    ref = reference(d / "target-hf", d / "draft-hf", tmp_path / "ref.npz", prompt=None, tokens=tokens, rounds=rounds,
-                    dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run)
+    ref = reference(
+        d / "target-hf",
+        d / "draft-hf",
+        tmp_path / "ref.npz",
+        prompt=None,
+        tokens=tokens,
+        rounds=rounds,
+        dtype="float32",
+        device="cpu",
+        kv_dtype="f16",
+        llama_dir=None,
+        run=run,
+    )
     comparison = compare_dumps(ref, run)
     _assert_clean_with_sampled_logits(comparison, conf=False)  # the server's confidences are not read back
 
@@ -131,10 +161,21 @@ def test_trained_dspark_accepts_at_least_two_per_block_as_the_reference_does(fix
     """The trained anchor-first DSpark pair through the real spec loop (in-process draft-dspark, and
     llama-server --spec-type draft-dspark): >= 2 tokens per block, round by round the reference's figure."""
     d = fixture_models("trained-dspark")
-    command = ([str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"),
-                *SERVER_ARGS] if through_server else None)
-    result = probe(d / "target.gguf", d / "draft.gguf", prompts=d / fixtures.PROMPTS_FILE, rounds=PROBE_ROUNDS,
-                   ref_model=d / "draft-hf", command=command)
+    command = (
+        [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SERVER_ARGS]
+        if through_server
+        else None
+    )
+    result = probe(
+        d / "target.gguf",
+        d / "draft.gguf",
+        prompts=d / fixtures.PROMPTS_FILE,
+        rounds=PROBE_ROUNDS,
+        ref_model=d / "draft-hf",
+        command=command,
+    )
     assert result.run.mean_accepted_length >= MIN_TRAINED_ACCEPT, result.run
-    assert not result.has_gap and result.run.mean_accepted_length == result.ref.mean_accepted_length, (result.run,
-                                                                                                       result.ref)
+    assert not result.has_gap and result.run.mean_accepted_length == result.ref.mean_accepted_length, (
+        result.run,
+        result.ref,
+    )

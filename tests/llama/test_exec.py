@@ -52,7 +52,8 @@ def exec_captured(tmp_path_factory, fixture_models, tools):
             out = tmp_path_factory.mktemp(f"exec-{program}-{variant}") / "run.npz"
             tokens = TOKENS if program == "llama-server" else None
             made[(program, variant)] = exec_capture.capture_exec(
-                _command(tools, program, fixture_models(variant)), out, tokens=tokens, timeout_s=RUN_TIMEOUT_S)
+                _command(tools, program, fixture_models(variant)), out, tokens=tokens, timeout_s=RUN_TIMEOUT_S
+            )
         return made[(program, variant)]
 
     return get
@@ -77,6 +78,7 @@ def _real_evals(dump):
 
 
 # ---------------------------------------------------------------- the flow, as the programs ran it
+
 
 @pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
 def test_capture_holds_both_models_in_the_flow_phases(exec_captured, program):
@@ -129,6 +131,7 @@ def test_warmup_and_probe_decodes_are_kept_apart(exec_captured):
 
 # ---------------------------------------------------------------- compare reads these dumps
 
+
 def test_speculative_simple_capture_compares_clean_against_the_reference(exec_captured, reference_for):
     from featdiff.compare import compare_dumps
 
@@ -158,6 +161,7 @@ def test_layers_off_by_one_around_llama_server_is_a_layer_offset(exec_captured, 
 
 
 # ---------------------------------------------------------------- the program is left alone
+
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, timeout=RUN_TIMEOUT_S)
@@ -193,29 +197,44 @@ def test_preload_library_is_compiled_once_and_links_no_llama():
 
 # ---------------------------------------------------------------- phases from the preload's notes
 
+
 def _log(evals: list[tuple[int, list[int], list[int]]], clears=(), rc=None) -> ExecLog:
     """A synthetic preload log: evals as (ctx, token_ids, positions); ctx 0 target, 1 draft."""
     ctxs = (ExecContext(0, "target", "qwen3", "T.gguf", True), ExecContext(1, "draft", "dflash", "D.gguf", True))
     rcs = rc or {}
-    evs = tuple(ExecEval(i, c, tuple(t), tuple(p), (0,) * len(p), (1,) * len(p), rcs.get(i, 0))
-                for i, (c, t, p) in enumerate(evals))
+    evs = tuple(
+        ExecEval(i, c, tuple(t), tuple(p), (0,) * len(p), (1,) * len(p), rcs.get(i, 0))
+        for i, (c, t, p) in enumerate(evals)
+    )
     return ExecLog("libllama.so", ctxs, evs, tuple(clears), (), 0)
 
 
 def test_phases_follow_the_flow_and_warmups_are_set_apart():
     e = -1  # an embedding row
-    log = _log([(0, [1], [0]),                      # warm-up, cleared below
-                (0, [5, 6, 7], [0, 1, 2]),          # prefill
-                (1, [e, e, e], [0, 1, 2]),          # inject
-                (1, [8, 9, 9, 9], [3, 4, 5, 6]),    # draft
-                (0, [8, 11, 12, 13], [3, 4, 5, 6]), # verify
-                (1, [e, e, e, e], [3, 4, 5, 6]),    # inject
-                (0, [14], [4]),                     # verify of no drafts (no budget left to draft)
-                (0, [2, 3], [0, 1])],               # a new request: prefill
-               clears=[(0, 0)])
+    log = _log(
+        [
+            (0, [1], [0]),  # warm-up, cleared below
+            (0, [5, 6, 7], [0, 1, 2]),  # prefill
+            (1, [e, e, e], [0, 1, 2]),  # inject
+            (1, [8, 9, 9, 9], [3, 4, 5, 6]),  # draft
+            (0, [8, 11, 12, 13], [3, 4, 5, 6]),  # verify
+            (1, [e, e, e, e], [3, 4, 5, 6]),  # inject
+            (0, [14], [4]),  # verify of no drafts (no budget left to draft)
+            (0, [2, 3], [0, 1]),
+        ],  # a new request: prefill
+        clears=[(0, 0)],
+    )
     got = [(ev.phase, ev.round) for ev in flow_evals(log)]
-    assert got == [("warmup", 0), ("prefill", 0), ("inject", 0), ("draft", 1), ("verify", 1), ("inject", 1),
-                   ("verify", 2), ("prefill", 2)]
+    assert got == [
+        ("warmup", 0),
+        ("prefill", 0),
+        ("inject", 0),
+        ("draft", 1),
+        ("verify", 1),
+        ("inject", 1),
+        ("verify", 2),
+        ("prefill", 2),
+    ]
     assert prompt_from_evals(flow_evals(log)) == (5, 6, 7, 8)
 
 
@@ -225,6 +244,7 @@ def test_a_failed_decode_is_not_part_of_the_flow():
 
 
 # ---------------------------------------------------------------- the command line
+
 
 def test_capture_exec_without_a_command_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["capture", "--exec", "-o", str(tmp_path / "r.npz")])
@@ -253,15 +273,19 @@ def test_flow_notes_name_refused_decodes_and_n_past_drift_but_not_a_new_prompt()
     from featdiff.llama.exec import derive_rounds, flow_notes
 
     e = -1  # an embedding row
-    log = _log([(0, [5, 6, 7], [0, 1, 2]),          # prefill
-                (1, [e, e, e], [0, 1, 2]),          # inject
-                (1, [8, 9, 9, 9], [3, 4, 5, 6]),    # draft
-                (0, [8, 11, 12, 13], [3, 4, 5, 6]), # verify: the target takes none of the drafts
-                (1, [e, e, e, e], [3, 4, 5, 6]),    # inject
-                (1, [20, 9, 9, 9], [5, 6, 7, 8]),   # draft, refused below
-                (0, [20], [5]),                     # verify at 5 = 3 + 1 + 1: n_past one too far
-                (0, [2, 3], [0, 1])],               # a new prompt
-               rc={5: -1})
+    log = _log(
+        [
+            (0, [5, 6, 7], [0, 1, 2]),  # prefill
+            (1, [e, e, e], [0, 1, 2]),  # inject
+            (1, [8, 9, 9, 9], [3, 4, 5, 6]),  # draft
+            (0, [8, 11, 12, 13], [3, 4, 5, 6]),  # verify: the target takes none of the drafts
+            (1, [e, e, e, e], [3, 4, 5, 6]),  # inject
+            (1, [20, 9, 9, 9], [5, 6, 7, 8]),  # draft, refused below
+            (0, [20], [5]),  # verify at 5 = 3 + 1 + 1: n_past one too far
+            (0, [2, 3], [0, 1]),
+        ],  # a new prompt
+        rc={5: -1},
+    )
     evals = flow_evals(log)
     greedy = {3: (30, 31, 32, 33)}  # the verify's argmax rows: no draft matches
     notes = flow_notes(evals, derive_rounds(evals, greedy), greedy)

@@ -41,9 +41,24 @@ def patched_dir(tools):  # noqa: F811
 def _capture(d: Path, out: Path, tokens: str, llama_dir: Path, fault: str | None = None) -> Path:
     """`featdiff capture --llama-dir` in its own process, as a user runs it: one process holds one
     libllama (the suite's own process has loaded the pinned one already). `fault`: FEATDIFF_FAULT."""
-    cmd = [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(d / "target.gguf"),
-           "--model", str(d / "draft.gguf"), "--tokens", tokens, "--rounds", str(DEFAULT_ROUNDS),
-           "--llama-dir", str(llama_dir), "-o", str(out)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from featdiff.cli import main; main()",
+        "capture",
+        "--target",
+        str(d / "target.gguf"),
+        "--model",
+        str(d / "draft.gguf"),
+        "--tokens",
+        tokens,
+        "--rounds",
+        str(DEFAULT_ROUNDS),
+        "--llama-dir",
+        str(llama_dir),
+        "-o",
+        str(out),
+    ]
     env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | ({FAULT_VAR: fault} if fault else {})
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr
@@ -74,8 +89,9 @@ def test_log_snr_drafter_captured_in_process_compares_clean(fixture_models, refe
 
 def test_log_snr_drafter_around_llama_server_compares_clean(fixture_models, referenced, tools, tmp_path):  # noqa: F811
     d = fixture_models("log-snr")
-    run = exec_capture.capture_exec(_command(tools, "llama-server", d), tmp_path / "run.npz", tokens=TOKENS,
-                                    timeout_s=RUN_TIMEOUT_S)
+    run = exec_capture.capture_exec(
+        _command(tools, "llama-server", d), tmp_path / "run.npz", tokens=TOKENS, timeout_s=RUN_TIMEOUT_S
+    )
     with read_dump(run) as dump:
         m = dump.manifest
         tokens = ",".join(map(str, m.prompt_tokens))
@@ -91,7 +107,8 @@ def test_trained_log_snr_drafter_captured_in_process_compares_clean(fixture_mode
 
 
 def test_an_export_without_the_log_snr_term_is_a_missing_term_on_the_patched_build(
-        fixture_models, referenced, patched_dir, tmp_path):
+    fixture_models, referenced, patched_dir, tmp_path
+):
     d = fixture_models("no-log-snr")
     run = _capture(d, tmp_path / "run.npz", DEFAULT_TOKENS, patched_dir)
     comparison = compare_dumps(referenced("no-log-snr"), run)
@@ -109,14 +126,18 @@ def test_log_snr_levels_swapped_in_the_graph_are_a_wrong_source(fixture_models, 
     assert "anchor row at min_log_snr" in first.message and exit_code(comparison) == 1
 
 
-def test_the_log_snr_term_added_after_the_first_norm_is_a_wrong_source(fixture_models, referenced, patched_dir,
-                                                                        tmp_path):
+def test_the_log_snr_term_added_after_the_first_norm_is_a_wrong_source(
+    fixture_models, referenced, patched_dir, tmp_path
+):
     d = fixture_models("log-snr")
     run = _capture(d, tmp_path / "run.npz", DEFAULT_TOKENS, patched_dir, fault="log-snr-after-norm")
     comparison = compare_dumps(referenced("log-snr"), run)
     first = next(f for f in comparison.findings if f.severity == "error")
-    assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", names.DSPARK_DRAFT_EMBD_SNR,
-                                                                   "after_norm")
+    assert (first.kind, first.tensor, first.fields["source"]) == (
+        "wrong_source",
+        names.DSPARK_DRAFT_EMBD_SNR,
+        "after_norm",
+    )
     assert "before the first layer" in first.message and exit_code(comparison) == 1
 
 
@@ -128,9 +149,14 @@ def server_probed(fixture_models, tools):  # noqa: F811
     def get(variant: str):
         if variant not in made:
             d = fixture_models(variant)
-            made[variant] = probe(d / "target.gguf", d / "draft.gguf", prompts=d / fixtures.PROMPTS_FILE,
-                                  rounds=PROBE_ROUNDS, ref_model=d / "draft-hf",
-                                  command=_command(tools, "llama-server", d))
+            made[variant] = probe(
+                d / "target.gguf",
+                d / "draft.gguf",
+                prompts=d / fixtures.PROMPTS_FILE,
+                rounds=PROBE_ROUNDS,
+                ref_model=d / "draft-hf",
+                command=_command(tools, "llama-server", d),
+            )
         return made[variant]
 
     return get
@@ -138,6 +164,8 @@ def server_probed(fixture_models, tools):  # noqa: F811
 
 def test_trained_log_snr_drafter_accepts_clearly_more_with_its_conditioning(server_probed):
     conditioned, stripped = server_probed("trained-log-snr"), server_probed("trained-no-log-snr")
-    assert conditioned.run.mean_accepted_length >= stripped.run.mean_accepted_length + CONDITIONING_GAIN, \
-        (conditioned.run, stripped.run)
+    assert conditioned.run.mean_accepted_length >= stripped.run.mean_accepted_length + CONDITIONING_GAIN, (
+        conditioned.run,
+        stripped.run,
+    )
     assert not conditioned.has_gap and stripped.has_gap

@@ -53,10 +53,15 @@ def test_a_patch_that_does_not_apply_is_refused_naming_it(tmp_path):
 
 
 def test_the_project_patches_name_the_files_they_change():
-    assert [p.name for p in patch_files()] == ["0001-dflash-log-snr.patch", "0002-driver-faults.patch",
-                                              "0003-log-snr-faults.patch"]
+    assert [p.name for p in patch_files()] == [
+        "0001-dflash-log-snr.patch",
+        "0002-driver-faults.patch",
+        "0003-log-snr-faults.patch",
+    ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
-    assert touched["0001-dflash-log-snr.patch"] and all(f.startswith("src/") for f in touched["0001-dflash-log-snr.patch"])
+    assert touched["0001-dflash-log-snr.patch"] and all(
+        f.startswith("src/") for f in touched["0001-dflash-log-snr.patch"]
+    )
     assert "common/speculative.cpp" in touched["0002-driver-faults.patch"]
     assert not touched["0001-dflash-log-snr.patch"] & touched["0002-driver-faults.patch"]

@@ -28,10 +28,15 @@ def ref_dump(referenced):
     return functools.partial(referenced, model="draft.gguf", tokens=PROMPT, rounds=ROUNDS)
 
 
-def rewrite_gguf(src: Path, dst: Path, *, drop_keys: tuple[str, ...] = (),
-                 set_keys: dict[str, tuple[Any, GGUFValueType]] | None = None,
-                 drop_tensors: tuple[str, ...] = (),
-                 replace_tensors: dict[str, np.ndarray] | None = None) -> Path:
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    drop_keys: tuple[str, ...] = (),
+    set_keys: dict[str, tuple[Any, GGUFValueType]] | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    replace_tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Copy a GGUF with keys/tensors dropped, set or replaced: crafted broken inputs."""
     reader = GGUFReader(str(src))
     arch = reader.fields[names.KEY_ARCH].contents()

@@ -14,15 +14,19 @@ N_VOCAB, RANK, N_EMBD = 6, 2, 3
 
 def _dspark(anchor_first: bool = True, conf: bool = True, scale: float | None = None) -> DSpark:
     w1 = torch.zeros(N_VOCAB, RANK)
-    w1[0] = torch.tensor([1.0, 0.0])   # after token 0: push token 3
-    w1[3] = torch.tensor([0.0, 1.0])   # after token 3: push token 5
+    w1[0] = torch.tensor([1.0, 0.0])  # after token 0: push token 3
+    w1[3] = torch.tensor([0.0, 1.0])  # after token 3: push token 5
     w2 = torch.zeros(N_VOCAB, RANK)
     w2[3, 0] = 10.0
     w2[5, 1] = 10.0
-    return DSpark(markov_w1=w1, markov_w2=w2,
-                  markov_w2_scale=torch.tensor([scale]) if scale is not None else None,
-                  conf_w=torch.ones(1, N_EMBD + RANK) if conf else None,
-                  conf_b=torch.tensor([-1.0]) if conf else None, sample_from_anchor=anchor_first)
+    return DSpark(
+        markov_w1=w1,
+        markov_w2=w2,
+        markov_w2_scale=torch.tensor([scale]) if scale is not None else None,
+        conf_w=torch.ones(1, N_EMBD + RANK) if conf else None,
+        conf_b=torch.tensor([-1.0]) if conf else None,
+        sample_from_anchor=anchor_first,
+    )
 
 
 def test_anchor_first_chains_from_the_anchor_over_every_row():
@@ -44,8 +48,9 @@ def test_bonus_anchor_leaves_row_0_unbiased_and_chains_from_row_1():
 
 def test_scale_multiplies_the_bias_and_d2t_scatters_it():
     d2t = torch.tensor([4, 2, 0, 5, 1, 3])  # draft row j -> target id d2t[j]
-    out = heads(_dspark(scale=0.5), torch.zeros(1, N_VOCAB), torch.zeros(1, N_EMBD), anchor=0, d2t=d2t,
-                anchor_first=True)
+    out = heads(
+        _dspark(scale=0.5), torch.zeros(1, N_VOCAB), torch.zeros(1, N_EMBD), anchor=0, d2t=d2t, anchor_first=True
+    )
     assert out.bias[0, 5] == 5.0 and int(out.logits[0].argmax()) == 5  # draft row 3 lands on target id 5
 
 

@@ -77,18 +77,36 @@ def test_fault_exports_load_as_the_run_sees_them(variant_dir):
 
 REFUSED = {
     # name: (variant, rewrite arguments, expected text)
-    "w1-without-w2": ("dspark", {"drop_tensors": (names.T_MARKOV_W2,)},
-                      "carries markov_w1.weight but no markov_w2.weight; llama.cpp refuses"),
-    "w2-without-w1": ("dspark-no-conf", {"drop_tensors": (names.T_MARKOV_W1,)},
-                      "carries markov_w2.weight but no markov_w1.weight, so llama.cpp leaves them unused"),
-    "conf-without-markov": ("dspark", {"drop_tensors": (names.T_MARKOV_W1, names.T_MARKOV_W2, names.T_MARKOV_W2_SCALE)},
-                            "carries conf_proj.weight, conf_proj.bias but no markov_w1.weight"),
-    "conf-width": ("dspark", {"replace_tensors": {names.T_CONF_PROJ_W: np.zeros((1, N_EMBD), np.float32)}},
-                   f"conf_proj.weight has shape [1, {N_EMBD}], expected [1, {N_EMBD + MARKOV_RANK}]"),
-    "d2t-int32": ("dspark-d2t", {"replace_tensors": {names.T_D2T: np.arange(TINY.n_vocab // 2, dtype=np.int32)}},
-                  "d2t is stored as int32, llama.cpp reads int64"),
-    "d2t-out-of-range": ("dspark-d2t", {"replace_tensors": {names.T_D2T: np.arange(TINY.n_vocab // 2) + TINY.n_vocab}},
-                         "d2t holds ids 512..767 outside the vocabulary of 512 tokens"),
+    "w1-without-w2": (
+        "dspark",
+        {"drop_tensors": (names.T_MARKOV_W2,)},
+        "carries markov_w1.weight but no markov_w2.weight; llama.cpp refuses",
+    ),
+    "w2-without-w1": (
+        "dspark-no-conf",
+        {"drop_tensors": (names.T_MARKOV_W1,)},
+        "carries markov_w2.weight but no markov_w1.weight, so llama.cpp leaves them unused",
+    ),
+    "conf-without-markov": (
+        "dspark",
+        {"drop_tensors": (names.T_MARKOV_W1, names.T_MARKOV_W2, names.T_MARKOV_W2_SCALE)},
+        "carries conf_proj.weight, conf_proj.bias but no markov_w1.weight",
+    ),
+    "conf-width": (
+        "dspark",
+        {"replace_tensors": {names.T_CONF_PROJ_W: np.zeros((1, N_EMBD), np.float32)}},
+        f"conf_proj.weight has shape [1, {N_EMBD}], expected [1, {N_EMBD + MARKOV_RANK}]",
+    ),
+    "d2t-int32": (
+        "dspark-d2t",
+        {"replace_tensors": {names.T_D2T: np.arange(TINY.n_vocab // 2, dtype=np.int32)}},
+        "d2t is stored as int32, llama.cpp reads int64",
+    ),
+    "d2t-out-of-range": (
+        "dspark-d2t",
+        {"replace_tensors": {names.T_D2T: np.arange(TINY.n_vocab // 2) + TINY.n_vocab}},
+        "d2t holds ids 512..767 outside the vocabulary of 512 tokens",
+    ),
 }
 
 
@@ -129,8 +147,11 @@ def test_hf_reduced_vocabulary_without_d2t_is_refused(variant_dir, tmp_path):
 
 
 def test_causal_key_and_config_load_as_causal(variant_dir, edit_gguf, tmp_path):
-    gguf = edit_gguf(variant_dir("dspark") / "draft.gguf", tmp_path / "D.gguf",
-                     set_keys={names.KEY_CAUSAL: (True, GGUFValueType.BOOL)})
+    gguf = edit_gguf(
+        variant_dir("dspark") / "draft.gguf",
+        tmp_path / "D.gguf",
+        set_keys={names.KEY_CAUSAL: (True, GGUFValueType.BOOL)},
+    )
     hf = _hf_copy(variant_dir, tmp_path, config={names.HF_IS_CAUSAL: True})
     assert _load(gguf).causal is _load(hf).causal is True
     assert models_entry(_load(gguf))["dspark"]["causal"] is True
@@ -152,18 +173,28 @@ def test_lint_says_the_export_lost_its_markov_head(variant_dir):
     assert result.exit_code == 1 and "lost its Markov head" in result.output
 
 
-
-
 def test_fixture_command_writes_a_dspark_pair(tmp_path):
     out = tmp_path / "fx"
     result = CliRunner().invoke(app, ["fixture", str(out), "--variant", "dspark"])
     assert result.exit_code == 0, result.output
-    for f in ("target.gguf", "draft.gguf", "VARIANT", "target-hf/config.json", "target-hf/model.safetensors",
-              "draft-hf/config.json", "draft-hf/model.safetensors"):
+    for f in (
+        "target.gguf",
+        "draft.gguf",
+        "VARIANT",
+        "target-hf/config.json",
+        "target-hf/model.safetensors",
+        "draft-hf/config.json",
+        "draft-hf/model.safetensors",
+    ):
         assert (out / f).is_file(), f
     reader = GGUFReader(str(out / "draft.gguf"))
-    assert {t.name for t in reader.tensors} >= {names.T_MARKOV_W1, names.T_MARKOV_W2, names.T_MARKOV_W2_SCALE,
-                                               names.T_CONF_PROJ_W, names.T_CONF_PROJ_B}
+    assert {t.name for t in reader.tensors} >= {
+        names.T_MARKOV_W1,
+        names.T_MARKOV_W2,
+        names.T_MARKOV_W2_SCALE,
+        names.T_CONF_PROJ_W,
+        names.T_CONF_PROJ_B,
+    }
     assert reader.fields[names.KEY_SAMPLE_FROM_ANCHOR].contents() is True
     assert reader.fields[names.KEY_HAS_CONFIDENCE_HEAD].contents() is True
     config = json.loads((out / "draft-hf" / names.HF_CONFIG).read_text())
@@ -173,8 +204,14 @@ def test_fixture_command_writes_a_dspark_pair(tmp_path):
 @pytest.mark.parametrize("variant", sorted(DSPARK_VARIANTS))
 def test_models_entry_carries_the_same_dspark_dict_from_gguf_and_hf(variant, variant_dir):
     anchor_first, conf, _, n_vocab_draft = DSPARK_VARIANTS[variant]
-    expected = {"markov": True, "rank": MARKOV_RANK, "confidence_head": conf, "sample_from_anchor": anchor_first,
-                "causal": False, "n_vocab_draft": n_vocab_draft}
+    expected = {
+        "markov": True,
+        "rank": MARKOV_RANK,
+        "confidence_head": conf,
+        "sample_from_anchor": anchor_first,
+        "causal": False,
+        "n_vocab_draft": n_vocab_draft,
+    }
     d = variant_dir(variant)
     assert models_entry(_load(d / "draft.gguf"))["dspark"] == expected
     assert models_entry(_load(d / "draft-hf"))["dspark"] == expected

@@ -17,39 +17,82 @@ RNG = np.random.default_rng(0)
 
 BROKEN = {
     # name: (source variant, rewrite arguments, expected text of the problem line)
-    "id-out-of-range": ("clean", {"set_keys": {names.KEY_TARGET_LAYERS: ([2, 6], GGUFValueType.ARRAY)}},
-                        "dflash.target_layers = [2, 6] but the target has 6 layers; ids must be < n_layer"),
-    "fc-width": ("clean", {"replace_tensors": {names.T_FC: RNG.standard_normal((64, 192)).astype(np.float32)}},
-                 "fc.weight takes 192 inputs but the features are n_extract 2 x target n_embd 64 = 128 wide"),
-    "no-mask-token": ("clean", {"drop_keys": (names.KEY_MASK_TOKEN,)},
-                      "tokenizer.ggml.mask_token_id is missing"),
-    "log-snr-flag-only": ("log-snr", {"drop_tensors": names.LOG_SNR_TENSORS},
-                          "dflash.log_snr_conditioning = true but log_snr_fc1.weight"),
-    "log-snr-tensors-only": ("log-snr", {"drop_keys": (names.KEY_LOG_SNR,)},
-                             "but dflash.log_snr_conditioning is not set"),
-    "own-embd-vocab": ("own-embd", {"replace_tensors": {names.T_TOKEN_EMBD: RNG.standard_normal((500, 64)).astype(np.float32)}},
-                       "token_embd.weight ne = [64, 500], expected [n_embd, n_vocab] = [64, 512]"),
+    "id-out-of-range": (
+        "clean",
+        {"set_keys": {names.KEY_TARGET_LAYERS: ([2, 6], GGUFValueType.ARRAY)}},
+        "dflash.target_layers = [2, 6] but the target has 6 layers; ids must be < n_layer",
+    ),
+    "fc-width": (
+        "clean",
+        {"replace_tensors": {names.T_FC: RNG.standard_normal((64, 192)).astype(np.float32)}},
+        "fc.weight takes 192 inputs but the features are n_extract 2 x target n_embd 64 = 128 wide",
+    ),
+    "no-mask-token": ("clean", {"drop_keys": (names.KEY_MASK_TOKEN,)}, "tokenizer.ggml.mask_token_id is missing"),
+    "log-snr-flag-only": (
+        "log-snr",
+        {"drop_tensors": names.LOG_SNR_TENSORS},
+        "dflash.log_snr_conditioning = true but log_snr_fc1.weight",
+    ),
+    "log-snr-tensors-only": (
+        "log-snr",
+        {"drop_keys": (names.KEY_LOG_SNR,)},
+        "but dflash.log_snr_conditioning is not set",
+    ),
+    "own-embd-vocab": (
+        "own-embd",
+        {"replace_tensors": {names.T_TOKEN_EMBD: RNG.standard_normal((500, 64)).astype(np.float32)}},
+        "token_embd.weight ne = [64, 500], expected [n_embd, n_vocab] = [64, 512]",
+    ),
     "no-block-size": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,)}, "dflash.block_size is missing"),
-    "block-size-0": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,), "set_keys": {names.KEY_BLOCK_SIZE: (0, GGUFValueType.UINT32)}},
-                     "dflash.block_size = 0 leaves no row to draft"),
-    "block-size-past-ubatch": ("clean", {"drop_keys": (names.KEY_BLOCK_SIZE,),
-                                         "set_keys": {names.KEY_BLOCK_SIZE: (100000, GGUFValueType.UINT32)}},
-                               "dflash.block_size = 100000 is more rows than llama.cpp's draft batch holds in one ubatch"),
-    "dspark-no-block-size": ("dspark", {"drop_keys": (names.KEY_BLOCK_SIZE,)},
-                             "dflash.block_size is missing, which llama.cpp's DSpark Markov head asserts on"),
+    "block-size-0": (
+        "clean",
+        {"drop_keys": (names.KEY_BLOCK_SIZE,), "set_keys": {names.KEY_BLOCK_SIZE: (0, GGUFValueType.UINT32)}},
+        "dflash.block_size = 0 leaves no row to draft",
+    ),
+    "block-size-past-ubatch": (
+        "clean",
+        {"drop_keys": (names.KEY_BLOCK_SIZE,), "set_keys": {names.KEY_BLOCK_SIZE: (100000, GGUFValueType.UINT32)}},
+        "dflash.block_size = 100000 is more rows than llama.cpp's draft batch holds in one ubatch",
+    ),
+    "dspark-no-block-size": (
+        "dspark",
+        {"drop_keys": (names.KEY_BLOCK_SIZE,)},
+        "dflash.block_size is missing, which llama.cpp's DSpark Markov head asserts on",
+    ),
     # DSpark: the keys and tensors of the Markov and confidence heads (upstream src/models/dflash.cpp)
-    "conf-key-without-proj": ("dspark", {"drop_tensors": (names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)},
-                              "dflash.has_confidence_head = true but conf_proj.weight is missing"),
-    "proj-with-conf-key-false": ("dspark", {"drop_keys": (names.KEY_HAS_CONFIDENCE_HEAD,),
-                                            "set_keys": {names.KEY_HAS_CONFIDENCE_HEAD: (False, GGUFValueType.BOOL)}},
-                                 "dflash.has_confidence_head = false but conf_proj.weight is present"),
-    "no-anchor-key": ("dspark-bonus", {"drop_keys": (names.KEY_SAMPLE_FROM_ANCHOR,)},
-                      "dflash.sample_from_anchor is missing, so llama.cpp drafts anchor-first"),
-    "keys-without-markov": ("dspark-no-conf", {"drop_tensors": (names.T_MARKOV_W1, names.T_MARKOV_W2)},
-                            "are set but markov_w1.weight is missing, so llama.cpp runs it as plain DFlash"),
-    "w1-without-w2": ("dspark", {"drop_tensors": (names.T_MARKOV_W2,)}, "carries markov_w1.weight but no markov_w2.weight"),
-    "reduced-head-rows": ("dspark-d2t", {"replace_tensors": {names.T_OUTPUT: np.zeros((200, TINY.draft.n_embd), np.float32)}},
-                          "output.weight ne = [64, 200], expected [n_embd, n_vocab_draft] = [64, 256]"),
+    "conf-key-without-proj": (
+        "dspark",
+        {"drop_tensors": (names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)},
+        "dflash.has_confidence_head = true but conf_proj.weight is missing",
+    ),
+    "proj-with-conf-key-false": (
+        "dspark",
+        {
+            "drop_keys": (names.KEY_HAS_CONFIDENCE_HEAD,),
+            "set_keys": {names.KEY_HAS_CONFIDENCE_HEAD: (False, GGUFValueType.BOOL)},
+        },
+        "dflash.has_confidence_head = false but conf_proj.weight is present",
+    ),
+    "no-anchor-key": (
+        "dspark-bonus",
+        {"drop_keys": (names.KEY_SAMPLE_FROM_ANCHOR,)},
+        "dflash.sample_from_anchor is missing, so llama.cpp drafts anchor-first",
+    ),
+    "keys-without-markov": (
+        "dspark-no-conf",
+        {"drop_tensors": (names.T_MARKOV_W1, names.T_MARKOV_W2)},
+        "are set but markov_w1.weight is missing, so llama.cpp runs it as plain DFlash",
+    ),
+    "w1-without-w2": (
+        "dspark",
+        {"drop_tensors": (names.T_MARKOV_W2,)},
+        "carries markov_w1.weight but no markov_w2.weight",
+    ),
+    "reduced-head-rows": (
+        "dspark-d2t",
+        {"replace_tensors": {names.T_OUTPUT: np.zeros((200, TINY.draft.n_embd), np.float32)}},
+        "output.weight ne = [64, 200], expected [n_embd, n_vocab_draft] = [64, 256]",
+    ),
 }
 
 

@@ -39,7 +39,9 @@ def test_drafter_from_hf_dir_gives_identical_records(ref_dump, variant):
 
 def test_hf_target_layer_ids_are_stored_plus_one(variant_dir):
     d = variant_dir("clean")
-    hf_ids = json.loads((d / "draft-hf" / names.HF_CONFIG).read_text())[names.HF_DFLASH_CONFIG][names.HF_TARGET_LAYER_IDS]
+    hf_ids = json.loads((d / "draft-hf" / names.HF_CONFIG).read_text())[names.HF_DFLASH_CONFIG][
+        names.HF_TARGET_LAYER_IDS
+    ]
     draft = load_draft(d / "draft-hf", torch.float32, CPU)
     assert draft.target_layers == tuple(i + 1 for i in hf_ids)
 
@@ -61,22 +63,25 @@ def test_llama_gguf_runs_normal_rope_and_hf_neox(variant_dir):
 
 
 def test_log_snr_flag_without_tensors_is_refused(variant_dir, edit_gguf, tmp_path):
-    broken = edit_gguf(variant_dir("log-snr") / "draft.gguf", tmp_path / "D.gguf",
-                       drop_tensors=names.LOG_SNR_TENSORS)
+    broken = edit_gguf(variant_dir("log-snr") / "draft.gguf", tmp_path / "D.gguf", drop_tensors=names.LOG_SNR_TENSORS)
     with pytest.raises(InputError, match=r"D\.gguf: dflash\.log_snr_conditioning = true but log_snr_fc1\.weight"):
         load_draft(broken, torch.float32, CPU)
 
 
 def test_log_snr_tensors_without_flag_are_refused(variant_dir, edit_gguf, tmp_path):
-    broken = edit_gguf(variant_dir("log-snr") / "draft.gguf", tmp_path / "D.gguf",
-                       drop_keys=(names.KEY_LOG_SNR,))
-    with pytest.raises(InputError, match=r"D\.gguf: carries log_snr_fc1\.weight.* but dflash\.log_snr_conditioning is not set"):
+    broken = edit_gguf(variant_dir("log-snr") / "draft.gguf", tmp_path / "D.gguf", drop_keys=(names.KEY_LOG_SNR,))
+    with pytest.raises(
+        InputError, match=r"D\.gguf: carries log_snr_fc1\.weight.* but dflash\.log_snr_conditioning is not set"
+    ):
         load_draft(broken, torch.float32, CPU)
 
 
 def test_log_snr_flag_without_range_is_refused(variant_dir, edit_gguf, tmp_path):
-    broken = edit_gguf(variant_dir("log-snr") / "draft.gguf", tmp_path / "D.gguf",
-                       drop_keys=(names.KEY_MIN_LOG_SNR, names.KEY_MAX_LOG_SNR))
+    broken = edit_gguf(
+        variant_dir("log-snr") / "draft.gguf",
+        tmp_path / "D.gguf",
+        drop_keys=(names.KEY_MIN_LOG_SNR, names.KEY_MAX_LOG_SNR),
+    )
     with pytest.raises(InputError, match="log-SNR range"):
         load_draft(broken, torch.float32, CPU)
 
@@ -119,7 +124,9 @@ def _with_raw_tensor(src, dst, name, raw, qtype):
     writer = GGUFWriter(str(dst), reader.fields[names.KEY_ARCH].contents())
     for key, f in reader.fields.items():
         if not key.startswith("GGUF.") and key != names.KEY_ARCH:
-            writer.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+            writer.add_key_value(
+                key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            )
     for t in reader.tensors:
         if t.name == name:
             writer.add_tensor(name, raw, raw_dtype=qtype)
@@ -136,8 +143,19 @@ def test_reference_refuses_target_layer_equal_to_n_layer(variant_dir, edit_gguf,
     from featdiff.reference.run import reference
 
     d = variant_dir("clean")
-    broken = edit_gguf(d / "draft.gguf", tmp_path / "D.gguf",
-                       set_keys={names.KEY_TARGET_LAYERS: ([2, 6], GGUFValueType.ARRAY)})
+    broken = edit_gguf(
+        d / "draft.gguf", tmp_path / "D.gguf", set_keys={names.KEY_TARGET_LAYERS: ([2, 6], GGUFValueType.ARRAY)}
+    )
     with pytest.raises(InputError, match=r"D\.gguf: target_layers = \[2, 6\] but the target .* has 6 layers"):
-        reference(d / "target.gguf", broken, tmp_path / "ref.npz", prompt=None, tokens="1,2,3", rounds=1,
-                  dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None)
+        reference(
+            d / "target.gguf",
+            broken,
+            tmp_path / "ref.npz",
+            prompt=None,
+            tokens="1,2,3",
+            rounds=1,
+            dtype="float32",
+            device="cpu",
+            kv_dtype="f16",
+            llama_dir=None,
+        )

@@ -47,8 +47,10 @@ def test_log_snr_stages_match_the_formula(ref_dump, variant_dir):
     with read_dump(ref_dump("log-snr", model="draft-hf")) as d:
         for ev in _draft_evals(d):
             key = f"e{ev.eval:05d}.draft.%s.0"
-            stages = [d.array(key % n) for n in (names.DSPARK_LOG_SNR_FEAT, names.DSPARK_LOG_SNR_FC1,
-                                                 names.DSPARK_LOG_SNR_FC2)]
+            stages = [
+                d.array(key % n)
+                for n in (names.DSPARK_LOG_SNR_FEAT, names.DSPARK_LOG_SNR_FC1, names.DSPARK_LOG_SNR_FC2)
+            ]
             assert [a.shape for a in stages] == [(B, names.LOG_SNR_N_FREQ), (B, N_EMBD), (B, N_EMBD)]
             for got, want_anchor, want_mask in zip(stages, anchor, mask):
                 assert _close(got[0], want_anchor)
@@ -81,8 +83,11 @@ def test_log_snr_records_are_written_in_every_draft_eval_in_graph_order(ref_dump
 
 def test_unconditioned_drafter_has_no_log_snr_records(ref_dump):
     with read_dump(ref_dump("clean")) as d:
-        assert not [r for r in d.records() if r.name in names.LOG_SNR_RECORDS or r.name in names.OLD_RECORD_NAMES
-                    or "log_snr" in r.name]
+        assert not [
+            r
+            for r in d.records()
+            if r.name in names.LOG_SNR_RECORDS or r.name in names.OLD_RECORD_NAMES or "log_snr" in r.name
+        ]
         assert d.manifest.models["draft"]["log_snr"] == {"enabled": False, "min": None, "max": None}
 
 
@@ -97,5 +102,6 @@ def test_default_capture_keeps_every_log_snr_record_the_reference_writes(ref_dum
     with read_dump(ref_dump("log-snr")) as d:
         written = {r.name for r in d.records() if r.phase == "draft" and not is_reference_only(r.name)}
     assert set(names.LOG_SNR_RECORDS) <= written
-    assert all(kept.keeps("draft", n) and any(fnmatchcase(n, g) for g in names.WIRING_NAMES)
-               for n in names.LOG_SNR_RECORDS)
+    assert all(
+        kept.keeps("draft", n) and any(fnmatchcase(n, g) for g in names.WIRING_NAMES) for n in names.LOG_SNR_RECORDS
+    )

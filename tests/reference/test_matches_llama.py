@@ -24,7 +24,7 @@ from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 TOKENS, ROUNDS = DEFAULT_TOKENS, DEFAULT_ROUNDS  # the session's capture: shared with other tests
 BEFORE_ATTENTION = 1e-5  # inputs untouched by attention: ggml's float32 ops reproduced (measured <= 4e-7)
-AFTER_ATTENTION = 5e-3   # f16-cache rounding flips drifting through the layers (measured <= 7.1e-4)
+AFTER_ATTENTION = 5e-3  # f16-cache rounding flips drifting through the layers (measured <= 7.1e-4)
 # draft-eval records computed from the noise block alone, before any attention
 PRE_ATTENTION_DRAFT = {names.INP_NOISE_EMBD, "noise_norm-0", "Qcur-0", "Kcur-0", "Vcur-0"}
 VARIANTS = ["clean", "own-embd", "llama"]
@@ -50,8 +50,9 @@ def test_flow_and_drafts_are_identical(pairs, variant):
     with read_dump(pairs[variant][0]) as ref, read_dump(pairs[variant][1]) as run:
         assert ref.manifest.rounds == run.manifest.rounds
         assert ref.manifest.prompt_tokens == run.manifest.prompt_tokens
-        assert [(e.role, e.phase, e.positions, e.token_ids, e.round) for e in ref.manifest.evals] == \
-               [(e.role, e.phase, e.positions, e.token_ids, e.round) for e in run.manifest.evals]
+        assert [(e.role, e.phase, e.positions, e.token_ids, e.round) for e in ref.manifest.evals] == [
+            (e.role, e.phase, e.positions, e.token_ids, e.round) for e in run.manifest.evals
+        ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -60,9 +61,20 @@ def test_every_shared_record_is_within_its_bound(pairs, variant):
         run_records = {(r.eval, r.name, r.occurrence): r for r in run.records()}
         shared = [(r, run_records[(r.eval, r.name, 0)]) for r in ref.records() if (r.eval, r.name, 0) in run_records]
         assert {r.name.split("-")[0] for r, _ in shared} >= {
-            names.TARGET_EMBD, names.L_OUT, names.RESULT_OUTPUT, names.INP_TARGET_FEATURES, names.INP_G_EMBEDDINGS,
-            names.KCUR_INJECTED, names.VCUR_INJECTED, names.INP_NOISE_EMBD, names.NOISE_NORM, names.QCUR,
-            names.KQV_OUT, names.FFN_INP, names.FFN_OUT}
+            names.TARGET_EMBD,
+            names.L_OUT,
+            names.RESULT_OUTPUT,
+            names.INP_TARGET_FEATURES,
+            names.INP_G_EMBEDDINGS,
+            names.KCUR_INJECTED,
+            names.VCUR_INJECTED,
+            names.INP_NOISE_EMBD,
+            names.NOISE_NORM,
+            names.QCUR,
+            names.KQV_OUT,
+            names.FFN_INP,
+            names.FFN_OUT,
+        }
         for ref_rec, run_rec in shared:
             a, b = ref.array(ref_rec), run.array(run_rec)
             assert a.size == b.size, (ref_rec.key, a.shape, b.shape)

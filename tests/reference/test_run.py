@@ -20,9 +20,17 @@ B, N_EMBD, N_VOCAB, N_LAYER_TGT, N_LAYER_DFT = 4, 64, 512, 6, 2
 CANDIDATE_BOUND = 1e-6  # rel L2: the same float32 ops on the same features, weights from another file
 
 DRAFT_SHAPES = {
-    names.INP_NOISE_EMBD: (B, N_EMBD), "noise_norm-0": (B, N_EMBD), "Qcur-0": (B, 4, 16), "Kcur-0": (B, 2, 16),
-    "Vcur-0": (B, 2, 16), "kqv_out-0": (B, 64), "ffn_inp-1": (B, N_EMBD), "ffn_out-1": (B, N_EMBD),
-    "l_out-1": (B, N_EMBD), names.RESULT_NORM: (B, N_EMBD), names.RESULT_OUTPUT: (B, N_VOCAB),
+    names.INP_NOISE_EMBD: (B, N_EMBD),
+    "noise_norm-0": (B, N_EMBD),
+    "Qcur-0": (B, 4, 16),
+    "Kcur-0": (B, 2, 16),
+    "Vcur-0": (B, 2, 16),
+    "kqv_out-0": (B, 64),
+    "ffn_inp-1": (B, N_EMBD),
+    "ffn_out-1": (B, N_EMBD),
+    "l_out-1": (B, N_EMBD),
+    names.RESULT_NORM: (B, N_EMBD),
+    names.RESULT_OUTPUT: (B, N_VOCAB),
 }
 
 
@@ -67,16 +75,23 @@ def test_rounds_follow_the_greedy_flow(ref_dump):
             assert (r.pos0, r.anchor) == (pos0, anchor)
             assert len(r.drafts) == B - 1 and 0 <= r.accepted <= B - 1
             assert len(r.target_tokens) == r.accepted + 1
-            assert r.drafts[:r.accepted] == r.target_tokens[:r.accepted]
+            assert r.drafts[: r.accepted] == r.target_tokens[: r.accepted]
             draft_eval, verify_eval, inject_eval = (e for e in m.evals if e.round == r.round)
             logits = d.array(f"e{draft_eval.eval:05d}.draft.{names.RESULT_OUTPUT}.0")
             assert tuple(logits[1:].argmax(-1)) == r.drafts  # DFlash reads slots 1..B-1
             assert draft_eval.token_ids == (anchor,) + (511,) * (B - 1)
             assert verify_eval.token_ids == (anchor,) + r.drafts
-            assert draft_eval.positions == verify_eval.positions == inject_eval.positions == tuple(range(pos0, pos0 + B))
+            assert (
+                draft_eval.positions == verify_eval.positions == inject_eval.positions == tuple(range(pos0, pos0 + B))
+            )
             pos0, anchor = pos0 + r.accepted + 1, r.target_tokens[-1]
     assert [(e.role, e.phase) for e in m.evals[:5]] == [
-        ("target", "prefill"), ("draft", "inject"), ("draft", "draft"), ("target", "verify"), ("draft", "inject")]
+        ("target", "prefill"),
+        ("draft", "inject"),
+        ("draft", "draft"),
+        ("target", "verify"),
+        ("draft", "inject"),
+    ]
     assert [e.eval for e in m.evals] == list(range(len(m.evals)))
 
 
@@ -109,27 +124,53 @@ def test_f32_cache_changes_attention_numerics_only(ref_dump):
         np.testing.assert_array_equal(f16.array("e00002.draft.Qcur-0.0"), f32.array("e00002.draft.Qcur-0.0"))
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "exactly one of --prompt"),
-    (["--tokens", "1,2", "--prompt", "hi"], "exactly one of --prompt"),
-    (["--tokens", "5"], "at least 2"),
-    (["--tokens", "1,x"], "comma-separated integers"),
-    (["--tokens", "1,600"], "outside the target vocabulary of 512"),
-    (["--tokens", "1,2", "--dtype", "int8"], "--dtype 'int8'"),
-    (["--tokens", "1,2", "--kv-dtype", "q8_0"], "--kv-dtype 'q8_0'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "exactly one of --prompt"),
+        (["--tokens", "1,2", "--prompt", "hi"], "exactly one of --prompt"),
+        (["--tokens", "5"], "at least 2"),
+        (["--tokens", "1,x"], "comma-separated integers"),
+        (["--tokens", "1,600"], "outside the target vocabulary of 512"),
+        (["--tokens", "1,2", "--dtype", "int8"], "--dtype 'int8'"),
+        (["--tokens", "1,2", "--kv-dtype", "q8_0"], "--kv-dtype 'q8_0'"),
+    ],
+)
 def test_cli_refuses_unusable_input_with_exit_2(args, message, variant_dir, tmp_path):
     d = variant_dir("clean")
-    result = runner.invoke(app, ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                                 "-o", str(tmp_path / "ref.npz"), *args])
+    result = runner.invoke(
+        app,
+        [
+            "reference",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "-o",
+            str(tmp_path / "ref.npz"),
+            *args,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output
 
 
 def test_cli_prompt_with_two_hf_dirs_needs_tokens(variant_dir, tmp_path):
     d = variant_dir("clean")
-    result = runner.invoke(app, ["reference", "--target", str(d / "target-hf"), "--model", str(d / "draft-hf"),
-                                 "-o", str(tmp_path / "ref.npz"), "--prompt", "hello"])
+    result = runner.invoke(
+        app,
+        [
+            "reference",
+            "--target",
+            str(d / "target-hf"),
+            "--model",
+            str(d / "draft-hf"),
+            "-o",
+            str(tmp_path / "ref.npz"),
+            "--prompt",
+            "hello",
+        ],
+    )
     assert result.exit_code == 2
     assert "pass --tokens" in result.output
 
@@ -137,8 +178,22 @@ def test_cli_prompt_with_two_hf_dirs_needs_tokens(variant_dir, tmp_path):
 def test_cli_writes_a_readable_dump(variant_dir, tmp_path):
     d = variant_dir("clean")
     out = tmp_path / "ref.npz"
-    result = runner.invoke(app, ["reference", "--target", str(d / "target-hf"), "--model", str(d / "draft.gguf"),
-                                 "--tokens", "3,1,4,1,5", "--rounds", "1", "-o", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "reference",
+            "--target",
+            str(d / "target-hf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--tokens",
+            "3,1,4,1,5",
+            "--rounds",
+            "1",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     with read_dump(out) as dump:
         assert len(dump.manifest.rounds) == 1 and len(dump.manifest.evals) == 5
@@ -149,16 +204,45 @@ def test_prompt_is_tokenized_with_the_gguf_vocabulary(variant_dir, tmp_path):
 
     d = variant_dir("clean")
     out = tmp_path / "ref.npz"
-    result = runner.invoke(app, ["reference", "--target", str(d / "target-hf"), "--model", str(d / "draft.gguf"),
-                                 "--prompt", "w7 w21 w3", "--rounds", "1", "-o", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "reference",
+            "--target",
+            str(d / "target-hf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--prompt",
+            "w7 w21 w3",
+            "--rounds",
+            "1",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     with read_dump(out) as dump:
         assert list(dump.manifest.prompt_tokens) == tokenize(d / "draft.gguf", "w7 w21 w3")
 
 
 def _reference_cli(d, out, *args):
-    return runner.invoke(app, ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
-                               "--tokens", "3,1,4,1,5", "--rounds", "2", "-o", str(out), *args])
+    return runner.invoke(
+        app,
+        [
+            "reference",
+            "--target",
+            str(d / "target.gguf"),
+            "--model",
+            str(d / "draft.gguf"),
+            "--tokens",
+            "3,1,4,1,5",
+            "--rounds",
+            "2",
+            "-o",
+            str(out),
+            *args,
+        ],
+    )
 
 
 def test_block_3_decodes_3_row_draft_blocks(variant_dir, tmp_path):
@@ -171,7 +255,12 @@ def test_block_3_decodes_3_row_draft_blocks(variant_dir, tmp_path):
         for r in m.rounds:
             draft_eval, verify_eval, inject_eval = (e for e in m.evals if e.round == r.round)
             assert draft_eval.token_ids == (r.anchor, 511, 511) and len(r.drafts) == 2
-            assert draft_eval.positions == verify_eval.positions == inject_eval.positions == (r.pos0, r.pos0 + 1, r.pos0 + 2)
+            assert (
+                draft_eval.positions
+                == verify_eval.positions
+                == inject_eval.positions
+                == (r.pos0, r.pos0 + 1, r.pos0 + 2)
+            )
             assert d.array(f"e{draft_eval.eval:05d}.draft.{names.RESULT_OUTPUT}.0").shape == (3, N_VOCAB)
 
 
@@ -181,8 +270,17 @@ def _dump_of_evals(path, evals):
 
 
 def _draft(i, n_tokens, phase="draft", rc=0):
-    return Eval(eval=i, role="draft", phase=phase, n_tokens=n_tokens, positions=tuple(range(n_tokens)),
-                token_ids=(1,) * n_tokens, seq_ids=(0,) * n_tokens, round=1, rc=rc)
+    return Eval(
+        eval=i,
+        role="draft",
+        phase=phase,
+        n_tokens=n_tokens,
+        positions=tuple(range(n_tokens)),
+        token_ids=(1,) * n_tokens,
+        seq_ids=(0,) * n_tokens,
+        round=1,
+        rc=rc,
+    )
 
 
 def test_run_block_length_ignores_failed_and_warmup_decodes():
@@ -200,21 +298,27 @@ def _one_line(result) -> str:
 def _run_files(tmp) -> dict:
     """What the refusals below pass to --run, by file name: crafted dumps and a non-dump."""
     (tmp / "notes.npz").write_text("not a dump\n")
-    return {"one.npz": _dump_of_evals(tmp / "one.npz", [_draft(0, 3)]),
-            "mixed.npz": _dump_of_evals(tmp / "mixed.npz", [_draft(0, 3), _draft(4, 4)]),
-            "nodraft.npz": _dump_of_evals(tmp / "nodraft.npz", [_draft(0, 3, rc=1)]),
-            "notes.npz": tmp / "notes.npz", "missing.npz": tmp / "missing.npz"}
+    return {
+        "one.npz": _dump_of_evals(tmp / "one.npz", [_draft(0, 3)]),
+        "mixed.npz": _dump_of_evals(tmp / "mixed.npz", [_draft(0, 3), _draft(4, 4)]),
+        "nodraft.npz": _dump_of_evals(tmp / "nodraft.npz", [_draft(0, 3, rc=1)]),
+        "notes.npz": tmp / "notes.npz",
+        "missing.npz": tmp / "missing.npz",
+    }
 
 
-@pytest.mark.parametrize("args, names_it, message", [
-    (["--block", "0"], "--block 0", "expected 2 .. 4 rows"),
-    (["--block", "99"], "--block 99", "dflash.block_size = 4"),
-    (["--block", "3", "--run", "one.npz"], "--run", "pass one of them"),
-    (["--run", "missing.npz"], "missing.npz", "no such dump"),
-    (["--run", "notes.npz"], "notes.npz", "not a readable .npz"),
-    (["--run", "mixed.npz"], "mixed.npz", "draft blocks differ in length (3 rows in evals 0; 4 rows in evals 4)"),
-    (["--run", "nodraft.npz"], "nodraft.npz", "no draft eval"),
-])
+@pytest.mark.parametrize(
+    "args, names_it, message",
+    [
+        (["--block", "0"], "--block 0", "expected 2 .. 4 rows"),
+        (["--block", "99"], "--block 99", "dflash.block_size = 4"),
+        (["--block", "3", "--run", "one.npz"], "--run", "pass one of them"),
+        (["--run", "missing.npz"], "missing.npz", "no such dump"),
+        (["--run", "notes.npz"], "notes.npz", "not a readable .npz"),
+        (["--run", "mixed.npz"], "mixed.npz", "draft blocks differ in length (3 rows in evals 0; 4 rows in evals 4)"),
+        (["--run", "nodraft.npz"], "nodraft.npz", "no draft eval"),
+    ],
+)
 def test_cli_refuses_an_unusable_block_length_with_one_line(variant_dir, tmp_path, args, names_it, message):
     files = _run_files(tmp_path)
     result = _reference_cli(variant_dir("clean"), tmp_path / "ref.npz", *(str(files.get(a, a)) for a in args))

@@ -18,9 +18,18 @@ from matplotlib.image import imread
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 MISSING = "needs headless Chromium: apt-get install -y chromium"
 WINDOW = (1280, 2600)
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", f"--window-size={WINDOW[0]},{WINDOW[1]}")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    f"--window-size={WINDOW[0]},{WINDOW[1]}",
+)
 TIMEOUT_S = 60
 PROBE = """<script>
 window.addEventListener('load', () => {

@@ -55,6 +55,7 @@ def shift_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
 
 # --- real dumps: the fixture models captured through llama.cpp and computed by the reference ---
 
+
 @pytest.fixture(scope="session")
 def real_pair(captured, referenced):
     """`real_pair(variant)`: a real capture, a real reference and compare's Comparison of them."""

@@ -68,21 +68,31 @@ def _write_side(path: Path, source: str, shape: Shape, fault: Fault, seed: int) 
         _target_eval(writer, evals, source, "verify", r, positions, weights, noise)
         _inject_eval(writer, evals, r, positions, layers, weights, noise)
         n_past += BLOCK_SIZE
-    models = {"target": {"path": "target.gguf", "architecture": "qwen3", "n_layer": shape.n_layer},
-              "draft": {"path": "draft.gguf", "architecture": "dflash", "target_layers": list(layers),
-                        "block_size": BLOCK_SIZE}}
-    return writer.close(Manifest(source=source, models=models, build={"synthetic": True},
-                                 evals=tuple(evals), records=()))
+    models = {
+        "target": {"path": "target.gguf", "architecture": "qwen3", "n_layer": shape.n_layer},
+        "draft": {
+            "path": "draft.gguf",
+            "architecture": "dflash",
+            "target_layers": list(layers),
+            "block_size": BLOCK_SIZE,
+        },
+    }
+    return writer.close(
+        Manifest(source=source, models=models, build={"synthetic": True}, evals=tuple(evals), records=())
+    )
 
 
 def _weights(rng: np.random.Generator, shape: Shape) -> dict:
     e, n_pos = shape.n_embd, shape.n_prompt + shape.rounds * BLOCK_SIZE
-    return {"n_layer": shape.n_layer, "n_embd": e,
-            "fc": rng.standard_normal((len(TARGET_LAYERS) * e, e)) / np.sqrt(2 * e),
-            "wk": rng.standard_normal((e, e)) / np.sqrt(e),
-            "out": rng.standard_normal((e, N_VOCAB)) / np.sqrt(e),
-            "steps": rng.standard_normal((shape.n_layer, n_pos, e)) * 0.9,
-            "embd": rng.standard_normal((n_pos, e))}
+    return {
+        "n_layer": shape.n_layer,
+        "n_embd": e,
+        "fc": rng.standard_normal((len(TARGET_LAYERS) * e, e)) / np.sqrt(2 * e),
+        "wk": rng.standard_normal((e, e)) / np.sqrt(e),
+        "out": rng.standard_normal((e, N_VOCAB)) / np.sqrt(e),
+        "steps": rng.standard_normal((shape.n_layer, n_pos, e)) * 0.9,
+        "embd": rng.standard_normal((n_pos, e)),
+    }
 
 
 def _residual_stream(w: dict, positions: list[int]) -> list[np.ndarray]:
@@ -95,18 +105,27 @@ def _residual_stream(w: dict, positions: list[int]) -> list[np.ndarray]:
     return stream
 
 
-def _add(writer: DumpWriter, ev: int, role: str, phase: str, name: str, array: np.ndarray,
-         noise: np.random.Generator | None, occurrence: int = 0) -> None:
+def _add(
+    writer: DumpWriter,
+    ev: int,
+    role: str,
+    phase: str,
+    name: str,
+    array: np.ndarray,
+    noise: np.random.Generator | None,
+    occurrence: int = 0,
+) -> None:
     if noise is not None:
         array = array * (1 + RUN_NOISE * noise.standard_normal(array.shape))
-    record, stored = record_from_array(record_key(ev, role, name, occurrence), role, phase, ev, name,
-                                       occurrence, array)
+    record, stored = record_from_array(record_key(ev, role, name, occurrence), role, phase, ev, name, occurrence, array)
     writer.add(record, stored)
 
 
 def _target_eval(writer, evals, source, phase, round_, positions, w, noise) -> None:
     ev = len(evals)
-    evals.append(Eval(ev, "target", phase, len(positions), tuple(positions), tuple(positions), (0,) * len(positions), round_))
+    evals.append(
+        Eval(ev, "target", phase, len(positions), tuple(positions), tuple(positions), (0,) * len(positions), round_)
+    )
     stream = _residual_stream(w, positions)
     for L, x in enumerate(stream):
         if source == "reference":
@@ -131,7 +150,9 @@ def _inject_eval(writer, evals, round_, positions, layers, w, noise) -> None:
 
 def _draft_eval(writer, evals, round_, positions, w, noise, fault: Fault) -> None:
     ev = len(evals)
-    evals.append(Eval(ev, "draft", "draft", len(positions), tuple(positions), tuple(positions), (0,) * len(positions), round_))
+    evals.append(
+        Eval(ev, "draft", "draft", len(positions), tuple(positions), tuple(positions), (0,) * len(positions), round_)
+    )
     embd = w["embd"][positions] * 0.5  # (B, n_embd)
     embd = np.roll(embd, -fault.noise_row_shift, axis=0)  # run row i = ref row i + shift
     _add(writer, ev, "draft", "draft", names.INP_NOISE_EMBD, embd, noise)
@@ -144,6 +165,7 @@ def _draft_eval(writer, evals, round_, positions, w, noise, fault: Fault) -> Non
 
 
 # --- a comparison measured by hand ------------------------------------------------------------
+
 
 def compare_by_hand(ref_path: Path, run_path: Path, findings: tuple[Finding, ...] = ()) -> Comparison:
     """Pair each run record with the ref record of the same eval, role, name and occurrence."""
@@ -160,8 +182,9 @@ def compare_by_hand(ref_path: Path, run_path: Path, findings: tuple[Finding, ...
             ev = evals[rec.eval]
             pairs.append(_metrics(rec, ref.array(ref_rec), run.array(rec), ev.positions, ev.round))
             rows = tuple(range(len(ev.positions)))  # both sides hold the same positions, in order
-            alignments.append(Alignment(ref_key=ref_rec.key, run_key=rec.key, rows=rows, run_rows=rows,
-                                        positions=ev.positions))
+            alignments.append(
+                Alignment(ref_key=ref_rec.key, run_key=rec.key, rows=rows, run_rows=rows, positions=ev.positions)
+            )
     first = next((i for i, p in enumerate(pairs) if not p.within), None)
     return Comparison(str(ref_path), str(run_path), findings, tuple(pairs), tuple(alignments), first)
 
@@ -172,27 +195,50 @@ def _metrics(rec: Record, ref: np.ndarray, run: np.ndarray, positions: tuple[int
     ref_norm = np.linalg.norm(ref2, axis=1)
     rel = np.linalg.norm(diff, axis=1) / np.where(ref_norm > 0, ref_norm, 1)
     cos = np.sum(run2 * ref2, axis=1) / np.maximum(ref_norm * np.linalg.norm(run2, axis=1), 1e-30)
-    nmse = float(np.sum(diff ** 2) / max(np.sum(ref2 ** 2), 1e-30))
-    return PairMetrics(role=rec.role, phase=rec.phase, eval=rec.eval, name=rec.name,
-                       occurrence=rec.occurrence, max_abs=float(np.abs(diff).max()), nmse=nmse,
-                       cos_min=float(cos.min()), cos_median=float(np.median(cos)),
-                       rel_p50=float(np.percentile(rel, 50)), rel_p99=float(np.percentile(rel, 99)),
-                       tolerance=TOLERANCE, within=nmse <= TOLERANCE and rel.max() <= ROW_TOLERANCE,
-                       round=round_, row_tolerance=ROW_TOLERANCE,
-                       row_rel_err=tuple(float(v) for v in rel),
-                       positions=positions if len(positions) == len(rel) else ())
+    nmse = float(np.sum(diff**2) / max(np.sum(ref2**2), 1e-30))
+    return PairMetrics(
+        role=rec.role,
+        phase=rec.phase,
+        eval=rec.eval,
+        name=rec.name,
+        occurrence=rec.occurrence,
+        max_abs=float(np.abs(diff).max()),
+        nmse=nmse,
+        cos_min=float(cos.min()),
+        cos_median=float(np.median(cos)),
+        rel_p50=float(np.percentile(rel, 50)),
+        rel_p99=float(np.percentile(rel, 99)),
+        tolerance=TOLERANCE,
+        within=nmse <= TOLERANCE and rel.max() <= ROW_TOLERANCE,
+        round=round_,
+        row_tolerance=ROW_TOLERANCE,
+        row_rel_err=tuple(float(v) for v in rel),
+        positions=positions if len(positions) == len(rel) else (),
+    )
 
 
 def planted_findings(variant: str) -> tuple[Finding, ...]:
     """The findings compare should make of a variant, as DESIGN.md's vocabulary writes them."""
     if variant == "layers-plus1":
-        return tuple(Finding("layer_offset", names.INP_TARGET_FEATURES, "error",
-                             f"slot {k} of inp_target_features is the input of target layer {L + 1}; "
-                             f"the checkpoint expects layer {L}",
-                             {"slot": k, "expected_layer": L, "observed_layer": L + 1, "delta": 1})
-                     for k, L in enumerate(TARGET_LAYERS))
+        return tuple(
+            Finding(
+                "layer_offset",
+                names.INP_TARGET_FEATURES,
+                "error",
+                f"slot {k} of inp_target_features is the input of target layer {L + 1}; "
+                f"the checkpoint expects layer {L}",
+                {"slot": k, "expected_layer": L, "observed_layer": L + 1, "delta": 1},
+            )
+            for k, L in enumerate(TARGET_LAYERS)
+        )
     if variant == "row-shift":
-        return (Finding("row_shift", names.INP_NOISE_EMBD, "error",
-                        "rows of inp_noise_embd are shifted by one: run row i is ref row i + 1",
-                        {"shift": 1}),)
+        return (
+            Finding(
+                "row_shift",
+                names.INP_NOISE_EMBD,
+                "error",
+                "rows of inp_noise_embd are shifted by one: run row i is ref row i + 1",
+                {"shift": 1},
+            ),
+        )
     return ()

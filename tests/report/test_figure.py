@@ -10,13 +10,32 @@ from featdiff.compare.result import Comparison, PairMetrics
 from featdiff.report.figure import bin_map, map_divergence
 
 
-def _pair(eval_index: int, name: str, errors: list[float], positions: list[int], phase: str = "prefill",
-          tolerance: float = 1e-6) -> PairMetrics:
+def _pair(
+    eval_index: int,
+    name: str,
+    errors: list[float],
+    positions: list[int],
+    phase: str = "prefill",
+    tolerance: float = 1e-6,
+) -> PairMetrics:
     nmse = max(errors) ** 2 if errors else 0.0
-    return PairMetrics(role="target", phase=phase, eval=eval_index, name=name, occurrence=0,
-                       max_abs=0.0, nmse=nmse, cos_min=1.0, cos_median=1.0, rel_p50=0.0, rel_p99=0.0,
-                       tolerance=tolerance, within=nmse <= tolerance, row_rel_err=tuple(errors),
-                       positions=tuple(positions))
+    return PairMetrics(
+        role="target",
+        phase=phase,
+        eval=eval_index,
+        name=name,
+        occurrence=0,
+        max_abs=0.0,
+        nmse=nmse,
+        cos_min=1.0,
+        cos_median=1.0,
+        rel_p50=0.0,
+        rel_p99=0.0,
+        tolerance=tolerance,
+        within=nmse <= tolerance,
+        row_rel_err=tuple(errors),
+        positions=tuple(positions),
+    )
 
 
 def _comparison(pairs: list[PairMetrics], first: int | None) -> Comparison:
@@ -24,8 +43,10 @@ def _comparison(pairs: list[PairMetrics], first: int | None) -> Comparison:
 
 
 def test_divergence_map_places_rows_at_positions_and_leaves_the_rest_nan() -> None:
-    pairs = [_pair(0, "l_out-0", [1e-7, 1e-7, 1e-7], [0, 1, 2]),
-             _pair(1, "inp_g_embeddings", [1e-7, 0.5], [3, 4], phase="inject")]
+    pairs = [
+        _pair(0, "l_out-0", [1e-7, 1e-7, 1e-7], [0, 1, 2]),
+        _pair(1, "inp_g_embeddings", [1e-7, 0.5], [3, 4], phase="inject"),
+    ]
     m = map_divergence(_comparison(pairs, 1))
     assert m.matrix.shape == (2, 5)
     assert m.col_start == (0, 1, 2, 3, 4)

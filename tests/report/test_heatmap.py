@@ -25,12 +25,30 @@ def _big_comparison(n_layer: int = 64, n_prompt: int = 3000, rounds: int = 6) ->
     """A prefill of n_prompt rows and `rounds` verify blocks, n_layer records per eval."""
     pairs = []
     evals = [(0, "prefill", list(range(n_prompt)))] + [
-        (r, "verify", list(range(n_prompt + 4 * r, n_prompt + 4 * r + 4))) for r in range(1, rounds + 1)]
+        (r, "verify", list(range(n_prompt + 4 * r, n_prompt + 4 * r + 4))) for r in range(1, rounds + 1)
+    ]
     for e, phase, positions in evals:
         for L in range(n_layer):
             err = tuple(1e-4 if L < 30 else 0.5 for _ in positions)
-            pairs.append(PairMetrics("target", phase, e, f"l_out-{L}", 0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0,
-                                     1e-6, L < 30, err, tuple(positions)))
+            pairs.append(
+                PairMetrics(
+                    "target",
+                    phase,
+                    e,
+                    f"l_out-{L}",
+                    0,
+                    0.0,
+                    0.0,
+                    1.0,
+                    1.0,
+                    0.0,
+                    0.0,
+                    1e-6,
+                    L < 30,
+                    err,
+                    tuple(positions),
+                )
+            )
     return Comparison("ref.npz", "run.npz", (), tuple(pairs), (), 30)
 
 

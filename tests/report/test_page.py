@@ -18,20 +18,27 @@ def _images(page: str) -> list[bytes]:
 
 
 def test_report_opens_with_the_verdict_and_the_findings(plus1_pair, tmp_path) -> None:
-    out = write_report(plus1_pair.ref, plus1_pair.run, tmp_path / "report.html",
-                       comparison=plus1_pair.comparison)
+    out = write_report(plus1_pair.ref, plus1_pair.run, tmp_path / "report.html", comparison=plus1_pair.comparison)
     page = out.read_text()
     verdict, findings = page.index("id='verdict'"), page.index("id='findings'")
-    assert verdict < findings < page.index("id='divergence-map'") < page.index("id='layer-match'") \
-        < page.index("id='row-shift'") < page.index("id='records'") < page.index("id='alignments'")
+    assert (
+        verdict
+        < findings
+        < page.index("id='divergence-map'")
+        < page.index("id='layer-match'")
+        < page.index("id='row-shift'")
+        < page.index("id='records'")
+        < page.index("id='alignments'")
+    )
     assert "FAIL: 2 error findings; the first divergent record is inp_target_features (e1 draft inject)" in page
     assert "slot 1 of inp_target_features is the input of target layer 5; the checkpoint expects layer 4" in page
     assert "observed_layer=5" in page
 
 
 def test_report_is_self_contained_with_every_figure_embedded(plus1_pair, tmp_path) -> None:
-    page = write_report(plus1_pair.ref, plus1_pair.run, tmp_path / "r.html",
-                        comparison=plus1_pair.comparison).read_text()
+    page = write_report(
+        plus1_pair.ref, plus1_pair.run, tmp_path / "r.html", comparison=plus1_pair.comparison
+    ).read_text()
     images = _images(page)
     assert len(images) == 3 and all(i.startswith(PNG_MAGIC) for i in images)
     assert "<script" not in page and "http://" not in page and "https://" not in page
@@ -39,16 +46,18 @@ def test_report_is_self_contained_with_every_figure_embedded(plus1_pair, tmp_pat
 
 
 def test_png_dir_gets_each_figure(plus1_pair, tmp_path) -> None:
-    write_report(plus1_pair.ref, plus1_pair.run, tmp_path / "r.html",
-                 comparison=plus1_pair.comparison, png_dir=tmp_path / "png")
+    write_report(
+        plus1_pair.ref, plus1_pair.run, tmp_path / "r.html", comparison=plus1_pair.comparison, png_dir=tmp_path / "png"
+    )
     pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
     assert pngs == ["divergence-map.png", "layer-match.png", "row-shift.png"]
     assert all((tmp_path / "png" / p).read_bytes().startswith(PNG_MAGIC) for p in pngs)
 
 
 def test_clean_report_says_ok_and_why_the_row_shift_is_missing(clean_pair, tmp_path) -> None:
-    page = write_report(clean_pair.ref, clean_pair.run, tmp_path / "r.html",
-                        comparison=clean_pair.comparison, png_dir=tmp_path / "png").read_text()
+    page = write_report(
+        clean_pair.ref, clean_pair.run, tmp_path / "r.html", comparison=clean_pair.comparison, png_dir=tmp_path / "png"
+    ).read_text()
     assert "OK: no error finding; no compared record is out of tolerance." in page
     assert "Not drawn: no record diverged" in page
     assert len(_images(page)) == 2 and not (tmp_path / "png" / "row-shift.png").exists()
@@ -57,7 +66,7 @@ def test_clean_report_says_ok_and_why_the_row_shift_is_missing(clean_pair, tmp_p
 def test_per_record_table_lists_metrics_tolerance_and_alignment(shift_pair, tmp_path) -> None:
     c = shift_pair.comparison
     page = write_report(shift_pair.ref, shift_pair.run, tmp_path / "r.html", comparison=c).read_text()
-    rows = re.findall(r"<tr class='([a-z ]*)'>", page[page.index("id='records'"):page.index("id='alignments'")])
+    rows = re.findall(r"<tr class='([a-z ]*)'>", page[page.index("id='records'") : page.index("id='alignments'")])
     assert len(rows) == len(c.pairs)
     assert rows[c.first_divergence] == "bad first"
     assert f"{c.pairs[0].tolerance:.3g}" in page
@@ -81,12 +90,28 @@ def test_integer_lists_are_summarised_as_ranges() -> None:
 def test_verdict_states_the_coverage_it_rests_on(clean_pair) -> None:
     from featdiff.compare.result import Coverage, Skip
 
-    skip = Skip(role="draft", phase="draft", round=1, name="inp_noise_embd", occurrence=0, reason="token_history",
-                side="both", whole=True, records=1, rows=(7, 8, 9, 10), evals=(2,))
-    c = Comparison("ref.npz", "run.npz", (), (), (), skipped=(skip.line(),), coverage=Coverage(pairs=3, rows=12, skips=(skip,)))
+    skip = Skip(
+        role="draft",
+        phase="draft",
+        round=1,
+        name="inp_noise_embd",
+        occurrence=0,
+        reason="token_history",
+        side="both",
+        whole=True,
+        records=1,
+        rows=(7, 8, 9, 10),
+        evals=(2,),
+    )
+    c = Comparison(
+        "ref.npz", "run.npz", (), (), (), skipped=(skip.line(),), coverage=Coverage(pairs=3, rows=12, skips=(skip,))
+    )
     with read_dump(clean_pair.ref) as ref:
         page = render_page(c, ref.manifest, ref.manifest, [])
-    assert "Compared 3 record sets (12 rows); 1 record set skipped, 4 rows left out (listed under the records table)." in page
+    assert (
+        "Compared 3 record sets (12 rows); 1 record set skipped, 4 rows left out (listed under the records table)."
+        in page
+    )
     assert "inp_noise_embd (draft draft, round 1, occurrence 0): not compared" in page
     bare = render_page(Comparison("ref.npz", "run.npz", (), (), ()), ref.manifest, ref.manifest, [])
     assert "class='coverage'" not in bare

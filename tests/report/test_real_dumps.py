@@ -28,8 +28,9 @@ def test_layer_match_of_the_off_by_one_demo_is_the_expected_layer_plus_one(real_
 @pytest.mark.browser
 def test_off_by_one_report_renders_in_chromium(real_pair, tmp_path: Path) -> None:
     pair = real_pair("layers-plus1")
-    page = write_report(pair.ref, pair.run, tmp_path / "report.html", comparison=pair.comparison,
-                        png_dir=tmp_path / "png")
+    page = write_report(
+        pair.ref, pair.run, tmp_path / "report.html", comparison=pair.comparison, png_dir=tmp_path / "png"
+    )
     n_figures = len(list((tmp_path / "png").glob("*.png")))
     assert n_figures == 3
     errors = [f.message for f in pair.comparison.findings if f.severity == "error"]

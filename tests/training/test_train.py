@@ -17,8 +17,9 @@ from featdiff.training.records import draft_record, target_record  # noqa: E402
 from featdiff.training.target import LOOKBACK, lookback_target  # noqa: E402
 
 SEED = 0
-TINY_RUN = TrainConfig(n_prompts=4, n_tokens=20, n_held_out=2, steps=2, dspark_steps=2, seqs_per_step=2,
-                       anchors_per_seq=4, threads=1)
+TINY_RUN = TrainConfig(
+    n_prompts=4, n_tokens=20, n_held_out=2, steps=2, dspark_steps=2, seqs_per_step=2, anchors_per_seq=4, threads=1
+)
 SAME_FORWARD_ATOL = 1e-4  # packed (one batch, masked) vs one block at a time: float32 summation order only
 
 

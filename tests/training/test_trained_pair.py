@@ -30,8 +30,14 @@ def probed(fixture_models):
         if (variant, through_server) not in made:
             d = fixture_models(variant)
             command = _server_command(d) if through_server else None
-            made[(variant, through_server)] = probe(d / "target.gguf", d / "draft.gguf", prompts=d / fixtures.PROMPTS_FILE,
-                                                    rounds=ROUNDS, ref_model=d / "draft-hf", command=command)
+            made[(variant, through_server)] = probe(
+                d / "target.gguf",
+                d / "draft.gguf",
+                prompts=d / fixtures.PROMPTS_FILE,
+                rounds=ROUNDS,
+                ref_model=d / "draft-hf",
+                command=command,
+            )
         return made[(variant, through_server)]
 
     return get

@@ -65,7 +65,21 @@ from featdiff.compare.rowshift import RowShift
 from featdiff.compare.sketch import LayerMatch
 
 __all__ = [
-    "Alignment", "Comparison", "Coverage", "Finding", "LayerMatch", "PairMetrics", "RowShift", "Skip",
-    "compare_dumps", "exit_code", "layer_match_matrix", "render_summary", "row_cosine", "row_similarity",
-    "target_layers", "verdict", "write_json",
+    "Alignment",
+    "Comparison",
+    "Coverage",
+    "Finding",
+    "LayerMatch",
+    "PairMetrics",
+    "RowShift",
+    "Skip",
+    "compare_dumps",
+    "exit_code",
+    "layer_match_matrix",
+    "render_summary",
+    "row_cosine",
+    "row_similarity",
+    "target_layers",
+    "verdict",
+    "write_json",
 ]

@@ -21,11 +21,11 @@ import numpy as np
 from featdiff import names
 from featdiff.compare.metrics import as_rows
 from featdiff.compare.namemap import NameMap
-from featdiff.compare.result import Alignment, Skip
+from featdiff.compare.result import Alignment, Skip, SkipReason, SkipSide
 from featdiff.dump import Eval, Manifest, Record
 from featdiff.names import Role
 
-GroupKey = tuple[Role, str, int]       # (role, phase, round)
+GroupKey = tuple[Role, str, int]  # (role, phase, round)
 RecordKey = tuple[GroupKey, str, int]  # (group, ref name, occurrence)
 TOKEN_PHASES = ("prefill", "verify", "draft")
 DRAFT_GROUP = ("draft", "draft")  # (role, phase) of the eval that opens a round
@@ -43,8 +43,8 @@ class Side:
     """One side of a pair: the records of one (group, name, occurrence), in eval order."""
 
     records: tuple[Record, ...]
-    evals: tuple[Eval, ...]            # the eval of each record
-    positions: tuple[int, ...] = ()    # position of each concatenated row; () = not row-wise
+    evals: tuple[Eval, ...]  # the eval of each record
+    positions: tuple[int, ...] = ()  # position of each concatenated row; () = not row-wise
     contexts: tuple[int | None, ...] = ()  # token-history id of each row; None = unknown
 
     @property
@@ -61,8 +61,8 @@ class Pair:
     """A ref record set and the run record set that answers it, with the alignment assumed."""
 
     group: GroupKey
-    name: str       # the reference's name
-    run_name: str   # the run's name (differs when a name map applied)
+    name: str  # the reference's name
+    run_name: str  # the run's name (differs when a name map applied)
     occurrence: int
     ref: Side
     run: Side
@@ -87,7 +87,7 @@ class Plan:
     pairs: tuple[Pair, ...]
     ref_only: tuple[RecordKey, ...]  # ref records the run lacks, in eval groups both sides have
     run_only: tuple[RecordKey, ...]  # run records (mapped names) the ref lacks, in shared groups
-    skips: tuple[Skip, ...]          # record sets (or rows) not compared, and why
+    skips: tuple[Skip, ...]  # record sets (or rows) not compared, and why
     ref_groups: tuple[GroupKey, ...]
     run_groups: tuple[GroupKey, ...]
 
@@ -101,8 +101,12 @@ def is_reference_only(name: str) -> bool:
     """Records only the reference writes, as candidates: `layer_inp-<L>`, `x@h`, DSpark's
     `dspark_markov_bias`, and the old names of graph records (`log_snr_embed`,
     names.OLD_RECORD_NAMES) in older reference dumps."""
-    return (names.CANDIDATE_SEP in name or name in names.OLD_RECORD_NAMES or name == names.DSPARK_MARKOV_BIAS
-            or name.startswith(names.LAYER_INP + "-"))
+    return (
+        names.CANDIDATE_SEP in name
+        or name in names.OLD_RECORD_NAMES
+        or name == names.DSPARK_MARKOV_BIAS
+        or name.startswith(names.LAYER_INP + "-")
+    )
 
 
 def is_unnamed(name: str) -> bool:
@@ -180,8 +184,9 @@ def _index(manifest: Manifest, rename: Callable[[str], str | None]) -> dict[Reco
 def _empty_keys(manifest: Manifest) -> set[RecordKey]:
     """Record sets that exist with no rows (a prefill that output no logits)."""
     evals = {ev.eval: ev for ev in manifest.evals}
-    return {(group_key(evals[r.eval]), r.name, r.occurrence)
-            for r in manifest.records if r.eval in evals and 0 in r.shape}
+    return {
+        (group_key(evals[r.eval]), r.name, r.occurrence) for r in manifest.records if r.eval in evals and 0 in r.shape
+    }
 
 
 def _named(name: str) -> str | None:
@@ -207,7 +212,9 @@ def plan_pairs(ref: Manifest, run: Manifest, name_map: NameMap) -> Plan:
     matches = {k: r for k in run_idx if (r := _ref_key(k, ref_idx)) is not None}
     pairs, skips = [], []
     for run_key in sorted(matches, key=lambda k: (ref_idx[matches[k]][0][0].eval, run_idx[k][0][2])):
-        pair, left_out = _pair(matches[run_key], ref_idx[matches[run_key]], run_idx[run_key], ref_ctx, run_ctx, name_map)
+        pair, left_out = _pair(
+            matches[run_key], ref_idx[matches[run_key]], run_idx[run_key], ref_ctx, run_ctx, name_map
+        )
         pairs += [pair] if pair is not None else []
         skips += left_out
     ref_groups = tuple(dict.fromkeys(group_key(e) for e in ref.evals))
@@ -231,9 +238,15 @@ def plan_pairs(ref: Manifest, run: Manifest, name_map: NameMap) -> Plan:
     )
 
 
-def _group_skips(ref_only: set[RecordKey], ref_idx: dict, run_only: set[RecordKey], run_idx: dict,
-                 ref_groups: tuple[GroupKey, ...], run_groups: tuple[GroupKey, ...],
-                 failed: set[GroupKey]) -> list[Skip]:
+def _group_skips(
+    ref_only: set[RecordKey],
+    ref_idx: dict,
+    run_only: set[RecordKey],
+    run_idx: dict,
+    ref_groups: tuple[GroupKey, ...],
+    run_groups: tuple[GroupKey, ...],
+    failed: set[GroupKey],
+) -> list[Skip]:
     """Record sets in an eval group the other side lacks (or whose run decodes all `failed`):
     warm-up decodes and llama-server's verify of no drafts (a run round without a draft eval)
     are expected, any other is not."""
@@ -243,23 +256,39 @@ def _group_skips(ref_only: set[RecordKey], ref_idx: dict, run_only: set[RecordKe
         out.append(_one_side_skip(k, ref_idx[k], "ref", "failed_eval" if k[0] in failed else "missing_eval"))
     for k in sorted(k for k in run_only if k[0] not in ref_groups):
         role, phase, rnd = k[0]
-        reason = ("warmup" if phase == names.PHASE_WARMUP else
-                  "no_draft" if phase != "prefill" and rnd not in rounds_drafted else "missing_eval")
+        reason: SkipReason = (
+            "warmup"
+            if phase == names.PHASE_WARMUP
+            else "no_draft"
+            if phase != "prefill" and rnd not in rounds_drafted
+            else "missing_eval"
+        )
         out.append(_one_side_skip(k, run_idx[k], "run", reason))
     return out
 
 
-def _one_side_skip(key: RecordKey, entries: list[tuple[Eval, Record, int]], side: str, reason: str) -> Skip:
+def _one_side_skip(key: RecordKey, entries: list[tuple[Eval, Record, int]], side: SkipSide, reason: SkipReason) -> Skip:
     """A record set only one side has: every row of it left out."""
     (role, phase, rnd), name, occurrence = key
     rows = tuple(p for ev, r, _ in entries if _is_row_record(r, ev) for p in ev.positions)
-    return Skip(role=role, phase=phase, round=rnd, name=name, occurrence=occurrence, reason=reason,  # type: ignore[arg-type]
-                side=side, whole=True, records=len(entries), rows=rows,  # type: ignore[arg-type]
-                evals=tuple(ev.eval for ev, _, _ in entries))
+    return Skip(
+        role=role,
+        phase=phase,
+        round=rnd,
+        name=name,
+        occurrence=occurrence,
+        reason=reason,
+        side=side,
+        whole=True,
+        records=len(entries),
+        rows=rows,
+        evals=tuple(ev.eval for ev, _, _ in entries),
+    )
 
 
-def _pair(key: RecordKey, ref_entries, run_entries, ref_ctx, run_ctx,
-          name_map: NameMap) -> tuple[Pair | None, list[Skip]]:
+def _pair(
+    key: RecordKey, ref_entries, run_entries, ref_ctx, run_ctx, name_map: NameMap
+) -> tuple[Pair | None, list[Skip]]:
     """The pair of one ref key, or None when no row of it can be compared; and what was left out."""
     group, name, occurrence = key  # the ref's key
     ref = _side([(ev, r) for ev, r, _ in ref_entries], ref_ctx)
@@ -267,7 +296,8 @@ def _pair(key: RecordKey, ref_entries, run_entries, ref_ctx, run_ctx,
     run_name = run.records[0].name
     alignment = plan_alignment(ref, run, name if run_name == name else f"{run_name} -> {name}")
     nothing = alignment.comparable and (
-        (alignment.positions == () and ref.is_rows and bool(ref.positions)) or _n_compared(ref, alignment) == 0)
+        (alignment.positions == () and ref.is_rows and bool(ref.positions)) or _n_compared(ref, alignment) == 0
+    )
     skips = _row_skips(key, alignment, ref, run, whole=nothing)
     if nothing:  # with no row skip to say why: the run's records are not row-wise, or hold nothing
         why = "position" if ref.positions else "empty"
@@ -302,8 +332,19 @@ def _verified_fewer(group: GroupKey, ref: Side, run: Side) -> bool:
 
 def _skip(key: RecordKey, reason: str, records: int, rows: tuple[int, ...], run: Side, whole: bool) -> Skip:
     (role, phase, rnd), name, occurrence = key
-    return Skip(role=role, phase=phase, round=rnd, name=name, occurrence=occurrence, reason=reason,  # type: ignore[arg-type]
-                side="both", whole=whole, records=records, rows=rows, evals=tuple(ev.eval for ev in run.evals))
+    return Skip(
+        role=role,
+        phase=phase,
+        round=rnd,
+        name=name,
+        occurrence=occurrence,
+        reason=reason,  # type: ignore[arg-type]
+        side="both",
+        whole=whole,
+        records=records,
+        rows=rows,
+        evals=tuple(ev.eval for ev in run.evals),
+    )
 
 
 def _n_compared(ref: Side, alignment: Alignment) -> int:
@@ -350,8 +391,15 @@ def _row_alignment(base: Alignment, ref: Side, run: Side) -> Alignment:
     record the positions of the rows left out: another token history, or no row there at all."""
     if ref.positions == run.positions and ref.contexts == run.contexts:  # the common case, at C speed
         every = tuple(range(len(ref.positions)))
-        return Alignment(**{**base.__dict__, "layout": _layout(ref, run), "rows": every, "run_rows": every,
-                            "positions": ref.positions})
+        return Alignment(
+            **{
+                **base.__dict__,
+                "layout": _layout(ref, run),
+                "rows": every,
+                "run_rows": every,
+                "positions": ref.positions,
+            }
+        )
     ref_at = {k: i for i, k in enumerate(_occurrence_keys(ref.positions))}
     rows: list[int] = []
     run_rows: list[int] = []
@@ -372,12 +420,26 @@ def _row_alignment(base: Alignment, ref: Side, run: Side) -> Alignment:
         run_rows.append(j)
         positions.append(k[0])
     unmatched += [p for i, p in enumerate(ref.positions) if i not in met]
-    note = "; ".join(x for x in (f"{len(history)} rows left out: different token history" if history else "",
-                                 f"{len(unmatched)} rows left out: no row at that position on the other side"
-                                 if unmatched else "") if x)
-    return Alignment(**{**base.__dict__, "layout": _layout(ref, run), "rows": tuple(rows),
-                        "run_rows": tuple(run_rows), "positions": tuple(positions), "note": note,
-                        "history_rows": tuple(history), "unmatched_rows": tuple(sorted(set(unmatched)))})
+    note = "; ".join(
+        x
+        for x in (
+            f"{len(history)} rows left out: different token history" if history else "",
+            f"{len(unmatched)} rows left out: no row at that position on the other side" if unmatched else "",
+        )
+        if x
+    )
+    return Alignment(
+        **{
+            **base.__dict__,
+            "layout": _layout(ref, run),
+            "rows": tuple(rows),
+            "run_rows": tuple(run_rows),
+            "positions": tuple(positions),
+            "note": note,
+            "history_rows": tuple(history),
+            "unmatched_rows": tuple(sorted(set(unmatched))),
+        }
+    )
 
 
 def _occurrence_keys(positions: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -396,14 +458,16 @@ def _same_context(a: int | None, b: int | None) -> bool:
 
 # --- execute -------------------------------------------------------------------------------------
 
+
 def side_rows(arrays: list[np.ndarray]) -> np.ndarray:
     """The records of one side stacked along rows: (sum of n_tokens, D)."""
     rows = [as_rows(a) for a in arrays]
     return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)  # (n_rows, D)
 
 
-def pair_arrays(alignment: Alignment, ref_rows: np.ndarray, run_rows: np.ndarray,
-                name: str = "") -> tuple[np.ndarray, np.ndarray]:
+def pair_arrays(
+    alignment: Alignment, ref_rows: np.ndarray, run_rows: np.ndarray, name: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
     """Apply an alignment: the compared (R, D) rows of ref and run, in the same order, with the
     values that carry no evidence zeroed on both sides (`comparable_values`)."""
     if not alignment.comparable:

@@ -36,9 +36,16 @@ from featdiff.dump import Manifest, read_dump
 from featdiff.errors import InputError
 from featdiff.version import VERSION
 
-NOT_MEASURED = Measurement(max_abs=float("nan"), nmse=float("nan"), cos_min=float("nan"),
-                           cos_median=float("nan"), rel_p50=float("nan"), rel_p99=float("nan"),
-                           row_rel=(), is_finite=False)
+NOT_MEASURED = Measurement(
+    max_abs=float("nan"),
+    nmse=float("nan"),
+    cos_min=float("nan"),
+    cos_median=float("nan"),
+    rel_p50=float("nan"),
+    rel_p99=float("nan"),
+    row_rel=(),
+    is_finite=False,
+)
 # findings that say what was not compared or inferred, not why the run differs
 UNEXPLAINING = ("unpaired", "flow_note", "missing_tensor", "unexpected_tensor")
 
@@ -57,16 +64,31 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
         within = [m.within(t) for m, t in zip(measured, tols)]
         walk = diagnose.find_roots(plan.pairs, within)
         findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules)
-        metrics = tuple(pair_metrics(p, m, t, ok, i in walk.inherited)
-                        for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within)))
+        metrics = tuple(
+            pair_metrics(p, m, t, ok, i in walk.inherited)
+            for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within))
+        )
         match = first_layer_match(ref_src, run_src, plan)
-        shift = row_shift_of(ref_src, run_src, plan.pairs[walk.first_divergence],
-                             metrics[walk.first_divergence]) if walk.first_divergence is not None else None
-    return Comparison(ref_path=str(ref), run_path=str(run), findings=findings, pairs=metrics,
-                      alignments=tuple(p.alignment for p in plan.pairs),
-                      first_divergence=walk.first_divergence, skipped=plan.skipped, types=describe(types),
-                      coverage=coverage(plan), map_path=None if name_map is None else str(name_map),
-                      versions=versions(run_dump.manifest), layer_match=match, row_shift=shift)
+        shift = (
+            row_shift_of(ref_src, run_src, plan.pairs[walk.first_divergence], metrics[walk.first_divergence])
+            if walk.first_divergence is not None
+            else None
+        )
+    return Comparison(
+        ref_path=str(ref),
+        run_path=str(run),
+        findings=findings,
+        pairs=metrics,
+        alignments=tuple(p.alignment for p in plan.pairs),
+        first_divergence=walk.first_divergence,
+        skipped=plan.skipped,
+        types=describe(types),
+        coverage=coverage(plan),
+        map_path=None if name_map is None else str(name_map),
+        versions=versions(run_dump.manifest),
+        layer_match=match,
+        row_shift=shift,
+    )
 
 
 def versions(run: Manifest) -> dict[str, str | None]:
@@ -81,15 +103,18 @@ def _nothing_paired(ref: Path, run: Path, plan: Plan, ref_manifest: Manifest, ru
     if prompt is not None:
         return f"{run}: no record pairs with {ref}: {prompt.message}"
     why = f" ({len(plan.skipped)} left out, e.g. {plan.skipped[0]})" if plan.skipped else ""
-    return (f"{run}: no record pairs with {ref} (same role, phase, round, name and token history){why}; "
-            f"make both from the same prompt and models, or pass --map for a fork")
+    return (
+        f"{run}: no record pairs with {ref} (same role, phase, round, name and token history){why}; "
+        f"make both from the same prompt and models, or pass --map for a fork"
+    )
 
 
 def coverage(plan: Plan) -> Coverage:
     """What the plan compares (record sets, rows) and what it leaves out, and why."""
     rows = sum(_compared_rows(p) for p in plan.pairs)
-    return Coverage(pairs=len(plan.pairs), rows=rows, skips=plan.skips,
-                    ref_only=len(plan.ref_only), run_only=len(plan.run_only))
+    return Coverage(
+        pairs=len(plan.pairs), rows=rows, skips=plan.skips, ref_only=len(plan.ref_only), run_only=len(plan.run_only)
+    )
 
 
 def _compared_rows(pair: Pair) -> int:
@@ -116,27 +141,51 @@ def measure_pair(ref: Source, run: Source, pair: Pair) -> Measurement:
 def pair_metrics(pair: Pair, m: Measurement, tol: Tolerance, within: bool, inherited: bool) -> PairMetrics:
     role, phase, rnd = pair.group
     return PairMetrics(
-        role=role, phase=phase, eval=pair.first_eval, name=pair.name, occurrence=pair.occurrence,
-        max_abs=m.max_abs, nmse=m.nmse, cos_min=m.cos_min, cos_median=m.cos_median,
-        rel_p50=m.rel_p50, rel_p99=m.rel_p99, tolerance=tol.nmse, within=within,
-        row_rel_err=m.row_rel, positions=pair.alignment.positions, round=rnd,
-        run_name=pair.run_name if pair.run_name != pair.name else "", row_tolerance=tol.row_rel,
-        inherited=inherited, tolerance_sources=tol.sources,
+        role=role,
+        phase=phase,
+        eval=pair.first_eval,
+        name=pair.name,
+        occurrence=pair.occurrence,
+        max_abs=m.max_abs,
+        nmse=m.nmse,
+        cos_min=m.cos_min,
+        cos_median=m.cos_median,
+        rel_p50=m.rel_p50,
+        rel_p99=m.rel_p99,
+        tolerance=tol.nmse,
+        within=within,
+        row_rel_err=m.row_rel,
+        positions=pair.alignment.positions,
+        round=rnd,
+        run_name=pair.run_name if pair.run_name != pair.name else "",
+        row_tolerance=tol.row_rel,
+        inherited=inherited,
+        tolerance_sources=tol.sources,
     )
 
 
-def _findings(ref: Source, run: Source, plan: Plan, walk: diagnose.Walk, measured: list[Measurement],
-              tols: list[Tolerance], types: TypeInfo, rules: NameMap) -> tuple[Finding, ...]:
+def _findings(
+    ref: Source,
+    run: Source,
+    plan: Plan,
+    walk: diagnose.Walk,
+    measured: list[Measurement],
+    tols: list[Tolerance],
+    types: TypeInfo,
+    rules: NameMap,
+) -> tuple[Finding, ...]:
     """What the token ids and positions say (flow order), manifest-level findings, one per root,
     then the wiring records left out (`unpaired`), then info; deduplicated, errors first."""
     flow_found = flow.check_flow(ref.manifest, run.manifest)
-    found: list[Finding | None] = [*flow_found,
-                                   diagnose.detect_not_conditioned(ref.manifest, run.manifest, rules),
-                                   diagnose.detect_missing_tensor(plan, run.manifest),
-                                   diagnose.detect_unexpected_tensor(plan, ref.manifest)]
+    found: list[Finding | None] = [
+        *flow_found,
+        diagnose.detect_not_conditioned(ref.manifest, run.manifest, rules),
+        diagnose.detect_missing_tensor(plan, run.manifest),
+        diagnose.detect_unexpected_tensor(plan, ref.manifest),
+    ]
     misplaced = _misplaced_groups(flow_found)
     absent = diagnose.absent_records(plan, run.manifest)
-    for i in walk.roots[:diagnose.MAX_ROOT_FINDINGS]:
+    for i in walk.roots[: diagnose.MAX_ROOT_FINDINGS]:
         ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()))
         root = diagnose.diagnose_root(ev, measured[i].nmse)
         # rows of a batch placed at offset positions look shifted: the position_offset above says why
@@ -161,8 +210,9 @@ def _settled(f: Finding, explained: bool) -> Finding:
     return replace(f, severity="info") if f.kind == "flow_note" and explained else f
 
 
-def _quantized_feature_check(ref: Source, run: Source, plan: Plan, walk: diagnose.Walk,
-                             tols: list[Tolerance], types: TypeInfo) -> Finding | None:
+def _quantized_feature_check(
+    ref: Source, run: Source, plan: Plan, walk: diagnose.Walk, tols: list[Tolerance], types: TypeInfo
+) -> Finding | None:
     """With quantized weights the tolerance can swallow a neighbouring layer: check the first
     features' layer match even when they are within tolerance. (f32 runs never need it: their
     tolerance is far below the difference between two layers.)"""
@@ -178,8 +228,11 @@ def _quantized_feature_check(ref: Source, run: Source, plan: Plan, walk: diagnos
 def _noise(plan: Plan, walk: diagnose.Walk, measured: list[Measurement], tols: list[Tolerance]) -> Finding | None:
     """`numeric_noise` for the within-tolerance pair closest to its tolerance."""
     bad = set(walk.roots) | set(walk.inherited)
-    ratios = [(m.nmse / t.nmse if t.nmse > 0 else 0.0, i) for i, (m, t) in enumerate(zip(measured, tols))
-              if i not in bad and np.isfinite(m.nmse)]
+    ratios = [
+        (m.nmse / t.nmse if t.nmse > 0 else 0.0, i)
+        for i, (m, t) in enumerate(zip(measured, tols))
+        if i not in bad and np.isfinite(m.nmse)
+    ]
     if not ratios:
         return None
     _, i = max(ratios)
@@ -205,6 +258,7 @@ def _deduplicated(findings: list[Finding]) -> tuple[Finding, ...]:
 
 # --- what the report draws: compare's own layer match and row shift ---------------------------
 
+
 def first_layer_match(ref: Source, run: Source, plan: Plan, eval_index: int | None = None) -> LayerMatch | None:
     """Slot x layer match of the run's injected features against every ref `layer_inp-<L>`: of
     the first inject eval (or the run's inject eval `eval_index`), with the layers each manifest
@@ -228,13 +282,19 @@ def row_shift_of(ref: Source, run: Source, pair: Pair, metrics: PairMetrics) -> 
         return None
     run_positions = pair.alignment.positions or tuple(range(len(run_rows)))
     ref_positions = pair.alignment.positions or tuple(range(len(ref_rows)))
-    return measure_row_shift(run_rows, ref_rows, run_positions, ref_positions,
-                             f"{metrics.name} (e{metrics.eval} {metrics.role} {metrics.phase})",
-                             focus=metrics.first_bad_position())
+    return measure_row_shift(
+        run_rows,
+        ref_rows,
+        run_positions,
+        ref_positions,
+        f"{metrics.name} (e{metrics.eval} {metrics.role} {metrics.phase})",
+        focus=metrics.first_bad_position(),
+    )
 
 
-def layer_match_matrix(ref_dump: Path | str, run_dump: Path | str, name_map: Path | None = None,
-                       eval_index: int | None = None) -> LayerMatch | None:
+def layer_match_matrix(
+    ref_dump: Path | str, run_dump: Path | str, name_map: Path | None = None, eval_index: int | None = None
+) -> LayerMatch | None:
     """`first_layer_match` of two dump files, without the rest of the comparison (the layer-match
     search on its own: bench/bench_compare.py times it at scale)."""
     with read_dump(ref_dump) as ref, read_dump(run_dump) as run:

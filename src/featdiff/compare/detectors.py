@@ -20,8 +20,8 @@ from featdiff.compare.result import Finding
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance
 
-MAX_ROW_SHIFT = 8          # rows: a block is 4..16 rows; a shift past that is not a shift
-MAX_POSITION_OFFSET = 8    # RoPE positions tried on either side
+MAX_ROW_SHIFT = 8  # rows: a block is 4..16 rows; a shift past that is not a shift
+MAX_POSITION_OFFSET = 8  # RoPE positions tried on either side
 
 
 @dataclass(frozen=True)
@@ -37,26 +37,27 @@ class Rope:
 class Evidence:
     """What the detectors may look at for one divergent pair. Arrays are (rows, values)."""
 
-    tensor: str                    # the run record's name
-    ref: np.ndarray                # (R, D) aligned ref rows
-    run: np.ndarray                # (R, D) aligned run rows (shape may differ when not comparable)
+    tensor: str  # the run record's name
+    ref: np.ndarray  # (R, D) aligned ref rows
+    run: np.ndarray  # (R, D) aligned run rows (shape may differ when not comparable)
     tolerance: Tolerance
-    positions: tuple[int, ...] = ()        # position of each aligned row; () = not row-wise
-    ref_all: np.ndarray | None = None      # (Rr, D) every ref row of the group, for shifts
+    positions: tuple[int, ...] = ()  # position of each aligned row; () = not row-wise
+    ref_all: np.ndarray | None = None  # (Rr, D) every ref row of the group, for shifts
     ref_all_positions: tuple[int, ...] = ()
-    run_raw: np.ndarray | None = None      # the run record as stored, for layout checks
+    run_raw: np.ndarray | None = None  # the run record as stored, for layout checks
     candidates: Mapping[str, np.ndarray] = field(default_factory=dict)  # ref-only, aligned rows
-    earlier: np.ndarray | None = None      # (E, D) ref rows of this record in earlier evals
-    earlier_evals: tuple[int, ...] = ()    # eval of each earlier row
+    earlier: np.ndarray | None = None  # (E, D) ref rows of this record in earlier evals
+    earlier_evals: tuple[int, ...] = ()  # eval of each earlier row
     layers: LayerMatch | None = None
     n_extract: int = 0
     rope: Rope | None = None
-    is_integer: bool = False               # integer data (positions, token ids): compared exactly
-    record: str = ""                       # the reference's name of the pair (`tensor` is the run's)
-    absent: tuple[str, ...] = ()           # ref records of this eval group the run's graph lacks
+    is_integer: bool = False  # integer data (positions, token ids): compared exactly
+    record: str = ""  # the reference's name of the pair (`tensor` is the run's)
+    absent: tuple[str, ...] = ()  # ref records of this eval group the run's graph lacks
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
 
 def same_shape(ev: Evidence) -> bool:
     return ev.ref.shape == ev.run.shape
@@ -89,14 +90,20 @@ def error_finding(kind: str, ev: Evidence, message: str, **fields: object) -> Fi
 
 # --- values that are plainly broken --------------------------------------------------------------
 
+
 def detect_nonfinite(ev: Evidence) -> Finding | None:
     """Hypothesis: the run wrote NaN/Inf. Evidence: non-finite values in run rows."""
     bad = ~np.isfinite(ev.run).all(axis=1)
     if not bad.any():
         return None
     rows = _labels(ev, bad)
-    return error_finding("nonfinite", ev, f"{ev.tensor} holds NaN/Inf at {_span(rows)} while its inputs are finite; "
-                         f"check the op that writes it (an uninitialized or overrun buffer, a division by zero)", rows=rows)
+    return error_finding(
+        "nonfinite",
+        ev,
+        f"{ev.tensor} holds NaN/Inf at {_span(rows)} while its inputs are finite; "
+        f"check the op that writes it (an uninitialized or overrun buffer, a division by zero)",
+        rows=rows,
+    )
 
 
 def detect_zeros(ev: Evidence) -> Finding | None:
@@ -109,8 +116,13 @@ def detect_zeros(ev: Evidence) -> Finding | None:
     if not zero.any() or not rest_ok:
         return None
     rows = _labels(ev, zero)
-    return error_finding("zeros", ev, f"{ev.tensor} is all zeros at {_span(rows)}; the rows were never written: "
-                         f"check that the buffer is filled before this eval", rows=rows)
+    return error_finding(
+        "zeros",
+        ev,
+        f"{ev.tensor} is all zeros at {_span(rows)}; the rows were never written: "
+        f"check that the buffer is filled before this eval",
+        rows=rows,
+    )
 
 
 def detect_stale(ev: Evidence) -> Finding | None:
@@ -124,8 +136,14 @@ def detect_stale(ev: Evidence) -> Finding | None:
         return None
     rows = _labels(ev, bad)
     source = int(ev.earlier_evals[int(best[0])]) if ev.earlier_evals else -1
-    return error_finding("stale", ev, f"{ev.tensor} at {_span(rows)} repeats data from eval {source}, an earlier round; "
-                         f"the buffer is not refreshed before this eval", rows=rows, source_eval=source)
+    return error_finding(
+        "stale",
+        ev,
+        f"{ev.tensor} at {_span(rows)} repeats data from eval {source}, an earlier round; "
+        f"the buffer is not refreshed before this eval",
+        rows=rows,
+        source_eval=source,
+    )
 
 
 def _nearest_rows(rows: np.ndarray, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,6 +158,7 @@ def _nearest_rows(rows: np.ndarray, pool: np.ndarray) -> tuple[np.ndarray, np.nd
 
 # --- rows, layouts, positions --------------------------------------------------------------------
 
+
 def detect_row_shift(ev: Evidence) -> Finding | None:
     """Hypothesis: run row at position p holds the ref row of p + s, one s != 0 for all rows.
     Evidence: every run row whose p + s exists in the ref group matches it; at most |s| rows fall off."""
@@ -152,8 +171,13 @@ def detect_row_shift(ev: Evidence) -> Finding | None:
             continue
         run_j, ref_i = (list(x) for x in zip(*pairs))
         if explains(ev.ref_all[ref_i], ev.run[run_j], ev.tolerance):
-            return error_finding("row_shift", ev, f"{ev.tensor} rows are shifted by {s:+d}: the run's row at position p "
-                                 f"holds the reference's row at p{s:+d}; check the anchor row and the block offset", shift=s)
+            return error_finding(
+                "row_shift",
+                ev,
+                f"{ev.tensor} rows are shifted by {s:+d}: the run's row at position p "
+                f"holds the reference's row at p{s:+d}; check the anchor row and the block offset",
+                shift=s,
+            )
     return None
 
 
@@ -168,8 +192,12 @@ def detect_layout_transpose(ev: Evidence) -> Finding | None:
         return None
     for detail, candidate in _reinterpretations(np.asarray(ev.run_raw), ev.ref.shape, ev.n_extract):
         if explains(ev.ref, candidate, ev.tolerance):
-            return error_finding("layout_transpose", ev, f"{ev.tensor} is {detail}; stage it token-major, "
-                                 f"one row of {ev.ref.shape[1]} values per token", detail=detail)
+            return error_finding(
+                "layout_transpose",
+                ev,
+                f"{ev.tensor} is {detail}; stage it token-major, one row of {ev.ref.shape[1]} values per token",
+                detail=detail,
+            )
     return None
 
 
@@ -182,8 +210,10 @@ def _reinterpretations(raw: np.ndarray, shape: tuple[int, int], n_extract: int):
     for k in _major_counts(width, n_extract):
         major = flat.reshape(k, n_rows, width // k)  # (k, T, D / k): k blocks of T rows each
         what = "staged layer-major" if k == n_extract else f"stored {k}-block-major"
-        yield (f"{what}: a ({k}, {n_rows}, {width // k}) buffer read as ({n_rows}, {width})",
-               major.transpose(1, 0, 2).reshape(n_rows, width))  # (T, k * D / k)
+        yield (
+            f"{what}: a ({k}, {n_rows}, {width // k}) buffer read as ({n_rows}, {width})",
+            major.transpose(1, 0, 2).reshape(n_rows, width),
+        )  # (T, k * D / k)
 
 
 def _major_counts(width: int, n_extract: int) -> list[int]:
@@ -204,8 +234,12 @@ def detect_position_offset(ev: Evidence) -> Finding | None:
         k = _rope_offset(ev)
     if k is None:
         return None
-    return error_finding("position_offset", ev, f"{ev.tensor} was computed at positions off by {k:+d}; "
-                         f"check the positions passed with this batch", offset=k)
+    return error_finding(
+        "position_offset",
+        ev,
+        f"{ev.tensor} was computed at positions off by {k:+d}; check the positions passed with this batch",
+        offset=k,
+    )
 
 
 def _rope_offset(ev: Evidence) -> int | None:
@@ -232,11 +266,14 @@ def rotate(rows: np.ndarray, k: int, rope: Rope, neox: bool) -> np.ndarray:
         a, b = x[..., 0::2], x[..., 1::2]  # (R, n_head, half) each
     c, s = np.cos(theta), np.sin(theta)
     ra, rb = a * c - b * s, a * s + b * c
-    out = np.concatenate([ra, rb], axis=-1) if neox else np.stack([ra, rb], axis=-1)  # (R, n_head, head_dim) or (R, n_head, half, 2)
+    out = (
+        np.concatenate([ra, rb], axis=-1) if neox else np.stack([ra, rb], axis=-1)
+    )  # (R, n_head, head_dim) or (R, n_head, half, 2)
     return out.reshape(n, -1).astype(rows.dtype)  # (R, n_head * head_dim)
 
 
 # --- scale ---------------------------------------------------------------------------------------
+
 
 def detect_scale(ev: Evidence) -> Finding | None:
     """Hypothesis: run = c * ref for one factor c != 1. Evidence: least-squares c fits within
@@ -247,22 +284,41 @@ def detect_scale(ev: Evidence) -> Finding | None:
     c = float(np.vdot(ev.ref, ev.run)) / den if den > 0 else 0.0
     if abs(c - 1.0) <= ev.tolerance.rel or c == 0.0 or not explains(c * ev.ref, ev.run, ev.tolerance):
         return None
-    return error_finding("scale", ev, f"{ev.tensor} is {c:.4g} x the reference; look for a missing or "
-                         f"doubled scale (embedding scale, attention scale, norm weight)", factor=round(c, 6))
+    return error_finding(
+        "scale",
+        ev,
+        f"{ev.tensor} is {c:.4g} x the reference; look for a missing or "
+        f"doubled scale (embedding scale, attention scale, norm weight)",
+        factor=round(c, 6),
+    )
 
 
 # --- no specific cause ---------------------------------------------------------------------------
+
 
 def detect_divergence(ev: Evidence, nmse: float) -> Finding:
     """No detector explained the pair: report the metric against its tolerance (always a finding)."""
     tol = ev.tolerance
     if not same_shape(ev):
-        return error_finding("divergence", ev, f"{ev.tensor} has {ev.run.shape[0]} rows of {ev.run.shape[1]} values where the "
-                             f"reference has {ev.ref.shape[0]} of {ev.ref.shape[1]}; check the tensor's shape in the run's graph",
-                             metric="shape", value=list(ev.run.shape), tolerance=list(ev.ref.shape))
-    return error_finding("divergence", ev, f"{ev.tensor} differs from the reference (NMSE {nmse:.3g}, tolerance "
-                         f"{tol.nmse:.3g} from {', '.join(tol.sources)}) and no known wiring fault explains it; "
-                         f"open the report to compare it row by row", metric="nmse", value=nmse, tolerance=tol.nmse)
+        return error_finding(
+            "divergence",
+            ev,
+            f"{ev.tensor} has {ev.run.shape[0]} rows of {ev.run.shape[1]} values where the "
+            f"reference has {ev.ref.shape[0]} of {ev.ref.shape[1]}; check the tensor's shape in the run's graph",
+            metric="shape",
+            value=list(ev.run.shape),
+            tolerance=list(ev.ref.shape),
+        )
+    return error_finding(
+        "divergence",
+        ev,
+        f"{ev.tensor} differs from the reference (NMSE {nmse:.3g}, tolerance "
+        f"{tol.nmse:.3g} from {', '.join(tol.sources)}) and no known wiring fault explains it; "
+        f"open the report to compare it row by row",
+        metric="nmse",
+        value=nmse,
+        tolerance=tol.nmse,
+    )
 
 
 def detect_numeric_noise(tensor: str, nmse: float, tol: Tolerance) -> Finding | None:
@@ -270,7 +326,11 @@ def detect_numeric_noise(tensor: str, nmse: float, tol: Tolerance) -> Finding | 
     within-tolerance pair has NMSE > 0 (identical dumps give no finding)."""
     if not nmse > 0.0:
         return None
-    return Finding(kind="numeric_noise", tensor=tensor, severity="info",
-                   message=f"the largest difference, at {tensor} (NMSE {nmse:.3g}), is within what "
-                           f"{', '.join(tol.sources)} explain (tolerance {tol.nmse:.3g})",
-                   fields={"metric": "nmse", "value": nmse, "tolerance": tol.nmse})
+    return Finding(
+        kind="numeric_noise",
+        tensor=tensor,
+        severity="info",
+        message=f"the largest difference, at {tensor} (NMSE {nmse:.3g}), is within what "
+        f"{', '.join(tol.sources)} explain (tolerance {tol.nmse:.3g})",
+        fields={"metric": "nmse", "value": nmse, "tolerance": tol.nmse},
+    )

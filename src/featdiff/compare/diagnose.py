@@ -45,9 +45,18 @@ MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same 
 
 # The detector chain, most specific evidence first; the first to return a Finding names the cause.
 CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
-    d.detect_nonfinite, d.detect_zeros, d.detect_layout_transpose, w.detect_layer_offset,
-    w.detect_slot_permutation, w.detect_missing_term, w.detect_extra_term, w.detect_wrong_source,
-    d.detect_stale, d.detect_row_shift, d.detect_position_offset, d.detect_scale,
+    d.detect_nonfinite,
+    d.detect_zeros,
+    d.detect_layout_transpose,
+    w.detect_layer_offset,
+    w.detect_slot_permutation,
+    w.detect_missing_term,
+    w.detect_extra_term,
+    w.detect_wrong_source,
+    d.detect_stale,
+    d.detect_row_shift,
+    d.detect_position_offset,
+    d.detect_scale,
 )
 
 
@@ -88,8 +97,10 @@ def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
         if not within[i]:
             same_eval, reads_others = _inputs(pair, earlier, pairs)
             bad_input = any(not within[j] for j in same_eval)
-            bad_feeder = reads_others and any(first_bad.get(f, pair.first_eval) < pair.first_eval
-                                              for f in FEEDERS.get(pair.group[:2], tuple(first_bad)))
+            bad_feeder = reads_others and any(
+                first_bad.get(f, pair.first_eval) < pair.first_eval
+                for f in FEEDERS.get(pair.group[:2], tuple(first_bad))
+            )
             (inherited if bad_input or bad_feeder else roots).append(i)
             first_bad.setdefault(pair.group[:2], pair.first_eval)
         earlier.append(i)
@@ -122,6 +133,7 @@ def check_positions(evs: list[d.Evidence]) -> Finding | None:
 
 # --- manifest-level detectors --------------------------------------------------------------------
 
+
 def detect_not_conditioned(ref: Manifest, run: Manifest, name_map: NameMap) -> Finding | None:
     """Hypothesis: the drafter ran without target features. Evidence: the ref injects features
     but the run has no inject eval, its inject evals carry no rows, or its features are empty."""
@@ -132,10 +144,14 @@ def detect_not_conditioned(ref: Manifest, run: Manifest, name_map: NameMap) -> F
     detail = _unconditioned(run, run_inject, name_map)
     if detail is None:
         return None
-    return Finding(kind="not_conditioned", tensor=names.INP_TARGET_FEATURES, severity="error",
-                   message=f"the drafter ran with {detail}: it drafts without the target's features; "
-                           f"check that the target context is set (ctx_other) and features are injected",
-                   fields={"detail": detail})
+    return Finding(
+        kind="not_conditioned",
+        tensor=names.INP_TARGET_FEATURES,
+        severity="error",
+        message=f"the drafter ran with {detail}: it drafts without the target's features; "
+        f"check that the target context is set (ctx_other) and features are injected",
+        fields={"detail": detail},
+    )
 
 
 def _unconditioned(run: Manifest, run_inject: list, name_map: NameMap) -> str | None:
@@ -145,8 +161,9 @@ def _unconditioned(run: Manifest, run_inject: list, name_map: NameMap) -> str | 
     if all(e.n_tokens == 0 for e in run_inject):
         return "inject evals with no rows"
     inject = {e.eval for e in run_inject}
-    features = [r for r in run.records
-                if r.eval in inject and name_map.pairing_name(r.name) == names.INP_TARGET_FEATURES]
+    features = [
+        r for r in run.records if r.eval in inject and name_map.pairing_name(r.name) == names.INP_TARGET_FEATURES
+    ]
     if features and all(0 in r.shape for r in features):
         return "empty injected features"
     return None
@@ -160,8 +177,7 @@ def absent_keys(plan: Plan, run: Manifest) -> list[RecordKey]:
     """Wiring records of the reference the run's graph lacks: in an eval group the run has, and
     kept by the run's recorded capture filters, exclusions included (so not merely filtered out)."""
     kept = run.build_info.filters
-    return [k for k in plan.ref_only
-            if _wiring(k[1]) and k[0] in plan.run_groups and kept.keeps(k[0][0], k[1])]
+    return [k for k in plan.ref_only if _wiring(k[1]) and k[0] in plan.run_groups and kept.keeps(k[0][0], k[1])]
 
 
 def absent_records(plan: Plan, run: Manifest) -> dict[GroupKey, tuple[str, ...]]:
@@ -175,8 +191,9 @@ def absent_records(plan: Plan, run: Manifest) -> dict[GroupKey, tuple[str, ...]]
 def _without_log_snr(plan: Plan) -> set[GroupKey]:
     """Eval groups where the reference has log-SNR records and the run none of them."""
     ref = {k[0] for k in plan.ref_only if k[1] in names.LOG_SNR_RECORDS}
-    run = ({p.group for p in plan.pairs if p.name in names.LOG_SNR_RECORDS}
-           | {k[0] for k in plan.run_only if k[1] in names.LOG_SNR_RECORDS})
+    run = {p.group for p in plan.pairs if p.name in names.LOG_SNR_RECORDS} | {
+        k[0] for k in plan.run_only if k[1] in names.LOG_SNR_RECORDS
+    }
     return ref - run
 
 
@@ -203,8 +220,12 @@ def _one_sided(kind: str, keys: list[RecordKey], template: str) -> Finding | Non
     (role, phase, rnd), name, _ = keys[0]
     more = f" ({len(keys) - 1} more like it)" if len(keys) > 1 else ""
     where = f"the {role} {phase} eval of round {rnd}"
-    return Finding(kind=kind, tensor=name, severity="error",
-                   message=template.format(name=name, where=where) + more + "; check the graph's callback names, or pass --map")
+    return Finding(
+        kind=kind,
+        tensor=name,
+        severity="error",
+        message=template.format(name=name, where=where) + more + "; check the graph's callback names, or pass --map",
+    )
 
 
 def unpaired_info(plan: Plan) -> Finding | None:
@@ -214,9 +235,13 @@ def unpaired_info(plan: Plan) -> Finding | None:
     if not run_names:
         return None
     shown = ", ".join(run_names[:6]) + (" ..." if len(run_names) > 6 else "")
-    return Finding(kind="unexpected_tensor", tensor=run_names[0], severity="info",
-                   message=f"{len(run_names)} run tensor names have no reference counterpart and were not compared: {shown}",
-                   fields={"names": run_names})
+    return Finding(
+        kind="unexpected_tensor",
+        tensor=run_names[0],
+        severity="info",
+        message=f"{len(run_names)} run tensor names have no reference counterpart and were not compared: {shown}",
+        fields={"names": run_names},
+    )
 
 
 # --- wiring records the plan could not pair ------------------------------------------------------
@@ -244,8 +269,9 @@ def _last_round(groups: tuple[GroupKey, ...]) -> int:
     return max((g[2] for g in groups if g[:2] == DRAFT_GROUP), default=0)
 
 
-def detect_unpaired(skips: tuple[Skip, ...], explained: bool, parting: str | None,
-                    rounds: tuple[int, int]) -> Finding | None:
+def detect_unpaired(
+    skips: tuple[Skip, ...], explained: bool, parting: str | None, rounds: tuple[int, int]
+) -> Finding | None:
     """Hypothesis: wiring records of the run or the reference were not compared (one reason, one
     side), so an OK would rest on records nobody looked at. Evidence: the plan's skips of those
     record sets; `rounds` = the last drafted round of (ref, run)."""
@@ -257,10 +283,22 @@ def detect_unpaired(skips: tuple[Skip, ...], explained: bool, parting: str | Non
     severity: Severity = "info" if first.is_expected or (explained and reason in EXPLAINABLE_SKIPS) else "error"
     more = _more(skips)
     message = _UNPAIRED_MESSAGES[reason](first, more, explained, parting, rounds)
-    return Finding(kind="unpaired", tensor=first.name, severity=severity, message=message,
-                   fields={"reason": reason, "side": first.side, "records": len(skips), "rows": list(first.rows),
-                           "evals": sorted({e for s in skips for e in s.evals}), "role": first.role,
-                           "phase": first.phase, "round": first.round})
+    return Finding(
+        kind="unpaired",
+        tensor=first.name,
+        severity=severity,
+        message=message,
+        fields={
+            "reason": reason,
+            "side": first.side,
+            "records": len(skips),
+            "rows": list(first.rows),
+            "evals": sorted({e for s in skips for e in s.evals}),
+            "role": first.role,
+            "phase": first.phase,
+            "round": first.round,
+        },
+    )
 
 
 def _more(skips: tuple[Skip, ...]) -> str:
@@ -279,20 +317,27 @@ def _tail(why: str, explained: bool, parting: str | None) -> str:
     at = f" (the token histories part at {parting})" if parting else ""
     if explained:
         return f"the error findings above say why {why}{at}"
-    return (f"the token histories part at {parting}; nothing else explains it: check that run and reference "
-            f"come from the same prompt, rounds and models" if parting else
-            "check that run and reference come from the same prompt, rounds and models")
+    return (
+        f"the token histories part at {parting}; nothing else explains it: check that run and reference "
+        f"come from the same prompt, rounds and models"
+        if parting
+        else "check that run and reference come from the same prompt, rounds and models"
+    )
 
 
 def _token_history_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    return (f"{len(s.rows)} rows of {_where(s)} have a different token history from the reference's, so they "
-            f"were not compared{more}; {_tail('the run decoded other tokens', explained, parting)}")
+    return (
+        f"{len(s.rows)} rows of {_where(s)} have a different token history from the reference's, so they "
+        f"were not compared{more}; {_tail('the run decoded other tokens', explained, parting)}"
+    )
 
 
 def _position_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    return (f"{len(s.rows)} rows of {_where(s)} sit at positions ({_positions(s.rows)}) where the other side has "
-            f"no row in that batch, so they were not compared{more}; "
-            f"{_tail('the batches sit at other positions', explained, parting)}")
+    return (
+        f"{len(s.rows)} rows of {_where(s)} sit at positions ({_positions(s.rows)}) where the other side has "
+        f"no row in that batch, so they were not compared{more}; "
+        f"{_tail('the batches sit at other positions', explained, parting)}"
+    )
 
 
 def _missing_eval_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
@@ -303,33 +348,51 @@ def _missing_eval_message(s: Skip, more: str, explained: bool, parting: str | No
         return f"{head}: rerun `featdiff reference` with --rounds {run_last}"
     if s.side == "ref" and s.round > run_last:
         fix = f"capture with --rounds {ref_last}, or rerun `featdiff reference` with --rounds {run_last}"
-        return (f"{head}: the run stopped early (after the failure the error findings above name) or was made "
-                f"with fewer rounds ({fix})" if explained else f"{head}: {fix}")
+        return (
+            f"{head}: the run stopped early (after the failure the error findings above name) or was made "
+            f"with fewer rounds ({fix})"
+            if explained
+            else f"{head}: {fix}"
+        )
     return f"{head}: make both sides decode the flow of docs/flow.md (a {s.phase} eval in every round)"
 
 
 def _failed_eval_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    return (f"the run's {s.phase} eval of round {s.round} failed (llama.cpp refused the batch the driver built), so "
-            f"the reference's {s.name} there was not compared{more}; "
-            + ("the error findings above say what is wrong with that batch" if explained else
-               "see the flow notes and the program's log for why the batch was refused"))
+    return (
+        f"the run's {s.phase} eval of round {s.round} failed (llama.cpp refused the batch the driver built), so "
+        f"the reference's {s.name} there was not compared{more}; "
+        + (
+            "the error findings above say what is wrong with that batch"
+            if explained
+            else "see the flow notes and the program's log for why the batch was refused"
+        )
+    )
 
 
 def _no_rows_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    return (f"{s.name} ({s.role} {s.phase}) has output rows in the run and none in the reference "
-            f"(llama-server's prefill outputs its last row to sample the first token), so it was not compared{more}")
+    return (
+        f"{s.name} ({s.role} {s.phase}) has output rows in the run and none in the reference "
+        f"(llama-server's prefill outputs its last row to sample the first token), so it was not compared{more}"
+    )
 
 
 def _no_draft_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    return (f"round {s.round} of the run decoded without drafting (llama-server's last verify, with no room left "
-            f"to draft), and the reference drafts every round, so {s.name}{more} was not compared")
+    return (
+        f"round {s.round} of the run decoded without drafting (llama-server's last verify, with no room left "
+        f"to draft), and the reference drafts every round, so {s.name}{more} was not compared"
+    )
 
 
 def _fewer_drafts_message(s: Skip, more: str, explained: bool, parting: str | None, rounds) -> str:
-    why = ("the error findings above say why the run drafted differently" if explained else
-           "llama.cpp drafts no more tokens than are left to generate")
-    return (f"the run verified fewer drafts than the reference in round {s.round} ({why}), so {len(s.rows)} rows of "
-            f"{_where(s)} at the end of the reference's batch were not compared{more}")
+    why = (
+        "the error findings above say why the run drafted differently"
+        if explained
+        else "llama.cpp drafts no more tokens than are left to generate"
+    )
+    return (
+        f"the run verified fewer drafts than the reference in round {s.round} ({why}), so {len(s.rows)} rows of "
+        f"{_where(s)} at the end of the reference's batch were not compared{more}"
+    )
 
 
 def _positions(rows: tuple[int, ...]) -> str:
@@ -337,7 +400,11 @@ def _positions(rows: tuple[int, ...]) -> str:
 
 
 _UNPAIRED_MESSAGES = {
-    "token_history": _token_history_message, "position": _position_message,
-    "missing_eval": _missing_eval_message, "failed_eval": _failed_eval_message, "no_rows": _no_rows_message, "no_draft": _no_draft_message,
+    "token_history": _token_history_message,
+    "position": _position_message,
+    "missing_eval": _missing_eval_message,
+    "failed_eval": _failed_eval_message,
+    "no_rows": _no_rows_message,
+    "no_draft": _no_draft_message,
     "fewer_drafts": _fewer_drafts_message,
 }

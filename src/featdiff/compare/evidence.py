@@ -64,12 +64,23 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
     n_extract = _n_extract(ref.manifest, ref_rows.shape[1])
     earlier, earlier_evals = _earlier(ref, pair)
     return Evidence(
-        tensor=pair.run_name, ref=ref_rows, run=run_rows, tolerance=tol, positions=al.positions,
-        ref_all=ref_all, ref_all_positions=pair.ref.positions, run_raw=_run_raw(run, pair, run_rows),
-        candidates=_candidates(ref, pair), n_extract=n_extract,
+        tensor=pair.run_name,
+        ref=ref_rows,
+        run=run_rows,
+        tolerance=tol,
+        positions=al.positions,
+        ref_all=ref_all,
+        ref_all_positions=pair.ref.positions,
+        run_raw=_run_raw(run, pair, run_rows),
+        candidates=_candidates(ref, pair),
+        n_extract=n_extract,
         layers=layer_match(ref, pair, run_rows, n_extract) if n_extract and al.positions else None,
-        rope=_rope(ref.manifest, pair), is_integer=pair.is_integer,
-        earlier=earlier, earlier_evals=earlier_evals, record=pair.name, absent=absent,
+        rope=_rope(ref.manifest, pair),
+        is_integer=pair.is_integer,
+        earlier=earlier,
+        earlier_evals=earlier_evals,
+        record=pair.name,
+        absent=absent,
     )
 
 
@@ -123,9 +134,15 @@ def _earlier(ref: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[int, ...
     if not pair.alignment.positions:
         return None, ()
     role, phase, _ = pair.group
-    records = [r for r in reversed(ref.manifest.records)
-               if r.name == pair.name and r.occurrence == pair.occurrence and r.eval < pair.first_eval
-               and r.role == role and r.phase == phase]
+    records = [
+        r
+        for r in reversed(ref.manifest.records)
+        if r.name == pair.name
+        and r.occurrence == pair.occurrence
+        and r.eval < pair.first_eval
+        and r.role == role
+        and r.phase == phase
+    ]
     rows: list[np.ndarray] = []
     evals: list[int] = []
     for r in records:
@@ -145,34 +162,47 @@ def _rope(manifest: Manifest, pair: Pair) -> Rope | None:
     model = manifest.models.get(pair.group[0], {})
     given = (model.get(k) for k in ROPE_BASE_KEYS) if isinstance(model, dict) else iter(())
     # a base that is no positive number (a hand-edited manifest) is taken as absent, not trusted
-    base = next((float(v) for v in given if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
-                names.ROPE_FREQ_BASE_DEFAULT)
+    base = next(
+        (float(v) for v in given if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+        names.ROPE_FREQ_BASE_DEFAULT,
+    )
     return Rope(n_head=record.shape[1], head_dim=record.shape[2], base=base)
 
 
 # --- the layer-match search ----------------------------------------------------------------------
+
 
 def layer_match(ref: Source, pair: Pair, run_rows: np.ndarray, n_extract: int) -> LayerMatch | None:
     """Sketch each slot of the run's feature rows against the ref's `layer_inp-<L>` at the same
     token histories; None when the reference recorded no layer inputs for those rows."""
     pick = sample_rows(len(run_rows))
     ref_idx = [pair.alignment.rows[i] for i in pick]
-    sources = _target_rows(ref, [pair.ref.contexts[i] for i in ref_idx],
-                           [pair.ref.positions[i] for i in ref_idx], pair.first_eval)
+    sources = _target_rows(
+        ref, [pair.ref.contexts[i] for i in ref_idx], [pair.ref.positions[i] for i in ref_idx], pair.first_eval
+    )
     width = run_rows.shape[1] // n_extract
     layer_inp = _layer_inputs(ref.manifest, {ev for ev, _ in sources or ()}, width)
     if sources is None or not layer_inp:
         return None
     proj = projection(width)
-    layer_sk = np.stack([sketch(_gather(ref, records, sources), proj) for records in layer_inp.values()])  # (n_layer, R, dim)
+    layer_sk = np.stack(
+        [sketch(_gather(ref, records, sources), proj) for records in layer_inp.values()]
+    )  # (n_layer, R, dim)
     slots = slot_sketches(run_rows[pick], n_extract, proj)  # (n_extract, R, dim)
     err, sim = compare_sketches(slots, layer_sk)
-    return LayerMatch(tensor=pair.run_name, layers=tuple(layer_inp), expected_layers=target_layers(ref.manifest),
-                      rel_err=err, similarity=sim, positions=tuple(pair.alignment.positions[i] for i in pick))
+    return LayerMatch(
+        tensor=pair.run_name,
+        layers=tuple(layer_inp),
+        expected_layers=target_layers(ref.manifest),
+        rel_err=err,
+        similarity=sim,
+        positions=tuple(pair.alignment.positions[i] for i in pick),
+    )
 
 
-def _target_rows(ref: Source, contexts: list[int | None], positions: list[int],
-                 before: int) -> list[tuple[int, int]] | None:
+def _target_rows(
+    ref: Source, contexts: list[int | None], positions: list[int], before: int
+) -> list[tuple[int, int]] | None:
     """(target eval, row) holding each requested token history (by position when unknown)."""
     by_ctx: dict[int, tuple[int, int]] = {}
     by_pos: dict[int, tuple[int, int]] = {}
@@ -194,9 +224,14 @@ def _layer_inputs(manifest: Manifest, evals: set[int], width: int) -> dict[int, 
     prefix = names.LAYER_INP + "-"
     found: dict[int, dict[int, Record]] = defaultdict(dict)
     for r in manifest.records:
-        suffix = r.name[len(prefix):]
-        if r.eval in evals and r.name.startswith(prefix) and suffix.isdigit() and r.occurrence == 0 \
-                and int(np.prod(r.shape[1:])) == width:
+        suffix = r.name[len(prefix) :]
+        if (
+            r.eval in evals
+            and r.name.startswith(prefix)
+            and suffix.isdigit()
+            and r.occurrence == 0
+            and int(np.prod(r.shape[1:])) == width
+        ):
             found[int(suffix)][r.eval] = r
     return {L: found[L] for L in sorted(found) if len(found[L]) == len(evals) and evals}
 
@@ -231,11 +266,13 @@ def position_evidence(ref: Source, run: Source) -> list[Evidence]:
             continue
         if not positions or not all(ev.eval in inp_pos for ev in evals):
             continue
-        got = np.concatenate([np.asarray(run.array(inp_pos[ev.eval]), dtype=np.float64).reshape(-1)[:ev.n_tokens]
-                              for ev in evals])[:, None]  # (n_tokens, 1): M-RoPE's extra sections dropped
+        got = np.concatenate(
+            [np.asarray(run.array(inp_pos[ev.eval]), dtype=np.float64).reshape(-1)[: ev.n_tokens] for ev in evals]
+        )[:, None]  # (n_tokens, 1): M-RoPE's extra sections dropped
         expected = np.asarray(positions, dtype=np.float64)[:, None]  # (n_tokens, 1)
-        out.append(Evidence(tensor=names.INP_POS, ref=expected, run=got, tolerance=EXACT,
-                            positions=positions, is_integer=True))
+        out.append(
+            Evidence(tensor=names.INP_POS, ref=expected, run=got, tolerance=EXACT, positions=positions, is_integer=True)
+        )
     return out
 
 

@@ -19,7 +19,7 @@ from featdiff.compare.result import Finding
 from featdiff.dump import Eval, Manifest
 
 MASK_TOKEN_KEY = "mask_token_id"  # the drafter's ModelInfo field in a manifest's `models`
-NO_TOKEN = -1                     # ModelInfo's value for "no mask token recorded"
+NO_TOKEN = -1  # ModelInfo's value for "no mask token recorded"
 TARGET_PHASES = ("prefill", "verify")
 
 
@@ -69,8 +69,13 @@ def batches(manifest: Manifest) -> dict[GroupKey, Batch]:
 
 def check_flow(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
     """Every flow finding, in the order the run met it (the prompt first)."""
-    found = [detect_unpaired_prompt(ref, run), detect_block_token(ref, run), detect_position_offset(ref, run),
-             detect_stale(run), detect_duplicate_rows(run)]
+    found = [
+        detect_unpaired_prompt(ref, run),
+        detect_block_token(ref, run),
+        detect_position_offset(ref, run),
+        detect_stale(run),
+        detect_duplicate_rows(run),
+    ]
     ordered = sorted((f for f in found if f is not None), key=lambda f: f.fields.get("eval", -1))
     note = detect_flow_note(run)
     return tuple(ordered + ([note] if note is not None else []))
@@ -78,24 +83,37 @@ def check_flow(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
 
 # --- the prompt ----------------------------------------------------------------------------------
 
+
 def detect_unpaired_prompt(ref: Manifest, run: Manifest) -> Finding | None:
     """Hypothesis: run and reference were made from different prompts, so no row after the first
     difference shares a token history. Evidence: the tokens each side decoded before its first
     draft differ. (The last prompt token is the first draft block's anchor: a driver that builds
     the block wrongly changes it, and `detect_block_token` names that, not this.)"""
     a, b = _before_first_draft(run), _before_first_draft(ref)
-    if not a or not b or a == b[:len(a)] and not _has_drafts(run) or a == b:
+    if not a or not b or a == b[: len(a)] and not _has_drafts(run) or a == b:
         return None
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     observed = a[i] if i < len(a) else None
     expected = b[i] if i < len(b) else None
-    return Finding(kind="unpaired", tensor="prompt_tokens", severity="error",
-                   message=f"the run decoded another prompt than the reference: they differ at token {i} (run "
-                           f"{observed}, reference {expected}; {len(a)} vs {len(b)} tokens before the first draft), "
-                           f"so no row from position {i} on can be compared; give `featdiff reference --tokens` the "
-                           "prompt the program was given (llama-server: the request plus its first sampled token)",
-                   fields={"reason": "prompt", "row": i, "expected": expected, "observed": observed,
-                           "rows": list(range(i, max(len(a), len(b)))), "records": 0, "evals": [], "round": 0})
+    return Finding(
+        kind="unpaired",
+        tensor="prompt_tokens",
+        severity="error",
+        message=f"the run decoded another prompt than the reference: they differ at token {i} (run "
+        f"{observed}, reference {expected}; {len(a)} vs {len(b)} tokens before the first draft), "
+        f"so no row from position {i} on can be compared; give `featdiff reference --tokens` the "
+        "prompt the program was given (llama-server: the request plus its first sampled token)",
+        fields={
+            "reason": "prompt",
+            "row": i,
+            "expected": expected,
+            "observed": observed,
+            "rows": list(range(i, max(len(a), len(b)))),
+            "records": 0,
+            "evals": [],
+            "round": 0,
+        },
+    )
 
 
 def _has_drafts(m: Manifest) -> bool:
@@ -109,6 +127,7 @@ def _before_first_draft(m: Manifest) -> tuple[int, ...]:
 
 
 # --- the draft block's tokens --------------------------------------------------------------------
+
 
 def mask_token(ref: Manifest, run: Manifest) -> int | None:
     """The drafter's mask token: as the run's manifest states it, else the reference's, else what
@@ -147,21 +166,32 @@ def detect_block_token(ref: Manifest, run: Manifest) -> Finding | None:
             if expected is not None and observed != expected:
                 return _block_finding(block, row, expected, observed, mask, anchor)
         ref_block = ref_batches.get(key)
-        if ref_block is not None and len(ref_block.token_ids) != len(block.token_ids) and run.prompt_tokens == ref.prompt_tokens:
+        if (
+            ref_block is not None
+            and len(ref_block.token_ids) != len(block.token_ids)
+            and run.prompt_tokens == ref.prompt_tokens
+        ):
             return _block_length_finding(block, ref_block)
     return None
 
 
-def _block_finding(block: Batch, row: int, expected: int, observed: int, mask: int | None,
-                   anchor: int | None) -> Finding:
+def _block_finding(
+    block: Batch, row: int, expected: int, observed: int, mask: int | None, anchor: int | None
+) -> Finding:
     what = " (the mask token)" if observed == mask else " (the anchor)" if observed == anchor else ""
-    wanted = (f"the anchor {expected}, the last accepted target token" if row == 0
-              else f"the mask token {expected} in every row after the anchor")
-    return Finding(kind="block_token", tensor=names.INP_NOISE_EMBD, severity="error",
-                   message=f"row {row} of {block.label} is token {observed}{what}; the flow expects {wanted} "
-                           f"(docs/flow.md: the block is [anchor, mask x (B-1)])",
-                   fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2],
-                           "eval": block.eval})
+    wanted = (
+        f"the anchor {expected}, the last accepted target token"
+        if row == 0
+        else f"the mask token {expected} in every row after the anchor"
+    )
+    return Finding(
+        kind="block_token",
+        tensor=names.INP_NOISE_EMBD,
+        severity="error",
+        message=f"row {row} of {block.label} is token {observed}{what}; the flow expects {wanted} "
+        f"(docs/flow.md: the block is [anchor, mask x (B-1)])",
+        fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2], "eval": block.eval},
+    )
 
 
 def _block_length_finding(block: Batch, ref_block: Batch) -> Finding:
@@ -169,15 +199,19 @@ def _block_length_finding(block: Batch, ref_block: Batch) -> Finding:
     row = min(n_run, n_ref)
     expected = ref_block.token_ids[row] if n_ref > n_run else None
     observed = block.token_ids[row] if n_run > n_ref else None
-    return Finding(kind="block_token", tensor=names.INP_NOISE_EMBD, severity="error",
-                   message=f"{block.label} has {n_run} rows where the reference's has {n_ref}; llama.cpp drafts "
-                           f"--spec-draft-n-max + 1 rows (anchor-first DSpark: n-max): make the reference's block as long as the run's "
-                           f"(`featdiff reference --run run.npz`, or --block {n_run})",
-                   fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2],
-                           "eval": block.eval})
+    return Finding(
+        kind="block_token",
+        tensor=names.INP_NOISE_EMBD,
+        severity="error",
+        message=f"{block.label} has {n_run} rows where the reference's has {n_ref}; llama.cpp drafts "
+        f"--spec-draft-n-max + 1 rows (anchor-first DSpark: n-max): make the reference's block as long as the run's "
+        f"(`featdiff reference --run run.npz`, or --block {n_run})",
+        fields={"row": row, "expected": expected, "observed": observed, "round": block.key[2], "eval": block.eval},
+    )
 
 
 # --- positions -----------------------------------------------------------------------------------
+
 
 def detect_position_offset(ref: Manifest, run: Manifest) -> Finding | None:
     """Hypothesis: a batch was placed at positions off by a constant (inject rows one position
@@ -212,7 +246,7 @@ def _cut_short(batch: Batch, ref_batch: Batch) -> bool:
 def _same_token_ids(batch: Batch, ref_batch: Batch) -> bool:
     """Same tokens; a verify (or its inject) may be the reference's cut short (align.is_cut_short)."""
     if _cut_short(batch, ref_batch):
-        return batch.token_ids == ref_batch.token_ids[:len(batch.token_ids)]
+        return batch.token_ids == ref_batch.token_ids[: len(batch.token_ids)]
     return batch.token_ids == ref_batch.token_ids
 
 
@@ -223,21 +257,35 @@ def _decoded_alike(batch: Batch, ref_batch: Batch) -> bool:
     return _same_token_ids(batch, ref_batch) and batch.positions == expected
 
 
-def _at_verify(found: Finding, block: Batch, run_batches: dict[GroupKey, Batch],
-               ref_batches: dict[GroupKey, Batch]) -> Finding | None:
+def _at_verify(
+    found: Finding, block: Batch, run_batches: dict[GroupKey, Batch], ref_batches: dict[GroupKey, Batch]
+) -> Finding | None:
     """A draft block off by k whose verify starts where it starts: the target's n_past is off,
     and the block follows it; named at the verify, where n_past is the target's."""
     rnd = block.key[2]
     verify = run_batches.get(("target", "verify", rnd))
-    if block.key[:2] != DRAFT_GROUP or verify is None or not verify.positions or verify.positions[0] != block.positions[0]:
+    if (
+        block.key[:2] != DRAFT_GROUP
+        or verify is None
+        or not verify.positions
+        or verify.positions[0] != block.positions[0]
+    ):
         return None
     k = found.fields["offset"]
     ref_verify = ref_batches.get(verify.key)
-    expected = (f"the reference's {_span(ref_verify.positions)}" if ref_verify is not None
-                else f"a start at {verify.positions[0] - k}")
+    expected = (
+        f"the reference's {_span(ref_verify.positions)}"
+        if ref_verify is not None
+        else f"a start at {verify.positions[0] - k}"
+    )
     where = f"after the accept of round {rnd - 1}" if rnd > 1 else "after the prefill"
-    return _position_finding(verify, k, expected, f"n_past drifted {where}: its draft block is off by the same "
-                             f"{k:+d}; the next block starts at pos0 + accepted + 1")
+    return _position_finding(
+        verify,
+        k,
+        expected,
+        f"n_past drifted {where}: its draft block is off by the same "
+        f"{k:+d}; the next block starts at pos0 + accepted + 1",
+    )
 
 
 def _constant_offset(observed: tuple[int, ...], expected: tuple[int, ...]) -> int | None:
@@ -263,8 +311,13 @@ def _offset_from_flow(batch: Batch, run_batches: dict[GroupKey, Batch]) -> Findi
         if carried is None:
             return None
         k = _constant_offset(batch.positions, carried.positions)
-        return None if k is None else _position_finding(
-            batch, k, f"those of the target rows it carries, {_span(carried.positions)}", _hint(batch))
+        return (
+            None
+            if k is None
+            else _position_finding(
+                batch, k, f"those of the target rows it carries, {_span(carried.positions)}", _hint(batch)
+            )
+        )
     start = _expected_start(batch, run_batches)
     if start is None or batch.positions[0] == start:
         return None
@@ -287,8 +340,9 @@ def _expected_start(batch: Batch, run_batches: dict[GroupKey, Batch]) -> int | N
 
 def _target_before(batch: Batch, run_batches: dict[GroupKey, Batch]) -> Batch | None:
     """The target batch an inject batch carries: the last target prefill/verify decoded before it."""
-    before = [b for b in run_batches.values() if b.key[0] == "target" and b.key[1] in TARGET_PHASES
-              and b.eval < batch.eval]
+    before = [
+        b for b in run_batches.values() if b.key[0] == "target" and b.key[1] in TARGET_PHASES and b.eval < batch.eval
+    ]
     return before[-1] if before else None
 
 
@@ -303,15 +357,25 @@ def _hint(batch: Batch) -> str:
 
 def _position_finding(batch: Batch, k: int, expected: str, hint: str) -> Finding:
     role, phase, rnd = batch.key
-    late = "one position late" if k == 1 else "one position early" if k == -1 else f"{abs(k)} positions " + \
-        ("late" if k > 0 else "early")
-    return Finding(kind="position_offset", tensor=names.INP_POS, severity="error",
-                   message=f"positions of {batch.label} are off by {k:+d} ({late}): the run decoded it at "
-                           f"{_span(batch.positions)} where the flow expects {expected}; {hint}",
-                   fields={"offset": k, "role": role, "phase": phase, "round": rnd, "eval": batch.eval})
+    late = (
+        "one position late"
+        if k == 1
+        else "one position early"
+        if k == -1
+        else f"{abs(k)} positions " + ("late" if k > 0 else "early")
+    )
+    return Finding(
+        kind="position_offset",
+        tensor=names.INP_POS,
+        severity="error",
+        message=f"positions of {batch.label} are off by {k:+d} ({late}): the run decoded it at "
+        f"{_span(batch.positions)} where the flow expects {expected}; {hint}",
+        fields={"offset": k, "role": role, "phase": phase, "round": rnd, "eval": batch.eval},
+    )
 
 
 # --- what the producer inferred ------------------------------------------------------------------
+
 
 def detect_flow_note(run: Manifest) -> Finding | None:
     """Hypothesis: the run broke the flow's convention where the producer had to infer phases and
@@ -319,13 +383,18 @@ def detect_flow_note(run: Manifest) -> Finding | None:
     if not run.flow_notes:
         return None
     more = f" ({len(run.flow_notes) - 1} more notes)" if len(run.flow_notes) > 1 else ""
-    return Finding(kind="flow_note", tensor="flow_notes", severity="error",
-                   message=f"the capture inferred the flow from a run that broke its convention: "
-                           f"{run.flow_notes[0].rstrip('.')}{more}; phases and rounds there may be wrong",
-                   fields={"notes": list(run.flow_notes)})
+    return Finding(
+        kind="flow_note",
+        tensor="flow_notes",
+        severity="error",
+        message=f"the capture inferred the flow from a run that broke its convention: "
+        f"{run.flow_notes[0].rstrip('.')}{more}; phases and rounds there may be wrong",
+        fields={"notes": list(run.flow_notes)},
+    )
 
 
 # --- where the token histories part ---------------------------------------------------------------
+
 
 def history_divergence(ref: Manifest, run: Manifest) -> str | None:
     """Where the run first decoded other tokens, or at other positions, than the reference (a
@@ -338,6 +407,8 @@ def history_divergence(ref: Manifest, run: Manifest) -> str | None:
         if batch is None:
             return None
         if not _decoded_alike(batch, ref_batch):
-            return (f"{batch.label}: the run decoded {list(batch.token_ids)} at {_span(batch.positions)}, the "
-                    f"reference {list(ref_batch.token_ids)} at {_span(ref_batch.positions)}")
+            return (
+                f"{batch.label}: the run decoded {list(batch.token_ids)} at {_span(batch.positions)}, the "
+                f"reference {list(ref_batch.token_ids)} at {_span(ref_batch.positions)}"
+            )
     return None

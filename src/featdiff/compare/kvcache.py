@@ -14,7 +14,7 @@ from featdiff import names
 from featdiff.compare.result import Finding
 from featdiff.dump import Eval, Manifest, MemoryOp
 
-CLEAR_OP = "clear"                # a MemoryOp that empties the context (llama_memory_clear)
+CLEAR_OP = "clear"  # a MemoryOp that empties the context (llama_memory_clear)
 KV_TENSOR = f"{names.KCUR_INJECTED}-*"  # what the draft KV cache holds: the injected K/V rows
 
 
@@ -69,18 +69,34 @@ def detect_stale(run: Manifest) -> Finding | None:
     verify, an earlier draft block), so the drafter attends to them. Evidence: following the
     run's `memory_ops`, the cache holds a position >= n_past when a draft block starts at n_past."""
     for state in draft_cache_states(run):
-        left = sorted({(pos, evs[-1]) for (seq, pos), evs in state.held.items()
-                       if seq in _block_seqs(state) and pos >= state.n_past})
+        left = sorted(
+            {
+                (pos, evs[-1])
+                for (seq, pos), evs in state.held.items()
+                if seq in _block_seqs(state) and pos >= state.n_past
+            }
+        )
         if left:
             rows = sorted({p for p, _ in left})
             source = left[0][1]
-            detail = (f"the draft KV cache holds positions {span(rows)} (written by eval {source}) when the draft "
-                      f"block of round {state.block.round} starts at n_past {state.n_past}")
-            return Finding(kind="stale", tensor=KV_TENSOR, severity="error",
-                           message=f"{detail}; the flow removes every row at or beyond n_past after the accept "
-                                   f"and after each draft block (llama_memory_seq_rm(seq, n_past, -1))",
-                           fields={"rows": rows, "detail": detail, "source_eval": source,
-                                   "round": state.block.round, "eval": state.block.eval})
+            detail = (
+                f"the draft KV cache holds positions {span(rows)} (written by eval {source}) when the draft "
+                f"block of round {state.block.round} starts at n_past {state.n_past}"
+            )
+            return Finding(
+                kind="stale",
+                tensor=KV_TENSOR,
+                severity="error",
+                message=f"{detail}; the flow removes every row at or beyond n_past after the accept "
+                f"and after each draft block (llama_memory_seq_rm(seq, n_past, -1))",
+                fields={
+                    "rows": rows,
+                    "detail": detail,
+                    "source_eval": source,
+                    "round": state.block.round,
+                    "eval": state.block.eval,
+                },
+            )
     return None
 
 
@@ -93,15 +109,23 @@ def detect_duplicate_rows(run: Manifest) -> Finding | None:
     if found is not None or not run.memory_ops:
         return found or _injected_twice(run)
     for state in draft_cache_states(run):
-        twice = {pos: evs for (seq, pos), evs in state.held.items()
-                 if seq in _block_seqs(state) and pos < state.n_past and len(evs) > 1}
+        twice = {
+            pos: evs
+            for (seq, pos), evs in state.held.items()
+            if seq in _block_seqs(state) and pos < state.n_past and len(evs) > 1
+        }
         if twice:
             rows = sorted(twice)
             sources = sorted({e for evs in twice.values() for e in evs})
-            return _duplicate_finding(rows, sources, state.block.round, state.block.eval,
-                                      f"positions {span(rows)} are held twice in the draft KV cache when the draft "
-                                      f"block of round {state.block.round} starts (written by evals "
-                                      f"{', '.join(map(str, sources))})")
+            return _duplicate_finding(
+                rows,
+                sources,
+                state.block.round,
+                state.block.eval,
+                f"positions {span(rows)} are held twice in the draft KV cache when the draft "
+                f"block of round {state.block.round} starts (written by evals "
+                f"{', '.join(map(str, sources))})",
+            )
     return None
 
 
@@ -118,10 +142,13 @@ def _batch_repeats(run: Manifest) -> Finding | None:
                 again.add(p)
             seen.add((seq, p))
         if again:
-            held = (f"the inject batch of round {ev.round} carries positions {span(sorted(again))} twice; llama.cpp "
-                    f"refused it (rc {ev.rc})" if ev.rc else
-                    f"positions {span(sorted(again))} are held twice in the draft KV cache: the inject batch of "
-                    f"round {ev.round} carries each of them twice")
+            held = (
+                f"the inject batch of round {ev.round} carries positions {span(sorted(again))} twice; llama.cpp "
+                f"refused it (rc {ev.rc})"
+                if ev.rc
+                else f"positions {span(sorted(again))} are held twice in the draft KV cache: the inject batch of "
+                f"round {ev.round} carries each of them twice"
+            )
             return _duplicate_finding(sorted(again), [ev.eval], ev.round, ev.eval, held)
     return None
 
@@ -142,17 +169,26 @@ def _injected_twice(run: Manifest) -> Finding | None:
             if again:
                 sources = sorted(set(again.values()) | {ev.eval})
                 rows = sorted(again)
-                return _duplicate_finding(rows, sources, rnd, ev.eval,
-                                          f"positions {span(rows)} are held twice in the draft KV cache by two inject "
-                                          f"evals of round {rnd} (evals {', '.join(map(str, sources))})")
+                return _duplicate_finding(
+                    rows,
+                    sources,
+                    rnd,
+                    ev.eval,
+                    f"positions {span(rows)} are held twice in the draft KV cache by two inject "
+                    f"evals of round {rnd} (evals {', '.join(map(str, sources))})",
+                )
     return None
 
 
 def _duplicate_finding(rows: list[int], sources: list[int], rnd: int, eval_index: int, what: str) -> Finding:
-    return Finding(kind="duplicate_rows", tensor=KV_TENSOR, severity="error",
-                   message=f"{what}; inject each target row once (remove rows with llama_memory_seq_rm before "
-                           f"injecting the same positions again)",
-                   fields={"rows": rows, "source_evals": sources, "round": rnd, "eval": eval_index})
+    return Finding(
+        kind="duplicate_rows",
+        tensor=KV_TENSOR,
+        severity="error",
+        message=f"{what}; inject each target row once (remove rows with llama_memory_seq_rm before "
+        f"injecting the same positions again)",
+        fields={"rows": rows, "source_evals": sources, "round": rnd, "eval": eval_index},
+    )
 
 
 def span(positions) -> str:

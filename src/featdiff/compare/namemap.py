@@ -64,12 +64,18 @@ def read_name_map(path: Path | None) -> NameMap:
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise InputError(f"{path}: not a readable TOML name map ({e}); see src/featdiff/compare/maps/dspark.toml for the format") from None
+        raise InputError(
+            f"{path}: not a readable TOML name map ({e}); see src/featdiff/compare/maps/dspark.toml for the format"
+        ) from None
     names = raw.get("names", {})
     fork_only = raw.get("fork_only", {}).get("names", [])
     if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
         raise InputError(f"{path}: [names] must map run names to ref names (strings); fix the table")
     if not isinstance(fork_only, list) or not all(isinstance(v, str) for v in fork_only):
         raise InputError(f"{path}: [fork_only] names must be a list of strings; fix the table")
-    return NameMap(fork=str(raw.get("fork", Path(path).stem)), path=str(path),
-                   rules=tuple(names.items()), fork_only=tuple(fork_only))
+    return NameMap(
+        fork=str(raw.get("fork", Path(path).stem)),
+        path=str(path),
+        rules=tuple(names.items()),
+        fork_only=tuple(fork_only),
+    )

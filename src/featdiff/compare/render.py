@@ -53,8 +53,10 @@ def verdict(c: Comparison) -> str:
     """One line: pass/fail, the count of findings, where the run first diverges, and the coverage."""
     errors = [f for f in c.findings if f.severity == "error"]
     if not errors:
-        return f"OK: no error finding over {c.coverage.pairs} compared records ({c.coverage.rows} rows); " \
-               f"{c.coverage.skipped_phrase()}"
+        return (
+            f"OK: no error finding over {c.coverage.pairs} compared records ({c.coverage.rows} rows); "
+            f"{c.coverage.skipped_phrase()}"
+        )
     where = ""
     if c.first_divergence is not None:
         p = c.pairs[c.first_divergence]
@@ -79,13 +81,26 @@ def _records_table(pairs: tuple[PairMetrics, ...]) -> Table:
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     for col in ("eval", "phase", "tensor", "nmse", "tol", "cos", "max|d|", ""):
         numeric = col in ("eval", "nmse", "tol", "cos", "max|d|")
-        table.add_column(col, justify="right" if numeric else "left", no_wrap=True, overflow="ellipsis",
-                         min_width=len("inherited") if col == "" else None)
+        table.add_column(
+            col,
+            justify="right" if numeric else "left",
+            no_wrap=True,
+            overflow="ellipsis",
+            min_width=len("inherited") if col == "" else None,
+        )
     for p in pairs:
         status = "ok" if p.within else ("inherited" if p.inherited else "[bold red]DIVERGES[/]")
         name = p.name if not p.run_name else f"{p.run_name} ({p.name})"
-        table.add_row(str(p.eval), p.phase, f"{name}#{p.occurrence}" if p.occurrence else name,
-                      _fmt(p.nmse), _fmt(p.tolerance), _fmt(p.cos_min), _fmt(p.max_abs), status)
+        table.add_row(
+            str(p.eval),
+            p.phase,
+            f"{name}#{p.occurrence}" if p.occurrence else name,
+            _fmt(p.nmse),
+            _fmt(p.tolerance),
+            _fmt(p.cos_min),
+            _fmt(p.max_abs),
+            status,
+        )
     return table
 
 

@@ -22,23 +22,41 @@ from featdiff.names import Role
 SCHEMA_VERSION = 1
 Severity = Literal["error", "info"]
 Kind = Literal[
-    "layer_offset", "slot_permutation", "layout_transpose", "row_shift", "position_offset",
-    "missing_term", "extra_term", "scale", "wrong_source", "not_conditioned", "zeros",
-    "nonfinite", "stale", "missing_tensor", "unexpected_tensor", "divergence", "numeric_noise",
-    "unpaired", "block_token", "duplicate_rows", "flow_note",
+    "layer_offset",
+    "slot_permutation",
+    "layout_transpose",
+    "row_shift",
+    "position_offset",
+    "missing_term",
+    "extra_term",
+    "scale",
+    "wrong_source",
+    "not_conditioned",
+    "zeros",
+    "nonfinite",
+    "stale",
+    "missing_tensor",
+    "unexpected_tensor",
+    "divergence",
+    "numeric_noise",
+    "unpaired",
+    "block_token",
+    "duplicate_rows",
+    "flow_note",
 ]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
+SkipSide = Literal["both", "ref", "run"]  # where the records of a skip are
 # Why a record set (or some of its rows) was not compared (docs/findings.md, `coverage`).
 SkipReason = Literal[
     "token_history",  # rows computed from another token history than the reference's rows there
-    "position",       # rows at positions the other side has no row at, in that eval group
-    "missing_eval",   # an eval group (role, phase, round) one side lacks
-    "failed_eval",    # the run's decodes of that eval group failed: llama.cpp refused the batch (Eval.rc)
-    "no_rows",        # the run output rows where the reference output none (llama-server's prefill)
-    "no_draft",       # a run round without a draft (llama-server's last verify): the reference drafts every round
-    "fewer_drafts",   # the run verified fewer drafts than the reference (llama.cpp's length budget)
-    "warmup",         # warm-up and probe decodes outside the flow
-    "empty",          # no element on either side
+    "position",  # rows at positions the other side has no row at, in that eval group
+    "missing_eval",  # an eval group (role, phase, round) one side lacks
+    "failed_eval",  # the run's decodes of that eval group failed: llama.cpp refused the batch (Eval.rc)
+    "no_rows",  # the run output rows where the reference output none (llama-server's prefill)
+    "no_draft",  # a run round without a draft (llama-server's last verify): the reference drafts every round
+    "fewer_drafts",  # the run verified fewer drafts than the reference (llama.cpp's length budget)
+    "warmup",  # warm-up and probe decodes outside the flow
+    "empty",  # no element on either side
 ]
 SKIP_REASONS: tuple[str, ...] = SkipReason.__args__  # type: ignore[attr-defined]
 EXPECTED_SKIPS = ("no_rows", "no_draft", "fewer_drafts", "warmup", "empty")  # skips the flow explains: never an error
@@ -55,14 +73,28 @@ class Finding:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(sorted({**self.fields, "kind": self.kind, "tensor": self.tensor,
-                            "severity": self.severity, "message": self.message}.items()))
+        return dict(
+            sorted(
+                {
+                    **self.fields,
+                    "kind": self.kind,
+                    "tensor": self.tensor,
+                    "severity": self.severity,
+                    "message": self.message,
+                }.items()
+            )
+        )
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Finding:
         core = {"kind", "tensor", "severity", "message"}
-        return Finding(kind=d["kind"], tensor=d["tensor"], severity=d["severity"],
-                       message=d["message"], fields={k: v for k, v in d.items() if k not in core})
+        return Finding(
+            kind=d["kind"],
+            tensor=d["tensor"],
+            severity=d["severity"],
+            message=d["message"],
+            fields={k: v for k, v in d.items() if k not in core},
+        )
 
 
 @dataclass(frozen=True)
@@ -71,14 +103,14 @@ class Alignment:
 
     ref_key: str
     run_key: str
-    name_map: str = ""          # "" or "<run name> -> <ref name>" when a name map applied
-    layout: str = "same"        # e.g. "same", "(T, n_head, head_dim) -> (T, n_embd)"
+    name_map: str = ""  # "" or "<run name> -> <ref name>" when a name map applied
+    layout: str = "same"  # e.g. "same", "(T, n_head, head_dim) -> (T, n_embd)"
     rows: tuple[int, ...] = ()  # ref row index for each run row (by positions); () = identity
     positions: tuple[int, ...] = ()  # the positions of the compared rows
-    run_rows: tuple[int, ...] = ()   # run row index of each compared row; () = identity
-    comparable: bool = True          # False: the shapes could not be reconciled (see `layout`)
-    note: str = ""                   # e.g. rows left out because the two histories differ
-    history_rows: tuple[int, ...] = ()   # positions of run rows left out: another token history
+    run_rows: tuple[int, ...] = ()  # run row index of each compared row; () = identity
+    comparable: bool = True  # False: the shapes could not be reconciled (see `layout`)
+    note: str = ""  # e.g. rows left out because the two histories differ
+    history_rows: tuple[int, ...] = ()  # positions of run rows left out: another token history
     unmatched_rows: tuple[int, ...] = ()  # positions (either side) with no row there on the other
 
     def to_json(self) -> dict[str, Any]:
@@ -100,14 +132,14 @@ class PairMetrics:
     cos_median: float
     rel_p50: float
     rel_p99: float
-    tolerance: float   # on nmse
+    tolerance: float  # on nmse
     within: bool
     row_rel_err: tuple[float, ...] = ()  # per compared row: ||run-ref|| / ||ref||
-    positions: tuple[int, ...] = ()      # the position of each compared row
+    positions: tuple[int, ...] = ()  # the position of each compared row
     round: int = 0
-    run_name: str = ""                   # the run's own name when a name map renamed it
-    row_tolerance: float = 0.0           # on each row's relative error
-    inherited: bool = False              # beyond tolerance, but so is an input it depends on
+    run_name: str = ""  # the run's own name when a name map renamed it
+    row_tolerance: float = 0.0  # on each row's relative error
+    inherited: bool = False  # beyond tolerance, but so is an input it depends on
     tolerance_sources: tuple[str, ...] = ()  # what the tolerance allows for: "f32", "f16 KV cache", ...
 
     def to_json(self) -> dict[str, Any]:
@@ -139,13 +171,13 @@ class Skip:
     role: Role
     phase: str
     round: int
-    name: str            # the reference's name (the run's, mapped, when only the run has it)
+    name: str  # the reference's name (the run's, mapped, when only the run has it)
     occurrence: int
     reason: SkipReason
-    side: Literal["both", "ref", "run"]  # "both": the pair exists, some or all rows were left out
-    whole: bool          # no row (no element) of the record set was compared
-    records: int         # records (one per eval) the set stacks
-    rows: tuple[int, ...] = ()   # positions of the rows left out (either side); () = not row-wise
+    side: SkipSide  # "both": the pair exists, some or all rows were left out
+    whole: bool  # no row (no element) of the record set was compared
+    records: int  # records (one per eval) the set stacks
+    rows: tuple[int, ...] = ()  # positions of the rows left out (either side); () = not row-wise
     evals: tuple[int, ...] = ()  # the evals holding them (the run's, or the ref's when only it has them)
 
     @property
@@ -165,9 +197,19 @@ class Skip:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Skip:
-        return Skip(role=d["role"], phase=d["phase"], round=int(d["round"]), name=d["name"],
-                    occurrence=int(d["occurrence"]), reason=d["reason"], side=d["side"], whole=bool(d["whole"]),
-                    records=int(d["records"]), rows=tuple(d["rows"]), evals=tuple(d["evals"]))
+        return Skip(
+            role=d["role"],
+            phase=d["phase"],
+            round=int(d["round"]),
+            name=d["name"],
+            occurrence=int(d["occurrence"]),
+            reason=d["reason"],
+            side=d["side"],
+            whole=bool(d["whole"]),
+            records=int(d["records"]),
+            rows=tuple(d["rows"]),
+            evals=tuple(d["evals"]),
+        )
 
 
 SIDE_NAMES = {"both": "both sides", "ref": "only the reference", "run": "only the run"}
@@ -188,11 +230,11 @@ SKIP_SENTENCES = {
 class Coverage:
     """What compare compared and what it did not: the base an OK verdict rests on."""
 
-    pairs: int = 0       # record sets compared (at least one row, or a whole non-row record)
-    rows: int = 0        # rows compared, over all of them
+    pairs: int = 0  # record sets compared (at least one row, or a whole non-row record)
+    rows: int = 0  # rows compared, over all of them
     skips: tuple[Skip, ...] = ()
-    ref_only: int = 0    # ref record sets whose name the run never has in that eval group
-    run_only: int = 0    # run record sets whose name the reference never has in that eval group
+    ref_only: int = 0  # ref record sets whose name the run never has in that eval group
+    run_only: int = 0  # run record sets whose name the reference never has in that eval group
 
     @property
     def unexpected(self) -> tuple[Skip, ...]:
@@ -217,27 +259,43 @@ class Coverage:
     def skipped_phrase(self) -> str:
         """`0 skipped`, or the record sets and rows left out; then what the flow explains."""
         n, rows = self.pairs_skipped, self.rows_skipped
-        head = "0 skipped" if not self.unexpected else \
-            f"{n} record set{'s' * (n != 1)} skipped" + (f", {rows} rows left out" if rows else "")
+        head = (
+            "0 skipped"
+            if not self.unexpected
+            else f"{n} record set{'s' * (n != 1)} skipped" + (f", {rows} rows left out" if rows else "")
+        )
         if not self.expected:
             return head
         n_exp = sum(1 for s in self.expected if s.whole)
         rows_exp = sum(len(s.rows) for s in self.expected)
         reasons = ", ".join(dict.fromkeys(s.reason for s in self.expected))
-        return (f"{head} ({n_exp} record set{'s' * (n_exp != 1)}" + (f", {rows_exp} rows" if rows_exp else "")
-                + f" left out as expected: {reasons})")
+        return (
+            f"{head} ({n_exp} record set{'s' * (n_exp != 1)}"
+            + (f", {rows_exp} rows" if rows_exp else "")
+            + f" left out as expected: {reasons})"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"pairs": self.pairs, "rows": self.rows, "pairs_skipped": self.pairs_skipped,
-                "rows_skipped": self.rows_skipped, "skips_expected": len(self.expected),
-                "ref_only": self.ref_only, "run_only": self.run_only,
-                "skipped": [s.to_json() for s in self.skips]}
+        return {
+            "pairs": self.pairs,
+            "rows": self.rows,
+            "pairs_skipped": self.pairs_skipped,
+            "rows_skipped": self.rows_skipped,
+            "skips_expected": len(self.expected),
+            "ref_only": self.ref_only,
+            "run_only": self.run_only,
+            "skipped": [s.to_json() for s in self.skips],
+        }
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Coverage:
-        return Coverage(pairs=int(d["pairs"]), rows=int(d["rows"]),
-                        skips=tuple(Skip.from_json(s) for s in d["skipped"]),
-                        ref_only=int(d["ref_only"]), run_only=int(d["run_only"]))
+        return Coverage(
+            pairs=int(d["pairs"]),
+            rows=int(d["rows"]),
+            skips=tuple(Skip.from_json(s) for s in d["skipped"]),
+            ref_only=int(d["ref_only"]),
+            run_only=int(d["run_only"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -250,13 +308,13 @@ class Comparison:
     pairs: tuple[PairMetrics, ...]
     alignments: tuple[Alignment, ...]
     first_divergence: int | None = None  # index into `pairs`
-    skipped: tuple[str, ...] = ()        # pairs not compared, one line each (no common rows, ...)
+    skipped: tuple[str, ...] = ()  # pairs not compared, one line each (no common rows, ...)
     types: dict[str, Any] = field(default_factory=dict)  # the types the tolerance model used
     coverage: Coverage = Coverage()
     map_path: str | None = None  # the name map (--map) compare applied, if any
     versions: dict[str, str | None] = field(default_factory=dict)  # featdiff's, and the run's llama.cpp
     layer_match: LayerMatch | None = None  # the first injected features x the target's layer inputs
-    row_shift: RowShift | None = None      # run rows x ref rows of the first divergent record
+    row_shift: RowShift | None = None  # run rows x ref rows of the first divergent record
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -269,18 +327,33 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         """The findings JSON (docs/findings.md; its schema: docs/findings.schema.json)."""
-        return {"schema_version": SCHEMA_VERSION, "versions": self.versions, "ok": self.ok,
-                "findings": [f.to_json() for f in self.findings],
-                "records": [p.to_json() for p in self.pairs], "coverage": self.coverage.to_json(),
-                "first_divergence": self._first_divergence_json(), "types": self.types,
-                "layer_match": None if self.layer_match is None else self.layer_match.to_json(),
-                "row_shift": None if self.row_shift is None else self.row_shift.to_json()}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "versions": self.versions,
+            "ok": self.ok,
+            "findings": [f.to_json() for f in self.findings],
+            "records": [p.to_json() for p in self.pairs],
+            "coverage": self.coverage.to_json(),
+            "first_divergence": self._first_divergence_json(),
+            "types": self.types,
+            "layer_match": None if self.layer_match is None else self.layer_match.to_json(),
+            "row_shift": None if self.row_shift is None else self.row_shift.to_json(),
+        }
 
     def _first_divergence_json(self) -> dict[str, Any] | None:
         """Which record first diverges (`record`: its index in `records`), or None."""
         if self.first_divergence is None:
             return None
         p = self.pairs[self.first_divergence]
-        return {"record": self.first_divergence, "role": p.role, "phase": p.phase, "round": p.round,
-                "eval": p.eval, "name": p.name, "run_name": p.run_name or p.name, "occurrence": p.occurrence,
-                "nmse": p.nmse, "tolerance": p.tolerance}
+        return {
+            "record": self.first_divergence,
+            "role": p.role,
+            "phase": p.phase,
+            "round": p.round,
+            "eval": p.eval,
+            "name": p.name,
+            "run_name": p.run_name or p.name,
+            "occurrence": p.occurrence,
+            "nmse": p.nmse,
+            "tolerance": p.tolerance,
+        }

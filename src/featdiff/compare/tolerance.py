@@ -35,9 +35,15 @@ REL_KV_F16 = 5e-4
 # 2**(8 - bits), and capped by MAX_REL.
 REL_KV_Q8_0 = 1.5e-2
 REL_KV: dict[str, float] = {
-    "f32": 0.0, "f16": REL_KV_F16, "bf16": 8 * REL_KV_F16,
-    "q8_0": REL_KV_Q8_0, "q5_0": 8 * REL_KV_Q8_0, "q5_1": 8 * REL_KV_Q8_0,
-    "q4_0": 16 * REL_KV_Q8_0, "q4_1": 16 * REL_KV_Q8_0, "iq4_nl": 16 * REL_KV_Q8_0,
+    "f32": 0.0,
+    "f16": REL_KV_F16,
+    "bf16": 8 * REL_KV_F16,
+    "q8_0": REL_KV_Q8_0,
+    "q5_0": 8 * REL_KV_Q8_0,
+    "q5_1": 8 * REL_KV_Q8_0,
+    "q4_0": 16 * REL_KV_Q8_0,
+    "q4_1": 16 * REL_KV_Q8_0,
+    "iq4_nl": 16 * REL_KV_Q8_0,
 }
 REL_KV_UNKNOWN = 16 * REL_KV_Q8_0  # a cache type this table does not know: treated like a 4-bit type
 # Weights the run dequantizes (and, on CPU, activations it quantizes to q8 for the dot product).
@@ -45,11 +51,21 @@ REL_KV_UNKNOWN = 16 * REL_KV_Q8_0  # a cache type this table does not know: trea
 # the embeddings alone 6.1e-3. The other types are not measured: scaled from q8_0 by their
 # quantization step, 2**(8 - bits) (k-quants counted one bit better), and capped by MAX_REL.
 REL_WEIGHT: dict[str, float] = {
-    "f32": 0.0, "f16": 1e-3, "bf16": 8e-3,
-    "q8_0": 3e-2, "q8_1": 3e-2, "q8_k": 3e-2, "q6_k": 6e-2,
-    "q5_0": 1.2e-1, "q5_1": 1.2e-1, "q5_k": 6e-2,
-    "q4_0": 2.4e-1, "q4_1": 2.4e-1, "q4_k": 1.2e-1,
-    "q3_k": 2.4e-1, "q2_k": 4.8e-1,
+    "f32": 0.0,
+    "f16": 1e-3,
+    "bf16": 8e-3,
+    "q8_0": 3e-2,
+    "q8_1": 3e-2,
+    "q8_k": 3e-2,
+    "q6_k": 6e-2,
+    "q5_0": 1.2e-1,
+    "q5_1": 1.2e-1,
+    "q5_k": 6e-2,
+    "q4_0": 2.4e-1,
+    "q4_1": 2.4e-1,
+    "q4_k": 1.2e-1,
+    "q3_k": 2.4e-1,
+    "q2_k": 4.8e-1,
 }
 REL_WEIGHT_UNKNOWN = 2.4e-1  # a type this table does not know: treated like a 4-bit type
 # The reference's own compute dtype (`featdiff reference --dtype`): unit roundoff of the format.
@@ -65,8 +81,14 @@ MAX_REL = 0.2
 ROW_SLACK = 8.0
 # Names whose values never pass through attention: token embeddings, positions, the log-SNR
 # features, term and sum.
-PRE_ATTENTION = (names.TARGET_EMBD, names.INP_EMBD, names.INP_NOISE_EMBD, names.INP_POS, *names.LOG_SNR_RECORDS,
-                 names.layer_name(names.LAYER_INP, 0))
+PRE_ATTENTION = (
+    names.TARGET_EMBD,
+    names.INP_EMBD,
+    names.INP_NOISE_EMBD,
+    names.INP_POS,
+    *names.LOG_SNR_RECORDS,
+    names.layer_name(names.LAYER_INP, 0),
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +100,7 @@ class Tolerance:
 
     @property
     def nmse(self) -> float:
-        return self.rel ** 2
+        return self.rel**2
 
     @property
     def row_rel(self) -> float:
@@ -101,10 +123,10 @@ def type_info(ref: Manifest, run: Manifest) -> TypeInfo:
     """The types the run and the reference computed with, as their manifests state them
     (dump.Build: the run's KV cache types per role, K and V; the reference's compute dtype)."""
     kv = max(run.build_info.kv_cache_types, key=_kv_rel)
-    weight_types = {str(t).lower() for m in run.models.values() if isinstance(m, dict)
-                    for t in m.get("weight_types", ())}
-    return TypeInfo(kv_type=kv, quant_types=tuple(sorted(weight_types - {"f32"})),
-                    ref_dtype=ref.build_info.dtype)
+    weight_types = {
+        str(t).lower() for m in run.models.values() if isinstance(m, dict) for t in m.get("weight_types", ())
+    }
+    return TypeInfo(kv_type=kv, quant_types=tuple(sorted(weight_types - {"f32"})), ref_dtype=ref.build_info.dtype)
 
 
 def _kv_rel(kv_type: str) -> float:

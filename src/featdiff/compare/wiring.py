@@ -25,6 +25,7 @@ OTHER_HYPOTHESES = (names.HYP_SLOTS, names.HYP_NO_LOG_SNR.partition("=")[0])
 
 # --- feature slots -------------------------------------------------------------------------------
 
+
 def _layer_matched(lm: LayerMatch, slot: int, tol: Tolerance) -> bool:
     return lm.closest_error(slot) <= tol.rel * LAYER_MATCH_SLACK
 
@@ -36,19 +37,34 @@ def detect_layer_offset(ev: Evidence) -> Finding | None:
     if lm is None:
         return None
     observed = lm.closest_layers
-    off = [k for k, (o, e) in enumerate(zip(observed, lm.expected_layers))
-           if o != e and _layer_matched(lm, k, ev.tolerance)]
+    off = [
+        k
+        for k, (o, e) in enumerate(zip(observed, lm.expected_layers))
+        if o != e and _layer_matched(lm, k, ev.tolerance)
+    ]
     if not off or sorted(observed) == sorted(lm.expected_layers):
         return None
     k = off[0]
     delta = observed[k] - lm.expected_layers[k]
     same = all(observed[j] - lm.expected_layers[j] == delta for j in range(len(observed)))
-    hint = (f" (every slot is off by {delta:+d}: {names.KEY_TARGET_LAYERS} must be the checkpoint's "
-            f"{names.HF_TARGET_LAYER_IDS} + 1)" if same else "")
-    return error_finding("layer_offset", ev, f"slot {k} of {ev.tensor} is the input of target layer {observed[k]}; "
-                         f"the checkpoint expects layer {lm.expected_layers[k]}{hint}", slot=k,
-                         expected_layer=lm.expected_layers[k], observed_layer=observed[k], delta=delta,
-                         observed_layers=list(observed), expected_layers=list(lm.expected_layers))
+    hint = (
+        f" (every slot is off by {delta:+d}: {names.KEY_TARGET_LAYERS} must be the checkpoint's "
+        f"{names.HF_TARGET_LAYER_IDS} + 1)"
+        if same
+        else ""
+    )
+    return error_finding(
+        "layer_offset",
+        ev,
+        f"slot {k} of {ev.tensor} is the input of target layer {observed[k]}; "
+        f"the checkpoint expects layer {lm.expected_layers[k]}{hint}",
+        slot=k,
+        expected_layer=lm.expected_layers[k],
+        observed_layer=observed[k],
+        delta=delta,
+        observed_layers=list(observed),
+        expected_layers=list(lm.expected_layers),
+    )
 
 
 def detect_slot_permutation(ev: Evidence) -> Finding | None:
@@ -58,9 +74,14 @@ def detect_slot_permutation(ev: Evidence) -> Finding | None:
     perm = _slot_assignment(ev) or _layer_permutation(ev) or _candidate_permutation(ev)
     if perm is None:
         return None
-    return error_finding("slot_permutation", ev, f"the slots of {ev.tensor} arrive in order {perm} instead of "
-                         f"{list(range(len(perm)))}; stage slot k from target_layers[k] and keep fc's column "
-                         f"blocks in the same order", permutation=perm)
+    return error_finding(
+        "slot_permutation",
+        ev,
+        f"the slots of {ev.tensor} arrive in order {perm} instead of "
+        f"{list(range(len(perm)))}; stage slot k from target_layers[k] and keep fc's column "
+        f"blocks in the same order",
+        permutation=perm,
+    )
 
 
 def _slot_assignment(ev: Evidence) -> list[int] | None:
@@ -109,6 +130,7 @@ def best_assignment(cost: np.ndarray) -> list[int]:
 
 # --- terms and sources ---------------------------------------------------------------------------
 
+
 def _hypotheses(ev: Evidence):
     """(candidate name, hypothesis key, value, aligned rows) of each `<record>@<key>=<value>` candidate."""
     for name, arr in sorted(ev.candidates.items()):
@@ -140,11 +162,15 @@ def detect_missing_term(ev: Evidence) -> Finding | None:
 
 def _term_message(tensor: str, term: str) -> str:
     if term == names.DSPARK_MARKOV_BIAS:
-        return (f"{tensor} lacks the Markov head's bias ({term}): the run drafted as plain DFlash, from row 1, one "
-                f"row late; llama.cpp runs a drafter as DSpark only when its GGUF has {names.T_MARKOV_W1} and "
-                f"{names.T_MARKOV_W2}: re-export them (see `featdiff lint`)")
-    return (f"{tensor} lacks the {term} term the checkpoint adds; the run's drafter ignores that conditioning "
-            "(check its GGUF keys and tensors)")
+        return (
+            f"{tensor} lacks the Markov head's bias ({term}): the run drafted as plain DFlash, from row 1, one "
+            f"row late; llama.cpp runs a drafter as DSpark only when its GGUF has {names.T_MARKOV_W1} and "
+            f"{names.T_MARKOV_W2}: re-export them (see `featdiff lint`)"
+        )
+    return (
+        f"{tensor} lacks the {term} term the checkpoint adds; the run's drafter ignores that conditioning "
+        "(check its GGUF keys and tensors)"
+    )
 
 
 def _unsummed_term(ev: Evidence) -> Finding | None:
@@ -152,11 +178,16 @@ def _unsummed_term(ev: Evidence) -> Finding | None:
     term, total = names.DSPARK_LOG_SNR_FC2, names.DSPARK_DRAFT_EMBD_SNR
     if total not in ev.absent or term not in ev.candidates or not ev.record or ev.record in names.LOG_SNR_SUM_INPUTS:
         return None
-    return error_finding("missing_term", ev, f"{ev.tensor} diverges because the drafter's first layer reads "
-                         f"{names.INP_NOISE_EMBD} without the {term} term the checkpoint adds: the run's graph has no "
-                         f"{total} ({names.INP_NOISE_EMBD} + {term}); build the log-SNR conditioning into the graph, "
-                         f"or export the drafter with its {names.KEY_LOG_SNR} keys and tensors for a build that has it",
-                         term=term, expected_in=total)
+    return error_finding(
+        "missing_term",
+        ev,
+        f"{ev.tensor} diverges because the drafter's first layer reads "
+        f"{names.INP_NOISE_EMBD} without the {term} term the checkpoint adds: the run's graph has no "
+        f"{total} ({names.INP_NOISE_EMBD} + {term}); build the log-SNR conditioning into the graph, "
+        f"or export the drafter with its {names.KEY_LOG_SNR} keys and tensors for a build that has it",
+        term=term,
+        expected_in=total,
+    )
 
 
 def detect_extra_term(ev: Evidence) -> Finding | None:
@@ -165,8 +196,12 @@ def detect_extra_term(ev: Evidence) -> Finding | None:
     `inp_noise_embd` already holds the sum: `dspark_log_snr_fc2`)."""
     for name, term in _terms(ev):
         if same_shape(ev) and explains(ev.ref + term, ev.run, ev.tolerance):
-            return error_finding("extra_term", ev, f"{ev.tensor} carries an extra {name} term the checkpoint "
-                                 f"does not add; drop it from the run's graph", term=name)
+            return error_finding(
+                "extra_term",
+                ev,
+                f"{ev.tensor} carries an extra {name} term the checkpoint does not add; drop it from the run's graph",
+                term=name,
+            )
     return None
 
 
@@ -175,24 +210,33 @@ def detect_wrong_source(ev: Evidence) -> Finding | None:
     matches a ref candidate `<record>@<key>=<source>` (e.g. `inp_noise_embd@table=target`)."""
     for name, key, value, arr in _hypotheses(ev):
         if key not in OTHER_HYPOTHESES and explains(arr, ev.run, ev.tolerance):
-            return error_finding("wrong_source", ev, _source_message(ev.tensor, key, value, name),
-                                 source=value, candidate=name)
+            return error_finding(
+                "wrong_source", ev, _source_message(ev.tensor, key, value, name), source=value, candidate=name
+            )
     return None
 
 
 def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
     if f"{key}={value}" == names.HYP_TERM_AFTER_NORM:
-        return (f"{tensor} is the first layer's attention norm plus the log-SNR term (it matches the reference's "
-                f"{candidate}): add dspark_log_snr_fc2 to the noise embeddings before the first layer, so the "
-                f"residual stream carries it and the norm sees it")
+        return (
+            f"{tensor} is the first layer's attention norm plus the log-SNR term (it matches the reference's "
+            f"{candidate}): add dspark_log_snr_fc2 to the noise embeddings before the first layer, so the "
+            f"residual stream carries it and the norm sees it"
+        )
     if f"{key}={value}" in (names.HYP_ANCHOR_BONUS, names.HYP_ANCHOR_FIRST):
         trained, run = ("anchor-first", "bonus-anchor") if value == "bonus" else ("bonus-anchor", "anchor-first")
-        return (f"{tensor} carries the Markov chain laid out {run} (it matches the reference's {candidate}) but "
-                f"the checkpoint was trained {trained}: set {names.KEY_SAMPLE_FROM_ANCHOR} = "
-                f"{'true' if trained == 'anchor-first' else 'false'} in the drafter's GGUF")
+        return (
+            f"{tensor} carries the Markov chain laid out {run} (it matches the reference's {candidate}) but "
+            f"the checkpoint was trained {trained}: set {names.KEY_SAMPLE_FROM_ANCHOR} = "
+            f"{'true' if trained == 'anchor-first' else 'false'} in the drafter's GGUF"
+        )
     if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
-        return (f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
-                f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
-                f"max_log_snr and every mask row at min_log_snr")
-    return (f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
-            f"uses its own: ship it in the GGUF or fix which {key} the run reads")
+        return (
+            f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
+            f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
+            f"max_log_snr and every mask row at min_log_snr"
+        )
+    return (
+        f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
+        f"uses its own: ship it in the GGUF or fix which {key} the run reads"
+    )

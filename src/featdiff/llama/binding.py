@@ -169,8 +169,10 @@ def _checked(build: LlamaBuild) -> LlamaBuild:
     existing = tuple(d for d in build.lib_dirs if d.is_dir())
     if not any((d / LIBLLAMA).exists() for d in existing):
         where = ", ".join(str(d) for d in build.lib_dirs)
-        raise InputError(f"{build.root}: no {LIBLLAMA} in {where} (looked for {build.lib_dirs[0] / LIBLLAMA}); "
-                         "build llama.cpp with -DBUILD_SHARED_LIBS=ON, or pass its install prefix")
+        raise InputError(
+            f"{build.root}: no {LIBLLAMA} in {where} (looked for {build.lib_dirs[0] / LIBLLAMA}); "
+            "build llama.cpp with -DBUILD_SHARED_LIBS=ON, or pass its install prefix"
+        )
     for h in ("llama.h", "ggml.h", "ggml-backend.h"):
         if not any((d / h).is_file() for d in build.include_dirs):
             raise InputError(f"{build.root}: header {h} not found in {', '.join(map(str, build.include_dirs))}")
@@ -219,7 +221,8 @@ def _compile(build: LlamaBuild, outdir: Path, modname: str) -> Path:
         '#include "llama.h"\n#include "featdiff_shim.h"\n#include "featdiff_ext.h"\n',
         sources=[str(NATIVE_DIR / s) for s in SHIM_SOURCES],
         include_dirs=[str(d) for d in build.include_dirs] + [str(NATIVE_DIR)],
-        library_dirs=lib_dirs, runtime_library_dirs=lib_dirs,
+        library_dirs=lib_dirs,
+        runtime_library_dirs=lib_dirs,
         libraries=list(LIBS) + ["stdc++"],
         extra_compile_args=["-O2"],
     )
@@ -241,6 +244,8 @@ def _import(modname: str, path: Path, build: LlamaBuild) -> ModuleType:
     try:
         loader.exec_module(module)
     except ImportError as e:
-        raise InputError(f"{build.libllama}: the binding does not load ({e}); this build lacks a symbol featdiff needs (see native/featdiff_ext.cpp)") from None
+        raise InputError(
+            f"{build.libllama}: the binding does not load ({e}); this build lacks a symbol featdiff needs (see native/featdiff_ext.cpp)"
+        ) from None
     sys.modules[modname] = module
     return module

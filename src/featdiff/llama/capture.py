@@ -72,32 +72,57 @@ def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float =
     first_row = first_draft_row(dspark is not None, bool(dspark and dspark["sample_from_anchor"]))
     confidence = bool(dspark and dspark["confidence_head"])
     if p_min > 0.0 and not confidence:
-        raise InputError(f"{draft.path}: --p-min {p_min} but this drafter has no DSpark confidence head "
-                         "(llama.cpp refuses it for DSpark; featdiff's driver implements p_min for that head only): "
-                         "pass --p-min 0")
-    return driver.FlowConfig(layers, _draft_max(draft.path, draft_max, block_size, first_row),
-                             int(draft.rt.lib.llama_vocab_mask(draft.vocab)), first_draft_row=first_row,
-                             confidence=confidence, p_min=p_min,
-                             causal=draft.meta(names.KEY_CAUSAL) == "true")
+        raise InputError(
+            f"{draft.path}: --p-min {p_min} but this drafter has no DSpark confidence head "
+            "(llama.cpp refuses it for DSpark; featdiff's driver implements p_min for that head only): "
+            "pass --p-min 0"
+        )
+    return driver.FlowConfig(
+        layers,
+        _draft_max(draft.path, draft_max, block_size, first_row),
+        int(draft.rt.lib.llama_vocab_mask(draft.vocab)),
+        first_draft_row=first_row,
+        confidence=confidence,
+        p_min=p_min,
+        causal=draft.meta(names.KEY_CAUSAL) == "true",
+    )
 
 
 def _draft_max(path: Path, draft_max: int, block_size: int, first_row: int) -> int:
     """`--draft-max` clamped to what a block drafts (featdiff.blocks) with a warning, as
     common_speculative_impl_draft_dflash clamps n_max."""
     if draft_max < 1:
-        raise InputError(f"--draft-max {draft_max}: expected >= 1 draft per block (llama.cpp's "
-                         f"--spec-draft-n-max, default {DEFAULT_DRAFT_MAX})")
+        raise InputError(
+            f"--draft-max {draft_max}: expected >= 1 draft per block (llama.cpp's "
+            f"--spec-draft-n-max, default {DEFAULT_DRAFT_MAX})"
+        )
     clamped = clamped_draft_max(draft_max, block_size, first_row)
     if clamped != draft_max:
-        log.warning("%s: --draft-max %d exceeds the trained block size (%s = %d); clamping to %d, as llama.cpp does",
-                    path, draft_max, names.KEY_BLOCK_SIZE, block_size, clamped)
+        log.warning(
+            "%s: --draft-max %d exceeds the trained block size (%s = %d); clamping to %d, as llama.cpp does",
+            path,
+            draft_max,
+            names.KEY_BLOCK_SIZE,
+            block_size,
+            clamped,
+        )
     return clamped
 
 
-def capture(target: Path | None, model: Path | None, output: Path, *, prompt: str | None = None,
-            tokens: str | None = None, rounds: int = 2, filters: list[str] | None = None,
-            llama_dir: Path | None = None, draft_max: int | None = None, p_min: float | None = None,
-            options: RunOptions = DEFAULT_OPTIONS) -> Path:
+def capture(
+    target: Path | None,
+    model: Path | None,
+    output: Path,
+    *,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    rounds: int = 2,
+    filters: list[str] | None = None,
+    llama_dir: Path | None = None,
+    draft_max: int | None = None,
+    p_min: float | None = None,
+    options: RunOptions = DEFAULT_OPTIONS,
+) -> Path:
     """Run the flow on the real build and write the dump; return its path. Draft blocks hold
     `draft_max` drafts (default: llama.cpp's `--spec-draft-n-max` default; featdiff.blocks);
     `options` are llama.cpp's run options (KV types, flash attention, offload, threads, context)."""
@@ -105,11 +130,14 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
         raise InputError("capture needs --target T.gguf and --model D.gguf (or --exec -- <command>)")
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
     with output_lock(output):
-        preflight(Path(model), Path(target), rounds=rounds,
-                  draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max)
+        preflight(
+            Path(model), Path(target), rounds=rounds, draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max
+        )
         rt = Runtime.load(llama_dir)
-        models = (Model.load(rt, Path(target), n_gpu_layers=options.n_gpu_layers),
-                  Model.load(rt, Path(model), n_gpu_layers=options.n_gpu_layers_draft))
+        models = (
+            Model.load(rt, Path(target), n_gpu_layers=options.n_gpu_layers),
+            Model.load(rt, Path(model), n_gpu_layers=options.n_gpu_layers_draft),
+        )
         try:
             ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
             cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
@@ -123,8 +151,16 @@ def capture(target: Path | None, model: Path | None, output: Path, *, prompt: st
     return packed.path
 
 
-def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
-             rounds: int, filters: FilterSet, output: Path, options: RunOptions) -> spool.Packed:
+def _spooled(
+    rt: Runtime,
+    models: tuple[Model, Model],
+    ids: list[int],
+    cfg: driver.FlowConfig,
+    rounds: int,
+    filters: FilterSet,
+    output: Path,
+    options: RunOptions,
+) -> spool.Packed:
     """Run the flow into a spool beside `output`, then pack it; keep what a crash leaves."""
     prefix = spool.prefix_for(output)
     spool.set_aside(prefix, output)
@@ -139,8 +175,12 @@ def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driv
         raise Interrupted.of(stop, packed.summary()) from None
     except BaseException:
         sp.close()
-        log.error("capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
-                  prefix, prefix, failed_output(output))
+        log.error(
+            "capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
+            prefix,
+            prefix,
+            failed_output(output),
+        )
         raise
     err = sp.close()
     if err:
@@ -151,29 +191,51 @@ def _spooled(rt: Runtime, models: tuple[Model, Model], ids: list[int], cfg: driv
     return packed
 
 
-def new_contexts(rt: Runtime, models: tuple[Model, Model], n_prompt: int, rounds: int,
-                 cfg: driver.FlowConfig, tags: tuple = (None, None),
-                 options: RunOptions = DEFAULT_OPTIONS) -> tuple[Context, Context]:
+def new_contexts(
+    rt: Runtime,
+    models: tuple[Model, Model],
+    n_prompt: int,
+    rounds: int,
+    cfg: driver.FlowConfig,
+    tags: tuple = (None, None),
+    options: RunOptions = DEFAULT_OPTIONS,
+) -> tuple[Context, Context]:
     """The target and draft contexts of one flow, sized for it (at least `options.n_ctx`), with
     DFlash switched on and the run's KV types, flash attention and threads; `tags` are the shim's
     callback tags (None: no callback)."""
     n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_rows + CTX_SLACK, options.n_ctx or 0)
     threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
-    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"],
-                      flash_attn=options.flash_attn)
-    dft = Context.new(rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"],
-                      flash_attn=options.flash_attn)
+    tgt = Context.new(
+        rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"], flash_attn=options.flash_attn
+    )
+    dft = Context.new(
+        rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=options.flash_attn
+    )
     enable_dflash(tgt, dft, cfg)
     return tgt, dft
 
 
-def _run(rt: Runtime, sp: Spool, models: tuple[Model, Model], ids: list[int], cfg: driver.FlowConfig,
-         rounds: int, options: RunOptions) -> None:
+def _run(
+    rt: Runtime,
+    sp: Spool,
+    models: tuple[Model, Model],
+    ids: list[int],
+    cfg: driver.FlowConfig,
+    rounds: int,
+    options: RunOptions,
+) -> None:
     tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)), options)
     bar = _progress(rounds)
     try:
-        driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp),
-                        on_round=None if bar is None else functools.partial(bar.update, 1))
+        driver.run_flow(
+            tgt,
+            dft,
+            ids,
+            rounds,
+            cfg,
+            SpoolRecorder(sp),
+            on_round=None if bar is None else functools.partial(bar.update, 1),
+        )
     finally:
         if bar is not None:
             bar.close()  # before any message: an interruption's line starts a line of its own
@@ -190,13 +252,27 @@ def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
     lib.llama_set_causal_attn(dft.ptr, cfg.causal)
 
 
-def _header(rt: Runtime, models: tuple[Model, Model], ids: list[int], filters: FilterSet,
-            cfg: driver.FlowConfig, options: RunOptions) -> dict:
+def _header(
+    rt: Runtime,
+    models: tuple[Model, Model],
+    ids: list[int],
+    filters: FilterSet,
+    cfg: driver.FlowConfig,
+    options: RunOptions,
+) -> dict:
     return {
         "models": {"target": model_info(models[0].path).to_json(), "draft": model_info(models[1].path).to_json()},
-        "build": {"library": str(rt.build.libllama), "kind": rt.build.kind, "root": str(rt.build.root),
-                  "system_info": rt.system_info(), "commit": _commit(rt), "filters": filters.to_json(),
-                  "draft_max": cfg.draft_max, "p_min": cfg.p_min, **options.build_json()},
+        "build": {
+            "library": str(rt.build.libllama),
+            "kind": rt.build.kind,
+            "root": str(rt.build.root),
+            "system_info": rt.system_info(),
+            "commit": _commit(rt),
+            "filters": filters.to_json(),
+            "draft_max": cfg.draft_max,
+            "p_min": cfg.p_min,
+            **options.build_json(),
+        },
         "prompt_tokens": ids,
     }
 
@@ -220,9 +296,16 @@ def _progress(rounds: int):
     return tqdm(total=rounds, desc="rounds", unit="round", leave=False)
 
 
-def capture_exec(command: list[str], output: Path, filters: list[str] | None,
-                 llama_dir: Path | None, prompt: str | None = None, tokens: str | None = None,
-                 draft_max: int | None = None, p_min: float | None = None) -> Path:
+def capture_exec(
+    command: list[str],
+    output: Path,
+    filters: list[str] | None,
+    llama_dir: Path | None,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    draft_max: int | None = None,
+    p_min: float | None = None,
+) -> Path:
     """Capture around an unmodified llama.cpp program (featdiff.llama.exec); llama-server gets
     one greedy completion request for `prompt` / `tokens`. The program's own command line sets
     its block length and p_min, so `draft_max` and `p_min` are refused."""
@@ -230,7 +313,9 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None,
 
     if draft_max is not None or p_min is not None:
         flag = f"--draft-max {draft_max}" if draft_max is not None else f"--p-min {p_min}"
-        raise InputError(f"{flag} drives the in-process flow; with --exec pass --spec-draft-n-max / "
-                         "--spec-draft-p-min in the program's command line instead")
+        raise InputError(
+            f"{flag} drives the in-process flow; with --exec pass --spec-draft-n-max / "
+            "--spec-draft-p-min in the program's command line instead"
+        )
 
     return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens)

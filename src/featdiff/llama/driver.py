@@ -48,12 +48,12 @@ class NullRecorder:
 @dataclass(frozen=True)
 class FlowConfig:
     target_layers: tuple[int, ...]  # input-of-layer ids, slot k = target_layers[k]
-    draft_max: int                  # drafts per block: --spec-draft-n-max, clamped (featdiff.blocks)
+    draft_max: int  # drafts per block: --spec-draft-n-max, clamped (featdiff.blocks)
     mask_token_id: int
-    first_draft_row: int = 1        # 0: anchor-first DSpark (drafts from the anchor's row); else 1
-    confidence: bool = False        # a DSpark confidence head: its value per row is read back
-    p_min: float = 0.0              # --spec-draft-p-min: DSpark stops drafting below this confidence
-    causal: bool = False            # dflash.attention.causal: block rows attend causally
+    first_draft_row: int = 1  # 0: anchor-first DSpark (drafts from the anchor's row); else 1
+    confidence: bool = False  # a DSpark confidence head: its value per row is read back
+    p_min: float = 0.0  # --spec-draft-p-min: DSpark stops drafting below this confidence
+    causal: bool = False  # dflash.attention.causal: block rows attend causally
 
     @property
     def block_rows(self) -> int:
@@ -68,8 +68,9 @@ class _State:
     n_evals: int = 0
 
 
-def run_flow(tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: FlowConfig,
-             rec: Recorder, on_round=None) -> list[Round]:
+def run_flow(
+    tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: FlowConfig, rec: Recorder, on_round=None
+) -> list[Round]:
     """Prefill, then `rounds` x (draft, verify, inject); return the rounds."""
     st = _State(n_past=len(prompt) - 1, id_last=prompt[-1])
     positions = list(range(st.n_past))
@@ -83,16 +84,34 @@ def run_flow(tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: Fl
     return done
 
 
-def _eval(st: _State, rec: Recorder, role: names.Role, phase: names.Phase, rnd: int, positions: list[int],
-          tokens: list[int]) -> None:
-    rec.begin_eval(Eval(eval=st.n_evals, role=role, phase=phase, n_tokens=len(positions),
-                        positions=tuple(positions), token_ids=tuple(tokens),
-                        seq_ids=(0,) * len(positions), round=rnd))
+def _eval(
+    st: _State, rec: Recorder, role: names.Role, phase: names.Phase, rnd: int, positions: list[int], tokens: list[int]
+) -> None:
+    rec.begin_eval(
+        Eval(
+            eval=st.n_evals,
+            role=role,
+            phase=phase,
+            n_tokens=len(positions),
+            positions=tuple(positions),
+            token_ids=tuple(tokens),
+            seq_ids=(0,) * len(positions),
+            round=rnd,
+        )
+    )
     st.n_evals += 1
 
 
-def _decode_target(tgt: Context, st: _State, rec: Recorder, tokens: list[int],
-                   positions: list[int], phase: names.Phase, rnd: int, outputs: bool) -> None:
+def _decode_target(
+    tgt: Context,
+    st: _State,
+    rec: Recorder,
+    tokens: list[int],
+    positions: list[int],
+    phase: names.Phase,
+    rnd: int,
+    outputs: bool,
+) -> None:
     _eval(st, rec, "target", phase, rnd, positions, tokens)
     tgt.decode_tokens(tokens, positions, outputs)
 
@@ -102,8 +121,9 @@ def features(tgt: Context, layers: tuple[int, ...], n_tokens: int) -> np.ndarray
     return np.concatenate([tgt.layer_input(L, n_tokens) for L in layers], axis=1)  # (n_tokens, n_extract * n_embd_tgt)
 
 
-def _inject(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig,
-            positions: list[int], rnd: int) -> None:
+def _inject(
+    tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, positions: list[int], rnd: int
+) -> None:
     rows = features(tgt, cfg.target_layers, len(positions))
     _eval(st, rec, "draft", "inject", rnd, positions, [])
     dft.decode_embd(rows, positions)
@@ -126,8 +146,14 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
     st.id_last = target_tokens[accepted]
     tgt.seq_rm(st.n_past)
     dft.seq_rm(st.n_past)
-    rnd_rec = Round(round=rnd, pos0=pos0, anchor=anchor, drafts=tuple(drafts), accepted=accepted,
-                    target_tokens=tuple(target_tokens[:accepted + 1]))
+    rnd_rec = Round(
+        round=rnd,
+        pos0=pos0,
+        anchor=anchor,
+        drafts=tuple(drafts),
+        accepted=accepted,
+        target_tokens=tuple(target_tokens[: accepted + 1]),
+    )
     rec.end_round(rnd_rec)
     return rnd_rec
 
@@ -137,9 +163,14 @@ def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[i
     logits (and confidence) are recorded first."""
     logits = np.stack([dft.logits(i) for i in range(n_rows)])  # (n_rows, n_vocab)
     rec.readback(names.DRAFT_LOGITS, logits)
-    conf = np.array([[dft.nextn_value(i)] for i in range(n_rows)], dtype=np.float32) if cfg.confidence else None  # (n_rows, 1)
+    conf = (
+        np.array([[dft.nextn_value(i)] for i in range(n_rows)], dtype=np.float32) if cfg.confidence else None
+    )  # (n_rows, 1)
     if conf is not None:
         rec.readback(names.DSPARK_CONF, conf)
-    return read_drafts(logits.argmax(axis=1).tolist(), conf[:, 0].tolist() if conf is not None else None,
-                       cfg.first_draft_row, cfg.p_min)
-
+    return read_drafts(
+        logits.argmax(axis=1).tolist(),
+        conf[:, 0].tolist() if conf is not None else None,
+        cfg.first_draft_row,
+        cfg.p_min,
+    )

@@ -46,6 +46,7 @@ UNKNOWN_VERSION = "unknown"
 
 # ---------------------------------------------------------------- what the preload noted
 
+
 @dataclass(frozen=True)
 class ExecContext:
     """A llama_context the program created (memory-fitting probes create throwaway ones)."""
@@ -97,8 +98,11 @@ def read_exec_log(index: Path) -> ExecLog:
     start = next((e for e in events if e["kind"] == "exec_start"), {})
     return ExecLog(
         library=start.get("library", ""),
-        contexts=tuple(ExecContext(e["ctx"], names.ROLES[e["role"]], e["arch"], models.get(e["model"]), e["ok"])
-                       for e in events if e["kind"] == "exec_context"),
+        contexts=tuple(
+            ExecContext(e["ctx"], names.ROLES[e["role"]], e["arch"], models.get(e["model"]), e["ok"])
+            for e in events
+            if e["kind"] == "exec_context"
+        ),
         evals=tuple(_exec_eval(e, done.get(e["eval"])) for e in events if e["kind"] == "exec_eval"),
         clears=tuple((e["ctx"], e["after_eval"]) for e in events if e["kind"] == "exec_clear"),
         records=tuple(e for e in events if e["kind"] == spool.RECORD),
@@ -109,11 +113,13 @@ def read_exec_log(index: Path) -> ExecLog:
 
 
 def _exec_eval(e: dict[str, Any], rc: int | None) -> ExecEval:
-    return ExecEval(e["eval"], e["ctx"], tuple(e["token_ids"]), tuple(e["positions"]),
-                    tuple(e["seq_ids"]), tuple(e["outputs"]), rc)
+    return ExecEval(
+        e["eval"], e["ctx"], tuple(e["token_ids"]), tuple(e["positions"]), tuple(e["seq_ids"]), tuple(e["outputs"]), rc
+    )
 
 
 # ---------------------------------------------------------------- phases and rounds
+
 
 def warmup_evals(log: ExecLog) -> frozenset[int]:
     """Evals outside the real flow: those whose context memory was cleared before its next eval
@@ -138,7 +144,7 @@ class _Walk:
     """Where the flow stands after an eval: the round, and whether a draft awaits its verify."""
 
     round: int = 0
-    drafted: bool = False    # a draft eval since the last target decode
+    drafted: bool = False  # a draft eval since the last target decode
     speculating: bool = False  # this sequence has drafted before (a new one starts at position 0)
 
 
@@ -157,10 +163,19 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     for ev in log.evals:
         role: names.Role = roles.get(ev.ctx, "target")
         phase, walk = (WARMUP, walk) if ev.eval in warm else _step(walk, role, ev)
-        out.append(Eval(eval=ev.eval, role=role, phase=phase, n_tokens=len(ev.positions),
-                        positions=ev.positions, token_ids=() if ev.is_embd else ev.token_ids,
-                        seq_ids=ev.seq_ids, round=0 if phase == WARMUP else walk.round,
-                        rc=0 if phase == WARMUP else int(ev.rc or 0)))
+        out.append(
+            Eval(
+                eval=ev.eval,
+                role=role,
+                phase=phase,
+                n_tokens=len(ev.positions),
+                positions=ev.positions,
+                token_ids=() if ev.is_embd else ev.token_ids,
+                seq_ids=ev.seq_ids,
+                round=0 if phase == WARMUP else walk.round,
+                rc=0 if phase == WARMUP else int(ev.rc or 0),
+            )
+        )
     return tuple(out)
 
 
@@ -183,8 +198,7 @@ def prompt_from_evals(evals: tuple[Eval, ...]) -> tuple[int, ...]:
     plus that draft's anchor (the token the program sampled, or kept back, to start from)."""
     first_draft = next((e for e in evals if e.phase == "draft"), None)
     stop = first_draft.eval if first_draft else len(evals)
-    by_pos = {p: t for e in evals if e.phase == "prefill" and e.eval < stop
-              for p, t in zip(e.positions, e.token_ids)}
+    by_pos = {p: t for e in evals if e.phase == "prefill" and e.eval < stop for p, t in zip(e.positions, e.token_ids)}
     anchor = first_draft.token_ids[:1] if first_draft else ()
     return tuple(by_pos[p] for p in sorted(by_pos)) + tuple(anchor)
 
@@ -224,13 +238,20 @@ def derive_rounds(evals: tuple[Eval, ...], greedy: dict[int, tuple[int, ...]]) -
             target_tokens = drafts[:accepted] + nxt.token_ids[:1]
         elif v.eval in greedy:
             accepted = accepted_length(drafts, greedy[v.eval])
-            target_tokens = greedy[v.eval][:accepted + 1]
+            target_tokens = greedy[v.eval][: accepted + 1]
         else:
             continue
-        out.append(Round(round=v.round, pos0=v.positions[0], anchor=v.token_ids[0], drafts=drafts,
-                         accepted=accepted, target_tokens=tuple(target_tokens)))
+        out.append(
+            Round(
+                round=v.round,
+                pos0=v.positions[0],
+                anchor=v.token_ids[0],
+                drafts=drafts,
+                accepted=accepted,
+                target_tokens=tuple(target_tokens),
+            )
+        )
     return tuple(out)
-
 
 
 def greedy_tokens(log: ExecLog, data: Path, evals: tuple[Eval, ...]) -> dict[int, tuple[int, ...]]:
@@ -263,15 +284,22 @@ def memory_ops(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[MemoryOp, ...]:
     real_set = set(real)
     used = {ev.ctx for ev in log.evals if ev.eval in real_set}
     first = real[0] if real else 0
-    ops = [(e["after_eval"], MemoryOp(roles.get(e["ctx"], "target"), e["after_eval"], e["seq_id"], e["p0"], e["p1"]))
-           for e in log.seq_rms if e["ctx"] in used and e.get("ok", True)]
-    ops += [(after, MemoryOp(roles.get(ctx, "target"), after, -1, -1, -1, "clear"))
-            for ctx, after in log.clears if ctx in used]
+    ops = [
+        (e["after_eval"], MemoryOp(roles.get(e["ctx"], "target"), e["after_eval"], e["seq_id"], e["p0"], e["p1"]))
+        for e in log.seq_rms
+        if e["ctx"] in used and e.get("ok", True)
+    ]
+    ops += [
+        (after, MemoryOp(roles.get(ctx, "target"), after, -1, -1, -1, "clear"))
+        for ctx, after in log.clears
+        if ctx in used
+    ]
     return tuple(op for after, op in sorted(ops, key=lambda x: x[0]) if after >= first)
 
 
-def flow_notes(evals: tuple[Eval, ...], rounds: tuple[Round, ...],
-               greedy: dict[int, tuple[int, ...]]) -> tuple[str, ...]:
+def flow_notes(
+    evals: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]]
+) -> tuple[str, ...]:
     """Where the phases and rounds above rest on a convention the run broke: one sentence each.
 
     docs/flow.md: a round's verify starts where its draft block starts, and the next target
@@ -279,10 +307,20 @@ def flow_notes(evals: tuple[Eval, ...], rounds: tuple[Round, ...],
     target's greedy tokens (`greedy`: verify eval -> argmax rows) took of the drafts."""
     real = tuple(e for e in evals if e.phase != WARMUP)
     n_drafts = sum(e.phase == "draft" for e in real)
-    unrounded = [f"the drafter decoded {n_drafts} draft blocks but no round could be inferred: no target "
-                 "verify followed them where the flow expects it"] if n_drafts and not rounds else []
-    return (*unrounded, *_refused_notes(real), *_misplaced_block_notes(real),
-            *_continuation_notes(evals, real, rounds, greedy))
+    unrounded = (
+        [
+            f"the drafter decoded {n_drafts} draft blocks but no round could be inferred: no target "
+            "verify followed them where the flow expects it"
+        ]
+        if n_drafts and not rounds
+        else []
+    )
+    return (
+        *unrounded,
+        *_refused_notes(real),
+        *_misplaced_block_notes(real),
+        *_continuation_notes(evals, real, rounds, greedy),
+    )
 
 
 def _refused_notes(real: tuple[Eval, ...]) -> list[str]:
@@ -290,8 +328,10 @@ def _refused_notes(real: tuple[Eval, ...]) -> list[str]:
     out = []
     for e in (e for e in real if e.rc):
         span = f"positions {e.positions[0]}..{e.positions[-1]}" if e.positions else "no rows"
-        out.append(f"eval {e.eval} ({e.role} {e.phase}, round {e.round}, {span}) failed with rc {e.rc}: "
-                   "llama.cpp refused the batch the program built (see the program's log)")
+        out.append(
+            f"eval {e.eval} ({e.role} {e.phase}, round {e.round}, {span}) failed with rc {e.rc}: "
+            "llama.cpp refused the batch the program built (see the program's log)"
+        )
     return out
 
 
@@ -302,13 +342,16 @@ def _misplaced_block_notes(real: tuple[Eval, ...]) -> list[str]:
     for v in (e for e in real if e.phase == "verify" and e.round in drafts and e.positions):
         d = drafts[v.round]
         if d.positions and d.positions[0] != v.positions[0]:
-            out.append(f"the draft block of round {v.round} starts at position {d.positions[0]}, its verify at "
-                       f"{v.positions[0]}: the rounds were inferred from a run whose draft block is misplaced")
+            out.append(
+                f"the draft block of round {v.round} starts at position {d.positions[0]}, its verify at "
+                f"{v.positions[0]}: the rounds were inferred from a run whose draft block is misplaced"
+            )
     return out
 
 
-def _continuation_notes(evals: tuple[Eval, ...], real: tuple[Eval, ...], rounds: tuple[Round, ...],
-                        greedy: dict[int, tuple[int, ...]]) -> list[str]:
+def _continuation_notes(
+    evals: tuple[Eval, ...], real: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]]
+) -> list[str]:
     """A next target decode that does not start at pos0 + accepted + 1 of the verify before it."""
     by_round = {r.round: r for r in rounds}
     by_eval = {e.eval: e for e in evals}
@@ -319,19 +362,24 @@ def _continuation_notes(evals: tuple[Eval, ...], real: tuple[Eval, ...], rounds:
         if nxt is not None and rnd is not None and greedy.get(v):
             took = accepted_length(rnd.drafts, greedy[v])
             if took != rnd.accepted:
-                out.append(f"after the verify of round {ev.round} the target accepted {took} of {len(rnd.drafts)} "
-                           f"drafts (argmax of its logits), but the next target decode starts at position "
-                           f"{nxt.positions[0]} = {rnd.pos0} + {rnd.accepted} + 1: the run's n_past drifted by "
-                           f"{rnd.accepted - took}; the rounds' accepted counts follow the positions")
+                out.append(
+                    f"after the verify of round {ev.round} the target accepted {took} of {len(rnd.drafts)} "
+                    f"drafts (argmax of its logits), but the next target decode starts at position "
+                    f"{nxt.positions[0]} = {rnd.pos0} + {rnd.accepted} + 1: the run's n_past drifted by "
+                    f"{rnd.accepted - took}; the rounds' accepted counts follow the positions"
+                )
         later = next((e for e in targets if e.eval > v), None)
         if nxt is None and later is not None and later.phase == "verify":  # a prefill starts a new prompt
-            out.append(f"the target decode after the verify of round {ev.round} (eval {later.eval}) starts at "
-                       f"position {later.positions[0]}, outside the verified block {ev.positions[0]}.."
-                       f"{ev.positions[-1]}: the run's n_past does not follow the accepted drafts")
+            out.append(
+                f"the target decode after the verify of round {ev.round} (eval {later.eval}) starts at "
+                f"position {later.positions[0]}, outside the verified block {ev.positions[0]}.."
+                f"{ev.positions[-1]}: the run's n_past does not follow the accepted drafts"
+            )
     return out
 
 
 # ---------------------------------------------------------------- packing
+
 
 @dataclass(frozen=True)
 class ExecFlow:
@@ -349,17 +397,22 @@ def read_flow(prefix: Path) -> ExecFlow:
     """The spool at `prefix` as a flow: phases, rounds, prompt tokens."""
     index, data = spool.spool_files(prefix)
     if not index.is_file() or not data.is_file():
-        raise InputError(f"{index}: the program never loaded the preload library; is it dynamically linked "
-                         f"against libllama (BUILD_SHARED_LIBS=ON), and not setuid? ({PRELOAD_VAR} is ignored otherwise)")
+        raise InputError(
+            f"{index}: the program never loaded the preload library; is it dynamically linked "
+            f"against libllama (BUILD_SHARED_LIBS=ON), and not setuid? ({PRELOAD_VAR} is ignored otherwise)"
+        )
     log_ = read_exec_log(index)
     if not log_.library:
-        raise InputError(f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
-                         "with shared libllama (BUILD_SHARED_LIBS=ON)?")
+        raise InputError(
+            f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
+            "with shared libllama (BUILD_SHARED_LIBS=ON)?"
+        )
     evals = flow_evals(log_)
     greedy = greedy_tokens(log_, data, evals)
     rounds = derive_rounds(evals, greedy)
-    return ExecFlow(log_, evals, rounds, prompt_from_evals(evals), memory_ops(log_, evals),
-                    flow_notes(evals, rounds, greedy))
+    return ExecFlow(
+        log_, evals, rounds, prompt_from_evals(evals), memory_ops(log_, evals), flow_notes(evals, rounds, greedy)
+    )
 
 
 def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
@@ -367,10 +420,17 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed
     flow = read_flow(prefix)
     writer = DumpWriter(Path(output))
     written = spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
-    manifest = Manifest(source="llama.cpp", models=_models(flow), evals=flow.evals, records=(),
-                        build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **build},
-                        rounds=flow.rounds, prompt_tokens=flow.prompt_tokens, memory_ops=flow.memory_ops,
-                        flow_notes=flow.notes)
+    manifest = Manifest(
+        source="llama.cpp",
+        models=_models(flow),
+        evals=flow.evals,
+        records=(),
+        build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **build},
+        rounds=flow.rounds,
+        prompt_tokens=flow.prompt_tokens,
+        memory_ops=flow.memory_ops,
+        flow_notes=flow.notes,
+    )
     return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
 
 
@@ -406,10 +466,13 @@ def remove_spool(prefix: Path) -> None:
 
 # ---------------------------------------------------------------- running a program
 
+
 def program_path(command: list[str]) -> Path:
     """The program of `command`, checked to exist."""
     if not command:
-        raise InputError("capture --exec needs a command after `--`, e.g. -- llama-speculative-simple -m T.gguf -md D.gguf ...")
+        raise InputError(
+            "capture --exec needs a command after `--`, e.g. -- llama-speculative-simple -m T.gguf -md D.gguf ..."
+        )
     found = shutil.which(command[0])
     if found is None:
         raise InputError(f"{command[0]}: no such program (not a file, not on PATH); give its path after `--`")
@@ -440,17 +503,29 @@ def program_version(program: Path) -> str:
     if not program.name.startswith(UPSTREAM_PREFIX):
         return UNKNOWN_VERSION
     try:
-        done = subprocess.run([str(program), VERSION_FLAG], capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=VERSION_TIMEOUT_S)
+        done = subprocess.run(
+            [str(program), VERSION_FLAG],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=VERSION_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return UNKNOWN_VERSION
     found = re.search(r"^version: (.+)$", done.stdout + done.stderr, re.MULTILINE)
     return found.group(1).strip() if found else UNKNOWN_VERSION
 
 
-def capture_exec(command: list[str], output: Path, filters: list[str] | None = None,
-                 llama_dir: Path | None = None, *, prompt: str | None = None, tokens: str | None = None,
-                 timeout_s: float | None = None) -> Path:
+def capture_exec(
+    command: list[str],
+    output: Path,
+    filters: list[str] | None = None,
+    llama_dir: Path | None = None,
+    *,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    timeout_s: float | None = None,
+) -> Path:
     """Run `command` under the preload and write its dump; llama-server is started, asked one
     greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server). A program that
     fails or is interrupted leaves its dump at `failed_output(output)`, never over a dump at -o."""
@@ -460,8 +535,13 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     with output_lock(output):
         prefix = spool.prefix_for(output)
         spool.set_aside(prefix, output)
-        build: dict[str, Any] = {"command": list(command), "program": str(program), "filters": kept.to_json(),
-                 **options_of_command(command, os.environ).build_json(), "commit": program_version(program)}
+        build: dict[str, Any] = {
+            "command": list(command),
+            "program": str(program),
+            "filters": kept.to_json(),
+            **options_of_command(command, os.environ).build_json(),
+            "commit": program_version(program),
+        }
         pre = preload(prefix, kept, llama_dir)
         save_build(prefix, build)
         try:
@@ -474,8 +554,10 @@ def capture_exec(command: list[str], output: Path, filters: list[str] | None = N
     rc = int(build.get("exit_code", 0))
     if rc != 0:
         failed = build.get("server_error") or f"{command[0]}: exited with code {rc} under capture"
-        raise InputError(f"{failed}; {packed.path} holds what it decoded before that (compare it against the "
-                         "reference to see why); run the command without featdiff to see whether it fails alone")
+        raise InputError(
+            f"{failed}; {packed.path} holds what it decoded before that (compare it against the "
+            "reference to see why); run the command without featdiff to see whether it fails alone"
+        )
     return packed.path
 
 
@@ -487,7 +569,9 @@ def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, A
     except InputError:
         remove_spool(prefix)  # the program never reached llama.cpp: the spool holds nothing
         if rc != 0:  # it failed before any llama.cpp call: its own exit is the news
-            raise InputError(f"{command[0]}: exited with code {rc} before decoding anything; run it without featdiff to see why") from None
+            raise InputError(
+                f"{command[0]}: exited with code {rc} before decoding anything; run it without featdiff to see why"
+            ) from None
         raise
     remove_spool(prefix)
     spool.warn_dropped(packed)
@@ -506,8 +590,9 @@ def _pack_interrupted(stop: KeyboardInterrupt, prefix: Path, output: Path, build
     return Interrupted.of(stop, f"stopped the program; {packed.summary()}")
 
 
-def _launch(command: list[str], pre: Preload, prefix: Path, prompt: str | None, tokens: str | None,
-            timeout_s: float | None) -> dict[str, Any]:
+def _launch(
+    command: list[str], pre: Preload, prefix: Path, prompt: str | None, tokens: str | None, timeout_s: float | None
+) -> dict[str, Any]:
     """Run the program (or serve one request); return what the manifest's build records of it."""
     if server.is_server(command):
         request = server.request_from(prompt, tokens)

@@ -54,8 +54,13 @@ class RunOptions:
 
     def to_json(self) -> dict[str, Any]:
         """`build.run_options` (the KV types go to `build.kv_types`)."""
-        return {"flash_attn": self.flash_attn, "n_gpu_layers": self.n_gpu_layers,
-                "n_gpu_layers_draft": self.n_gpu_layers_draft, "threads": self.threads, "n_ctx": self.n_ctx}
+        return {
+            "flash_attn": self.flash_attn,
+            "n_gpu_layers": self.n_gpu_layers,
+            "n_gpu_layers_draft": self.n_gpu_layers_draft,
+            "threads": self.threads,
+            "n_ctx": self.n_ctx,
+        }
 
     def build_json(self) -> dict[str, Any]:
         """What a manifest's `build` records of these options."""
@@ -70,11 +75,15 @@ def parse_run_options(args: Sequence[str]) -> RunOptions:
     while i < len(args):
         flag = args[i]
         if flag in UBATCH_FLAGS:
-            raise InputError(f"{flag}: in-process capture decodes each batch as one graph (n_ubatch = the batch), so "
-                             "it takes no ubatch size; capture a run with its own -ub through --exec")
+            raise InputError(
+                f"{flag}: in-process capture decodes each batch as one graph (n_ubatch = the batch), so "
+                "it takes no ubatch size; capture a run with its own -ub through --exec"
+            )
         if flag not in known:
-            raise InputError(f"{flag}: not a featdiff capture option nor a llama.cpp run option it takes "
-                             f"({', '.join(sorted(known))}); see `featdiff capture --help`")
+            raise InputError(
+                f"{flag}: not a featdiff capture option nor a llama.cpp run option it takes "
+                f"({', '.join(sorted(known))}); see `featdiff capture --help`"
+            )
         if i + 1 >= len(args):
             raise InputError(f"{flag}: expects a value, e.g. {flag} {_example(flag)}")
         values[flag] = args[i + 1]
@@ -89,21 +98,30 @@ def options_of_command(command: Sequence[str], environ: Mapping[str, str]) -> Ru
 
 
 def _options(value_of, environ: Mapping[str, str]) -> RunOptions:
-    kv = {role: CacheTypes(k=_kv(value_of, environ, role, "k"), v=_kv(value_of, environ, role, "v"))
-          for role in names.ROLES}
+    kv = {
+        role: CacheTypes(k=_kv(value_of, environ, role, "k"), v=_kv(value_of, environ, role, "v"))
+        for role in names.ROLES
+    }
     fa = (value_of(FLASH_ATTN_FLAGS) or environ.get("LLAMA_ARG_FLASH_ATTN") or "auto").lower()
     if fa not in FLASH_ATTN:
         raise InputError(f"-fa {fa}: expected one of {', '.join(FLASH_ATTN)}, as llama.cpp's --flash-attn")
-    return RunOptions(kv=kv, flash_attn=fa, n_gpu_layers=_int(value_of(GPU_LAYERS_FLAGS), "-ngl"),
-                      n_gpu_layers_draft=_int(value_of(GPU_LAYERS_DRAFT_FLAGS), "-ngld"),
-                      threads=_int(value_of(THREADS_FLAGS), "-t", 1), n_ctx=_int(value_of(CTX_FLAGS), "-c", 0))
+    return RunOptions(
+        kv=kv,
+        flash_attn=fa,
+        n_gpu_layers=_int(value_of(GPU_LAYERS_FLAGS), "-ngl"),
+        n_gpu_layers_draft=_int(value_of(GPU_LAYERS_DRAFT_FLAGS), "-ngld"),
+        threads=_int(value_of(THREADS_FLAGS), "-t", 1),
+        n_ctx=_int(value_of(CTX_FLAGS), "-c", 0),
+    )
 
 
 def _kv(value_of, environ: Mapping[str, str], role: names.Role, part: str) -> str:
     flags, var = KV_OPTIONS[(role, part)]
     kind = (value_of(flags) or environ.get(var) or KV_TYPE_DEFAULT).lower()
     if kind not in KV_TYPES:
-        raise InputError(f"{flags[0]} {kind}: not a KV cache type llama.cpp takes; expected one of {', '.join(KV_TYPES)}")
+        raise InputError(
+            f"{flags[0]} {kind}: not a KV cache type llama.cpp takes; expected one of {', '.join(KV_TYPES)}"
+        )
     return kind
 
 

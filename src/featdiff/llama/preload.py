@@ -75,8 +75,16 @@ def preload(prefix: Path, filters: FilterSet | None = None, llama_dir: Path | No
     wiring, `capture_filters(None)`) into the spool at `prefix`."""
     lines = (filters or capture_filters(None)).env_lines()
     library = preload_library(llama_dir)
-    return Preload(library, ((PRELOAD_VAR, str(library)), (ENV_SPOOL, str(prefix)), (ENV_FILTERS, lines),
-                             (ENV_ARCH_KEY, names.KEY_ARCH), (ENV_DRAFT_ARCH, names.ARCH_DFLASH)))
+    return Preload(
+        library,
+        (
+            (PRELOAD_VAR, str(library)),
+            (ENV_SPOOL, str(prefix)),
+            (ENV_FILTERS, lines),
+            (ENV_ARCH_KEY, names.KEY_ARCH),
+            (ENV_DRAFT_ARCH, names.ARCH_DFLASH),
+        ),
+    )
 
 
 def _preload_key(build: binding.LlamaBuild) -> str:
@@ -106,6 +114,8 @@ def _compile_preload(build: binding.LlamaBuild, path: Path) -> None:
     cmd = [_compiler(), "-O2", "-fPIC", "-std=c11", *includes, *sources, "-o", str(tmp), *LINK_FLAGS]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise InputError(f"{binding.NATIVE_DIR / PRELOAD_SOURCES[0]}: compiling against {build.root} failed "
-                         f"({done.stderr.strip().splitlines()[-1:]}); check that the headers match the program's llama.cpp")
+        raise InputError(
+            f"{binding.NATIVE_DIR / PRELOAD_SOURCES[0]}: compiling against {build.root} failed "
+            f"({done.stderr.strip().splitlines()[-1:]}); check that the headers match the program's llama.cpp"
+        )
     tmp.replace(path)  # rename: a concurrent build never sees a half-written library

@@ -19,8 +19,11 @@ from featdiff.llama import binding
 ENV_VERBOSE = "FEATDIFF_LLAMA_LOG"
 META_BUF = 256
 # llama.cpp's -fa choices -> its llama_flash_attn_type values (read from the build's header)
-FLASH_ATTN_TYPES = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED",
-                    "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED"}
+FLASH_ATTN_TYPES = {
+    "auto": "LLAMA_FLASH_ATTN_TYPE_AUTO",
+    "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED",
+    "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
+}
 N_POS_ARR = 4  # llama_batch_ext_set_pos reads up to 4 positions (M-RoPE); upstream passes {p,p,p,0}
 
 
@@ -37,7 +40,9 @@ class Runtime:
         module, build = binding.load(llama_dir)
         rt = Runtime(module.ffi, module.lib, build)
         if not os.environ.get(ENV_VERBOSE):
-            rt.lib.llama_log_set(rt.ffi.cast("ggml_log_callback", rt.ffi.addressof(rt.lib, "fd_log_errors_only")), rt.ffi.NULL)
+            rt.lib.llama_log_set(
+                rt.ffi.cast("ggml_log_callback", rt.ffi.addressof(rt.lib, "fd_log_errors_only")), rt.ffi.NULL
+            )
         rt.lib.llama_backend_init()
         rt.load_backends()
         return rt
@@ -52,8 +57,10 @@ class Runtime:
             self.lib.ggml_backend_load_all_from_path(str(d).encode())
         if self.lib.ggml_backend_reg_count() == 0:
             dirs = ", ".join(str(d) for d in self.build.lib_dirs)
-            raise InputError(f"{self.build.libllama}: this build registers no ggml backend and none loads from {dirs} "
-                             "(a GGML_BACKEND_DL build keeps libggml-cpu*.so there); rebuild it or pass its install prefix")
+            raise InputError(
+                f"{self.build.libllama}: this build registers no ggml backend and none loads from {dirs} "
+                "(a GGML_BACKEND_DL build keeps libggml-cpu*.so there); rebuild it or pass its install prefix"
+            )
 
     def system_info(self) -> str:
         return self.ffi.string(self.lib.llama_print_system_info()).decode()
@@ -74,7 +81,9 @@ class Model:
             params.n_gpu_layers = n_gpu_layers
         ptr = rt.lib.llama_model_load_from_file(str(path).encode(), params)
         if ptr == rt.ffi.NULL:
-            raise InputError(f"{path}: llama.cpp refused to load this model (set {ENV_VERBOSE}=1 to see why); check it with `featdiff lint`")
+            raise InputError(
+                f"{path}: llama.cpp refused to load this model (set {ENV_VERBOSE}=1 to see why); check it with `featdiff lint`"
+            )
         return Model(rt, ptr, path)
 
     def meta(self, key: str) -> str | None:
@@ -124,8 +133,16 @@ class Context:
     _keep: list[Any] = field(default_factory=list)
 
     @staticmethod
-    def new(rt: Runtime, model: Model, n_ctx: int, n_threads: int, tag: Any = None,
-            ctx_other: "Context | None" = None, kv: CacheTypes | None = None, flash_attn: str = "auto") -> "Context":
+    def new(
+        rt: Runtime,
+        model: Model,
+        n_ctx: int,
+        n_threads: int,
+        tag: Any = None,
+        ctx_other: "Context | None" = None,
+        kv: CacheTypes | None = None,
+        flash_attn: str = "auto",
+    ) -> "Context":
         """A context with llama.cpp's defaults but for the size, threads, callback, `kv` cache
         types (default f16) and `flash_attn` (on / off / auto)."""
         p = rt.lib.llama_context_default_params()
@@ -142,10 +159,16 @@ class Context:
             p.ctx_other = ctx_other.ptr
         ptr = rt.lib.llama_init_from_model(model.ptr, p)
         if ptr == rt.ffi.NULL:
-            told = f" with K/V cache types {kv.k}/{kv.v} and -fa {flash_attn}" if kv is not None and kv != CacheTypes() else ""
-            raise InputError(f"{model.path}: llama_init_from_model failed{told}; a quantized K/V type needs head sizes "
-                             "that are a multiple of its block (32 for q8_0) and a quantized V needs -fa on; "
-                             f"set {ENV_VERBOSE}=1 to see llama.cpp's reason")
+            told = (
+                f" with K/V cache types {kv.k}/{kv.v} and -fa {flash_attn}"
+                if kv is not None and kv != CacheTypes()
+                else ""
+            )
+            raise InputError(
+                f"{model.path}: llama_init_from_model failed{told}; a quantized K/V type needs head sizes "
+                "that are a multiple of its block (32 for q8_0) and a quantized V needs -fa on; "
+                f"set {ENV_VERBOSE}=1 to see llama.cpp's reason"
+            )
         return Context(rt, ptr, model, rt.lib.llama_batch_ext_init(ptr), tag)
 
     def decode_tokens(self, tokens: list[int], positions: list[int], outputs: bool) -> None:
@@ -164,7 +187,9 @@ class Context:
         base = ffi.from_buffer("float[]", rows)
         lib.llama_batch_ext_clear(self.batch)
         for i, pos in enumerate(positions):
-            embd = ffi.new("struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]})
+            embd = ffi.new(
+                "struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]}
+            )
             idx = lib.llama_batch_ext_add_embd(self.batch, 0, embd[0])
             lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
         self._process(len(positions), keep=rows)
@@ -249,6 +274,8 @@ def ggml_type(rt: Runtime, name: str) -> int:
     """The build's ggml_type value of a KV cache type name (`q8_0`: GGML_TYPE_Q8_0)."""
     value = getattr(rt.lib, f"GGML_TYPE_{name.upper()}", None)
     if value is None:
-        raise InputError(f"KV cache type {name!r}: the binding knows no GGML_TYPE_{name.upper()}; use one of "
-                         "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1")
+        raise InputError(
+            f"KV cache type {name!r}: the binding knows no GGML_TYPE_{name.upper()}; use one of "
+            "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
+        )
     return int(value)

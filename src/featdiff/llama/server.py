@@ -43,17 +43,24 @@ class CompletionRequest:
     def body(self) -> dict[str, Any]:
         prompt = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
         # temperature 0: llama.cpp samples greedily; no prompt cache, so each request starts at position 0
-        return {"prompt": prompt, "n_predict": self.n_predict, "temperature": 0.0, "top_k": 1,
-                "cache_prompt": False, "return_tokens": True, "stream": False}
+        return {
+            "prompt": prompt,
+            "n_predict": self.n_predict,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
 
 
 @dataclass(frozen=True)
 class ServerResult:
     """What the server answered to one request."""
 
-    tokens: tuple[int, ...]   # the generated token ids
-    draft_n: int              # tokens drafted, as the server counts them
-    draft_n_accepted: int     # drafted tokens the target accepted
+    tokens: tuple[int, ...]  # the generated token ids
+    draft_n: int  # tokens drafted, as the server counts them
+    draft_n_accepted: int  # drafted tokens the target accepted
     predicted_n: int
 
     def to_json(self) -> dict[str, Any]:
@@ -74,7 +81,9 @@ def is_server(command: list[str]) -> bool:
 def request_from(prompt: str | None, tokens: str | None, n_predict: int = N_PREDICT) -> CompletionRequest:
     """The request for `--prompt TEXT` or `--tokens 1,2,3` (exactly one)."""
     if (prompt is None) == (tokens is None):
-        raise InputError("capture --exec of llama-server sends one completion: give exactly one of --prompt TEXT or --tokens 1,2,3")
+        raise InputError(
+            "capture --exec of llama-server sends one completion: give exactly one of --prompt TEXT or --tokens 1,2,3"
+        )
     return CompletionRequest(prompt if prompt is not None else tuple(parse_tokens(tokens or "")), n_predict)
 
 
@@ -98,13 +107,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve(command: list[str], pre: Preload, requests: list[CompletionRequest], prefix: Path) -> tuple[ServerResult, ...]:
+def serve(
+    command: list[str], pre: Preload, requests: list[CompletionRequest], prefix: Path
+) -> tuple[ServerResult, ...]:
     """Start the server with the preload, send `requests` in order, stop it; return the answers."""
     port = free_port()
     log_path = Path(f"{prefix}.server.log")
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(server_command(command, port), env=pre.environ(), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            server_command(command, port),
+            env=pre.environ(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             _wait_ready(proc, port, log_path)
             return tuple(_complete(port, r, log_path) for r in requests)
@@ -125,7 +141,9 @@ def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise InputError(f"{log_path}: llama-server exited with code {proc.returncode} before it was ready: {_tail(log_path)}")
+            raise InputError(
+                f"{log_path}: llama-server exited with code {proc.returncode} before it was ready: {_tail(log_path)}"
+            )
         try:
             with _opener().open(f"http://{HOST}:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -138,18 +156,23 @@ def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path) -> None:
 
 def _complete(port: int, request: CompletionRequest, log_path: Path) -> ServerResult:
     data = json.dumps(request.body()).encode()
-    req = urllib.request.Request(f"http://{HOST}:{port}/completion", data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{HOST}:{port}/completion", data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with _opener().open(req, timeout=REQUEST_TIMEOUT_S) as r:
             answer = json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise RequestFailed(f"{log_path}: llama-server answered {e.code} to /completion ({e.read()[:200]!r}); check the request and the server flags") from None
+        raise RequestFailed(
+            f"{log_path}: llama-server answered {e.code} to /completion ({e.read()[:200]!r}); check the request and the server flags"
+        ) from None
     timings = answer.get("timings", {})
-    return ServerResult(tokens=tuple(int(t) for t in answer.get("tokens", ())),
-                        draft_n=int(timings.get("draft_n", 0)),
-                        draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
-                        predicted_n=int(timings.get("predicted_n", 0)))
+    return ServerResult(
+        tokens=tuple(int(t) for t in answer.get("tokens", ())),
+        draft_n=int(timings.get("draft_n", 0)),
+        draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
+        predicted_n=int(timings.get("predicted_n", 0)),
+    )
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:

@@ -33,8 +33,20 @@ log = logging.getLogger(__name__)
 
 HEADER = "header"  # the first line of an in-process spool (capture.py); the preload's lines are others
 RECORD = "record"
-RECORD_FIELDS = ("eval", "role", "name", "occurrence", "op", "ggml_type", "ne", "nb", "srcs", "dtype",
-                 "offset", "nbytes")  # what a shim `record` line holds (featdiff_shim.c)
+RECORD_FIELDS = (
+    "eval",
+    "role",
+    "name",
+    "occurrence",
+    "op",
+    "ggml_type",
+    "ne",
+    "nb",
+    "srcs",
+    "dtype",
+    "offset",
+    "nbytes",
+)  # what a shim `record` line holds (featdiff_shim.c)
 # why a pack dropped something, as its summary says it
 DROP_DATA_SHORT = "data file ends early"  # a record whose bytes are not all in <prefix>.data
 DROP_MISSIZED = "byte count does not match the shape"
@@ -137,13 +149,21 @@ def dims_by_name(records: tuple[dict[str, Any], ...], n_tokens: dict[int, int]) 
 def record_from_event(event: dict[str, Any], phase: Phase, n_dims: int | None = None) -> Record:
     """A dump record from a shim `record` line; numpy shape = reversed ggml ne[:n_dims]
     (default: ggml's own dimension count)."""
-    ne = tuple(int(x) for x in event["ne"][:n_dims or _n_dims(event["ne"])])
+    ne = tuple(int(x) for x in event["ne"][: n_dims or _n_dims(event["ne"])])
     role = ROLES[int(event["role"])]
     return Record(
         key=record_key(int(event["eval"]), role, event["name"], int(event["occurrence"])),
-        role=role, phase=phase, eval=int(event["eval"]), name=event["name"],
-        occurrence=int(event["occurrence"]), op=event["op"], ggml_type=event["ggml_type"],
-        ne=ne, srcs=tuple(event["srcs"]), dtype=event["dtype"], shape=tuple(reversed(ne)),
+        role=role,
+        phase=phase,
+        eval=int(event["eval"]),
+        name=event["name"],
+        occurrence=int(event["occurrence"]),
+        op=event["op"],
+        ggml_type=event["ggml_type"],
+        ne=ne,
+        srcs=tuple(event["srcs"]),
+        dtype=event["dtype"],
+        shape=tuple(reversed(ne)),
         nb=tuple(int(x) for x in event["nb"]),
     )
 
@@ -157,8 +177,9 @@ class Written:
     dropped: tuple[str, ...]
 
 
-def write_records(writer: DumpWriter, records: tuple[dict[str, Any], ...], evals: tuple[Eval, ...],
-                  data: Path) -> Written:
+def write_records(
+    writer: DumpWriter, records: tuple[dict[str, Any], ...], evals: tuple[Eval, ...], data: Path
+) -> Written:
     """Add every record whose bytes are all in `data` to the dump being written; drop the others
     (a short one never hides the complete ones after it)."""
     phases = {e.eval: e.phase for e in evals}
@@ -266,11 +287,17 @@ def set_aside(prefix: Path, output: Path) -> Path | None:
     stamp = datetime.now(UTC).strftime(ASIDE_STAMP)
     aside = _free_prefix(prefix.with_name(f"{prefix.name}-{stamp}"))
     for path in found:
-        os.rename(path, aside.with_name(aside.name + path.name[len(prefix.name):]))
+        os.rename(path, aside.with_name(aside.name + path.name[len(prefix.name) :]))
     recovered = output.with_name(f"{output.stem}{RECOVERED_TAG}{stamp}{output.suffix}")
-    log.warning("found the spool of an earlier capture to %s that never finished (%s.*); moved it to %s.* "
-                "instead of overwriting it: recover it with `featdiff pack %s -o %s`",
-                output, prefix, aside, aside, recovered)
+    log.warning(
+        "found the spool of an earlier capture to %s that never finished (%s.*); moved it to %s.* "
+        "instead of overwriting it: recover it with `featdiff pack %s -o %s`",
+        output,
+        prefix,
+        aside,
+        aside,
+        recovered,
+    )
     return aside
 
 
@@ -290,9 +317,15 @@ def pack(prefix: Path, output: Path) -> Packed:
     events = read_index(index)
     writer = DumpWriter(output)
     written = write_records(writer, events.records, events.evals, data)
-    manifest = Manifest(source="llama.cpp", models=events.header.get("models", {}),
-                        build=events.header.get("build", {}), evals=events.evals, records=(),
-                        rounds=events.rounds, prompt_tokens=tuple(events.header.get("prompt_tokens", ())))
+    manifest = Manifest(
+        source="llama.cpp",
+        models=events.header.get("models", {}),
+        build=events.header.get("build", {}),
+        evals=events.evals,
+        records=(),
+        rounds=events.rounds,
+        prompt_tokens=tuple(events.header.get("prompt_tokens", ())),
+    )
     return Packed.of(writer.close(manifest), written, events.n_torn, events.n_unreadable)
 
 
@@ -300,12 +333,15 @@ def require_spool(prefix: Path) -> tuple[Path, Path]:
     """The index and data files of the spool at `prefix`, checked to exist."""
     index, data = spool_files(prefix)
     if not index.is_file() or not data.is_file():
-        raise InputError(f"{prefix}: no spool here ({index.name} and {data.name} expected); give the prefix a "
-                         "capture left, e.g. run.npz.spool for -o run.npz")
+        raise InputError(
+            f"{prefix}: no spool here ({index.name} and {data.name} expected); give the prefix a "
+            "capture left, e.g. run.npz.spool for -o run.npz"
+        )
     return index, data
 
 
 # ---------------------------------------------------------------- filters that caught nothing
+
 
 def unmatched_globs(filters: FilterSet, names: frozenset[tuple[Role, str]]) -> tuple[tuple[str, tuple[Role, ...]], ...]:
     """Each include glob of `filters` that matched no record name of any role it applies to,
@@ -314,8 +350,11 @@ def unmatched_globs(filters: FilterSet, names: frozenset[tuple[Role, str]]) -> t
     for role in ROLES:
         for glob in filters.role(role).include:
             roles_of.setdefault(glob, []).append(role)
-    return tuple((glob, tuple(roles)) for glob, roles in roles_of.items()
-                 if not any(RoleFilter((glob,)).keeps(name) for role, name in names if role in roles))
+    return tuple(
+        (glob, tuple(roles))
+        for glob, roles in roles_of.items()
+        if not any(RoleFilter((glob,)).keeps(name) for role, name in names if role in roles)
+    )
 
 
 def warn_unmatched_filters(filters: FilterSet, packed: Packed) -> None:
@@ -324,5 +363,9 @@ def warn_unmatched_filters(filters: FilterSet, packed: Packed) -> None:
     the default wiring set names tensors some architectures lack."""
     for glob, roles in unmatched_globs(filters, packed.names):
         spec = glob if len(roles) == len(ROLES) else f"{roles[0]}:{glob}"
-        log.warning("--filter %r matched no tensor of the %s in this capture; check the name with "
-                    "`featdiff inspect` or the records list in docs/records.md", spec, " or the ".join(roles))
+        log.warning(
+            "--filter %r matched no tensor of the %s in this capture; check the name with "
+            "`featdiff inspect` or the records list in docs/records.md",
+            spec,
+            " or the ".join(roles),
+        )

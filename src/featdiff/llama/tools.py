@@ -71,8 +71,8 @@ CMAKE_OPTIONS = (
 class ToolBuild:
     """Where the built programs are, and what built them."""
 
-    root: Path      # the cache directory
-    source: Path    # the llama.cpp source tree
+    root: Path  # the cache directory
+    source: Path  # the llama.cpp source tree
     bin_dir: Path
     build_seconds: float  # wall time of the build that made this cache (0 when unknown)
 
@@ -94,9 +94,19 @@ def ensure_tools(root: Path | None = None) -> ToolBuild:
         return cached
     # an incremental rebuild (a recipe or patch change) adds to the time of the build it extends
     seconds = _build(source, _build_dir(root, source)) + _stamp_seconds(root)
-    (root / STAMP).write_text(json.dumps({"key": key, "source": str(source), "seconds": round(seconds, 1),
-                                          "targets": list(TARGETS), "options": list(CMAKE_OPTIONS),
-                                          "patches": [p.name for p in patch_files()]}, indent=1))
+    (root / STAMP).write_text(
+        json.dumps(
+            {
+                "key": key,
+                "source": str(source),
+                "seconds": round(seconds, 1),
+                "targets": list(TARGETS),
+                "options": list(CMAKE_OPTIONS),
+                "patches": [p.name for p in patch_files()],
+            },
+            indent=1,
+        )
+    )
     log.info("built %s in %.0f s", ", ".join(TARGETS), seconds)
     return ToolBuild(root, source, _build_dir(root, source) / "bin", seconds)
 
@@ -145,7 +155,9 @@ def source_tree(root: Path) -> Path:
     if os.environ.get(ENV_SRC):
         src = Path(os.environ[ENV_SRC]).expanduser().resolve()
         if not (src / "CMakeLists.txt").is_file() or not (src / "include" / "llama.h").is_file():
-            raise InputError(f"{ENV_SRC}={src}: no CMakeLists.txt and include/llama.h there; point it at a llama.cpp source tree")
+            raise InputError(
+                f"{ENV_SRC}={src}: no CMakeLists.txt and include/llama.h there; point it at a llama.cpp source tree"
+            )
         return src
     pristine = root / "pristine"
     if not (pristine / "include" / "llama.h").is_file():
@@ -183,12 +195,17 @@ def apply_patches(pristine: Path, tree: Path, patches: list[Path]) -> None:
                 (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(pristine / rel, scratch / rel)
         for patch in patches:
-            done = subprocess.run(["patch", "-p1", "--forward", "--batch", "-s", "-d", str(scratch), "-i", str(patch)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                ["patch", "-p1", "--forward", "--batch", "-s", "-d", str(scratch), "-i", str(patch)],
+                capture_output=True,
+                text=True,
+            )
             if done.returncode != 0:
                 why = (done.stdout + done.stderr).strip().splitlines()[:1] or ["no output"]
-                raise InputError(f"{patch}: does not apply to the pinned llama.cpp in {pristine} ({why[0]}); "
-                                 "regenerate it against that tree")
+                raise InputError(
+                    f"{patch}: does not apply to the pinned llama.cpp in {pristine} ({why[0]}); "
+                    "regenerate it against that tree"
+                )
         for rel in sorted(set(touched) | set(before.get("files", []))):
             _sync_file(scratch / rel if rel in touched else pristine / rel, tree / rel)
     note.write_text(json.dumps({"patches": wanted, "files": touched}, indent=1))
@@ -215,8 +232,10 @@ def _download(dest: Path) -> Path:
     found = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
     if done.returncode != 0 or not found:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise InputError(f"{dest}: `pip download {PINNED_SDIST}` failed ({tail[0]}); "
-                         f"set {ENV_SRC} to a llama.cpp source tree of that version instead")
+        raise InputError(
+            f"{dest}: `pip download {PINNED_SDIST}` failed ({tail[0]}); "
+            f"set {ENV_SRC} to a llama.cpp source tree of that version instead"
+        )
     return found[-1]
 
 
@@ -229,7 +248,7 @@ def _unpack(sdist: Path, dest: Path) -> None:
         prefix = f"{top}/{SDIST_TREE}/"
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
         for m in members:
-            m.name = m.name[len(prefix):]
+            m.name = m.name[len(prefix) :]
         kept = [m for m in members if m.name]
         if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4 / 3.10.12: refuse links out of `tmp`
             tar.extractall(tmp, members=kept, filter="data")
@@ -245,7 +264,9 @@ def _build(source: Path, build_dir: Path) -> float:
     """Configure and build TARGETS; return the wall time in seconds."""
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
-            raise InputError(f"{tool}: not found on PATH; building {', '.join(TARGETS)} needs cmake and a C++17 compiler")
+            raise InputError(
+                f"{tool}: not found on PATH; building {', '.join(TARGETS)} needs cmake and a C++17 compiler"
+            )
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     jobs = os.environ.get(ENV_JOBS, str(DEFAULT_JOBS))
     start = time.monotonic()

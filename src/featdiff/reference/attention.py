@@ -29,13 +29,13 @@ class KvCache:
     v: tuple[torch.Tensor, ...]
 
 
-def empty_cache(n_layer: int, n_head_kv: int, n_embd_head: int, kv_dtype: KvDtype,
-                device: torch.device) -> KvCache:
+def empty_cache(n_layer: int, n_head_kv: int, n_embd_head: int, kv_dtype: KvDtype, device: torch.device) -> KvCache:
     """A cache with no cells, storing K/V as float16 (`kv_dtype="f16"`) or float32."""
     dtype = torch.float16 if kv_dtype == "f16" else torch.float32
     empty = torch.zeros((0, n_head_kv, n_embd_head), dtype=dtype, device=device)
-    return KvCache(positions=torch.zeros(0, dtype=torch.int64, device=device),
-                   k=(empty,) * n_layer, v=(empty,) * n_layer)
+    return KvCache(
+        positions=torch.zeros(0, dtype=torch.int64, device=device), k=(empty,) * n_layer, v=(empty,) * n_layer
+    )
 
 
 def cache_with(cache: KvCache, positions: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> KvCache:
@@ -54,12 +54,20 @@ def layer_kv(cache: KvCache, il: int, k: torch.Tensor, v: torch.Tensor) -> tuple
 def truncated(cache: KvCache, n_past: int) -> KvCache:
     """seq_rm(n_past, -1): drop the cells at positions >= n_past."""
     keep = cache.positions < n_past
-    return KvCache(positions=cache.positions[keep], k=tuple(t[keep] for t in cache.k),
-                   v=tuple(t[keep] for t in cache.v))
+    return KvCache(
+        positions=cache.positions[keep], k=tuple(t[keep] for t in cache.k), v=tuple(t[keep] for t in cache.v)
+    )
 
 
-def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           kv_pos: torch.Tensor, causal: bool, visible: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_pos: torch.Tensor,
+    causal: bool,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of `(n_tokens, n_head, d)` queries over the cache's cells, `(n_tokens, n_head * d)`.
 
     Causal: a query sees the cells at positions <= its own; otherwise every cell of the
@@ -69,8 +77,11 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """
     n_tokens, n_head, d = q.shape
     if visible is None:
-        visible = kv_pos[None, :] <= q_pos[:, None] if causal else torch.ones(
-            (n_tokens, kv_pos.shape[0]), dtype=torch.bool, device=q.device)  # (n_tokens, n_cells)
+        visible = (
+            kv_pos[None, :] <= q_pos[:, None]
+            if causal
+            else torch.ones((n_tokens, kv_pos.shape[0]), dtype=torch.bool, device=q.device)
+        )  # (n_tokens, n_cells)
     group = n_head // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # (n_cells, n_head, d)
     v = v.repeat_interleave(group, dim=1)  # (n_cells, n_head, d)
@@ -82,8 +93,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.to(q.dtype).reshape(n_tokens, n_head * d)  # (n_tokens, n_head * d)
 
 
-def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def _softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Plain masked softmax attention in q's dtype, `(n_tokens, n_head, d)`."""
     scores = torch.einsum("thd,chd->thc", q, k) * scale  # (n_tokens, n_head, n_cells)
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
@@ -95,8 +107,7 @@ def _exp_f32(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.double()).float()
 
 
-def _flash_f16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-               scale: float) -> torch.Tensor:
+def _flash_f16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache, `(n_tokens, n_head, d)`.
 
     Per cell, in cache order: s = dot(f16 q, f16 k) * scale; on a new maximum the f16

@@ -40,7 +40,7 @@ class DraftPass:
     """One draft eval: the base logits and final-norm rows of every block row, and the records."""
 
     logits: torch.Tensor  # (n_tokens, n_vocab): result_output
-    norm: torch.Tensor    # (n_tokens, n_embd): result_norm, what DSpark's confidence head reads
+    norm: torch.Tensor  # (n_tokens, n_embd): result_norm, what DSpark's confidence head reads
     records: tuple[Named, ...]
 
 
@@ -60,8 +60,10 @@ def inject(draft: Draft, features: torch.Tensor, positions: torch.Tensor, cache:
         k = linear(g, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
         v = linear(g, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
         k = rope(rms_norm(k, present(layer.k_norm, f"blk.{il}.attn_k_norm.weight"), hp.rms_eps), positions, hp)
-        records += [Named(names.layer_name(names.KCUR_INJECTED, il), k),
-                    Named(names.layer_name(names.VCUR_INJECTED, il), v)]
+        records += [
+            Named(names.layer_name(names.KCUR_INJECTED, il), k),
+            Named(names.layer_name(names.VCUR_INJECTED, il), v),
+        ]
         k_cache, v_cache = layer_kv(cache, il, k, v)
         ks.append(k_cache)
         vs.append(v_cache)
@@ -89,8 +91,14 @@ def slot_candidates(draft: Draft, features: torch.Tensor) -> list[Named]:
     return out
 
 
-def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: torch.Tensor,
-                cache: KvCache, visible: torch.Tensor | None = None) -> DraftPass:
+def draft_block(
+    draft: Draft,
+    target: Target,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KvCache,
+    visible: torch.Tensor | None = None,
+) -> DraftPass:
     """Run the noise block non-causally over the cached context; the cache is left unchanged.
 
     `visible` `(n_tokens, n_cells + n_tokens)`, when given, says which cells and block rows each
@@ -100,16 +108,26 @@ def draft_block(draft: Draft, target: Target, tokens: torch.Tensor, positions: t
     x, records = noise_embeddings(draft, target, tokens)
     for il, layer in enumerate(draft.layers):
         t = layer_forward(hp, layer, x, positions, cache, il, causal=draft.causal, visible=visible)
-        records += [Named(names.layer_name(name, il), a) for name, a in (
-            (names.NOISE_NORM, t.attn_norm), (names.QCUR, t.q), (names.KCUR, t.k), (names.VCUR, t.v),
-            (names.KQV_OUT, t.kqv_out), (names.FFN_INP, t.ffn_inp), (names.FFN_OUT, t.ffn_out),
-            (names.L_OUT, t.l_out))]
+        records += [
+            Named(names.layer_name(name, il), a)
+            for name, a in (
+                (names.NOISE_NORM, t.attn_norm),
+                (names.QCUR, t.q),
+                (names.KCUR, t.k),
+                (names.VCUR, t.v),
+                (names.KQV_OUT, t.kqv_out),
+                (names.FFN_INP, t.ffn_inp),
+                (names.FFN_OUT, t.ffn_out),
+                (names.L_OUT, t.l_out),
+            )
+        ]
         x = t.l_out
     norm = rms_norm(x, draft.output_norm, hp.rms_eps)
     logits = linear(norm, draft.output if draft.output is not None else target.output)
     if draft.d2t is not None:  # a reduced head: its rows land on their target ids, -inf elsewhere
-        full = torch.full((logits.shape[0], target.hparams.n_vocab), float("-inf"), dtype=logits.dtype,
-                          device=logits.device)  # (n_tokens, n_vocab)
+        full = torch.full(
+            (logits.shape[0], target.hparams.n_vocab), float("-inf"), dtype=logits.dtype, device=logits.device
+        )  # (n_tokens, n_vocab)
         full[:, draft.d2t] = logits
         logits = full
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
@@ -137,9 +155,13 @@ def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tupl
     x = rows + snr.term  # (n_tokens, n_embd)
     swapped = log_snr_embed(draft.log_snr, ~is_mask).feat  # (n_tokens, LOG_SNR_N_FREQ): the levels swapped
     after_norm = rms_norm(rows, draft.layers[0].attn_norm, draft.hparams.rms_eps) + snr.term  # (n_tokens, n_embd)
-    records += [Named(names.DSPARK_LOG_SNR_FEAT, snr.feat), Named(names.DSPARK_LOG_SNR_FC1, snr.fc1),
-                Named(names.DSPARK_LOG_SNR_FC2, snr.term), Named(names.DSPARK_DRAFT_EMBD_SNR, x),
-                Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows),
-                Named(names.candidate_name(names.DSPARK_LOG_SNR_FEAT, names.HYP_LEVELS_SWAPPED), swapped),
-                Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_TERM_AFTER_NORM), after_norm)]
+    records += [
+        Named(names.DSPARK_LOG_SNR_FEAT, snr.feat),
+        Named(names.DSPARK_LOG_SNR_FC1, snr.fc1),
+        Named(names.DSPARK_LOG_SNR_FC2, snr.term),
+        Named(names.DSPARK_DRAFT_EMBD_SNR, x),
+        Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_NO_LOG_SNR), rows),
+        Named(names.candidate_name(names.DSPARK_LOG_SNR_FEAT, names.HYP_LEVELS_SWAPPED), swapped),
+        Named(names.candidate_name(names.DSPARK_DRAFT_EMBD_SNR, names.HYP_TERM_AFTER_NORM), after_norm),
+    ]
     return x, records

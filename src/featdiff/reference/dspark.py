@@ -28,7 +28,7 @@ from featdiff.reference.weights import Draft, DSpark
 class Sampled:
     """What the driver samples a block from, and the records saying so."""
 
-    logits: torch.Tensor       # (n_rows, n_vocab): `draft_logits`
+    logits: torch.Tensor  # (n_rows, n_vocab): `draft_logits`
     conf: torch.Tensor | None  # (n_rows, 1): `dspark_conf`
     records: tuple[Named, ...]
 
@@ -37,14 +37,16 @@ class Sampled:
 class HeadPass:
     """The heads' output on one block."""
 
-    logits: torch.Tensor       # (n_rows, n_vocab): what the sampler reads
-    bias: torch.Tensor         # (n_rows, n_vocab): logits - base
+    logits: torch.Tensor  # (n_rows, n_vocab): what the sampler reads
+    bias: torch.Tensor  # (n_rows, n_vocab): logits - base
     conf: torch.Tensor | None  # (n_rows, 1); None without a confidence head
 
 
 def first_draft_row(draft: Draft) -> int:
     """The block row llama.cpp reads `draft`'s first draft from (featdiff.blocks.first_draft_row)."""
-    return blocks.first_draft_row(draft.dspark is not None, draft.dspark is not None and draft.dspark.sample_from_anchor)
+    return blocks.first_draft_row(
+        draft.dspark is not None, draft.dspark is not None and draft.dspark.sample_from_anchor
+    )
 
 
 def sampled(draft: Draft, base: torch.Tensor, norm: torch.Tensor, anchor: int) -> Sampled:
@@ -57,15 +59,22 @@ def sampled(draft: Draft, base: torch.Tensor, norm: torch.Tensor, anchor: int) -
     own = heads(dsp, base, norm, anchor, draft.d2t, anchor_first=dsp.sample_from_anchor)
     flipped = heads(dsp, base, norm, anchor, draft.d2t, anchor_first=not dsp.sample_from_anchor)
     hyp = names.HYP_ANCHOR_BONUS if dsp.sample_from_anchor else names.HYP_ANCHOR_FIRST
-    records = [Named(names.DRAFT_LOGITS, own.logits), Named(names.DSPARK_MARKOV_BIAS, own.bias),
-               Named(names.candidate_name(names.DRAFT_LOGITS, hyp), flipped.logits)]
+    records = [
+        Named(names.DRAFT_LOGITS, own.logits),
+        Named(names.DSPARK_MARKOV_BIAS, own.bias),
+        Named(names.candidate_name(names.DRAFT_LOGITS, hyp), flipped.logits),
+    ]
     if own.conf is not None and flipped.conf is not None:
-        records += [Named(names.DSPARK_CONF, own.conf), Named(names.candidate_name(names.DSPARK_CONF, hyp), flipped.conf)]
+        records += [
+            Named(names.DSPARK_CONF, own.conf),
+            Named(names.candidate_name(names.DSPARK_CONF, hyp), flipped.conf),
+        ]
     return Sampled(own.logits, own.conf, tuple(records))
 
 
-def heads(dsp: DSpark, base: torch.Tensor, norm: torch.Tensor, anchor: int, d2t: torch.Tensor | None,
-          anchor_first: bool) -> HeadPass:
+def heads(
+    dsp: DSpark, base: torch.Tensor, norm: torch.Tensor, anchor: int, d2t: torch.Tensor | None, anchor_first: bool
+) -> HeadPass:
     """The Markov (and confidence) head on one block laid out `anchor_first` or bonus-anchor."""
     n_rows = base.shape[0]
     prev = anchor

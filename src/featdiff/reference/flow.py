@@ -57,8 +57,17 @@ class _State:
     id_last: int
 
 
-def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int, numerics: Numerics,
-             *, block_rows: int, p_min: float = 0.0, follow: tuple[Round, ...] | None = None) -> FlowTrace:
+def run_flow(
+    target: Target,
+    draft: Draft,
+    prompt: tuple[int, ...],
+    rounds: int,
+    numerics: Numerics,
+    *,
+    block_rows: int,
+    p_min: float = 0.0,
+    follow: tuple[Round, ...] | None = None,
+) -> FlowTrace:
     """Prefill `prompt[:-1]`, inject its features, then `rounds` rounds of draft / verify / inject,
     each draft block `block_rows` rows long (featdiff.blocks); a DSpark drafter with a confidence
     head stops drafting below `p_min` (`--spec-draft-p-min`). With `follow` (a run's rounds, one
@@ -73,21 +82,36 @@ def run_flow(target: Target, draft: Draft, prompt: tuple[int, ...], rounds: int,
     return FlowTrace(tuple(evals), tuple(done))
 
 
-def _prefill(target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Numerics) -> tuple[_State, list[EvalTrace]]:
+def _prefill(
+    target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Numerics
+) -> tuple[_State, list[EvalTrace]]:
     n = len(prompt) - 1
     tokens, positions = _ids(prompt[:n], numerics), _ids(tuple(range(n)), numerics)
     tp = forward_target(target, tokens, positions, _empty(target.hparams, numerics), has_outputs=False)
     ip = inject(draft, features(tp, draft), positions, _empty(draft.hparams, numerics))
-    evals = [EvalTrace(_eval(0, "target", "prefill", positions, prompt[:n], PREFILL_ROUND), tp.records),
-             EvalTrace(_eval(1, "draft", "inject", positions, (), PREFILL_ROUND), ip.records)]
+    evals = [
+        EvalTrace(_eval(0, "target", "prefill", positions, prompt[:n], PREFILL_ROUND), tp.records),
+        EvalTrace(_eval(1, "draft", "inject", positions, (), PREFILL_ROUND), ip.records),
+    ]
     return _State(tp.cache, ip.cache, n, prompt[n]), evals
 
 
-def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int, numerics: Numerics, b: int,
-           p_min: float, plan: Round | None = None) -> tuple[_State, Round, list[EvalTrace]]:
+def _round(
+    target: Target,
+    draft: Draft,
+    state: _State,
+    r: int,
+    first_eval: int,
+    numerics: Numerics,
+    b: int,
+    p_min: float,
+    plan: Round | None = None,
+) -> tuple[_State, Round, list[EvalTrace]]:
     if plan is not None and (plan.pos0, plan.anchor) != (state.n_past, state.id_last):
-        raise FollowError(f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
-                          f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}")
+        raise FollowError(
+            f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
+            f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}"
+        )
     if plan is not None and not 0 <= plan.accepted <= len(plan.drafts):
         raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
     block_positions = _ids(tuple(range(state.n_past, state.n_past + b)), numerics)
@@ -105,14 +129,22 @@ def _round(target: Target, draft: Draft, state: _State, r: int, first_eval: int,
     else:  # the run's accept, and its next anchor where the run dump holds it
         accepted = plan.accepted
         if len(plan.target_tokens) > accepted:
-            best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1:]
+            best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1 :]
     n_past = state.n_past + accepted + 1
     after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted])
-    traces = [EvalTrace(_eval(first_eval, "draft", "draft", block_positions, block, r), dp.records + sp.records),
-              EvalTrace(_eval(first_eval + 1, "target", "verify", positions, verify, r), tp.records),
-              EvalTrace(_eval(first_eval + 2, "draft", "inject", positions, (), r), ip.records)]
-    one_round = Round(round=r, pos0=state.n_past, anchor=state.id_last, drafts=drafts, accepted=accepted,
-                      target_tokens=best[:accepted + 1])
+    traces = [
+        EvalTrace(_eval(first_eval, "draft", "draft", block_positions, block, r), dp.records + sp.records),
+        EvalTrace(_eval(first_eval + 1, "target", "verify", positions, verify, r), tp.records),
+        EvalTrace(_eval(first_eval + 2, "draft", "inject", positions, (), r), ip.records),
+    ]
+    one_round = Round(
+        round=r,
+        pos0=state.n_past,
+        anchor=state.id_last,
+        drafts=drafts,
+        accepted=accepted,
+        target_tokens=best[: accepted + 1],
+    )
     return after, one_round, traces
 
 
@@ -124,7 +156,6 @@ def features(tp: TargetPass, draft: Draft) -> torch.Tensor:
     return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, n_extract * n_embd_tgt)
 
 
-
 def _ids(values: tuple[int, ...], numerics: Numerics) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=numerics.device)
 
@@ -133,8 +164,17 @@ def _empty(hp: Hparams, numerics: Numerics) -> KvCache:
     return empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, numerics.kv_dtype, numerics.device)
 
 
-def _eval(index: int, role: names.Role, phase: names.Phase, positions: torch.Tensor,
-          token_ids: tuple[int, ...], r: int) -> Eval:
+def _eval(
+    index: int, role: names.Role, phase: names.Phase, positions: torch.Tensor, token_ids: tuple[int, ...], r: int
+) -> Eval:
     pos = tuple(int(p) for p in positions)
-    return Eval(eval=index, role=role, phase=phase, n_tokens=len(pos), positions=pos,
-                token_ids=tuple(token_ids), seq_ids=(0,) * len(pos), round=r)
+    return Eval(
+        eval=index,
+        role=role,
+        phase=phase,
+        n_tokens=len(pos),
+        positions=pos,
+        token_ids=tuple(token_ids),
+        seq_ids=(0,) * len(pos),
+        round=r,
+    )

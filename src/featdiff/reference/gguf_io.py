@@ -45,8 +45,9 @@ def read_gguf(path: Path) -> GgufModel:
     """Open a GGUF; InputError naming the file when it is not a readable GGUF."""
     path = Path(path)
     reader = open_gguf(path)
-    tensors = {t.name: GgufTensor(t.name, tuple(int(n) for n in t.shape), t.tensor_type.name.lower())
-               for t in reader.tensors}
+    tensors = {
+        t.name: GgufTensor(t.name, tuple(int(n) for n in t.shape), t.tensor_type.name.lower()) for t in reader.tensors
+    }
     data = {t.name: t for t in reader.tensors}
     arch_field = reader.fields.get(names.KEY_ARCH)
     if arch_field is None:
@@ -70,8 +71,10 @@ def int_meta(model: GgufModel, key: str, default: Any = _MISSING) -> int:
     stored as another type (llama.cpp reads these keys as integers)."""
     value = meta(model, key, default)
     if not _is_int(value):
-        raise InputError(f"{model.path}: metadata key {key.format(arch=model.arch)!r} = {value!r}, expected an "
-                         "integer; re-export the GGUF with the trained value")
+        raise InputError(
+            f"{model.path}: metadata key {key.format(arch=model.arch)!r} = {value!r}, expected an "
+            "integer; re-export the GGUF with the trained value"
+        )
     return int(value)
 
 
@@ -79,8 +82,10 @@ def int_list_meta(model: GgufModel, key: str) -> list[int]:
     """An array of integers (`{arch}` filled in); InputError when absent or holding anything else."""
     value = meta(model, key)
     if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise InputError(f"{model.path}: metadata key {key.format(arch=model.arch)!r} = {value!r}, expected an "
-                         "array of integers; re-export the GGUF with the trained ids")
+        raise InputError(
+            f"{model.path}: metadata key {key.format(arch=model.arch)!r} = {value!r}, expected an "
+            "array of integers; re-export the GGUF with the trained ids"
+        )
     return [int(v) for v in value]
 
 
@@ -90,8 +95,10 @@ def trained_context(model: GgufModel) -> int | None:
         return None
     n = int_meta(model, names.KEY_CONTEXT_LENGTH)
     if n < 1:
-        raise InputError(f"{model.path}: {names.KEY_CONTEXT_LENGTH.format(arch=model.arch)} = {n}, expected >= 1; "
-                         "re-export the GGUF with the trained context length")
+        raise InputError(
+            f"{model.path}: {names.KEY_CONTEXT_LENGTH.format(arch=model.arch)} = {n}, expected >= 1; "
+            "re-export the GGUF with the trained context length"
+        )
     return n
 
 
@@ -118,4 +125,6 @@ def array_from_tensor(model: GgufModel, name: str) -> np.ndarray:
     if tensor is None:
         raise InputError(f"{model.path}: tensor {name!r} is missing; re-export the GGUF with it")
     shape = tuple(reversed([int(n) for n in tensor.shape]))
-    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)  # a writable copy, reversed ne
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
+        shape
+    )  # a writable copy, reversed ne

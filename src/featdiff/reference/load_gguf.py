@@ -18,26 +18,42 @@ from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_
 from featdiff.reference import rope_params
 from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
 from featdiff.reference.rope_params import RopeScaling, llama_scaling
-from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, RopeType, Source, Target, aligned,
-                                        layer_from_tensors, present)
-
+from featdiff.reference.weights import (
+    DSpark,
+    Draft,
+    Hparams,
+    Layer,
+    LogSnr,
+    RopeType,
+    Source,
+    Target,
+    aligned,
+    layer_from_tensors,
+    present,
+)
 
 
 def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
     """A qwen3 or llama target from its GGUF."""
     g = read_gguf(path)
     if g.arch not in names.TARGET_ARCHS:
-        raise InputError(f"{path}: architecture {g.arch!r}, the reference runs targets of {names.TARGET_ARCHS}; "
-                         "pass a qwen3 or llama target")
+        raise InputError(
+            f"{path}: architecture {g.arch!r}, the reference runs targets of {names.TARGET_ARCHS}; "
+            "pass a qwen3 or llama target"
+        )
     rope_type: RopeType = "normal" if g.arch == names.ARCH_LLAMA else "neox"
     n_vocab = g.tensors[names.T_TOKEN_EMBD].ne[1] if names.T_TOKEN_EMBD in g.tensors else 0
     hp = _hparams(g, rope_type, n_vocab)
     token_embd = _tensor(g, names.T_TOKEN_EMBD, dtype, device)
     has_head = names.T_OUTPUT in g.tensors
-    return Target(source=Source(Path(path), is_gguf=True), hparams=hp, token_embd=token_embd,
-                  output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
-                  output=_tensor(g, names.T_OUTPUT, dtype, device) if has_head else token_embd,
-                  layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)))
+    return Target(
+        source=Source(Path(path), is_gguf=True),
+        hparams=hp,
+        token_embd=token_embd,
+        output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
+        output=_tensor(g, names.T_OUTPUT, dtype, device) if has_head else token_embd,
+        layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
+    )
 
 
 def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
@@ -45,24 +61,30 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Dra
     DSpark export, or a `d2t` llama.cpp cannot use."""
     g = read_gguf(path)
     if g.arch != names.ARCH_DFLASH:
-        raise InputError(f"{path}: architecture {g.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter as --model")
+        raise InputError(
+            f"{path}: architecture {g.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter as --model"
+        )
     token_embd = _optional(g, names.T_TOKEN_EMBD, dtype, device)
     output = _optional(g, names.T_OUTPUT, dtype, device)
     hp = _hparams(g, "neox", _draft_n_vocab(g))
     head = output if output is not None else token_embd
-    return Draft(source=Source(Path(path), is_gguf=True), hparams=hp,
-                 target_layers=tuple(int(i) for i in meta(g, names.KEY_TARGET_LAYERS)),
-                 block_size=int(meta(g, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)),
-                 mask_token_id=int(meta(g, names.KEY_MASK_TOKEN)),
-                 fc=_tensor(g, names.T_FC, dtype, device),
-                 enc_norm=_tensor(g, names.T_ENC_NORM, dtype, device),
-                 output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
-                 token_embd=token_embd,
-                 output=head,  # llama.cpp: the head falls back to the drafter's own embeddings
-                 layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
-                 log_snr=_log_snr(g, dtype, device), dspark=_dspark(g, hp, dtype, device),
-                 causal=bool(meta(g, names.KEY_CAUSAL, False)),
-                 d2t=_d2t(g, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab, device))
+    return Draft(
+        source=Source(Path(path), is_gguf=True),
+        hparams=hp,
+        target_layers=tuple(int(i) for i in meta(g, names.KEY_TARGET_LAYERS)),
+        block_size=int(meta(g, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)),
+        mask_token_id=int(meta(g, names.KEY_MASK_TOKEN)),
+        fc=_tensor(g, names.T_FC, dtype, device),
+        enc_norm=_tensor(g, names.T_ENC_NORM, dtype, device),
+        output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
+        token_embd=token_embd,
+        output=head,  # llama.cpp: the head falls back to the drafter's own embeddings
+        layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
+        log_snr=_log_snr(g, dtype, device),
+        dspark=_dspark(g, hp, dtype, device),
+        causal=bool(meta(g, names.KEY_CAUSAL, False)),
+        d2t=_d2t(g, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab, device),
+    )
 
 
 def _hparams(g: GgufModel, rope_type: RopeType, n_vocab: int) -> Hparams:
@@ -70,30 +92,48 @@ def _hparams(g: GgufModel, rope_type: RopeType, n_vocab: int) -> Hparams:
     n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
     n_rot = int(meta(g, names.KEY_ROPE_DIMS, n_embd_head))
     if not 0 < n_rot <= n_embd_head or n_rot % 2:
-        raise InputError(f"{g.path}: {names.KEY_ROPE_DIMS.format(arch=g.arch)} = {n_rot} but the head size is "
-                         f"{n_embd_head}; expected an even count of rotated dims up to it; re-export the GGUF")
-    return Hparams(arch=g.arch, n_layer=int(meta(g, names.KEY_BLOCK_COUNT)), n_embd=n_embd,
-                   n_head=n_head, n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
-                   n_embd_head=n_embd_head, n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH)),
-                   n_vocab=n_vocab, rms_eps=float(meta(g, names.KEY_RMS_EPS)),
-                   rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)), rope_type=rope_type,
-                   rope_scaling=_rope_scaling(g, n_rot), n_rot=n_rot)
+        raise InputError(
+            f"{g.path}: {names.KEY_ROPE_DIMS.format(arch=g.arch)} = {n_rot} but the head size is "
+            f"{n_embd_head}; expected an even count of rotated dims up to it; re-export the GGUF"
+        )
+    return Hparams(
+        arch=g.arch,
+        n_layer=int(meta(g, names.KEY_BLOCK_COUNT)),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
+        n_embd_head=n_embd_head,
+        n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH)),
+        n_vocab=n_vocab,
+        rms_eps=float(meta(g, names.KEY_RMS_EPS)),
+        rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)),
+        rope_type=rope_type,
+        rope_scaling=_rope_scaling(g, n_rot),
+        n_rot=n_rot,
+    )
 
 
 def _rope_scaling(g: GgufModel, n_rot: int) -> RopeScaling:
     """The GGUF's RoPE scaling keys and `rope_freqs` (read by the llama and dflash graphs only;
     qwen3's passes no frequency factors), as llama.cpp turns them into ggml_rope_ext's parameters."""
     if float(meta(g, names.KEY_ROPE_YARN_LOG_MUL, 0.0)) != 0.0:
-        raise InputError(f"{g.path}: {names.KEY_ROPE_YARN_LOG_MUL.format(arch=g.arch)} is set; the reference does not "
-                         "implement YaRN's log multiplier (DeepSeek's); compare a model without it, or add it to featdiff")
+        raise InputError(
+            f"{g.path}: {names.KEY_ROPE_YARN_LOG_MUL.format(arch=g.arch)} is set; the reference does not "
+            "implement YaRN's log multiplier (DeepSeek's); compare a model without it, or add it to featdiff"
+        )
     factor = float(meta(g, names.KEY_ROPE_SCALING_FACTOR, meta(g, names.KEY_ROPE_SCALE_LINEAR, 0.0)))
     freq_factors = None
     if names.T_ROPE_FREQS in g.tensors and g.arch in (names.ARCH_LLAMA, names.ARCH_DFLASH):
         freq_factors = tuple(float(x) for x in array_from_tensor(g, names.T_ROPE_FREQS).reshape(-1)[: n_rot // 2])
     n_ctx_train = int(meta(g, names.KEY_CONTEXT_LENGTH, 0))
-    return llama_scaling(g.path, str(meta(g, names.KEY_ROPE_SCALING_TYPE, rope_params.GGUF_DEFAULT_TYPE)), factor,
-                         int(meta(g, names.KEY_ROPE_SCALING_ORIG_CTX, n_ctx_train)),
-                         float(meta(g, names.KEY_ROPE_SCALING_ATTN_FACTOR, 1.0)), freq_factors)
+    return llama_scaling(
+        g.path,
+        str(meta(g, names.KEY_ROPE_SCALING_TYPE, rope_params.GGUF_DEFAULT_TYPE)),
+        factor,
+        int(meta(g, names.KEY_ROPE_SCALING_ORIG_CTX, n_ctx_train)),
+        float(meta(g, names.KEY_ROPE_SCALING_ATTN_FACTOR, 1.0)),
+        freq_factors,
+    )
 
 
 def _draft_n_vocab(g: GgufModel) -> int:
@@ -103,8 +143,9 @@ def _draft_n_vocab(g: GgufModel) -> int:
         return n
     if names.T_TOKEN_EMBD in g.tensors:
         return g.tensors[names.T_TOKEN_EMBD].ne[1]
-    raise InputError(f"{g.path}: neither {names.KEY_TOKEN_LIST} nor {names.T_TOKEN_EMBD}; "
-                     "re-export the drafter with its vocabulary")
+    raise InputError(
+        f"{g.path}: neither {names.KEY_TOKEN_LIST} nor {names.T_TOKEN_EMBD}; re-export the drafter with its vocabulary"
+    )
 
 
 def _layer(g: GgufModel, il: int, dtype: torch.dtype, device: torch.device) -> Layer:
@@ -138,11 +179,14 @@ def _dspark(g: GgufModel, hp: Hparams, dtype: torch.dtype, device: torch.device)
     if names.T_MARKOV_W1 not in shapes:
         return None
     t = {name: aligned(_optional(g, name, dtype, device)) for name in DSPARK_FILE_TENSORS if name != names.T_D2T}
-    return DSpark(markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
-                  markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
-                  markov_w2_scale=t[names.T_MARKOV_W2_SCALE], conf_w=t[names.T_CONF_PROJ_W],
-                  conf_b=t[names.T_CONF_PROJ_B],
-                  sample_from_anchor=bool(meta(g, names.KEY_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first
+    return DSpark(
+        markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
+        markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
+        markov_w2_scale=t[names.T_MARKOV_W2_SCALE],
+        conf_w=t[names.T_CONF_PROJ_W],
+        conf_b=t[names.T_CONF_PROJ_B],
+        sample_from_anchor=bool(meta(g, names.KEY_SAMPLE_FROM_ANCHOR, True)),
+    )  # absent: anchor-first
 
 
 def _d2t(g: GgufModel, n_vocab: int, head_rows: int, device: torch.device) -> torch.Tensor | None:

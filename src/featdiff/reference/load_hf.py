@@ -23,14 +23,29 @@ from featdiff import names
 from featdiff.errors import InputError
 from featdiff.reference.checks import d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference.rope_params import hf_rope
-from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, aligned,
-                                        layer_from_tensors, present)
+from featdiff.reference.weights import (
+    DSpark,
+    Draft,
+    Hparams,
+    Layer,
+    LogSnr,
+    Source,
+    Target,
+    aligned,
+    layer_from_tensors,
+    present,
+)
 
 _FLAG_KEY = f"{names.HF_DFLASH_CONFIG}.{names.HF_LOG_SNR}"
 # GGUF name -> HF name of the DSpark tensors (upstream conversion/qwen.py DSparkModel)
-_HF_DSPARK = {names.T_MARKOV_W1: names.HF_MARKOV_W1, names.T_MARKOV_W2: names.HF_MARKOV_W2,
-              names.T_MARKOV_W2_SCALE: names.HF_MARKOV_W2_SCALE, names.T_CONF_PROJ_W: names.HF_CONF_PROJ_W,
-              names.T_CONF_PROJ_B: names.HF_CONF_PROJ_B, names.T_D2T: names.HF_D2T}
+_HF_DSPARK = {
+    names.T_MARKOV_W1: names.HF_MARKOV_W1,
+    names.T_MARKOV_W2: names.HF_MARKOV_W2,
+    names.T_MARKOV_W2_SCALE: names.HF_MARKOV_W2_SCALE,
+    names.T_CONF_PROJ_W: names.HF_CONF_PROJ_W,
+    names.T_CONF_PROJ_B: names.HF_CONF_PROJ_B,
+    names.T_D2T: names.HF_D2T,
+}
 MARKOV_HEAD_TYPE = "markov_head_type"  # config.json; the converter and llama.cpp run "vanilla" only
 MARKOV_VANILLA = "vanilla"
 DFLASH_CAUSAL = "causal"  # dflash_config's spelling of the top-level is_causal (the converter reads both)
@@ -41,17 +56,23 @@ def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Targ
     config = read_config(path)
     arch = config.get(names.HF_MODEL_TYPE)
     if arch not in names.TARGET_ARCHS:
-        raise InputError(f"{path / names.HF_CONFIG}: model_type {arch!r}, the reference runs targets of "
-                         f"{names.TARGET_ARCHS}; pass a qwen3 or llama checkpoint")
+        raise InputError(
+            f"{path / names.HF_CONFIG}: model_type {arch!r}, the reference runs targets of "
+            f"{names.TARGET_ARCHS}; pass a qwen3 or llama checkpoint"
+        )
     w = _weights(path, dtype, device)
     token_embd = _required(w, path, names.HF_TARGET_PREFIX + names.HF_EMBED_TOKENS)
     tied = config.get(names.HF_TIE_EMBEDDINGS, False) or names.HF_LM_HEAD not in w
     hp = _hparams(path, config, arch)
     layer_prefix = names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX
-    return Target(source=Source(Path(path), is_gguf=False), hparams=hp, token_embd=token_embd,
-                  output_norm=_required(w, path, names.HF_TARGET_PREFIX + names.HF_NORM),
-                  output=token_embd if tied else _required(w, path, names.HF_LM_HEAD),
-                  layers=tuple(_layer(w, path, layer_prefix.format(il=il)) for il in range(hp.n_layer)))
+    return Target(
+        source=Source(Path(path), is_gguf=False),
+        hparams=hp,
+        token_embd=token_embd,
+        output_norm=_required(w, path, names.HF_TARGET_PREFIX + names.HF_NORM),
+        output=token_embd if tied else _required(w, path, names.HF_LM_HEAD),
+        layers=tuple(_layer(w, path, layer_prefix.format(il=il)) for il in range(hp.n_layer)),
+    )
 
 
 def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
@@ -60,25 +81,36 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
     config = read_config(path)
     dflash = config.get(names.HF_DFLASH_CONFIG)
     if not isinstance(dflash, dict) or names.HF_TARGET_LAYER_IDS not in dflash:
-        raise InputError(f"{path / names.HF_CONFIG}: no {names.HF_DFLASH_CONFIG}.{names.HF_TARGET_LAYER_IDS}; "
-                         "pass a DFlash drafter checkpoint as --model")
+        raise InputError(
+            f"{path / names.HF_CONFIG}: no {names.HF_DFLASH_CONFIG}.{names.HF_TARGET_LAYER_IDS}; "
+            "pass a DFlash drafter checkpoint as --model"
+        )
     w = _weights(path, dtype, device)
     hp = _hparams(path, config, names.ARCH_DFLASH)
     token_embd = w.get(names.HF_EMBED_TOKENS)
     output = w.get(names.HF_LM_HEAD)
     head = output if output is not None else token_embd
     causal = config.get(names.HF_IS_CAUSAL, dflash.get(DFLASH_CAUSAL, False))
-    d2t = _d2t(path, config, w, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab)  # first: a missing d2t says more than markov_w2's rows
-    return Draft(source=Source(Path(path), is_gguf=False), hparams=hp,
-                 target_layers=tuple(int(i) + 1 for i in dflash[names.HF_TARGET_LAYER_IDS]),  # gguf = hf + 1
-                 block_size=int(_setting(path, config, dflash, names.HF_BLOCK_SIZE)),
-                 mask_token_id=int(_setting(path, config, dflash, names.HF_MASK_TOKEN_ID)),
-                 fc=_required(w, path, names.HF_FC), enc_norm=_required(w, path, names.HF_HIDDEN_NORM),
-                 output_norm=_required(w, path, names.HF_NORM),
-                 token_embd=token_embd, output=head,
-                 layers=tuple(_layer(w, path, names.HF_LAYER_PREFIX.format(il=il)) for il in range(hp.n_layer)),
-                 log_snr=_log_snr(path, dflash, w), dspark=_dspark(path, config, w, hp),
-                 causal=bool(causal), d2t=d2t)
+    d2t = _d2t(
+        path, config, w, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab
+    )  # first: a missing d2t says more than markov_w2's rows
+    return Draft(
+        source=Source(Path(path), is_gguf=False),
+        hparams=hp,
+        target_layers=tuple(int(i) + 1 for i in dflash[names.HF_TARGET_LAYER_IDS]),  # gguf = hf + 1
+        block_size=int(_setting(path, config, dflash, names.HF_BLOCK_SIZE)),
+        mask_token_id=int(_setting(path, config, dflash, names.HF_MASK_TOKEN_ID)),
+        fc=_required(w, path, names.HF_FC),
+        enc_norm=_required(w, path, names.HF_HIDDEN_NORM),
+        output_norm=_required(w, path, names.HF_NORM),
+        token_embd=token_embd,
+        output=head,
+        layers=tuple(_layer(w, path, names.HF_LAYER_PREFIX.format(il=il)) for il in range(hp.n_layer)),
+        log_snr=_log_snr(path, dflash, w),
+        dspark=_dspark(path, config, w, hp),
+        causal=bool(causal),
+        d2t=d2t,
+    )
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -86,7 +118,9 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise InputError(f"{f}: unreadable ({e}); a Hugging Face directory needs config.json and *.safetensors") from None
+        raise InputError(
+            f"{f}: unreadable ({e}); a Hugging Face directory needs config.json and *.safetensors"
+        ) from None
     if not isinstance(config, dict):
         raise InputError(f"{f}: expected a JSON object, found {type(config).__name__}; pass a Hugging Face checkpoint")
     return config
@@ -98,8 +132,12 @@ def _weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, 
         raise InputError(f"{path}: no {names.HF_WEIGHTS_GLOB} files; a Hugging Face directory needs its weights")
     w: dict[str, torch.Tensor] = {}
     for f in files:
-        w.update({k: t.to(dtype=dtype if t.is_floating_point() else t.dtype, device=device)  # d2t stays int
-                  for k, t in load_file(str(f)).items()})
+        w.update(
+            {
+                k: t.to(dtype=dtype if t.is_floating_point() else t.dtype, device=device)  # d2t stays int
+                for k, t in load_file(str(f)).items()
+            }
+        )
     return w
 
 
@@ -115,8 +153,9 @@ def _setting(path: Path, config: dict[str, Any], dflash: dict[str, Any], key: st
         return dflash[key]
     if key in config:
         return config[key]
-    raise InputError(f"{path / names.HF_CONFIG}: no {key!r} in {names.HF_DFLASH_CONFIG} or at the top level; "
-                     "add the trained value")
+    raise InputError(
+        f"{path / names.HF_CONFIG}: no {key!r} in {names.HF_DFLASH_CONFIG} or at the top level; add the trained value"
+    )
 
 
 def _config_value(path: Path, config: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -132,14 +171,21 @@ def _hparams(path: Path, config: dict[str, Any], arch: str) -> Hparams:
     n_head = int(_config_value(path, config, names.HF_NUM_HEADS))
     n_embd_head = int(_config_value(path, config, names.HF_HEAD_DIM, n_embd // n_head))
     base, scaling, n_rot = hf_rope(path / names.HF_CONFIG, config, n_embd_head)
-    return Hparams(arch=arch, n_layer=int(_config_value(path, config, names.HF_NUM_LAYERS)), n_embd=n_embd,
-                   n_head=n_head, n_head_kv=int(_config_value(path, config, names.HF_NUM_KV_HEADS, n_head)),
-                   n_embd_head=n_embd_head,
-                   n_ff=int(_config_value(path, config, names.HF_INTERMEDIATE_SIZE)),
-                   n_vocab=int(_config_value(path, config, names.HF_VOCAB_SIZE)),
-                   rms_eps=float(_config_value(path, config, names.HF_RMS_EPS)),
-                   rope_base=float(base if base is not None else names.ROPE_FREQ_BASE_DEFAULT),
-                   rope_type="neox", rope_scaling=scaling, n_rot=n_rot)
+    return Hparams(
+        arch=arch,
+        n_layer=int(_config_value(path, config, names.HF_NUM_LAYERS)),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(_config_value(path, config, names.HF_NUM_KV_HEADS, n_head)),
+        n_embd_head=n_embd_head,
+        n_ff=int(_config_value(path, config, names.HF_INTERMEDIATE_SIZE)),
+        n_vocab=int(_config_value(path, config, names.HF_VOCAB_SIZE)),
+        rms_eps=float(_config_value(path, config, names.HF_RMS_EPS)),
+        rope_base=float(base if base is not None else names.ROPE_FREQ_BASE_DEFAULT),
+        rope_type="neox",
+        rope_scaling=scaling,
+        n_rot=n_rot,
+    )
 
 
 def _layer(w: dict[str, torch.Tensor], path: Path, prefix: str) -> Layer:
@@ -169,35 +215,45 @@ def _dspark(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], hp: 
     problems = dspark_problems(shapes, hp.n_embd, hp.n_vocab, _HF_DSPARK)
     kind = config.get(MARKOV_HEAD_TYPE, MARKOV_VANILLA)
     if names.HF_MARKOV_W1 in w and kind != MARKOV_VANILLA:
-        problems.append(f"{MARKOV_HEAD_TYPE} = {kind!r}, the converter and llama.cpp run {MARKOV_VANILLA!r} only; "
-                        "retrain or convert with a vanilla Markov head")
+        problems.append(
+            f"{MARKOV_HEAD_TYPE} = {kind!r}, the converter and llama.cpp run {MARKOV_VANILLA!r} only; "
+            "retrain or convert with a vanilla Markov head"
+        )
     if problems:
         raise InputError(f"{path}: " + "; ".join(problems))
     if names.HF_MARKOV_W1 not in w:
         return None
     t = {name: aligned(w.get(hf)) for name, hf in _HF_DSPARK.items() if name != names.T_D2T}
-    return DSpark(markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
-                  markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
-                  markov_w2_scale=t[names.T_MARKOV_W2_SCALE], conf_w=t[names.T_CONF_PROJ_W],
-                  conf_b=t[names.T_CONF_PROJ_B],
-                  sample_from_anchor=bool(config.get(names.HF_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first
+    return DSpark(
+        markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
+        markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
+        markov_w2_scale=t[names.T_MARKOV_W2_SCALE],
+        conf_w=t[names.T_CONF_PROJ_W],
+        conf_b=t[names.T_CONF_PROJ_B],
+        sample_from_anchor=bool(config.get(names.HF_SAMPLE_FROM_ANCHOR, True)),
+    )  # absent: anchor-first
 
 
-def _d2t(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], n_vocab: int,
-         head_rows: int) -> torch.Tensor | None:
+def _d2t(
+    path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], n_vocab: int, head_rows: int
+) -> torch.Tensor | None:
     """The reduced vocabulary's absolute target ids, `(n_vocab_draft,)` int64, from HF offsets."""
     n_vocab_draft = config.get(names.HF_DRAFT_VOCAB_SIZE) or n_vocab
     if names.HF_D2T not in w:
         if n_vocab_draft < n_vocab:
-            raise InputError(f"{path / names.HF_CONFIG}: {names.HF_DRAFT_VOCAB_SIZE} = {n_vocab_draft} < "
-                             f"vocab_size {n_vocab} but there is no {names.HF_D2T}; add the checkpoint's d2t table")
+            raise InputError(
+                f"{path / names.HF_CONFIG}: {names.HF_DRAFT_VOCAB_SIZE} = {n_vocab_draft} < "
+                f"vocab_size {n_vocab} but there is no {names.HF_D2T}; add the checkpoint's d2t table"
+            )
         return None
     offsets = w[names.HF_D2T].cpu().numpy().astype(np.int64).reshape(-1)  # (n_vocab_draft,), cast as the converter does
     ids = offsets + np.arange(offsets.size, dtype=np.int64)  # HF offsets: target id = d2t[i] + i
     problems = d2t_problems(ids, n_vocab, head_rows)
     if names.HF_DRAFT_VOCAB_SIZE in config and offsets.size != n_vocab_draft:
-        problems.append(f"{names.HF_D2T} has {offsets.size} entries but {names.HF_DRAFT_VOCAB_SIZE} = "
-                        f"{n_vocab_draft}; save the d2t table of this head")
+        problems.append(
+            f"{names.HF_D2T} has {offsets.size} entries but {names.HF_DRAFT_VOCAB_SIZE} = "
+            f"{n_vocab_draft}; save the d2t table of this head"
+        )
     if problems:
         raise InputError(f"{path}: " + "; ".join(problems))
     return torch.from_numpy(ids).to(w[names.HF_D2T].device)

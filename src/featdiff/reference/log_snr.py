@@ -17,8 +17,8 @@ from featdiff import names
 from featdiff.reference.numerics import linear
 from featdiff.reference.weights import LogSnr
 
-TAU_MAX = 1000.0       # the normalized log-SNR spans 0 .. TAU_MAX
-FREQ_BASE = 10000.0    # f_j = FREQ_BASE^(-j / n_half)
+TAU_MAX = 1000.0  # the normalized log-SNR spans 0 .. TAU_MAX
+FREQ_BASE = 10000.0  # f_j = FREQ_BASE^(-j / n_half)
 
 
 def log_snr_tau(snr: LogSnr, is_mask: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ class LogSnrEmbedding:
     """The stages of the log-SNR embedding of one block, in the weights' dtype."""
 
     feat: torch.Tensor  # (n_tokens, LOG_SNR_N_FREQ): dspark_log_snr_feat
-    fc1: torch.Tensor   # (n_tokens, n_embd): dspark_log_snr_fc1 = silu(fc1 feat + b1)
+    fc1: torch.Tensor  # (n_tokens, n_embd): dspark_log_snr_fc1 = silu(fc1 feat + b1)
     term: torch.Tensor  # (n_tokens, n_embd): dspark_log_snr_fc2 = fc2 fc1 + b2, added to each row
 
 

@@ -50,8 +50,9 @@ def ffn(x: torch.Tensor, layer: Layer) -> torch.Tensor:
     return linear(gate / (1.0 + torch.exp(-gate)) * linear(x, layer.ffn_up), layer.ffn_down)
 
 
-def rope_cache(positions: torch.Tensor, n_dims: int, base: float,
-               scaling: RopeScaling = PLAIN) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(
+    positions: torch.Tensor, n_dims: int, base: float, scaling: RopeScaling = PLAIN
+) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin, `(n_tokens, n_dims / 2)` float32, as ggml_rope_cache_init builds them.
 
     ggml grows the angle by repeated float32 multiplication, `theta *= powf(base, -2.0f/n_dims)`;
@@ -87,14 +88,18 @@ def rope_cache(positions: torch.Tensor, n_dims: int, base: float,
     return cos, sin
 
 
-def _yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple[np.float32, np.float32]:
+def _yarn_corr_dims(
+    n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float
+) -> tuple[np.float32, np.float32]:
     """ggml_rope_yarn_corr_dims: the pair range YaRN's ramp runs over, in float32."""
     f32 = np.float32
     if n_ctx_orig <= 0:
         return f32(0.0), f32(n_dims - 1)
 
     def corr_dim(n_rot: float) -> np.float32:
-        return f32(f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))) / (f32(2) * np.log(f32(base))))
+        return f32(
+            f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(np.pi))) / (f32(2) * np.log(f32(base)))
+        )
 
     start, end = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
     return f32(max(0.0, start)), f32(min(n_dims - 1.0, end))
@@ -114,7 +119,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, hp: Hparams) -> torch.Tensor:
     sin = torch.from_numpy(sin_np).to(x)[:, None, :]  # (n_tokens, 1, n_rot/2)
     rot, rest = x[..., :n_rot], x[..., n_rot:]
     if hp.rope_type == "neox":
-        x0, x1 = rot[..., : n_rot // 2], rot[..., n_rot // 2:]
+        x0, x1 = rot[..., : n_rot // 2], rot[..., n_rot // 2 :]
         rotated = torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (n_tokens, n_head, n_rot)
     else:
         x0, x1 = rot[..., 0::2], rot[..., 1::2]

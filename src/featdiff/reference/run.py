@@ -34,10 +34,23 @@ from featdiff.reference.weights import Draft, Target, check_pair, models_entry
 log = logging.getLogger(__name__)
 
 
-def reference(target: Path, model: Path, output: Path, *, prompt: str | None, tokens: str | None,
-              rounds: int, dtype: str, device: str, kv_dtype: str, llama_dir: Path | None,
-              block: int | None = None, run: Path | None = None, p_min: float | None = None,
-              follow: Path | None = None) -> Path:
+def reference(
+    target: Path,
+    model: Path,
+    output: Path,
+    *,
+    prompt: str | None,
+    tokens: str | None,
+    rounds: int,
+    dtype: str,
+    device: str,
+    kv_dtype: str,
+    llama_dir: Path | None,
+    block: int | None = None,
+    run: Path | None = None,
+    p_min: float | None = None,
+    follow: Path | None = None,
+) -> Path:
     """Compute the reference dump; return its path.
 
     Draft blocks are `block` rows, else as long as the run dump `run`'s, else llama.cpp's default.
@@ -49,7 +62,9 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
     run = Path(follow) if follow is not None else run
     asked = asked_block_rows(block, Path(run) if run is not None else None)
     p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
-    prompt_ids = plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+    prompt_ids = (
+        plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+    )
     rounds = len(plan.rounds) if plan is not None else rounds
     dft = load_draft(Path(model), numerics.dtype, numerics.device)
     rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
@@ -58,16 +73,39 @@ def reference(target: Path, model: Path, output: Path, *, prompt: str | None, to
     tgt = load_target(Path(target), numerics.dtype, numerics.device)
     check_pair(tgt, dft)
     check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
-    log.info("reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
-             len(prompt_ids), rounds, rows.rows, rows.origin, dft.block_size)
+    log.info(
+        "reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
+        len(prompt_ids),
+        rounds,
+        rows.rows,
+        rows.origin,
+        dft.block_size,
+    )
     with torch.no_grad():
         try:
-            trace = run_flow(tgt, dft, prompt_ids, rounds, numerics, block_rows=rows.rows, p_min=p_min,
-                             follow=plan.rounds if plan is not None else None)
+            trace = run_flow(
+                tgt,
+                dft,
+                prompt_ids,
+                rounds,
+                numerics,
+                block_rows=rows.rows,
+                p_min=p_min,
+                follow=plan.rounds if plan is not None else None,
+            )
         except FollowError as e:
             raise InputError(f"{follow}: --follow cannot replay this run: {e}; compare it without --follow") from None
-    return write_reference(output, trace, tgt, dft, numerics, prompt_ids, rows.rows, p_min,
-                           followed=Path(follow) if follow is not None else None)
+    return write_reference(
+        output,
+        trace,
+        tgt,
+        dft,
+        numerics,
+        prompt_ids,
+        rows.rows,
+        p_min,
+        followed=Path(follow) if follow is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -78,20 +116,27 @@ class FollowedRun:
     rounds: tuple[Round, ...]
 
 
-def followed_run(run: Path, prompt: str | None, tokens: str | None, block: int | None,
-                 also_run: Path | None) -> FollowedRun:
+def followed_run(
+    run: Path, prompt: str | None, tokens: str | None, block: int | None, also_run: Path | None
+) -> FollowedRun:
     """The run dump `run` as a plan to replay; InputError for options it replaces, or a dump that
     holds no flow to follow."""
-    given = [flag for flag, value in (("--prompt", prompt), ("--tokens", tokens), ("--block", block),
-                                      ("--run", also_run)) if value is not None]
+    given = [
+        flag
+        for flag, value in (("--prompt", prompt), ("--tokens", tokens), ("--block", block), ("--run", also_run))
+        if value is not None
+    ]
     if given:
-        raise InputError(f"--follow {run} takes the prompt, the rounds and the draft blocks from the run; "
-                         f"drop {', '.join(given)}")
+        raise InputError(
+            f"--follow {run} takes the prompt, the rounds and the draft blocks from the run; drop {', '.join(given)}"
+        )
     with read_dump(run) as dump:
         m = dump.manifest
     if not m.prompt_tokens or not m.rounds:
-        raise InputError(f"{run}: no prompt tokens or no speculative rounds to follow; --follow replays a capture's "
-                         "flow (featdiff capture), pass --tokens/--rounds instead")
+        raise InputError(
+            f"{run}: no prompt tokens or no speculative rounds to follow; --follow replays a capture's "
+            "flow (featdiff capture), pass --tokens/--rounds instead"
+        )
     return FollowedRun(tuple(m.prompt_tokens), tuple(m.rounds))
 
 
@@ -104,8 +149,10 @@ def trained_context_of(target: Path) -> int | None:
     if n is None:
         return None
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise InputError(f"{target / names.HF_CONFIG}: {names.HF_MAX_POSITIONS} = {n!r}, expected a positive "
-                         "integer (the trained context length); fix config.json")
+        raise InputError(
+            f"{target / names.HF_CONFIG}: {names.HF_MAX_POSITIONS} = {n!r}, expected a positive "
+            "integer (the trained context length); fix config.json"
+        )
     return n
 
 
@@ -127,12 +174,15 @@ def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
         dev = torch.device(device)
         torch.zeros(1, device=dev)
     except (RuntimeError, AssertionError) as e:
-        raise InputError(f"--device {device!r}: unusable by this torch {torch.__version__} ({e}); use --device cpu") from None
+        raise InputError(
+            f"--device {device!r}: unusable by this torch {torch.__version__} ({e}); use --device cpu"
+        ) from None
     return Numerics(dtype=COMPUTE_DTYPES[dtype], device=dev, kv_dtype=kv_dtype)
 
 
-def prompt_tokens(target: Path, model: Path, prompt: str | None, tokens: str | None,
-                  llama_dir: Path | None) -> tuple[int, ...]:
+def prompt_tokens(
+    target: Path, model: Path, prompt: str | None, tokens: str | None, llama_dir: Path | None
+) -> tuple[int, ...]:
     """The prompt's token ids, from exactly one of `--prompt` / `--tokens`."""
     require_one(prompt, tokens)
     return parse_tokens(tokens) if tokens is not None else _tokenize(target, model, prompt or "", llama_dir)
@@ -142,18 +192,30 @@ def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> t
     """Tokenize with llama.cpp's vocabulary of the target GGUF, else the drafter GGUF."""
     vocab = next((p for p in (target, model) if p.is_file()), None)
     if vocab is None:
-        raise InputError(f"--prompt needs a GGUF vocabulary, but {target} and {model} are HF directories; "
-                         "pass --tokens or a GGUF target")
+        raise InputError(
+            f"--prompt needs a GGUF vocabulary, but {target} and {model} are HF directories; "
+            "pass --tokens or a GGUF target"
+        )
     try:
         from featdiff.llama.tokenize import tokenize
     except ImportError as e:
-        raise InputError(f"--prompt needs the llama.cpp binding (featdiff.llama.tokenize: {e}); pass --tokens") from None
+        raise InputError(
+            f"--prompt needs the llama.cpp binding (featdiff.llama.tokenize: {e}); pass --tokens"
+        ) from None
     return tuple(int(t) for t in tokenize(vocab, text, llama_dir))
 
 
-def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft, numerics: Numerics,
-                    prompt: tuple[int, ...], block_rows: int, p_min: float = 0.0,
-                    followed: Path | None = None) -> Path:
+def write_reference(
+    output: Path,
+    trace: FlowTrace,
+    target: Target,
+    draft: Draft,
+    numerics: Numerics,
+    prompt: tuple[int, ...],
+    block_rows: int,
+    p_min: float = 0.0,
+    followed: Path | None = None,
+) -> Path:
     """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
     how it was computed, with the rows of its draft blocks."""
     writer = DumpWriter(output)
@@ -161,15 +223,27 @@ def write_reference(output: Path, trace: FlowTrace, target: Target, draft: Draft
         e = et.eval
         for named in et.records:
             key = record_key(e.eval, e.role, named.name, 0)
-            record, array = record_from_array(key, e.role, e.phase, e.eval, named.name, 0,
-                                              named.array.detach().cpu().numpy())
+            record, array = record_from_array(
+                key, e.role, e.phase, e.eval, named.name, 0, named.array.detach().cpu().numpy()
+            )
             writer.add(record, array)
-    build = {"torch": torch.__version__, "device": str(numerics.device),
-             "dtype": str(numerics.dtype).removeprefix("torch."), "kv_dtype": numerics.kv_dtype,
-             "block_rows": block_rows, "p_min": p_min}
+    build = {
+        "torch": torch.__version__,
+        "device": str(numerics.device),
+        "dtype": str(numerics.dtype).removeprefix("torch."),
+        "kv_dtype": numerics.kv_dtype,
+        "block_rows": block_rows,
+        "p_min": p_min,
+    }
     if followed is not None:
         build["follow"] = str(followed)  # the run dump whose decisions this reference replayed
-    manifest = Manifest(source="reference", models={"target": models_entry(target), "draft": models_entry(draft)},
-                        build=build, evals=tuple(et.eval for et in trace.evals), records=(),
-                        rounds=trace.rounds, prompt_tokens=prompt)
+    manifest = Manifest(
+        source="reference",
+        models={"target": models_entry(target), "draft": models_entry(draft)},
+        build=build,
+        evals=tuple(et.eval for et in trace.evals),
+        records=(),
+        rounds=trace.rounds,
+        prompt_tokens=prompt,
+    )
     return writer.close(manifest)

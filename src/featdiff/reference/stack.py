@@ -27,20 +27,28 @@ class LayerTrace:
     """A layer's intermediates, named after llama.cpp's callbacks; shapes in numpy order."""
 
     attn_norm: torch.Tensor  # (n_tokens, n_embd): the drafter's noise_norm
-    q: torch.Tensor          # (n_tokens, n_head, n_embd_head) after q_norm and RoPE
-    k: torch.Tensor          # (n_tokens, n_head_kv, n_embd_head) after k_norm and RoPE
-    v: torch.Tensor          # (n_tokens, n_head_kv, n_embd_head)
-    kqv_out: torch.Tensor    # (n_tokens, n_head * n_embd_head): attention before wo
-    ffn_inp: torch.Tensor    # (n_out, n_embd)
-    ffn_out: torch.Tensor    # (n_out, n_embd)
-    l_out: torch.Tensor      # (n_out, n_embd)
-    k_cache: torch.Tensor    # (n_cells + n_tokens, n_head_kv, n_embd_head): the layer's cache after this batch
+    q: torch.Tensor  # (n_tokens, n_head, n_embd_head) after q_norm and RoPE
+    k: torch.Tensor  # (n_tokens, n_head_kv, n_embd_head) after k_norm and RoPE
+    v: torch.Tensor  # (n_tokens, n_head_kv, n_embd_head)
+    kqv_out: torch.Tensor  # (n_tokens, n_head * n_embd_head): attention before wo
+    ffn_inp: torch.Tensor  # (n_out, n_embd)
+    ffn_out: torch.Tensor  # (n_out, n_embd)
+    l_out: torch.Tensor  # (n_out, n_embd)
+    k_cache: torch.Tensor  # (n_cells + n_tokens, n_head_kv, n_embd_head): the layer's cache after this batch
     v_cache: torch.Tensor
 
 
-def layer_forward(hp: Hparams, layer: Layer, x: torch.Tensor, positions: torch.Tensor, cache: KvCache,
-                  il: int, causal: bool, out_rows: slice = slice(None),
-                  visible: torch.Tensor | None = None) -> LayerTrace:
+def layer_forward(
+    hp: Hparams,
+    layer: Layer,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KvCache,
+    il: int,
+    causal: bool,
+    out_rows: slice = slice(None),
+    visible: torch.Tensor | None = None,
+) -> LayerTrace:
     """One layer over `x` `(n_tokens, n_embd)`; the batch's K/V go through the cache first.
 
     `out_rows` keeps only the output rows after attention (llama.cpp's last target layer);
@@ -48,7 +56,7 @@ def layer_forward(hp: Hparams, layer: Layer, x: torch.Tensor, positions: torch.T
     """
     n_tokens = x.shape[0]
     h = rms_norm(x, layer.attn_norm, hp.rms_eps)
-    q = linear(h, layer.wq).reshape(n_tokens, hp.n_head, hp.n_embd_head)     # (n_tokens, n_head, n_embd_head)
+    q = linear(h, layer.wq).reshape(n_tokens, hp.n_head, hp.n_embd_head)  # (n_tokens, n_head, n_embd_head)
     k = linear(h, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
     v = linear(h, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
     if layer.q_norm is not None:
@@ -62,5 +70,15 @@ def layer_forward(hp: Hparams, layer: Layer, x: torch.Tensor, positions: torch.T
     kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal, visible)
     ffn_inp = linear(kqv_out, layer.wo)[out_rows] + x[out_rows]
     ffn_out = ffn(rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps), layer)
-    return LayerTrace(attn_norm=h, q=q, k=k, v=v, kqv_out=kqv_out, ffn_inp=ffn_inp, ffn_out=ffn_out,
-                      l_out=ffn_out + ffn_inp, k_cache=k_cache, v_cache=v_cache)
+    return LayerTrace(
+        attn_norm=h,
+        q=q,
+        k=k,
+        v=v,
+        kqv_out=kqv_out,
+        ffn_inp=ffn_inp,
+        ffn_out=ffn_out,
+        l_out=ffn_out + ffn_inp,
+        k_cache=k_cache,
+        v_cache=v_cache,
+    )

@@ -24,13 +24,14 @@ class TargetPass:
     """One target eval: the layer inputs, the output rows' logits, the cache after it."""
 
     layer_inputs: tuple[torch.Tensor, ...]  # input of layer L, (n_tokens, n_embd), L = 0 .. n_layer-1
-    logits: torch.Tensor                    # (n_outputs, n_vocab): n_tokens or 0 rows
+    logits: torch.Tensor  # (n_outputs, n_vocab): n_tokens or 0 rows
     cache: KvCache
     records: tuple[Named, ...]
 
 
-def forward_target(model: Target, tokens: torch.Tensor, positions: torch.Tensor, cache: KvCache,
-                   has_outputs: bool) -> TargetPass:
+def forward_target(
+    model: Target, tokens: torch.Tensor, positions: torch.Tensor, cache: KvCache, has_outputs: bool
+) -> TargetPass:
     """Run `tokens` at `positions` after the cached cells (causal); all rows or none are outputs."""
     hp = model.hparams
     x = model.token_embd[tokens]  # (n_tokens, n_embd)

@@ -55,17 +55,17 @@ class Hparams:
 class Layer:
     """One decoder layer; q/k norms are None for architectures without them (llama)."""
 
-    attn_norm: torch.Tensor   # (n_embd,)
-    wq: torch.Tensor          # (n_head * n_embd_head, n_embd)
-    wk: torch.Tensor          # (n_head_kv * n_embd_head, n_embd)
-    wv: torch.Tensor          # (n_head_kv * n_embd_head, n_embd)
-    wo: torch.Tensor          # (n_embd, n_head * n_embd_head)
+    attn_norm: torch.Tensor  # (n_embd,)
+    wq: torch.Tensor  # (n_head * n_embd_head, n_embd)
+    wk: torch.Tensor  # (n_head_kv * n_embd_head, n_embd)
+    wv: torch.Tensor  # (n_head_kv * n_embd_head, n_embd)
+    wo: torch.Tensor  # (n_embd, n_head * n_embd_head)
     q_norm: torch.Tensor | None  # (n_embd_head,)
     k_norm: torch.Tensor | None  # (n_embd_head,)
-    ffn_norm: torch.Tensor    # (n_embd,)
-    ffn_gate: torch.Tensor    # (n_ff, n_embd)
-    ffn_up: torch.Tensor      # (n_ff, n_embd)
-    ffn_down: torch.Tensor    # (n_embd, n_ff)
+    ffn_norm: torch.Tensor  # (n_embd,)
+    ffn_gate: torch.Tensor  # (n_ff, n_embd)
+    ffn_up: torch.Tensor  # (n_ff, n_embd)
+    ffn_down: torch.Tensor  # (n_embd, n_ff)
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ class Target:
 
     source: Source
     hparams: Hparams
-    token_embd: torch.Tensor   # (n_vocab, n_embd)
+    token_embd: torch.Tensor  # (n_vocab, n_embd)
     output_norm: torch.Tensor  # (n_embd,)
-    output: torch.Tensor       # (n_vocab, n_embd); the tied embeddings when there is no head
+    output: torch.Tensor  # (n_vocab, n_embd); the tied embeddings when there is no head
     layers: tuple[Layer, ...]
 
 
@@ -102,11 +102,11 @@ class DSpark:
     anchor: n_draft + 1 rows, row 0 unbiased, drafts from row 1.
     """
 
-    markov_w1: torch.Tensor                 # (n_vocab, rank): row = previous (target) token
-    markov_w2: torch.Tensor                 # (n_vocab_draft, rank)
-    markov_w2_scale: torch.Tensor | None    # (1,)
-    conf_w: torch.Tensor | None             # (1, n_embd + rank)
-    conf_b: torch.Tensor | None             # (1,)
+    markov_w1: torch.Tensor  # (n_vocab, rank): row = previous (target) token
+    markov_w2: torch.Tensor  # (n_vocab_draft, rank)
+    markov_w2_scale: torch.Tensor | None  # (1,)
+    conf_w: torch.Tensor | None  # (1, n_embd + rank)
+    conf_b: torch.Tensor | None  # (1,)
     sample_from_anchor: bool
 
     @property
@@ -127,16 +127,16 @@ class Draft:
     target_layers: tuple[int, ...]
     block_size: int
     mask_token_id: int
-    fc: torch.Tensor           # (n_embd, n_extract * n_embd_tgt)
-    enc_norm: torch.Tensor     # (n_embd,)
+    fc: torch.Tensor  # (n_embd, n_extract * n_embd_tgt)
+    enc_norm: torch.Tensor  # (n_embd,)
     output_norm: torch.Tensor  # (n_embd,)
     token_embd: torch.Tensor | None  # (n_vocab, n_embd); None: borrow the target's
-    output: torch.Tensor | None      # (n_vocab, n_embd); None: borrow the target's
+    output: torch.Tensor | None  # (n_vocab, n_embd); None: borrow the target's
     layers: tuple[Layer, ...]
     log_snr: LogSnr | None
-    dspark: DSpark | None = None        # the Markov (and confidence) head of a DSpark drafter
-    causal: bool = False                # dflash.attention.causal: block rows attend causally
-    d2t: torch.Tensor | None = None     # int64 (n_vocab_draft,): target id of each head row (reduced vocab)
+    dspark: DSpark | None = None  # the Markov (and confidence) head of a DSpark drafter
+    causal: bool = False  # dflash.attention.causal: block rows attend causally
+    d2t: torch.Tensor | None = None  # int64 (n_vocab_draft,): target id of each head row (reduced vocab)
 
     @property
     def has_own_embeddings(self) -> bool:
@@ -147,16 +147,28 @@ class Draft:
         return len(self.target_layers)
 
 
-_LAYER_FIELDS = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
-                 "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "ffn_norm": "ffn_norm",
-                 "ffn_gate": "ffn_gate", "ffn_up": "ffn_up", "ffn_down": "ffn_down"}  # GGUF per-layer name -> field
+_LAYER_FIELDS = {
+    "attn_norm": "attn_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "ffn_gate",
+    "ffn_up": "ffn_up",
+    "ffn_down": "ffn_down",
+}  # GGUF per-layer name -> field
 _OPTIONAL_LAYER_TENSORS = ("attn_q_norm", "attn_k_norm")  # Layer's None-able fields (llama has no q/k norm)
 
 
 def layer_from_tensors(t: dict[str, torch.Tensor | None]) -> Layer:
     """A `Layer` from tensors keyed by their GGUF per-layer names (`attn_q`, `ffn_up`, ...)."""
-    fields: dict[str, Any] = {field: t[name] if name in _OPTIONAL_LAYER_TENSORS else present(t[name], name)
-                              for name, field in _LAYER_FIELDS.items()}
+    fields: dict[str, Any] = {
+        field: t[name] if name in _OPTIONAL_LAYER_TENSORS else present(t[name], name)
+        for name, field in _LAYER_FIELDS.items()
+    }
     return Layer(**fields)
 
 
@@ -189,21 +201,29 @@ def check_pair(target: Target, draft: Draft) -> None:
     """InputError when the drafter cannot run against this target (ids, widths, vocabulary)."""
     n_layer = target.hparams.n_layer
     if any(not 0 <= i < n_layer for i in draft.target_layers):
-        raise InputError(f"{draft.source.path}: target_layers = {list(draft.target_layers)} but the target "
-                         f"{target.source.path} has {n_layer} layers; ids must be < n_layer")
+        raise InputError(
+            f"{draft.source.path}: target_layers = {list(draft.target_layers)} but the target "
+            f"{target.source.path} has {n_layer} layers; ids must be < n_layer"
+        )
     expected = draft.n_extract * target.hparams.n_embd
     if draft.fc.shape[1] != expected:
-        raise InputError(f"{draft.source.path}: fc takes {draft.fc.shape[1]} inputs, expected n_extract "
-                         f"{draft.n_extract} x target n_embd {target.hparams.n_embd} = {expected}; "
-                         "the drafter was trained for another target")
+        raise InputError(
+            f"{draft.source.path}: fc takes {draft.fc.shape[1]} inputs, expected n_extract "
+            f"{draft.n_extract} x target n_embd {target.hparams.n_embd} = {expected}; "
+            "the drafter was trained for another target"
+        )
     head_rows = (draft.output if draft.output is not None else target.output).shape[0]
     if head_rows > target.token_embd.shape[0]:
-        raise InputError(f"{draft.source.path}: the drafter's head scores {head_rows} tokens, the target "
-                         f"{target.source.path} embeds {target.token_embd.shape[0]}; drafts must be target tokens")
+        raise InputError(
+            f"{draft.source.path}: the drafter's head scores {head_rows} tokens, the target "
+            f"{target.source.path} embeds {target.token_embd.shape[0]}; drafts must be target tokens"
+        )
     table = draft.token_embd if draft.token_embd is not None else target.token_embd
     if not 0 <= draft.mask_token_id < table.shape[0]:
-        raise InputError(f"{draft.source.path}: mask token id {draft.mask_token_id} is outside the noise "
-                         f"embedding table of {table.shape[0]} rows; set the trained mask token id")
+        raise InputError(
+            f"{draft.source.path}: mask token id {draft.mask_token_id} is outside the noise "
+            f"embedding table of {table.shape[0]} rows; set the trained mask token id"
+        )
 
 
 def hf_sha256(path: Path) -> str:
@@ -227,14 +247,27 @@ def models_entry(model: Target | Draft) -> dict[str, Any]:
     draft = model if isinstance(model, Draft) else None
     snr = draft.log_snr if draft is not None else None
     return ModelInfo(
-        path=str(model.source.path), sha256=hf_sha256(model.source.path), architecture=hp.arch,
-        n_layer=hp.n_layer, n_embd=hp.n_embd, n_vocab=hp.n_vocab, weight_types=_hf_weight_types(model.source.path),
-        target_layers=draft.target_layers if draft else (), block_size=draft.block_size if draft else 0,
+        path=str(model.source.path),
+        sha256=hf_sha256(model.source.path),
+        architecture=hp.arch,
+        n_layer=hp.n_layer,
+        n_embd=hp.n_embd,
+        n_vocab=hp.n_vocab,
+        weight_types=_hf_weight_types(model.source.path),
+        target_layers=draft.target_layers if draft else (),
+        block_size=draft.block_size if draft else 0,
         mask_token_id=draft.mask_token_id if draft else -1,
-        log_snr={"enabled": snr is not None, "min": snr.min_log_snr if snr else None,
-                 "max": snr.max_log_snr if snr else None} if draft else None,
-        has_own_embeddings=bool(draft and draft.has_own_embeddings), has_log_snr_tensors=snr is not None,
-        rope_freq_base=hp.rope_base, dspark=_dspark_entry(draft) if draft is not None else None,
+        log_snr={
+            "enabled": snr is not None,
+            "min": snr.min_log_snr if snr else None,
+            "max": snr.max_log_snr if snr else None,
+        }
+        if draft
+        else None,
+        has_own_embeddings=bool(draft and draft.has_own_embeddings),
+        has_log_snr_tensors=snr is not None,
+        rope_freq_base=hp.rope_base,
+        dspark=_dspark_entry(draft) if draft is not None else None,
     ).to_json()
 
 
@@ -243,9 +276,13 @@ def _dspark_entry(draft: Draft) -> dict[str, Any] | None:
     dsp = draft.dspark
     if dsp is None:
         return None
-    return dspark_info(rank=dsp.rank, has_confidence_head=dsp.has_confidence_head,
-                       sample_from_anchor=dsp.sample_from_anchor, causal=draft.causal,
-                       n_vocab_draft=dsp.markov_w2.shape[0])
+    return dspark_info(
+        rank=dsp.rank,
+        has_confidence_head=dsp.has_confidence_head,
+        sample_from_anchor=dsp.sample_from_anchor,
+        causal=draft.causal,
+        n_vocab_draft=dsp.markov_w2.shape[0],
+    )
 
 
 def _hf_weight_types(path: Path) -> tuple[str, ...]:

@@ -10,5 +10,13 @@ from featdiff.report.figure import DivergenceMap, bin_map, map_divergence
 from featdiff.report.page import Picture, render_page
 from featdiff.report.writer import draw_pictures, write_pngs, write_report
 
-__all__ = ["DivergenceMap", "Picture", "bin_map", "draw_pictures", "map_divergence", "render_page",
-           "write_pngs", "write_report"]
+__all__ = [
+    "DivergenceMap",
+    "Picture",
+    "bin_map",
+    "draw_pictures",
+    "map_divergence",
+    "render_page",
+    "write_pngs",
+    "write_report",
+]

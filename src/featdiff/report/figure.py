@@ -43,12 +43,13 @@ class DivergenceMap:
     rows_per_bin: int = 1
     first_row: int | None = None  # the first divergent record's row
     first_col: int | None = None  # its first row over tolerance (else its worst row)
-    first_label: str = ""         # that record and eval, e.g. "inp_target_features (e1 draft inject)"
+    first_label: str = ""  # that record and eval, e.g. "inp_target_features (e1 draft inject)"
     first_position: int | None = None  # the token position of `first_col`, before binning
-    n_records: int = 0            # records before binning
+    n_records: int = 0  # records before binning
 
 
 # --- divergence map ---------------------------------------------------------------------------
+
 
 def map_divergence(comparison: Comparison, max_cols: int | None = None) -> DivergenceMap:
     """Every pair's per-row relative error placed at its positions, one row per record.
@@ -64,12 +65,18 @@ def map_divergence(comparison: Comparison, max_cols: int | None = None) -> Diver
     first_row = order.index(comparison.first_divergence) if comparison.first_divergence is not None else None
     first = pairs[first_row] if first_row is not None else None
     first_pos = first.first_bad_position() if first is not None else None
-    return DivergenceMap(matrix=_placed_errors(pairs, lo, width, math.ceil((hi - lo + 1) / width)),
-                         row_labels=tuple(_record_label(p) for p in pairs), segments=_segments(pairs),
-                         col_start=tuple(range(lo, hi + 1, width)), col_width=width, first_row=first_row,
-                         first_col=None if first_pos is None else (first_pos - lo) // width,
-                         first_label=f"{_record_label(first)} ({eval_label(first)})" if first else "",
-                         first_position=first_pos, n_records=len(pairs))
+    return DivergenceMap(
+        matrix=_placed_errors(pairs, lo, width, math.ceil((hi - lo + 1) / width)),
+        row_labels=tuple(_record_label(p) for p in pairs),
+        segments=_segments(pairs),
+        col_start=tuple(range(lo, hi + 1, width)),
+        col_width=width,
+        first_row=first_row,
+        first_col=None if first_pos is None else (first_pos - lo) // width,
+        first_label=f"{_record_label(first)} ({eval_label(first)})" if first else "",
+        first_position=first_pos,
+        n_records=len(pairs),
+    )
 
 
 def _placed_errors(pairs: Sequence[PairMetrics], lo: int, width: int, n_cols: int) -> np.ndarray:
@@ -99,11 +106,18 @@ def bin_map(m: DivergenceMap, max_rows: int, max_cols: int) -> DivergenceMap:
     # fmax ignores NaN unless a whole bin is NaN, so "not compared" survives binning.
     matrix = np.fmax.reduceat(np.fmax.reduceat(m.matrix, row_idx, axis=0), col_idx, axis=1)  # (n_bins, n_col_bins)
     return DivergenceMap(
-        matrix=matrix, row_labels=tuple(_bin_label(m.row_labels, row_idx, i) for i in range(len(row_idx))),
-        segments=segments, col_start=tuple(m.col_start[j] for j in col_idx),
-        col_width=col_width * m.col_width, rows_per_bin=per_bin * m.rows_per_bin,
-        first_row=_bin_of(row_idx, m.first_row), first_col=_bin_of(col_idx, m.first_col),
-        first_label=m.first_label, first_position=m.first_position, n_records=m.n_records)
+        matrix=matrix,
+        row_labels=tuple(_bin_label(m.row_labels, row_idx, i) for i in range(len(row_idx))),
+        segments=segments,
+        col_start=tuple(m.col_start[j] for j in col_idx),
+        col_width=col_width * m.col_width,
+        rows_per_bin=per_bin * m.rows_per_bin,
+        first_row=_bin_of(row_idx, m.first_row),
+        first_col=_bin_of(col_idx, m.first_col),
+        first_label=m.first_label,
+        first_position=m.first_position,
+        n_records=m.n_records,
+    )
 
 
 def _record_label(p: PairMetrics) -> str:

@@ -25,11 +25,11 @@ from featdiff.report.figure import DivergenceMap
 # near 1e-3, a wiring fault near 1. A fixed range keeps reports comparable with each other.
 REL_ERR_RANGE = (1e-6, 10.0)
 COSINE_RANGE = (0.0, 1.0)  # a match is near 1; negative cosines mean "unrelated" as much as 0
-MAX_MAP_ROWS = 96          # rows of the divergence map before records are binned
-MAX_MAP_COLS = 256         # position columns before positions are binned
+MAX_MAP_ROWS = 96  # rows of the divergence map before records are binned
+MAX_MAP_COLS = 256  # position columns before positions are binned
 DPI = 100
 LABEL_PT = 7.5
-MIN_LABEL_GAP_IN = 0.12    # vertical room one tick label needs at LABEL_PT
+MIN_LABEL_GAP_IN = 0.12  # vertical room one tick label needs at LABEL_PT
 NOT_COMPARED = "#dcdcdc"
 MARK = "#ff2d2d"
 ERROR_CMAP = matplotlib.colormaps["magma"].with_extremes(bad=NOT_COMPARED, under="black")
@@ -45,6 +45,7 @@ def png_from_figure(fig: Figure) -> bytes:
 
 # --- divergence map ---------------------------------------------------------------------------
 
+
 def draw_divergence_map(m: DivergenceMap) -> Figure:
     """Records (rows, graph order, phases apart) x token positions, log relative error."""
     n_rows, n_records = m.matrix.shape[0], m.n_records
@@ -52,18 +53,26 @@ def draw_divergence_map(m: DivergenceMap) -> Figure:
     ax = _axes_in_inches(fig, left=2.6, right=1.9, top=0.95, bottom=1.25)
     # log scale: exact rows sit at the floor, non-finite ones at the top; NaN (not compared) stays grey
     values = np.clip(m.matrix, *REL_ERR_RANGE)
-    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
-                      cmap=ERROR_CMAP, norm=LogNorm(*REL_ERR_RANGE, clip=True))
+    image = ax.imshow(
+        np.ma.masked_invalid(values),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=ERROR_CMAP,
+        norm=LogNorm(*REL_ERR_RANGE, clip=True),
+    )
     _label_map_axes(ax, m)
     _separate_segments(ax, m)
     _mark_first_divergence(ax, m)
     cax = fig.add_axes(_inches_to_box(fig, left=2.6, bottom=0.5, width=5.5, height=0.16))
     bar = fig.colorbar(image, cax=cax, orientation="horizontal")
-    bar.set_label("relative error ||run - ref|| / ||ref|| per token row (log scale, clipped); "
-                  "grey = not compared", fontsize=LABEL_PT + 0.5)
+    bar.set_label(
+        "relative error ||run - ref|| / ||ref|| per token row (log scale, clipped); grey = not compared",
+        fontsize=LABEL_PT + 0.5,
+    )
     bar.ax.tick_params(labelsize=LABEL_PT)
-    ax.set_title(f"Divergence map: {n_records} records in {len(m.segments)} evals, run vs ref",
-                 fontsize=10, loc="left", pad=22)
+    ax.set_title(
+        f"Divergence map: {n_records} records in {len(m.segments)} evals, run vs ref", fontsize=10, loc="left", pad=22
+    )
     return fig
 
 
@@ -88,8 +97,7 @@ def _separate_segments(ax, m: DivergenceMap) -> None:
             ax.axhline(s.start - 0.5, color="white", linewidth=1.4)
         middle = (s.start + s.stop - 1) / 2
         if middle - last_label_y >= gap_rows:
-            ax.text(1.01, middle, s.label, transform=ax.get_yaxis_transform(), va="center",
-                    fontsize=LABEL_PT)
+            ax.text(1.01, middle, s.label, transform=ax.get_yaxis_transform(), va="center", fontsize=LABEL_PT)
             last_label_y = middle
 
 
@@ -99,15 +107,33 @@ def _mark_first_divergence(ax, m: DivergenceMap) -> None:
     n_cols = m.matrix.shape[1]
     ax.add_patch(Rectangle((-0.5, m.first_row - 0.5), n_cols, 1, fill=False, edgecolor=MARK, linewidth=2))
     if m.first_col is not None:
-        ax.plot([m.first_col], [m.first_row], marker="o", markersize=9, markerfacecolor="none",
-                markeredgecolor=MARK, markeredgewidth=2, clip_on=False)
+        ax.plot(
+            [m.first_col],
+            [m.first_row],
+            marker="o",
+            markersize=9,
+            markerfacecolor="none",
+            markeredgecolor=MARK,
+            markeredgewidth=2,
+            clip_on=False,
+        )
     where = f", from position {m.first_position} (circle)" if m.first_position is not None else ""
-    ax.annotate(f"first divergence (red box): {m.first_label}{where}", xy=(0.0, 1.0),
-                xycoords="axes fraction", xytext=(0, 6), textcoords="offset points", ha="left",
-                va="bottom", color=MARK, fontsize=LABEL_PT + 1.5, fontweight="bold")
+    ax.annotate(
+        f"first divergence (red box): {m.first_label}{where}",
+        xy=(0.0, 1.0),
+        xycoords="axes fraction",
+        xytext=(0, 6),
+        textcoords="offset points",
+        ha="left",
+        va="bottom",
+        color=MARK,
+        fontsize=LABEL_PT + 1.5,
+        fontweight="bold",
+    )
 
 
 # --- layer match ------------------------------------------------------------------------------
+
 
 def draw_layer_match(m: LayerMatch) -> Figure:
     """Feature slots x target layer inputs, cosine; expected cells outlined, compare's closest
@@ -115,8 +141,9 @@ def draw_layer_match(m: LayerMatch) -> Figure:
     n_slots, n_layers = m.similarity.shape
     fig = Figure(figsize=(min(14.0, max(7.0, 2.6 + 0.42 * n_layers)), min(9.0, max(3.4, 2.3 + 0.6 * n_slots))))
     ax = _axes_in_inches(fig, left=1.5, right=0.4, top=0.75, bottom=1.3)
-    image = ax.imshow(m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP,
-                      norm=Normalize(*COSINE_RANGE, clip=True))
+    image = ax.imshow(
+        m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP, norm=Normalize(*COSINE_RANGE, clip=True)
+    )
     cols = _tick_indices(n_layers, 40)
     ax.set_xticks(cols, [str(m.layers[j]) for j in cols], fontsize=LABEL_PT + 0.5)
     ax.set_yticks(range(n_slots), [_slot_label(m, k) for k in range(n_slots)], fontsize=LABEL_PT + 0.5)
@@ -124,13 +151,18 @@ def draw_layer_match(m: LayerMatch) -> Figure:
     if n_layers <= 48:
         _annotate_cells(ax, m.similarity)
     _outline_expected(ax, m)
-    ax.set_title("Layer match: which target layer input each feature slot carries\n"
-                 "red box = the layer the checkpoint expects, white star = the closest match",
-                 fontsize=10, loc="left")
+    ax.set_title(
+        "Layer match: which target layer input each feature slot carries\n"
+        "red box = the layer the checkpoint expects, white star = the closest match",
+        fontsize=10,
+        loc="left",
+    )
     cax = fig.add_axes(_inches_to_box(fig, left=1.5, bottom=0.5, width=4.5, height=0.16))
     bar = fig.colorbar(image, cax=cax, orientation="horizontal")
-    bar.set_label(f"cosine similarity, mean over {len(m.positions)} token rows (colour clipped to [0, 1])",
-                  fontsize=LABEL_PT + 0.5)
+    bar.set_label(
+        f"cosine similarity, mean over {len(m.positions)} token rows (colour clipped to [0, 1])",
+        fontsize=LABEL_PT + 0.5,
+    )
     bar.ax.tick_params(labelsize=LABEL_PT)
     return fig
 
@@ -152,30 +184,42 @@ def _outline_expected(ax, m: LayerMatch) -> None:
         if j is not None:
             ax.add_patch(Rectangle((j - 0.5, k - 0.5), 1, 1, fill=False, edgecolor=MARK, linewidth=3))
     best = np.array([m.layers.index(L) for L in m.closest_layers])  # (n_slots,) columns
-    ax.plot(best + 0.3, np.arange(len(best)) - 0.25, linestyle="none", marker="*", markersize=13,
-            markerfacecolor="white", markeredgecolor="black", markeredgewidth=0.8)
+    ax.plot(
+        best + 0.3,
+        np.arange(len(best)) - 0.25,
+        linestyle="none",
+        marker="*",
+        markersize=13,
+        markerfacecolor="white",
+        markeredgecolor="black",
+        markeredgewidth=0.8,
+    )
 
 
 # --- row shift --------------------------------------------------------------------------------
+
 
 def draw_row_shift(m: RowShift) -> Figure:
     """Run rows x ref rows of one record, cosine; the same-position cells dashed."""
     n_run, n_ref = m.similarity.shape
     fig = Figure(figsize=(7.0, 6.4))
     ax = _axes_in_inches(fig, left=1.1, right=0.4, top=0.9, bottom=1.4)
-    image = ax.imshow(m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP,
-                      norm=Normalize(*COSINE_RANGE, clip=True))
+    image = ax.imshow(
+        m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP, norm=Normalize(*COSINE_RANGE, clip=True)
+    )
     _position_ticks(ax, m)
     same = [(j, i) for i, p in enumerate(m.run_positions) for j, q in enumerate(m.ref_positions) if p == q]
     if same:
         ax.plot(*zip(*same), linestyle=(0, (2, 3)), color="white", linewidth=0.9, alpha=0.7)
     shift = m.best_shift()
-    ax.set_title(f"Row-shift matrix: {m.record}\nbest match: run row i = ref row i + {shift}"
-                 "  (dashed = same position)", fontsize=10, loc="left")
+    ax.set_title(
+        f"Row-shift matrix: {m.record}\nbest match: run row i = ref row i + {shift}  (dashed = same position)",
+        fontsize=10,
+        loc="left",
+    )
     cax = fig.add_axes(_inches_to_box(fig, left=1.1, bottom=0.5, width=4.5, height=0.16))
     bar = fig.colorbar(image, cax=cax, orientation="horizontal")
-    bar.set_label("cosine similarity of a run row with a ref row (colour clipped to [0, 1])",
-                  fontsize=LABEL_PT + 0.5)
+    bar.set_label("cosine similarity of a run row with a ref row (colour clipped to [0, 1])", fontsize=LABEL_PT + 0.5)
     bar.ax.tick_params(labelsize=LABEL_PT)
     return fig
 
@@ -192,6 +236,7 @@ def _position_ticks(ax, m: RowShift) -> None:
 
 
 # --- layout helpers ---------------------------------------------------------------------------
+
 
 def _axes_in_inches(fig: Figure, left: float, right: float, top: float, bottom: float):
     """An axes with fixed margins in inches, so labels keep their room at any figure size."""

@@ -26,9 +26,9 @@ MAX_INTS_SHOWN = 12  # a row list longer than this is shown as ranges, then cut
 class Picture:
     """One figure of the page: a PNG, or the reason it could not be drawn."""
 
-    slug: str      # element id and PNG file stem, e.g. "layer-match"
+    slug: str  # element id and PNG file stem, e.g. "layer-match"
     title: str
-    caption: str   # plain sentences: what is shown and what it suggests
+    caption: str  # plain sentences: what is shown and what it suggests
     png: bytes | None = None
     missing: str = ""  # why there is no picture, when png is None
 
@@ -36,20 +36,24 @@ class Picture:
 def render_page(comparison: Comparison, ref: Manifest, run: Manifest, pictures: Sequence[Picture]) -> str:
     """The whole report: verdict, findings, figures, the per-record table, alignments, dumps."""
     title = f"featdiff report: {comparison.run_path} vs {comparison.ref_path}"
-    body = "\n".join([
-        f"<header><h1>featdiff triage report</h1><p class='paths'>ref <code>{_e(comparison.ref_path)}</code>"
-        f" ({_e(ref.source)}) &middot; run <code>{_e(comparison.run_path)}</code> ({_e(run.source)})</p></header>",
-        _verdict(comparison),
-        _findings(comparison.findings),
-        *(_picture(i + 1, p) for i, p in enumerate(pictures)),
-        _records(comparison, len(pictures) + 1),
-        _alignments(comparison.alignments),
-        _dumps(ref, run, comparison.types),
-        f"<footer>featdiff {_e(VERSION)}</footer>",
-    ])
-    return (f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n</body></html>\n")
+    body = "\n".join(
+        [
+            f"<header><h1>featdiff triage report</h1><p class='paths'>ref <code>{_e(comparison.ref_path)}</code>"
+            f" ({_e(ref.source)}) &middot; run <code>{_e(comparison.run_path)}</code> ({_e(run.source)})</p></header>",
+            _verdict(comparison),
+            _findings(comparison.findings),
+            *(_picture(i + 1, p) for i, p in enumerate(pictures)),
+            _records(comparison, len(pictures) + 1),
+            _alignments(comparison.alignments),
+            _dumps(ref, run, comparison.types),
+            f"<footer>featdiff {_e(VERSION)}</footer>",
+        ]
+    )
+    return (
+        f"<!doctype html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n</body></html>\n"
+    )
 
 
 def verdict_sentence(comparison: Comparison) -> str:
@@ -59,20 +63,26 @@ def verdict_sentence(comparison: Comparison) -> str:
     if comparison.first_divergence is None:
         return f"{head}; no compared record is out of tolerance."
     p = comparison.pairs[comparison.first_divergence]
-    return (f"{head}; the first divergent record is {p.name} ({eval_label(p)}), "
-            f"nmse {p.nmse:.3g} against a tolerance of {p.tolerance:.3g}.")
+    return (
+        f"{head}; the first divergent record is {p.name} ({eval_label(p)}), "
+        f"nmse {p.nmse:.3g} against a tolerance of {p.tolerance:.3g}."
+    )
 
 
 def _verdict(comparison: Comparison) -> str:
     css = "ok" if comparison.ok else "fail"
-    return (f"<section id='verdict' class='verdict {css}'>{_e(verdict_sentence(comparison))}"
-            f"{_coverage(comparison.coverage)}</section>")
+    return (
+        f"<section id='verdict' class='verdict {css}'>{_e(verdict_sentence(comparison))}"
+        f"{_coverage(comparison.coverage)}</section>"
+    )
 
 
 def coverage_sentence(coverage: Coverage) -> str:
     """What the verdict rests on: record sets and rows compared, and what was left out."""
-    return (f"Compared {coverage.pairs} record sets ({coverage.rows} rows); {coverage.skipped_phrase()}"
-            f"{' (listed under the records table)' if coverage.skips else ''}.")
+    return (
+        f"Compared {coverage.pairs} record sets ({coverage.rows} rows); {coverage.skipped_phrase()}"
+        f"{' (listed under the records table)' if coverage.skips else ''}."
+    )
 
 
 def _coverage(coverage: Coverage) -> str:
@@ -86,7 +96,9 @@ def _findings(findings: Sequence[Finding]) -> str:
         return "<section id='findings'><h2>Findings</h2><p>No findings.</p></section>"
     items = "".join(
         f"<li class='{_e(f.severity)}'><span class='sev'>{_e(f.severity)}</span> {_e(f.message)}"
-        f"<div class='fields'>{_e(_finding_fields(f))}</div></li>" for f in findings)
+        f"<div class='fields'>{_e(_finding_fields(f))}</div></li>"
+        for f in findings
+    )
     return f"<section id='findings'><h2>Findings</h2><ol>{items}</ol></section>"
 
 
@@ -104,23 +116,39 @@ def _picture(number: int, p: Picture) -> str:
     if p.png is None:
         return f"<section class='figure' id='{_e(p.slug)}'>{head}<p class='missing'>Not drawn: {_e(p.missing)}</p></section>"
     data = base64.b64encode(p.png).decode("ascii")
-    return (f"<section class='figure' id='{_e(p.slug)}'>{head}<figure>"
-            f"<img src='data:image/png;base64,{data}' alt='{_e(p.title)}'>"
-            f"<figcaption>{_e(p.caption)}</figcaption></figure></section>")
+    return (
+        f"<section class='figure' id='{_e(p.slug)}'>{head}<figure>"
+        f"<img src='data:image/png;base64,{data}' alt='{_e(p.title)}'>"
+        f"<figcaption>{_e(p.caption)}</figcaption></figure></section>"
+    )
 
 
-_RECORD_COLUMNS = ("#", "eval", "record", "max_abs", "nmse", "tolerance (nmse)", "row tolerance",
-                   "cos_min", "cos_median", "rel_p50", "rel_p99", "within")
+_RECORD_COLUMNS = (
+    "#",
+    "eval",
+    "record",
+    "max_abs",
+    "nmse",
+    "tolerance (nmse)",
+    "row tolerance",
+    "cos_min",
+    "cos_median",
+    "rel_p50",
+    "rel_p99",
+    "within",
+)
 
 
 def _records(comparison: Comparison, number: int) -> str:
     rows = "".join(_record_row(i, p, i == comparison.first_divergence) for i, p in enumerate(comparison.pairs))
-    return (f"<section id='records'><h2>{number}. Records: metrics and the tolerance used</h2>"
-            f"<p>One row per compared record in compare's order. A record is within tolerance when its nmse "
-            f"and every row's relative error are within theirs; red rows are not, &ldquo;inherited&rdquo; ones "
-            f"only because an input they depend on is not. The first divergence is marked &#9654;.</p>"
-            f"<table><thead>{_header(_RECORD_COLUMNS)}</thead><tbody>{rows}</tbody></table>"
-            f"{_skipped(comparison.skipped)}</section>")
+    return (
+        f"<section id='records'><h2>{number}. Records: metrics and the tolerance used</h2>"
+        f"<p>One row per compared record in compare's order. A record is within tolerance when its nmse "
+        f"and every row's relative error are within theirs; red rows are not, &ldquo;inherited&rdquo; ones "
+        f"only because an input they depend on is not. The first divergence is marked &#9654;.</p>"
+        f"<table><thead>{_header(_RECORD_COLUMNS)}</thead><tbody>{rows}</tbody></table>"
+        f"{_skipped(comparison.skipped)}</section>"
+    )
 
 
 def _record_row(i: int, p: PairMetrics, is_first: bool) -> str:
@@ -128,10 +156,15 @@ def _record_row(i: int, p: PairMetrics, is_first: bool) -> str:
     name = p.name if p.occurrence == 0 else f"{p.name}#{p.occurrence}"
     renamed = f" <span class='note'>(run: {_e(p.run_name)})</span>" if p.run_name and p.run_name != p.name else ""
     within = "yes" if p.within else ("no, inherited" if p.inherited else "no")
-    cells = [("&#9654; " if is_first else "") + str(i), _e(eval_label(p)), f"<code>{_e(name)}</code>{renamed}",
-             *(_number(v) for v in (p.max_abs, p.nmse, p.tolerance)),
-             _number(p.row_tolerance) if p.row_tolerance else "-",
-             *(_number(v) for v in (p.cos_min, p.cos_median, p.rel_p50, p.rel_p99)), within]
+    cells = [
+        ("&#9654; " if is_first else "") + str(i),
+        _e(eval_label(p)),
+        f"<code>{_e(name)}</code>{renamed}",
+        *(_number(v) for v in (p.max_abs, p.nmse, p.tolerance)),
+        _number(p.row_tolerance) if p.row_tolerance else "-",
+        *(_number(v) for v in (p.cos_min, p.cos_median, p.rel_p50, p.rel_p99)),
+        within,
+    ]
     return f"<tr class='{css}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
@@ -142,48 +175,71 @@ def _skipped(skipped: Sequence[str]) -> str:
     return f"<h3>Not compared</h3><ul class='skipped'>{items}</ul>"
 
 
-_ALIGNMENT_COLUMNS = ("run record", "ref record", "name map", "layout", "ref row of each run row",
-                      "run rows", "positions", "note")
+_ALIGNMENT_COLUMNS = (
+    "run record",
+    "ref record",
+    "name map",
+    "layout",
+    "ref row of each run row",
+    "run rows",
+    "positions",
+    "note",
+)
 
 
 def _alignments(alignments: Sequence[Alignment]) -> str:
     if not alignments:
         return "<section id='alignments'><h2>Alignments</h2><p>compare recorded no alignments.</p></section>"
     rows = "".join(_alignment_row(a) for a in alignments)
-    return (f"<section id='alignments'><h2>Alignments: what was assumed</h2>"
-            f"<p>How compare matched each run record to a ref record before measuring: keys of the records "
-            f"stacked on each side, the name map and layout applied, and which rows met which "
-            f"(&ldquo;identity&rdquo;: row i with row i).</p>"
-            f"<table><thead>{_header(_ALIGNMENT_COLUMNS)}</thead><tbody>{rows}</tbody></table></section>")
+    return (
+        f"<section id='alignments'><h2>Alignments: what was assumed</h2>"
+        f"<p>How compare matched each run record to a ref record before measuring: keys of the records "
+        f"stacked on each side, the name map and layout applied, and which rows met which "
+        f"(&ldquo;identity&rdquo;: row i with row i).</p>"
+        f"<table><thead>{_header(_ALIGNMENT_COLUMNS)}</thead><tbody>{rows}</tbody></table></section>"
+    )
 
 
 def _alignment_row(a: Alignment) -> str:
     note = a.note if a.comparable else "; ".join(x for x in ("not comparable", a.note) if x)
-    cells = (f"<code>{_e(a.run_key.replace(',', ', '))}</code>", f"<code>{_e(a.ref_key.replace(',', ', '))}</code>",
-             _e(a.name_map or "-"), _e(a.layout), _e(summarise_ints(a.rows) if a.rows else "identity"),
-             _e(summarise_ints(a.run_rows) if a.run_rows else "identity"),
-             _e(summarise_ints(a.positions) if a.positions else "-"), _e(note or "-"))
+    cells = (
+        f"<code>{_e(a.run_key.replace(',', ', '))}</code>",
+        f"<code>{_e(a.ref_key.replace(',', ', '))}</code>",
+        _e(a.name_map or "-"),
+        _e(a.layout),
+        _e(summarise_ints(a.rows) if a.rows else "identity"),
+        _e(summarise_ints(a.run_rows) if a.run_rows else "identity"),
+        _e(summarise_ints(a.positions) if a.positions else "-"),
+        _e(note or "-"),
+    )
     css = "" if a.comparable else " class='bad'"
     return f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
 def _dumps(ref: Manifest, run: Manifest, types: dict[str, Any]) -> str:
-    blocks = "".join(f"<div><h3>{side} ({_e(m.source)})</h3>{_key_values(_dump_facts(m))}</div>"
-                     for side, m in (("ref", ref), ("run", run)))
-    tolerance = (f"<h3>Types the tolerance model used</h3>{_key_values(sorted(types.items()))}" if types else "")
+    blocks = "".join(
+        f"<div><h3>{side} ({_e(m.source)})</h3>{_key_values(_dump_facts(m))}</div>"
+        for side, m in (("ref", ref), ("run", run))
+    )
+    tolerance = f"<h3>Types the tolerance model used</h3>{_key_values(sorted(types.items()))}" if types else ""
     return f"<section id='dumps'><h2>Dumps</h2><div class='sides'>{blocks}</div>{tolerance}</section>"
 
 
 def _dump_facts(m: Manifest) -> list[tuple[str, Any]]:
-    facts: list[tuple[str, Any]] = [(f"{role}.{k}", v) for role, meta in sorted(m.models.items())
-                                    if isinstance(meta, dict) for k, v in sorted(meta.items())]
+    facts: list[tuple[str, Any]] = [
+        (f"{role}.{k}", v)
+        for role, meta in sorted(m.models.items())
+        if isinstance(meta, dict)
+        for k, v in sorted(meta.items())
+    ]
     facts += [(f"build.{k}", v) for k, v in sorted(m.build.items())]
     return facts + [("evals", len(m.evals)), ("records", len(m.records)), ("rounds", len(m.rounds))]
 
 
 def _key_values(facts: Iterable[tuple[str, Any]]) -> str:
-    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v if isinstance(v, str) else json.dumps(v))}</td></tr>"
-                   for k, v in facts)
+    rows = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_e(v if isinstance(v, str) else json.dumps(v))}</td></tr>" for k, v in facts
+    )
     return f"<table class='kv'>{rows}</table>"
 
 

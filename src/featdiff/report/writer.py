@@ -29,8 +29,16 @@ from featdiff.report.page import Picture, render_page
 log = logging.getLogger(__name__)
 
 
-def write_report(ref: Path, run: Path, output: Path, *, comparison: Comparison,
-                 png_dir: Path | None = None, name_map: Path | None = None, output_flag: str = "-o") -> Path:
+def write_report(
+    ref: Path,
+    run: Path,
+    output: Path,
+    *,
+    comparison: Comparison,
+    png_dir: Path | None = None,
+    name_map: Path | None = None,
+    output_flag: str = "-o",
+) -> Path:
     """Write the self-contained HTML report to `output` (and each figure to `png_dir`).
 
     `name_map` is the one compare used (`--map`): an input, never overwritten. Neither output may
@@ -52,9 +60,11 @@ def write_report(ref: Path, run: Path, output: Path, *, comparison: Comparison,
 
 def draw_pictures(comparison: Comparison) -> tuple[Picture, ...]:
     """The three figures of the page, in order: divergence map, layer match, row shift."""
-    return (_divergence_picture(bin_map(map_divergence(comparison, MAX_MAP_COLS), MAX_MAP_ROWS, MAX_MAP_COLS)),
-            _layer_match_picture(comparison.layer_match),
-            _row_shift_picture(comparison.row_shift))
+    return (
+        _divergence_picture(bin_map(map_divergence(comparison, MAX_MAP_COLS), MAX_MAP_ROWS, MAX_MAP_COLS)),
+        _layer_match_picture(comparison.layer_match),
+        _row_shift_picture(comparison.row_shift),
+    )
 
 
 def write_pngs(pictures: tuple[Picture, ...], png_dir: Path) -> tuple[Path, ...]:
@@ -75,40 +85,62 @@ def _divergence_picture(m: DivergenceMap) -> Picture:
     title = "Divergence map"
     if m.matrix.size == 0:
         return Picture("divergence-map", title, "", missing="compare measured no record pairs.")
-    first = ("The red box is the first divergent record, the circle its first token row over tolerance. "
-             if m.first_row is not None else "No record diverged. ")
-    caption = (f"{first}Rows are records in graph order, one eval (a phase of the flow) between white "
-               f"rules; columns are token positions; colour is each row's relative error on a log scale "
-               f"from 1e-6 (black) to 10 (bright); grey cells were not compared.")
+    first = (
+        "The red box is the first divergent record, the circle its first token row over tolerance. "
+        if m.first_row is not None
+        else "No record diverged. "
+    )
+    caption = (
+        f"{first}Rows are records in graph order, one eval (a phase of the flow) between white "
+        f"rules; columns are token positions; colour is each row's relative error on a log scale "
+        f"from 1e-6 (black) to 10 (bright); grey cells were not compared."
+    )
     return Picture("divergence-map", title, caption, png_from_figure(draw_divergence_map(m)))
 
 
 def _layer_match_picture(m: LayerMatch | None) -> Picture:
     title = "Layer match: feature slots x target layer inputs"
     if m is None:
-        return Picture("layer-match", title, "", missing=(
-            "needs inp_target_features in the run dump and layer_inp-<L> records of a target eval "
-            "with the same positions in the ref dump (the reference writes them)."))
+        return Picture(
+            "layer-match",
+            title,
+            "",
+            missing=(
+                "needs inp_target_features in the run dump and layer_inp-<L> records of a target eval "
+                "with the same positions in the ref dump (the reference writes them)."
+            ),
+        )
     run_says = f"; the run's manifest says {list(m.run_layers)}" if m.run_layers else ""
-    caption = (f"Each row is a slot of the run's inp_target_features, each column the input of a target "
-               f"layer in the reference; colour is the cosine similarity averaged over {len(m.positions)} token "
-               f"rows (on compare's random-projection sketch of the rows, as its layer_offset detector sees "
-               f"them). The checkpoint expects target_layers {list(m.expected_layers)} (red boxes){run_says}; "
-               f"the closest match per slot (white stars) is {list(m.closest_layers)}.")
+    caption = (
+        f"Each row is a slot of the run's inp_target_features, each column the input of a target "
+        f"layer in the reference; colour is the cosine similarity averaged over {len(m.positions)} token "
+        f"rows (on compare's random-projection sketch of the rows, as its layer_offset detector sees "
+        f"them). The checkpoint expects target_layers {list(m.expected_layers)} (red boxes){run_says}; "
+        f"the closest match per slot (white stars) is {list(m.closest_layers)}."
+    )
     return Picture("layer-match", title, caption, png_from_figure(draw_layer_match(m)))
 
 
 def _row_shift_picture(m: RowShift | None) -> Picture:
     title = "Row-shift matrix of the first divergent record"
     if m is None:
-        return Picture("row-shift", title, "", missing=(
-            "no record diverged, or compare could not align the two sides of the first divergent one."))
+        return Picture(
+            "row-shift",
+            title,
+            "",
+            missing=("no record diverged, or compare could not align the two sides of the first divergent one."),
+        )
     shift = m.best_shift()
-    verdict = ("its rows line up with the reference" if shift == 0 else
-               f"run row i looks most like ref row i + {shift}")
-    window = (f" (run rows at positions {m.run_positions[0]}..{m.run_positions[-1]} of {m.n_run_rows}, "
-              f"around its first row over tolerance)" if m.n_run_rows > len(m.run_positions) else "")
-    caption = (f"Cosine similarity of every run row of {m.record} with every ref row{window}, as compare "
-               f"aligned them; the dashed line marks rows at the same position. By the brightest cell of "
-               f"each run row, {verdict}.")
+    verdict = "its rows line up with the reference" if shift == 0 else f"run row i looks most like ref row i + {shift}"
+    window = (
+        f" (run rows at positions {m.run_positions[0]}..{m.run_positions[-1]} of {m.n_run_rows}, "
+        f"around its first row over tolerance)"
+        if m.n_run_rows > len(m.run_positions)
+        else ""
+    )
+    caption = (
+        f"Cosine similarity of every run row of {m.record} with every ref row{window}, as compare "
+        f"aligned them; the dashed line marks rows at the same position. By the brightest cell of "
+        f"each run row, {verdict}."
+    )
     return Picture("row-shift", title, caption, png_from_figure(draw_row_shift(m)))

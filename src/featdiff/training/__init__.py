@@ -16,5 +16,12 @@ from featdiff.training.cache import trained_pair
 from featdiff.training.corpus import held_out_prompts, write_prompts
 from featdiff.training.train import TRAINED_SIZES, TrainConfig, TrainedPair, train_pair
 
-__all__ = ["TRAINED_SIZES", "TrainConfig", "TrainedPair", "held_out_prompts", "train_pair", "trained_pair",
-           "write_prompts"]
+__all__ = [
+    "TRAINED_SIZES",
+    "TrainConfig",
+    "TrainedPair",
+    "held_out_prompts",
+    "train_pair",
+    "trained_pair",
+    "write_prompts",
+]

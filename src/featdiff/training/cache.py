@@ -37,8 +37,12 @@ def trained_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = 
     if not (path / META_FILE).is_file():
         log.info("training the tiny DFlash and DSpark drafters of seed %d (once; cached in %s)", seed, path)
         pair = train_pair(seed, sizes, config)
-        log.info("trained in %.1f s; held-out mean accepted length, %d drafts a block (reference): %s",
-                 pair.meta["train_seconds"], BLOCK_SIZE - 1, pair.meta["held_out_mean_accepted_length"])
+        log.info(
+            "trained in %.1f s; held-out mean accepted length, %d drafts a block (reference): %s",
+            pair.meta["train_seconds"],
+            BLOCK_SIZE - 1,
+            pair.meta["held_out_mean_accepted_length"],
+        )
         _store(pair, path)
     return _load(path)
 
@@ -50,8 +54,13 @@ def cache_dir() -> Path:
 
 def cache_key(seed: int, sizes: Sizes, config: TrainConfig) -> str:
     """What the trained weights depend on: the code, seed, sizes, settings and torch."""
-    spec = {"code": _code_digest(), "seed": seed, "sizes": asdict(sizes), "config": asdict(config),
-            "torch": torch.__version__}  # float results may move with torch; a retrain is cheap
+    spec = {
+        "code": _code_digest(),
+        "seed": seed,
+        "sizes": asdict(sizes),
+        "config": asdict(config),
+        "torch": torch.__version__,
+    }  # float results may move with torch; a retrain is cheap
     return f"seed{seed}-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -84,8 +93,13 @@ def _load(path: Path) -> TrainedPair:
 def _flat(w: dict) -> dict[str, np.ndarray]:
     """A fixtures weight dict under flat safetensors names: `fc`, `layers.<il>.<name>`."""
     flat = {k: np.ascontiguousarray(a) for k, a in w.items() if k != "layers"}
-    flat.update({f"{LAYER_PREFIX}{il}.{k}": np.ascontiguousarray(a)
-                 for il, layer in enumerate(w["layers"]) for k, a in layer.items()})
+    flat.update(
+        {
+            f"{LAYER_PREFIX}{il}.{k}": np.ascontiguousarray(a)
+            for il, layer in enumerate(w["layers"])
+            for k, a in layer.items()
+        }
+    )
     return flat
 
 

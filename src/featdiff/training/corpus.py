@@ -27,8 +27,8 @@ class Corpus:
     """Greedy sequences of the target with their feature rows, and where each prompt ends (the
     first anchor: the flow's first block is anchored on the last prompt token)."""
 
-    tokens: torch.Tensor        # (n_seq, n_tokens) int64
-    features: torch.Tensor      # (n_seq, n_tokens, n_extract * n_embd_tgt)
+    tokens: torch.Tensor  # (n_seq, n_tokens) int64
+    features: torch.Tensor  # (n_seq, n_tokens, n_extract * n_embd_tgt)
     first_anchor: torch.Tensor  # (n_seq,) int64: prompt length - 1
 
 
@@ -55,7 +55,9 @@ def make_corpus(target: Target, chosen: tuple[tuple[int, ...], ...], n_tokens: i
     layers = tuple(i + 1 for i in HF_TARGET_LAYER_IDS)  # the inputs of these target layers (gguf = hf + 1)
     with torch.no_grad():
         seqs = [greedy_continuation(target, p, n_tokens) for p in chosen]
-        feats = torch.stack([_feature_rows(target, s, layers) for s in seqs])  # (n_seq, n_tokens, n_extract * n_embd_tgt)
+        feats = torch.stack(
+            [_feature_rows(target, s, layers) for s in seqs]
+        )  # (n_seq, n_tokens, n_extract * n_embd_tgt)
     return Corpus(tokens=torch.tensor(seqs), features=feats, first_anchor=torch.tensor([len(p) - 1 for p in chosen]))
 
 

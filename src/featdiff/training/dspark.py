@@ -31,9 +31,9 @@ NO_DRAFT = -1  # a draft slot the confidence cut-off left empty (no token id is 
 class AnchorFirstBatch:
     """Packed anchor-first blocks of one length, with their next-token labels."""
 
-    block: Batch           # `[anchor, mask x (n_block-1)]`; block.labels: each row's own token (teacher-forced prev)
+    block: Batch  # `[anchor, mask x (n_block-1)]`; block.labels: each row's own token (teacher-forced prev)
     n_block: int
-    labels: torch.Tensor   # (n_rows,): the sequence's token at each row's position + 1
+    labels: torch.Tensor  # (n_rows,): the sequence's token at each row's position + 1
     weights: torch.Tensor  # (n_rows,): row i (draft i) weighs exp(-i / ROW_DECAY)
 
 
@@ -41,7 +41,7 @@ class AnchorFirstBatch:
 class Chain:
     """The heads chained greedily over blocks, as the graph chains them."""
 
-    drafts: torch.Tensor       # (n_blocks, n_read) int64: argmax of each read row's biased logits
+    drafts: torch.Tensor  # (n_blocks, n_read) int64: argmax of each read row's biased logits
     conf_logits: torch.Tensor  # (n_blocks, n_read): the confidence head before its sigmoid
 
 
@@ -52,11 +52,12 @@ class Drafted:
 
     drafts: torch.Tensor  # (n_blocks, n_draft)
     labels: torch.Tensor  # (n_blocks, n_draft)
-    conf: torch.Tensor    # (n_blocks, n_draft), in (0, 1)
+    conf: torch.Tensor  # (n_blocks, n_draft), in (0, 1)
 
 
-def anchor_first_batch(corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask_token_id: int,
-                       n_block: int) -> AnchorFirstBatch:
+def anchor_first_batch(
+    corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask_token_id: int, n_block: int
+) -> AnchorFirstBatch:
     """Blocks of `n_block` rows at `anchors` `(n_seq, n_anchor)`; every anchor + n_block must be
     inside its sequence (the last row's label)."""
     block = packed_batch(corpus, seqs, anchors, mask_token_id, n_block)
@@ -96,8 +97,9 @@ def chained(dsp: DSpark, base: torch.Tensor, norm: torch.Tensor, anchors: torch.
     return Chain(drafts=torch.stack(drafts, dim=1), conf_logits=torch.stack(conf_logits, dim=1))
 
 
-def _chained_blocks(dsp: DSpark, base: torch.Tensor, norm: torch.Tensor, batch: Batch, n_block: int,
-                    first_row: int) -> Chain:
+def _chained_blocks(
+    dsp: DSpark, base: torch.Tensor, norm: torch.Tensor, batch: Batch, n_block: int, first_row: int
+) -> Chain:
     """`chained` on a packed batch's rows: base `(n_rows, n_vocab)`, norm `(n_rows, n_embd)`."""
     anchors = batch.tokens.reshape(-1, n_block)[:, 0]  # (n_blocks,): each block's row 0 token
     base = base.reshape(-1, n_block, base.shape[1])  # (n_blocks, n_block, n_vocab)
@@ -121,8 +123,9 @@ def dspark_loss(draft: Draft, dsp: DSpark, target: Target, batch: AnchorFirstBat
     return markov + binary_cross_entropy_with_logits(chain.conf_logits, is_right)
 
 
-def draft_held_out(draft: Draft, dsp: DSpark, target: Target, corpus: Corpus, n_draft: int = N_DRAFT,
-                   anchor_first: bool = True) -> Drafted:
+def draft_held_out(
+    draft: Draft, dsp: DSpark, target: Target, corpus: Corpus, n_draft: int = N_DRAFT, anchor_first: bool = True
+) -> Drafted:
     """Every block anchored in the continuations (from the longest prompt's end on) drafted
     greedily with `n_draft` drafts, laid out anchor-first, or bonus-anchor (`n_draft + 1` rows,
     drafts from row 1: what a GGUF with `dflash.sample_from_anchor` false makes llama.cpp run)."""

@@ -24,17 +24,18 @@ ROW_DECAY = 2.0  # block row j weighs exp(-(j-1)/ROW_DECAY): draft j counts only
 class Batch:
     """Every context row of some sequences and blocks anchored in them, as one draft eval."""
 
-    features: torch.Tensor       # (n_seq * n_tokens, n_extract * n_embd_tgt)
+    features: torch.Tensor  # (n_seq * n_tokens, n_extract * n_embd_tgt)
     ctx_positions: torch.Tensor  # (n_seq * n_tokens,)
-    tokens: torch.Tensor         # (n_rows,) = (n_blocks * B,): [anchor, mask x (B-1)] per block
-    positions: torch.Tensor      # (n_rows,): anchor position + 0 .. B-1
-    visible: torch.Tensor        # (n_rows, n_seq * n_tokens + n_rows) bool: context cells, then block rows
-    labels: torch.Tensor         # (n_rows,): the sequence's token at each block row
-    weights: torch.Tensor        # (n_rows,): loss weight, 0 on anchor rows
+    tokens: torch.Tensor  # (n_rows,) = (n_blocks * B,): [anchor, mask x (B-1)] per block
+    positions: torch.Tensor  # (n_rows,): anchor position + 0 .. B-1
+    visible: torch.Tensor  # (n_rows, n_seq * n_tokens + n_rows) bool: context cells, then block rows
+    labels: torch.Tensor  # (n_rows,): the sequence's token at each block row
+    weights: torch.Tensor  # (n_rows,): loss weight, 0 on anchor rows
 
 
-def packed_batch(corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask_token_id: int,
-                 n_block: int = BLOCK_SIZE) -> Batch:
+def packed_batch(
+    corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask_token_id: int, n_block: int = BLOCK_SIZE
+) -> Batch:
     """Blocks of `n_block` rows at `anchors` `(n_seq, n_anchor)` in the sequences `seqs` `(n_seq,)`
     of the corpus."""
     n_seq, n_tokens = len(seqs), corpus.tokens.shape[1]
@@ -43,10 +44,15 @@ def packed_batch(corpus: Corpus, seqs: torch.Tensor, anchors: torch.Tensor, mask
     labels = torch.gather(corpus.tokens[seqs], 1, positions.reshape(n_seq, -1))  # (n_seq, n_anchor * B)
     tokens = torch.where(row == 0, labels.reshape(positions.shape), mask_token_id)  # (n_seq, n_anchor, B)
     weights = torch.where(row == 0, 0.0, torch.exp(-(row - 1) / ROW_DECAY))  # (B,)
-    return Batch(features=corpus.features[seqs].reshape(n_seq * n_tokens, -1),  # (n_seq * n_tokens, n_extract * n_embd_tgt)
-                 ctx_positions=torch.arange(n_tokens).repeat(n_seq), tokens=tokens.reshape(-1),
-                 positions=positions.reshape(-1), visible=_visibility(anchors, n_tokens, n_block),
-                 labels=labels.reshape(-1), weights=weights.repeat(anchors.numel()))
+    return Batch(
+        features=corpus.features[seqs].reshape(n_seq * n_tokens, -1),  # (n_seq * n_tokens, n_extract * n_embd_tgt)
+        ctx_positions=torch.arange(n_tokens).repeat(n_seq),
+        tokens=tokens.reshape(-1),
+        positions=positions.reshape(-1),
+        visible=_visibility(anchors, n_tokens, n_block),
+        labels=labels.reshape(-1),
+        weights=weights.repeat(anchors.numel()),
+    )
 
 
 def _visibility(anchors: torch.Tensor, n_tokens: int, n_block: int) -> torch.Tensor:

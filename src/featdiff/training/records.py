@@ -12,8 +12,18 @@ import torch
 
 from featdiff import names, pairs
 from featdiff.pairs import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
-from featdiff.reference.weights import (DSpark, Draft, Hparams, Layer, LogSnr, Source, Target, layer_from_tensors,
-                                        present, tensors_of_layer)
+from featdiff.reference.weights import (
+    DSpark,
+    Draft,
+    Hparams,
+    Layer,
+    LogSnr,
+    Source,
+    Target,
+    layer_from_tensors,
+    present,
+    tensors_of_layer,
+)
 
 LOG_SNR_KEYS = ("log_snr_fc1", "log_snr_fc1_b", "log_snr_fc2", "log_snr_fc2_b")  # fixtures' keys, in LogSnr's order
 DSPARK_KEYS = ("markov_w1", "markov_w2", "conf_proj", "conf_proj_b")  # fixtures' keys of DSpark's heads
@@ -21,10 +31,14 @@ DSPARK_KEYS = ("markov_w1", "markov_w2", "conf_proj", "conf_proj_b")  # fixtures
 
 def target_record(w: dict, sizes: Sizes, seed: int) -> Target:
     """The reference's `Target` of a fixtures target weight dict (frozen tensors)."""
-    return Target(source=Source(Path(f"<trained target, seed {seed}>"), is_gguf=False),
-                  hparams=_hparams(sizes.target, names.ARCH_QWEN3, sizes.n_vocab),
-                  token_embd=_tensor(w["token_embd"]), output_norm=_tensor(w["output_norm"]),
-                  output=_tensor(w["output"]), layers=tuple(_layer(layer) for layer in w["layers"]))
+    return Target(
+        source=Source(Path(f"<trained target, seed {seed}>"), is_gguf=False),
+        hparams=_hparams(sizes.target, names.ARCH_QWEN3, sizes.n_vocab),
+        token_embd=_tensor(w["token_embd"]),
+        output_norm=_tensor(w["output_norm"]),
+        output=_tensor(w["output"]),
+        layers=tuple(_layer(layer) for layer in w["layers"]),
+    )
 
 
 def draft_record(w: dict, sizes: Sizes, trainable: bool) -> Draft:
@@ -33,20 +47,32 @@ def draft_record(w: dict, sizes: Sizes, trainable: bool) -> Draft:
     snr = None
     if LOG_SNR_KEYS[0] in w:
         snr = LogSnr(pairs.MIN_LOG_SNR, pairs.MAX_LOG_SNR, *(_tensor(w[k], trainable) for k in LOG_SNR_KEYS))
-    return Draft(source=Source(Path("<trained drafter>"), is_gguf=False),
-                 hparams=_hparams(sizes.draft, names.ARCH_DFLASH, sizes.n_vocab),
-                 target_layers=tuple(i + 1 for i in HF_TARGET_LAYER_IDS),  # gguf = hf + 1
-                 block_size=BLOCK_SIZE, mask_token_id=sizes.mask_token_id,
-                 fc=_tensor(w["fc"], trainable), enc_norm=_tensor(w["hidden_norm"], trainable),
-                 output_norm=_tensor(w["norm"], trainable), token_embd=None, output=None,
-                 layers=tuple(_layer(layer, trainable) for layer in w["layers"]), log_snr=snr)
+    return Draft(
+        source=Source(Path("<trained drafter>"), is_gguf=False),
+        hparams=_hparams(sizes.draft, names.ARCH_DFLASH, sizes.n_vocab),
+        target_layers=tuple(i + 1 for i in HF_TARGET_LAYER_IDS),  # gguf = hf + 1
+        block_size=BLOCK_SIZE,
+        mask_token_id=sizes.mask_token_id,
+        fc=_tensor(w["fc"], trainable),
+        enc_norm=_tensor(w["hidden_norm"], trainable),
+        output_norm=_tensor(w["norm"], trainable),
+        token_embd=None,
+        output=None,
+        layers=tuple(_layer(layer, trainable) for layer in w["layers"]),
+        log_snr=snr,
+    )
 
 
 def draft_weights_of(draft: Draft) -> dict:
     """A `Draft` back as a fixtures drafter weight dict (what the fixtures' writers take)."""
-    w = {"fc": _array(draft.fc), "hidden_norm": _array(draft.enc_norm), "norm": _array(draft.output_norm),
-         "layers": [{k: _array(t) for k, t in tensors_of_layer(layer).items() if t is not None}
-                    for layer in draft.layers]}
+    w = {
+        "fc": _array(draft.fc),
+        "hidden_norm": _array(draft.enc_norm),
+        "norm": _array(draft.output_norm),
+        "layers": [
+            {k: _array(t) for k, t in tensors_of_layer(layer).items() if t is not None} for layer in draft.layers
+        ],
+    }
     if draft.log_snr is not None:
         snr = draft.log_snr
         w.update(zip(LOG_SNR_KEYS, map(_array, (snr.fc1_w, snr.fc1_b, snr.fc2_w, snr.fc2_b))))
@@ -57,8 +83,9 @@ def dspark_record(w: dict, trainable: bool) -> DSpark:
     """The reference's `DSpark` heads of a fixtures DSpark weight dict: anchor-first, no scale
     tensor, no reduced vocabulary. (`draft_record` of the same dict is its DFlash body.)"""
     w1, w2, conf_w, conf_b = (_tensor(w[k], trainable) for k in DSPARK_KEYS)
-    return DSpark(markov_w1=w1, markov_w2=w2, markov_w2_scale=None, conf_w=conf_w, conf_b=conf_b,
-                  sample_from_anchor=True)
+    return DSpark(
+        markov_w1=w1, markov_w2=w2, markov_w2_scale=None, conf_w=conf_w, conf_b=conf_b, sample_from_anchor=True
+    )
 
 
 def dspark_weights_of(draft: Draft, dsp: DSpark) -> dict:
@@ -78,9 +105,19 @@ def parameters(draft: Draft) -> list[torch.Tensor]:
 
 
 def _hparams(s: Shape, arch: str, n_vocab: int) -> Hparams:
-    return Hparams(arch=arch, n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, n_head_kv=s.n_head_kv,
-                   n_embd_head=s.n_embd_head, n_ff=s.n_ff, n_vocab=n_vocab, rms_eps=pairs.RMS_EPS,
-                   rope_base=pairs.ROPE_BASE, rope_type="neox")  # HF orientation: rotate-half RoPE
+    return Hparams(
+        arch=arch,
+        n_layer=s.n_layer,
+        n_embd=s.n_embd,
+        n_head=s.n_head,
+        n_head_kv=s.n_head_kv,
+        n_embd_head=s.n_embd_head,
+        n_ff=s.n_ff,
+        n_vocab=n_vocab,
+        rms_eps=pairs.RMS_EPS,
+        rope_base=pairs.ROPE_BASE,
+        rope_type="neox",
+    )  # HF orientation: rotate-half RoPE
 
 
 def _layer(layer: dict, trainable: bool = False) -> Layer:

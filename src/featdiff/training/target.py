@@ -22,24 +22,26 @@ from featdiff.pairs import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
 from featdiff.reference.numerics import ffn, linear, rms_norm
 from featdiff.reference.weights import Layer, layer_from_tensors
 
-LOOKBACK = BLOCK_SIZE                    # x[t+1] = perm(x[t+1-LOOKBACK]): drafts 1..B-1 all read context rows
+LOOKBACK = BLOCK_SIZE  # x[t+1] = perm(x[t+1-LOOKBACK]): drafts 1..B-1 all read context rows
 FEATURE_LAYER = HF_TARGET_LAYER_IDS[-1]  # HF id: its output is the drafter's last feature slot
 COPY_LAYER = FEATURE_LAYER + 1
-SHARED_GAIN = 2.0      # every embedding row carries this much of one direction u, which the positional head reads
+SHARED_GAIN = 2.0  # every embedding row carries this much of one direction u, which the positional head reads
 BACKGROUND_GAIN = 0.1  # the other layers' outputs: random but faint, so the rule holds greedily
-FEATURE_GAIN = 6.0     # the feature dwarfs the embedding: without it a drafter cannot tell what to copy
-COPY_GAIN = 50.0       # the fetched feature dwarfs the row's own token in the output
-QK_SHARPNESS = 5.0     # q/k norm weights of the positional head: a score margin of ~0.7 x this squared
-POSITION_PAIRS = 3     # RoPE pairs (the fastest) the positional head turns; more pairs, fewer aliased distances
-HEAD_SCALE = 2.0       # norm of each output row: logits of about +-16 around the greedy token
+FEATURE_GAIN = 6.0  # the feature dwarfs the embedding: without it a drafter cannot tell what to copy
+COPY_GAIN = 50.0  # the fetched feature dwarfs the row's own token in the output
+QK_SHARPNESS = 5.0  # q/k norm weights of the positional head: a score margin of ~0.7 x this squared
+POSITION_PAIRS = 3  # RoPE pairs (the fastest) the positional head turns; more pairs, fewer aliased distances
+HEAD_SCALE = 2.0  # norm of each output row: logits of about +-16 around the greedy token
 
 
 def lookback_target(rng: np.random.Generator, sizes: Sizes) -> dict:
     """The target's weights (fixtures layout, float32): random layers plus the lookback rule."""
     s = sizes.target
     if s.n_layer <= COPY_LAYER or s.n_embd_head < 2 * POSITION_PAIRS:
-        raise ValueError(f"a lookback target needs > {COPY_LAYER} layers and heads of >= {2 * POSITION_PAIRS} "
-                         f"dims; got {s.n_layer} layers, heads of {s.n_embd_head}")
+        raise ValueError(
+            f"a lookback target needs > {COPY_LAYER} layers and heads of >= {2 * POSITION_PAIRS} "
+            f"dims; got {s.n_layer} layers, heads of {s.n_embd_head}"
+        )
     w = pairs.target_weights(rng, names.ARCH_QWEN3, sizes)
     u = rng.standard_normal(s.n_embd)
     u /= np.linalg.norm(u)
@@ -68,17 +70,23 @@ def _positional_head(s: Shape, u: np.ndarray) -> dict[str, np.ndarray]:
     pair_ids = np.arange(POSITION_PAIRS)
     q0, k0 = np.zeros(d), np.zeros(d)
     q0[pair_ids] = 1.0
-    k0[pair_ids], k0[pair_ids + half] = np.cos((LOOKBACK - 1) * theta[pair_ids]), np.sin((LOOKBACK - 1) * theta[pair_ids])
-    return {"attn_norm": np.ones(s.n_embd),  # a weighted norm would leak other directions into u
-            "attn_q": np.tile(np.outer(q0, u), (s.n_head, 1)),     # (n_head * n_embd_head, n_embd)
-            "attn_k": np.tile(np.outer(k0, u), (s.n_head_kv, 1)),  # (n_head_kv * n_embd_head, n_embd)
-            "attn_q_norm": np.full(d, QK_SHARPNESS), "attn_k_norm": np.full(d, QK_SHARPNESS)}
+    k0[pair_ids], k0[pair_ids + half] = (
+        np.cos((LOOKBACK - 1) * theta[pair_ids]),
+        np.sin((LOOKBACK - 1) * theta[pair_ids]),
+    )
+    return {
+        "attn_norm": np.ones(s.n_embd),  # a weighted norm would leak other directions into u
+        "attn_q": np.tile(np.outer(q0, u), (s.n_head, 1)),  # (n_head * n_embd_head, n_embd)
+        "attn_k": np.tile(np.outer(k0, u), (s.n_head_kv, 1)),  # (n_head_kv * n_embd_head, n_embd)
+        "attn_q_norm": np.full(d, QK_SHARPNESS),
+        "attn_k_norm": np.full(d, QK_SHARPNESS),
+    }
 
 
 def _head_reading_copies(w: dict, sizes: Sizes, perm: np.ndarray) -> np.ndarray:
     """Output rows `(n_vocab, n_embd)`: row perm[i] points along what the copy head writes for
     token i + 1, so the greedy token is perm(the token fetched). Pad (0) and mask rows stay zero."""
-    copies = _copy_vectors(w, sizes)[1:sizes.n_vocab - 1]  # (n_vocab - 2, n_embd)
+    copies = _copy_vectors(w, sizes)[1 : sizes.n_vocab - 1]  # (n_vocab - 2, n_embd)
     out = np.zeros((sizes.n_vocab, sizes.target.n_embd))
     out[perm] = HEAD_SCALE * copies / np.linalg.norm(copies, axis=1, keepdims=True)
     return out
@@ -98,8 +106,9 @@ def _copy_vectors(w: dict, sizes: Sizes) -> np.ndarray:
 
 
 def _frozen_layer(layer: dict) -> Layer:
-    return layer_from_tensors({k: torch.from_numpy(np.asarray(layer[k], np.float32)) if k in layer else None
-                               for k in names.GGUF_TO_HF_LAYER})
+    return layer_from_tensors(
+        {k: torch.from_numpy(np.asarray(layer[k], np.float32)) if k in layer else None for k in names.GGUF_TO_HF_LAYER}
+    )
 
 
 def _as_float32(w: dict) -> dict:

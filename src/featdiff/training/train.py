@@ -24,21 +24,28 @@ from featdiff.reference.weights import Draft, DSpark, Target, present
 from featdiff.training import dspark
 from featdiff.training.corpus import Corpus, held_out_prompts, make_corpus, prompts
 from featdiff.training.objective import block_loss, mean_accepted_length, packed_batch
-from featdiff.training.records import (DSPARK_KEYS, draft_record, draft_weights_of, dspark_record, dspark_weights_of,
-                                       parameters, target_record)
+from featdiff.training.records import (
+    DSPARK_KEYS,
+    draft_record,
+    draft_weights_of,
+    dspark_record,
+    dspark_weights_of,
+    parameters,
+    target_record,
+)
 from featdiff.training.target import lookback_target
 
 log = logging.getLogger(__name__)
 
 TRAINED_SIZES = pairs.Sizes(n_vocab=256)  # a small vocabulary: a short training sees every token often
 STREAM_INIT, STREAM_STEPS, STREAM_DSPARK = 3, 4, 5  # rng streams per seed (corpus.py holds 1 and 2)
-MARKOV_RANK = 16         # R of DSpark's Markov head: markov_w1 and markov_w2 are (n_vocab, R)
+MARKOV_RANK = 16  # R of DSpark's Markov head: markov_w1 and markov_w2 are (n_vocab, R)
 DSPARK_BLOCKS = tuple(range(2, BLOCK_SIZE + 1))  # block lengths DSpark trains on: any --spec-draft-n-max runs
 LOG_SNR_INIT_GAIN = 4.0  # the log-SNR term starts about as large as a token embedding, so the drafter leans on it
-CONF_LR_GAIN = 10.0      # the confidence head's bias travels to logit(accept rate) ~ 3 while AdamW moves it ~lr a step
-PEAK_LR = "peak_lr"      # our key in an optimizer param group: the group's lr before the schedule
-LR_WARMUP = 20           # steps of linear warm-up before the cosine decay
-LOG_EVERY = 40           # steps between debug lines of the loss
+CONF_LR_GAIN = 10.0  # the confidence head's bias travels to logit(accept rate) ~ 3 while AdamW moves it ~lr a step
+PEAK_LR = "peak_lr"  # our key in an optimizer param group: the group's lr before the schedule
+LR_WARMUP = 20  # steps of linear warm-up before the cosine decay
+LOG_EVERY = 40  # steps between debug lines of the loss
 
 
 @dataclass(frozen=True)
@@ -46,14 +53,14 @@ class TrainConfig:
     """How much corpus and training; the defaults take about 30 s on two CPU cores."""
 
     n_prompts: int = 64
-    n_tokens: int = 48        # per corpus sequence: prompt + greedy continuation
-    n_held_out: int = 16      # held-out prompts the accepted length is measured on
+    n_tokens: int = 48  # per corpus sequence: prompt + greedy continuation
+    n_held_out: int = 16  # held-out prompts the accepted length is measured on
     steps: int = 160
     dspark_steps: int = 160
     seqs_per_step: int = 8
     anchors_per_seq: int = 16
     lr: float = 1e-2
-    threads: int = 2          # torch intra-op threads: the machine is shared
+    threads: int = 2  # torch intra-op threads: the machine is shared
 
 
 DEFAULT_CONFIG = TrainConfig()
@@ -84,23 +91,31 @@ def train_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = DE
         accepted = [mean_accepted_length(draft_record(w, sizes, trainable=False), target, held_out) for w in drafts]
         draft_dspark, dspark_seconds = _timed_dspark(seed, target, corpus, sizes, config)
         dspark_accepted, auc = _dspark_held_out(draft_dspark, target, held_out, sizes)
-    meta = {"train_seconds": round(time.perf_counter() - start, 1), "dspark_train_seconds": round(dspark_seconds, 1),
-            "held_out_mean_accepted_length": {"draft": accepted[0], "draft_log_snr": accepted[1],
-                                              "draft_dspark": dspark_accepted},
-            "held_out_dspark_confidence_auc": auc}
+    meta = {
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "dspark_train_seconds": round(dspark_seconds, 1),
+        "held_out_mean_accepted_length": {
+            "draft": accepted[0],
+            "draft_log_snr": accepted[1],
+            "draft_dspark": dspark_accepted,
+        },
+        "held_out_dspark_confidence_auc": auc,
+    }
     return TrainedPair(target=target_w, draft=drafts[0], draft_log_snr=drafts[1], draft_dspark=draft_dspark, meta=meta)
 
 
-def train_drafter(target: Target, corpus: Corpus, init: dict, sizes: Sizes, config: TrainConfig,
-                  rng: np.random.Generator) -> dict:
+def train_drafter(
+    target: Target, corpus: Corpus, init: dict, sizes: Sizes, config: TrainConfig, rng: np.random.Generator
+) -> dict:
     """A DFlash drafter trained from `init` (fixtures layout) on the corpus; its weights, same layout."""
     draft = draft_record(init, sizes, trainable=True)
     _fit([(parameters(draft), config.lr)], config.steps, _dflash_losses(draft, target, corpus, config, sizes, rng))
     return draft_weights_of(draft)
 
 
-def train_dspark(target: Target, corpus: Corpus, init: dict, sizes: Sizes, config: TrainConfig,
-                 rng: np.random.Generator) -> dict:
+def train_dspark(
+    target: Target, corpus: Corpus, init: dict, sizes: Sizes, config: TrainConfig, rng: np.random.Generator
+) -> dict:
     """An anchor-first DSpark drafter trained from `init` (a fixtures drafter plus DSPARK_KEYS);
     its weights, same layout."""
     draft, dsp = draft_record(init, sizes, trainable=True), dspark_record(init, trainable=True)
@@ -127,16 +142,24 @@ def _dspark_held_out(w: dict, target: Target, held_out: Corpus, sizes: Sizes) ->
     return accepted, dspark.confidence_auc(dspark.draft_held_out(body, heads, target, held_out, n_draft=BLOCK_SIZE))
 
 
-def _dflash_losses(draft: Draft, target: Target, corpus: Corpus, config: TrainConfig, sizes: Sizes,
-                   rng: np.random.Generator) -> Iterator[torch.Tensor]:
+def _dflash_losses(
+    draft: Draft, target: Target, corpus: Corpus, config: TrainConfig, sizes: Sizes, rng: np.random.Generator
+) -> Iterator[torch.Tensor]:
     """The DFlash loss of each step's batch: blocks of BLOCK_SIZE rows, labels to the block's end."""
     while True:
         seqs, anchors = _sample_anchors(corpus, config, rng, BLOCK_SIZE - 1)
         yield block_loss(draft, target, packed_batch(corpus, seqs, anchors, sizes.mask_token_id))
 
 
-def _dspark_losses(draft: Draft, dsp: DSpark, target: Target, corpus: Corpus, config: TrainConfig, sizes: Sizes,
-                   rng: np.random.Generator) -> Iterator[torch.Tensor]:
+def _dspark_losses(
+    draft: Draft,
+    dsp: DSpark,
+    target: Target,
+    corpus: Corpus,
+    config: TrainConfig,
+    sizes: Sizes,
+    rng: np.random.Generator,
+) -> Iterator[torch.Tensor]:
     """The DSpark loss of each step's batch: anchor-first blocks of a length drawn from
     DSPARK_BLOCKS, labels one past the block's end."""
     while True:
@@ -181,15 +204,18 @@ def _dspark_init(rng: np.random.Generator, sizes: Sizes) -> dict:
     return w
 
 
-def _sample_anchors(corpus: Corpus, config: TrainConfig, rng: np.random.Generator,
-                    n_after: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_anchors(
+    corpus: Corpus, config: TrainConfig, rng: np.random.Generator, n_after: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`seqs_per_step` sequences `(n_seq,)` and `anchors_per_seq` distinct anchors in each one's
     continuation `(n_seq, n_anchor)`, each with `n_after` tokens after it (its block's labels)."""
     n_seq, n_tokens = corpus.tokens.shape
     seqs = rng.choice(n_seq, config.seqs_per_step, replace=False)
     last = n_tokens - 1 - n_after
-    anchors = [rng.choice(np.arange(int(corpus.first_anchor[s]), last + 1), config.anchors_per_seq, replace=False)
-               for s in seqs]
+    anchors = [
+        rng.choice(np.arange(int(corpus.first_anchor[s]), last + 1), config.anchors_per_seq, replace=False)
+        for s in seqs
+    ]
     return torch.from_numpy(seqs), torch.from_numpy(np.stack(anchors))
 
 
