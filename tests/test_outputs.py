@@ -280,17 +280,45 @@ def test_a_failed_write_leaves_the_old_file_as_it_was(tmp_path):
 # --- one writer per output; a failed run writes beside the user's dump ---------------------------
 
 
+def _held_elsewhere(path: Path):
+    """A child process holding `path`'s output lock until killed; returned once it holds it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; from featdiff.outputs import output_lock\n"
+        f"with output_lock(__import__('pathlib').Path({str(path)!r})):\n"
+        "    print('held', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
 def test_an_output_lock_refuses_a_second_writer_naming_the_first(tmp_path):
     out = tmp_path / "run.npz"
-    with output_lock(out) as lock:
-        assert lock == lock_path(out) and lock.read_text() == f"{os.getpid()}\n"
+    proc = _held_elsewhere(out)
+    try:
         with pytest.raises(InputError) as refused:
             with output_lock(out):
                 pass
         assert str(refused.value) == (
-            f"{out}: another featdiff run is writing {out} (pid {os.getpid()}); wait for it or choose another -o"
+            f"{out}: another featdiff run is writing {out} (pid {proc.pid}); wait for it or choose another -o"
         )
-        assert lock.read_text() == f"{os.getpid()}\n"  # the refused run leaves the holder's lock alone
+        assert lock_path(out).read_text() == f"{proc.pid}\n"  # the refused run leaves the holder's lock alone
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_lock_is_reentrant_within_one_run(tmp_path):
+    """A capture holds its output's lock and writes the dump under it: one process, one writer."""
+    out = tmp_path / "run.npz"
+    with output_lock(out) as lock:
+        assert lock == lock_path(out) and lock.read_text() == f"{os.getpid()}\n"
+        with output_lock(out):
+            assert lock.exists()
+        assert lock.exists()  # the inner block leaves the outer's lock held
     assert not lock.exists()
 
 
@@ -309,3 +337,26 @@ def test_a_failed_run_writes_beside_an_existing_dump_never_over_it(tmp_path):
     assert failed_output(out) == tmp_path / "run.failed.npz"
     (tmp_path / "run.failed.npz").write_bytes(b"an earlier failure's")
     assert failed_output(out) == tmp_path / "run.failed-2.npz"
+
+
+def test_every_writer_refuses_an_output_another_run_is_writing(fixture_models, tmp_path):
+    """replaced() (JSON, HTML, PNGs, fixtures) and the reference take the output's lock, so a
+    second run refuses instead of writing the same temporary file."""
+    out = tmp_path / "ref.npz"
+    out.write_bytes(b"the user's dump")
+    proc = _held_elsewhere(out)
+    try:
+        with pytest.raises(InputError, match="another featdiff run is writing"):
+            with replaced(out) as tmp:
+                tmp.write_text("not written")
+        d = fixture_models("clean")
+        args = ["reference", "--target", d / "target.gguf", "--model", d / "draft.gguf", "--tokens", "1,2,3"]
+        result = CliRunner().invoke(app, [*map(str, args), "-o", str(out)])
+        assert result.exit_code == 2 and "another featdiff run is writing" in result.output
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.read_bytes() == b"the user's dump" and not partial_path(out).exists()
+    with replaced(out) as tmp:  # free again
+        tmp.write_text("written")
+    assert out.read_text() == "written"

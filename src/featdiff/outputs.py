@@ -25,6 +25,7 @@ PARTIAL_SUFFIX = ".partial"  # a file being written; renamed onto its real name 
 LOCK_SUFFIX = ".lock"  # beside an output while a run writes it; holds the writer's pid
 FAILED_TAG = ".failed"  # `<stem>.failed<suffix>`: what a failed run decoded, beside the user's dump
 PID_BYTES = 32
+_HELD: set[Path] = set()  # the lock files this process holds (output_lock is re-entrant)
 
 
 def partial_path(output: Path) -> Path:
@@ -35,14 +36,16 @@ def partial_path(output: Path) -> Path:
 @contextmanager
 def replaced(output: Path) -> Iterator[Path]:
     """A temporary path to write `output`'s content to: renamed onto `output` when the block ends,
-    removed when it raises (the old `output`, if any, is left as it was)."""
+    removed when it raises (the old `output`, if any, is left as it was). `output`'s lock is held
+    meanwhile, so two runs never write one temporary file at once."""
     tmp = partial_path(Path(output))
-    try:
-        yield tmp
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(output)
+    with output_lock(Path(output)):
+        try:
+            yield tmp
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        tmp.replace(output)
 
 
 def check_output(output: Path, inputs: Iterable[Path | None], what: str) -> Path:
@@ -117,10 +120,16 @@ def output_lock(output: Path, what: str = "-o") -> Iterator[Path]:
     holding it is an InputError naming its pid. The lock file is removed on release while still
     locked, so a run that opened it meanwhile sees it gone and locks a new one (`_acquire`)."""
     path = lock_path(Path(output))
+    key = path.resolve()
+    if key in _HELD:  # this process holds it already (a capture writing its dump): nothing to take
+        yield path
+        return
     fd = _acquire(path, Path(output), what)
+    _HELD.add(key)
     try:
         yield path
     finally:
+        _HELD.discard(key)
         path.unlink(missing_ok=True)
         os.close(fd)
 

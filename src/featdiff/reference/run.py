@@ -21,7 +21,7 @@ from featdiff import names
 from featdiff.dump import DumpWriter, Manifest, Round, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
 from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows
-from featdiff.outputs import check_output
+from featdiff.outputs import check_output, output_lock
 from featdiff.reference.dspark import first_draft_row
 from featdiff.reference.flow import FollowError, FlowTrace, run_flow
 from featdiff.reference.gguf_io import read_gguf, trained_context
@@ -57,55 +57,58 @@ def reference(
     With `follow` (a run dump), the prompt, the rounds and the blocks are that run's, replayed.
     """
     output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
-    numerics = numerics_from_options(dtype, device, kv_dtype)
-    plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
-    run = Path(follow) if follow is not None else run
-    asked = asked_block_rows(block, Path(run) if run is not None else None)
-    p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
-    prompt_ids = (
-        plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-    )
-    rounds = len(plan.rounds) if plan is not None else rounds
-    dft = load_draft(Path(model), numerics.dtype, numerics.device)
-    rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
-    # before the target's weights load: its trained context bounds the flow's positions
-    check_rounds_fit(rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(prompt_ids))
-    tgt = load_target(Path(target), numerics.dtype, numerics.device)
-    check_pair(tgt, dft)
-    check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
-    log.info(
-        "reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
-        len(prompt_ids),
-        rounds,
-        rows.rows,
-        rows.origin,
-        dft.block_size,
-    )
-    with torch.no_grad():
-        try:
-            trace = run_flow(
-                tgt,
-                dft,
-                prompt_ids,
-                rounds,
-                numerics,
-                block_rows=rows.rows,
-                p_min=p_min,
-                follow=plan.rounds if plan is not None else None,
-            )
-        except FollowError as e:
-            raise InputError(f"{follow}: --follow cannot replay this run: {e}; compare it without --follow") from None
-    return write_reference(
-        output,
-        trace,
-        tgt,
-        dft,
-        numerics,
-        prompt_ids,
-        rows.rows,
-        p_min,
-        followed=Path(follow) if follow is not None else None,
-    )
+    with output_lock(output):  # held from the start: a second run to it refuses before any work
+        numerics = numerics_from_options(dtype, device, kv_dtype)
+        plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
+        run = Path(follow) if follow is not None else run
+        asked = asked_block_rows(block, Path(run) if run is not None else None)
+        p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
+        prompt_ids = (
+            plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+        )
+        rounds = len(plan.rounds) if plan is not None else rounds
+        dft = load_draft(Path(model), numerics.dtype, numerics.device)
+        rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
+        # before the target's weights load: its trained context bounds the flow's positions
+        check_rounds_fit(rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(prompt_ids))
+        tgt = load_target(Path(target), numerics.dtype, numerics.device)
+        check_pair(tgt, dft)
+        check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
+        log.info(
+            "reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
+            len(prompt_ids),
+            rounds,
+            rows.rows,
+            rows.origin,
+            dft.block_size,
+        )
+        with torch.no_grad():
+            try:
+                trace = run_flow(
+                    tgt,
+                    dft,
+                    prompt_ids,
+                    rounds,
+                    numerics,
+                    block_rows=rows.rows,
+                    p_min=p_min,
+                    follow=plan.rounds if plan is not None else None,
+                )
+            except FollowError as e:
+                raise InputError(
+                    f"{follow}: --follow cannot replay this run: {e}; compare it without --follow"
+                ) from None
+        return write_reference(
+            output,
+            trace,
+            tgt,
+            dft,
+            numerics,
+            prompt_ids,
+            rows.rows,
+            p_min,
+            followed=Path(follow) if follow is not None else None,
+        )
 
 
 @dataclass(frozen=True)
