@@ -39,3 +39,8 @@ def test_a_programs_options_come_from_its_last_flags_then_its_environment():
                            {"LLAMA_ARG_CACHE_TYPE_K": "q4_0"})  # fmt: skip
     assert (o.flash_attn, o.n_gpu_layers, o.kv["target"].k) == ("off", 12, "q4_0")
     assert o.build_json()["run_options"]["n_gpu_layers"] == 12
+
+
+def test_a_programs_values_featdiff_cannot_read_are_not_its_options():
+    o = options_of_command(["bash", "-c", "llama-server -m t.gguf", "-ctk", "q8_0", "-t", "lots"], {})
+    assert (o.n_ctx, o.threads, o.kv["target"].k) == (None, None, "q8_0")

@@ -146,7 +146,7 @@ def test_reference_refuses_target_layer_equal_to_n_layer(variant_dir, edit_gguf,
     broken = edit_gguf(
         d / "draft.gguf", tmp_path / "D.gguf", set_keys={names.KEY_TARGET_LAYERS: ([2, 6], GGUFValueType.ARRAY)}
     )
-    with pytest.raises(InputError, match=r"D\.gguf: target_layers = \[2, 6\] but the target .* has 6 layers"):
+    with pytest.raises(InputError, match=r"D\.gguf: target_layers = \[2, 6\] but the target has 6 layers"):
         reference(
             d / "target.gguf",
             broken,

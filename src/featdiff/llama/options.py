@@ -93,8 +93,12 @@ def parse_run_options(args: Sequence[str]) -> RunOptions:
 
 def options_of_command(command: Sequence[str], environ: Mapping[str, str]) -> RunOptions:
     """A program's options from its command line (its last `-flag VALUE` of each) and environment;
-    flags featdiff does not read are the program's business."""
-    return _options(lambda flags: _last_option(command, flags), environ)
+    flags featdiff does not read, and values it cannot read (`bash -c SCRIPT` is no context size),
+    are the program's business: those are recorded as not given."""
+    try:
+        return _options(lambda flags: _last_option(command, flags), environ)
+    except InputError:
+        return _options(lambda flags: _readable(_last_option(command, flags), flags), environ)
 
 
 def _options(value_of, environ: Mapping[str, str]) -> RunOptions:
@@ -135,6 +139,17 @@ def _int(value: str | None, flag: str, low: int = -1) -> int | None:
     if n < low:
         raise InputError(f"{flag} {value}: expected an integer >= {low}")
     return n
+
+
+def _readable(value: str | None, flags: tuple[str, ...]) -> str | None:
+    """`value` of one of `flags` if featdiff can read it as that option, else None."""
+    if value is None:
+        return None
+    try:
+        _options(lambda asked: value if asked == flags else None, {})
+    except InputError:
+        return None
+    return value
 
 
 def _last_option(command: Sequence[str], flags: tuple[str, ...]) -> str | None:

@@ -20,6 +20,18 @@ DSPARK_FILE_TENSORS = (
 )
 
 
+def layer_id_problems(key: str, ids: list[int], n_layer: int | None) -> list[str]:
+    """The drafter's target layer ids (`key` as the file spells it) against the target's
+    `n_layer` (None: unknown): what lint, the preflight and the reference refuse, worded once."""
+    problems = [f"{key} = {ids} has negative ids; ids are target layer indices"] if ids and min(ids) < 0 else []
+    if n_layer is not None and ids and max(ids) >= n_layer:
+        problems.append(
+            f"{key} = {ids} but the target has {n_layer} layers; ids must be < n_layer "
+            "(an id equal to n_layer aborts llama.cpp)"
+        )
+    return problems
+
+
 def log_snr_problems(
     flag_key: str, flag: bool, min_log_snr: float | None, max_log_snr: float | None, present: set[str]
 ) -> list[str]:

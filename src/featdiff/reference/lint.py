@@ -29,6 +29,7 @@ from featdiff.reference.checks import (
     d2t_problems,
     dspark_key_problems,
     dspark_problems,
+    layer_id_problems,
     log_snr_problems,
 )
 from featdiff.reference.gguf_io import (
@@ -122,17 +123,8 @@ def _target_layer_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     ids = int_list_meta(d, names.KEY_TARGET_LAYERS)
     if not ids:
         return [f"{names.KEY_TARGET_LAYERS} is empty; expected the trained layer ids + 1"]
-    problems = (
-        [f"{names.KEY_TARGET_LAYERS} = {ids} has negative ids; ids are target layer indices"] if min(ids) < 0 else []
-    )
-    if t is not None and has_meta(t, names.KEY_BLOCK_COUNT):
-        n_layer = int_meta(t, names.KEY_BLOCK_COUNT)
-        if max(ids) >= n_layer:
-            problems.append(
-                f"{names.KEY_TARGET_LAYERS} = {ids} but the target has {n_layer} layers; "
-                "ids must be < n_layer (an id equal to n_layer aborts llama.cpp)"
-            )
-    return problems
+    n_layer = int_meta(t, names.KEY_BLOCK_COUNT) if t is not None and has_meta(t, names.KEY_BLOCK_COUNT) else None
+    return layer_id_problems(names.KEY_TARGET_LAYERS, ids, n_layer)
 
 
 def _fc_problems(d: GgufModel, t: GgufModel | None) -> list[str]:

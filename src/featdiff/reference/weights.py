@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.reference.checks import layer_id_problems
 from featdiff.reference.rope_params import RopeScaling
 from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, dspark_info, model_info
 
@@ -199,12 +200,9 @@ def present(t: torch.Tensor | None, name: str) -> torch.Tensor:
 
 def check_pair(target: Target, draft: Draft) -> None:
     """InputError when the drafter cannot run against this target (ids, widths, vocabulary)."""
-    n_layer = target.hparams.n_layer
-    if any(not 0 <= i < n_layer for i in draft.target_layers):
-        raise InputError(
-            f"{draft.source.path}: target_layers = {list(draft.target_layers)} but the target "
-            f"{target.source.path} has {n_layer} layers; ids must be < n_layer"
-        )
+    problems = layer_id_problems("target_layers", list(draft.target_layers), target.hparams.n_layer)
+    if problems:
+        raise InputError(f"{draft.source.path}: {problems[0]} (target {target.source.path})")
     expected = draft.n_extract * target.hparams.n_embd
     if draft.fc.shape[1] != expected:
         raise InputError(
