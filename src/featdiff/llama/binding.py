@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import importlib.resources
 import importlib.util
 import logging
 import os
@@ -29,7 +30,8 @@ from featdiff.errors import InputError
 
 log = logging.getLogger(__name__)
 
-NATIVE_DIR = Path(__file__).resolve().parents[3] / "native"
+# the C sources ship inside the package (package data), so an installed wheel compiles them too
+NATIVE_DIR = Path(str(importlib.resources.files("featdiff") / "native"))
 SHIM_SOURCES = ("featdiff_shim.c", "featdiff_ext.cpp")
 SHIM_HEADERS = ("featdiff_shim.h", "featdiff_ext.h")
 LIBS = ("llama", "ggml", "ggml-base")
