@@ -16,7 +16,7 @@ import numpy as np
 
 from featdiff import names
 from featdiff.compare.metrics import relative_error, row_relative_error
-from featdiff.compare.result import Finding
+from featdiff.compare.result import Finding, Kind
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance
 
@@ -84,7 +84,7 @@ def _span(rows: list[int]) -> str:
     return f"position{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:8]))}{' ...' if len(rows) > 8 else ''}"
 
 
-def error_finding(kind: str, ev: Evidence, message: str, **fields: object) -> Finding:
+def error_finding(kind: Kind, ev: Evidence, message: str, **fields: object) -> Finding:
     return Finding(kind=kind, tensor=ev.tensor, severity="error", message=message, fields=dict(fields))
 
 

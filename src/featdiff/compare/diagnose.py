@@ -29,7 +29,7 @@ from featdiff.compare import wiring as w
 from featdiff.compare.align import DRAFT_GROUP, GroupKey, Pair, Plan, RecordKey, flow_rank
 from featdiff.compare.flow import batch_label
 from featdiff.compare.namemap import NameMap
-from featdiff.compare.result import Finding, Severity, Skip
+from featdiff.compare.result import Finding, Kind, Severity, Skip
 from featdiff.dump import Manifest
 
 # Which (role, phase) evals feed which, per docs/flow.md.
@@ -214,7 +214,7 @@ def detect_unexpected_tensor(plan: Plan, ref: Manifest) -> Finding | None:
     return _one_sided("unexpected_tensor", keys, "the run has {name} in {where}, the reference has not")
 
 
-def _one_sided(kind: str, keys: list[RecordKey], template: str) -> Finding | None:
+def _one_sided(kind: Kind, keys: list[RecordKey], template: str) -> Finding | None:
     if not keys:
         return None
     (role, phase, rnd), name, _ = keys[0]

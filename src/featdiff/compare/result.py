@@ -66,7 +66,7 @@ EXPECTED_SKIPS = ("no_rows", "no_draft", "fewer_drafts", "warmup", "empty")  # s
 class Finding:
     """One diagnosis. `fields` holds the kind-specific fields, keyed exactly as in DESIGN.md."""
 
-    kind: str
+    kind: Kind
     tensor: str
     severity: Severity
     message: str
