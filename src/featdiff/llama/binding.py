@@ -141,6 +141,12 @@ class LlamaBuild:
     kind: str  # "pinned", "prefix" or "checkout"
 
     @property
+    def backend_dirs(self) -> tuple[Path, ...]:
+        """Where a GGML_BACKEND_DL build keeps its backend libraries: beside libllama, and in an
+        install prefix's bin/ (where `cmake --install` puts libggml-cpu.so and the like)."""
+        return (*self.lib_dirs, *((self.root / "bin",) if self.kind == "prefix" else ()))
+
+    @property
     def libllama(self) -> Path:
         return next(d / LIBLLAMA for d in self.lib_dirs if (d / LIBLLAMA).exists())
 

@@ -53,10 +53,11 @@ class Runtime:
         load those beside the build's libraries. Builds with backends linked in have them already."""
         if self.lib.ggml_backend_reg_count() > 0:
             return
-        for d in self.build.lib_dirs:
-            self.lib.ggml_backend_load_all_from_path(str(d).encode())
+        for d in self.build.backend_dirs:
+            if d.is_dir():
+                self.lib.ggml_backend_load_all_from_path(str(d).encode())
         if self.lib.ggml_backend_reg_count() == 0:
-            dirs = ", ".join(str(d) for d in self.build.lib_dirs)
+            dirs = ", ".join(str(d) for d in self.build.backend_dirs)
             raise InputError(
                 f"{self.build.libllama}: this build registers no ggml backend and none loads from {dirs} "
                 "(a GGML_BACKEND_DL build keeps libggml-cpu*.so there); rebuild it or pass its install prefix"
