@@ -94,6 +94,16 @@ LlamaDirOpt = Annotated[
         help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.",
     ),
 ]
+RefTargetOpt = Annotated[
+    Optional[Path],
+    typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
+]
+RefModelOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model."
+    ),
+]
 PMinOpt = Annotated[
     Optional[float],
     typer.Option(
@@ -194,16 +204,8 @@ def probe(
     n_predict: Annotated[
         int, typer.Option("--n-predict", min=1, help="Tokens per request (run through llama-server).")
     ] = 16,
-    ref_target: Annotated[
-        Optional[Path],
-        typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
-    ] = None,
-    ref_model: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model."
-        ),
-    ] = None,
+    ref_target: RefTargetOpt = None,
+    ref_model: RefModelOpt = None,
     llama_dir: LlamaDirOpt = None,
     draft_max: DraftMaxOpt = None,
     exec_: Annotated[
@@ -392,16 +394,8 @@ def check(
     ctx: typer.Context,
     target: Annotated[Path, typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF (the run).")],
     model: Annotated[Path, typer.Option("--model", exists=True, dir_okay=False, help="Drafter GGUF (the run).")],
-    ref_target: Annotated[
-        Optional[Path],
-        typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
-    ] = None,
-    ref_model: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model."
-        ),
-    ] = None,
+    ref_target: RefTargetOpt = None,
+    ref_model: RefModelOpt = None,
     llama_dir: LlamaDirOpt = None,
     prompts: Annotated[
         Optional[Path],

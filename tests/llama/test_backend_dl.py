@@ -17,8 +17,8 @@ import pytest
 
 from featdiff.compare import compare_dumps
 from featdiff.dump import read_dump
-from featdiff.reference.run import reference
 
+from real_flow import reference_of
 from test_exec import tools  # noqa: F401  (a session fixture: the tools' source tree, built)
 
 DL_OPTIONS = [
@@ -70,7 +70,6 @@ def test_a_backend_loaded_build_captures_and_compares_clean(dl_prefix, fixture_m
     assert done.returncode == 0, done.stderr[-2000:]
     with read_dump(run) as dump:
         assert dump.manifest.build["library"] == str(dl_prefix / "lib" / "libllama.so")
-    ref = reference(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
-                    dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run)  # fmt: skip
+    ref = reference_of(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run)
     comparison = compare_dumps(ref, run)
     assert comparison.ok and comparison.coverage.pairs > 0, [f.message for f in comparison.findings]

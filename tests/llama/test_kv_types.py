@@ -17,8 +17,8 @@ from featdiff.fixtures import write_fixture
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.options import options_of_command
 from featdiff.pairs import Shape, Sizes
-from featdiff.reference.run import reference
 
+from real_flow import reference_of
 from test_exec import RUN_TIMEOUT_S, _command, tools  # noqa: F401  (tools: a session fixture)
 
 # q8_0 stores K/V in blocks of 32: the heads must be a multiple of it (the tiny fixture's are 16)
@@ -55,18 +55,7 @@ def runs(head32, tools, tmp_path_factory):  # noqa: F811
         with read_dump(run) as d:
             tokens = ",".join(map(str, d.manifest.prompt_tokens))
             rounds = sum(1 for r in d.manifest.rounds if r.drafts)
-        ref = reference(
-            head32 / "target-hf",
-            head32 / "draft-hf",
-            work / "ref.npz",
-            prompt=None,
-            tokens=tokens,
-            rounds=rounds,
-            dtype="float32",
-            device="cpu",
-            kv_dtype="f16",
-            llama_dir=None,
-        )
+        ref = reference_of(head32 / "target-hf", head32 / "draft-hf", work / "ref.npz", tokens=tokens, rounds=rounds)
         made[label] = (ref, run)
     return made
 
@@ -141,8 +130,7 @@ def test_in_process_q8_0_cache_is_recorded_and_judged_by_its_bound(head32, tmp_p
         q8 = {"k": "q8_0", "v": "q8_0"}
         assert d.manifest.build["kv_types"] == {"draft": q8, "target": q8}
         assert d.manifest.build["run_options"]["flash_attn"] == "on" and d.manifest.build["run_options"]["threads"] == 1
-    ref = reference(head32 / "target-hf", head32 / "draft-hf", tmp_path / "ref.npz", prompt=None, tokens=None,
-                    rounds=0, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run)  # fmt: skip
+    ref = reference_of(head32 / "target-hf", head32 / "draft-hf", tmp_path / "ref.npz", follow=run)
     c = compare_dumps(ref, run)
     assert c.ok and c.types["kv_type"] == "q8_0", [f.message for f in c.findings if f.severity == "error"]
     assert _post_attention_tolerance(c) == tolerance_for("l_out-5", False, TypeInfo("q8_0", (), "float32")).nmse

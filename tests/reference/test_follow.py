@@ -13,9 +13,8 @@ from featdiff.compare import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
 from featdiff.llama.capture import capture
-from featdiff.reference.run import reference
 from quantize import quantize_gguf
-from real_flow import DEFAULT_TOKENS
+from real_flow import DEFAULT_TOKENS, reference_of
 
 ROUNDS = 4
 NOT_THE_SAME_HISTORY = {"token_history", "position", "missing_eval"}  # skips a replayed flow cannot have
@@ -30,9 +29,7 @@ def q4_run(variant_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _reference(d: Path, out: Path, **kw) -> Path:
-    return reference(
-        d / "target.gguf", d / "draft-hf", out, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, **kw
-    )
+    return reference_of(d / "target.gguf", d / "draft-hf", out, **kw)
 
 
 def _flow(path: Path) -> list[tuple]:

@@ -19,9 +19,8 @@ from featdiff.errors import InputError
 from featdiff.reference import load_gguf, numerics
 from featdiff.reference.load import load_target
 from featdiff.reference.rope_params import PLAIN, hf_rope, llama3_freq_factors, llama_scaling
-from featdiff.reference.run import reference
 from featdiff.reference.weights import Hparams
-from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 from conftest import rewrite_gguf
 
@@ -45,18 +44,8 @@ def test_a_reference_that_ignored_the_scaling_would_be_caught(variant_dir, captu
     """The fixtures' scaling moves what the run computes: plain RoPE in its place fails compare."""
     monkeypatch.setattr(load_gguf, "_rope_scaling", lambda g, n_rot: PLAIN)
     d = variant_dir(variant)
-    ref = reference(
-        d / "target.gguf",
-        d / "draft.gguf",
-        tmp_path / "plain.npz",
-        prompt=None,
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-        dtype="float32",
-        device="cpu",
-        kv_dtype="f16",
-        llama_dir=None,
-    )
+    ref = reference_of(d / "target.gguf", d / "draft.gguf", tmp_path / "plain.npz", tokens=DEFAULT_TOKENS,
+                       rounds=DEFAULT_ROUNDS)  # fmt: skip
     assert not compare_dumps(ref, captured(variant)).ok
 
 
@@ -114,20 +103,15 @@ def test_gguf_scalings_not_implemented_are_refused(variant_dir, tmp_path, keys):
         load_target(broken, torch.float32, torch.device("cpu"))
 
 
+def _one_head(**over) -> Hparams:
+    """A one-head, 8-dim stack's hyperparameters: enough for RoPE alone."""
+    base = {"arch": "qwen3", "n_layer": 1, "n_embd": 8, "n_head": 1, "n_head_kv": 1, "n_embd_head": 8, "n_ff": 8,
+            "n_vocab": 8, "rms_eps": 1e-6, "rope_base": 10000.0, "rope_type": "neox"}  # fmt: skip
+    return Hparams(**{**base, **over})
+
+
 def test_linear_scaling_divides_the_angle():
-    hp = Hparams(
-        arch="qwen3",
-        n_layer=1,
-        n_embd=8,
-        n_head=1,
-        n_head_kv=1,
-        n_embd_head=8,
-        n_ff=8,
-        n_vocab=8,
-        rms_eps=1e-6,
-        rope_base=10000.0,
-        rope_type="neox",
-    )
+    hp = _one_head()
     x = torch.randn(3, 1, 8)
     plain = numerics.rope(x, torch.tensor([0, 2, 4]), hp)
     halved = numerics.rope(x, torch.tensor([0, 1, 2]), hp)
@@ -137,20 +121,7 @@ def test_linear_scaling_divides_the_angle():
 
 
 def test_partial_rotary_leaves_the_other_dims_as_they_were():
-    hp = Hparams(
-        arch="dflash",
-        n_layer=1,
-        n_embd=8,
-        n_head=1,
-        n_head_kv=1,
-        n_embd_head=8,
-        n_ff=8,
-        n_vocab=8,
-        rms_eps=1e-6,
-        rope_base=10000.0,
-        rope_type="neox",
-        n_rot=4,
-    )
+    hp = _one_head(n_rot=4)
     x = torch.randn(3, 2, 8)
     out = numerics.rope(x, torch.tensor([1, 2, 3]), hp)
     assert torch.equal(out[..., 4:], x[..., 4:]) and not torch.equal(out[..., :4], x[..., :4])

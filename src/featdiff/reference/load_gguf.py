@@ -29,7 +29,6 @@ from featdiff.reference.weights import (
     Target,
     aligned,
     layer_from_tensors,
-    present,
 )
 
 
@@ -179,14 +178,7 @@ def _dspark(g: GgufModel, hp: Hparams, dtype: torch.dtype, device: torch.device)
     if names.T_MARKOV_W1 not in shapes:
         return None
     t = {name: aligned(_optional(g, name, dtype, device)) for name in DSPARK_FILE_TENSORS if name != names.T_D2T}
-    return DSpark(
-        markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
-        markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
-        markov_w2_scale=t[names.T_MARKOV_W2_SCALE],
-        conf_w=t[names.T_CONF_PROJ_W],
-        conf_b=t[names.T_CONF_PROJ_B],
-        sample_from_anchor=bool(meta(g, names.KEY_SAMPLE_FROM_ANCHOR, True)),
-    )  # absent: anchor-first
+    return DSpark.of_tensors(t, bool(meta(g, names.KEY_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first
 
 
 def _d2t(g: GgufModel, n_vocab: int, head_rows: int, device: torch.device) -> torch.Tensor | None:

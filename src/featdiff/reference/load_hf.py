@@ -33,7 +33,6 @@ from featdiff.reference.weights import (
     Target,
     aligned,
     layer_from_tensors,
-    present,
 )
 
 _FLAG_KEY = f"{names.HF_DFLASH_CONFIG}.{names.HF_LOG_SNR}"
@@ -224,14 +223,7 @@ def _dspark(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], hp: 
     if names.HF_MARKOV_W1 not in w:
         return None
     t = {name: aligned(w.get(hf)) for name, hf in _HF_DSPARK.items() if name != names.T_D2T}
-    return DSpark(
-        markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
-        markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
-        markov_w2_scale=t[names.T_MARKOV_W2_SCALE],
-        conf_w=t[names.T_CONF_PROJ_W],
-        conf_b=t[names.T_CONF_PROJ_B],
-        sample_from_anchor=bool(config.get(names.HF_SAMPLE_FROM_ANCHOR, True)),
-    )  # absent: anchor-first
+    return DSpark.of_tensors(t, bool(config.get(names.HF_SAMPLE_FROM_ANCHOR, True)))  # absent: anchor-first
 
 
 def _d2t(

@@ -118,6 +118,19 @@ class DSpark:
     def has_confidence_head(self) -> bool:
         return self.conf_w is not None
 
+    @staticmethod
+    def of_tensors(t: dict[str, torch.Tensor | None], sample_from_anchor: bool) -> DSpark:
+        """The heads from tensors keyed by their GGUF names (names.T_MARKOV_W1, ...), which the
+        loader has checked: the Markov pair present, the scale and the confidence head optional."""
+        return DSpark(
+            markov_w1=present(t[names.T_MARKOV_W1], names.T_MARKOV_W1),
+            markov_w2=present(t[names.T_MARKOV_W2], names.T_MARKOV_W2),
+            markov_w2_scale=t[names.T_MARKOV_W2_SCALE],
+            conf_w=t[names.T_CONF_PROJ_W],
+            conf_b=t[names.T_CONF_PROJ_B],
+            sample_from_anchor=sample_from_anchor,
+        )
+
 
 @dataclass(frozen=True)
 class Draft:
