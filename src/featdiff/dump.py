@@ -23,6 +23,7 @@ import numpy as np
 
 from featdiff.errors import InputError
 from featdiff.filters import KEEP_ALL, FilterSet
+from featdiff.gguf_meta import ModelInfo
 from featdiff.manifest_fields import (
     Fields,
     ManifestError,
@@ -313,6 +314,11 @@ class Manifest:
     # where the producer inferred the flow (phases, rounds) rather than knowing it, and the run broke
     # the convention it inferred from: one sentence each (optional; `capture --exec` writes them)
     flow_notes: tuple[str, ...] = ()
+
+    def model(self, role: Role) -> ModelInfo | None:
+        """`models[role]`, typed (featdiff.gguf_meta.ModelInfo); None when the dump has no such entry."""
+        entry = self.models.get(role)
+        return ModelInfo.from_json(entry) if isinstance(entry, dict) else None
 
     @property
     def build_info(self) -> Build:

@@ -17,6 +17,10 @@ from featdiff.errors import InputError
 HASH_CHUNK = 1 << 22
 
 
+# what a `models` entry without the fields a producer always writes reads as: unknown
+UNKNOWN_MODEL: dict[str, Any] = {"path": "", "sha256": "", "architecture": "", "n_layer": 0, "n_embd": 0, "n_vocab": 0}
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """The metadata of one model that matters for wiring."""
@@ -45,11 +49,13 @@ class ModelInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelInfo:
-        """A manifest's `models` entry; a field an older dump lacks (`dspark`, ...) takes its default."""
+        """A manifest's `models` entry (its field types checked by featdiff.dump on reading); a
+        field an older or hand-made dump lacks reads as unknown: "", 0, (), or its default."""
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
         return cls(
             **{
+                **UNKNOWN_MODEL,
                 **d,
                 "weight_types": tuple(d.get("weight_types", ())),
                 "target_layers": tuple(d.get("target_layers", ())),

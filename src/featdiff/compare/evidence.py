@@ -21,7 +21,6 @@ from featdiff.dump import Dump, Eval, Manifest, Record
 
 MAX_STALE_ROWS = 512  # earlier rows searched for stale data: the latest evals first
 ROPE_OP = "ROPE"
-ROPE_BASE_KEYS = ("rope_freq_base", "freq_base")  # manifest model keys a producer may use
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ def open_source(dump: Dump) -> Source:
 
 def target_layers(manifest: Manifest) -> tuple[int, ...]:
     """The drafter's `target_layers` (GGUF input-of-layer ids) as the manifest states them."""
-    draft = manifest.models.get("draft", {})
-    return tuple(int(x) for x in draft.get("target_layers", ())) if isinstance(draft, dict) else ()
+    draft = manifest.model("draft")
+    return draft.target_layers if draft is not None else ()
 
 
 def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent: tuple[str, ...] = ()) -> Evidence:
@@ -87,8 +86,8 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
 def _n_extract(manifest: Manifest, width: int) -> int:
     """n_extract when rows `width` wide are concatenated feature rows, else 0."""
     n = len(target_layers(manifest))
-    target = manifest.models.get("target", {})
-    n_embd = int(target.get("n_embd", 0) or 0) if isinstance(target, dict) else 0
+    target = manifest.model("target")
+    n_embd = target.n_embd if target is not None else 0
     if not n or width % n:
         return 0
     return n if not n_embd or width == n * n_embd else 0
@@ -159,13 +158,9 @@ def _rope(manifest: Manifest, pair: Pair) -> Rope | None:
     record = pair.ref.records[0]
     if pair.run.records[0].op != ROPE_OP or len(record.shape) != 3:
         return None
-    model = manifest.models.get(pair.group[0], {})
-    given = (model.get(k) for k in ROPE_BASE_KEYS) if isinstance(model, dict) else iter(())
+    model = manifest.model(pair.group[0])
     # a base that is no positive number (a hand-edited manifest) is taken as absent, not trusted
-    base = next(
-        (float(v) for v in given if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
-        names.ROPE_FREQ_BASE_DEFAULT,
-    )
+    base = model.rope_freq_base if model is not None and model.rope_freq_base > 0 else names.ROPE_FREQ_BASE_DEFAULT
     return Rope(n_head=record.shape[1], head_dim=record.shape[2], base=base)
 
 

@@ -18,7 +18,6 @@ from featdiff.compare.kvcache import span as _span
 from featdiff.compare.result import Finding
 from featdiff.dump import Eval, Manifest
 
-MASK_TOKEN_KEY = "mask_token_id"  # the drafter's ModelInfo field in a manifest's `models`
 NO_TOKEN = -1  # ModelInfo's value for "no mask token recorded"
 TARGET_PHASES = ("prefill", "verify")
 
@@ -133,10 +132,9 @@ def mask_token(ref: Manifest, run: Manifest) -> int | None:
     """The drafter's mask token: as the run's manifest states it, else the reference's, else what
     the reference's draft blocks carry after their anchor."""
     for m in (run, ref):
-        draft = m.models.get("draft", {})
-        stated = draft.get(MASK_TOKEN_KEY) if isinstance(draft, dict) else None
-        if isinstance(stated, int) and stated != NO_TOKEN:
-            return stated
+        draft = m.model("draft")
+        if draft is not None and draft.mask_token_id != NO_TOKEN:
+            return draft.mask_token_id
     after_anchor = Counter(t for b in batches(ref).values() if b.key[:2] == DRAFT_GROUP for t in b.token_ids[1:])
     return after_anchor.most_common(1)[0][0] if after_anchor else None
 

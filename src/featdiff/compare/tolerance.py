@@ -123,9 +123,8 @@ def type_info(ref: Manifest, run: Manifest) -> TypeInfo:
     """The types the run and the reference computed with, as their manifests state them
     (dump.Build: the run's KV cache types per role, K and V; the reference's compute dtype)."""
     kv = max(run.build_info.kv_cache_types, key=_kv_rel)
-    weight_types = {
-        str(t).lower() for m in run.models.values() if isinstance(m, dict) for t in m.get("weight_types", ())
-    }
+    models = (run.model(role) for role in names.ROLES)
+    weight_types = {t.lower() for m in models if m is not None for t in m.weight_types}
     return TypeInfo(kv_type=kv, quant_types=tuple(sorted(weight_types - {"f32"})), ref_dtype=ref.build_info.dtype)
 
 
