@@ -9,13 +9,12 @@ already at the output (featdiff.outputs.failed_output), never over it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from featdiff import names
+from featdiff import names, progress
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted
@@ -225,20 +224,10 @@ def _run(
     options: RunOptions,
 ) -> None:
     tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)), options)
-    bar = _progress(rounds)
     try:
-        driver.run_flow(
-            tgt,
-            dft,
-            ids,
-            rounds,
-            cfg,
-            SpoolRecorder(sp),
-            on_round=None if bar is None else functools.partial(bar.update, 1),
-        )
+        with progress.steps(rounds, "rounds") as on_round:
+            driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=on_round)
     finally:
-        if bar is not None:
-            bar.close()  # before any message: an interruption's line starts a line of its own
         dft.free()
         tgt.free()
 
@@ -285,15 +274,6 @@ def _commit(rt: Runtime) -> str:
         return f"llama-cpp-python=={version('llama-cpp-python')}"
     head = rt.build.root / ".git" / "HEAD"
     return head.read_text().strip() if head.is_file() else "unknown"
-
-
-def _progress(rounds: int):
-    """A tqdm bar over rounds on long captures (stderr), else None."""
-    if rounds < 8:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=rounds, desc="rounds", unit="round", leave=False)
 
 
 def capture_exec(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featdiff import names
+from featdiff import names, progress
 from featdiff.blocks import accepted_length
 from featdiff.dump import Eval, Round
 from featdiff.reference.attention import KvCache, empty_cache, truncated
@@ -74,11 +74,14 @@ def run_flow(
     per round), each round decodes the run's drafts and keeps the run's accepted prefix."""
     state, evals = _prefill(target, draft, prompt, numerics)
     done: list[Round] = []
-    for r in range(PREFILL_ROUND + 1, PREFILL_ROUND + 1 + rounds):
-        plan = follow[r - PREFILL_ROUND - 1] if follow is not None else None
-        state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows, p_min, plan)
-        evals += traces
-        done.append(one_round)
+    with progress.steps(rounds, "rounds") as on_round:
+        for r in range(PREFILL_ROUND + 1, PREFILL_ROUND + 1 + rounds):
+            plan = follow[r - PREFILL_ROUND - 1] if follow is not None else None
+            state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows, p_min, plan)
+            evals += traces
+            done.append(one_round)
+            if on_round is not None:
+                on_round()
     return FlowTrace(tuple(evals), tuple(done))
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from featdiff import names
+from featdiff import names, progress
 from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
@@ -51,7 +51,7 @@ def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Ta
         token_embd=token_embd,
         output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
         output=_tensor(g, names.T_OUTPUT, dtype, device) if has_head else token_embd,
-        layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
+        layers=_layers(g, hp.n_layer, dtype, device),
     )
 
 
@@ -78,7 +78,7 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Dra
         output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
         token_embd=token_embd,
         output=head,  # llama.cpp: the head falls back to the drafter's own embeddings
-        layers=tuple(_layer(g, il, dtype, device) for il in range(hp.n_layer)),
+        layers=_layers(g, hp.n_layer, dtype, device),
         log_snr=_log_snr(g, dtype, device),
         dspark=_dspark(g, hp, dtype, device),
         causal=bool(meta(g, names.KEY_CAUSAL, False)),
@@ -190,6 +190,17 @@ def _d2t(g: GgufModel, n_vocab: int, head_rows: int, device: torch.device) -> to
     if problems:
         raise InputError(f"{g.path}: " + "; ".join(problems))
     return torch.from_numpy(ids.copy()).to(device)
+
+
+def _layers(g: GgufModel, n_layer: int, dtype: torch.dtype, device: torch.device) -> tuple[Layer, ...]:
+    """Every layer's weights, with a progress bar on a deep model (featdiff.progress)."""
+    out = []
+    with progress.steps(n_layer, "layers") as step:
+        for il in range(n_layer):
+            out.append(_layer(g, il, dtype, device))
+            if step is not None:
+                step()
+    return tuple(out)
 
 
 def _tensor(g: GgufModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
