@@ -44,3 +44,18 @@ def test_a_programs_options_come_from_its_last_flags_then_its_environment():
 def test_a_programs_values_featdiff_cannot_read_are_not_its_options():
     o = options_of_command(["bash", "-c", "llama-server -m t.gguf", "-ctk", "q8_0", "-t", "lots"], {})
     assert (o.n_ctx, o.threads, o.kv["target"].k) == (None, None, "q8_0")
+
+
+def test_a_cache_type_the_model_cannot_take_is_one_line_and_leaves_no_spool(fixture_models, tmp_path):
+    """q8_0 stores K in blocks of 32; the tiny fixture's heads are 16 wide: llama.cpp refuses the
+    context, featdiff says which options it was given and leaves nothing behind."""
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    d = fixture_models("clean")
+    args = ["capture", "--target", d / "target.gguf", "--model", d / "draft.gguf", "--tokens", "1,2,3", "-o",
+            tmp_path / "run.npz", "-ctk", "q8_0"]  # fmt: skip
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 2 and "K/V cache types q8_0/f16" in result.output
+    assert list(tmp_path.iterdir()) == []

@@ -174,12 +174,16 @@ def _spooled(
         raise Interrupted.of(stop, packed.summary()) from None
     except BaseException:
         sp.close()
-        log.error(
-            "capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
-            prefix,
-            prefix,
-            failed_output(output),
-        )
+        data = spool.spool_files(prefix)[1]
+        if data.is_file() and data.stat().st_size == 0:  # it stopped before a record: nothing to recover
+            spool.remove_spool(prefix)
+        else:
+            log.error(
+                "capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
+                prefix,
+                prefix,
+                failed_output(output),
+            )
         raise
     err = sp.close()
     if err:
