@@ -47,7 +47,7 @@ test: setup lint browser tools
 	$(BIN)/python -m pytest -q -m "not cuda"
 
 # Everything that needs neither the tools build nor a browser (markers in pyproject.toml,
-# tests/conftest.py): measured 66 s on 2 idle cores after set-up, the trained fixture cached.
+# tests/conftest.py): measured 149 s on 2 idle cores after set-up, the trained fixture cached.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not cuda and not tools and not browser"
 
