@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff import names, progress
-from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row
+from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row, flow_positions
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
@@ -206,7 +206,7 @@ def new_contexts(
     """The target and draft contexts of one flow, sized for it (at least `options.n_ctx`), with
     DFlash switched on and the run's KV types, flash attention and threads; `tags` are the shim's
     callback tags (None: no callback)."""
-    n_ctx = max(CTX_MIN, n_prompt + (rounds + 1) * cfg.block_rows + CTX_SLACK, options.n_ctx or 0)
+    n_ctx = max(CTX_MIN, flow_positions(n_prompt, rounds, cfg.block_rows) + CTX_SLACK, options.n_ctx or 0)
     threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
     tgt = Context.new(
         rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"], flash_attn=options.flash_attn
