@@ -94,6 +94,13 @@ LlamaDirOpt = Annotated[
         help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.",
     ),
 ]
+RefLlamaDirOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--llama-dir",
+        help="The llama.cpp build the run used: its vocabulary tokenizes --prompt and its own ggml dequantizes every quantized GGUF weight (bit for bit what the run read). Default: gguf-py dequantizes, and a type it cannot read (Q1_0) goes to $FEATDIFF_LLAMA_DIR's build, else the pinned llama-cpp-python's.",
+    ),
+]
 RefTargetOpt = Annotated[
     Optional[Path],
     typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
@@ -258,7 +265,7 @@ def reference(
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype.")] = "float32",
     device: Annotated[str, typer.Option("--device", help="Torch device.")] = "cpu",
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Emulate the run's KV cache type: f16 or f32.")] = "f16",
-    llama_dir: LlamaDirOpt = None,
+    llama_dir: RefLlamaDirOpt = None,
     block: Annotated[
         Optional[int],
         typer.Option(

@@ -27,6 +27,7 @@ from featdiff.gguf_meta import ModelInfo
 from featdiff.manifest_fields import (
     Fields,
     ManifestError,
+    as_call,
     as_count,
     as_count_or_null,
     as_counts,
@@ -43,7 +44,7 @@ from featdiff.manifest_fields import (
     as_strs,
     shown,
 )
-from featdiff.names import ROLES, Phase, Role
+from featdiff.names import CALL_DECODE, CALL_ENCODE, ROLES, Phase, Role
 from featdiff.outputs import partial_path
 
 FORMAT = "featdiff-dump"
@@ -135,9 +136,19 @@ class Eval:
     seq_ids: tuple[int, ...]
     round: int = 0
     rc: int = 0  # the decode's return code: non-zero when llama.cpp refused the batch (no records)
+    # "encode": the older generation's inject encoder step (llama_encode of the features): it
+    # computes the rows the decode after it injects, and writes nothing to the KV cache
+    call: str = CALL_DECODE
+
+    @property
+    def writes_cache(self) -> bool:
+        return self.call != CALL_ENCODE
 
     def to_json(self) -> dict[str, Any]:
-        return dict(sorted(asdict(self).items()))
+        out = asdict(self)
+        if out["call"] == CALL_DECODE:
+            del out["call"]  # written only where it says something: dumps stay as they were
+        return dict(sorted(out.items()))
 
     @staticmethod
     def from_json(d: Any, at: str = "eval") -> Eval:
@@ -154,6 +165,7 @@ class Eval:
             seq_ids=f.get("seq_ids", as_ints, default=()),
             round=f.get("round", as_count, default=0),
             rc=f.get("rc", as_int, default=0),
+            call=f.get("call", as_call, default=CALL_DECODE),
         )
         _check_per_token(ev, at)
         return ev

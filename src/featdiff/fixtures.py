@@ -43,6 +43,17 @@ PROMPTS_FILE = "prompts.txt"  # a trained variant's held-out prompts, in `featdi
 HELD_OUT_PROMPTS = 8
 
 
+# The GGUFs' tokenizer: llama.cpp's "test" vocabulary (a rolling hash of the text, any text
+# tokenizes; the pinned tree has it), or a SentencePiece one whose byte tokens cover any text, for
+# older llama.cpp builds, which lack "test". Token ids keep their meaning for the weights either way.
+VOCAB_TEST, VOCAB_SPM = "test", "llama"
+VOCABS = (VOCAB_TEST, VOCAB_SPM)
+SPM_SPECIAL = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: unk, bos, eos
+N_BYTES = 256
+# llama.h's token types
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_BYTE = 1, 2, 3, 6
+
+
 def checked_variant(name: str) -> str:
     """`name` if it is a known variant, else an InputError listing the known ones."""
     if name not in VARIANTS:
@@ -55,21 +66,26 @@ def describe_variants() -> str:
     return "\n".join(f"{v.name:22s} {v.doc}" for v in VARIANTS.values())
 
 
-def write_fixture(outdir: str | Path, variant: str = "clean", seed: int = 0, sizes: Sizes | None = None) -> Path:
+def write_fixture(
+    outdir: str | Path, variant: str = "clean", seed: int = 0, sizes: Sizes | None = None, vocab: str = VOCAB_TEST
+) -> Path:
     """Write one variant's GGUFs and HF directories into `outdir`; return `outdir`.
 
-    `sizes` defaults to TINY, or to `training.TRAINED_SIZES` for the trained variants.
+    `sizes` defaults to TINY, or to `training.TRAINED_SIZES` for the trained variants. `vocab`
+    names the GGUFs' tokenizer (VOCABS): the weights and token ids are the same either way.
     """
+    if vocab not in VOCABS:
+        raise InputError(f"vocab {vocab!r}: choose one of {', '.join(VOCABS)}")
     v = VARIANTS[variant]
     out = check_output_dir(Path(outdir), (), "OUTDIR")
     out.mkdir(parents=True, exist_ok=True)
     sizes, target, draft = (_trained_weights if v.is_trained else _random_weights)(v, seed, sizes)
     with replaced(out / "target.gguf") as tmp:
-        _write_target_gguf(tmp, target, v.target_arch, sizes, v.rope)
+        _write_target_gguf(tmp, target, v.target_arch, sizes, v.rope, vocab)
     _write_target_hf(out / "target-hf", target, v.target_arch, sizes, v.rope)
     _write_draft_hf(out / "draft-hf", draft, v, sizes)
     with replaced(out / "draft.gguf") as tmp:
-        _write_draft_gguf(tmp, _gguf_view(draft, v, sizes), v, sizes, _dspark_keys(draft, v))
+        _write_draft_gguf(tmp, _gguf_view(draft, v, sizes), v, sizes, _dspark_keys(draft, v), vocab)
     if v.is_trained:
         with replaced(out / PROMPTS_FILE) as tmp:
             _write_held_out_prompts(tmp, seed, sizes)
@@ -148,12 +164,25 @@ def _permute_qk_for_ggml(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _add_vocab(wr: GGUFWriter, sz: Sizes) -> None:
-    tokens = ["<pad>"] + [f"w{i}" for i in range(1, sz.n_vocab - 1)] + ["<mask>"]
-    wr.add_tokenizer_model("test")
+def _add_vocab(wr: GGUFWriter, sz: Sizes, vocab: str = VOCAB_TEST) -> None:
+    if vocab == VOCAB_SPM:
+        words = [f"w{i}" for i in range(len(SPM_SPECIAL) + N_BYTES, sz.n_vocab - 1)]
+        tokens = [*SPM_SPECIAL, *(f"<0x{b:02X}>" for b in range(N_BYTES)), *words, "<mask>"]
+        types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * N_BYTES
+        types += [TOKEN_NORMAL] * len(words) + [TOKEN_CONTROL]
+        if len(tokens) != sz.n_vocab:
+            raise InputError(f"vocab {vocab!r}: needs n_vocab > {len(SPM_SPECIAL) + N_BYTES}, got {sz.n_vocab}")
+        wr.add_tokenizer_model(VOCAB_SPM)
+        wr.add_bos_token_id(1)
+        wr.add_eos_token_id(2)
+        wr.add_unk_token_id(0)
+    else:
+        tokens = ["<pad>"] + [f"w{i}" for i in range(1, sz.n_vocab - 1)] + ["<mask>"]
+        types = [TOKEN_NORMAL] * (sz.n_vocab - 1) + [TOKEN_CONTROL]
+        wr.add_tokenizer_model(VOCAB_TEST)
     wr.add_token_list(tokens)
     wr.add_token_scores([0.0] * sz.n_vocab)
-    wr.add_token_types([1] * (sz.n_vocab - 1) + [3])  # 1 = normal, 3 = control
+    wr.add_token_types(types)
     wr.add_uint32(names.KEY_MASK_TOKEN, sz.mask_token_id)
 
 
@@ -208,12 +237,12 @@ def _finish(wr: GGUFWriter) -> None:
     wr.close()
 
 
-def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes, rope: str = "") -> None:
+def _write_target_gguf(path: Path, w: dict, arch: str, sz: Sizes, rope: str = "", vocab: str = VOCAB_TEST) -> None:
     wr = GGUFWriter(str(path), arch)
     wr.add_name(f"featdiff tiny {arch} target")
     _add_stack_keys(wr, arch, sz.target)
     _add_rope_scaling(wr, arch, rope, sz.target.n_embd_head)
-    _add_vocab(wr, sz)
+    _add_vocab(wr, sz, vocab)
     wr.add_tensor(names.T_TOKEN_EMBD, w["token_embd"])
     wr.add_tensor(names.T_OUTPUT_NORM, w["output_norm"])
     wr.add_tensor(names.T_OUTPUT, w["output"])
@@ -231,12 +260,14 @@ _DSPARK_GGUF = {
 }  # weights key -> GGUF tensor
 
 
-def _write_draft_gguf(path: Path, w: dict, v: Variant, sz: Sizes, dspark_keys: dict[str, bool]) -> None:
+def _write_draft_gguf(
+    path: Path, w: dict, v: Variant, sz: Sizes, dspark_keys: dict[str, bool], vocab: str = VOCAB_TEST
+) -> None:
     wr = GGUFWriter(str(path), names.ARCH_DFLASH)
     wr.add_name("featdiff tiny dflash drafter")
     _add_stack_keys(wr, names.ARCH_DFLASH, sz.draft)
     _add_rope_scaling(wr, names.ARCH_DFLASH, v.rope, sz.draft.n_embd_head)
-    _add_vocab(wr, sz)
+    _add_vocab(wr, sz, vocab)
     gguf_ids = [i + 1 + v.gguf_layer_delta for i in HF_TARGET_LAYER_IDS]  # converter: gguf = hf + 1
     wr.add_array(names.KEY_TARGET_LAYERS, gguf_ids)
     wr.add_uint32(names.KEY_BLOCK_SIZE, BLOCK_SIZE)

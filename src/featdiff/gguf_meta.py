@@ -15,6 +15,7 @@ from featdiff import names
 from featdiff.errors import InputError
 
 HASH_CHUNK = 1 << 22
+GGUF_PY = "gguf-py"  # ModelInfo.dequantized_by when the `gguf` package dequantized the weights
 
 
 # what a `models` entry without the fields a producer always writes reads as: unknown
@@ -40,11 +41,16 @@ class ModelInfo:
     has_log_snr_tensors: bool = False
     rope_freq_base: float = names.ROPE_FREQ_BASE_DEFAULT
     dspark: dict[str, Any] | None = None  # a DSpark drafter's heads (`dspark_info`); None without markov_w1
+    # a reference's GGUF: who dequantized its weights, GGUF_PY or the libggml-base file; None: not
+    # said (a capture, whose build's ggml reads them; a HF checkpoint, never quantized)
+    dequantized_by: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["weight_types"] = list(self.weight_types)
         d["target_layers"] = list(self.target_layers)
+        if self.dequantized_by is None:  # optional (docs/dump.md): written only where it says something
+            del d["dequantized_by"]
         return dict(sorted(d.items()))
 
     @classmethod

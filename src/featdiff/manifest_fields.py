@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, cast, get_type_hints
 
 from featdiff.gguf_meta import ModelInfo
-from featdiff.names import PHASES, ROLES, Phase, Role
+from featdiff.names import CALLS, PHASES, ROLES, Phase, Role
 
 INT64 = 1 << 63  # every int of a manifest is a llama.cpp int32/int64 (or a count): |x| < 2**63
 SHOWN_CHARS = 40  # how much of a bad value a message quotes
@@ -86,6 +86,11 @@ def as_phase(value: Any, where: str) -> Phase:
     return cast(Phase, as_str(value, where, PHASES))
 
 
+def as_call(value: Any, where: str) -> str:
+    """How an eval ran (names.CALLS): a decode, or the older generation's inject encoder step."""
+    return as_str(value, where, CALLS)
+
+
 def as_bool(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise ManifestError(where, "true or false", value)
@@ -102,6 +107,10 @@ def as_number(value: Any, where: str) -> float:
 
 def as_number_or_null(value: Any, where: str) -> float | None:
     return None if value is None else as_number(value, where)
+
+
+def as_str_or_null(value: Any, where: str) -> str | None:
+    return None if value is None else as_str(value, where)
 
 
 def as_list(value: Any, where: str) -> list[Any]:
@@ -174,6 +183,7 @@ _READ_BY_TYPE: dict[Any, Callable[[Any, str], Any]] = {
     tuple[int, ...]: as_ints,
     tuple[str, ...]: as_strs,
     dict[str, Any] | None: as_object_or_null,
+    str | None: as_str_or_null,
 }
 MODEL_FIELDS = {name: _READ_BY_TYPE[t] for name, t in get_type_hints(ModelInfo).items() if t in _READ_BY_TYPE}
 

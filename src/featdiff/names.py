@@ -12,6 +12,10 @@ Role = Literal["target", "draft"]
 Phase = Literal["prefill", "inject", "draft", "verify", "warmup"]
 ROLES: tuple[Role, ...] = ("target", "draft")
 PHASES: tuple[Phase, ...] = ("prefill", "inject", "draft", "verify", "warmup")
+# how an eval ran: a decode (llama_decode / llama_process), or llama_encode, the older batch API
+# generation's inject encoder step (docs/flow.md)
+CALL_DECODE, CALL_ENCODE = "decode", "encode"
+CALLS = (CALL_DECODE, CALL_ENCODE)
 PHASE_WARMUP: Phase = "warmup"  # decodes outside the flow: warm-up, probes, throwaway contexts
 
 # --- GGUF metadata keys ------------------------------------------------------------------------
@@ -52,6 +56,9 @@ LOG_SNR_TENSORS = (T_LOG_SNR_FC1_W, T_LOG_SNR_FC1_B, T_LOG_SNR_FC2_W, T_LOG_SNR_
 # --- llama.cpp graph callback names ------------------------------------------------------------
 INP_TARGET_FEATURES = "inp_target_features"  # a leaf: seen as src[] of the fc MUL_MAT
 INP_G_EMBEDDINGS = "inp_g_embeddings"
+# the older generation's inject (llama_encode, then llama_decode; docs/flow.md): its encoder graph
+# names the same feature rows "inp_embd" (a leaf, seen as src[] of fc's MUL_MAT)
+ENC_INP_EMBD = "inp_embd"
 KCUR_INJECTED = "Kcur_injected"
 VCUR_INJECTED = "Vcur_injected"
 INP_NOISE_EMBD = "inp_noise_embd"  # the noise block's token-embedding rows, before any conditioning term
@@ -105,6 +112,7 @@ EXCLUDE_DERIVED = "!* (*"
 # (`l_out-(L-1)`, `embd` for L = 0, added by the capture) and the verify logits.
 DRAFT_WIRING: tuple[str, ...] = (
     INP_TARGET_FEATURES,
+    ENC_INP_EMBD,  # the older generation's encoder eval only
     INP_G_EMBEDDINGS,
     "Kcur_injected-*",
     "Vcur_injected-*",

@@ -125,6 +125,7 @@ FIELD_CASES = [
     (("models", "target", "weight_types"), "f32", 'models.target.weight_types: expected a list, got "f32"'),
     (("models", "draft", "has_own_embeddings"), 0, "models.draft.has_own_embeddings: expected true or false, got 0"),
     (("models", "draft", "dspark"), [], "models.draft.dspark: expected an object, got []"),
+    (("models", "target", "dequantized_by"), 5, "models.target.dequantized_by: expected a string, got 5"),
     (("build",), [], "build: expected an object, got []"),
     (("build", "filters"), 7, "build.filters: expected null, a list of globs or per role a list of them, got 7"),
     (("build", "filters", "draft"), "*", 'build.filters.draft: expected a list, got "*"'),

@@ -32,9 +32,10 @@ DRAFT_GROUP = ("draft", "draft")  # (role, phase) of the eval that opens a round
 VERIFY_PHASES = ("verify", "inject")  # the batches that carry a round's verified rows
 # docs/flow.md: round 0 is prefill then inject; each later round draft, verify, inject
 FLOW_RANK = {"prefill": 0, "draft": 1, "verify": 2, "inject": 3}
-# Run names the reference records under a reference-only name: the input of target layer 0 is
-# the token embeddings (docs/flow.md), `embd` in llama.cpp, `layer_inp-0` in the reference.
-REF_ALIASES = {names.TARGET_EMBD: names.layer_name(names.LAYER_INP, 0)}
+# Run names the reference records under another name (run name -> the reference's): the input of
+# target layer 0 is the token embeddings, `embd` in llama.cpp, `layer_inp-0` in the reference; the
+# older generation's encoder input `inp_embd` is the injected features (docs/flow.md).
+REF_ALIASES = {names.TARGET_EMBD: names.layer_name(names.LAYER_INP, 0), names.ENC_INP_EMBD: names.INP_TARGET_FEATURES}
 ROOT_CONTEXT = 0  # the context before position 0
 
 

@@ -31,7 +31,9 @@ class Batch:
 
     @property
     def positions(self) -> tuple[int, ...]:
-        return tuple(p for ev in self.evals for p in ev.positions)
+        """The positions the batch placed: an inject's encoder step (the older generation encodes
+        the features, then decodes the rows it made: docs/flow.md) places none of its own."""
+        return tuple(p for ev in self.evals if ev.writes_cache for p in ev.positions)
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ def draft_cache_states(run: Manifest) -> tuple[CacheState, ...]:
             if ev.phase == "draft" and ev.positions:  # what the block met (also when it was refused)
                 out.append(CacheState(ev, ev.positions[0], {k: tuple(v) for k, v in held.items() if v}))
             for pos, seq in zip(ev.positions, ev.seq_ids or (0,) * len(ev.positions)):
-                if not ev.rc:  # a refused batch writes nothing
+                if not ev.rc and ev.writes_cache:  # a refused batch, an encoder step write nothing
                     held[(seq, pos)].append(ev.eval)
         _apply(held, ops.get(ev.eval, []))
     return tuple(out)
@@ -156,7 +156,7 @@ def _batch_repeats(run: Manifest) -> Finding | None:
 def _injected_twice(run: Manifest) -> Finding | None:
     injects: dict[int, list[Eval]] = defaultdict(list)
     for ev in run.evals:
-        if ev.role == "draft" and ev.phase == "inject":
+        if ev.role == "draft" and ev.phase == "inject" and ev.writes_cache:
             injects[ev.round].append(ev)
     for rnd in sorted(injects):
         seen: dict[int, int] = {}  # position -> the inject eval that carried it first

@@ -46,13 +46,11 @@ typedef int32_t llama_seq_id;
 struct llama_model;
 struct llama_context;
 struct llama_vocab;
-struct llama_batch_ext;
 typedef struct llama_memory_i * llama_memory_t;
 struct ggml_tensor;
 enum ggml_log_level { GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_ERROR, ... };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
-enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
 
 struct llama_model_params { int32_t n_gpu_layers; bool vocab_only; ...; };
 enum ggml_type { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1,
@@ -68,7 +66,6 @@ struct llama_context_params {
     struct llama_context * ctx_other;
     ...;
 };
-struct llama_embd { const float * data; size_t n_rows; size_t n_embd; };
 
 void llama_backend_init(void);
 size_t ggml_backend_reg_count(void);
@@ -94,20 +91,13 @@ llama_memory_t llama_get_memory(const struct llama_context * ctx);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
-struct llama_batch_ext * llama_batch_ext_init(struct llama_context * ctx);
-void llama_batch_ext_free(struct llama_batch_ext * batch);
-void llama_batch_ext_clear(struct llama_batch_ext * batch);
-int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
-int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
-bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
-bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
-int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
 
 /* featdiff_ext.h */
 void fd_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 float * fd_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 void fd_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float * fd_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+float * fd_get_embeddings_nextn(struct llama_context * ctx);
 const int32_t * fd_model_target_layer_ids(const struct llama_model * model);
 uint32_t fd_model_target_layer_ids_n(const struct llama_model * model);
 
@@ -130,6 +120,37 @@ bool fd_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
 void fd_log_errors_only(int level, const char * text, void * user_data);
 """
 
+# The two generations of llama.h's batch API; the build's header decides which one is compiled in.
+# "ext": llama_batch_ext_* + llama_process (the pinned build and upstream since late 2026);
+# "legacy": the plain llama_batch struct + llama_decode / llama_encode (older builds and forks).
+BATCH_EXT, BATCH_LEGACY = "ext", "legacy"
+EXT_MARKER = "llama_batch_ext_init"  # declared by llama.h only in the ext generation
+CDEF_BATCH = {
+    BATCH_EXT: """
+struct llama_batch_ext;
+enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
+struct llama_embd { const float * data; size_t n_rows; size_t n_embd; };
+struct llama_batch_ext * llama_batch_ext_init(struct llama_context * ctx);
+void llama_batch_ext_free(struct llama_batch_ext * batch);
+void llama_batch_ext_clear(struct llama_batch_ext * batch);
+int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
+int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
+bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
+bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
+int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
+""",
+    BATCH_LEGACY: """
+typedef struct llama_batch {
+    int32_t n_tokens; llama_token * token; float * embd; llama_pos * pos;
+    int32_t * n_seq_id; llama_seq_id ** seq_id; int8_t * logits;
+} llama_batch;
+struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
+void llama_batch_free(struct llama_batch batch);
+int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+int32_t llama_encode(struct llama_context * ctx, struct llama_batch batch);
+""",
+}
+
 
 @dataclass(frozen=True)
 class LlamaBuild:
@@ -145,6 +166,12 @@ class LlamaBuild:
         """Where a GGML_BACKEND_DL build keeps its backend libraries: beside libllama, and in an
         install prefix's bin/ (where `cmake --install` puts libggml-cpu.so and the like)."""
         return (*self.lib_dirs, *((self.root / "bin",) if self.kind == "prefix" else ()))
+
+    @property
+    def batch_api(self) -> str:
+        """Which batch API generation this build's llama.h declares (BATCH_EXT or BATCH_LEGACY)."""
+        header = next(d / "llama.h" for d in self.include_dirs if (d / "llama.h").is_file())
+        return BATCH_EXT if EXT_MARKER in header.read_text(errors="replace") else BATCH_LEGACY
 
     @property
     def libllama(self) -> Path:
@@ -187,6 +214,11 @@ def _checked(build: LlamaBuild) -> LlamaBuild:
     return LlamaBuild(build.root, build.include_dirs, existing, build.kind)
 
 
+def cdef(build: LlamaBuild) -> str:
+    """The declarations the binding compiles for `build`: the common ones and its batch API's."""
+    return CDEF + CDEF_BATCH[build.batch_api]
+
+
 def build_key(build: LlamaBuild) -> str:
     """A hash of everything the compiled module depends on."""
     h = hashlib.sha256()
@@ -197,7 +229,7 @@ def build_key(build: LlamaBuild) -> str:
         h.update(f.read_bytes())
     lib = build.libllama.resolve()
     h.update(f"{lib}:{lib.stat().st_size}:{lib.stat().st_mtime_ns}".encode())
-    h.update(f"{sys.version_info[:2]}:{CDEF}".encode())
+    h.update(f"{sys.version_info[:2]}:{cdef(build)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -222,7 +254,7 @@ def _compile(build: LlamaBuild, outdir: Path, modname: str) -> Path:
 
     log.info("compiling the llama.cpp binding against %s (once per build)", build.root)
     ffi = cffi.FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(cdef(build))
     lib_dirs = [str(d) for d in build.lib_dirs]
     ffi.set_source(
         modname,

@@ -4,7 +4,9 @@ Mirrors upstream `examples/speculative-simple` with `--spec-type draft-dflash` /
 and `common_speculative_impl_draft_dflash`: prefill the target with layer-input taps on, inject
 the features token-major into the drafter's KV cache, draft a block `[anchor, mask ...]`
 (featdiff.blocks: `draft_max` drafts, llama.cpp's `--spec-draft-n-max`), verify on the target,
-inject the verified rows, keep the accepted ones. The logits each draft row is sampled from (and
+inject the verified rows, keep the accepted ones. On a build of the older batch API generation
+(llama_batch + llama_decode) an injection is two evals, as that generation's speculative.cpp
+makes it: llama_encode of the features, then llama_decode of the rows the encoder made. The logits each draft row is sampled from (and
 a DSpark drafter's confidences) are read back through the API and recorded: no graph node holds
 DSpark's Markov-biased logits.
 """
@@ -85,7 +87,14 @@ def run_flow(
 
 
 def _eval(
-    st: _State, rec: Recorder, role: names.Role, phase: names.Phase, rnd: int, positions: list[int], tokens: list[int]
+    st: _State,
+    rec: Recorder,
+    role: names.Role,
+    phase: names.Phase,
+    rnd: int,
+    positions: list[int],
+    tokens: list[int],
+    call: str = names.CALL_DECODE,
 ) -> None:
     rec.begin_eval(
         Eval(
@@ -97,6 +106,7 @@ def _eval(
             token_ids=tuple(tokens),
             seq_ids=(0,) * len(positions),
             round=rnd,
+            call=call,
         )
     )
     st.n_evals += 1
@@ -125,6 +135,9 @@ def _inject(
     tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, positions: list[int], rnd: int
 ) -> None:
     rows = features(tgt, cfg.target_layers, len(positions))
+    if dft.inject_encodes_first:  # the older generation: encode (fc, enc norm), then decode its rows
+        _eval(st, rec, "draft", "inject", rnd, positions, [], call=names.CALL_ENCODE)
+        rows = dft.encode_embd(rows)
     _eval(st, rec, "draft", "inject", rnd, positions, [])
     dft.decode_embd(rows, positions)
 

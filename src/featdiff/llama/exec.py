@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ BUILD_SUFFIX = ".build.json"  # the manifest's build entry as known at launch: `
 # the preload's owner note, the server log, the launch's build entry
 SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log", BUILD_SUFFIX)
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
+POS_UNSET = -1  # the preload's position of an entry the program left unplaced (a NULL pos array)
 WARMUP = names.PHASE_WARMUP
 # Upstream programs print their llama.cpp version for --version and exit (common/arg.cpp).
 UPSTREAM_PREFIX = "llama-"
@@ -60,7 +61,7 @@ class ExecContext:
 
 @dataclass(frozen=True)
 class ExecEval:
-    """One llama_process/llama_decode call as the program made it."""
+    """One llama_process/llama_decode/llama_encode call as the program made it."""
 
     eval: int
     ctx: int
@@ -69,6 +70,7 @@ class ExecEval:
     seq_ids: tuple[int, ...]
     outputs: tuple[int, ...]
     rc: int | None  # None: the program died during this decode
+    call: str = names.CALL_DECODE  # "encode": llama_encode, or llama_process of LLAMA_PROCESS_TYPE_ENCODE
 
     @property
     def is_embd(self) -> bool:
@@ -114,8 +116,29 @@ def read_exec_log(index: Path) -> ExecLog:
 
 def _exec_eval(e: dict[str, Any], rc: int | None) -> ExecEval:
     return ExecEval(
-        e["eval"], e["ctx"], tuple(e["token_ids"]), tuple(e["positions"]), tuple(e["seq_ids"]), tuple(e["outputs"]), rc
+        e["eval"],
+        e["ctx"],
+        tuple(e["token_ids"]),
+        tuple(e["positions"]),
+        tuple(e["seq_ids"]),
+        tuple(e["outputs"]),
+        rc,
+        str(e.get("call", names.CALL_DECODE)),
     )
+
+
+def _encoded_positions(evals: tuple[ExecEval, ...]) -> dict[int, tuple[int, ...]]:
+    """The positions of the older generation's DFlash encoder evals: llama_encode gets no
+    positions (every one unset), and its rows are the ones the context's next embd decode of as
+    many rows places; that decode's positions are theirs."""
+    out = {}
+    for i, ev in enumerate(evals):
+        if ev.call != names.CALL_ENCODE or not ev.is_embd or any(p != POS_UNSET for p in ev.positions):
+            continue
+        after = next((n for n in evals[i + 1 :] if n.ctx == ev.ctx), None)
+        if after is not None and after.is_embd and len(after.positions) == len(ev.positions):
+            out[ev.eval] = after.positions
+    return out
 
 
 # ---------------------------------------------------------------- phases and rounds
@@ -151,7 +174,8 @@ class _Walk:
 def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     """Each eval with its phase (docs/flow.md) and round.
 
-    Drafter: an embd batch is `inject`, a token batch is `draft` and opens a round. Target: a
+    Drafter: an embd batch is `inject` (on the older generation two evals: the encoder's, which
+    takes the positions of the decode after it, and that decode), a token batch is `draft` and opens a round. Target: a
     token batch after a draft is its `verify`; once a sequence has drafted, a target decode
     without a new draft is a `verify` of no drafts in a round of its own (llama-server does this
     when the length budget leaves no room to draft); before that it is `prefill`. Warm-up and
@@ -159,8 +183,10 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     """
     roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
     warm = warmup_evals(log)
+    encoded = _encoded_positions(log.evals)
     walk, out = _Walk(), []
     for ev in log.evals:
+        ev = replace(ev, positions=encoded.get(ev.eval, ev.positions))
         role: names.Role = roles.get(ev.ctx, "target")
         phase, walk = (WARMUP, walk) if ev.eval in warm else _step(walk, role, ev)
         out.append(
@@ -174,6 +200,7 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
                 seq_ids=ev.seq_ids,
                 round=0 if phase == WARMUP else walk.round,
                 rc=0 if phase == WARMUP else int(ev.rc or 0),
+                call=names.CALL_ENCODE if ev.call == names.CALL_ENCODE else names.CALL_DECODE,
             )
         )
     return tuple(out)

@@ -111,7 +111,9 @@ def _compile_preload(build: binding.LlamaBuild, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     includes = [f"-I{d}" for d in (*build.include_dirs, binding.NATIVE_DIR)]
     sources = [str(binding.NATIVE_DIR / s) for s in PRELOAD_SOURCES]
-    cmd = [_compiler(), "-O2", "-fPIC", "-std=c11", *includes, *sources, "-o", str(tmp), *LINK_FLAGS]
+    # which batch API generation's hooks to compile in (native/featdiff_preload.c), from the headers
+    api = f"-DFDP_BATCH_EXT={int(build.batch_api == binding.BATCH_EXT)}"
+    cmd = [_compiler(), "-O2", "-fPIC", "-std=c11", api, *includes, *sources, "-o", str(tmp), *LINK_FLAGS]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise InputError(

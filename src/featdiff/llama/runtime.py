@@ -170,10 +170,26 @@ class Context:
                 "that are a multiple of its block (32 for q8_0) and a quantized V needs -fa on; "
                 f"set {ENV_VERBOSE}=1 to see llama.cpp's reason"
             )
-        return Context(rt, ptr, model, rt.lib.llama_batch_ext_init(ptr), tag)
+        batch = rt.lib.llama_batch_ext_init(ptr) if rt.build.batch_api == binding.BATCH_EXT else None
+        return Context(rt, ptr, model, batch, tag)
+
+    @property
+    def legacy(self) -> bool:
+        """The build has the older batch API (llama_batch + llama_decode / llama_encode)."""
+        return self.batch is None
+
+    @property
+    def inject_encodes_first(self) -> bool:
+        """DFlash injection in two steps, as that generation's speculative.cpp does it:
+        llama_encode the target features (fc, enc norm), then llama_decode the rows it made. The
+        ext generation fuses both into one decode of the features."""
+        return self.legacy
 
     def decode_tokens(self, tokens: list[int], positions: list[int], outputs: bool) -> None:
         lib, ffi = self.rt.lib, self.rt.ffi
+        if self.legacy:
+            self._decode_legacy(positions, tokens=tokens, outputs=outputs)
+            return
         lib.llama_batch_ext_clear(self.batch)
         for tok, pos in zip(tokens, positions):
             idx = lib.llama_batch_ext_add_token(self.batch, 0, tok)
@@ -185,6 +201,9 @@ class Context:
         """Decode an embd batch: `rows` is (n_tokens, n_embd_inp), one row per position."""
         lib, ffi = self.rt.lib, self.rt.ffi
         rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd_inp)
+        if self.legacy:
+            self._decode_legacy(positions, rows=rows)
+            return
         base = ffi.from_buffer("float[]", rows)
         lib.llama_batch_ext_clear(self.batch)
         for i, pos in enumerate(positions):
@@ -194,6 +213,52 @@ class Context:
             idx = lib.llama_batch_ext_add_embd(self.batch, 0, embd[0])
             lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
         self._process(len(positions), keep=rows)
+
+    def encode_embd(self, rows: np.ndarray) -> np.ndarray:
+        """llama_encode an embd batch (the older generation's DFlash encoder: no positions, no
+        sequence ids, as upstream passes it); return the rows it made: (n_tokens, n_embd)."""
+        lib, ffi = self.rt.lib, self.rt.ffi
+        rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd_inp)
+        batch = ffi.new("struct llama_batch *")
+        batch.n_tokens = rows.shape[0]
+        batch.embd = ffi.from_buffer("float[]", rows)
+        rc = lib.llama_encode(self.ptr, batch[0])
+        if rc != 0:
+            raise RuntimeError(f"llama_encode on {self.model.path.name} failed: rc={rc}, n_tokens={rows.shape[0]}")
+        ptr = lib.fd_get_embeddings_nextn(self.ptr)
+        if ptr == ffi.NULL:
+            raise RuntimeError(f"{self.model.path.name}: llama_encode made no nextn embeddings")
+        n_embd = self.model.n_embd
+        flat = np.frombuffer(ffi.buffer(ptr, 4 * rows.shape[0] * n_embd), dtype=np.float32)
+        return flat.reshape(rows.shape[0], n_embd).copy()  # (n_tokens, n_embd)
+
+    def _decode_legacy(
+        self,
+        positions: list[int],
+        tokens: list[int] | None = None,
+        rows: np.ndarray | None = None,
+        outputs: bool = False,
+    ) -> None:
+        """One llama_decode of a llama_batch the library allocates: token ids, or embedding rows."""
+        lib, ffi = self.rt.lib, self.rt.ffi
+        n = len(positions)
+        batch = lib.llama_batch_init(n, 0 if rows is None else rows.shape[1], 1)
+        try:
+            if rows is not None:
+                ffi.memmove(batch.embd, ffi.from_buffer("float[]", rows), rows.nbytes)
+            for i, pos in enumerate(positions):
+                if tokens is not None:
+                    batch.token[i] = tokens[i]
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = outputs
+            batch.n_tokens = n
+            rc = lib.llama_decode(self.ptr, batch)
+        finally:
+            lib.llama_batch_free(batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode on {self.model.path.name} failed: rc={rc}, n_tokens={n}")
 
     def _process(self, n_tokens: int, keep: Any = None) -> None:
         rc = self.rt.lib.llama_process(self.ptr, self.rt.lib.LLAMA_PROCESS_TYPE_DECODE, self.batch)
@@ -224,7 +289,8 @@ class Context:
         self.rt.lib.llama_memory_seq_rm(self.rt.lib.llama_get_memory(self.ptr), 0, p0, -1)
 
     def free(self) -> None:
-        self.rt.lib.llama_batch_ext_free(self.batch)
+        if not self.legacy:
+            self.rt.lib.llama_batch_ext_free(self.batch)
         self.rt.lib.llama_free(self.ptr)
 
 

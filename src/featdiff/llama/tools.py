@@ -1,5 +1,5 @@
 """Build the programs `capture --exec` runs (llama-server, llama-speculative-simple,
-llama-simple) and their libllama from the pinned llama.cpp source, the tree
+llama-simple), llama-quantize, and their libllama from the pinned llama.cpp source, the tree
 llama-cpp-python==0.3.36 builds, with the project's own patches (`patches/llama.cpp/*.patch`).
 
 Consumes the sdist (`pip download`, or $FEATDIFF_LLAMA_SRC); produces a `ToolBuild`, built once
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 PINNED_SDIST = "llama-cpp-python==0.3.36"
 SDIST_TREE = "vendor/llama.cpp"  # where the sdist keeps the llama.cpp source
-# llama-simple prints with printf (exact stdout, unlike the tools' async logger): the tests use it
-TARGETS = (SERVER_PROGRAMS[0], "llama-speculative-simple", "llama-simple")
+# llama-simple prints with printf (exact stdout, unlike the tools' async logger): the tests use it;
+# llama-quantize writes the weight types gguf-py cannot (Q1_0, IQ*, K-quants) for the reference tests
+TARGETS = (SERVER_PROGRAMS[0], "llama-speculative-simple", "llama-simple", "llama-quantize")
 ENV_SRC = "FEATDIFF_LLAMA_SRC"
 ENV_TOOLS_DIR = "FEATDIFF_TOOLS_DIR"
 ENV_JOBS = "FEATDIFF_BUILD_JOBS"
@@ -221,22 +222,22 @@ def _sync_file(want: Path, have: Path) -> None:
         os.utime(have)  # newer than the build's objects, whatever the pristine file's date
 
 
-def _download(dest: Path) -> Path:
-    found = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
-    if found:
-        return found[-1]
+def _download(dest: Path, spec: str = PINNED_SDIST) -> Path:
+    """The sdist of `spec` (llama-cpp-python==X) in `dest`, fetched with pip when missing."""
+    name = f"llama_cpp_python-{spec.split('==')[1]}.tar.gz"
+    if (dest / name).is_file():
+        return dest / name
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PINNED_SDIST, "-d", str(dest)]
-    log.info("fetching the pinned llama.cpp source: %s", " ".join(cmd[2:]))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec, "-d", str(dest)]
+    log.info("fetching llama.cpp source: %s", " ".join(cmd[2:]))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    found = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
-    if done.returncode != 0 or not found:
+    if done.returncode != 0 or not (dest / name).is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise InputError(
-            f"{dest}: `pip download {PINNED_SDIST}` failed ({tail[0]}); "
+            f"{dest}: `pip download {spec}` failed ({tail[0]}); "
             f"set {ENV_SRC} to a llama.cpp source tree of that version instead"
         )
-    return found[-1]
+    return dest / name
 
 
 def _unpack(sdist: Path, dest: Path) -> None:
@@ -283,6 +284,44 @@ def _run(cmd: list[str], build_dir: Path) -> None:
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise InputError(f"{build_dir}: `{' '.join(cmd[:3])} ...` failed (exit {done.returncode}); see {logfile}")
+
+
+# An older llama.cpp, for the tests that prove featdiff against the batch API generation before
+# llama_batch_ext / llama_process: llama-cpp-python 0.3.35 is the last release on llama_batch +
+# llama_decode, and already has the dflash arch (its drafter injects in two steps, llama_encode
+# then llama_decode). Built unpatched, CPU only, with the two programs `capture --exec` runs.
+LEGACY_SDIST = "llama-cpp-python==0.3.35"
+LEGACY_TARGETS = ("llama", "llama-simple", "llama-speculative-simple")
+LEGACY_OPTIONS = (*(o for o in CMAKE_OPTIONS if "SERVER" not in o), "-DLLAMA_BUILD_SERVER=OFF")
+
+
+def ensure_release(
+    spec: str = LEGACY_SDIST,
+    root: Path | None = None,
+    targets: tuple[str, ...] = LEGACY_TARGETS,
+    options: tuple[str, ...] = LEGACY_OPTIONS,
+) -> ToolBuild:
+    """A llama.cpp release as its sdist ships it (no patches), built once into `root` (default
+    build/release-<version>) as a checkout: `--llama-dir <root>/src` binds it."""
+    version = spec.split("==")[1]
+    root = Path(root or tools_dir().parent / f"release-{version}")
+    source, build_dir = root / "src", root / "src" / "build"
+    want = {"spec": spec, "targets": list(targets), "options": list(options)}
+    stamp = root / STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()).get("want") == want:
+        if all((build_dir / "bin" / t).is_file() for t in targets if t.startswith("llama-")):
+            return ToolBuild(root, source, build_dir / "bin", float(json.loads(stamp.read_text())["seconds"]))
+    if not (source / "include" / "llama.h").is_file():
+        _unpack(_download(root / "sdist", spec), source)
+    start = time.monotonic()
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    jobs = os.environ.get(ENV_JOBS, str(DEFAULT_JOBS))
+    _run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *options], build_dir)
+    _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", jobs], build_dir)
+    seconds = time.monotonic() - start
+    stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
+    log.info("built %s %s in %.0f s", spec, ", ".join(targets), seconds)
+    return ToolBuild(root, source, build_dir / "bin", seconds)
 
 
 def main() -> None:

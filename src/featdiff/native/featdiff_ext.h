@@ -21,6 +21,7 @@ void            fd_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t
 float *         fd_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 void            fd_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float *         fd_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+float *         fd_get_embeddings_nextn(struct llama_context * ctx);  /* all rows of the last batch */
 const int32_t * fd_model_target_layer_ids(const struct llama_model * model);
 uint32_t        fd_model_target_layer_ids_n(const struct llama_model * model);
 

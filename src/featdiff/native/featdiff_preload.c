@@ -10,11 +10,15 @@
  *   llama_init_from_model        "exec_context"  role from the architecture; the shim's eval
  *                                                callback chained in front of the program's own
  *   llama_batch_ext_*            a shadow of each batch (tokens, positions, seq ids, outputs)
- *   llama_process, llama_decode  "exec_eval" before the decode, "exec_done" with its rc after
+ *   llama_process, llama_decode, "exec_eval" before the decode, "exec_done" with its rc after
+ *   llama_encode
  *   llama_memory_clear           "exec_clear"    (warm-up and probe decodes end in one)
  *   llama_memory_seq_rm          "exec_seq_rm"   which positions the program removes from a cache
  *   llama_free                   "exec_free"
  *
+ * Both generations of llama.h's batch API are served: FDP_BATCH_EXT (set by featdiff from the
+ * build's header) compiles the llama_batch_ext / llama_process hooks in; without it only the plain
+ * llama_batch ones (llama_decode, llama_encode), which both generations have, are.
  * Phases are decided in Python from these facts (featdiff/llama/exec.py), not here.
  * Environment: FEATDIFF_SPOOL (spool prefix), FEATDIFF_FILTERS (lines "<role>\t<glob>", role 0
  * target, 1 draft), FEATDIFF_ARCH_KEY and FEATDIFF_DRAFT_ARCH (a model whose architecture
@@ -71,10 +75,11 @@ __attribute__((constructor)) static void fdp_die_with_parent(void) {
 typedef struct llama_model *   (*fdp_load_fn)(const char *, struct llama_model_params);
 typedef struct llama_context * (*fdp_init_fn)(struct llama_model *, struct llama_context_params);
 typedef void    (*fdp_free_fn)(struct llama_context *);
-typedef int32_t (*fdp_process_fn)(struct llama_context *, enum llama_process_type, struct llama_batch_ext *);
 typedef int32_t (*fdp_decode_fn)(struct llama_context *, struct llama_batch);
 typedef void    (*fdp_clear_fn)(llama_memory_t, bool);
 typedef bool    (*fdp_seq_rm_fn)(llama_memory_t, llama_seq_id, llama_pos, llama_pos);
+#if FDP_BATCH_EXT
+typedef int32_t (*fdp_process_fn)(struct llama_context *, enum llama_process_type, struct llama_batch_ext *);
 typedef struct llama_batch_ext * (*fdp_batch_init_fn)(struct llama_context *);
 typedef void    (*fdp_batch_fn)(struct llama_batch_ext *);
 typedef int32_t (*fdp_batch_add_fn)(struct llama_batch_ext *, llama_seq_id);
@@ -83,15 +88,18 @@ typedef int32_t (*fdp_batch_add_embd_fn)(struct llama_batch_ext *, llama_seq_id,
 typedef bool    (*fdp_batch_add_seq_fn)(struct llama_batch_ext *, int32_t, llama_seq_id);
 typedef bool    (*fdp_batch_flag_fn)(struct llama_batch_ext *, int32_t, bool);
 typedef bool    (*fdp_batch_pos_fn)(struct llama_batch_ext *, int32_t, const llama_pos *);
+#endif
 
 struct fdp_real {
     fdp_load_fn load;
     fdp_init_fn init;
     fdp_free_fn free_ctx;
-    fdp_process_fn process;
     fdp_decode_fn decode;
+    fdp_decode_fn encode;
     fdp_clear_fn clear_mem;
     fdp_seq_rm_fn seq_rm;
+#if FDP_BATCH_EXT
+    fdp_process_fn process;
     fdp_batch_init_fn batch_init;
     fdp_batch_fn batch_free;
     fdp_batch_fn batch_clear;
@@ -102,6 +110,7 @@ struct fdp_real {
     fdp_batch_flag_fn batch_output_logits;
     fdp_batch_flag_fn batch_output_embd;
     fdp_batch_pos_fn batch_set_pos;
+#endif
 };
 
 /* ---------------------------------------------------------------- state */
@@ -115,7 +124,7 @@ struct fdp_entry {
 };
 
 struct fdp_batch {
-    const struct llama_batch_ext * batch;
+    const void * batch;  /* the program's llama_batch_ext */
     struct fdp_entry * e;
     int n, cap;
     struct fdp_batch * next;
@@ -205,7 +214,10 @@ static void note(struct fdp_buf * b) {
 
 static void * lookup(const char * name) {
     void * fn = dlsym(RTLD_NEXT, name);
-    if (!fn) fprintf(stderr, "featdiff preload: the program's llama.cpp has no %s\n", name);
+    /* the ext batch API is absent from a program of the older generation: nothing to say */
+    if (!fn && strncmp(name, "llama_batch_ext", 15) != 0 && strcmp(name, "llama_process") != 0) {
+        fprintf(stderr, "featdiff preload: the program's llama.cpp has no %s\n", name);
+    }
     return fn;
 }
 
@@ -224,10 +236,12 @@ static void resolve(void) {
     FDP_RESOLVE(load, llama_model_load_from_file);
     FDP_RESOLVE(init, llama_init_from_model);
     FDP_RESOLVE(free_ctx, llama_free);
-    FDP_RESOLVE(process, llama_process);
     FDP_RESOLVE(decode, llama_decode);
+    FDP_RESOLVE(encode, llama_encode);
     FDP_RESOLVE(clear_mem, llama_memory_clear);
     FDP_RESOLVE(seq_rm, llama_memory_seq_rm);
+#if FDP_BATCH_EXT
+    FDP_RESOLVE(process, llama_process);
     FDP_RESOLVE(batch_init, llama_batch_ext_init);
     FDP_RESOLVE(batch_free, llama_batch_ext_free);
     FDP_RESOLVE(batch_clear, llama_batch_ext_clear);
@@ -238,6 +252,7 @@ static void resolve(void) {
     FDP_RESOLVE(batch_output_logits, llama_batch_ext_set_output_logits);
     FDP_RESOLVE(batch_output_embd, llama_batch_ext_set_output_embd);
     FDP_RESOLVE(batch_set_pos, llama_batch_ext_set_pos);
+#endif
 }
 
 /* The spool belongs to the first process that claims it; a child the program starts (it
@@ -275,7 +290,8 @@ static void forked_child(void) { G.cap = NULL; }  /* a fork() shares the spool f
 
 static void note_start(void) {
     Dl_info info = { 0 };
-    const char * lib = G.real.process && dladdr((void *) G.real.process, &info) && info.dli_fname ? info.dli_fname : "";
+    /* llama_decode: in both batch API generations */
+    const char * lib = G.real.decode && dladdr((void *) G.real.decode, &info) && info.dli_fname ? info.dli_fname : "";
     struct fdp_buf b = { 0 };
     buf_printf(&b, "{\"kind\":\"exec_start\",\"pid\":%ld,\"library\":", (long) getpid());
     buf_str(&b, lib);
@@ -468,6 +484,7 @@ static bool hook_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, l
 FDP_HOOK(llama_memory_seq_rm, hook_seq_rm)
 
 /* ---------------------------------------------------------------- batch shadows */
+#if FDP_BATCH_EXT
 
 static struct fdp_batch * find_batch(const struct llama_batch_ext * batch) {
     struct fdp_batch * s = G.batches;
@@ -600,6 +617,7 @@ static bool hook_batch_output_embd(struct llama_batch_ext * batch, int32_t idx, 
     return ok;
 }
 FDP_HOOK(llama_batch_ext_set_output_embd, hook_batch_output_embd)
+#endif /* FDP_BATCH_EXT */
 
 /* ---------------------------------------------------------------- evals */
 
@@ -643,6 +661,7 @@ static void eval_end(int eval, int32_t rc, double t0) {
     pthread_mutex_unlock(&G.spool_lock);
 }
 
+#if FDP_BATCH_EXT
 /* A copy of the batch's shadow (NULL and n = 0 when it has none). */
 static struct fdp_entry * shadow_copy(const struct llama_batch_ext * batch, int * n) {
     pthread_mutex_lock(&G.batch_lock);
@@ -654,6 +673,7 @@ static struct fdp_entry * shadow_copy(const struct llama_batch_ext * batch, int 
     pthread_mutex_unlock(&G.batch_lock);
     return e;
 }
+#endif
 
 /* Backend sampling (llama.cpp's default for the draft) leaves only its top-k candidates'
  * logits; these functions, absent from older builds, are looked up at run time. */
@@ -711,6 +731,7 @@ static void read_back_logits(struct llama_context * ctx, const struct fdp_entry 
     free(rows);
 }
 
+#if FDP_BATCH_EXT
 static int32_t hook_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch) {
     init();
     if (!G.real.process) return -1;
@@ -732,6 +753,7 @@ static int32_t hook_process(struct llama_context * ctx, enum llama_process_type 
     return rc;
 }
 FDP_HOOK(llama_process, hook_process)
+#endif
 
 /* The legacy batch is a plain struct: read it directly. */
 static struct fdp_entry * entries_of(const struct llama_batch * batch) {
@@ -746,23 +768,35 @@ static struct fdp_entry * entries_of(const struct llama_batch * batch) {
     return e;
 }
 
-static int32_t hook_decode(struct llama_context * ctx, struct llama_batch batch) {
-    init();
-    if (!G.real.decode) return -1;
+/* One plain-batch call (llama_decode or llama_encode), numbered and noted like hook_process. */
+static int32_t plain_call(fdp_decode_fn real, const char * call, struct llama_context * ctx, struct llama_batch batch) {
+    if (!real) return -1;
     pthread_mutex_lock(&G.spool_lock);
     struct fdp_ctx * c = G.cap ? find_ctx(ctx) : NULL;
     if (!c) {
         pthread_mutex_unlock(&G.spool_lock);
-        return G.real.decode(ctx, batch);
+        return real(ctx, batch);
     }
     struct fdp_entry * e = entries_of(&batch);
-    int eval = eval_begin(c, "decode", e, e ? batch.n_tokens : 0);
+    int eval = eval_begin(c, call, e, e ? batch.n_tokens : 0);
     double t0 = now_ms();
-    int32_t rc = G.real.decode(ctx, batch);
-    if (rc == 0 && c->role == FD_ROLE_DRAFT) read_back_logits(ctx, e, e ? batch.n_tokens : 0);
+    int32_t rc = real(ctx, batch);
+    if (rc == 0 && c->role == FD_ROLE_DRAFT && real == G.real.decode) read_back_logits(ctx, e, e ? batch.n_tokens : 0);
     free(e);
     eval_end(eval, rc, t0);
     pthread_mutex_unlock(&G.spool_lock);
     return rc;
 }
+
+static int32_t hook_decode(struct llama_context * ctx, struct llama_batch batch) {
+    init();
+    return plain_call(G.real.decode, "decode", ctx, batch);
+}
 FDP_HOOK(llama_decode, hook_decode)
+
+/* The older generation's DFlash encoder step (features -> the rows its decode injects). */
+static int32_t hook_encode(struct llama_context * ctx, struct llama_batch batch) {
+    init();
+    return plain_call(G.real.encode, "encode", ctx, batch);
+}
+FDP_HOOK(llama_encode, hook_encode)

@@ -1,24 +1,41 @@
 """Read a GGUF for the reference and for `lint`: metadata values decoded on demand, tensor
 shapes (ggml `ne`) and tensors as float32 numpy arrays in numpy order (reversed `ne`).
 
-Quantized tensors are dequantized with the `gguf` package's own `gguf.quants.dequantize`.
+Who dequantizes a file's tensors is decided once, when it is opened for its weights
+(`read_gguf_weights`): a named llama.cpp build's own ggml for every tensor (bit for bit what the
+run read), else gguf-py's `gguf.quants.dequantize`, else, for a type gguf-py cannot read (Q1_0),
+the default build's ggml (featdiff.llama.ggml_dequant). f32 tensors are copied as stored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from featdiff import names
 from featdiff.errors import InputError
-from featdiff.gguf_meta import open_gguf
+from featdiff.gguf_meta import GGUF_PY, open_gguf
+from featdiff.llama import ggml_dequant
+from featdiff.llama.ggml_dequant import Ggml
 
+log = logging.getLogger(__name__)
 _MISSING = object()
+# read as stored, never dequantized: f32 is copied, the integer types (`d2t`) are read raw
+STORED_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.I8,
+        GGMLQuantizationType.I16,
+        GGMLQuantizationType.I32,
+        GGMLQuantizationType.I64,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,12 @@ class GgufModel:
     tensors: dict[str, GgufTensor]
     reader: GGUFReader = field(repr=False, compare=False)
     data: dict[str, Any] = field(repr=False, compare=False)  # name -> gguf ReaderTensor
+    ggml: Ggml | None = field(default=None, repr=False, compare=False)  # dequantizes; None: gguf-py
+
+    @property
+    def dequantized_by(self) -> str:
+        """The manifest's `models[role].dequantized_by`: gguf-py, or the libggml-base file."""
+        return str(self.ggml.library) if self.ggml is not None else GGUF_PY
 
 
 def read_gguf(path: Path) -> GgufModel:
@@ -53,6 +76,42 @@ def read_gguf(path: Path) -> GgufModel:
     if arch_field is None:
         raise InputError(f"{path}: metadata key {names.KEY_ARCH!r} is missing; re-export the GGUF with it")
     return GgufModel(path=path, arch=str(arch_field.contents()), tensors=tensors, reader=reader, data=data)
+
+
+def read_gguf_weights(path: Path, llama_dir: Path | None) -> GgufModel:
+    """`read_gguf`, with the dequantizer its tensors need: the build `llama_dir`'s ggml for every
+    tensor when one is named, else gguf-py, else, when gguf-py cannot read one of its types, the
+    default build's ggml (`find_build(None)`); InputError naming the tensor when none can."""
+    model = read_gguf(path)
+    if llama_dir is not None:
+        return replace(model, ggml=ggml_dequant.load(llama_dir))
+    unread_types = {t for t in {t.tensor_type for t in model.data.values()} if not _gguf_py_reads(t)}
+    unread = next((t for t in model.data.values() if t.tensor_type in unread_types), None)
+    if unread is None:
+        return model
+    type_name = unread.tensor_type.name.lower()
+    try:
+        ggml = ggml_dequant.load(None)
+    except InputError as e:
+        raise InputError(
+            f"{path}: tensor {unread.name!r} is {type_name}, which gguf-py cannot dequantize, and no llama.cpp "
+            f"build is at hand for it ({e}); pass --llama-dir DIR, a build that reads {type_name} (the run's)"
+        ) from None
+    log.info("%s: %s tensors dequantized by %s (gguf-py cannot read them)", path, type_name, ggml.library)
+    return replace(model, ggml=ggml)
+
+
+def _gguf_py_reads(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf-py dequantizes `qtype`: it raises NotImplementedError for a type it lacks, so
+    one block of zeros tells."""
+    if qtype in STORED_TYPES:
+        return True
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    try:
+        dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def meta(model: GgufModel, key: str, default: Any = _MISSING) -> Any:
@@ -120,11 +179,44 @@ def array_len(model: GgufModel, key: str) -> int | None:
 
 
 def array_from_tensor(model: GgufModel, name: str) -> np.ndarray:
-    """A tensor as float32 in numpy order (reversed ggml `ne`); InputError when absent."""
+    """A tensor as a new float32 array in numpy order (reversed ggml `ne`), dequantized by the
+    model's dequantizer (`read_gguf_weights`); InputError when absent or of a type it cannot read."""
     tensor = model.data.get(name)
     if tensor is None:
         raise InputError(f"{model.path}: tensor {name!r} is missing; re-export the GGUF with it")
-    shape = tuple(reversed([int(n) for n in tensor.shape]))
-    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(
-        shape
-    )  # a writable copy, reversed ne
+    shape = tuple(reversed([int(n) for n in tensor.shape]))  # numpy order: reversed ne
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        return np.array(tensor.data, dtype=np.float32).reshape(shape)
+    if model.ggml is not None:
+        return _ggml_array(model, model.ggml, tensor, shape)
+    try:
+        return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    except NotImplementedError:
+        raise InputError(
+            f"{model.path}: tensor {name!r} is {tensor.tensor_type.name.lower()}, which gguf-py cannot "
+            "dequantize; pass --llama-dir DIR, a llama.cpp build that reads it"
+        ) from None
+
+
+def _ggml_array(model: GgufModel, ggml: Ggml, tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor dequantized by the build's ggml, after checking ggml reads its type and agrees
+    with gguf-py's reader on its size (a type whose layout changed between them would not)."""
+    qtype = int(tensor.tensor_type)
+    if not ggml.knows(qtype):
+        raise InputError(
+            f"{model.path}: tensor {tensor.name!r} is {tensor.tensor_type.name.lower()}, which the ggml of "
+            f"{ggml.library} does not convert to float32; pass --llama-dir DIR, the build the run used"
+        )
+    raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)  # (n_bytes,) as the file stores them
+    try:
+        expected = ggml.n_bytes(qtype, shape)
+    except ValueError as e:  # rows that do not split into this ggml's blocks
+        raise InputError(
+            f"{model.path}: tensor {tensor.name!r}: {e}; pass the build the GGUF was written for"
+        ) from None
+    if raw.size != expected:
+        raise InputError(
+            f"{model.path}: tensor {tensor.name!r} ({ggml.type_name(qtype)}, shape {shape}) holds {raw.size} "
+            f"bytes, {ggml.library} expects {expected}; pass the build the GGUF was written for"
+        )
+    return ggml.dequantize(raw, qtype, shape)

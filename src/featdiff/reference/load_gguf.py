@@ -16,7 +16,7 @@ from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference import rope_params
-from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf
+from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf_weights
 from featdiff.reference.rope_params import RopeScaling, llama_scaling
 from featdiff.reference.weights import (
     DSpark,
@@ -32,9 +32,10 @@ from featdiff.reference.weights import (
 )
 
 
-def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
-    """A qwen3 or llama target from its GGUF."""
-    g = read_gguf(path)
+def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_dir: Path | None = None) -> Target:
+    """A qwen3 or llama target from its GGUF; quantized weights dequantized by the build
+    `llama_dir`'s ggml when one is named (gguf_io.read_gguf_weights)."""
+    g = read_gguf_weights(path, llama_dir)
     if g.arch not in names.TARGET_ARCHS:
         raise InputError(
             f"{path}: architecture {g.arch!r}, the reference runs targets of {names.TARGET_ARCHS}; "
@@ -46,7 +47,7 @@ def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Ta
     token_embd = _tensor(g, names.T_TOKEN_EMBD, dtype, device)
     has_head = names.T_OUTPUT in g.tensors
     return Target(
-        source=Source(Path(path), is_gguf=True),
+        source=Source(Path(path), is_gguf=True, dequantized_by=g.dequantized_by),
         hparams=hp,
         token_embd=token_embd,
         output_norm=_tensor(g, names.T_OUTPUT_NORM, dtype, device),
@@ -55,10 +56,10 @@ def target_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Ta
     )
 
 
-def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
-    """A DFlash (or DSpark) drafter from its GGUF; InputError for an inconsistent log-SNR or
-    DSpark export, or a `d2t` llama.cpp cannot use."""
-    g = read_gguf(path)
+def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_dir: Path | None = None) -> Draft:
+    """A DFlash (or DSpark) drafter from its GGUF (dequantized as `target_from_gguf` does);
+    InputError for an inconsistent log-SNR or DSpark export, or a `d2t` llama.cpp cannot use."""
+    g = read_gguf_weights(path, llama_dir)
     if g.arch != names.ARCH_DFLASH:
         raise InputError(
             f"{path}: architecture {g.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter as --model"
@@ -68,7 +69,7 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> Dra
     hp = _hparams(g, "neox", _draft_n_vocab(g))
     head = output if output is not None else token_embd
     return Draft(
-        source=Source(Path(path), is_gguf=True),
+        source=Source(Path(path), is_gguf=True, dequantized_by=g.dequantized_by),
         hparams=hp,
         target_layers=tuple(int(i) for i in meta(g, names.KEY_TARGET_LAYERS)),
         block_size=int(meta(g, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)),

@@ -67,11 +67,11 @@ def reference(
             plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
         )
         rounds = len(plan.rounds) if plan is not None else rounds
-        dft = load_draft(Path(model), numerics.dtype, numerics.device)
+        dft = load_draft(Path(model), numerics.dtype, numerics.device, llama_dir)
         rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
         # before the target's weights load: its trained context bounds the flow's positions
         check_rounds_fit(rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(prompt_ids))
-        tgt = load_target(Path(target), numerics.dtype, numerics.device)
+        tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
         check_pair(tgt, dft)
         check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
         log.info(

@@ -9,7 +9,7 @@ entry of one role. The loaders live in `load.py`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -31,6 +31,7 @@ class Source:
 
     path: Path
     is_gguf: bool
+    dequantized_by: str | None = None  # a GGUF's: gguf-py or the libggml-base file (gguf_io)
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def models_entry(model: Target | Draft) -> dict[str, Any]:
     A GGUF is described exactly as capture describes it; a HF directory from the loaded model.
     """
     if model.source.is_gguf:
-        return model_info(model.source.path).to_json()
+        return replace(model_info(model.source.path), dequantized_by=model.source.dequantized_by).to_json()
     hp = model.hparams
     draft = model if isinstance(model, Draft) else None
     snr = draft.log_snr if draft is not None else None
