@@ -1,25 +1,28 @@
 # Two commands: `make demo` and `make test`. Each does the whole set-up first (a virtual env in
-# .venv with the CPU torch wheel, the pinned llama.cpp through llama-cpp-python, featdiff itself).
+# .venv with the CPU torch wheel, featdiff itself, and the pinned llama.cpp's library built once
+# into build/llama.cpp, the build the tools later extend).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.featdiff-setup
 TORCH  := torch==2.13.0
-LLAMA  := llama-cpp-python==0.3.36
 
-.PHONY: setup demo lint test test-fast test-cuda bench browser tools clean
+.PHONY: setup library demo lint test test-fast test-cuda bench browser tools clean
 
-setup: $(STAMP)
+setup: $(STAMP) library
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install -q $(TORCH)
-	# the pinned llama.cpp (builds from source, about 4 minutes once; CMAKE_ARGS passes through)
-	$(BIN)/pip install -q $(LLAMA)
 	$(BIN)/pip install -q -e '.[test,lint]'
 	touch $(STAMP)
+
+# libllama of the pinned llama.cpp (llama-cpp-python 0.3.36's sdist, with featdiff's patches),
+# built once into build/llama.cpp/src/build; `make tools` adds the programs to the same build.
+library: $(STAMP)
+	$(BIN)/python -m featdiff.llama.tools --library
 
 # Debian's Chromium renders the HTML report in the report tests (root installs it once).
 browser:
@@ -30,8 +33,8 @@ browser:
 demo: setup tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
-# llama-server, llama-speculative-simple (and llama-simple) from the pinned llama.cpp source, for
-# `capture --exec`; built once (about 12 minutes on 2 cores), cached in build/llama.cpp
+# llama-server, llama-speculative-simple, llama-simple and llama-quantize, added to the library's
+# build for `capture --exec` and the tests; built once, cached in build/llama.cpp
 tools: setup
 	$(BIN)/python -m featdiff.llama.tools
 

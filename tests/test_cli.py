@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -101,8 +102,32 @@ def test_fixture_list_names_every_variant():
     assert all(v in result.output for v in VARIANTS)
 
 
+def _with_an_extra_tensor(src: Path, dst: Path) -> Path:
+    """`src` plus one tensor no architecture reads: llama.cpp refuses it ("wrong number of tensors")."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    arch = "general.architecture"
+    writer = GGUFWriter(str(dst), str(reader.fields[arch].contents()))
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != arch:
+            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data))
+    writer.add_tensor("blk.0.unknown.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def test_capture_of_a_model_llama_cpp_refuses_exits_2_naming_it(fixture_models, tmp_path):
-    d = fixture_models("log-snr")  # upstream refuses log-SNR tensors: "wrong number of tensors"
+    d = fixture_models("clean")
+    out = tmp_path / "out"
+    out.mkdir()
+    draft = _with_an_extra_tensor(d / "draft.gguf", tmp_path / "draft-extra.gguf")
     result = CliRunner().invoke(
         app,
         [
@@ -110,16 +135,16 @@ def test_capture_of_a_model_llama_cpp_refuses_exits_2_naming_it(fixture_models, 
             "--target",
             str(d / "target.gguf"),
             "--model",
-            str(d / "draft.gguf"),
+            str(draft),
             "--tokens",
             "1,2,3",
             "-o",
-            str(tmp_path / "r.npz"),
+            str(out / "r.npz"),
         ],
     )
-    assert result.exit_code == 2
-    assert str(d / "draft.gguf") in result.output
-    assert not list(tmp_path.iterdir())  # no spool or partial dump left behind
+    assert result.exit_code == 2, result.output
+    assert str(draft) in result.output and "llama.cpp refused" in result.output
+    assert not list(out.iterdir())  # no spool or partial dump left behind
 
 
 @pytest.mark.parametrize(

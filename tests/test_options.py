@@ -59,3 +59,26 @@ def test_a_cache_type_the_model_cannot_take_is_one_line_and_leaves_no_spool(fixt
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 2 and "K/V cache types q8_0/f16" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_build_is_the_projects_own(monkeypatch):
+    from featdiff.llama import binding
+
+    monkeypatch.delenv(binding.ENV_LLAMA_DIR, raising=False)
+    build = binding.find_build(None)
+    assert build.kind == "project" and build.root == binding.project_tree().resolve()
+
+
+def test_no_build_at_all_is_one_line_naming_make_setup(monkeypatch, tmp_path):
+    import importlib.util
+
+    from featdiff.errors import InputError
+    from featdiff.llama import binding
+
+    monkeypatch.delenv(binding.ENV_LLAMA_DIR, raising=False)
+    monkeypatch.setenv(binding.ENV_TOOLS_DIR, str(tmp_path))  # no project build there
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(InputError) as e:
+        binding.find_build(None)
+    assert "\n" not in str(e.value) and "make setup" in str(e.value) and str(tmp_path) in str(e.value)

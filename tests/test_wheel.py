@@ -1,6 +1,7 @@
 """A wheel of featdiff captures: built from the checkout, installed into a fresh virtual env
-outside it, it compiles its C sources (package data) against the pinned llama.cpp and captures
-the fixture pair, with no checkout on its path."""
+outside it, it compiles its C sources (package data) against the build it is pointed at (the
+project's build of the pinned llama.cpp, as a user's own) and captures the fixture pair, with no
+checkout on its path."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.dump import read_dump
+from featdiff.llama.binding import find_build
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
@@ -37,7 +39,7 @@ def installed(tmp_path_factory) -> Path:
                     "-q", str(wheel)], check=True, timeout=TIMEOUT_S)  # fmt: skip
     site = Path(subprocess.check_output([env / "bin" / "python", "-c", "import site; print(site.getsitepackages()[0])"],
                                         text=True).strip())  # fmt: skip
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # numpy, torch, llama_cpp ...
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # numpy, torch, ...
     return env / "bin" / "featdiff"
 
 
@@ -49,10 +51,12 @@ def test_the_installed_wheel_holds_its_c_sources_and_captures(installed, fixture
     d = fixture_models("clean")
     env = {**os.environ, "FEATDIFF_CACHE": str(tmp_path / "cache")}  # compile the binding from the wheel's sources
     out = tmp_path / "run.npz"
-    done = subprocess.run([installed, "capture", "--target", d / "target.gguf", "--model", d / "draft.gguf",
-                           "--tokens", "1,2,3,4", "--rounds", "1", "-o", out], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    build = find_build(None)  # outside a checkout, a user names their build
+    done = subprocess.run([installed, "capture", "--llama-dir", build.root, "--target", d / "target.gguf",
+                           "--model", d / "draft.gguf", "--tokens", "1,2,3,4", "--rounds", "1", "-o", out],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     with read_dump(out) as dump:
         assert any(r.name == "inp_target_features" for r in dump.manifest.records)
+        assert dump.manifest.build["library"] == str(build.libllama)
     assert any((tmp_path / "cache" / "binding").iterdir())

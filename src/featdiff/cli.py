@@ -91,14 +91,14 @@ LlamaDirOpt = Annotated[
     Optional[Path],
     typer.Option(
         "--llama-dir",
-        help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else the pinned llama-cpp-python.",
+        help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else featdiff's build of the pinned llama.cpp (make setup), else llama-cpp-python.",
     ),
 ]
 RefLlamaDirOpt = Annotated[
     Optional[Path],
     typer.Option(
         "--llama-dir",
-        help="The llama.cpp build the run used: its vocabulary tokenizes --prompt and its own ggml dequantizes every quantized GGUF weight (bit for bit what the run read). Default: gguf-py dequantizes, and a type it cannot read (Q1_0) goes to $FEATDIFF_LLAMA_DIR's build, else the pinned llama-cpp-python's.",
+        help="The llama.cpp build the run used: its vocabulary tokenizes --prompt and its own ggml dequantizes every quantized GGUF weight (bit for bit what the run read). Default: gguf-py dequantizes, and a type it cannot read (Q1_0) goes to the default build's ($FEATDIFF_LLAMA_DIR, else featdiff's build of the pinned llama.cpp).",
     ),
 ]
 RefTargetOpt = Annotated[

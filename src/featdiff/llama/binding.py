@@ -8,7 +8,9 @@ Accepted layouts for a build (`--llama-dir DIR` or $FEATDIFF_LLAMA_DIR):
 * an install prefix: DIR/include/llama.h and DIR/lib/libllama.so (.dylib on macOS; also lib64/);
 * a llama.cpp checkout: DIR/include/llama.h, DIR/ggml/include/ggml.h and the libraries of a
   CMake build under DIR/build (build/bin or build/src, build/ggml/src).
-Without either, the pinned llama-cpp-python's include/ and lib/ are used.
+Without either: the project's own build of the pinned llama.cpp (`make setup`: the checkout
+build/llama.cpp/src, the tree the tools are built from, featdiff.llama.tools), else an installed
+llama-cpp-python==0.3.36's include/ and lib/.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ NATIVE_DIR = Path(str(importlib.resources.files("featdiff") / "native"))
 SHIM_SOURCES = ("featdiff_shim.c", "featdiff_ext.cpp")
 SHIM_HEADERS = ("featdiff_shim.h", "featdiff_ext.h")
 LIBS = ("llama", "ggml", "ggml-base")
+# The project's build of the pinned llama.cpp: one tree and one CMake build serve the binding,
+# the preload and the tools (featdiff.llama.tools builds it; $FEATDIFF_TOOLS_DIR moves it).
+ENV_TOOLS_DIR = "FEATDIFF_TOOLS_DIR"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_TOOLS_DIR = REPO_ROOT / "build" / "llama.cpp"
+PROJECT_TREE = "src"  # the patched tree in the tools dir, with its CMake build in build/
 # the shared library's file name on this platform (macOS builds make .dylib, Linux .so)
 LIBLLAMA = "libllama.dylib" if sys.platform == "darwin" else "libllama.so"
 ENV_LLAMA_DIR = "FEATDIFF_LLAMA_DIR"
@@ -159,7 +167,7 @@ class LlamaBuild:
     root: Path
     include_dirs: tuple[Path, ...]
     lib_dirs: tuple[Path, ...]
-    kind: str  # "pinned", "prefix" or "checkout"
+    kind: str  # "project" (featdiff's build of the pinned tree), "pinned" (llama-cpp-python), "prefix", "checkout"
 
     @property
     def backend_dirs(self) -> tuple[Path, ...]:
@@ -178,24 +186,45 @@ class LlamaBuild:
         return next(d / LIBLLAMA for d in self.lib_dirs if (d / LIBLLAMA).exists())
 
 
+def tools_dir() -> Path:
+    """Where the project builds the pinned llama.cpp (its tree, build, tools)."""
+    return Path(os.environ.get(ENV_TOOLS_DIR) or DEFAULT_TOOLS_DIR)
+
+
+def project_tree() -> Path:
+    """The project's patched checkout of the pinned llama.cpp, built in place (`make setup`)."""
+    return tools_dir() / PROJECT_TREE
+
+
 def find_build(llama_dir: Path | None = None) -> LlamaBuild:
-    """The build to bind: `llama_dir`, else $FEATDIFF_LLAMA_DIR, else the pinned wheel."""
+    """The build to bind: `llama_dir`, else $FEATDIFF_LLAMA_DIR, else the project's build of the
+    pinned llama.cpp, else an installed llama-cpp-python."""
     chosen = llama_dir or (Path(os.environ[ENV_LLAMA_DIR]) if os.environ.get(ENV_LLAMA_DIR) else None)
     if chosen is None:
+        tree = project_tree()
+        if (tree / "include" / "llama.h").is_file() and (tree / "build" / "bin" / LIBLLAMA).exists():
+            return _checked(_checkout(tree.resolve(), "project"))
         return _pinned_build()
     root = Path(chosen).expanduser().resolve()
     if not (root / "include" / "llama.h").is_file():
         raise InputError(f"{root}: no include/llama.h; --llama-dir must be a llama.cpp checkout or an install prefix")
     if (root / "ggml" / "include" / "ggml.h").is_file():
-        libs = [root / "build" / d for d in ("bin", "src", "ggml/src")]
-        return _checked(LlamaBuild(root, (root / "include", root / "ggml" / "include"), tuple(libs), "checkout"))
+        return _checked(_checkout(root, "checkout"))
     return _checked(LlamaBuild(root, (root / "include",), (root / "lib", root / "lib64"), "prefix"))
+
+
+def _checkout(root: Path, kind: str) -> LlamaBuild:
+    libs = tuple(root / "build" / d for d in ("bin", "src", "ggml/src"))
+    return LlamaBuild(root, (root / "include", root / "ggml" / "include"), libs, kind)
 
 
 def _pinned_build() -> LlamaBuild:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
-        raise InputError("llama_cpp (llama-cpp-python==0.3.36) is not installed; run `make setup`, or pass --llama-dir")
+        raise InputError(
+            f"no llama.cpp build: neither the project's ({project_tree()}/build) nor llama-cpp-python==0.3.36; "
+            "run `make setup`, or pass --llama-dir"
+        )
     site = Path(next(iter(spec.submodule_search_locations))).parent
     return _checked(LlamaBuild(site, (site / "include",), (site / "lib",), "pinned"))
 

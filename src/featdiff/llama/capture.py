@@ -271,11 +271,16 @@ def _header(
 
 
 def _commit(rt: Runtime) -> str:
-    """The llama.cpp version of the build, where it says (pinned wheel: the package version)."""
+    """The llama.cpp version of the build, where it says (pinned wheel: the package version; the
+    project's build: the sdist it was built from, and the patches)."""
     if rt.build.kind == "pinned":
         from importlib.metadata import version
 
         return f"llama-cpp-python=={version('llama-cpp-python')}"
+    if rt.build.kind == "project":
+        from featdiff.llama.tools import PINNED_SDIST, patch_files
+
+        return f"{PINNED_SDIST} + featdiff patches {', '.join(p.stem for p in patch_files())}"
     head = rt.build.root / ".git" / "HEAD"
     return head.read_text().strip() if head.is_file() else "unknown"
 

@@ -5,7 +5,10 @@ llama-cpp-python==0.3.36 builds, with the project's own patches (`patches/llama.
 Consumes the sdist (`pip download`, or $FEATDIFF_LLAMA_SRC); produces a `ToolBuild`, built once
 (Release, shared libs, CPU, no SSL/UI/tests) and cached in build/llama.cpp ($FEATDIFF_TOOLS_DIR):
 `pristine/` the unpacked source, `src/` the patched tree, `src/build/` the build (so
-`--llama-dir build/llama.cpp/src` captures in-process from the same library).
+`--llama-dir build/llama.cpp/src` captures in-process from the same library). That library is
+the default build of the binding and the preload: `make setup` builds it first
+(`python -m featdiff.llama.tools --library`, the library targets of the same configuration), and
+`make tools` adds the programs to the same build, so the pinned tree is built once.
 The patches are gated: log-SNR conditioning only acts on a drafter whose GGUF sets
 `dflash.log_snr_conditioning`, and the driver faults only when $FEATDIFF_FAULT names one; with
 neither the programs behave as upstream's. `python -m featdiff.llama.tools` builds or finds them
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff.errors import InputError
+from featdiff.llama.binding import DEFAULT_TOOLS_DIR, LIBLLAMA, PROJECT_TREE, tools_dir
 from featdiff.llama.server import SERVER_PROGRAMS
 
 log = logging.getLogger(__name__)
@@ -38,11 +42,10 @@ SDIST_TREE = "vendor/llama.cpp"  # where the sdist keeps the llama.cpp source
 # llama-quantize writes the weight types gguf-py cannot (Q1_0, IQ*, K-quants) for the reference tests
 TARGETS = (SERVER_PROGRAMS[0], "llama-speculative-simple", "llama-simple", "llama-quantize")
 ENV_SRC = "FEATDIFF_LLAMA_SRC"
-ENV_TOOLS_DIR = "FEATDIFF_TOOLS_DIR"
 ENV_JOBS = "FEATDIFF_BUILD_JOBS"
 DEFAULT_JOBS = 2
 REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_DIR = REPO_ROOT / "build" / "llama.cpp"
+DEFAULT_DIR = DEFAULT_TOOLS_DIR
 PATCH_DIR = REPO_ROOT / "patches" / "llama.cpp"  # applied in name order with `patch -p1`
 PATCHED_NOTE = ".featdiff-patched.json"  # in the patched tree: the patches applied and the files they touch
 STAMP = "tools.json"
@@ -81,10 +84,6 @@ class ToolBuild:
         return self.bin_dir / name
 
 
-def tools_dir() -> Path:
-    return Path(os.environ.get(ENV_TOOLS_DIR) or DEFAULT_DIR)
-
-
 def ensure_tools(root: Path | None = None) -> ToolBuild:
     """The cached build of TARGETS; build it first when missing or stale."""
     root = Path(root or tools_dir())
@@ -110,6 +109,27 @@ def ensure_tools(root: Path | None = None) -> ToolBuild:
     )
     log.info("built %s in %.0f s", ", ".join(TARGETS), seconds)
     return ToolBuild(root, source, _build_dir(root, source) / "bin", seconds)
+
+
+LIBRARY_TARGETS = ("llama",)  # libllama and the ggml libraries it links
+LIBRARY_STAMP = "library.json"
+
+
+def ensure_library(root: Path | None = None) -> Path:
+    """The project's libllama (`make setup`): the library targets of the tools' own configuration,
+    built in the same tree and build directory, so `make tools` later only adds the programs and
+    one build serves the binding, the preload and the tools. Returns the tree (a `--llama-dir`)."""
+    root = Path(root or tools_dir())
+    source = source_tree(root)
+    key = build_key(source)
+    lib = _build_dir(root, source) / "bin" / LIBLLAMA
+    stamps = [root / STAMP, root / LIBRARY_STAMP]
+    if lib.exists() and any(s.is_file() and json.loads(s.read_text()).get("key") == key for s in stamps):
+        return source
+    seconds = _build(source, _build_dir(root, source), LIBRARY_TARGETS)
+    (root / LIBRARY_STAMP).write_text(json.dumps({"key": key, "seconds": round(seconds, 1)}, indent=1))
+    log.info("built %s in %.0f s", ", ".join(LIBRARY_TARGETS), seconds)
+    return source
 
 
 def _build_dir(root: Path, source: Path) -> Path:
@@ -163,7 +183,7 @@ def source_tree(root: Path) -> Path:
     pristine = root / "pristine"
     if not (pristine / "include" / "llama.h").is_file():
         _unpack(_download(root / "sdist"), pristine)
-    tree = root / "src"
+    tree = root / PROJECT_TREE
     if not (tree / "include" / "llama.h").is_file():
         shutil.rmtree(tree, ignore_errors=True)
         shutil.copytree(pristine, tree, symlinks=True)
@@ -261,18 +281,20 @@ def _unpack(sdist: Path, dest: Path) -> None:
     tmp.replace(dest)
 
 
-def _build(source: Path, build_dir: Path) -> float:
-    """Configure and build TARGETS; return the wall time in seconds."""
+def _build(
+    source: Path, build_dir: Path, targets: tuple[str, ...] = TARGETS, options: tuple[str, ...] = CMAKE_OPTIONS
+) -> float:
+    """Configure (`options`) and build `targets`; return the wall time in seconds."""
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise InputError(
-                f"{tool}: not found on PATH; building {', '.join(TARGETS)} needs cmake and a C++17 compiler"
+                f"{tool}: not found on PATH; building {', '.join(targets)} needs cmake and a C++17 compiler"
             )
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     jobs = os.environ.get(ENV_JOBS, str(DEFAULT_JOBS))
     start = time.monotonic()
-    _run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *CMAKE_OPTIONS], build_dir)
-    _run(["cmake", "--build", str(build_dir), "--target", *TARGETS, "-j", jobs], build_dir)
+    _run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *options], build_dir)
+    _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", jobs], build_dir)
     return time.monotonic() - start
 
 
@@ -313,22 +335,18 @@ def ensure_release(
             return ToolBuild(root, source, build_dir / "bin", float(json.loads(stamp.read_text())["seconds"]))
     if not (source / "include" / "llama.h").is_file():
         _unpack(_download(root / "sdist", spec), source)
-    start = time.monotonic()
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    jobs = os.environ.get(ENV_JOBS, str(DEFAULT_JOBS))
-    _run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *options], build_dir)
-    _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", jobs], build_dir)
-    seconds = time.monotonic() - start
+    seconds = _build(source, build_dir, targets, options)
     stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s %s in %.0f s", spec, ", ".join(targets), seconds)
     return ToolBuild(root, source, build_dir / "bin", seconds)
 
 
 def main() -> None:
-    """Build (or find) the tools and print their bin directory."""
+    """Build (or find) the tools and print their bin directory; with `--library`, only the
+    library (`make setup`), and print its tree."""
     logging.basicConfig(level=logging.INFO, format="featdiff: %(message)s", stream=sys.stderr)
     try:
-        print(ensure_tools().bin_dir)
+        print(ensure_library() if sys.argv[1:] == ["--library"] else ensure_tools().bin_dir)
     except InputError as e:
         print(f"featdiff: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
