@@ -29,6 +29,7 @@ from types import ModuleType
 
 from featdiff.cache_dir import cache_root
 from featdiff.errors import InputError
+from featdiff.llama.cffi_modules import compile_into, import_compiled
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +276,8 @@ def load(llama_dir: Path | None = None) -> tuple[ModuleType, LlamaBuild]:
     found = list(outdir.glob(f"{modname}*{sysconfig.get_config_var('EXT_SUFFIX')}"))
     if not found:
         found = [_compile(build, outdir, modname)]
-    return _import(modname, found[0], build), build
+    why = f"{build.libllama}: the binding does not load; this build lacks a symbol featdiff needs (see native/featdiff_ext.cpp)"
+    return import_compiled(modname, found[0], why), build
 
 
 def _compile(build: LlamaBuild, outdir: Path, modname: str) -> Path:
@@ -295,26 +297,4 @@ def _compile(build: LlamaBuild, outdir: Path, modname: str) -> Path:
         libraries=list(LIBS) + ["stdc++"],
         extra_compile_args=["-O2"],
     )
-    tmp = outdir.with_name(outdir.name + f".tmp{os.getpid()}")
-    built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
-    outdir.mkdir(parents=True, exist_ok=True)
-    final = outdir / built.name
-    built.replace(final)  # rename: a concurrent build never sees a half-written module
-    return final
-
-
-def _import(modname: str, path: Path, build: LlamaBuild) -> ModuleType:
-    if modname in sys.modules:
-        return sys.modules[modname]
-    loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
-    spec = importlib.util.spec_from_file_location(modname, path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        loader.exec_module(module)
-    except ImportError as e:
-        raise InputError(
-            f"{build.libllama}: the binding does not load ({e}); this build lacks a symbol featdiff needs (see native/featdiff_ext.cpp)"
-        ) from None
-    sys.modules[modname] = module
-    return module
+    return compile_into(ffi, outdir)

@@ -10,11 +10,8 @@ cache_root()/ggml-dequant.
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import math
-import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ import numpy as np
 from featdiff.cache_dir import cache_root
 from featdiff.errors import InputError
 from featdiff.llama.binding import LlamaBuild, find_build
+from featdiff.llama.cffi_modules import compile_into, import_compiled
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +156,8 @@ def _module(build: LlamaBuild, library: Path) -> ModuleType:
     outdir = cache_root() / "ggml-dequant" / key
     found = list(outdir.glob(f"{modname}*{sysconfig.get_config_var('EXT_SUFFIX')}"))
     path = found[0] if found else _compile(build, library, outdir, modname)
-    return _import(modname, path, library)
+    why = f"{library}: the ggml dequantizer does not load; this ggml lacks ggml_get_type_traits"
+    return import_compiled(modname, path, why)
 
 
 def _compile(build: LlamaBuild, library: Path, outdir: Path, modname: str) -> Path:
@@ -177,24 +176,4 @@ def _compile(build: LlamaBuild, library: Path, outdir: Path, modname: str) -> Pa
         libraries=[LIB],
         extra_compile_args=["-O2"],
     )
-    tmp = outdir.with_name(outdir.name + f".tmp{os.getpid()}")
-    built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
-    outdir.mkdir(parents=True, exist_ok=True)
-    final = outdir / built.name
-    built.replace(final)  # rename: a concurrent compile never sees a half-written module
-    return final
-
-
-def _import(modname: str, path: Path, library: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
-    spec = importlib.util.spec_from_file_location(modname, path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        loader.exec_module(module)
-    except ImportError as e:
-        raise InputError(
-            f"{library}: the ggml dequantizer does not load ({e}); this ggml lacks ggml_get_type_traits"
-        ) from None
-    sys.modules[modname] = module
-    return module
+    return compile_into(ffi, outdir)
