@@ -57,8 +57,10 @@ def describe_dump(dump: Dump) -> str:
     for ev in m.evals:
         pos = f"{ev.positions[0]}..{ev.positions[-1]}" if ev.positions else "-"
         refused = f"  REFUSED by llama.cpp (rc {ev.rc})" if ev.rc else ""
+        encoder = "  (llama_encode: the inject's encoder step)" if not ev.writes_cache else ""
         lines.append(
-            f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}{refused}"
+            f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}"
+            f"{refused}{encoder}"
         )
         for r in by_eval.get(ev.eval, []):
             occ = f"#{r.occurrence}" if r.occurrence else ""

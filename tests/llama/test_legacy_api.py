@@ -98,6 +98,8 @@ def test_in_process_capture_on_the_older_generation_compares_clean(legacy, spm_m
         assert [ev.call for ev in injects] == ["encode", "decode"]
         assert injects[0].positions == injects[1].positions
         assert {r.name for r in m.records if r.eval == injects[0].eval} == {"inp_embd"}
+    shown = _featdiff("inspect", str(run)).stdout
+    assert f"eval {injects[0].eval:3d}  draft  inject  round 1" in shown and "llama_encode" in shown
     _assert_clean(run, d, tmp_path)
 
 
