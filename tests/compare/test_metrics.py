@@ -82,6 +82,20 @@ def test_type_info_reads_the_manifests():
     assert type_info(ref, run) == TypeInfo("q8_0", ("q8_0",), "bfloat16")  # the coarsest cache of the run
 
 
+def test_a_model_both_sides_loaded_from_one_file_is_judged_by_the_same_file_bound():
+    q4k = {"sha256": "ab" * 32, "weight_types": ["f32", "q4_k"]}
+    run = Manifest("llama.cpp", {"target": q4k, "draft": {"sha256": "cd" * 32, "weight_types": ["q8_0"]}}, {}, (), ())
+    ref = Manifest("reference", {"target": q4k, "draft": {"sha256": "ef" * 32}}, {}, (), ())
+    types = type_info(ref, run)
+    assert types.quant_types == ("q8_0",) and types.same_file_types == ("q4_k",)  # the drafter's file differs
+    apart = tolerance_for("l_out-3", False, TypeInfo("f16", ("q4_k",), "float32"))
+    shared = tolerance_for("l_out-3", False, TypeInfo("f16", (), "float32", ("q4_k",)))
+    assert apart.rel == MAX_REL and shared.rel < apart.rel  # q4_k against f32 weights: only the cap
+    assert "q4_k weights read by both sides" in shared.sources
+    # any quantized type: the activations' q8 rounding; a float type: its own figure
+    assert tolerance_for("l_out-3", False, TypeInfo("f16", (), "float32", ("iq2_xs",))).rel == shared.rel
+
+
 def test_kv_type_defaults_to_llama_cpps_f16_and_reads_the_references_key():
     assert type_info(Manifest("reference", {}, {}, (), ()), Manifest("llama.cpp", {}, {}, (), ())).kv_type == "f16"
     as_ref = Manifest("reference", {}, {"kv_dtype": "f32"}, (), ())

@@ -151,6 +151,8 @@ def test_a_llama_quantize_q1_0_target_compares_clean(ggml, quantized, q1_0_run, 
     ref = reference_of(target, d / "draft-hf", tmp_path / "ref.npz", follow=q1_0_run)
     comparison = compare_dumps(ref, q1_0_run)
     assert comparison.ok and comparison.pairs, [f.message for f in comparison.findings]
+    # the same file on both sides (sha256): judged by the same-file bound, not the weights' own
+    assert comparison.types["quant_types"] == [] and comparison.types["same_file_types"] == ["q1_0", "q8_0"]
     with read_dump(ref) as dump:
         assert dump.manifest.model("target").dequantized_by == str(ggml.library)
         assert dump.manifest.model("draft").dequantized_by is None  # a HF checkpoint: nothing to dequantize
