@@ -199,7 +199,7 @@ def run_through_server(
     """Each prompt as one greedy request to llama-server under the preload; rounds from its decodes."""
     from featdiff.llama import exec as exec_capture
     from featdiff.llama import server
-    from featdiff.llama.preload import preload
+    from featdiff.llama.preload import build_of_program, preload
 
     exec_capture.program_path(command)
     if not server.is_server(command):
@@ -211,7 +211,8 @@ def run_through_server(
     ]
     with tempfile.TemporaryDirectory(prefix="featdiff-probe-") as work:
         prefix = Path(work) / "probe.spool"
-        answers = server.serve(command, preload(prefix, capture_filters(PROBE_FILTERS), llama_dir), requests, prefix)
+        built = build_of_program(exec_capture.program_path(command), llama_dir)
+        answers = server.serve(command, preload(prefix, capture_filters(PROBE_FILTERS), built), requests, prefix)
         flow = exec_capture.read_flow(prefix)
     parts = split_requests(flow.evals)
     if len(parts) != len(prompts):

@@ -131,3 +131,33 @@ def test_exec_capture_around_the_older_generations_program(legacy, spm_models, t
         # llama_encode gets no positions: the encoder eval has those of the decode after it
         assert all(p >= 0 for ev in injects for p in ev.positions)
     _assert_clean(run, d, tmp_path)
+
+
+def test_exec_of_an_older_program_compiles_the_preload_against_its_own_headers(legacy, spm_models, tmp_path):
+    """No --llama-dir: the preload's headers are those of the build whose libllama the program
+    loads, not featdiff's default build's (a struct of the wrong layout would crash the program)."""
+    from featdiff.llama.preload import build_of_program
+
+    program = legacy.program("llama-speculative-simple")
+    assert build_of_program(program) == legacy.source
+    assert build_of_program(binding.find_build(None).root / "build" / "bin" / "llama-simple") is None
+    d = spm_models("clean")
+    run = tmp_path / "run.npz"
+    done = _featdiff("capture", "--exec", "-o", str(run), "--", str(program), "-m", str(d / "target.gguf"),
+                     "-md", str(d / "draft.gguf"), "--spec-type", "draft-dflash", "--spec-draft-n-max", "3",
+                     "-c", "256", "-t", "2", "-p", "The quick brown fox", "-n", "8", "--temp", "0")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with read_dump(run) as dump:
+        assert any(ev.call == "encode" for ev in dump.manifest.evals)
+
+
+def test_exec_with_another_build_named_than_the_programs_exits_2_naming_both(legacy, spm_models, tmp_path):
+    d = spm_models("clean")
+    program = legacy.program("llama-speculative-simple")
+    other = binding.find_build(None).root
+    done = _featdiff("capture", "--exec", "--llama-dir", str(other), "-o", str(tmp_path / "run.npz"), "--",
+                     str(program), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), "-p", "x", "-n", "2")  # fmt: skip
+    assert done.returncode == 2
+    (line,) = [ln for ln in done.stderr.splitlines() if "error" in ln]
+    assert str(program) in line and str(legacy.bin_dir) in line and str(other) in line
+    assert not (tmp_path / "run.npz").exists()

@@ -27,7 +27,7 @@ from featdiff.filters import capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import server, spool
 from featdiff.llama.options import options_of_command
-from featdiff.llama.preload import PRELOAD_VAR, Preload, preload
+from featdiff.llama.preload import PRELOAD_VAR, Preload, build_of_program, preload
 from featdiff.outputs import check_output, failed_output, output_lock
 
 log = logging.getLogger(__name__)
@@ -569,7 +569,7 @@ def capture_exec(
             **options_of_command(command, os.environ).build_json(),
             "commit": program_version(program),
         }
-        pre = preload(prefix, kept, llama_dir)
+        pre = preload(prefix, kept, build_of_program(program, llama_dir))
         save_build(prefix, build)
         try:
             build |= _launch(command, pre, prefix, prompt, tokens, timeout_s)

@@ -70,6 +70,61 @@ def preload_library(llama_dir: Path | None = None) -> Path:
     return path
 
 
+def build_of_program(program: Path, llama_dir: Path | None = None) -> Path | None:
+    """The build whose headers the preload must be compiled against for `program`: the one whose
+    libllama the program loads. The preload passes llama.h's structs by value between the program
+    and its library, so headers of another build would hand the program a struct of the wrong
+    layout. With no build named (`llama_dir`, $FEATDIFF_LLAMA_DIR) that is the build found beside
+    the program's libllama; a named build that is not the program's is refused. A program whose
+    libraries cannot be listed (no `ldd`, a script, a static build) keeps `llama_dir`."""
+    linked = _linked_libllama(program)
+    if linked is None:
+        return llama_dir
+    named = llama_dir or (Path(os.environ[binding.ENV_LLAMA_DIR]) if os.environ.get(binding.ENV_LLAMA_DIR) else None)
+    if named is not None:
+        chosen = binding.find_build(named)
+        if chosen.libllama.resolve() != linked.resolve():
+            raise InputError(
+                f"{program}: loads {linked}, not the build named by --llama-dir ({chosen.libllama}); the preload is "
+                f"compiled against the program's own llama.h: pass --llama-dir of the build that made {linked.name}"
+            )
+        return named
+    default = binding.find_build(None)
+    if default.libllama.resolve() == linked.resolve():
+        return None
+    root = _root_of(linked)
+    if root is None:
+        raise InputError(
+            f"{program}: loads {linked}, another build than featdiff's default ({default.libllama}), with no "
+            "llama.h beside it; pass --llama-dir of the program's build (its checkout or install prefix)"
+        )
+    log.info("%s loads %s: compiling the preload against %s", program.name, linked, root)
+    return root
+
+
+def _linked_libllama(program: Path) -> Path | None:
+    """The libllama the dynamic linker finds for `program` (`ldd`), or None when it cannot say."""
+    if shutil.which("ldd") is None:
+        return None
+    try:
+        done = subprocess.run(["ldd", str(program)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in done.stdout.splitlines():
+        name, _, where = line.strip().partition(" => ")
+        if name.startswith("libllama.") and where.startswith("/"):
+            return Path(where.split(" (")[0])
+    return None
+
+
+def _root_of(libllama: Path) -> Path | None:
+    """The checkout or install prefix a libllama belongs to (`find_build` accepts it), if any."""
+    for root in (libllama.parent.parent.parent, libllama.parent.parent):  # <root>/build/bin, <root>/lib
+        if (root / "include" / "llama.h").is_file():
+            return root
+    return None
+
+
 def preload(prefix: Path, filters: FilterSet | None = None, llama_dir: Path | None = None) -> Preload:
     """What to add to a program's environment to capture what `filters` keep (default: the
     wiring, `capture_filters(None)`) into the spool at `prefix`."""

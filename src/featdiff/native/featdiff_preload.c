@@ -252,6 +252,13 @@ static void resolve(void) {
     FDP_RESOLVE(batch_output_logits, llama_batch_ext_set_output_logits);
     FDP_RESOLVE(batch_output_embd, llama_batch_ext_set_output_embd);
     FDP_RESOLVE(batch_set_pos, llama_batch_ext_set_pos);
+#else
+    /* compiled against headers of the older generation: a program of the newer one decodes
+     * through llama_process, which this build of the preload cannot see */
+    if (dlsym(RTLD_NEXT, "llama_process")) {
+        fprintf(stderr, "featdiff preload: the program's llama.cpp has llama_process, but the preload was compiled "
+                        "against headers without it; pass --llama-dir of the program's own build\n");
+    }
 #endif
 }
 
