@@ -7,12 +7,15 @@ types) that capture and inspect record, and that compare reads back from the man
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from featdiff import names
 from featdiff.errors import InputError
+
+log = logging.getLogger(__name__)
 
 HASH_CHUNK = 1 << 22
 GGUF_PY = "gguf-py"  # ModelInfo.dequantized_by when the `gguf` package dequantized the weights
@@ -91,14 +94,41 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# gguf-py's reader refuses a tensor type id its enum lacks with this in the message
+UNKNOWN_TYPE_MESSAGE = "is not a valid GGMLQuantizationType"
+
+
 def open_gguf(path: Path):
-    """A `gguf.GGUFReader` for `path`, or an InputError naming the file."""
+    """A `gguf.GGUFReader` for `path`, or an InputError naming the file. A tensor type newer
+    than gguf-py (Q2_0, ...) is learnt from the default llama.cpp build's ggml, once."""
     from gguf import GGUFReader
 
     try:
         return GGUFReader(str(path))
+    except ValueError as e:
+        if UNKNOWN_TYPE_MESSAGE not in str(e) or not _learn_types(path, e):
+            raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
+    except (OSError, KeyError, IndexError) as e:
+        raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
+    try:
+        return GGUFReader(str(path))
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
+
+
+def _learn_types(path: Path, error: ValueError) -> bool:
+    """Teach gguf-py the tensor types of the default build's ggml; whether any was new."""
+    from featdiff.llama import ggml_dequant
+
+    try:
+        taught = ggml_dequant.teach_gguf_py(ggml_dequant.load(None))
+    except InputError as e:
+        raise InputError(
+            f"{path}: holds a tensor type gguf-py does not know ({error}) and no llama.cpp build is at hand to "
+            f"read it ({e}); set $FEATDIFF_LLAMA_DIR to a build that reads it"
+        ) from None
+    log.info("%s: tensor types %s read through the default build's ggml", path, ", ".join(taught) or "none")
+    return bool(taught)
 
 
 def field_value(reader, key: str, default: Any = None) -> Any:

@@ -138,7 +138,7 @@ def quantized(tools, variant_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def q1_0_run(quantized, tmp_path_factory) -> Path:
-    """The drafter's run on that target, captured in-process through the pinned library."""
+    """The drafter's run on that target, captured in-process through the default build."""
     d, target = quantized
     out = tmp_path_factory.mktemp("q1_0-run") / "run.npz"
     return capture(target, d / "draft.gguf", out, tokens=DEFAULT_TOKENS, rounds=ROUNDS)
@@ -202,3 +202,23 @@ def test_the_cli_without_a_build_is_one_line_naming_the_fix(quantized, q1_0_run,
     assert result.exit_code == 2, result.output
     line = result.output.strip()
     assert "\n" not in line and str(target) in line and "is q1_0" in line and "--llama-dir" in line
+
+
+def test_a_type_newer_than_gguf_py_is_read_through_the_builds_ggml(ggml, tools, variant_dir, tmp_path):
+    """Q2_0 (ggml type 42): gguf-py's reader refuses the file outright; featdiff teaches it the
+    build's types, so capture describes the model, and the reference reads the same file."""
+    d = variant_dir("clean")
+    target = tmp_path / "target-q2_0.gguf"
+    done = subprocess.run([str(tools.program("llama-quantize")), str(d / "target.gguf"), str(target), "Q2_0"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Q2_0" not in GGMLQuantizationType.__members__  # the premise: gguf-py's enum lacks it
+    run = capture(target, d / "draft.gguf", tmp_path / "run.npz", tokens=DEFAULT_TOKENS, rounds=ROUNDS)
+    with read_dump(run) as dump:
+        assert "q2_0" in dump.manifest.model("target").weight_types
+    ref = reference_of(target, d / "draft-hf", tmp_path / "ref.npz", follow=run)
+    comparison = compare_dumps(ref, run)
+    assert comparison.ok and comparison.coverage.pairs > 0, [f.message for f in comparison.findings]
+    assert "q2_0" in comparison.types["same_file_types"]
+    with read_dump(ref) as dump:
+        assert dump.manifest.model("target").dequantized_by == str(ggml.library)

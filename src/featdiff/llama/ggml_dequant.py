@@ -177,3 +177,25 @@ def _compile(build: LlamaBuild, library: Path, outdir: Path, modname: str) -> Pa
         extra_compile_args=["-O2"],
     )
     return compile_into(ffi, outdir)
+
+
+def teach_gguf_py(ggml: Ggml) -> list[str]:
+    """Make gguf-py's reader accept the tensor types `ggml` knows and gguf-py's enum lacks (Q2_0
+    and any newer one): each gets a member of `GGMLQuantizationType` named as ggml names it, and
+    its block size and bytes in `GGML_QUANT_SIZES`, so a GGUF holding it opens, sizes its tensors
+    right and reads as that type; its values are then dequantized by `ggml` (gguf-py has no
+    dequantizer for it). Returns the names taught."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    taught = []
+    for type_id in range(ggml.module.lib.GGML_TYPE_COUNT):
+        if type_id in GGMLQuantizationType._value2member_map_ or not ggml.knows(type_id):
+            continue
+        traits = ggml.module.lib.ggml_get_type_traits(type_id)
+        member = int.__new__(GGMLQuantizationType, type_id)
+        member._name_ = ggml.type_name(type_id).upper()
+        member._value_ = type_id
+        GGMLQuantizationType._value2member_map_[type_id] = member
+        GGML_QUANT_SIZES[member] = (int(traits.blck_size), int(traits.type_size))
+        taught.append(member._name_.lower())
+    return taught
