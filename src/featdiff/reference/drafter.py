@@ -22,7 +22,7 @@ from featdiff.reference.attention import KvCache, cache_with, layer_kv
 from featdiff.reference.log_snr import log_snr_embed
 from featdiff.reference.numerics import linear, rms_norm, rope
 from featdiff.reference.stack import Named, layer_forward
-from featdiff.reference.weights import Draft, Target, present
+from featdiff.reference.weights import Draft, Hparams, Layer, Target, present
 
 MAX_PERMUTED_SLOTS = 4  # slot-order candidates for n_extract <= 4 (at most 23 of them)
 
@@ -49,17 +49,24 @@ def encode(draft: Draft, features: torch.Tensor) -> torch.Tensor:
     return rms_norm(linear(features, draft.fc), draft.enc_norm, draft.hparams.rms_eps)
 
 
+def _context_kv(
+    hp: Hparams, layer: Layer, g: torch.Tensor, positions: torch.Tensor, il: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's context K (k_norm, RoPE) and V of the fused features `g`."""
+    n_tokens = g.shape[0]
+    k = linear(g, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
+    v = linear(g, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
+    return rope(rms_norm(k, present(layer.k_norm, f"blk.{il}.attn_k_norm.weight"), hp.rms_eps), positions, hp), v
+
+
 def inject(draft: Draft, features: torch.Tensor, positions: torch.Tensor, cache: KvCache) -> InjectPass:
     """Write the context K/V of `features` at `positions` into the draft cache."""
     hp = draft.hparams
-    n_tokens = features.shape[0]
     g = encode(draft, features)
     records = [Named(names.INP_TARGET_FEATURES, features), Named(names.INP_G_EMBEDDINGS, g)]
     ks, vs = [], []
-    for il, layer in enumerate(draft.layers):
-        k = linear(g, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
-        v = linear(g, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
-        k = rope(rms_norm(k, present(layer.k_norm, f"blk.{il}.attn_k_norm.weight"), hp.rms_eps), positions, hp)
+    for il in range(len(draft.layers)):
+        k, v = _context_kv(hp, draft.layers[il], g, positions, il)
         records += [
             Named(names.layer_name(names.KCUR_INJECTED, il), k),
             Named(names.layer_name(names.VCUR_INJECTED, il), v),
@@ -106,8 +113,9 @@ def draft_block(
     """
     hp = draft.hparams
     x, records = noise_embeddings(draft, target, tokens)
-    for il, layer in enumerate(draft.layers):
-        t = layer_forward(hp, layer, x, positions, cache, il, causal=draft.causal, visible=visible)
+    for il in range(len(draft.layers)):
+        # indexed in the call: a streamed layer is freed before the next one is built
+        t = layer_forward(hp, draft.layers[il], x, positions, cache, il, causal=draft.causal, visible=visible)
         records += [
             Named(names.layer_name(name, il), a)
             for name, a in (

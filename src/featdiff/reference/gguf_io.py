@@ -10,6 +10,7 @@ the default build's ggml (featdiff.llama.ggml_dequant). f32 tensors are copied a
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,15 @@ def read_gguf_weights(path: Path, llama_dir: Path | None) -> GgufModel:
         ) from None
     log.info("%s: %s tensors dequantized by %s (gguf-py cannot read them)", path, type_name, ggml.library)
     return replace(model, ggml=ggml)
+
+
+def release_pages(model: GgufModel) -> None:
+    """Drop the file pages this process has read through the reader's map: they count in its
+    resident set until the kernel reclaims them, so a streamed 8B target would otherwise end up
+    resident whole. The map stays valid; a later read faults the pages back in from the page cache."""
+    mapped = getattr(model.reader.data, "_mmap", None)  # np.memmap's mmap object
+    if isinstance(mapped, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def _gguf_py_reads(qtype: GGMLQuantizationType) -> bool:

@@ -6,23 +6,32 @@ converter, so a llama target from GGUF runs with `rope_type="normal"`; qwen3 and
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from featdiff import names, progress
+from featdiff import names
 from featdiff.errors import InputError
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference import rope_params
-from featdiff.reference.gguf_io import GgufModel, array_from_tensor, array_len, meta, read_gguf_weights
+from featdiff.reference.gguf_io import (
+    GgufModel,
+    array_from_tensor,
+    array_len,
+    meta,
+    read_gguf_weights,
+    release_pages,
+)
 from featdiff.reference.rope_params import RopeScaling, llama_scaling
 from featdiff.reference.weights import (
     DSpark,
     Draft,
     Hparams,
     Layer,
+    LayerStream,
     LogSnr,
     RopeType,
     Source,
@@ -149,12 +158,19 @@ def _draft_n_vocab(g: GgufModel) -> int:
 
 
 def _layer(g: GgufModel, il: int, dtype: torch.dtype, device: torch.device) -> Layer:
+    """Layer `il` in the compute dtype, built now; the pages of the file it read are released."""
     prefix = names.GGUF_LAYER_PREFIX.format(il=il)
-    t = {k: _optional(g, f"{prefix}{k}.weight", dtype, device) for k in names.GGUF_TO_HF_LAYER}
+    layer = layer_from_tensors({k: _optional(g, f"{prefix}{k}.weight", dtype, device) for k in names.GGUF_TO_HF_LAYER})
+    release_pages(g)
+    return layer
+
+
+def _check_layer(g: GgufModel, il: int) -> None:
+    """InputError when layer `il` lacks a required tensor: checked at load, from the header."""
+    prefix = names.GGUF_LAYER_PREFIX.format(il=il)
     for k in names.GGUF_TO_HF_LAYER:
-        if t[k] is None and k not in names.GGUF_OPTIONAL_LAYER:
+        if f"{prefix}{k}.weight" not in g.tensors and k not in names.GGUF_OPTIONAL_LAYER:
             raise InputError(f"{g.path}: tensor {prefix}{k}.weight is missing; re-export the GGUF with it")
-    return layer_from_tensors(t)
 
 
 def _log_snr(g: GgufModel, dtype: torch.dtype, device: torch.device) -> LogSnr | None:
@@ -193,15 +209,13 @@ def _d2t(g: GgufModel, n_vocab: int, head_rows: int, device: torch.device) -> to
     return torch.from_numpy(ids.copy()).to(device)
 
 
-def _layers(g: GgufModel, n_layer: int, dtype: torch.dtype, device: torch.device) -> tuple[Layer, ...]:
-    """Every layer's weights, with a progress bar on a deep model (featdiff.progress)."""
-    out = []
-    with progress.steps(n_layer, "layers") as step:
-        for il in range(n_layer):
-            out.append(_layer(g, il, dtype, device))
-            if step is not None:
-                step()
-    return tuple(out)
+def _layers(g: GgufModel, n_layer: int, dtype: torch.dtype, device: torch.device) -> LayerStream:
+    """The layers, streamed: each is dequantized (or upcast) from the mapped file when the forward
+    reaches it, so the compute-dtype weights of one layer are resident at a time."""
+    for il in range(n_layer):
+        _check_layer(g, il)
+    release_pages(g)  # what loading the embeddings and heads read
+    return LayerStream(n_layer, partial(_layer, g, dtype=dtype, device=device))
 
 
 def _tensor(g: GgufModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

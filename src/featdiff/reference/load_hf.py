@@ -12,12 +12,14 @@ d2t[i] + i; the record holds the absolute ids, as the GGUF does).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from featdiff import names
 from featdiff.errors import InputError
@@ -28,6 +30,7 @@ from featdiff.reference.weights import (
     Draft,
     Hparams,
     Layer,
+    LayerStream,
     LogSnr,
     Source,
     Target,
@@ -70,7 +73,7 @@ def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Targ
         token_embd=token_embd,
         output_norm=_required(w, path, names.HF_TARGET_PREFIX + names.HF_NORM),
         output=token_embd if tied else _required(w, path, names.HF_LM_HEAD),
-        layers=tuple(_layer(w, path, layer_prefix.format(il=il)) for il in range(hp.n_layer)),
+        layers=_layers(w, path, layer_prefix, hp.n_layer),
     )
 
 
@@ -104,7 +107,7 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
         output_norm=_required(w, path, names.HF_NORM),
         token_embd=token_embd,
         output=head,
-        layers=tuple(_layer(w, path, names.HF_LAYER_PREFIX.format(il=il)) for il in range(hp.n_layer)),
+        layers=_layers(w, path, names.HF_LAYER_PREFIX, hp.n_layer),
         log_snr=_log_snr(path, dflash, w),
         dspark=_dspark(path, config, w, hp),
         causal=bool(causal),
@@ -125,22 +128,42 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _weights(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+class _Weights(Mapping[str, torch.Tensor]):
+    """A HF directory's tensors by name, each read from its safetensors file when looked up
+    (in the compute dtype; integer tensors such as d2t stay int) and not kept."""
+
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device) -> None:
+        self._files = files  # tensor name -> the safetensors file holding it
+        self._dtype = dtype
+        self._device = device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._files[name]), "pt") as st:  # opened per read: no map outlives it
+            t = st.get_tensor(name)
+        return t.to(dtype=self._dtype if t.is_floating_point() else t.dtype, device=self._device)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def _weights(path: Path, dtype: torch.dtype, device: torch.device) -> _Weights:
     files = sorted(Path(path).glob(names.HF_WEIGHTS_GLOB))
     if not files:
         raise InputError(f"{path}: no {names.HF_WEIGHTS_GLOB} files; a Hugging Face directory needs its weights")
-    w: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for f in files:
-        w.update(
-            {
-                k: t.to(dtype=dtype if t.is_floating_point() else t.dtype, device=device)  # d2t stays int
-                for k, t in load_file(str(f)).items()
-            }
-        )
-    return w
+        with safe_open(str(f), "pt") as st:
+            where.update({k: f for k in st.keys()})
+    return _Weights(where, dtype, device)
 
 
-def _required(w: dict[str, torch.Tensor], path: Path, name: str) -> torch.Tensor:
+def _required(w: Mapping[str, torch.Tensor], path: Path, name: str) -> torch.Tensor:
     if name not in w:
         raise InputError(f"{path}: tensor {name!r} is missing from the safetensors; pass a complete checkpoint")
     return w[name]
@@ -187,15 +210,23 @@ def _hparams(path: Path, config: dict[str, Any], arch: str) -> Hparams:
     )
 
 
-def _layer(w: dict[str, torch.Tensor], path: Path, prefix: str) -> Layer:
-    t = {k: w.get(f"{prefix}{hf}.weight") for k, hf in names.GGUF_TO_HF_LAYER.items()}
-    for k, hf in names.GGUF_TO_HF_LAYER.items():
-        if t[k] is None and k not in names.GGUF_OPTIONAL_LAYER:
-            _required(w, path, f"{prefix}{hf}.weight")
-    return layer_from_tensors(t)
+def _layer(w: Mapping[str, torch.Tensor], prefix: str, il: int) -> Layer:
+    """Layer `il` in the compute dtype, read from the safetensors now."""
+    p = prefix.format(il=il)
+    return layer_from_tensors({k: w.get(f"{p}{hf}.weight") for k, hf in names.GGUF_TO_HF_LAYER.items()})
 
 
-def _log_snr(path: Path, dflash: dict[str, Any], w: dict[str, torch.Tensor]) -> LogSnr | None:
+def _layers(w: Mapping[str, torch.Tensor], path: Path, prefix: str, n_layer: int) -> LayerStream:
+    """The layers, streamed (weights.LayerStream); a missing tensor is an InputError now, at load."""
+    for il in range(n_layer):
+        for k, hf in names.GGUF_TO_HF_LAYER.items():
+            name = f"{prefix.format(il=il)}{hf}.weight"
+            if name not in w and k not in names.GGUF_OPTIONAL_LAYER:
+                _required(w, path, name)
+    return LayerStream(n_layer, partial(_layer, w, prefix))
+
+
+def _log_snr(path: Path, dflash: dict[str, Any], w: Mapping[str, torch.Tensor]) -> LogSnr | None:
     flag = bool(dflash.get(names.HF_LOG_SNR, False))
     lo, hi = dflash.get(names.HF_MIN_LOG_SNR), dflash.get(names.HF_MAX_LOG_SNR)
     problems = log_snr_problems(_FLAG_KEY, flag, lo, hi, set(w))
@@ -208,7 +239,7 @@ def _log_snr(path: Path, dflash: dict[str, Any], w: dict[str, torch.Tensor]) -> 
     return LogSnr(min_log_snr=float(lo), max_log_snr=float(hi), fc1_w=t[0], fc1_b=t[1], fc2_w=t[2], fc2_b=t[3])
 
 
-def _dspark(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], hp: Hparams) -> DSpark | None:
+def _dspark(path: Path, config: dict[str, Any], w: Mapping[str, torch.Tensor], hp: Hparams) -> DSpark | None:
     """The Markov and confidence heads; None for a checkpoint without `markov_head.markov_w1`."""
     shapes = {t: tuple(w[hf].shape) for t, hf in _HF_DSPARK.items() if hf in w}
     problems = dspark_problems(shapes, hp.n_embd, hp.n_vocab, _HF_DSPARK)
@@ -227,7 +258,7 @@ def _dspark(path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], hp: 
 
 
 def _d2t(
-    path: Path, config: dict[str, Any], w: dict[str, torch.Tensor], n_vocab: int, head_rows: int
+    path: Path, config: dict[str, Any], w: Mapping[str, torch.Tensor], n_vocab: int, head_rows: int
 ) -> torch.Tensor | None:
     """The reduced vocabulary's absolute target ids, `(n_vocab_draft,)` int64, from HF offsets."""
     n_vocab_draft = config.get(names.HF_DRAFT_VOCAB_SIZE) or n_vocab

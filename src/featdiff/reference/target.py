@@ -36,12 +36,13 @@ def forward_target(
     hp = model.hparams
     x = model.token_embd[tokens]  # (n_tokens, n_embd)
     inputs, records, ks, vs = [], [Named(names.TARGET_EMBD, x)], [], []
-    for il, layer in enumerate(model.layers):
+    for il in range(len(model.layers)):
         inputs.append(x)
         records.append(Named(names.layer_name(names.LAYER_INP, il), x))
         is_last = il == hp.n_layer - 1
         rows = slice(0, 0) if is_last and not has_outputs else slice(None)
-        trace = layer_forward(hp, layer, x, positions, cache, il, causal=True, out_rows=rows)
+        # indexed in the call: a streamed layer is freed before the next one is built
+        trace = layer_forward(hp, model.layers[il], x, positions, cache, il, causal=True, out_rows=rows)
         ks.append(trace.k_cache)
         vs.append(trace.v_cache)
         x = trace.l_out

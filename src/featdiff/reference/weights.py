@@ -9,6 +9,7 @@ entry of one role. The loaders live in `load.py`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -70,6 +71,29 @@ class Layer:
     ffn_down: torch.Tensor  # (n_embd, n_ff)
 
 
+class LayerStream(Sequence[Layer]):
+    """A stack's layers, each built from its (mapped) file when indexed and not kept: a forward
+    holds one layer's compute-dtype weights at a time, so an 8B target runs in a few GB."""
+
+    def __init__(self, n_layer: int, load: Callable[[int], Layer]) -> None:
+        self._n_layer = n_layer
+        self._load = load
+
+    def __len__(self) -> int:
+        return self._n_layer
+
+    @overload
+    def __getitem__(self, il: int) -> Layer: ...
+    @overload
+    def __getitem__(self, il: slice) -> tuple[Layer, ...]: ...
+    def __getitem__(self, il: int | slice) -> Layer | tuple[Layer, ...]:
+        if isinstance(il, slice):
+            return tuple(self[i] for i in range(*il.indices(self._n_layer)))
+        if not -self._n_layer <= il < self._n_layer:
+            raise IndexError(f"layer {il} of a stack of {self._n_layer}")
+        return self._load(il % self._n_layer)
+
+
 @dataclass(frozen=True)
 class Target:
     """The target model."""
@@ -79,7 +103,7 @@ class Target:
     token_embd: torch.Tensor  # (n_vocab, n_embd)
     output_norm: torch.Tensor  # (n_embd,)
     output: torch.Tensor  # (n_vocab, n_embd); the tied embeddings when there is no head
-    layers: tuple[Layer, ...]
+    layers: Sequence[Layer]  # a LayerStream when loaded from a file
 
 
 @dataclass(frozen=True)
@@ -147,7 +171,7 @@ class Draft:
     output_norm: torch.Tensor  # (n_embd,)
     token_embd: torch.Tensor | None  # (n_vocab, n_embd); None: borrow the target's
     output: torch.Tensor | None  # (n_vocab, n_embd); None: borrow the target's
-    layers: tuple[Layer, ...]
+    layers: Sequence[Layer]  # a LayerStream when loaded from a file
     log_snr: LogSnr | None
     dspark: DSpark | None = None  # the Markov (and confidence) head of a DSpark drafter
     causal: bool = False  # dflash.attention.causal: block rows attend causally
