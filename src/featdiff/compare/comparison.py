@@ -31,7 +31,7 @@ from featdiff.compare.namemap import NameMap, read_name_map
 from featdiff.compare.result import Comparison, Coverage, Finding, PairMetrics
 from featdiff.compare.rowshift import RowShift, measure_row_shift
 from featdiff.compare.sketch import LayerMatch
-from featdiff.compare.tolerance import Tolerance, TypeInfo, describe, tolerance_for, type_info
+from featdiff.compare.tolerance import FLOAT_TYPES, Tolerance, TypeInfo, describe, tolerance_for, type_info
 from featdiff.dump import Manifest, read_dump
 from featdiff.errors import InputError
 from featdiff.version import VERSION
@@ -214,10 +214,11 @@ def _quantized_feature_check(
     ref: Source, run: Source, plan: Plan, walk: diagnose.Walk, tols: list[Tolerance], types: TypeInfo
 ) -> Finding | None:
     """With quantized weights the tolerance can swallow a neighbouring layer: check the first
-    features' layer match even when they are within tolerance. (f32 runs never need it: their
-    tolerance is far below the difference between two layers.)"""
+    features' layer match even when they are within tolerance. (Runs on float weights never need
+    it: f32, f16 and bf16 tolerances are far below the difference between two layers.)"""
     feature = first_feature_pair(plan.pairs)
-    if not types.quant_types or feature is None or not feature.alignment.comparable:
+    quantized = [t for t in types.quant_types if t not in FLOAT_TYPES]
+    if not quantized or feature is None or not feature.alignment.comparable:
         return None
     i = plan.pairs.index(feature)
     if i in walk.roots:
