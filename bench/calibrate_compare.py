@@ -9,7 +9,7 @@ real llama.cpp build, computes the reference, compares, and prints per class of 
 pair relative error (sqrt NMSE), the worst row relative error, and the worst row / pair ratio.
 
 `--deep`: a 28-layer target (width 256, so the k-quants fit), its weights stored by the tools'
-`llama-quantize` as f16, bf16, q8_0 and q4_k (Q4_K_S), each captured in-process and compared
+`llama-quantize` as f16, bf16, q8_0, q4_k (Q4_K_S) and q1_0, each captured in-process and compared
 against two references that follow the run: one on the f32 weights (what the run's weight type
 costs), one on the very file the run loaded (dequantized by the same build's ggml: what is left
 when the weights are the same, the activations the CPU kernels round for the dot product).
@@ -78,7 +78,13 @@ DEEP = Sizes(
     target=Shape(n_layer=28, n_embd=256, n_head=4, n_head_kv=2, n_embd_head=64, n_ff=512),
     draft=Shape(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_embd_head=64, n_ff=512),
 )
-DEEP_TYPES = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_k": "Q4_K_S"}  # label -> llama-quantize's
+DEEP_TYPES = {
+    "f16": "F16",
+    "bf16": "BF16",
+    "q8_0": "Q8_0",
+    "q4_k": "Q4_K_S",
+    "q1_0": "Q1_0",
+}  # label -> llama-quantize's
 
 
 def deep(work: Path) -> None:
@@ -113,7 +119,7 @@ def deep(work: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--deep", action="store_true", help="the 28-layer target in f16, bf16, q8_0 and q4_k")
+    ap.add_argument("--deep", action="store_true", help="the 28-layer target in f16, bf16, q8_0, q4_k and q1_0")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featdiff-calib-"))
     if args.deep:
