@@ -33,7 +33,7 @@ from featdiff import names
 from featdiff.cache_dir import cache_root
 from featdiff.compare import compare_dumps
 from featdiff.dump import read_dump
-from featdiff.fixtures import _add_stack_keys, _add_vocab, _hf_config  # the fixtures' key layout
+from featdiff.fixtures import _add_stack_keys, _add_vocab, drafter_hf_config  # the fixtures' layout
 from featdiff.llama.binding import find_build
 from featdiff.llama.capture import capture
 from featdiff.llama.tools import ensure_tools
@@ -151,15 +151,8 @@ def write_draft_hf(path: Path, sz: Sizes) -> None:
         else:
             hf = f"{_HF_OF[name]}.weight"
         tensors[hf] = torch.from_numpy(_draw(2, i, shape))
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        **_hf_config(sz.draft, sz.n_vocab),
-        "block_size": BLOCK_SIZE,
-        "num_target_layers": sz.target.n_layer,
-        "target_hidden_size": sz.target.n_embd,
-        "dflash_config": {"target_layer_ids": tap_ids(sz.target.n_layer), "mask_token_id": sz.mask_token_id},
-    }
+    dflash_config = {"target_layer_ids": tap_ids(sz.target.n_layer), "mask_token_id": sz.mask_token_id}
+    config = drafter_hf_config(sz, dflash_config, block_size=BLOCK_SIZE)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / names.HF_CONFIG).write_text(json.dumps(config, indent=1))

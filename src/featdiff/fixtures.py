@@ -360,19 +360,24 @@ _DSPARK_HF = {
 }  # weights key -> HF tensor (d2t: offsets, below)
 
 
-def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
-    dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": sz.mask_token_id}
-    if v.checkpoint_log_snr:
-        dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR, "max_log_snr": MAX_LOG_SNR})
-    config = {
+def drafter_hf_config(sz: Sizes, dflash_config: dict, rope: str = "", block_size: int = BLOCK_SIZE) -> dict:
+    """A DFlash drafter's HF config.json, as the DFlash checkpoints lay it out."""
+    return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        **_hf_config(sz.draft, sz.n_vocab, v.rope),
-        "block_size": BLOCK_SIZE,
+        **_hf_config(sz.draft, sz.n_vocab, rope),
+        "block_size": block_size,
         "num_target_layers": sz.target.n_layer,
         "target_hidden_size": sz.target.n_embd,
         "dflash_config": dflash_config,
     }
+
+
+def _write_draft_hf(path: Path, w: dict, v: Variant, sz: Sizes) -> None:
+    dflash_config = {"target_layer_ids": list(HF_TARGET_LAYER_IDS), "mask_token_id": sz.mask_token_id}
+    if v.checkpoint_log_snr:
+        dflash_config.update({"log_snr_conditioning": True, "min_log_snr": MIN_LOG_SNR, "max_log_snr": MAX_LOG_SNR})
+    config = drafter_hf_config(sz, dflash_config, v.rope)
     tensors = {
         "fc.weight": w["fc"],
         "hidden_norm.weight": w["hidden_norm"],
