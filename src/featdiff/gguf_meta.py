@@ -103,20 +103,17 @@ def open_gguf(path: Path):
     than gguf-py (Q2_0, ...) is learnt from the default llama.cpp build's ggml, once."""
     from gguf import GGUFReader
 
-    try:
-        return GGUFReader(str(path))
-    except ValueError as e:
-        if UNKNOWN_TYPE_MESSAGE not in str(e) or not _learn_types(path, e):
+    for first in (True, False):
+        try:
+            return GGUFReader(str(path))
+        except (ValueError, OSError, KeyError, IndexError) as e:
+            if first and UNKNOWN_TYPE_MESSAGE in str(e) and _learn_types(path, e):
+                continue  # the types it lacked are taught: read again
             raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
-    except (OSError, KeyError, IndexError) as e:
-        raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
-    try:
-        return GGUFReader(str(path))
-    except (ValueError, OSError, KeyError, IndexError) as e:
-        raise InputError(f"{path}: not a readable GGUF ({e}); re-export the model") from None
+    raise AssertionError("unreachable: the second read returns or raises")
 
 
-def _learn_types(path: Path, error: ValueError) -> bool:
+def _learn_types(path: Path, error: Exception) -> bool:
     """Teach gguf-py the tensor types of the default build's ggml; whether any was new."""
     from featdiff.llama import ggml_dequant
 

@@ -52,8 +52,8 @@ REL_KV_UNKNOWN = 16 * REL_KV_Q8_0  # a cache type this table does not know: trea
 # worst pair, always the target's result_output): f16 2.2e-3, bf16 1.1e-2, q8_0 4.5e-2 (the
 # 6-layer fixtures: 2.6e-2), q4_k 3.4e-1, q1_0 1.4 (a 1-bit model is another model). The last two
 # are beyond MAX_REL: such a run is judged well only against a reference of its own file
-# (REL_SAME_FILE). The types not measured are scaled
-# from q8_0 by their quantization step, 2**(8 - bits) (k-quants counted one bit better).
+# (REL_SAME_FILE). The types not measured are scaled from q8_0 by their quantization step,
+# 2**(8 - bits) (k-quants counted one bit better).
 REL_WEIGHT: dict[str, float] = {
     "f32": 0.0,
     "f16": 2.2e-3,
@@ -77,9 +77,9 @@ REL_WEIGHT_UNKNOWN = 2.4e-1  # a type this table does not know: treated like a 4
 # dequantized it with the run's ggml): what is left is the activations the CPU kernels round for
 # the dot product (q8 for the quantized types, f16 / bf16 for those). Measured with the f32 figures
 # above, same runs, worst pair including the f16 KV cache's share: f16 1.7e-3, bf16 7.7e-3, q8_0
-# 2.9e-2, q4_k 4.0e-2, q1_0 1.8e-2; pre-attention tensors (the embedding rows) agree bitwise. The CPU kernels
-# round activations to q8 (q8_0, q8_1 or q8_K) for every quantized weight type, so a quantized type
-# not measured takes the q4_k figure; a float type not measured, REL_WEIGHT's.
+# 2.9e-2, q4_k 4.0e-2, q1_0 1.8e-2; pre-attention tensors (the embedding rows) agree bitwise. The
+# CPU kernels round activations to q8 (q8_0, q8_1 or q8_K) for every quantized weight type, so a
+# quantized type not measured takes the q4_k figure; a float type not measured, REL_WEIGHT's.
 REL_SAME_FILE: dict[str, float] = {"f16": 1.7e-3, "bf16": 7.7e-3, "q8_0": 2.9e-2, "q4_k": 4.0e-2, "q1_0": 1.8e-2}
 REL_SAME_FILE_QUANTIZED = REL_SAME_FILE["q4_k"]
 FLOAT_TYPES = ("f32", "f16", "bf16", "f64")

@@ -6,9 +6,9 @@ the features token-major into the drafter's KV cache, draft a block `[anchor, ma
 (featdiff.blocks: `draft_max` drafts, llama.cpp's `--spec-draft-n-max`), verify on the target,
 inject the verified rows, keep the accepted ones. On a build of the older batch API generation
 (llama_batch + llama_decode) an injection is two evals, as that generation's speculative.cpp
-makes it: llama_encode of the features, then llama_decode of the rows the encoder made. The logits each draft row is sampled from (and
-a DSpark drafter's confidences) are read back through the API and recorded: no graph node holds
-DSpark's Markov-biased logits.
+makes it: llama_encode of the features, then llama_decode of the rows the encoder made. The
+logits each draft row is sampled from (and a DSpark drafter's confidences) are read back through
+the API and recorded: no graph node holds DSpark's Markov-biased logits.
 """
 
 from __future__ import annotations

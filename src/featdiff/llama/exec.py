@@ -135,7 +135,7 @@ def _encoded_positions(evals: tuple[ExecEval, ...]) -> dict[int, tuple[int, ...]
     for i, ev in enumerate(evals):
         if ev.call != names.CALL_ENCODE or not ev.is_embd or any(p != POS_UNSET for p in ev.positions):
             continue
-        after = next((n for n in evals[i + 1 :] if n.ctx == ev.ctx), None)
+        after = next((evals[j] for j in range(i + 1, len(evals)) if evals[j].ctx == ev.ctx), None)
         if after is not None and after.is_embd and len(after.positions) == len(ev.positions):
             out[ev.eval] = after.positions
     return out
@@ -175,7 +175,8 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     """Each eval with its phase (docs/flow.md) and round.
 
     Drafter: an embd batch is `inject` (on the older generation two evals: the encoder's, which
-    takes the positions of the decode after it, and that decode), a token batch is `draft` and opens a round. Target: a
+    takes the positions of the decode after it, and that decode), a token batch is `draft` and
+    opens a round. Target: a
     token batch after a draft is its `verify`; once a sequence has drafted, a target decode
     without a new draft is a `verify` of no drafts in a round of its own (llama-server does this
     when the length budget leaves no room to draft); before that it is `prefill`. Warm-up and

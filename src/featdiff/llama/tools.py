@@ -122,11 +122,13 @@ def ensure_library(root: Path | None = None) -> Path:
     root = Path(root or tools_dir())
     source = source_tree(root)
     key = build_key(source)
-    lib = _build_dir(root, source) / "bin" / LIBLLAMA
+    build_dir = _build_dir(root, source)
     stamps = [root / STAMP, root / LIBRARY_STAMP]
-    if lib.exists() and any(s.is_file() and json.loads(s.read_text()).get("key") == key for s in stamps):
+    if (build_dir / "bin" / LIBLLAMA).exists() and any(
+        s.is_file() and json.loads(s.read_text()).get("key") == key for s in stamps
+    ):
         return source
-    seconds = _build(source, _build_dir(root, source), LIBRARY_TARGETS)
+    seconds = _build(source, build_dir, LIBRARY_TARGETS)
     (root / LIBRARY_STAMP).write_text(json.dumps({"key": key, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s in %.0f s", ", ".join(LIBRARY_TARGETS), seconds)
     return source
@@ -330,9 +332,9 @@ def ensure_release(
     source, build_dir = root / "src", root / "src" / "build"
     want = {"spec": spec, "targets": list(targets), "options": list(options)}
     stamp = root / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()).get("want") == want:
-        if all((build_dir / "bin" / t).is_file() for t in targets if t.startswith("llama-")):
-            return ToolBuild(root, source, build_dir / "bin", float(json.loads(stamp.read_text())["seconds"]))
+    built = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    if built.get("want") == want and all((build_dir / "bin" / t).is_file() for t in targets if t.startswith("llama-")):
+        return ToolBuild(root, source, build_dir / "bin", float(built["seconds"]))
     if not (source / "include" / "llama.h").is_file():
         _unpack(_download(root / "sdist", spec), source)
     seconds = _build(source, build_dir, targets, options)

@@ -212,12 +212,10 @@ static void note(struct fdp_buf * b) {
 
 /* ---------------------------------------------------------------- set-up */
 
-static void * lookup(const char * name) {
+/* The program's `name`; a missing one is said on stderr unless it is `optional`. */
+static void * lookup(const char * name, int optional) {
     void * fn = dlsym(RTLD_NEXT, name);
-    /* the ext batch API is absent from a program of the older generation: nothing to say */
-    if (!fn && strncmp(name, "llama_batch_ext", 15) != 0 && strcmp(name, "llama_process") != 0) {
-        fprintf(stderr, "featdiff preload: the program's llama.cpp has no %s\n", name);
-    }
+    if (!fn && !optional) fprintf(stderr, "featdiff preload: the program's llama.cpp has no %s\n", name);
     return fn;
 }
 
@@ -227,9 +225,12 @@ static void * lookup(const char * name) {
     __attribute__((used)) static const struct { const void * repl; const void * orig; } \
     fdp_interpose_##name __attribute__((section("__DATA,__interpose"))) = { (const void *) &hook, (const void *) &name };
 #define FDP_RESOLVE(field, name) G.real.field = &name
+#define FDP_RESOLVE_EXT(field, name) FDP_RESOLVE(field, name)
 #else
 #define FDP_HOOK(name, hook) __typeof__(name) name __attribute__((alias(#hook), visibility("default")));
-#define FDP_RESOLVE(field, name) G.real.field = (__typeof__(G.real.field)) lookup(#name)
+#define FDP_RESOLVE(field, name) G.real.field = (__typeof__(G.real.field)) lookup(#name, 0)
+/* the ext batch API: absent from a program of the older generation, which never calls it */
+#define FDP_RESOLVE_EXT(field, name) G.real.field = (__typeof__(G.real.field)) lookup(#name, 1)
 #endif
 
 static void resolve(void) {
@@ -241,17 +242,17 @@ static void resolve(void) {
     FDP_RESOLVE(clear_mem, llama_memory_clear);
     FDP_RESOLVE(seq_rm, llama_memory_seq_rm);
 #if FDP_BATCH_EXT
-    FDP_RESOLVE(process, llama_process);
-    FDP_RESOLVE(batch_init, llama_batch_ext_init);
-    FDP_RESOLVE(batch_free, llama_batch_ext_free);
-    FDP_RESOLVE(batch_clear, llama_batch_ext_clear);
-    FDP_RESOLVE(batch_add, llama_batch_ext_add);
-    FDP_RESOLVE(batch_add_token, llama_batch_ext_add_token);
-    FDP_RESOLVE(batch_add_embd, llama_batch_ext_add_embd);
-    FDP_RESOLVE(batch_add_seq, llama_batch_ext_add_seq);
-    FDP_RESOLVE(batch_output_logits, llama_batch_ext_set_output_logits);
-    FDP_RESOLVE(batch_output_embd, llama_batch_ext_set_output_embd);
-    FDP_RESOLVE(batch_set_pos, llama_batch_ext_set_pos);
+    FDP_RESOLVE_EXT(process, llama_process);
+    FDP_RESOLVE_EXT(batch_init, llama_batch_ext_init);
+    FDP_RESOLVE_EXT(batch_free, llama_batch_ext_free);
+    FDP_RESOLVE_EXT(batch_clear, llama_batch_ext_clear);
+    FDP_RESOLVE_EXT(batch_add, llama_batch_ext_add);
+    FDP_RESOLVE_EXT(batch_add_token, llama_batch_ext_add_token);
+    FDP_RESOLVE_EXT(batch_add_embd, llama_batch_ext_add_embd);
+    FDP_RESOLVE_EXT(batch_add_seq, llama_batch_ext_add_seq);
+    FDP_RESOLVE_EXT(batch_output_logits, llama_batch_ext_set_output_logits);
+    FDP_RESOLVE_EXT(batch_output_embd, llama_batch_ext_set_output_embd);
+    FDP_RESOLVE_EXT(batch_set_pos, llama_batch_ext_set_pos);
 #else
     /* compiled against headers of the older generation: a program of the newer one decodes
      * through llama_process, which this build of the preload cannot see */
