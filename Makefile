@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel, pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,lint]'
+	$(BIN)/pip install -q -e '.[test,lint,convert]'
 	touch $(STAMP)
 
 # libllama of the pinned llama.cpp (llama-cpp-python 0.3.36's sdist, with featdiff's patches),
@@ -52,7 +52,7 @@ test: setup lint browser tools
 # Everything that needs neither the tools build nor a browser (markers in pyproject.toml,
 # tests/conftest.py): measured 121 s (720 tests) on 2 idle cores after set-up, the trained fixture cached.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not cuda and not tools and not browser"
+	$(BIN)/python -m pytest -q -m "not cuda and not tools and not browser and not slow"
 
 # On a machine with an NVIDIA GPU and a CUDA build of llama.cpp (FEATDIFF_CUDA_LLAMA_DIR=DIR).
 test-cuda: setup

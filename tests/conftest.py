@@ -14,7 +14,7 @@ from findings_schema import validate_findings, written
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 _UNCHECKED_TO_JSON = Comparison.to_json
-TOOLS_FIXTURE = "tools"  # tests/llama/test_exec.py: featdiff's build of the llama.cpp programs
+TOOLS_FIXTURE = "tools"  # the fixture below: featdiff's build of the llama.cpp programs
 THROUGH_SERVER = "through_server"  # a probe parameter: True runs it through the built llama-server
 
 
@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
         through_server = callspec is not None and callspec.params.get(THROUGH_SERVER) is True
         if TOOLS_FIXTURE in getattr(item, "fixturenames", ()) or through_server:
             item.add_marker(pytest.mark.tools)
+
+
+@pytest.fixture(scope="session")
+def tools():
+    """featdiff's build of the pinned llama.cpp programs (llama-server, llama-speculative-simple,
+    llama-quantize, ...) and their source tree, built once per machine (`make tools`)."""
+    from featdiff.llama.tools import ensure_tools
+
+    return ensure_tools()
 
 
 def _checked_to_json(self: Comparison) -> dict:

@@ -45,14 +45,6 @@ CHECK_JSON_KEYS = {
 }
 
 
-@pytest.fixture(scope="session")
-def tools():
-    """The pinned llama.cpp tools with featdiff's patches (`make tools`), built once per machine."""
-    from featdiff.llama.tools import ensure_tools
-
-    return ensure_tools()
-
-
 def _prompts(d: Path, out: Path, n: int = N_PROMPTS) -> Path:
     lines = (d / fixtures.PROMPTS_FILE).read_text().splitlines()[:n]
     out.write_text("\n".join(lines) + "\n")

@@ -12,7 +12,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXIT_FINDINGS = 1  # compare/report/probe: error findings or an accept gap, which the examples show
+EXIT_OK, EXIT_FINDINGS = 0, 1  # 1: error findings or an accept gap, which some examples show
+
+# What README.md promises of each command its `sh` blocks show: (a pattern the command matches,
+# the exit code, a text its output holds). Every command matches exactly one promise, so a new
+# example needs its promise written here.
+PROMISES = (
+    (r"^featdiff fixture ", EXIT_OK, ""),
+    (r"^featdiff check .*ci/trained/", EXIT_OK, "PASS: the wiring compares clean"),  # the trained pair passes
+    (r"^featdiff probe .*out/trained/", EXIT_OK, "agree"),  # mean len 4.00 of 4, run = ref
+    (r"^featdiff probe .*out/broken/", EXIT_FINDINGS, "GAP"),  # run 1.25, ref 4.00: GAP, exit 1
+    (r"^featdiff capture ", EXIT_OK, ""),
+    (r"^featdiff reference ", EXIT_OK, ""),
+    (r"^featdiff report ", EXIT_FINDINGS, ""),  # `featdiff report` exits 1 (error findings)
+)
+
+
+def _promise(command: str) -> tuple[int, str]:
+    """The exit code and the output text README.md promises for `command`."""
+    found = [(code, text) for pattern, code, text in PROMISES if re.search(pattern, command, flags=re.S)]
+    assert len(found) == 1, f"{command!r} matches {len(found)} promises: write its promise in PROMISES"
+    return found[0]
 
 
 def _env() -> dict[str, str]:
@@ -28,8 +48,10 @@ def test_readme_sh_block_runs(index, tmp_path):
     block = _sh_blocks((ROOT / "README.md").read_text())[index]
     commands = [c for c in re.split(r"(?<!\\)\n", block) if c.strip()]
     for command in commands:
+        code, text = _promise(command)
         result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(), capture_output=True, text=True)
-        assert result.returncode in (0, EXIT_FINDINGS), (command, result.stderr[-2000:])
+        assert result.returncode == code, (command, result.stdout[-2000:], result.stderr[-2000:])
+        assert text in result.stdout, (command, text, result.stdout[-2000:])
         for written in re.findall(r"-o (\S+)", command):
             assert (tmp_path / written).exists(), (command, written)
 

@@ -15,6 +15,7 @@ def test_in_process_options_are_read_as_llama_cpp_spells_them():
     assert o.kv["target"] == CacheTypes("q8_0", "q8_0") and o.kv["draft"] == CacheTypes()
     assert (o.flash_attn, o.n_gpu_layers, o.threads, o.n_ctx) == ("on", 0, 2, 512)
     assert parse_run_options([]) == RunOptions()
+    assert parse_run_options(["-ub", "4"]).n_ubatch == 4 and parse_run_options([]).n_ubatch is None
 
 
 @pytest.mark.parametrize(
@@ -26,7 +27,7 @@ def test_in_process_options_are_read_as_llama_cpp_spells_them():
         (["-fa", "yes"], "-fa yes: expected one of on, off, auto"),
         (["-t", "0"], "-t 0: expected an integer >= 1"),
         (["-ngl", "many"], "-ngl many"),
-        (["-ub", "8"], "-ub: in-process capture decodes each batch as one graph"),
+        (["-ub", "0"], "-ub 0: expected an integer >= 1"),
     ],
 )
 def test_bad_in_process_options_are_refused(args, says):

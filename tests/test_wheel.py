@@ -19,6 +19,7 @@ from featdiff.llama.binding import find_build
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
+pytestmark = pytest.mark.slow  # builds and installs a wheel: not part of `make test-fast`
 
 
 @pytest.fixture(scope="module")

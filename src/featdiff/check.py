@@ -2,8 +2,10 @@
 
 Consumes a GGUF pair, the reference's models and a llama.cpp build (in-process) or a program to
 run around (`--exec`: llama-server or llama-speculative-simple); runs the stages in order: a short
-capture, the reference on the run's prompt tokens and block length, compare, and the greedy
-accept probe of run and reference (featdiff.probe). Produces a `CheckResult`: the comparison, the
+capture, the reference on the run's prompt tokens and block length, following the run's tokens
+from wherever its own choice parts from them (`reference --run`: a parting at a near-tie is
+information, the rounds after it are still compared), compare, and the greedy accept probe of run
+and reference (featdiff.probe). Produces a `CheckResult`: the comparison, the
 probe, the accept judgement, the verdict and its reasons; writes the JSON, the HTML report and
 the Markdown summary (for a CI job's page) on request. `check` plans (`plan_check`: every input
 and output checked before a model runs), then executes (`run_check`).
@@ -282,7 +284,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
         device="cpu",
         kv_dtype="f16",
         llama_dir=plan.llama_dir,
-        run=run,
+        run=run,  # the block length, p_min, and the run's tokens to follow after a parting
     )
     comparison = compare_dumps(ref, run)
     report = None

@@ -21,6 +21,7 @@ import typer
 from typer.core import TyperGroup
 
 from featdiff.errors import InputError, Interrupted
+from featdiff.outputs import is_no_room, no_room_error
 
 
 class _App(TyperGroup):
@@ -34,6 +35,12 @@ class _App(TyperGroup):
         except InputError as e:
             typer.echo(f"featdiff: error: {e}", err=True)
             raise typer.Exit(EXIT_INPUT) from None
+        except OSError as e:
+            if not is_no_room(e):
+                raise _internal_error(e) from None
+            # a write out of room that no writer named (outputs.replaced and the dump writer do)
+            typer.echo(f"featdiff: error: {no_room_error(e.filename or 'an output', e)}", err=True)
+            raise typer.Exit(EXIT_INPUT) from None
         except KeyboardInterrupt as e:
             stop = e if isinstance(e, Interrupted) else Interrupted.of(e)
             typer.echo(f"featdiff: {stop}", err=True)
@@ -41,12 +48,17 @@ class _App(TyperGroup):
         except Exception as e:  # noqa: BLE001 - the contract: a bug exits 3 with one line, not a traceback
             if type(e).__module__.startswith(CLI_FRAMEWORK_MODULES):
                 raise  # usage errors, --help, typer.Exit: the framework's own way out
-            typer.echo(
-                f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; "
-                f"the traceback is in {_crash_report()}",
-                err=True,
-            )
-            raise typer.Exit(EXIT_INTERNAL) from None
+            raise _internal_error(e) from None
+
+
+def _internal_error(e: Exception) -> typer.Exit:
+    """Say that `e` is a bug of featdiff's, its traceback in a file; the exit to raise."""
+    typer.echo(
+        f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; "
+        f"the traceback is in {_crash_report()}",
+        err=True,
+    )
+    return typer.Exit(EXIT_INTERNAL)
 
 
 def _crash_report() -> str:
@@ -165,6 +177,14 @@ def capture(
     exec_: Annotated[
         bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")
     ] = False,
+    requests: Annotated[
+        Optional[int],
+        typer.Option(
+            "--requests",
+            min=1,
+            help="With --exec of llama-server and no --prompt/--tokens: stop after N of your own requests have completed (default: at Ctrl-C).",
+        ),
+    ] = None,
 ) -> None:
     """Capture named tensors from a real llama.cpp build into a dump. In-process, llama.cpp's run options follow the
     featdiff options as the programs spell them: -ctk/-ctv, -ctkd/-ctvd (drafter), -fa on|off|auto, -ngl, -ngld, -t, -c."""
@@ -172,7 +192,19 @@ def capture(
 
     if exec_:
         path = capture_mod.capture_exec(
-            list(ctx.args), output, filters, llama_dir, prompt, tokens, draft_max=draft_max, p_min=p_min
+            list(ctx.args),
+            output,
+            filters,
+            llama_dir,
+            prompt,
+            tokens,
+            draft_max=draft_max,
+            p_min=p_min,
+            n_requests=requests,
+        )
+    elif requests is not None:
+        raise InputError(
+            f"--requests {requests} counts llama-server's requests: give it with --exec -- llama-server ..."
         )
     else:
         from featdiff.llama.options import parse_run_options
@@ -489,4 +521,7 @@ def main() -> None:
     logging.getLogger("featdiff").setLevel(logging.INFO)
     for s in STOP_SIGNALS:
         signal.signal(s, _raise_interrupted)
+    # past a file-size limit (`ulimit -f`) a write then fails with EFBIG, which names the output
+    # (featdiff.outputs), instead of SIGXFSZ killing featdiff; subprocess restores it for programs
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     app()

@@ -15,7 +15,7 @@ import tokenize
 import zipfile
 import zlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,7 +45,7 @@ from featdiff.manifest_fields import (
     shown,
 )
 from featdiff.names import CALL_DECODE, CALL_ENCODE, ROLES, Phase, Role
-from featdiff.outputs import partial_path
+from featdiff.outputs import is_no_room, no_room_error, partial_path
 
 FORMAT = "featdiff-dump"
 VERSION = 1
@@ -139,6 +139,12 @@ class Eval:
     # "encode": the older generation's inject encoder step (llama_encode of the features): it
     # computes the rows the decode after it injects, and writes nothing to the KV cache
     call: str = CALL_DECODE
+    # the index of this graph within its decode call, when llama.cpp computed the call as several
+    # graphs (a batch larger than n_ubatch: one eval per graph, each with its rows); None: one graph
+    ubatch: int | None = None
+    # which flow of the run (one request of one sequence: docs/flow.md "Several flows") this eval
+    # belongs to; a dump of one flow has 0 throughout and does not write it
+    flow: int = 0
 
     @property
     def writes_cache(self) -> bool:
@@ -148,6 +154,10 @@ class Eval:
         out = asdict(self)
         if out["call"] == CALL_DECODE:
             del out["call"]  # written only where it says something: dumps stay as they were
+        if out["ubatch"] is None:
+            del out["ubatch"]
+        if out["flow"] == 0:
+            del out["flow"]
         return dict(sorted(out.items()))
 
     @staticmethod
@@ -166,6 +176,8 @@ class Eval:
             round=f.get("round", as_count, default=0),
             rc=f.get("rc", as_int, default=0),
             call=f.get("call", as_call, default=CALL_DECODE),
+            ubatch=f.get("ubatch", as_count_or_null, default=None),
+            flow=f.get("flow", as_count, default=0),
         )
         _check_per_token(ev, at)
         return ev
@@ -190,9 +202,13 @@ class Round:
     drafts: tuple[int, ...]
     accepted: int
     target_tokens: tuple[int, ...]
+    flow: int = 0  # the flow the round belongs to (Eval.flow); not written when 0
 
     def to_json(self) -> dict[str, Any]:
-        return dict(sorted(asdict(self).items()))
+        out = asdict(self)
+        if out["flow"] == 0:
+            del out["flow"]
+        return dict(sorted(out.items()))
 
     @staticmethod
     def from_json(d: Any, at: str = "round") -> Round:
@@ -206,6 +222,35 @@ class Round:
             drafts=f.get("drafts", as_ints),
             accepted=f.get("accepted", as_int),
             target_tokens=f.get("target_tokens", as_ints, default=()),
+            flow=f.get("flow", as_count, default=0),
+        )
+
+
+@dataclass(frozen=True)
+class FlowInfo:
+    """One flow of a run of several (docs/flow.md "Several flows"): the request one sequence
+    (llama.cpp seq id) served. `prompt_tokens` is the whole prompt as docs/flow.md counts it; the
+    first `n_cached` of its positions were decoded before this flow began (a prompt cache the
+    program reused), so its prefill starts there."""
+
+    flow: int
+    seq_id: int
+    prompt_tokens: tuple[int, ...]
+    n_cached: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["prompt_tokens"] = list(self.prompt_tokens)
+        return dict(sorted(out.items()))
+
+    @staticmethod
+    def from_json(d: Any, at: str = "flow") -> FlowInfo:
+        f = Fields.of(d, at)
+        return FlowInfo(
+            flow=f.get("flow", as_count),
+            seq_id=f.get("seq_id", as_int),
+            prompt_tokens=f.get("prompt_tokens", as_ints),
+            n_cached=f.get("n_cached", as_count, default=0),
         )
 
 
@@ -326,6 +371,20 @@ class Manifest:
     # where the producer inferred the flow (phases, rounds) rather than knowing it, and the run broke
     # the convention it inferred from: one sentence each (optional; `capture --exec` writes them)
     flow_notes: tuple[str, ...] = ()
+    # the flows of a run of several requests or sequences (optional: a dump without it is one flow)
+    flows: tuple[FlowInfo, ...] = ()
+
+    def flow_ids(self) -> tuple[int, ...]:
+        """The flows the evals belong to, in order (a dump of one flow: (0,))."""
+        return tuple(sorted({e.flow for e in self.evals})) or (0,)
+
+    def flow_info(self, flow: int) -> FlowInfo:
+        """`flows[flow]`, or what a dump of one flow says of it."""
+        found = next((f for f in self.flows if f.flow == flow), None)
+        if found is not None:
+            return found
+        seqs = {s for e in self.evals if e.flow == flow for s in e.seq_ids}
+        return FlowInfo(flow, min(seqs) if seqs else 0, self.prompt_tokens if flow == 0 else ())
 
     def model(self, role: Role) -> ModelInfo | None:
         """`models[role]`, typed (featdiff.gguf_meta.ModelInfo); None when the dump has no such entry."""
@@ -342,6 +401,7 @@ class Manifest:
             "build": self.build,
             "evals": [e.to_json() for e in self.evals],
             "flow_notes": list(self.flow_notes),
+            **({"flows": [f.to_json() for f in self.flows]} if self.flows else {}),
             "format": FORMAT,
             "memory_ops": [m.to_json() for m in self.memory_ops],
             "models": self.models,
@@ -369,7 +429,26 @@ class Manifest:
             prompt_tokens=f.get("prompt_tokens", as_ints, default=()),
             memory_ops=f.get("memory_ops", as_objects, MemoryOp.from_json, default=()),
             flow_notes=f.get("flow_notes", as_strs, default=()),
+            flows=f.get("flows", as_objects, FlowInfo.from_json, default=()),
         )
+
+
+def flow_view(m: Manifest, flow: int) -> Manifest:
+    """The manifest of one flow of a run of several: its evals, records, rounds and prompt, and the
+    KV-cache edits of its sequence (eval numbers stay the dump's). The flow notes go with flow 0."""
+    info = m.flow_info(flow)
+    evals = tuple(e for e in m.evals if e.flow == flow)
+    ids = {e.eval for e in evals}
+    return replace(
+        m,
+        evals=evals,
+        records=tuple(r for r in m.records if r.eval in ids),
+        rounds=tuple(r for r in m.rounds if r.flow == flow),
+        prompt_tokens=info.prompt_tokens,
+        memory_ops=tuple(op for op in m.memory_ops if op.seq_id in (-1, info.seq_id)),
+        flow_notes=m.flow_notes if flow == m.flow_ids()[0] else (),
+        flows=(info,) if m.flows else (),
+    )
 
 
 def record_key(eval_index: int, role: str, name: str, occurrence: int) -> str:
@@ -394,7 +473,9 @@ class DumpWriter:
     """Writes a dump member by member; the manifest goes in last, on `close`.
 
     The file is written under a temporary name (featdiff.outputs.partial_path) and renamed at the
-    end, so an existing dump at `path` is never left half-overwritten.
+    end, so an existing dump at `path` is never left half-overwritten. A write that fails removes
+    the temporary file; one that runs out of room (disk, quota, `ulimit -f`) is an InputError
+    naming `path` (featdiff.outputs.no_room_error).
     """
 
     path: Path
@@ -404,7 +485,10 @@ class DumpWriter:
     def __post_init__(self) -> None:
         self.path = Path(self.path)
         self._tmp = partial_path(self.path)
-        self._zip = zipfile.ZipFile(self._tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
+        try:
+            self._zip = zipfile.ZipFile(self._tmp, "w", zipfile.ZIP_STORED, allowZip64=True)
+        except OSError as e:
+            raise self._failed(e) from None
 
     def add(self, record: Record, array: np.ndarray) -> None:
         """Store one record's array; its `dtype`/`shape` fields must match what is stored."""
@@ -413,19 +497,37 @@ class DumpWriter:
                 f"{record.key}: record says {record.dtype}{record.shape}, array is {array.dtype}{array.shape}"
             )
         assert self._zip is not None
-        with self._zip.open(record.key + NPY_SUFFIX, "w", force_zip64=True) as f:
-            np.lib.format.write_array(f, array, allow_pickle=False)
+        try:
+            with self._zip.open(record.key + NPY_SUFFIX, "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, array, allow_pickle=False)
+        except OSError as e:
+            raise self._failed(e) from None
         self._records.append(record)
 
     def close(self, manifest: Manifest) -> Path:
         """Write the manifest (its records are those added) and move the file into place."""
         assert self._zip is not None
         full = Manifest(**{**manifest.__dict__, "records": tuple(self._records)})
-        self._zip.writestr(MANIFEST_MEMBER, json.dumps(full.to_json(), indent=1, sort_keys=True))
-        self._zip.close()
+        try:
+            self._zip.writestr(MANIFEST_MEMBER, json.dumps(full.to_json(), indent=1, sort_keys=True))
+            self._zip.close()
+        except OSError as e:
+            raise self._failed(e) from None
         self._zip = None
         self._tmp.replace(self.path)
         return self.path
+
+    def _failed(self, e: OSError) -> BaseException:
+        """Remove the temporary file after a failed write; what to raise for `e`: an InputError
+        naming the dump when it ran out of room, else `e` itself (a bug or a broken disk)."""
+        zf, self._zip = self._zip, None
+        if zf is not None:
+            try:
+                zf.close()  # releases the file even when its central directory cannot be written
+            except (OSError, ValueError):  # that write failing too changes nothing: the file goes
+                pass
+        self._tmp.unlink(missing_ok=True)
+        return no_room_error(self.path, e) if is_no_room(e) else e
 
 
 def record_from_array(

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from featdiff import names
@@ -415,3 +417,117 @@ def _dspark_hf_config(w: dict, v: Variant) -> dict:
     if "d2t" in w:
         config[names.HF_DRAFT_VOCAB_SIZE] = int(w["d2t"].size)
     return config
+
+
+# --- converter keys on a clean pair (featdiff.modelled; tests/reference/test_modelled.py) -------
+# Each feature: the drafter GGUF keys the pinned converter writes, and the config.json fields it
+# writes them from (conversion/qwen.py DFlashModel.set_gguf_parameters). A feature fixture is the
+# clean pair with both added: a correct model llama.cpp computes as its metadata says.
+
+
+def _feature_specs() -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """feature -> (GGUF keys, dflash_config fields, top-level config.json fields)."""
+    from featdiff import modelled as m
+
+    n_layer = TINY.draft.n_layer
+    pattern = [il % 2 == 0 for il in range(n_layer)]
+    return {
+        "embedding-scale": ({m.KEY_EMBEDDING_SCALE: 2.0}, {m.HF_EMBEDDING_SCALE: 2.0}, {}),
+        "value-scale": ({m.KEY_ATTN_VALUE_SCALE: 0.5}, {m.HF_VALUE_SCALE: 0.5}, {}),
+        "logit-scale": (
+            {m.KEY_LOGIT_SCALE: 3.0, m.KEY_SOFTCAP: 30.0},
+            {m.HF_OUTPUT_MULTIPLIER: 3.0, m.HF_SOFTCAP: 30.0},
+            {},
+        ),
+        "fc-scale": ({}, {}, {}),
+        "attn-sinks": ({}, {}, {}),
+        "sliding-window": (
+            {m.KEY_SLIDING_WINDOW: 4, m.KEY_SLIDING_WINDOW_PATTERN: pattern},
+            {},
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
+            },
+        ),
+    }
+
+
+FC_SCALE = 1e-3  # fc.scale: small enough that the encoder norm's eps shows it (s^2 ms ~ RMS_EPS)
+SINK_LOGIT = 1.5  # every head's attention sink logit: a sizeable share of each softmax
+
+
+def _feature_tensors(feature: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """feature -> (GGUF tensors, HF tensors) it adds: fc's ModelOpt per-tensor scale, which the
+    converter writes as `fc.scale`; per-head attention sinks (gpt-oss's `self_attn.sinks`)."""
+    from featdiff import modelled as m
+
+    d = TINY.draft
+    if feature == "fc-scale":
+        scale = np.array([FC_SCALE], dtype=np.float32)  # (1,)
+        return {m.T_FC_SCALE: scale}, {m.HF_FC_SCALE: scale.reshape(())}
+    if feature == "attn-sinks":
+        sinks = np.full(d.n_head, SINK_LOGIT, dtype=np.float32) + np.arange(d.n_head, dtype=np.float32) / d.n_head
+        return (
+            {f"blk.{il}.attn_sinks.weight": sinks for il in range(d.n_layer)},
+            {f"layers.{il}.self_attn.sinks": sinks for il in range(d.n_layer)},
+        )
+    return {}, {}
+
+
+def feature_names() -> tuple[str, ...]:
+    return tuple(_feature_specs())
+
+
+def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Path:
+    """The clean pair in `outdir` with `feature`'s converter keys in `draft.gguf` and its fields in
+    `draft-hf/config.json` (`_feature_specs`); return `outdir`."""
+    specs = _feature_specs()
+    if feature not in specs:
+        raise InputError(f"feature {feature!r}: choose one of {', '.join(specs)}")
+    gguf_keys, dflash_fields, top_fields = specs[feature]
+    gguf_tensors, hf_tensors = _feature_tensors(feature)
+    out = write_fixture(outdir, "clean", seed)
+    with replaced(out / "draft.gguf") as tmp:
+        _copy_gguf_with_keys(out / "draft.gguf", tmp, gguf_keys, gguf_tensors)
+    if hf_tensors:
+        weights = out / "draft-hf" / "model.safetensors"
+        with safe_open(str(weights), "np") as st:
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
+        with replaced(weights) as tmp:
+            save_file({**tensors, **hf_tensors}, str(tmp))
+    config_path = out / "draft-hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config[names.HF_DFLASH_CONFIG].update(dflash_fields)
+    config.update(top_fields)
+    with replaced(config_path) as tmp:
+        tmp.write_text(json.dumps(config, indent=1))
+    with replaced(out / "VARIANT") as tmp:
+        tmp.write_text(f"clean + {feature}: {', '.join([*gguf_keys, *sorted(gguf_tensors)])}\n")
+    return out
+
+
+def _copy_gguf_with_keys(src: Path, dst: Path, keys: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+    """`src` written to `dst` with `keys` added (float as f32, bool lists as bool arrays, int as
+    u32) and `tensors` after its own."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(src))
+    wr = GGUFWriter(str(dst), str(reader.fields[names.KEY_ARCH].contents()))
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == names.KEY_ARCH:
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        wr.add_key_value(key, f.contents(), f.types[0], sub)
+    for key, value in keys.items():
+        if isinstance(value, list):
+            wr.add_array(key, value)
+        elif isinstance(value, float):
+            wr.add_float32(key, value)
+        else:
+            wr.add_uint32(key, int(value))
+    for t in reader.tensors:
+        wr.add_tensor(t.name, np.array(t.data))
+    for name, a in tensors.items():
+        wr.add_tensor(name, a)
+    _finish(wr)

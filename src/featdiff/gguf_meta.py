@@ -14,6 +14,7 @@ from typing import Any
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.modelled import unmodelled_in
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class ModelInfo:
     # a reference's GGUF: who dequantized its weights, GGUF_PY or the libggml-base file; None: not
     # said (a capture, whose build's ggml reads them; a HF checkpoint, never quantized)
     dequantized_by: str | None = None
+    # a drafter's keys and tensors llama.cpp computes and the reference does not model
+    # (featdiff.modelled); optional (docs/dump.md): written only when there is one
+    unmodelled: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -54,6 +58,10 @@ class ModelInfo:
         d["target_layers"] = list(self.target_layers)
         if self.dequantized_by is None:  # optional (docs/dump.md): written only where it says something
             del d["dequantized_by"]
+        if self.unmodelled:
+            d["unmodelled"] = list(self.unmodelled)
+        else:
+            del d["unmodelled"]
         return dict(sorted(d.items()))
 
     @classmethod
@@ -68,6 +76,7 @@ class ModelInfo:
                 **d,
                 "weight_types": tuple(d.get("weight_types", ())),
                 "target_layers": tuple(d.get("target_layers", ())),
+                "unmodelled": tuple(d.get("unmodelled", ())),
             }
         )
 
@@ -170,7 +179,14 @@ def model_info(path: Path, with_hash: bool = True) -> ModelInfo:
             field_value(reader, names.KEY_ROPE_FREQ_BASE.format(arch=arch), names.ROPE_FREQ_BASE_DEFAULT)
         ),
         dspark=_gguf_dspark(reader, tensors, len(vocab)) if is_draft else None,
+        unmodelled=gguf_unmodelled(reader) if is_draft else (),
     )
+
+
+def gguf_unmodelled(reader) -> tuple[str, ...]:
+    """The drafter GGUF's `dflash.*` keys and tensors the reference does not model (featdiff.modelled)."""
+    keys = {k: f.contents() for k, f in reader.fields.items() if k.startswith(f"{names.ARCH_DFLASH}.")}
+    return unmodelled_in(keys, (t.name for t in reader.tensors))
 
 
 def _gguf_dspark(reader, tensors: dict[str, Any], n_vocab: int) -> dict[str, Any] | None:

@@ -110,6 +110,11 @@ EXCLUDE_DERIVED = "!* (*"
 # leading "!" excludes). Each captured node ends a sub-graph and costs a synchronize, so the
 # target keeps only what the drafter reads from it: the inputs of its `target_layers`
 # (`l_out-(L-1)`, `embd` for L = 0, added by the capture) and the verify logits.
+# DFlash2's graph (src/models/dflash.cpp): the local convolutions around each layer's attention and
+# FFN, and the candidate lattice the driver walks for its drafts
+KEY_SELECTOR_TOP_K = "dflash.selector_top_k"
+DFLASH2_LATTICE = "dflash2_lattice"
+DFLASH2_RECORDS: tuple[str, ...] = ("attn_conv_in-*", "attn_conv_out-*", "ffn_conv_in-*", "ffn_conv_out-*", DFLASH2_LATTICE)
 DRAFT_WIRING: tuple[str, ...] = (
     INP_TARGET_FEATURES,
     ENC_INP_EMBD,  # the older generation's encoder eval only
@@ -123,6 +128,7 @@ DRAFT_WIRING: tuple[str, ...] = (
     *LOG_SNR_RECORDS,  # absent from a drafter without log-SNR, and from upstream's graph
     DRAFT_LOGITS,  # read back through the API, not a graph node (in-process and --exec)
     DSPARK_CONF,  # read back in-process, for a DSpark drafter with a confidence head
+    *DFLASH2_RECORDS,  # a DFlash2 drafter's local convs and candidate lattice
 )
 TARGET_WIRING: tuple[str, ...] = (RESULT_OUTPUT,)
 # when the target layers are not known in advance (capture around a program): every layer
@@ -244,6 +250,7 @@ HYP_LEVELS_SWAPPED = "levels=swapped"  # dspark_log_snr_feat@levels=swapped: anc
 HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm: the term added to layer 0's attn norm
 HYP_ANCHOR_BONUS = "anchor=bonus"  # draft_logits@anchor=bonus: the Markov chain laid out bonus-anchor (from row 1)
 HYP_ANCHOR_FIRST = "anchor=first"  # draft_logits@anchor=first: the Markov chain laid out anchor-first (from row 0)
+HYP_FULL_ATTENTION = "attention=full"  # l_out-<il>@attention=full: a sliding-window layer over the whole context
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

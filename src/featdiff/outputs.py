@@ -9,12 +9,18 @@ the user's old one was. An existing output that is not an input is replaced: tha
 A command that writes a dump from a capture holds the output's lock (`output_lock`) from before
 it touches the spool until the dump is in place, so two runs never write one output at once; a
 failed or interrupted run writes what it has to `failed_output`, never over the user's dump.
+
+A write that runs out of room (a full disk, a quota, a file-size limit) is the user's problem,
+not a bug: `replaced` (and the dump writer) remove the partial file and raise `no_room_error`,
+one line naming the output; what was at the output before is left as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import resource
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +31,9 @@ PARTIAL_SUFFIX = ".partial"  # a file being written; renamed onto its real name 
 LOCK_SUFFIX = ".lock"  # beside an output while a run writes it; holds the writer's pid
 FAILED_TAG = ".failed"  # `<stem>.failed<suffix>`: what a failed run decoded, beside the user's dump
 PID_BYTES = 32
+# the errnos of a write that ran out of room: the disk (ENOSPC), the user's quota (EDQUOT), the
+# file-size limit (EFBIG: `ulimit -f`; the CLI ignores SIGXFSZ so such a write fails, not kills)
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _HELD: set[Path] = set()  # the lock files this process holds (output_lock is re-entrant)
 
 
@@ -42,10 +51,53 @@ def replaced(output: Path) -> Iterator[Path]:
     with output_lock(Path(output)):
         try:
             yield tmp
+        except OSError as e:
+            no_room = is_no_room(e, tmp)
+            tmp.unlink(missing_ok=True)
+            if no_room:
+                raise no_room_error(Path(output), e) from None
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         tmp.replace(output)
+
+
+def is_no_room(e: OSError, written: Path | None = None) -> bool:
+    """True when `e` says a write ran out of room: disk, quota or file-size limit (NO_ROOM_ERRNOS).
+    A short write reported without an errno (numpy's `tofile`: "N requested and M written") ran
+    out of room when the file it was writing, `written`, is at the file-size limit or its
+    filesystem has no free block left."""
+    if e.errno in NO_ROOM_ERRNOS:
+        return True
+    return e.errno is None and written is not None and _is_full(written)
+
+
+def _is_full(path: Path) -> bool:
+    try:
+        size = path.stat().st_size
+        free = os.statvfs(path.parent).f_bavail
+    except OSError:
+        return False
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return free == 0 or (limit != resource.RLIM_INFINITY and size >= limit)
+
+
+def no_room_error(output: Path | str, e: OSError) -> InputError:
+    """The one-line error of a write to `output` that ran out of room (`is_no_room(e)`)."""
+    return InputError(
+        f"{output}: could not be written ({e.strerror or e}); nothing was "
+        "written there and a file already there was kept; free disk space, raise the file-size "
+        "limit (`ulimit -f`) or quota, or write it elsewhere"
+    )
+
+
+def existing_file(arg: str) -> Path | None:
+    """`arg` as the path of an existing regular file, else None. A program's argument need not be
+    a path at all (a prompt of a few hundred characters, text with a NUL): one the system cannot
+    look up as a path (too long, not encodable, not searchable) names no file: `os.path.isfile`
+    answers False for it, where `Path.is_file` raises (ENAMETOOLONG)."""
+    return Path(arg) if os.path.isfile(arg) else None
 
 
 def check_output(output: Path, inputs: Iterable[Path | None], what: str) -> Path:

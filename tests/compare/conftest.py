@@ -1,16 +1,14 @@
-"""Dumps for the compare tests: synthetic pairs (synth.py, no model needed) and real ones (the
-fixture models captured through llama.cpp and computed by the reference, each made once)."""
+"""Dumps for the compare tests: synthetic pairs (tests/synth.py, the suite's one synthetic-dump
+writer: no model needed) and real ones (the fixture models captured through llama.cpp and
+computed by the reference, each made once)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import synth  # noqa: E402
+import synth
 
 # The trained checkpoint behind each fault variant (the reference reads draft-hf, always correct):
 # the layer and slot faults share clean's checkpoint, so they share its reference.

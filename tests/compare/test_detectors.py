@@ -313,6 +313,39 @@ def test_numeric_noise_is_info_and_absent_for_identical_data():
 
 
 def test_detectors_are_deterministic():
-    ref = rows()
-    ev = evidence(ref, np.roll(ref, -1, axis=0), ref_all=ref, ref_all_positions=tuple(range(10, 18)))
-    assert d.detect_row_shift(ev) == d.detect_row_shift(ev)
+    """Two calls on equal evidence (each built afresh) give one finding, the same both times."""
+
+    def shifted() -> Evidence:
+        ref = rows()
+        return evidence(ref, np.roll(ref, -1, axis=0), ref_all=ref, ref_all_positions=tuple(range(10, 18)))
+
+    first, second = d.detect_row_shift(shifted()), d.detect_row_shift(shifted())
+    assert first is not None and first.kind == "row_shift" and first.fields["shift"] == 1
+    assert first == second
+
+
+def test_misplaced_rows_found_when_later_chunks_hold_the_first_chunks_rows():
+    """Rows 4..7 hold rows 0..3 (a chunked inject reading chunk 0), rows 0..3 are right."""
+
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((8, 16)).astype(np.float32)  # (positions 0..7, width)
+    run = np.concatenate([ref[:4], ref[:4]])  # (8, 16)
+    tol = Tolerance(rel=1e-3, sources=("test",))
+    ev = Evidence("inp_target_features", ref, run, tol, positions=tuple(range(8)), ref_all=ref,
+                  ref_all_positions=tuple(range(8)))  # fmt: skip
+    f = d.detect_misplaced_rows(ev)
+    assert f is not None and f.kind == "misplaced_rows"
+    assert f.fields["rows"] == [4, 5, 6, 7] and f.fields["sources"] == [0, 1, 2, 3]
+
+
+def test_misplaced_rows_needs_every_wrong_row_to_be_some_reference_row():
+
+    rng = np.random.default_rng(4)
+    ref = rng.standard_normal((8, 16)).astype(np.float32)
+    run = ref.copy()
+    run[5] = rng.standard_normal(16)  # noise, no reference row
+    tol = Tolerance(rel=1e-3, sources=("test",))
+    ev = Evidence("x", ref, run, tol, positions=tuple(range(8)), ref_all=ref, ref_all_positions=tuple(range(8)))
+    assert d.detect_misplaced_rows(ev) is None
+    assert d.detect_misplaced_rows(Evidence("x", ref, ref.copy(), tol, positions=tuple(range(8)), ref_all=ref,
+                                          ref_all_positions=tuple(range(8)))) is None  # fmt: skip

@@ -41,14 +41,6 @@ GONE_WITHIN_S = 10  # SIGKILL of featdiff: its program must be gone by then
 FEATDIFF = [sys.executable, "-c", "import sys; from featdiff.cli import main; sys.argv[0] = 'featdiff'; main()"]
 
 
-@pytest.fixture(scope="session")
-def tools():
-    """The upstream programs, built once per machine from the pinned source (`make tools`)."""
-    from featdiff.llama.tools import ensure_tools
-
-    return ensure_tools()
-
-
 @pytest.fixture(scope="module")
 def models(fixture_models) -> Path:
     return fixture_models("clean")

@@ -19,7 +19,6 @@ from featdiff.compare import compare_dumps
 from featdiff.dump import read_dump
 
 from real_flow import reference_of
-from test_exec import tools  # noqa: F401  (a session fixture: the tools' source tree, built)
 
 DL_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -37,10 +36,11 @@ DL_OPTIONS = [
     "-DLLAMA_BUILD_UI=OFF",
 ]
 BUILD_TIMEOUT_S = 1800
+pytestmark = pytest.mark.slow  # builds a backend-loaded llama.cpp: not part of `make test-fast`
 
 
 @pytest.fixture(scope="session")
-def dl_prefix(tools) -> Path:  # noqa: F811
+def dl_prefix(tools) -> Path:
     """An install prefix of the library built with GGML_BACKEND_DL=ON (cached by source and options)."""
     root = tools.root / "dl"
     prefix, stamp = root / "prefix", root / "stamp.json"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -119,27 +119,68 @@ def test_an_exclusion_can_name_a_role():
     assert "!l_out-0" in target and "!l_out-0" not in draft and "l_out-*" in draft
 
 
-def _long_capture_under_way(d: Path, out: Path) -> subprocess.Popen:
-    """A long capture (900 rounds: within the fixture's trained context) in a child process, returned
-    once its spool holds 200 kB."""
-    index = out.with_name(out.name + ".spool.index")
-    code = (
-        "from featdiff.llama.capture import capture; "
-        f"capture('{d}/target.gguf', '{d}/draft.gguf', '{out}', tokens='1,2,3,4', rounds=900, filters=['*'])"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and (not index.exists() or index.stat().st_size < 200_000):
-        time.sleep(0.05)
+BINDING_COMPILES = "compiling the llama.cpp binding"  # featdiff.llama.binding's log line when it compiles
+PAUSE_AFTER_ROUND = 3  # the paused capture below holds still once this many rounds are in its spool
+PAUSED_ROUNDS = 20  # what it was asked for: more than it ever gets to, so it cannot finish first
+PAUSED = "paused"  # the line the paused capture prints on stdout, then waits for a signal
+PAUSE_WAIT_S = 600  # a safety net against a hang only: the test waits on the line, never on a clock
+# The child runs `featdiff capture` (cli.main: its signal handlers and exit codes) with the
+# progress callback that the capture calls once per round replaced by one that stops the capture,
+# in Python, between two rounds: whatever it is sent then lands at a known state.
+_PAUSED_CAPTURE = """
+import contextlib, sys, time
+from featdiff import progress
+from featdiff.cli import main
+
+@contextlib.contextmanager
+def steps(total, what):
+    done = [0]
+    def step():
+        done[0] += 1
+        if what == "rounds" and done[0] == {pause}:
+            print("{paused}", flush=True)
+            while True:
+                time.sleep(3600)
+    yield step
+
+progress.steps = steps
+sys.argv = ["featdiff", *sys.argv[1:]]
+main()
+"""
+
+
+def _stderr_of(out: Path) -> Path:
+    return out.with_name(out.name + ".stderr.txt")
+
+
+def _paused_capture(d: Path, out: Path) -> subprocess.Popen:
+    """A real capture of every node (`--filter '*'`) in a child process, returned once it has
+    spooled PAUSE_AFTER_ROUND rounds and holds there (it cannot finish): a signal sent to it now
+    finds the same state on every run."""
+    code = _PAUSED_CAPTURE.format(pause=PAUSE_AFTER_ROUND, paused=PAUSED)
+    args = ["capture", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"), "--tokens", "1,2,3,4"]
+    args += ["--rounds", str(PAUSED_ROUNDS), "--filter", "*", "-o", str(out)]
+    with _stderr_of(out).open("w") as err:  # a file: a pipe nobody reads while it waits could fill
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=err, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], PAUSE_WAIT_S)
+    line = proc.stdout.readline() if ready else ""
+    if line.strip() != PAUSED:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"the capture did not pause after round {PAUSE_AFTER_ROUND} (exit {proc.returncode}): "
+                    f"{_stderr_of(out).read_text()[-2000:]}")  # fmt: skip
+    index = out.with_name(out.name + ".spool.index")  # the shim writes each line through: all there now
+    evals = [line for line in index.read_text().splitlines() if json.loads(line)["kind"] == "eval"]
+    assert len(evals) == 2 + 3 * PAUSE_AFTER_ROUND  # prefill, inject, then draft, verify, inject a round
     return proc
 
 
 def test_killed_capture_packs_into_a_dump_of_its_complete_records(fixture_models, tmp_path):
     out = tmp_path / "run.npz"
-    proc = _long_capture_under_way(fixture_models("clean"), out)
+    proc = _paused_capture(fixture_models("clean"), out)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    assert not out.exists()
+    assert proc.returncode == -signal.SIGKILL and not out.exists()
     from typer.testing import CliRunner
 
     from featdiff.cli import app
@@ -147,27 +188,35 @@ def test_killed_capture_packs_into_a_dump_of_its_complete_records(fixture_models
     result = CliRunner().invoke(app, ["pack", str(tmp_path / "run.npz.spool"), "-o", str(out)])
     assert result.exit_code == 0, result.output
     with read_dump(out) as dump:
-        assert len(dump.manifest.records) > 100
+        assert len(dump.manifest.evals) == 2 + 3 * PAUSE_AFTER_ROUND and len(dump.manifest.records) > 100
         for r in dump.manifest.records:
             assert dump.array(r).shape == r.shape
 
 
 def test_second_capture_reuses_the_compiled_binding(fixture_models, tmp_path):
-    code = "from featdiff.llama import binding; m, b = binding.load(); print(m.__file__)"
+    """The second load finds the module the first compiled (or found) and compiles nothing: the
+    same file, not rewritten (a recompile renames a new file into place: a new inode and mtime)."""
+    code = (
+        "import logging, os; logging.basicConfig(level=logging.INFO); "
+        "from featdiff.llama import binding; m, b = binding.load(); s = os.stat(m.__file__); "
+        "print(m.__file__, s.st_ino, s.st_mtime_ns)"
+    )
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert first.stdout == second.stdout
-    assert "compiling" not in second.stderr
+    assert first.stdout.strip() and first.stdout == second.stdout
+    assert BINDING_COMPILES not in second.stderr
 
 
 def test_interrupted_capture_still_writes_a_readable_dump(fixture_models, tmp_path):
     out = tmp_path / "run.npz"
-    proc = _long_capture_under_way(fixture_models("clean"), out)
+    proc = _paused_capture(fixture_models("clean"), out)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "interrupted" in err
+    proc.communicate(timeout=PAUSE_WAIT_S)  # a hang is a failure, never a pass
+    err = _stderr_of(out).read_text()
+    assert proc.returncode == 130 and "interrupted by SIGINT" in err, err[-2000:]
     with read_dump(out) as dump:
-        assert len(dump.manifest.records) > 100 and len(dump.manifest.evals) > 3
+        assert len(dump.manifest.evals) == 2 + 3 * PAUSE_AFTER_ROUND and len(dump.manifest.records) > 100
+        assert [r.round for r in dump.manifest.rounds] == list(range(1, PAUSE_AFTER_ROUND + 1))
     assert not out.with_name("run.npz.spool.index").exists()
 
 

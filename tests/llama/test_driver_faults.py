@@ -20,7 +20,7 @@ from featdiff.errors import InputError
 from featdiff.llama import exec as exec_capture
 
 from findings_schema import validate_findings, written
-from test_exec import RUN_TIMEOUT_S, TOKENS, _command, tools  # noqa: F401  (tools: a session fixture)
+from test_exec import RUN_TIMEOUT_S, TOKENS, _command
 
 FAULT_VAR = "FEATDIFF_FAULT"
 VARIANT = "clean"
@@ -45,7 +45,7 @@ def _fault(name: str | None):
 
 
 @pytest.fixture(scope="session")
-def planted(tmp_path_factory, fixture_models, tools):  # noqa: F811
+def planted(tmp_path_factory, fixture_models, tools):
     """(program, fault or None) -> a dump captured around that program of the patched build."""
     made: dict[tuple[str, str | None], Path] = {}
 

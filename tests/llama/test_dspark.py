@@ -19,7 +19,7 @@ from featdiff.llama.capture import capture
 from featdiff.probe import probe
 from featdiff.reference.run import reference
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
-from test_exec import RUN_TIMEOUT_S, TOKENS, tools  # noqa: F401  (tools: a session fixture)
+from test_exec import RUN_TIMEOUT_S, TOKENS
 
 CLEAN = ("dspark", "dspark-no-conf", "dspark-bonus", "dspark-d2t")
 SERVER_ARGS = ["--spec-type", "draft-dspark", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
@@ -129,7 +129,7 @@ def test_sample_from_anchor_flipped_is_a_wrong_source(dspark_run):
 
 
 @pytest.mark.parametrize("variant", ["dspark", "dspark-bonus"])
-def test_dspark_drafter_around_llama_server_compares_clean(fixture_models, tools, tmp_path, variant):  # noqa: F811
+def test_dspark_drafter_around_llama_server_compares_clean(fixture_models, tools, tmp_path, variant):
     """llama-server samples the draft on the backend (top-k); the preload reads back those
     candidates' logits, and they pair with the reference's."""
     d = fixture_models(variant)
@@ -157,7 +157,7 @@ def test_dspark_drafter_around_llama_server_compares_clean(fixture_models, tools
 
 
 @pytest.mark.parametrize("through_server", [False, True])
-def test_trained_dspark_accepts_at_least_two_per_block_as_the_reference_does(fixture_models, tools, through_server):  # noqa: F811
+def test_trained_dspark_accepts_at_least_two_per_block_as_the_reference_does(fixture_models, tools, through_server):
     """The trained anchor-first DSpark pair through the real spec loop (in-process draft-dspark, and
     llama-server --spec-type draft-dspark): >= 2 tokens per block, round by round the reference's figure."""
     d = fixture_models("trained-dspark")

@@ -15,7 +15,8 @@ from featdiff import pairs
 from featdiff.cli import app
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
-from featdiff.llama.exec import ExecContext, ExecEval, ExecLog, flow_evals, prompt_from_evals
+from featdiff.llama.exec import flow_evals, prompt_from_evals
+from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
 from featdiff.llama.preload import preload, preload_library
 
 from real_flow import DEFAULT_TOKENS
@@ -25,14 +26,6 @@ PROMPT = "The quick brown fox"
 SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
 RUN_TIMEOUT_S = 120
 FLOW_PHASES = ("prefill", "inject", "draft", "verify")
-
-
-@pytest.fixture(scope="session")
-def tools():
-    """The upstream programs, built once per machine from the pinned source (`make tools`)."""
-    from featdiff.llama.tools import ensure_tools
-
-    return ensure_tools()
 
 
 def _command(tools, program: str, d: Path) -> list[str]:
@@ -233,8 +226,9 @@ def test_phases_follow_the_flow_and_warmups_are_set_apart():
         ("verify", 1),
         ("inject", 1),
         ("verify", 2),
-        ("prefill", 2),
+        ("prefill", 0),  # the sequence's next request: a flow of its own, its rounds counted afresh
     ]
+    assert [ev.flow for ev in flow_evals(log)] == [0] * 7 + [1]
     assert prompt_from_evals(flow_evals(log)) == (5, 6, 7, 8)
 
 
@@ -256,10 +250,11 @@ def test_capture_exec_of_a_missing_program_exits_2(tmp_path):
     assert result.exit_code == 2 and "no-such-llama-tool: no such program" in result.output
 
 
-def test_llama_server_without_a_prompt_exits_2(tools, fixture_models, tmp_path):
+def test_llama_server_with_both_a_prompt_and_tokens_exits_2(tools, fixture_models, tmp_path):
     cmd = _command(tools, "llama-server", fixture_models("clean"))
-    result = CliRunner().invoke(app, ["capture", "--exec", "-o", str(tmp_path / "r.npz"), "--", *cmd])
-    assert result.exit_code == 2 and "exactly one of --prompt" in result.output
+    args = ["capture", "--exec", "-o", str(tmp_path / "r.npz"), "--prompt", "hi", "--tokens", "1,2", "--", *cmd]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "give one, not both" in result.output
 
 
 def test_a_failing_program_exits_2_naming_its_exit_code(tools, tmp_path):

@@ -19,7 +19,7 @@ from featdiff.llama.options import options_of_command
 from featdiff.pairs import Shape, Sizes
 
 from real_flow import reference_of
-from test_exec import RUN_TIMEOUT_S, _command, tools  # noqa: F401  (tools: a session fixture)
+from test_exec import RUN_TIMEOUT_S, _command
 
 # q8_0 stores K/V in blocks of 32: the heads must be a multiple of it (the tiny fixture's are 16)
 HEAD_32 = Shape(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, n_embd_head=32, n_ff=256)
@@ -44,7 +44,7 @@ def head32(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(head32, tools, tmp_path_factory):  # noqa: F811
+def runs(head32, tools, tmp_path_factory):
     """kv label -> (reference, run) of llama-speculative-simple with those caches."""
     made = {}
     for label, extra in (("f16", []), ("q8_0", Q8_0_CACHES)):

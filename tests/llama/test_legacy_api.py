@@ -24,7 +24,7 @@ from featdiff.llama.tools import ToolBuild, ensure_release
 
 from real_flow import reference_of
 
-pytestmark = pytest.mark.tools  # builds an older llama.cpp: not part of `make test-fast`
+pytestmark = [pytest.mark.tools, pytest.mark.slow]  # builds an older llama.cpp: not part of `make test-fast`
 TOKENS = "300,301,302,303,304,305,306,307"  # plain words of the SentencePiece vocab (0-2 are special)
 RUN_TIMEOUT_S = 300
 

@@ -20,7 +20,7 @@ from featdiff.llama import exec as exec_capture
 from featdiff.probe import probe, read_prompts
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
-from test_exec import RUN_TIMEOUT_S, TOKENS, _command, tools  # noqa: F401  (tools: a session fixture)
+from test_exec import RUN_TIMEOUT_S, TOKENS, _command
 
 # the records the patched graph computes for the term, and the rows before it
 LOG_SNR_RECORDS = (names.INP_NOISE_EMBD, *names.LOG_SNR_RECORDS)
@@ -33,7 +33,7 @@ CONDITIONING_GAIN = 0.5  # tokens per block the conditioning must be worth, at l
 
 
 @pytest.fixture(scope="session")
-def patched_dir(tools):  # noqa: F811
+def patched_dir(tools):
     """The patched llama.cpp tree with its build in DIR/build, as `--llama-dir` reads it."""
     return tools.source
 
@@ -87,7 +87,7 @@ def test_log_snr_drafter_captured_in_process_compares_clean(fixture_models, refe
     _assert_clean_with_log_snr_records(compare_dumps(referenced("log-snr"), run))
 
 
-def test_log_snr_drafter_around_llama_server_compares_clean(fixture_models, referenced, tools, tmp_path):  # noqa: F811
+def test_log_snr_drafter_around_llama_server_compares_clean(fixture_models, referenced, tools, tmp_path):
     d = fixture_models("log-snr")
     run = exec_capture.capture_exec(
         _command(tools, "llama-server", d), tmp_path / "run.npz", tokens=TOKENS, timeout_s=RUN_TIMEOUT_S
@@ -142,7 +142,7 @@ def test_the_log_snr_term_added_after_the_first_norm_is_a_wrong_source(
 
 
 @pytest.fixture(scope="session")
-def server_probed(fixture_models, tools):  # noqa: F811
+def server_probed(fixture_models, tools):
     """variant -> the probe of that trained pair through the patched llama-server."""
     made = {}
 

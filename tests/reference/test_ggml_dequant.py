@@ -116,14 +116,6 @@ def test_without_a_build_a_type_gguf_py_cannot_read_names_tensor_type_and_fix(q1
 # End to end through the tools build's llama-quantize (`make tools`).
 
 
-@pytest.fixture(scope="session")
-def tools():
-    """featdiff's build of the llama.cpp programs, llama-quantize among them (`make tools`)."""
-    from featdiff.llama.tools import ensure_tools
-
-    return ensure_tools()
-
-
 @pytest.fixture(scope="module")
 def quantized(tools, variant_dir, tmp_path_factory) -> tuple[Path, Path]:
     """The clean pair's target quantized by llama-quantize: Q8_0, with ffn_down in Q1_0 (the other

@@ -1,39 +1,53 @@
-"""Synthetic dump pairs (synthetic_dumps.py) for the report tests, written once per session."""
+"""Synthetic dump pairs for the report tests, written once per session: the DFlash-shaped flow of
+tests/synth.py (docs/flow.md) with one planted wiring bug, and compare's own Comparison
+of each pair, which the page renders: the findings are the ones compare makes, never written by hand."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from featdiff.compare.result import Comparison
 
-from synthetic_dumps import compare_by_hand, planted_findings, write_pair
+import synth
+
+SYNTH_NOISE = 1e-7  # run noise below every tolerance (tests/compare/conftest.py): only the planted bug diverges
+SHIFTED_ROUND = 1  # the row-shift pair shifts the features injected in this round
+SHIFTED = "inp_target_features"  # its rows differ (a draft block's mask rows are alike: no shift to tell)
+
+
+def _shift_injected_rows(ev, name: str, a: np.ndarray) -> np.ndarray:
+    """The run's row i of one round's injected features holds the reference's row i + 1."""
+    return np.roll(a, -1, axis=0) if name == SHIFTED and ev.phase == "inject" and ev.round == SHIFTED_ROUND else a
+
+
+# variant -> how its run side is written (the reference side is always synth's correct one)
+RUNS = {
+    "clean": {},
+    "layers-plus1": {"spec": synth.Spec(target_layers=tuple(L + 1 for L in synth.Spec().target_layers))},
+    "row-shift": {"mutate": _shift_injected_rows},
+}
 
 
 @dataclass(frozen=True)
 class Pair:
-    """A ref/run dump pair, the Comparison the report renders, and compare's own of the two.
-
-    The synthetic dumps draw well but break the flow's token conventions (compare adds a
-    `block_token`), so the page tests render findings and metrics measured by hand with compare's
-    figure data (`layer_match`, `row_shift` of `compared`); the real pairs render `compared` itself.
-    """
+    """A ref/run dump pair and compare's Comparison of the two (what the report renders)."""
 
     ref: Path
     run: Path
     comparison: Comparison
-    compared: Comparison
 
 
 def _pair(factory: pytest.TempPathFactory, variant: str) -> Pair:
     from featdiff.compare import compare_dumps
 
-    ref, run = write_pair(factory.mktemp(variant), variant)
-    compared = compare_dumps(ref, run)
-    by_hand = compare_by_hand(ref, run, planted_findings(variant))
-    return Pair(ref, run, replace(by_hand, layer_match=compared.layer_match, row_shift=compared.row_shift), compared)
+    d = factory.mktemp(variant)
+    ref = synth.write(d / "ref.npz")
+    run = synth.write(d / "run.npz", side="run", noise=SYNTH_NOISE, **RUNS[variant])
+    return Pair(ref, run, compare_dumps(ref, run))
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +63,7 @@ def plus1_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
 
 @pytest.fixture(scope="session")
 def shift_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
-    """The noise block of the first draft eval shifted by one row."""
+    """The features injected after round 1's verify shifted by one row."""
     return _pair(tmp_path_factory, "row-shift")
 
 
@@ -66,8 +80,7 @@ def real_pair(captured, referenced):
     def get(variant: str) -> Pair:
         if variant not in made:
             run, ref = captured(variant), referenced(variant)
-            compared = compare_dumps(ref, run)
-            made[variant] = Pair(ref, run, compared, compared)
+            made[variant] = Pair(ref, run, compare_dumps(ref, run))
         return made[variant]
 
     return get

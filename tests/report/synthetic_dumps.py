@@ -1,6 +1,7 @@
 """Synthetic ref/run dump pairs shaped like the DFlash flow (docs/flow.md), with one planted
-wiring bug, and a Comparison measured by hand: what the report tests and bench draw from when
-no real capture, reference or compare is at hand.
+wiring bug, and a Comparison measured by hand: what bench/bench_report.py times. The tests draw
+from tests/synth.py and render compare's own findings (tests/report/conftest.py); the findings
+here are written by hand, so no test should render them.
 
 The target's residual stream is a random walk, so neighbouring layer inputs are alike but only
 the right one matches exactly, as in a real model.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import re
 
 from featdiff.compare.result import Comparison, Finding
@@ -30,9 +31,11 @@ def test_report_opens_with_the_verdict_and_the_findings(plus1_pair, tmp_path) ->
         < page.index("id='records'")
         < page.index("id='alignments'")
     )
-    assert "FAIL: 2 error findings; the first divergent record is inp_target_features (e1 draft inject)" in page
-    assert "slot 1 of inp_target_features is the input of target layer 5; the checkpoint expects layer 4" in page
-    assert "observed_layer=5" in page
+    assert "FAIL: 1 error finding; the first divergent record is inp_target_features (e1 draft inject)" in page
+    (error,) = [f for f in plus1_pair.comparison.findings if f.severity == "error"]  # compare's, rendered as made
+    assert error.kind == "layer_offset" and html.escape(error.message) in page
+    assert "slot 0 of inp_target_features is the input of target layer 3; the checkpoint expects layer 2" in page
+    assert "observed_layer=3" in page
 
 
 def test_report_is_self_contained_with_every_figure_embedded(plus1_pair, tmp_path) -> None:

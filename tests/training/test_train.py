@@ -62,6 +62,7 @@ def test_held_out_prompts_are_not_training_prompts():
     assert all(1 <= t < TRAINED_SIZES.mask_token_id for p in held for t in p)
 
 
+@pytest.mark.slow  # trains twice: `make test` runs it, `make test-fast` leaves it out
 def test_training_is_deterministic_given_the_seed():
     a, b = train_pair(3, config=TINY_RUN), train_pair(3, config=TINY_RUN)
     for name in cache.CHECKPOINTS:

@@ -254,10 +254,17 @@ def _group_skips(
     rounds_drafted = {g[2] for g in run_groups if g[:2] == DRAFT_GROUP}
     out = []
     for k in sorted(k for k in ref_only if k[0] not in run_groups):
-        out.append(_one_side_skip(k, ref_idx[k], "ref", "failed_eval" if k[0] in failed else "missing_eval"))
+        reason: SkipReason = (
+            "warmup"  # the reference's decode of a prefix the run held in its prompt cache
+            if k[0][1] == names.PHASE_WARMUP
+            else "failed_eval"
+            if k[0] in failed
+            else "missing_eval"
+        )
+        out.append(_one_side_skip(k, ref_idx[k], "ref", reason))
     for k in sorted(k for k in run_only if k[0] not in ref_groups):
         role, phase, rnd = k[0]
-        reason: SkipReason = (
+        reason = (
             "warmup"
             if phase == names.PHASE_WARMUP
             else "no_draft"

@@ -16,11 +16,13 @@ import numpy as np
 
 from featdiff.compare import diagnose, flow
 from featdiff.compare.align import Pair, Plan, pair_arrays, plan_pairs
+from featdiff.compare.dependence import gap_of
 from featdiff.compare.detectors import detect_numeric_noise
 from featdiff.compare.evidence import (
     Source,
     build_evidence,
     first_feature_pair,
+    index_members,
     layer_match,
     open_source,
     position_evidence,
@@ -28,11 +30,12 @@ from featdiff.compare.evidence import (
 )
 from featdiff.compare.metrics import Measurement, measure
 from featdiff.compare.namemap import NameMap, read_name_map
+from featdiff.compare.partings import find_partings
 from featdiff.compare.result import Comparison, Coverage, Finding, PairMetrics
 from featdiff.compare.rowshift import RowShift, measure_row_shift
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import FLOAT_TYPES, Tolerance, TypeInfo, describe, tolerance_for, type_info
-from featdiff.dump import Manifest, read_dump
+from featdiff.dump import FlowInfo, Manifest, flow_view, read_dump
 from featdiff.errors import InputError
 from featdiff.version import VERSION
 
@@ -51,33 +54,74 @@ UNEXPLAINING = ("unpaired", "flow_note", "missing_tensor", "unexpected_tensor")
 
 
 def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Comparison:
-    """Compare a run dump against a reference dump; InputError when they share nothing."""
+    """Compare a run dump against a reference dump; InputError when they share nothing. A run of
+    several flows (requests, sequences: docs/flow.md) is compared flow by flow against the
+    reference's flow of the same number, and each finding says which flow it is about."""
     rules = read_name_map(name_map)
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
-        ref_src, run_src = open_source(ref_dump), open_source(run_dump)
-        plan = plan_pairs(ref_dump.manifest, run_dump.manifest, rules)
-        if not plan.pairs:
-            raise InputError(_nothing_paired(ref, run, plan, ref_dump.manifest, run_dump.manifest))
-        types = type_info(ref_dump.manifest, run_dump.manifest)
-        tols = [pair_tolerance(p, types) for p in plan.pairs]
-        measured = [measure_pair(ref_src, run_src, p) for p in plan.pairs]
-        within = [m.within(t) for m, t in zip(measured, tols)]
-        walk = diagnose.find_roots(plan.pairs, within)
-        findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules)
-        metrics = tuple(
-            pair_metrics(p, m, t, ok, i in walk.inherited)
-            for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within))
+        flows = run_dump.manifest.flow_ids()
+        if len(flows) == 1:
+            return _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map)
+        check_flows(ref, run, ref_dump.manifest, run_dump.manifest)
+        ref_index, run_index = index_members(ref_dump), index_members(run_dump)
+        parts = [
+            _compare(
+                ref,
+                run,
+                open_source(ref_dump, flow_view(ref_dump.manifest, k), ref_index),
+                open_source(run_dump, flow_view(run_dump.manifest, k), run_index),
+                rules,
+                name_map,
+                flow=run_dump.manifest.flow_info(k),
+            )
+            for k in flows
+        ]
+    return merged(parts)
+
+
+def check_flows(ref: Path, run: Path, ref_m: Manifest, run_m: Manifest) -> None:
+    """A run of several flows needs a reference of the same flows (`reference --run` or
+    `--follow` of that run): InputError naming both otherwise."""
+    if ref_m.flow_ids() != run_m.flow_ids():
+        raise InputError(
+            f"{ref}: holds flows {list(ref_m.flow_ids())}, {run} flows {list(run_m.flow_ids())} (one per request "
+            f"and sequence); make the reference of this run with `featdiff reference ... --follow {run}` "
+            f"(or --run {run}), which replays each of its flows"
         )
-        match = first_layer_match(ref_src, run_src, plan)
-        shift = (
-            row_shift_of(ref_src, run_src, plan.pairs[walk.first_divergence], metrics[walk.first_divergence])
-            if walk.first_divergence is not None
-            else None
-        )
+
+
+def _compare(
+    ref: Path,
+    run: Path,
+    ref_src: Source,
+    run_src: Source,
+    rules: NameMap,
+    name_map: Path | None,
+    flow: FlowInfo | None = None,
+) -> Comparison:
+    plan = plan_pairs(ref_src.manifest, run_src.manifest, rules)
+    if not plan.pairs:
+        raise InputError(_of_flow(flow) + _nothing_paired(ref, run, plan, ref_src.manifest, run_src.manifest))
+    types = type_info(ref_src.manifest, run_src.manifest)
+    tols = [pair_tolerance(p, types) for p in plan.pairs]
+    measured = [measure_pair(ref_src, run_src, p) for p in plan.pairs]
+    within = [m.within(t) for m, t in zip(measured, tols)]
+    walk = diagnose.find_roots(plan.pairs, within)
+    findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules)
+    metrics = tuple(
+        pair_metrics(p, m, t, ok, i in walk.inherited)
+        for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within))
+    )
+    match = first_layer_match(ref_src, run_src, plan)
+    shift = (
+        row_shift_of(ref_src, run_src, plan.pairs[walk.first_divergence], metrics[walk.first_divergence])
+        if walk.first_divergence is not None
+        else None
+    )
     return Comparison(
         ref_path=str(ref),
         run_path=str(run),
-        findings=findings,
+        findings=findings if flow is None else tuple(of_flow(f, flow) for f in findings),
         pairs=metrics,
         alignments=tuple(p.alignment for p in plan.pairs),
         first_divergence=walk.first_divergence,
@@ -85,9 +129,44 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
         types=describe(types),
         coverage=coverage(plan),
         map_path=None if name_map is None else str(name_map),
-        versions=versions(run_dump.manifest),
+        versions=versions(run_src.manifest),
         layer_match=match,
         row_shift=shift,
+    )
+
+
+def _of_flow(flow: FlowInfo | None) -> str:
+    return "" if flow is None else f"flow {flow.flow} (sequence {flow.seq_id}): "
+
+
+def of_flow(f: Finding, flow: FlowInfo) -> Finding:
+    """A finding of one flow of several: says so in its sentence and in its `flow` / `seq_id`."""
+    return replace(f, message=_of_flow(flow) + f.message, fields={**f.fields, "flow": flow.flow, "seq_id": flow.seq_id})
+
+
+def merged(parts: list[Comparison]) -> Comparison:
+    """The comparisons of each flow as one: findings in flow order (errors first within each, as
+    each flow ordered them), records and coverage added up; the layer match and row shift are
+    those of the first flow that has them."""
+    first = next((i for i, c in enumerate(parts) if c.first_divergence is not None), None)
+    offset = sum(len(c.pairs) for c in parts[:first]) if first is not None else 0
+    head = parts[0]
+    return replace(
+        head,
+        findings=_deduplicated([f for c in parts for f in c.findings]),
+        pairs=tuple(p for c in parts for p in c.pairs),
+        alignments=tuple(a for c in parts for a in c.alignments),
+        first_divergence=None if first is None else offset + (parts[first].first_divergence or 0),
+        skipped=tuple(s for c in parts for s in c.skipped),
+        coverage=Coverage(
+            pairs=sum(c.coverage.pairs for c in parts),
+            rows=sum(c.coverage.rows for c in parts),
+            skips=tuple(s for c in parts for s in c.coverage.skips),
+            ref_only=sum(c.coverage.ref_only for c in parts),
+            run_only=sum(c.coverage.run_only for c in parts),
+        ),
+        layer_match=next((c.layer_match for c in parts if c.layer_match is not None), None),
+        row_shift=None if first is None else parts[first].row_shift,
     )
 
 
@@ -175,7 +254,11 @@ def _findings(
     rules: NameMap,
 ) -> tuple[Finding, ...]:
     """What the token ids and positions say (flow order), manifest-level findings, one per root,
-    then the wiring records left out (`unpaired`), then info; deduplicated, errors first."""
+    then the wiring records left out (`unpaired`), then info; deduplicated, errors first. Records
+    that depend on a feature the reference left out are not judged (diagnose.set_aside_unmodelled)."""
+    gap = gap_of(ref.manifest, run.manifest)
+    noise = _noise(plan, walk, measured, tols)  # over the within-tolerance pairs, whatever depends on the gap
+    plan, walk, unmodelled = diagnose.set_aside_unmodelled(plan, walk, gap)
     flow_found = flow.check_flow(ref.manifest, run.manifest)
     found: list[Finding | None] = [
         *flow_found,
@@ -193,9 +276,17 @@ def _findings(
     found.append(_quantized_feature_check(ref, run, plan, walk, tols, types))
     found.append(diagnose.check_positions(position_evidence(ref, run)))
     explained = any(f is not None and f.severity == "error" and f.kind not in UNEXPLAINING for f in found)
-    found += diagnose.unpaired_findings(plan, explained, flow.history_divergence(ref.manifest, run.manifest))
+    partings = diagnose.parting_findings(
+        diagnose.judged_partings(find_partings(ref.manifest, ref.array, run.manifest, types), gap), explained
+    )
+    near_tie = next((f for f in partings if f.kind == "near_tie"), None)
+    found += partings
+    explained = explained or any(f.severity == "error" for f in partings)
+    found += diagnose.unpaired_findings(
+        plan, explained, flow.history_divergence(ref.manifest, run.manifest), near_tie, unmodelled
+    )
     found = [_settled(f, explained) for f in found if f is not None]
-    found += [_noise(plan, walk, measured, tols), diagnose.unpaired_info(plan)]
+    found += [unmodelled, noise, diagnose.unpaired_info(plan)]
     return _deduplicated([f for f in found if f is not None])
 
 
@@ -245,12 +336,12 @@ def _deduplicated(findings: list[Finding]) -> tuple[Finding, ...]:
     again at a later root is dropped, an `unpaired` of another cause or a batch of another phase is not.
     A `divergence` (no cause found) of a tensor another finding already names a cause for is dropped."""
     seen: set[tuple] = set()
-    named = {f.tensor for f in findings if f.severity == "error" and f.kind != "divergence"}
+    named = {(f.tensor, f.fields.get("flow")) for f in findings if f.severity == "error" and f.kind != "divergence"}
     out = []
     for f in sorted(findings, key=lambda f: f.severity != "error"):
-        if f.kind == "divergence" and f.tensor in named:
+        if f.kind == "divergence" and (f.tensor, f.fields.get("flow")) in named:
             continue
-        key = (f.kind, f.tensor, f.fields.get("reason"), f.fields.get("phase"))
+        key = (f.kind, f.tensor, f.fields.get("reason"), f.fields.get("phase"), f.fields.get("flow"))
         if key not in seen:
             seen.add(key)
             out.append(f)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from featdiff import names
+from featdiff.compare.dependence import Gap
 from featdiff.compare.metrics import relative_error, row_relative_error
+from featdiff.compare.partings import Parting
 from featdiff.compare.result import Finding, Kind
 from featdiff.compare.sketch import LayerMatch
 from featdiff.compare.tolerance import Tolerance
@@ -181,6 +183,40 @@ def detect_row_shift(ev: Evidence) -> Finding | None:
     return None
 
 
+def detect_misplaced_rows(ev: Evidence) -> Finding | None:
+    """Hypothesis: some run rows, not all and not by one shift, hold the ref rows of other
+    positions of the batch, the rest their own: a driver that staged the wrong rows for part of a
+    batch (a chunked inject reading another chunk's rows). Evidence: every run row matches its own
+    ref row or another ref row of the group within the row tolerance, and at least one does not
+    match its own."""
+    if ev.ref_all is None or not ev.positions or not same_shape(ev) or ev.ref.ndim != 2:
+        return None
+    own = row_relative_error(ev.ref, ev.run) <= ev.tolerance.row_rel  # (R,)
+    if own.all() or not own.any():
+        return None
+    sources = [_matching_row(ev.ref_all, ev.run[i], ev.tolerance.row_rel) for i in np.flatnonzero(~own)]
+    if any(j is None for j in sources):
+        return None
+    rows = _labels(ev, ~own)
+    held = [int(ev.ref_all_positions[j]) for j in sources if j is not None]
+    return error_finding(
+        "misplaced_rows",
+        ev,
+        f"{ev.tensor} {_span(rows)} hold the reference's rows of positions {_span(held)}, the other "
+        f"rows their own: the driver staged the wrong rows for part of the batch; check how it "
+        f"indexes rows past the first chunk (n_ubatch) or sequence",
+        rows=rows,
+        sources=held,
+    )
+
+
+def _matching_row(rows: np.ndarray, row: np.ndarray, row_rel: float) -> int | None:
+    """Index of the first of `rows` (N, D) that `row` (D,) equals within `row_rel`, else None."""
+    err = row_relative_error(rows, np.broadcast_to(row, rows.shape))  # (N,)
+    hits = np.flatnonzero(err <= row_rel)
+    return int(hits[0]) if hits.size else None
+
+
 def _shifts(limit: int) -> list[int]:
     return [s for k in range(1, limit + 1) for s in (k, -k)]
 
@@ -334,3 +370,204 @@ def detect_numeric_noise(tensor: str, nmse: float, tol: Tolerance) -> Finding | 
         f"{', '.join(tol.sources)} explain (tolerance {tol.nmse:.3g})",
         fields={"metric": "nmse", "value": nmse, "tolerance": tol.nmse},
     )
+
+
+# --- what the reference left out ----------------------------------------------------------------
+
+
+def detect_unmodelled(gap: Gap | None, not_judged: tuple[str, ...], diverged: tuple[str, ...]) -> Finding | None:
+    """Hypothesis: the run's models use a feature the reference does not compute, so every record
+    computed after its first read may differ for that reason alone. Evidence: the manifests'
+    `models.<role>.unmodelled` (the Gap); `not_judged` are the record sets the rule of
+    compare/dependence.py takes out of the verdict, `diverged` those of them beyond tolerance."""
+    if gap is None:
+        return None
+    found = gap.draft + gap.target
+    who = "the drafter" if gap.draft else "the target"
+    uses = sorted({f"{name} ({phase})" for phase, name in gap.uses if phase != "*"})
+    start = f" from {', '.join(uses)} on" if uses else ""
+    differ = f", {len(diverged)} of them beyond tolerance" if diverged else ", all within tolerance"
+    counted = f" ({len(not_judged)} record sets{differ})" if not_judged else ""
+    scope = "records" if gap.target else "draft records"
+    return Finding(
+        kind="unmodelled",
+        tensor=found[0],
+        severity="info",
+        message=f"{who} uses {', '.join(found)}, which featdiff's reference does not model: no verdict on the "
+        f"{scope} that depend on it{start}{counted}; the rest was judged (docs/modelled.md says what is modelled)",
+        fields={
+            "names": list(found),
+            "role": "draft" if gap.draft else "target",
+            "first_use": uses,
+            "not_judged": list(not_judged),
+            "diverged": list(diverged),
+        },
+    )
+
+
+# --- where the tokens part -----------------------------------------------------------------------
+
+
+def _parting_where(p: Parting) -> str:
+    batch = "the draft block" if p.phase == "draft" else "the verify"
+    return f"round {p.round}, row {p.row} ({batch}, position {p.position})"
+
+
+def _parting_fields(p: Parting) -> dict[str, object]:
+    return {
+        "phase": p.phase,
+        "round": p.round,
+        "row": p.row,
+        "position": p.position,
+        "eval": p.eval,
+        "expected": p.expected,
+        "observed": p.observed,
+    }
+
+
+def detect_near_tie(p: Parting) -> Finding | None:
+    """Hypothesis: run and reference chose different tokens on a row where the reference's own
+    two candidates are closer than the numerics can tell apart, so either choice is right.
+    Evidence: the reference's margin between its argmax and the run's token on that row is at
+    most the noise bound that row's tolerance allows (partings.MARGIN_SPREAD)."""
+    if not p.is_near_tie:
+        return None
+    return Finding(
+        kind="near_tie",
+        tensor=p.tensor,
+        severity="info",
+        message=f"near-tie at {_parting_where(p)}: the run chose token {p.observed}, the reference "
+        f"{p.expected}, by a reference margin {p.margin:.3g} <= noise bound {p.bound:.3g}: either token is "
+        "right, so the run's is not an error",
+        fields={**_parting_fields(p), "margin": p.margin, "bound": p.bound},
+    )
+
+
+def parting_divergence(p: Parting) -> Finding | None:
+    """A parting beyond the noise that no value explains: the run's token is not what its
+    logits say (a `divergence` by margin); None for a near-tie."""
+    if p.is_near_tie:
+        return None
+    return Finding(
+        kind="divergence",
+        tensor=p.tensor,
+        severity="error",
+        message=f"at {_parting_where(p)} the run chose token {p.observed} where the reference's argmax is "
+        f"{p.expected} by a margin {p.margin:.3g}, beyond the noise bound {p.bound:.3g}; check which rows the "
+        "driver drafts from and that it samples greedily",
+        fields={**_parting_fields(p), "metric": "margin", "value": p.margin, "tolerance": p.bound},
+    )
+
+
+# --- what a converter gets wrong: a norm's weight, the RoPE's angles -----------------------------
+
+MIN_CHANNEL_ROWS = 4  # rows: below this a factor per channel fits almost any pair of rows
+
+
+def detect_scale_per_channel(ev: Evidence) -> Finding | None:
+    """Hypothesis: run = ref x c_j, one factor per channel j, the same on every row (a norm's weight
+    missing, written as ones, or another norm's). Evidence: the least-squares c_j explain at least
+    MIN_CHANNEL_ROWS rows within tolerance, and c is not one factor (that is `detect_scale`'s); a
+    RoPE'd record is tried before its rotation too (plain RoPE at each row's position)."""
+    if not same_shape(ev) or ev.ref.ndim != 2 or len(ev.ref) < MIN_CHANNEL_ROWS:
+        return None
+    for ref, run, where in _unroped_views(ev):
+        c = _channel_factors(ref, run)  # (D,)
+        if np.allclose(c, c.mean(), rtol=ev.tolerance.rel) or not explains(ref * c, run, ev.tolerance):
+            continue
+        head = ev.rope.head_dim if ev.rope is not None else 0
+        per_head = head > 0 and len(c) % head == 0 and np.allclose(c.reshape(-1, head), c[:head], rtol=ev.tolerance.rel)
+        spread = c[:head] if per_head else c
+        norm = "a per-head norm (attn_q_norm, attn_k_norm)" if per_head else "a norm over the row"
+        return error_finding(
+            "scale",
+            ev,
+            f"{ev.tensor} is the reference times one factor per channel{where}, the same on every row "
+            f"({spread.min():.3g}..{spread.max():.3g}{f', repeating every {head} values' if per_head else ''}): "
+            f"the weight of {norm} is missing or another one; check that the GGUF's norm weight feeding it is the "
+            f"checkpoint's (a converter that drops a norm's weights writes ones)",
+            factor=round(float(np.mean(spread)), 6),
+            factors=[round(float(x), 6) for x in spread],
+            detail=f"per channel{where}" + (f", per head of {head}" if per_head else ""),
+        )
+    return None
+
+
+def _channel_factors(ref: np.ndarray, run: np.ndarray) -> np.ndarray:
+    """Least-squares factor of each column: (R, D) x 2 -> (D,); 1 where a ref column is all zero."""
+    den = np.einsum("ij,ij->j", ref, ref)  # (D,)
+    num = np.einsum("ij,ij->j", ref, run)  # (D,)
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)
+
+
+def _unroped_views(ev: Evidence):
+    """(ref, run, where) as stored, then, for a RoPE'd record, both rotated back by each row's
+    position (NeoX and adjacent pairs), since a factor per channel before RoPE is none after it."""
+    yield ev.ref, ev.run, ""
+    if ev.rope is None or not ev.positions or ev.ref.shape[1] != ev.rope.n_head * ev.rope.head_dim:
+        return
+    for neox in (True, False):
+        ref, run = (_unrotated(x, ev.positions, ev.rope, neox) for x in (ev.ref, ev.run))
+        yield ref, run, " before RoPE"
+
+
+def _unrotated(rows: np.ndarray, positions: tuple[int, ...], rope: Rope, neox: bool) -> np.ndarray:
+    """Each row rotated back by its own position with plain RoPE: (R, n_head * head_dim) -> same."""
+    return np.concatenate(
+        [rotate(rows[i : i + 1], -p, rope, neox) for i, p in enumerate(positions)], axis=0
+    )  # (R, n_head * head_dim)
+
+
+def detect_divergence_in_rope(ev: Evidence) -> Finding | None:
+    """Hypothesis: the run rotated the reference's vectors by other RoPE angles (another base,
+    scaling or `rope_freqs` than the checkpoint's). Evidence: in every rotated pair the run's length
+    is one factor c x the reference's (1, or YaRN's attention factor on cos and sin) while run is not
+    c x ref: only the angles differ. A `divergence` whose message says which frequencies differ."""
+    if ev.rope is None or not same_shape(ev) or ev.ref.shape[1] != ev.rope.n_head * ev.rope.head_dim:
+        return None
+    for neox in (True, False):
+        z_ref, z_run = _rope_pairs(ev.ref, ev.rope, neox), _rope_pairs(ev.run, ev.rope, neox)  # (R, H, half)
+        len_ref, len_run = np.abs(z_ref).reshape(len(ev.ref), -1), np.abs(z_run).reshape(len(ev.run), -1)
+        c = float(np.vdot(len_ref, len_run)) / max(float(np.vdot(len_ref, len_ref)), np.finfo(np.float64).tiny)
+        if not explains(c * len_ref, len_run, ev.tolerance) or explains(c * ev.ref, ev.run, ev.tolerance):
+            continue
+        angle = np.abs(np.angle(z_run * np.conj(z_ref)))  # (R, H, half): radians
+        # a rotation by d radians is a relative error of d: pairs turned further than the tolerance's rel
+        differ = np.flatnonzero(angle.max(axis=(0, 1)) > ev.tolerance.rel)
+        return error_finding(
+            "divergence",
+            ev,
+            _rope_message(ev.tensor, differ, angle.shape[2], c, ev.rope.base, ev.tolerance),
+            metric="nmse",
+            value=float(relative_error(ev.ref, ev.run) ** 2),
+            tolerance=ev.tolerance.nmse,
+            detail="rope",
+            pairs=[int(i) for i in differ],
+        )
+    return None
+
+
+def _rope_pairs(rows: np.ndarray, rope: Rope, neox: bool) -> np.ndarray:
+    """The rotated pairs of each head as complex numbers: (R, n_head * head_dim) -> (R, n_head, half)."""
+    x = rows.reshape(len(rows), rope.n_head, rope.head_dim).astype(np.float64)  # (R, n_head, head_dim)
+    half = rope.head_dim // 2
+    a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])  # (R, n_head, half) each
+    return a + 1j * b
+
+
+def _rope_message(tensor: str, differ: np.ndarray, half: int, c: float, base: float, tol: Tolerance) -> str:
+    which = f"frequency pair{'s' * (len(differ) > 1)} {_pair_span(differ)} of {half} differ"
+    amp = f"; cos and sin are scaled by {c:.4g} (YaRN's attention factor)" if abs(c - 1.0) > tol.rel else ""
+    arch = names.ARCH_DFLASH
+    return (
+        f"{tensor} holds the reference's vectors rotated by other RoPE angles ({which}{amp}): the drafter's "
+        f"RoPE in the GGUF ({names.KEY_ROPE_FREQ_BASE.format(arch=arch)}, {arch}.rope.scaling.*, "
+        f"{names.T_ROPE_FREQS}) does not match the checkpoint's config.json (rope_theta {base:g}, rope_scaling); a converter "
+        f"that takes them from the target, or drops llama3's rope_freqs, does this"
+    )
+
+
+def _pair_span(pairs: np.ndarray) -> str:
+    if len(pairs) > 1 and np.array_equal(pairs, np.arange(pairs[0], pairs[-1] + 1)):
+        return f"{pairs[0]}..{pairs[-1]}"
+    return ", ".join(map(str, pairs[:8])) + (" ..." if len(pairs) > 8 else "")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,8 +27,10 @@ from featdiff import names
 from featdiff.compare import detectors as d
 from featdiff.compare import wiring as w
 from featdiff.compare.align import DRAFT_GROUP, GroupKey, Pair, Plan, RecordKey, flow_rank
+from featdiff.compare.dependence import Gap
 from featdiff.compare.flow import batch_label
 from featdiff.compare.namemap import NameMap
+from featdiff.compare.partings import Parting
 from featdiff.compare.result import Finding, Kind, Severity, Skip
 from featdiff.dump import Manifest
 
@@ -55,8 +57,11 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     w.detect_wrong_source,
     d.detect_stale,
     d.detect_row_shift,
+    d.detect_misplaced_rows,
     d.detect_position_offset,
     d.detect_scale,
+    d.detect_scale_per_channel,
+    d.detect_divergence_in_rope,
 )
 
 
@@ -129,6 +134,44 @@ def check_positions(evs: list[d.Evidence]) -> Finding | None:
             continue
         return d.detect_position_offset(ev) or d.detect_divergence(ev, float("inf"))
     return None
+
+
+# --- records that depend on a feature the reference left out ------------------------------------
+
+
+def set_aside_unmodelled(plan: Plan, walk: Walk, gap: Gap | None) -> tuple[Plan, Walk, Finding | None]:
+    """The plan and walk without the records that depend on an unmodelled feature
+    (compare/dependence.py), and the one `unmodelled` finding that says so: no root, skip or
+    one-sided record of theirs is judged. Unchanged, and no finding, when nothing is unmodelled."""
+    if gap is None:
+        return plan, walk, None
+    out = {i for i, p in enumerate(plan.pairs) if gap.depends(p.group[0], p.group[1], p.name)}
+    diverged = [i for i in sorted(out) if i in set(walk.roots) | set(walk.inherited)]
+    kept = replace(
+        plan,
+        ref_only=tuple(k for k in plan.ref_only if not gap.depends(k[0][0], k[0][1], k[1])),
+        run_only=tuple(k for k in plan.run_only if not gap.depends(k[0][0], k[0][1], k[1])),
+        skips=tuple(s for s in plan.skips if not gap.depends(s.role, s.phase, s.name)),
+    )
+    judged = Walk(
+        roots=tuple(i for i in walk.roots if i not in out), inherited=tuple(i for i in walk.inherited if i not in out)
+    )
+    finding = d.detect_unmodelled(
+        gap, tuple(_set_name(plan.pairs[i]) for i in sorted(out)), tuple(_set_name(plan.pairs[i]) for i in diverged)
+    )
+    return kept, judged, finding
+
+
+def _set_name(p: Pair) -> str:
+    return f"{p.name} ({batch_label(p.group)})"
+
+
+def judged_partings(partings: tuple[Parting, ...], gap: Gap | None) -> tuple[Parting, ...]:
+    """The partings compare may judge: not those on logits that depend on an unmodelled feature
+    (a drafted token, when the drafter's logits do)."""
+    if gap is None:
+        return partings
+    return tuple(p for p in partings if not gap.depends("draft" if p.phase == "draft" else "target", p.phase, p.tensor))
 
 
 # --- manifest-level detectors --------------------------------------------------------------------
@@ -251,18 +294,67 @@ INFO_SKIPS = ("no_rows", "no_draft", "fewer_drafts")  # expected skips worth a l
 EXPLAINABLE_SKIPS = ("token_history", "position", "failed_eval")
 
 
-def unpaired_findings(plan: Plan, explained: bool, parting: str | None) -> list[Finding]:
+def unpaired_findings(
+    plan: Plan,
+    explained: bool,
+    parting: str | None,
+    near_tie: Finding | None = None,
+    unmodelled: Finding | None = None,
+) -> list[Finding]:
     """One `unpaired` finding per (reason, side) of the wiring record sets the plan left out:
     errors, except rows left out because the run decoded other tokens when other error findings
-    (`explained`) say why; the expected llama-server skips as info. `parting`: where the two token
-    histories part (flow.history_divergence)."""
+    (`explained`) or a near-tie where the histories part (`near_tie`, a reference that did not
+    follow the run after it) say why; the expected llama-server skips as info. `parting`: where
+    the two token histories part (flow.history_divergence). An `unmodelled` drafter feature explains
+    rows of another token history too: the reference drafts without it, so its drafts may differ."""
     by_cause: dict[tuple[str, str], list[Skip]] = {}
     for skip in plan.skips:
         if _wiring(skip.name) and (not skip.is_expected or skip.reason in INFO_SKIPS):
             by_cause.setdefault((skip.reason, skip.side), []).append(skip)
     rounds = (_last_round(plan.ref_groups), _last_round(plan.run_groups))
-    found = (detect_unpaired(tuple(skips), explained, parting, rounds) for skips in by_cause.values())
+    found = [detect_unpaired(tuple(skips), explained, parting, rounds) for skips in by_cause.values()]
+    if near_tie is not None and not explained:
+        found = [_after_near_tie(f, near_tie) if f is not None else None for f in found]
+    elif unmodelled is not None and unmodelled.fields.get("role") == "draft" and not explained:
+        found = [_after_unmodelled(f, unmodelled) if f is not None else None for f in found]
     return [f for f in found if f is not None]
+
+
+def _after_unmodelled(f: Finding, unmodelled: Finding) -> Finding:
+    """Rows left out because the histories part, when the drafter uses a feature the reference
+    does not model (its drafts may differ for that reason alone): info, saying so."""
+    if f.fields.get("reason") not in EXPLAINABLE_SKIPS:
+        return f
+    head = f.message.split("; ")[0]
+    return replace(
+        f,
+        severity="info",
+        message=f"{head}; the reference drafts without {', '.join(unmodelled.fields['names'])} (unmodelled), so "
+        "its drafts may differ: make the reference follow the run (`featdiff reference --follow run.npz`) "
+        "to compare them",
+    )
+
+
+def _after_near_tie(f: Finding, near_tie: Finding) -> Finding:
+    """Rows left out because the histories part at a near-tie: info, saying so."""
+    if f.fields.get("reason") not in EXPLAINABLE_SKIPS:
+        return f
+    head = f.message.split("; ")[0]
+    return replace(
+        f,
+        severity="info",
+        message=f"{head}; the token histories part at the near-tie of round {near_tie.fields['round']} "
+        f"(row {near_tie.fields['row']}), where either token is right: make the reference follow the run "
+        "(`featdiff reference --run run.npz` or `--follow run.npz`) to compare them",
+    )
+
+
+def parting_findings(partings: tuple[Parting, ...], explained: bool) -> list[Finding]:
+    """The near-ties (info), and the first parting beyond the noise as an error unless other
+    error findings (`explained`) already say why the run chose other tokens."""
+    found = [f for f in map(d.detect_near_tie, partings) if f is not None]
+    beyond = [f for f in map(d.parting_divergence, partings) if f is not None]
+    return found + ([] if explained or not beyond else beyond[:1])
 
 
 def _last_round(groups: tuple[GroupKey, ...]) -> int:

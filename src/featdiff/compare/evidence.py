@@ -31,10 +31,11 @@ class Source:
     index: MemberIndex
     contexts: dict[int, tuple[int | None, ...]]
     evals: dict[int, Eval]
+    view: Manifest | None = None  # the part of the dump compared (one flow of several), else all of it
 
     @property
     def manifest(self) -> Manifest:
-        return self.dump.manifest
+        return self.view if self.view is not None else self.dump.manifest
 
     def array(self, record: Record) -> np.ndarray:
         return read_array(self.dump, self.index, record)
@@ -44,8 +45,10 @@ class Source:
         return side_rows([self.array(r) for r in side.records])
 
 
-def open_source(dump: Dump) -> Source:
-    return Source(dump, index_members(dump), row_contexts(dump.manifest), {e.eval: e for e in dump.manifest.evals})
+def open_source(dump: Dump, view: Manifest | None = None, index: MemberIndex | None = None) -> Source:
+    """The dump opened for compare; `view` (dump.flow_view) limits it to one flow."""
+    m = view if view is not None else dump.manifest
+    return Source(dump, index or index_members(dump), row_contexts(m), {e.eval: e for e in m.evals}, view)
 
 
 def target_layers(manifest: Manifest) -> tuple[int, ...]:

@@ -32,21 +32,20 @@ def draft_cache_states(run: Manifest) -> tuple[CacheState, ...]:
     """Follow the draft context's cache through its decodes and `memory_ops`; () without ops."""
     if not run.memory_ops:
         return ()
-    ops: dict[int, list[MemoryOp]] = defaultdict(list)
-    for op in run.memory_ops:
-        if op.role == "draft":
-            ops[op.after_eval].append(op)
+    # in eval order; an edit made after an eval this manifest does not hold (another flow's, in a
+    # flow view: dump.flow_view) applies before the next eval it holds
+    pending = sorted((op for op in run.memory_ops if op.role == "draft"), key=lambda op: op.after_eval)
     held: dict[tuple[int, int], list[int]] = defaultdict(list)
-    _apply(held, ops.get(-1, []))
     out = []
     for ev in run.evals:
+        while pending and pending[0].after_eval < ev.eval:
+            _apply(held, [pending.pop(0)])
         if ev.role == "draft" and ev.phase != names.PHASE_WARMUP:
             if ev.phase == "draft" and ev.positions:  # what the block met (also when it was refused)
                 out.append(CacheState(ev, ev.positions[0], {k: tuple(v) for k, v in held.items() if v}))
             for pos, seq in zip(ev.positions, ev.seq_ids or (0,) * len(ev.positions)):
                 if not ev.rc and ev.writes_cache:  # a refused batch, an encoder step write nothing
                     held[(seq, pos)].append(ev.eval)
-        _apply(held, ops.get(ev.eval, []))
     return tuple(out)
 
 

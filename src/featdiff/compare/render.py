@@ -52,9 +52,17 @@ def write_json(c: Comparison, dest: str) -> None:
 def verdict(c: Comparison) -> str:
     """One line: pass/fail, the count of findings, where the run first diverges, and the coverage."""
     errors = [f for f in c.findings if f.severity == "error"]
+    gap = next((f for f in c.findings if f.kind == "unmodelled"), None)
     if not errors:
+        # an OK beside unmodelled features covers only what was judged: say what was not
+        caveat = (
+            f"; no verdict on {len(gap.fields.get('not_judged', []))} record sets that depend on "
+            f"{', '.join(gap.fields.get('names', []))}, which the reference does not model"
+            if gap is not None
+            else ""
+        )
         return (
-            f"OK: no error finding over {c.coverage.pairs} compared records ({c.coverage.rows} rows); "
+            f"OK: no error finding over {c.coverage.pairs} compared records ({c.coverage.rows} rows){caveat}; "
             f"{c.coverage.skipped_phrase()}"
         )
     where = ""

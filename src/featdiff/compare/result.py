@@ -43,6 +43,9 @@ Kind = Literal[
     "block_token",
     "duplicate_rows",
     "flow_note",
+    "near_tie",
+    "misplaced_rows",
+    "unmodelled",
 ]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
 SkipSide = Literal["both", "ref", "run"]  # where the records of a skip are

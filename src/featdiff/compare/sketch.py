@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from featdiff.compare.metrics import quiet_nonfinite
+
 SKETCH_SEED = 20240917  # fixed: the same dumps always give the same matrix and findings
 SKETCH_DIM = 64
 MAX_SKETCH_ROWS = 256
@@ -78,8 +80,9 @@ def sample_rows(n_rows: int, limit: int = MAX_SKETCH_ROWS) -> np.ndarray:
 
 
 def sketch(rows: np.ndarray, proj: np.ndarray) -> np.ndarray:
-    """Project (R, n) rows to (R, dim)."""
-    return np.asarray(rows, dtype=np.float32) @ proj  # (R, dim)
+    """Project (R, n) rows to (R, dim); a NaN/Inf row sketches to NaN/Inf, without a warning."""
+    with quiet_nonfinite():
+        return np.asarray(rows, dtype=np.float32) @ proj  # (R, dim)
 
 
 def slot_sketches(features: np.ndarray, n_extract: int, proj: np.ndarray) -> np.ndarray:
@@ -96,11 +99,12 @@ def compare_sketches(slots: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray,
     """
     s = slots.astype(np.float64)
     lay = layers.astype(np.float64)
-    ss = np.einsum("krd,krd->k", s, s)  # (n_extract,)
-    ll = np.einsum("lrd,lrd->l", lay, lay)  # (n_layer,)
-    sl = np.einsum("krd,lrd->kl", s, lay)  # (n_extract, n_layer)
-    err = np.sqrt(np.maximum(ss[:, None] + ll[None, :] - 2 * sl, 0.0) / np.maximum(ll[None, :], 1e-30))
-    s_rows = s / np.maximum(np.linalg.norm(s, axis=2, keepdims=True), 1e-30)  # (n_extract, R, dim)
-    l_rows = lay / np.maximum(np.linalg.norm(lay, axis=2, keepdims=True), 1e-30)  # (n_layer, R, dim)
-    cos = np.einsum("krd,lrd->kl", s_rows, l_rows) / max(s.shape[1], 1)  # (n_extract, n_layer)
+    with quiet_nonfinite():  # NaN/Inf rows give NaN cells, which the detectors read as no match
+        ss = np.einsum("krd,krd->k", s, s)  # (n_extract,)
+        ll = np.einsum("lrd,lrd->l", lay, lay)  # (n_layer,)
+        sl = np.einsum("krd,lrd->kl", s, lay)  # (n_extract, n_layer)
+        err = np.sqrt(np.maximum(ss[:, None] + ll[None, :] - 2 * sl, 0.0) / np.maximum(ll[None, :], 1e-30))
+        s_rows = s / np.maximum(np.linalg.norm(s, axis=2, keepdims=True), 1e-30)  # (n_extract, R, dim)
+        l_rows = lay / np.maximum(np.linalg.norm(lay, axis=2, keepdims=True), 1e-30)  # (n_layer, R, dim)
+        cos = np.einsum("krd,lrd->kl", s_rows, l_rows) / max(s.shape[1], 1)  # (n_extract, n_layer)
     return err, cos

@@ -230,6 +230,12 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
             f"the checkpoint was trained {trained}: set {names.KEY_SAMPLE_FROM_ANCHOR} = "
             f"{'true' if trained == 'anchor-first' else 'false'} in the drafter's GGUF"
         )
+    if f"{key}={value}" == names.HYP_FULL_ATTENTION:
+        return (
+            f"{tensor} is the layer computed over the whole context (it matches the reference's {candidate}) where "
+            f"the checkpoint's layer slides over a window: write {names.ARCH_DFLASH}.attention.sliding_window and "
+            f"_pattern into the GGUF (a converter that leaves them out runs the window as full attention)"
+        )
     if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
         return (
             f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "

@@ -7,7 +7,9 @@ $FEATDIFF_CACHE), keyed by the headers, the library and the shim sources it was 
 Accepted layouts for a build (`--llama-dir DIR` or $FEATDIFF_LLAMA_DIR):
 * an install prefix: DIR/include/llama.h and DIR/lib/libllama.so (.dylib on macOS; also lib64/);
 * a llama.cpp checkout: DIR/include/llama.h, DIR/ggml/include/ggml.h and the libraries of a
-  CMake build under DIR/build (build/bin or build/src, build/ggml/src).
+  CMake build under DIR/build (build/bin or build/src, build/ggml/src);
+* a CMake build directory configured out of tree (`cmake -S SRC -B DIR`): the libraries in it,
+  the headers of the source its CMakeCache.txt names.
 Without either: the project's own build of the pinned llama.cpp (`make setup`: the checkout
 build/llama.cpp/src, the tree the tools are built from, featdiff.llama.tools), else an installed
 llama-cpp-python==0.3.36's include/ and lib/.
@@ -47,6 +49,13 @@ PROJECT_TREE = "src"  # the patched tree in the tools dir, with its CMake build 
 # the shared library's file name on this platform (macOS builds make .dylib, Linux .so)
 LIBLLAMA = "libllama.dylib" if sys.platform == "darwin" else "libllama.so"
 ENV_LLAMA_DIR = "FEATDIFF_LLAMA_DIR"
+CMAKE_CACHE = "CMakeCache.txt"  # in every CMake build directory
+# the CMakeCache.txt entries that name the source a build directory was configured from
+# (`cmake -S SRC`): llama.cpp's own project (set by its project() call, also when it is a
+# subproject), then the top-level source directory
+CMAKE_SOURCE_ENTRIES = ("llama.cpp_SOURCE_DIR", "CMAKE_HOME_DIRECTORY")
+CMAKE_LIB_DEPTH = 3  # a build's libllama sits 1-3 levels below it: bin/, src/, ggml/src/
+PINNED_WHEEL = "llama-cpp-python==0.3.36"  # the installed build featdiff binds without a project build
 
 CDEF = """
 typedef int32_t llama_token;
@@ -207,8 +216,14 @@ def find_build(llama_dir: Path | None = None) -> LlamaBuild:
             return _checked(_checkout(tree.resolve(), "project"))
         return _pinned_build()
     root = Path(chosen).expanduser().resolve()
+    source = source_of(root)
+    if source is not None and not (root / "include" / "llama.h").is_file():
+        return _checked(_build_tree(root, source))
     if not (root / "include" / "llama.h").is_file():
-        raise InputError(f"{root}: no include/llama.h; --llama-dir must be a llama.cpp checkout or an install prefix")
+        raise InputError(
+            f"{root}: no include/llama.h (nor a {CMAKE_CACHE} naming a llama.cpp source); --llama-dir must be "
+            "a llama.cpp checkout, its CMake build directory, or an install prefix"
+        )
     if (root / "ggml" / "include" / "ggml.h").is_file():
         return _checked(_checkout(root, "checkout"))
     return _checked(LlamaBuild(root, (root / "include",), (root / "lib", root / "lib64"), "prefix"))
@@ -219,15 +234,57 @@ def _checkout(root: Path, kind: str) -> LlamaBuild:
     return LlamaBuild(root, (root / "include", root / "ggml" / "include"), libs, kind)
 
 
+def _build_tree(build_dir: Path, source: Path) -> LlamaBuild:
+    """A CMake build directory of the checkout `source`, wherever it was configured (`-B`)."""
+    libs = tuple(build_dir / d for d in ("bin", "src", "ggml/src"))
+    return LlamaBuild(source, (source / "include", source / "ggml" / "include"), libs, "checkout")
+
+
+def source_of(build_dir: Path) -> Path | None:
+    """The llama.cpp source a CMake build directory was configured from, as its CMakeCache.txt
+    names it (CMAKE_SOURCE_ENTRIES); None when `build_dir` holds no cache, or the cache names no
+    tree with include/llama.h."""
+    cache = build_dir / CMAKE_CACHE
+    if not cache.is_file():
+        return None
+    entries = dict(_cache_entry(line) for line in cache.read_text(errors="replace").splitlines())
+    named = (Path(entries[k]) for k in CMAKE_SOURCE_ENTRIES if entries.get(k))
+    return next((p.resolve() for p in named if (p / "include" / "llama.h").is_file()), None)
+
+
+def _cache_entry(line: str) -> tuple[str, str]:
+    """(KEY, VALUE) of a CMakeCache.txt line `KEY:TYPE=VALUE`; comments give an unused pair."""
+    key, _, rest = line.partition(":")
+    return key.strip(), rest.partition("=")[2].strip()
+
+
+def build_dir_of(libllama: Path) -> Path | None:
+    """The CMake build directory a libllama was built in (its bin/, src/ or ggml/src/): the nearest
+    directory above it whose CMakeCache.txt names a llama.cpp source; `find_build` accepts it."""
+    return next((d for d in list(libllama.parents)[:CMAKE_LIB_DEPTH] if source_of(d) is not None), None)
+
+
 def _pinned_build() -> LlamaBuild:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
-        raise InputError(
-            f"no llama.cpp build: neither the project's ({project_tree()}/build) nor llama-cpp-python==0.3.36; "
-            "run `make setup`, or pass --llama-dir"
-        )
+        raise InputError(no_build_message(REPO_ROOT))
     site = Path(next(iter(spec.submodule_search_locations))).parent
     return _checked(LlamaBuild(site, (site / "include",), (site / "lib",), "pinned"))
+
+
+def no_build_message(repo: Path) -> str:
+    """What to do when there is no build at all: in featdiff's checkout (`repo` holds its
+    Makefile), build the pinned tree; in a pip-installed featdiff, install the pinned wheel."""
+    if (repo / "Makefile").is_file() and (repo / "pyproject.toml").is_file():
+        return (
+            f"no llama.cpp build: neither the project's ({project_tree()}/build) nor {PINNED_WHEEL}; "
+            "run `make setup`, or pass --llama-dir"
+        )
+    return (
+        f"no llama.cpp build: {PINNED_WHEEL} is not installed beside featdiff; run "
+        f"`pip install {PINNED_WHEEL}`, or pass --llama-dir DIR of your build (a checkout, its CMake "
+        "build directory, or an install prefix; BUILD_SHARED_LIBS=ON)"
+    )
 
 
 def _checked(build: LlamaBuild) -> LlamaBuild:
@@ -236,7 +293,7 @@ def _checked(build: LlamaBuild) -> LlamaBuild:
         where = ", ".join(str(d) for d in build.lib_dirs)
         raise InputError(
             f"{build.root}: no {LIBLLAMA} in {where} (looked for {build.lib_dirs[0] / LIBLLAMA}); "
-            "build llama.cpp with -DBUILD_SHARED_LIBS=ON, or pass its install prefix"
+            "build llama.cpp with -DBUILD_SHARED_LIBS=ON, or pass its install prefix or CMake build directory"
         )
     for h in ("llama.h", "ggml.h", "ggml-backend.h"):
         if not any((d / h).is_file() for d in build.include_dirs):

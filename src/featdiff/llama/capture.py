@@ -30,6 +30,7 @@ from featdiff.tokens import check_prompt, parse_tokens, require_one
 log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS = RunOptions()  # llama.cpp's defaults
+DEFAULT_N_UBATCH = 512  # -ub: common/common.h common_params.n_ubatch (llama_context_default_params agrees)
 
 CTX_MIN = 256
 CTX_SLACK = 16
@@ -84,6 +85,7 @@ def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float =
         confidence=confidence,
         p_min=p_min,
         causal=draft.meta(names.KEY_CAUSAL) == "true",
+        selector_top_k=int(draft.meta(names.KEY_SELECTOR_TOP_K) or 0),
     )
 
 
@@ -208,14 +210,30 @@ def new_contexts(
     callback tags (None: no callback)."""
     n_ctx = max(CTX_MIN, flow_positions(n_prompt, rounds, cfg.block_rows) + CTX_SLACK, options.n_ctx or 0)
     threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
-    tgt = Context.new(
-        rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"], flash_attn=options.flash_attn
-    )
+    ub, fa = n_ubatch(options), options.flash_attn
+    check_ubatch(ub, cfg.block_rows)
+    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"], flash_attn=fa, n_ubatch=ub)
     dft = Context.new(
-        rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=options.flash_attn
+        rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=fa, n_ubatch=ub
     )
     enable_dflash(tgt, dft, cfg)
     return tgt, dft
+
+
+def n_ubatch(options: RunOptions) -> int:
+    """The micro-batch both contexts compute a decode in: `-ub`, else llama.cpp's default (the
+    draft context inherits the target's, common/speculative.cpp)."""
+    return options.n_ubatch or DEFAULT_N_UBATCH
+
+
+def check_ubatch(size: int, block_rows: int) -> None:
+    """A draft block is decoded non-causally, so it must fit one ubatch: llama.cpp aborts
+    otherwise (src/llama-context.cpp: "non-causal attention requires n_ubatch >= n_tokens")."""
+    if size < block_rows:
+        raise InputError(
+            f"-ub {size}: a draft block of {block_rows} rows must fit one ubatch (llama.cpp aborts on a "
+            f"non-causal batch larger than n_ubatch); pass -ub {block_rows} or more, or a smaller --draft-max"
+        )
 
 
 def _run(
@@ -264,6 +282,7 @@ def _header(
             "filters": filters.to_json(),
             "draft_max": cfg.draft_max,
             "p_min": cfg.p_min,
+            "n_ubatch": n_ubatch(options),
             **options.build_json(),
         },
         "prompt_tokens": ids,
@@ -294,9 +313,11 @@ def capture_exec(
     tokens: str | None = None,
     draft_max: int | None = None,
     p_min: float | None = None,
+    n_requests: int | None = None,
 ) -> Path:
     """Capture around an unmodified llama.cpp program (featdiff.llama.exec); llama-server gets
-    one greedy completion request for `prompt` / `tokens`. The program's own command line sets
+    one greedy completion request for `prompt` / `tokens`, or without them serves the user's own
+    requests until Ctrl-C or `n_requests` have completed. The program's own command line sets
     its block length and p_min, so `draft_max` and `p_min` are refused."""
     from featdiff.llama.exec import capture_exec as run_exec
 
@@ -307,4 +328,4 @@ def capture_exec(
             "--spec-draft-p-min in the program's command line instead"
         )
 
-    return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens)
+    return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens, n_requests=n_requests)

@@ -21,6 +21,7 @@ import numpy as np
 from featdiff import names
 from featdiff.blocks import accepted_length, block_rows, read_drafts
 from featdiff.dump import Eval, Round
+from featdiff.lattice import lattice_drafts
 from featdiff.llama.runtime import Context
 
 
@@ -56,6 +57,7 @@ class FlowConfig:
     confidence: bool = False  # a DSpark confidence head: its value per row is read back
     p_min: float = 0.0  # --spec-draft-p-min: DSpark stops drafting below this confidence
     causal: bool = False  # dflash.attention.causal: block rows attend causally
+    selector_top_k: int = 0  # dflash.selector_top_k: > 0 for DFlash2, whose drafts walk its lattice
 
     @property
     def block_rows(self) -> int:
@@ -134,7 +136,16 @@ def features(tgt: Context, layers: tuple[int, ...], n_tokens: int) -> np.ndarray
 def _inject(
     tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, positions: list[int], rnd: int
 ) -> None:
-    rows = features(tgt, cfg.target_layers, len(positions))
+    """The target batch's feature rows into the draft KV cache, in chunks of the drafter's n_ubatch,
+    one decode each (common/speculative.cpp DFlash process(): the fused decode of a chunk must fit
+    one ubatch)."""
+    rows = features(tgt, cfg.target_layers, len(positions))  # (n_tokens, n_extract * n_embd_tgt)
+    for start in range(0, len(positions), dft.n_ubatch):
+        end = min(start + dft.n_ubatch, len(positions))
+        _inject_chunk(dft, st, rec, rows[start:end], positions[start:end], rnd)  # (n_chunk, n_extract * n_embd_tgt)
+
+
+def _inject_chunk(dft: Context, st: _State, rec: Recorder, rows: np.ndarray, positions: list[int], rnd: int) -> None:
     if dft.inject_encodes_first:  # the older generation: encode (fc, enc norm), then decode its rows
         _eval(st, rec, "draft", "inject", rnd, positions, [], call=names.CALL_ENCODE)
         rows = dft.encode_embd(rows)
@@ -173,7 +184,11 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
 
 def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[int]:
     """The greedy drafts of the block just decoded (featdiff.blocks.read_drafts); every row's
-    logits (and confidence) are recorded first."""
+    logits (and confidence) are recorded first. DFlash2 drafts walk the candidate lattice its
+    graph writes to the nextn rows, as upstream's driver does (featdiff.lattice); no logits are read."""
+    if cfg.selector_top_k > 0:
+        rows = [dft.nextn_row(i).tolist() for i in range(n_rows)]
+        return lattice_drafts(rows, cfg.selector_top_k, n_rows, cfg.p_min)
     logits = np.stack([dft.logits(i) for i in range(n_rows)])  # (n_rows, n_vocab)
     rec.readback(names.DRAFT_LOGITS, logits)
     conf = (

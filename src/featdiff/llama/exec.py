@@ -21,21 +21,22 @@ import numpy as np
 
 from featdiff import names
 from featdiff.blocks import accepted_length
-from featdiff.dump import DumpWriter, Eval, Manifest, MemoryOp, Round
+from featdiff.dump import DumpWriter, Eval, FlowInfo, Manifest, MemoryOp, Round
 from featdiff.errors import InputError, Interrupted
 from featdiff.filters import capture_filters
 from featdiff.gguf_meta import model_info
 from featdiff.llama import server, spool
+from featdiff.llama.exec_log import ExecEval, ExecLog, read_exec_log
 from featdiff.llama.options import options_of_command
 from featdiff.llama.preload import PRELOAD_VAR, Preload, build_of_program, preload
-from featdiff.outputs import check_output, failed_output, output_lock
+from featdiff.llama.sequences import split_decodes, split_of
+from featdiff.outputs import check_output, existing_file, failed_output, output_lock
 
 log = logging.getLogger(__name__)
 
 BUILD_SUFFIX = ".build.json"  # the manifest's build entry as known at launch: `featdiff pack` of a dead run reads it
 # the preload's owner note, the server log, the launch's build entry
 SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log", BUILD_SUFFIX)
-TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
 POS_UNSET = -1  # the preload's position of an entry the program left unplaced (a NULL pos array)
 WARMUP = names.PHASE_WARMUP
 # Upstream programs print their llama.cpp version for --version and exit (common/arg.cpp).
@@ -43,88 +44,6 @@ UPSTREAM_PREFIX = "llama-"
 VERSION_FLAG = "--version"
 VERSION_TIMEOUT_S = 10
 UNKNOWN_VERSION = "unknown"
-
-
-# ---------------------------------------------------------------- what the preload noted
-
-
-@dataclass(frozen=True)
-class ExecContext:
-    """A llama_context the program created (memory-fitting probes create throwaway ones)."""
-
-    index: int
-    role: names.Role
-    arch: str
-    model_path: str | None
-    ok: bool
-
-
-@dataclass(frozen=True)
-class ExecEval:
-    """One llama_process/llama_decode/llama_encode call as the program made it."""
-
-    eval: int
-    ctx: int
-    token_ids: tuple[int, ...]  # TOKEN_NULL for an embedding row
-    positions: tuple[int, ...]
-    seq_ids: tuple[int, ...]
-    outputs: tuple[int, ...]
-    rc: int | None  # None: the program died during this decode
-    call: str = names.CALL_DECODE  # "encode": llama_encode, or llama_process of LLAMA_PROCESS_TYPE_ENCODE
-
-    @property
-    def is_embd(self) -> bool:
-        return bool(self.token_ids) and all(t == TOKEN_NULL for t in self.token_ids)
-
-
-@dataclass(frozen=True)
-class ExecLog:
-    """The complete lines of a preload spool index, by kind, in the order they happened."""
-
-    library: str  # the program's libllama, as the dynamic linker found it ("" if never loaded)
-    contexts: tuple[ExecContext, ...]
-    evals: tuple[ExecEval, ...]
-    clears: tuple[tuple[int, int], ...]  # (ctx, last eval number before the memory clear)
-    records: tuple[dict[str, Any], ...]  # the shim's record lines
-    n_torn: int
-    seq_rms: tuple[dict[str, Any], ...] = ()  # the preload's exec_seq_rm lines: removals from a cache
-    n_unreadable: int = 0  # complete lines that are no JSON event
-
-
-def read_exec_log(index: Path) -> ExecLog:
-    """Parse a preload spool index; lines are JSON, written by native/featdiff_preload.c."""
-    lines = spool.read_index_lines(index)
-    events = lines.events
-    models = {e["model"]: e["path"] for e in events if e["kind"] == "exec_model"}
-    done = {e["eval"]: int(e["rc"]) for e in events if e["kind"] == "exec_done"}
-    start = next((e for e in events if e["kind"] == "exec_start"), {})
-    return ExecLog(
-        library=start.get("library", ""),
-        contexts=tuple(
-            ExecContext(e["ctx"], names.ROLES[e["role"]], e["arch"], models.get(e["model"]), e["ok"])
-            for e in events
-            if e["kind"] == "exec_context"
-        ),
-        evals=tuple(_exec_eval(e, done.get(e["eval"])) for e in events if e["kind"] == "exec_eval"),
-        clears=tuple((e["ctx"], e["after_eval"]) for e in events if e["kind"] == "exec_clear"),
-        records=tuple(e for e in events if e["kind"] == spool.RECORD),
-        n_torn=lines.n_torn,
-        seq_rms=tuple(e for e in events if e["kind"] == "exec_seq_rm"),
-        n_unreadable=lines.n_unreadable,
-    )
-
-
-def _exec_eval(e: dict[str, Any], rc: int | None) -> ExecEval:
-    return ExecEval(
-        e["eval"],
-        e["ctx"],
-        tuple(e["token_ids"]),
-        tuple(e["positions"]),
-        tuple(e["seq_ids"]),
-        tuple(e["outputs"]),
-        rc,
-        str(e.get("call", names.CALL_DECODE)),
-    )
 
 
 def _encoded_positions(evals: tuple[ExecEval, ...]) -> dict[int, tuple[int, ...]]:
@@ -164,11 +83,14 @@ def warmup_evals(log: ExecLog) -> frozenset[int]:
 
 @dataclass(frozen=True)
 class _Walk:
-    """Where the flow stands after an eval: the round, and whether a draft awaits its verify."""
+    """Where one sequence's flow stands after an eval: the round, whether a draft awaits its
+    verify, and which of the sequence's requests it serves."""
 
     round: int = 0
     drafted: bool = False  # a draft eval since the last target decode
     speculating: bool = False  # this sequence has drafted before (a new one starts at position 0)
+    request: int = 0  # requests this sequence served before this one
+    last_pos0: int = -1  # the first position of the sequence's last target decode
 
 
 def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
@@ -185,11 +107,25 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
     warm = warmup_evals(log)
     encoded = _encoded_positions(log.evals)
-    walk, out = _Walk(), []
+    walks: dict[int, _Walk] = {}  # per sequence (a decode of several, kept whole: -1)
+    last_part: dict[int, tuple[int, str, int]] = {}  # per sequence: (call, role, seq) of its last decode
+    calls: list[tuple[int, int]] = []  # (call, sequence) of each eval
+    flow_of: dict[tuple[int, int], int] = {}  # (sequence, request) -> flow, in order of appearance
+    out: list[Eval] = []
     for ev in log.evals:
         ev = replace(ev, positions=encoded.get(ev.eval, ev.positions))
         role: names.Role = roles.get(ev.ctx, "target")
-        phase, walk = (WARMUP, walk) if ev.eval in warm else _step(walk, role, ev)
+        seq = ev.seq_ids[0] if len(set(ev.seq_ids)) == 1 else -1
+        walk = walks.get(seq, _Walk())
+        if ev.eval in warm:
+            phase = WARMUP
+        elif out and (ev.call_id, role, seq) == last_part.get(seq):  # another graph of the same call
+            phase = _phase_of(out, seq)
+        else:
+            phase, walk = _step(walk, role, ev)
+        walks[seq] = walk
+        last_part[seq] = (ev.call_id, role, seq)
+        flow = 0 if phase == WARMUP else flow_of.setdefault((seq, walk.request), len(flow_of))
         out.append(
             Eval(
                 eval=ev.eval,
@@ -202,23 +138,51 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
                 round=0 if phase == WARMUP else walk.round,
                 rc=0 if phase == WARMUP else int(ev.rc or 0),
                 call=names.CALL_ENCODE if ev.call == names.CALL_ENCODE else names.CALL_DECODE,
+                flow=flow,
             )
         )
+        calls.append((ev.call_id, seq))
+    return _numbered_parts(out, calls)
+
+
+def _numbered_parts(evals: list[Eval], calls: list[tuple[int, int]]) -> tuple[Eval, ...]:
+    """The decodes a call of one sequence was computed as (one per graph) numbered 0, 1, ... in
+    `ubatch`; a call computed as one graph keeps None."""
+    count: dict[tuple[int, int], int] = {}
+    for c in calls:
+        count[c] = count.get(c, 0) + 1
+    seen: dict[tuple[int, int], int] = {}
+    out = []
+    for e, c in zip(evals, calls):
+        if count[c] > 1:
+            e = replace(e, ubatch=seen.get(c, 0))
+            seen[c] = seen.get(c, 0) + 1
+        out.append(e)
     return tuple(out)
 
 
+def _phase_of(out: list[Eval], seq: int) -> names.Phase:
+    """The phase the sequence's last decode had (a later graph of the same call shares it)."""
+    return next(e.phase for e in reversed(out) if (e.seq_ids[0] if len(set(e.seq_ids)) == 1 else -1) == seq)
+
+
 def _step(walk: _Walk, role: names.Role, ev: ExecEval) -> tuple[names.Phase, _Walk]:
-    """The phase of one real eval, and the walk after it."""
+    """The phase of one real eval of a sequence, and the walk after it. Once a sequence has
+    drafted, a target decode with no draft before it starts the sequence's next request when it
+    is no verify of no drafts (one token, the anchor, past the last decode's first position): a
+    new prompt from position 0, or from a prefix the program kept cached (docs/flow.md)."""
     if role == "draft":
         if ev.is_embd:
             return "inject", walk
-        return "draft", _Walk(walk.round + 1, drafted=True, speculating=True)
-    speculating = walk.speculating and not (ev.positions and ev.positions[0] == 0)
+        return "draft", replace(walk, round=walk.round + 1, drafted=True, speculating=True)
+    pos0 = ev.positions[0] if ev.positions else walk.last_pos0 + 1
     if walk.drafted:
-        return "verify", _Walk(walk.round, False, speculating)
-    if speculating:
-        return "verify", _Walk(walk.round + 1, False, speculating)
-    return "prefill", _Walk(walk.round, False, speculating)
+        return "verify", replace(walk, drafted=False, last_pos0=pos0)
+    if walk.speculating and len(ev.positions) == 1 and pos0 > walk.last_pos0:
+        return "verify", replace(walk, round=walk.round + 1, last_pos0=pos0)
+    if walk.speculating:  # a new request of this sequence: its rounds count afresh
+        return "prefill", _Walk(request=walk.request + 1, last_pos0=pos0)
+    return "prefill", replace(walk, last_pos0=pos0)
 
 
 def prompt_from_evals(evals: tuple[Eval, ...]) -> tuple[int, ...]:
@@ -283,17 +247,45 @@ def derive_rounds(evals: tuple[Eval, ...], greedy: dict[int, tuple[int, ...]]) -
 
 
 def greedy_tokens(log: ExecLog, data: Path, evals: tuple[Eval, ...]) -> dict[int, tuple[int, ...]]:
-    """Argmax of the captured target `result_output` rows of each verify."""
-    verifies = set(next_decodes(evals))
+    """Argmax of the captured target `result_output` rows of each verify (of a verify computed as
+    several graphs, its parts' rows in order, under its first eval: whole_calls)."""
+    merged, parts = whole_calls(evals)
+    verifies = set(next_decodes(merged))
     n_tokens = {e.eval: e.n_tokens for e in evals}
-    out = {}
+    out: dict[int, tuple[int, ...]] = {}
     for event in log.records:
-        if event["eval"] in verifies and event["name"] == names.RESULT_OUTPUT and event["occurrence"] == 0:
-            n = n_tokens[event["eval"]]
+        whole = parts.get(int(event["eval"]), int(event["eval"]))
+        if whole in verifies and event["name"] == names.RESULT_OUTPUT and event["occurrence"] == 0:
+            n = n_tokens.get(int(event["eval"]), 0)
             logits = _record_array(event, data)  # (n_tokens, n_vocab); a 1-token eval is stored (n_vocab,)
             if n and logits.size % n == 0:
-                out[event["eval"]] = tuple(int(t) for t in logits.reshape(n, -1).argmax(axis=1))  # (n_tokens,)
+                out[whole] = out.get(whole, ()) + tuple(int(t) for t in logits.reshape(n, -1).argmax(axis=1))
     return out
+
+
+def whole_calls(evals: tuple[Eval, ...]) -> tuple[tuple[Eval, ...], dict[int, int]]:
+    """One flow's evals with the graphs of one call merged back (a verify computed as several
+    graphs is one verify of its round), and which eval each merged one was part of."""
+    out: list[Eval] = []
+    parts: dict[int, int] = {}
+    for e in evals:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and (e.ubatch or 0) > 0
+            and (prev.role, prev.phase, prev.round) == (e.role, e.phase, e.round)
+        ):
+            out[-1] = replace(
+                prev,
+                n_tokens=prev.n_tokens + e.n_tokens,
+                positions=prev.positions + e.positions,
+                token_ids=prev.token_ids + e.token_ids,
+                seq_ids=prev.seq_ids + e.seq_ids,
+            )
+            parts[e.eval] = parts.get(prev.eval, prev.eval)
+        else:
+            out.append(e)
+    return tuple(out), parts
 
 
 def _record_array(event: dict[str, Any], data: Path) -> np.ndarray:
@@ -419,6 +411,7 @@ class ExecFlow:
     prompt_tokens: tuple[int, ...]
     memory_ops: tuple[MemoryOp, ...] = ()
     notes: tuple[str, ...] = ()
+    flows: tuple[FlowInfo, ...] = ()  # a run of several flows (requests, sequences); () for one
 
 
 def read_flow(prefix: Path) -> ExecFlow:
@@ -435,12 +428,46 @@ def read_flow(prefix: Path) -> ExecFlow:
             f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
             "with shared libllama (BUILD_SHARED_LIBS=ON)?"
         )
+    seqs = split_decodes(log_, {c.index: split_of(c) for c in log_.contexts})
+    log_ = seqs.log
     evals = flow_evals(log_)
-    greedy = greedy_tokens(log_, data, evals)
-    rounds = derive_rounds(evals, greedy)
+    rounds: list[Round] = []
+    notes: list[str] = list(seqs.notes)
+    flows: list[FlowInfo] = []
+    history: dict[int, dict[int, int]] = {}  # sequence -> position -> the token last decoded there
+    for k in sorted({e.flow for e in evals}):
+        own = tuple(e for e in evals if e.flow == k)
+        merged, _ = whole_calls(own)
+        greedy = greedy_tokens(log_, data, own)
+        found = derive_rounds(merged, greedy)
+        rounds += [replace(r, flow=k) for r in found]
+        notes += flow_notes(merged, found, greedy)
+        flows.append(flow_info(k, own, history))
     return ExecFlow(
-        log_, evals, rounds, prompt_from_evals(evals), memory_ops(log_, evals), flow_notes(evals, rounds, greedy)
+        log_,
+        evals,
+        tuple(rounds),
+        flows[0].prompt_tokens if flows else (),
+        memory_ops(log_, evals),
+        tuple(notes),
+        tuple(flows) if len(flows) > 1 else (),
     )
+
+
+def flow_info(flow: int, evals: tuple[Eval, ...], history: dict[int, dict[int, int]]) -> FlowInfo:
+    """One flow's sequence and prompt: the tokens its sequence already held before the flow's
+    first prefill position (a prompt cache the program reused), then prompt_from_evals'. Records
+    the flow's target tokens into `history` for the flows after it."""
+    real = [e for e in evals if e.phase != WARMUP]
+    seq = real[0].seq_ids[0] if real and real[0].seq_ids else 0
+    held = history.setdefault(seq, {})
+    prefill = [p for e in real if e.phase == "prefill" for p in e.positions]
+    n_cached = min(prefill) if prefill else 0
+    cached = tuple(held.get(p, -1) for p in range(n_cached))
+    for e in real:
+        if e.role == "target" and e.token_ids:
+            held.update(zip(e.positions, e.token_ids))
+    return FlowInfo(flow, seq, cached + prompt_from_evals(evals), n_cached)
 
 
 def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
@@ -458,6 +485,7 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed
         prompt_tokens=flow.prompt_tokens,
         memory_ops=flow.memory_ops,
         flow_notes=flow.notes,
+        flows=flow.flows,
     )
     return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
 
@@ -510,7 +538,7 @@ def program_path(command: list[str]) -> Path:
 def command_files(command: list[str]) -> tuple[Path, ...]:
     """The existing files a command line names, as `-m T.gguf` or `--model=T.gguf`: its inputs."""
     named = [a for arg in command for a in (arg, arg.partition("=")[2]) if a]
-    return tuple(Path(a) for a in named if Path(a).is_file())
+    return tuple(f for f in map(existing_file, named) if f is not None)
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
@@ -553,11 +581,15 @@ def capture_exec(
     prompt: str | None = None,
     tokens: str | None = None,
     timeout_s: float | None = None,
+    n_requests: int | None = None,
 ) -> Path:
     """Run `command` under the preload and write its dump; llama-server is started, asked one
-    greedy completion (`prompt`/`tokens`) and stopped (featdiff.llama.server). A program that
-    fails or is interrupted leaves its dump at `failed_output(output)`, never over a dump at -o."""
+    greedy completion (`prompt`/`tokens`) and stopped, or without them records the user's own
+    requests until featdiff is stopped or `n_requests` have completed (featdiff.llama.server). A
+    program that fails or is interrupted leaves its dump at `failed_output(output)`, never over a
+    dump at -o."""
     program = program_path(command)
+    server.check_traffic(command, n_requests, prompt is not None or tokens is not None, os.environ)
     output = check_output(Path(output), (program, *command_files(command)), "-o")
     kept = capture_filters(filters)
     with output_lock(output):
@@ -573,7 +605,7 @@ def capture_exec(
         pre = preload(prefix, kept, build_of_program(program, llama_dir))
         save_build(prefix, build)
         try:
-            build |= _launch(command, pre, prefix, prompt, tokens, timeout_s)
+            build |= _launch(command, pre, prefix, prompt, tokens, timeout_s, n_requests)
         except KeyboardInterrupt as stop:
             raise _pack_interrupted(stop, prefix, output, build) from None
         packed = _pack_run(command, prefix, output, build)
@@ -619,9 +651,19 @@ def _pack_interrupted(stop: KeyboardInterrupt, prefix: Path, output: Path, build
 
 
 def _launch(
-    command: list[str], pre: Preload, prefix: Path, prompt: str | None, tokens: str | None, timeout_s: float | None
+    command: list[str],
+    pre: Preload,
+    prefix: Path,
+    prompt: str | None,
+    tokens: str | None,
+    timeout_s: float | None,
+    n_requests: int | None = None,
 ) -> dict[str, Any]:
-    """Run the program (or serve one request); return what the manifest's build records of it."""
+    """Run the program (or serve one request, or the user's traffic); return what the manifest's
+    build records of it."""
+    if server.is_server(command) and prompt is None and tokens is None:
+        traffic = server.record_traffic(command, pre, prefix, n_requests)
+        return {"server_traffic": traffic.to_json(), "exit_code": traffic.exit_code}
     if server.is_server(command):
         request = server.request_from(prompt, tokens)
         try:

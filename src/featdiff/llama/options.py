@@ -34,7 +34,7 @@ GPU_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
 GPU_LAYERS_DRAFT_FLAGS = ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl")
 THREADS_FLAGS = ("-t", "--threads")
 CTX_FLAGS = ("-c", "--ctx-size")
-UBATCH_FLAGS = ("-ub", "--ubatch-size")  # refused in-process: featdiff decodes one graph per batch
+UBATCH_FLAGS = ("-ub", "--ubatch-size")  # a batch larger than this is computed as several graphs
 
 
 def _default_kv() -> dict[names.Role, CacheTypes]:
@@ -51,6 +51,7 @@ class RunOptions:
     n_gpu_layers_draft: int | None = None  # drafter (-ngld)
     threads: int | None = None
     n_ctx: int | None = None  # at least this context (in-process: grown to what the flow needs)
+    n_ubatch: int | None = None  # -ub: both contexts' micro-batch (llama.cpp's default 512)
 
     def to_json(self) -> dict[str, Any]:
         """`build.run_options` (the KV types go to `build.kv_types`)."""
@@ -60,6 +61,7 @@ class RunOptions:
             "n_gpu_layers_draft": self.n_gpu_layers_draft,
             "threads": self.threads,
             "n_ctx": self.n_ctx,
+            "n_ubatch": self.n_ubatch,
         }
 
     def build_json(self) -> dict[str, Any]:
@@ -74,11 +76,6 @@ def parse_run_options(args: Sequence[str]) -> RunOptions:
     i = 0
     while i < len(args):
         flag = args[i]
-        if flag in UBATCH_FLAGS:
-            raise InputError(
-                f"{flag}: in-process capture decodes each batch as one graph (n_ubatch = the batch), so "
-                "it takes no ubatch size; capture a run with its own -ub through --exec"
-            )
         if flag not in known:
             raise InputError(
                 f"{flag}: not a featdiff capture option nor a llama.cpp run option it takes "
@@ -116,6 +113,7 @@ def _options(value_of, environ: Mapping[str, str]) -> RunOptions:
         n_gpu_layers_draft=_int(value_of(GPU_LAYERS_DRAFT_FLAGS), "-ngld"),
         threads=_int(value_of(THREADS_FLAGS), "-t", 1),
         n_ctx=_int(value_of(CTX_FLAGS), "-c", 0),
+        n_ubatch=_int(value_of(UBATCH_FLAGS), "-ub", 1),
     )
 
 
@@ -160,7 +158,15 @@ def _last_option(command: Sequence[str], flags: tuple[str, ...]) -> str | None:
 
 def _flag_names() -> set[str]:
     groups = [f for flags, _ in KV_OPTIONS.values() for f in flags]
-    return {*groups, *FLASH_ATTN_FLAGS, *GPU_LAYERS_FLAGS, *GPU_LAYERS_DRAFT_FLAGS, *THREADS_FLAGS, *CTX_FLAGS}
+    return {
+        *groups,
+        *FLASH_ATTN_FLAGS,
+        *GPU_LAYERS_FLAGS,
+        *GPU_LAYERS_DRAFT_FLAGS,
+        *THREADS_FLAGS,
+        *CTX_FLAGS,
+        *UBATCH_FLAGS,
+    }
 
 
 def _example(flag: str) -> str:

@@ -89,17 +89,27 @@ def build_of_program(program: Path, llama_dir: Path | None = None) -> Path | Non
                 f"compiled against the program's own llama.h: pass --llama-dir of the build that made {linked.name}"
             )
         return named
-    default = binding.find_build(None)
-    if default.libllama.resolve() == linked.resolve():
+    default = _default_libllama()
+    if default is not None and default.resolve() == linked.resolve():
         return None
     root = _root_of(linked)
     if root is None:
         raise InputError(
-            f"{program}: loads {linked}, another build than featdiff's default ({default.libllama}), with no "
-            "llama.h beside it; pass --llama-dir of the program's build (its checkout or install prefix)"
+            f"{program}: loads {linked}, another build than featdiff's default ({default or 'none found'}), with no "
+            "llama.h beside it nor a CMakeCache.txt above it; pass --llama-dir of the program's build (its checkout, "
+            "CMake build directory or install prefix)"
         )
     log.info("%s loads %s: compiling the preload against %s", program.name, linked, root)
     return root
+
+
+def _default_libllama() -> Path | None:
+    """The libllama of featdiff's default build, or None when there is none (a pip-installed
+    featdiff without llama-cpp-python): a program's own build then needs no default to differ from."""
+    try:
+        return binding.find_build(None).libllama
+    except InputError:
+        return None
 
 
 def _linked_libllama(program: Path) -> Path | None:
@@ -118,11 +128,13 @@ def _linked_libllama(program: Path) -> Path | None:
 
 
 def _root_of(libllama: Path) -> Path | None:
-    """The checkout or install prefix a libllama belongs to (`find_build` accepts it), if any."""
+    """The checkout, install prefix or CMake build directory a libllama belongs to (`find_build`
+    accepts each), if any: <root>/build/bin, <root>/lib, else the build directory above it whose
+    CMakeCache.txt names its source (`cmake -S SRC -B elsewhere`)."""
     for root in (libllama.parent.parent.parent, libllama.parent.parent):  # <root>/build/bin, <root>/lib
         if (root / "include" / "llama.h").is_file():
             return root
-    return None
+    return binding.build_dir_of(libllama)
 
 
 def preload(prefix: Path, filters: FilterSet | None = None, llama_dir: Path | None = None) -> Preload:

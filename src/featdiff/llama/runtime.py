@@ -131,6 +131,7 @@ class Context:
     model: Model
     batch: Any
     tag: Any = None
+    n_ubatch: int = 0  # rows llama.cpp computes in one graph (a longer decode: several graphs)
     _keep: list[Any] = field(default_factory=list)
 
     @staticmethod
@@ -143,14 +144,17 @@ class Context:
         ctx_other: "Context | None" = None,
         kv: CacheTypes | None = None,
         flash_attn: str = "auto",
+        n_ubatch: int | None = None,
     ) -> "Context":
         """A context with llama.cpp's defaults but for the size, threads, callback, `kv` cache
-        types (default f16) and `flash_attn` (on / off / auto)."""
+        types (default f16), `flash_attn` (on / off / auto) and `n_ubatch` (None: one graph per
+        decode; else a decode of more rows is computed as several graphs, as llama.cpp's -ub)."""
         p = rt.lib.llama_context_default_params()
         if kv is not None:
             p.type_k, p.type_v = ggml_type(rt, kv.k), ggml_type(rt, kv.v)
         p.flash_attn_type = getattr(rt.lib, FLASH_ATTN_TYPES[flash_attn])
-        p.n_ctx = p.n_batch = p.n_ubatch = n_ctx  # one ubatch per decode: one graph per eval
+        p.n_ctx = p.n_batch = n_ctx  # a decode of any length fits one batch
+        p.n_ubatch = min(n_ubatch or n_ctx, n_ctx)  # llama.cpp clamps n_ubatch to n_batch too
         p.n_seq_max = 1
         p.n_threads = p.n_threads_batch = n_threads
         if tag is not None:
@@ -171,7 +175,7 @@ class Context:
                 f"set {ENV_VERBOSE}=1 to see llama.cpp's reason"
             )
         batch = rt.lib.llama_batch_ext_init(ptr) if rt.build.batch_api == binding.BATCH_EXT else None
-        return Context(rt, ptr, model, batch, tag)
+        return Context(rt, ptr, model, batch, tag, n_ubatch=int(p.n_ubatch))
 
     @property
     def legacy(self) -> bool:
@@ -275,6 +279,13 @@ class Context:
         if ptr == self.rt.ffi.NULL:
             raise RuntimeError(f"{self.model.path.name}: no nextn output at row {i}")
         return float(ptr[0])
+
+    def nextn_row(self, i: int) -> np.ndarray:
+        """Output row `i`'s nextn embedding, n_embd floats: a DFlash2 drafter's lattice row."""
+        ptr = self.rt.lib.fd_get_embeddings_nextn_ith(self.ptr, i)
+        if ptr == self.rt.ffi.NULL:
+            raise RuntimeError(f"{self.model.path.name}: no nextn output at row {i}")
+        return np.frombuffer(self.rt.ffi.buffer(ptr, 4 * self.model.n_embd), dtype=np.float32).copy()
 
     def layer_input(self, layer: int, n_tokens: int) -> np.ndarray:
         """The tapped input of target layer `layer` for the last batch: (n_tokens, n_embd)."""

@@ -1,22 +1,27 @@
-"""llama-server under capture: started with the preload on a free loopback port, asked one
-greedy /completion per request, and always stopped.
+"""llama-server under capture, in one of two ways. Given requests, it is started with the
+preload on a free loopback port, asked one greedy /completion per request, and always stopped.
+Given none, it is started as the user wrote it (their --host/--port) and records the user's own
+traffic until featdiff is stopped or `--requests N` requests have completed.
 
-Consumes the user's llama-server command (its --host/--port replaced) and the requests;
-produces a `ServerResult` per request: generated tokens and the server's own draft statistics.
+Consumes the user's llama-server command and the requests; produces a `ServerResult` per request
+(generated tokens and the server's own draft statistics), or a `Traffic` of the user's requests.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from featdiff.errors import InputError
 from featdiff.llama.preload import Preload
@@ -31,6 +36,29 @@ REQUEST_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.1
 LOG_TAIL_LINES = 5
+
+# The user's own traffic: where llama-server listens when the command does not say (common/common.h
+# `hostnames`, `port`; common/arg.cpp reads the flags, else their LLAMA_ARG_* variables).
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
+HOST_FLAGS, HOST_ENV = ("--host",), "LLAMA_ARG_HOST"
+PORT_FLAGS, PORT_ENV = ("--port",), "LLAMA_ARG_PORT"
+API_PREFIX_FLAGS, API_PREFIX_ENV = ("--api-prefix",), "LLAMA_ARG_API_PREFIX"  # every route, /health too, under it
+SSL_FLAGS = (("--ssl-key-file",), "LLAMA_ARG_SSL_KEY_FILE"), (("--ssl-cert-file",), "LLAMA_ARG_SSL_CERT_FILE")
+SOCKET_SUFFIX = ".sock"  # a --host ending so is a UNIX socket (tools/server/server-http.cpp)
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # a wildcard bind: reached on this machine's loopback
+# A slot's release() logs this at INFO, after its final response is queued (tools/server/server-context.cpp):
+# one line per request the server finished (or cancelled).
+RELEASED = b"stop processing: n_tokens"
+# Flags that keep RELEASED out of the server's stdout/stderr (common/arg.cpp, common/log.h)
+LOG_QUIET_FLAGS, LOG_FILE_ENV = ("--log-disable", "--log-file"), "LLAMA_ARG_LOG_FILE"
+VERBOSITY_FLAGS, VERBOSITY_ENV = ("-lv", "--verbosity", "--log-verbosity"), "LLAMA_ARG_LOG_VERBOSITY"
+INFO_VERBOSITY = 3  # common/log.h LOG_LEVEL_INFO: a lower threshold drops RELEASED
+# RELEASED follows send_final_response(): the HTTP thread writes that answer to the client after it;
+# stopping the server at once could cut it off
+RESPONSE_GRACE_S = 1.0
+
+log = logging.getLogger(__name__)
+EndedBy = Literal["requests", "SIGINT", "SIGTERM", "exit"]
 
 
 @dataclass(frozen=True)
@@ -74,15 +102,97 @@ class RequestFailed(InputError):
     (a decode it refused), after it had decoded what the spool holds."""
 
 
+@dataclass(frozen=True)
+class Address:
+    """Where a llama-server answers: what featdiff polls (/health), and all it connects to."""
+
+    host: str
+    port: int
+    api_prefix: str = ""
+    scheme: str = "http"
+
+    def url(self, path: str = "") -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return f"{self.scheme}://{host}:{self.port}{self.api_prefix}{path}"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a capture of the user's own requests saw."""
+
+    url: str  # where the server listened
+    n_requests: int  # slot releases the server logged (RELEASED): requests it finished
+    ended_by: EndedBy  # `--requests N` reached, featdiff stopped by a signal, or the server ended itself
+    exit_code: int = 0  # the server's, when it ended itself
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(sorted(asdict(self).items()))
+
+
 def is_server(command: list[str]) -> bool:
     return bool(command) and Path(command[0]).name in SERVER_PROGRAMS
+
+
+def check_traffic(command: list[str], n_requests: int | None, sends_own: bool, environ: Mapping[str, str]) -> None:
+    """Refuse, before anything starts, a capture of the user's traffic that cannot work: a server
+    featdiff cannot reach (`user_address`), or `--requests N` where it counts nothing (another
+    program than llama-server, a capture that sends its own request, a log that hides RELEASED)."""
+    if is_server(command) and not sends_own:
+        user_address(command, environ)
+    if n_requests is None:
+        return
+    if not is_server(command):
+        raise InputError(f"--requests {n_requests} counts llama-server's requests; {command[0]} is not llama-server")
+    if sends_own:
+        raise InputError(
+            f"--requests {n_requests} counts the requests your own client sends; with --prompt / --tokens "
+            "featdiff sends one itself: give one or the other"
+        )
+    quiet = [f for f in LOG_QUIET_FLAGS if any(a == f or a.startswith(f + "=") for a in command[1:])]
+    quiet += [LOG_FILE_ENV] if environ.get(LOG_FILE_ENV) else []
+    verbosity = _option(command, VERBOSITY_FLAGS, VERBOSITY_ENV, environ)
+    if verbosity is not None and verbosity.strip().lstrip("-").isdigit() and int(verbosity) < INFO_VERBOSITY:
+        quiet.append(f"--log-verbosity {verbosity}")
+    if quiet:
+        raise InputError(
+            f"{command[0]}: --requests {n_requests} counts the server's '{RELEASED.decode()}' log lines, "
+            f"which {', '.join(quiet)} keeps out of its output; drop it, or stop the capture with Ctrl-C"
+        )
+
+
+def user_address(command: list[str], environ: Mapping[str, str]) -> Address:
+    """Where the user's llama-server command listens (its first TCP address), as llama-server reads it."""
+    hosts = _option(command, HOST_FLAGS, HOST_ENV, environ) or DEFAULT_HOST
+    host = next((h.strip() for h in hosts.split(",") if h.strip()), DEFAULT_HOST)
+    port = _option(command, PORT_FLAGS, PORT_ENV, environ) or str(DEFAULT_PORT)
+    if host.endswith(SOCKET_SUFFIX):
+        raise InputError(
+            f"--host {host}: featdiff waits for the server's /health over TCP, not a UNIX socket; "
+            "give the server a --host address and --port for the capture"
+        )
+    if not port.strip().isdigit() or int(port) == 0:
+        raise InputError(f"--port {port}: featdiff needs the port your client will use; give --port N (N > 0)")
+    is_ssl = all(_option(command, flags, env, environ) for flags, env in SSL_FLAGS)
+    prefix = _option(command, API_PREFIX_FLAGS, API_PREFIX_ENV, environ) or ""
+    return Address(WILDCARDS.get(host, host), int(port), prefix, "https" if is_ssl else "http")
+
+
+def _option(command: list[str], flags: tuple[str, ...], env: str, environ: Mapping[str, str]) -> str | None:
+    """The value llama-server takes for an option: its last `--flag V` / `--flag=V`, else `env`'s."""
+    found = None
+    for i, arg in enumerate(command[1:], 1):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            found = value if eq else (command[i + 1] if i + 1 < len(command) else None)
+    return found if found is not None else environ.get(env)
 
 
 def request_from(prompt: str | None, tokens: str | None, n_predict: int = N_PREDICT) -> CompletionRequest:
     """The request for `--prompt TEXT` or `--tokens 1,2,3` (exactly one)."""
     if (prompt is None) == (tokens is None):
         raise InputError(
-            "capture --exec of llama-server sends one completion: give exactly one of --prompt TEXT or --tokens 1,2,3"
+            "capture --exec of llama-server sends one completion for --prompt TEXT or --tokens 1,2,3: give one, "
+            "not both (or neither, to capture the requests your own client sends)"
         )
     return CompletionRequest(prompt if prompt is not None else tuple(parse_tokens(tokens or "")), n_predict)
 
@@ -122,7 +232,7 @@ def serve(
             stderr=subprocess.STDOUT,
         )
         try:
-            _wait_ready(proc, port, log_path)
+            _wait_ready(proc, Address(HOST, port), log_path)
             return tuple(_complete(port, r, log_path) for r in requests)
         finally:
             stop_process(proc)
@@ -132,24 +242,89 @@ def serve_one(command: list[str], pre: Preload, request: CompletionRequest, pref
     return serve(command, pre, [request], prefix)[0]
 
 
-def _opener() -> urllib.request.OpenerDirector:
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+def record_traffic(command: list[str], pre: Preload, prefix: Path, n_requests: int | None) -> Traffic:
+    """Start the user's llama-server as they wrote it, with the preload, and let it serve their
+    client until `n_requests` requests have completed (None: no limit), featdiff is stopped
+    (SIGINT / SIGTERM after the server was ready: the normal end, not an interruption), or the
+    server ends itself; stop it and say what it served."""
+    address = user_address(command, pre.environ())
+    log_path = Path(f"{prefix}.server.log")
+    with open(log_path, "wb") as out:
+        # its own session: a terminal's Ctrl-C reaches featdiff alone, which stops the server with
+        # one SIGTERM (a second signal makes llama-server exit at once, tools/server/server.cpp);
+        # it still dies with featdiff (the preload's parent-death signal)
+        proc = subprocess.Popen(
+            command,
+            env=pre.environ(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        is_ready = False
+        try:
+            _wait_ready(proc, address, log_path)
+            is_ready = True
+            until = f"Ctrl-C or {n_requests} requests" if n_requests else "Ctrl-C"
+            log.info("capturing llama-server at %s until %s; send your requests now", address.url(), until)
+            ended_by = _await_requests(proc, log_path, n_requests)
+        except KeyboardInterrupt as stop:
+            if not is_ready:
+                raise  # stopped before it served anything: an interruption like any other
+            ended_by = "SIGTERM" if getattr(stop, "signum", signal.SIGINT) == signal.SIGTERM else "SIGINT"
+        finally:
+            stop_process(proc)
+    rc = proc.returncode if ended_by == "exit" else 0
+    return Traffic(address.url(), _count_released(log_path.read_bytes()), ended_by, rc)
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log_path: Path) -> None:
-    """Poll /health until the model is loaded (200; 503 while loading)."""
+def _await_requests(proc: subprocess.Popen, log_path: Path, n_requests: int | None) -> EndedBy:
+    """Follow the server's log until it has released `n_requests` slots (None: never) or it ends."""
+    offset, tail, seen = 0, b"", 0
+    while proc.poll() is None:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        offset += len(chunk)
+        *lines, tail = (tail + chunk).split(b"\n")  # only complete lines count
+        seen += _count_released(b"\n".join(lines))
+        if n_requests is not None and seen >= n_requests:
+            time.sleep(RESPONSE_GRACE_S)
+            return "requests"
+        time.sleep(POLL_S)
+    return "exit"
+
+
+def _count_released(text: bytes) -> int:
+    return sum(RELEASED in line for line in text.splitlines())
+
+
+def _opener(scheme: str = "http") -> urllib.request.OpenerDirector:
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]  # never a proxy
+    if scheme == "https":  # the user's own server on the address they gave, its certificate often self-signed
+        handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
+    return urllib.request.build_opener(*handlers)
+
+
+def _is_ready(address: Address) -> bool:
+    """Whether /health answers 200 (503 while the model loads; nothing before the server listens)."""
+    try:
+        with _opener(address.scheme).open(address.url("/health"), timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _wait_ready(proc: subprocess.Popen, address: Address, log_path: Path) -> None:
+    """Poll /health until the model is loaded."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise InputError(
                 f"{log_path}: llama-server exited with code {proc.returncode} before it was ready: {_tail(log_path)}"
             )
-        try:
-            with _opener().open(f"http://{HOST}:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
+        if _is_ready(address):
+            return
         time.sleep(POLL_S)
     raise InputError(f"{log_path}: llama-server not ready after {START_TIMEOUT_S:.0f} s: {_tail(log_path)}")
 

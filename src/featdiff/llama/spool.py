@@ -26,6 +26,7 @@ import numpy as np
 from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.errors import InputError
 from featdiff.filters import FilterSet, RoleFilter
+from featdiff.llama.ubatch import split_ubatches
 from featdiff.names import PHASE_WARMUP, ROLES, Phase, Role
 from featdiff.outputs import check_output
 
@@ -315,18 +316,28 @@ def pack(prefix: Path, output: Path) -> Packed:
     index, data = require_spool(prefix)
     output = check_output(Path(output), (index, data), "-o")
     events = read_index(index)
+    build = events.header.get("build", {})
+    split = split_ubatches(events.evals, events.records, _header_n_ubatch(build, events.evals))
     writer = DumpWriter(output)
-    written = write_records(writer, events.records, events.evals, data)
+    written = write_records(writer, split.records, split.evals, data)
     manifest = Manifest(
         source="llama.cpp",
         models=events.header.get("models", {}),
-        build=events.header.get("build", {}),
-        evals=events.evals,
+        build=build,
+        evals=split.evals,
         records=(),
         rounds=events.rounds,
         prompt_tokens=tuple(events.header.get("prompt_tokens", ())),
+        flow_notes=split.notes,
     )
     return Packed.of(writer.close(manifest), written, events.n_torn, events.n_unreadable)
+
+
+def _header_n_ubatch(build: dict[str, Any], evals: tuple[Eval, ...]) -> dict[int, int | None]:
+    """Each eval's n_ubatch in an in-process capture: `build.n_ubatch`, both contexts' (llama.cpp's
+    draft context inherits the target's); a capture made before it decoded one graph per eval."""
+    size = build.get("n_ubatch") if isinstance(build, dict) else None
+    return {ev.eval: size if isinstance(size, int) and size > 0 else None for ev in evals}
 
 
 def require_spool(prefix: Path) -> tuple[Path, Path]:

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from featdiff.errors import InputError
-from featdiff.llama.binding import DEFAULT_TOOLS_DIR, LIBLLAMA, PROJECT_TREE, tools_dir
+from featdiff.llama.binding import DEFAULT_TOOLS_DIR, LIBLLAMA, PINNED_WHEEL, PROJECT_TREE, tools_dir
 from featdiff.llama.server import SERVER_PROGRAMS
 
 log = logging.getLogger(__name__)
 
-PINNED_SDIST = "llama-cpp-python==0.3.36"
+PINNED_SDIST = PINNED_WHEEL  # the source of the wheel the binding falls back to
 SDIST_TREE = "vendor/llama.cpp"  # where the sdist keeps the llama.cpp source
 # llama-simple prints with printf (exact stdout, unlike the tools' async logger): the tests use it;
 # llama-quantize writes the weight types gguf-py cannot (Q1_0, IQ*, K-quants) for the reference tests
@@ -118,20 +118,23 @@ LIBRARY_STAMP = "library.json"
 def ensure_library(root: Path | None = None) -> Path:
     """The project's libllama (`make setup`): the library targets of the tools' own configuration,
     built in the same tree and build directory, so `make tools` later only adds the programs and
-    one build serves the binding, the preload and the tools. Returns the tree (a `--llama-dir`)."""
+    one build serves the binding, the preload and the tools. Returns its `--llama-dir`: the tree,
+    or the build directory when that is out of the tree ($FEATDIFF_LLAMA_SRC; its CMakeCache.txt
+    names the tree, featdiff.llama.binding.source_of)."""
     root = Path(root or tools_dir())
     source = source_tree(root)
     key = build_key(source)
     build_dir = _build_dir(root, source)
+    llama_dir = source if build_dir == source / "build" else build_dir
     stamps = [root / STAMP, root / LIBRARY_STAMP]
     if (build_dir / "bin" / LIBLLAMA).exists() and any(
         s.is_file() and json.loads(s.read_text()).get("key") == key for s in stamps
     ):
-        return source
+        return llama_dir
     seconds = _build(source, build_dir, LIBRARY_TARGETS)
     (root / LIBRARY_STAMP).write_text(json.dumps({"key": key, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s in %.0f s", ", ".join(LIBRARY_TARGETS), seconds)
-    return source
+    return llama_dir
 
 
 def _build_dir(root: Path, source: Path) -> Path:

@@ -138,6 +138,7 @@ struct fdp_ctx {
     ggml_backend_sched_eval_callback user_cb;  /* the program's own callback, chained */
     void * user_data;
     bool user_asked;
+    bool kv_unified;  /* one KV stream for every sequence: llama.cpp splits its batches simply */
     int index;
     int role;
     struct fdp_ctx * next;
@@ -365,8 +366,9 @@ static void note_context(const struct fdp_ctx * c, const struct llama_model * mo
                c->index, c->ctx ? "true" : "false", c->role, (unsigned long long) (uintptr_t) model);
     buf_str(&b, arch);
     if (c->ctx) {
-        buf_printf(&b, ",\"n_ctx\":%u,\"n_batch\":%u,\"n_ubatch\":%u,\"chained\":%s",
-                   llama_n_ctx(c->ctx), llama_n_batch(c->ctx), llama_n_ubatch(c->ctx), c->user_cb ? "true" : "false");
+        buf_printf(&b, ",\"n_ctx\":%u,\"n_batch\":%u,\"n_ubatch\":%u,\"n_seq_max\":%u,\"kv_unified\":%s,\"chained\":%s",
+                   llama_n_ctx(c->ctx), llama_n_batch(c->ctx), llama_n_ubatch(c->ctx), llama_n_seq_max(c->ctx),
+                   c->kv_unified ? "true" : "false", c->user_cb ? "true" : "false");
     }
     buf_printf(&b, "}");
     note_locked(&b);
@@ -382,6 +384,7 @@ static struct fdp_ctx * new_ctx(const struct llama_model * model, struct llama_c
     if (!c->tag) { free(c); return NULL; }
     c->user_cb = params->cb_eval;
     c->user_data = params->cb_eval_user_data;
+    c->kv_unified = params->kv_unified;
     params->cb_eval = chained_callback;
     params->cb_eval_user_data = c;
     return c;

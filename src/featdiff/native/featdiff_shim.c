@@ -24,6 +24,8 @@
 #define FD_MAX_LEAFS 16        /* graph inputs captured per eval and context */
 #define FD_LINE_MAX 4096
 #define FD_SEEN_SLOTS 8192     /* filter decisions remembered per (role, name): a power of 2 */
+#define FD_GRAPH_SLOTS 32768   /* node addresses remembered per graph: a power of 2 */
+#define FD_GRAPH_FULL (FD_GRAPH_SLOTS / 4 * 3)
 
 struct fd_occ { int role; int count; char name[GGML_MAX_NAME]; };
 
@@ -53,12 +55,27 @@ struct fd_pending {
     struct ggml_tensor * leafs[GGML_MAX_SRC];
 };
 
+/* A batch larger than n_ubatch is computed as several graphs (ubatches), one after the other,
+ * and the scheduler asks about every node of a graph exactly once. The next graph starts where a
+ * node address comes round again (llama.cpp reuses the graph, or rebuilds it in the same buffer),
+ * or where the graph's first node does (a rebuild in llama.cpp's other graph buffer has new
+ * addresses, but the same first node: the token or feature input). */
+struct fd_graph {
+    int eval;                     /* the eval `ubatch` counts the graphs of */
+    int ubatch;                   /* 0 for the eval's first graph, 1 for the second, ... */
+    enum ggml_op first_op;        /* the graph's first node */
+    char first_name[GGML_MAX_NAME];
+    int n_nodes;
+    const struct ggml_tensor * nodes[FD_GRAPH_SLOTS];   /* open addressing; NULL = empty */
+};
+
 struct fd_tag_state {
     fd_context_tag tag;           /* first: fd_context_tag* and fd_tag_state* are the same address */
     struct fd_pending pending;
     int leaf_eval;
     int n_leafs_done;
     const struct ggml_tensor * leafs_done[FD_MAX_LEAFS];
+    struct fd_graph graph;
 };
 
 /* ---------------------------------------------------------------- spool */
@@ -134,6 +151,7 @@ fd_context_tag * fd_tag_new(fd_capture * cap, int role) {
     s->tag.cap = cap;
     s->tag.role = role;
     s->leaf_eval = -1;
+    s->graph.eval = -1;
     return &s->tag;
 }
 
@@ -190,6 +208,62 @@ static int next_occurrence(fd_capture * cap, int role, const char * name) {
     o->count = 1;
     snprintf(o->name, sizeof(o->name), "%s", name);
     return 0;
+}
+
+/* A new graph of the same eval counts its names afresh: occurrence is per graph. */
+static void forget_occurrences(fd_capture * cap, int role) {
+    int kept = 0;
+    for (int i = 0; i < cap->n_occ; ++i)
+        if (cap->occ[i].role != role) cap->occ[kept++] = cap->occ[i];
+    cap->n_occ = kept;
+}
+
+/* Insert `t` into the graph's node set; 1 if it was there already. */
+static int graph_insert(struct fd_graph * g, const struct ggml_tensor * t) {
+    unsigned i = (unsigned) (((uintptr_t) t >> 4) * 2654435761u) & (FD_GRAPH_SLOTS - 1);
+    for (;; i = (i + 1) & (FD_GRAPH_SLOTS - 1)) {
+        if (g->nodes[i] == t) return 1;
+        if (g->nodes[i] == NULL) break;
+    }
+    if (g->n_nodes < FD_GRAPH_FULL) {   /* a graph of more nodes: the rest are not remembered */
+        g->nodes[i] = t;
+        g->n_nodes++;
+    }
+    return 0;
+}
+
+static void graph_clear(struct fd_graph * g) {
+    if (g->n_nodes) memset(g->nodes, 0, sizeof(g->nodes));
+    g->n_nodes = 0;
+}
+
+/* Whether `t` is the graph's first node again: same op and name, a name the graph gave it. */
+static int is_first_node(const struct fd_graph * g, const struct ggml_tensor * t) {
+    return g->first_name[0] && t->op == g->first_op && strcmp(t->name, g->first_name) == 0;
+}
+
+static void start_graph(struct fd_graph * g, const struct ggml_tensor * t) {
+    graph_clear(g);
+    g->first_op = t->op;
+    /* ggml's default names (node_<n>) say nothing about where a graph starts */
+    snprintf(g->first_name, sizeof(g->first_name), "%s", strncmp(t->name, "node_", 5) == 0 ? "" : t->name);
+}
+
+/* Called for every node in the ask phase: follows which graph of the eval is computing. */
+static void follow_graph(struct fd_tag_state * s, const struct ggml_tensor * t) {
+    fd_capture * cap = s->tag.cap;
+    struct fd_graph * g = &s->graph;
+    if (g->eval != cap->eval) {
+        start_graph(g, t);
+        g->eval = cap->eval;
+        g->ubatch = 0;
+    } else if (graph_insert(g, t) || is_first_node(g, t)) {   /* the next ubatch's graph */
+        start_graph(g, t);
+        g->ubatch++;
+        forget_occurrences(cap, s->tag.role);
+        s->n_leafs_done = 0;
+    }
+    graph_insert(g, t);
 }
 
 /* A graph input (leaf) is safe to read through a consumer that cannot overwrite it in place:
@@ -286,9 +360,10 @@ static int json_str(char * buf, size_t cap, const char * s) {
     return (int) n;
 }
 
-static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, const char * op, int eval, int role,
-                      int occurrence, const char * dtype, long long off, size_t nbytes, int is_leaf) {
-    int n = snprintf(buf, cap, "{\"kind\":\"record\",\"eval\":%d,\"role\":%d,\"occurrence\":%d,\"name\":", eval, role, occurrence);
+static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, const char * op, int eval, int ubatch,
+                      int role, int occurrence, const char * dtype, long long off, size_t nbytes, int is_leaf) {
+    int n = snprintf(buf, cap, "{\"kind\":\"record\",\"eval\":%d,\"ubatch\":%d,\"role\":%d,\"occurrence\":%d,\"name\":",
+                     eval, ubatch, role, occurrence);
     n += json_str(buf + n, cap - n, t->name);
     n += snprintf(buf + n, cap - n, ",\"op\":\"%s\",\"ggml_type\":\"%s\",\"n_dims\":%d,\"ne\":[%lld,%lld,%lld,%lld],\"nb\":[%zu,%zu,%zu,%zu],\"srcs\":[",
                   op, ggml_type_name(t->type), ggml_n_dims(t),
@@ -308,11 +383,12 @@ static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, cons
 /* Append one record: its data, then its index line (an index line means complete data).
  * `t` describes the data (name, type, ne, nb, srcs); `op` is what the index calls its op. */
 static int append_record(fd_capture * cap, const void * data, size_t nbytes, const struct ggml_tensor * t,
-                         const char * op, int role, int occurrence, const char * dtype, int is_leaf) {
+                         const char * op, int ubatch, int role, int occurrence, const char * dtype, int is_leaf) {
     char line[FD_LINE_MAX];
     int rc = write_all(cap->fd_data, data, nbytes);
     if (rc == FD_OK) {
-        int n = index_line(line, sizeof(line), t, op, cap->eval, role, occurrence, dtype, cap->data_off, nbytes, is_leaf);
+        int n = index_line(line, sizeof(line), t, op, cap->eval, ubatch, role, occurrence, dtype, cap->data_off, nbytes,
+                           is_leaf);
         rc = write_all(cap->fd_index, line, (size_t) n);
     }
     if (rc != FD_OK) { cap->error = rc; return rc; }
@@ -321,12 +397,13 @@ static int append_record(fd_capture * cap, const void * data, size_t nbytes, con
     return FD_OK;
 }
 
-static void record_tensor(fd_capture * cap, int role, const struct ggml_tensor * t, int occurrence, int is_leaf) {
+static void record_tensor(fd_capture * cap, int ubatch, int role, const struct ggml_tensor * t, int occurrence,
+                          int is_leaf) {
     size_t nbytes = 0;
     const char * dtype = NULL;
     char * data = host_array(t, &nbytes, &dtype);
     if (!data) { cap->error = FD_ENOMEM; return; }
-    append_record(cap, data, nbytes, t, ggml_op_desc(t), role, occurrence, dtype, is_leaf);
+    append_record(cap, data, nbytes, t, ggml_op_desc(t), ubatch, role, occurrence, dtype, is_leaf);
     free(data);
 }
 
@@ -347,8 +424,8 @@ int fd_capture_add_rows(fd_capture * cap, int role, const char * name, const flo
     rows.nb[0] = sizeof(float);
     for (int i = 1; i < GGML_MAX_DIMS; ++i) rows.nb[i] = rows.nb[i - 1] * (size_t) rows.ne[i - 1];
     snprintf(rows.name, sizeof(rows.name), "%s", name);
-    return append_record(cap, data, (size_t) n_cols * (size_t) n_rows * sizeof(float), &rows, "API", role, occurrence,
-                         "float32", 0);
+    return append_record(cap, data, (size_t) n_cols * (size_t) n_rows * sizeof(float), &rows, "API", 0, role,
+                         occurrence, "float32", 0);
 }
 
 /* ---------------------------------------------------------------- logging */
@@ -367,6 +444,7 @@ bool fd_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) {
         s->pending.want_node = 0;
         s->pending.n_leafs = 0;
         if (cap->eval < 0 || cap->error) return false;
+        follow_graph(s, t);
         select_leafs(s, t);
         /* only nodes flagged for computation hold data */
         if ((t->flags & GGML_TENSOR_FLAG_COMPUTE) && matches(cap, s->tag.role, t->name)) {
@@ -377,10 +455,10 @@ bool fd_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) {
     }
     for (int i = 0; i < s->pending.n_leafs; ++i) {
         const struct ggml_tensor * leaf = s->pending.leafs[i];
-        record_tensor(cap, s->tag.role, leaf, next_occurrence(cap, s->tag.role, leaf->name), 1);
+        record_tensor(cap, s->graph.ubatch, s->tag.role, leaf, next_occurrence(cap, s->tag.role, leaf->name), 1);
     }
     if (s->pending.want_node && s->pending.occurrence >= 0) {
-        record_tensor(cap, s->tag.role, t, s->pending.occurrence, 0);
+        record_tensor(cap, s->graph.ubatch, s->tag.role, t, s->pending.occurrence, 0);
     }
     s->pending.want_node = 0;
     s->pending.n_leafs = 0;

@@ -13,14 +13,15 @@ Besides the graph's names it records the reference-only candidates of docs/recor
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from featdiff import names
 from featdiff.reference.attention import KvCache, cache_with, layer_kv
+from featdiff.reference import dflash2
 from featdiff.reference.log_snr import log_snr_embed
-from featdiff.reference.numerics import linear, rms_norm, rope
+from featdiff.reference.numerics import f32_scalar, linear, rms_norm, rope
 from featdiff.reference.stack import Named, layer_forward
 from featdiff.reference.weights import Draft, Hparams, Layer, Target, present
 
@@ -42,11 +43,16 @@ class DraftPass:
     logits: torch.Tensor  # (n_tokens, n_vocab): result_output
     norm: torch.Tensor  # (n_tokens, n_embd): result_norm, what DSpark's confidence head reads
     records: tuple[Named, ...]
+    lattice: torch.Tensor | None = None  # (n_rows, n_embd): DFlash2's dflash2_lattice (featdiff.lattice)
 
 
 def encode(draft: Draft, features: torch.Tensor) -> torch.Tensor:
-    """`inp_g_embeddings`: enc_norm(fc features), `(n_tokens, n_embd)`."""
-    return rms_norm(linear(features, draft.fc), draft.enc_norm, draft.hparams.rms_eps)
+    """`inp_g_embeddings`: enc_norm(fc features), `(n_tokens, n_embd)`; with `fc.scale`, fc's
+    product times it first (llama-graph.cpp build_lora_mm: ggml_mul(mul_mat(w, x), w_s))."""
+    fused = linear(features, draft.fc)  # (n_tokens, n_embd)
+    if draft.fc_scale is not None:
+        fused = fused * draft.fc_scale
+    return rms_norm(fused, draft.enc_norm, draft.hparams.rms_eps)
 
 
 def _context_kv(
@@ -115,7 +121,13 @@ def draft_block(
     x, records = noise_embeddings(draft, target, tokens)
     for il in range(len(draft.layers)):
         # indexed in the call: a streamed layer is freed before the next one is built
-        t = layer_forward(hp, draft.layers[il], x, positions, cache, il, causal=draft.causal, visible=visible)
+        conv_records: list[Named] = []
+        if draft.dflash2 is not None:  # DFlash2: the layer with its local convs (dflash2.py)
+            t, conv_records = dflash2.layer_forward(
+                hp, draft.dflash2, draft.layers[il], x, positions, cache, il, draft.causal
+            )
+        else:
+            t = layer_forward(hp, draft.layers[il], x, positions, cache, il, causal=draft.causal, visible=visible)
         records += [
             Named(names.layer_name(name, il), a)
             for name, a in (
@@ -129,9 +141,13 @@ def draft_block(
                 (names.L_OUT, t.l_out),
             )
         ]
+        records += conv_records
+        records += _full_attention_candidates(draft, x, positions, cache, il, visible)
         x = t.l_out
     norm = rms_norm(x, draft.output_norm, hp.rms_eps)
     logits = linear(norm, draft.output if draft.output is not None else target.output)
+    if draft.dflash2 is not None:  # the selector's logit transforms, before the d2t scatter
+        logits = dflash2.selector_logits(draft.dflash2, logits)
     if draft.d2t is not None:  # a reduced head: its rows land on their target ids, -inf elsewhere
         full = torch.full(
             (logits.shape[0], target.hparams.n_vocab), float("-inf"), dtype=logits.dtype, device=logits.device
@@ -139,7 +155,28 @@ def draft_block(
         full[:, draft.d2t] = logits
         logits = full
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
-    return DraftPass(logits, norm, tuple(records))
+    lattice = dflash2.lattice(draft.dflash2, logits, norm, int(tokens[0])) if draft.dflash2 is not None else None
+    if lattice is not None:
+        records.append(Named(dflash2.LATTICE, lattice))
+    return DraftPass(logits, norm, tuple(records), lattice)
+
+
+def _full_attention_candidates(
+    draft: Draft, x: torch.Tensor, positions: torch.Tensor, cache: KvCache, il: int, visible: torch.Tensor | None
+) -> list[Named]:
+    """`l_out-<il>@attention=full` of a sliding-window layer: the layer over the whole context, as
+    llama.cpp runs a GGUF whose window keys a converter left out (none for other layers)."""
+    hp = draft.hparams
+    if not hp.is_swa(il) or draft.dflash2 is not None:
+        return []
+    full = layer_forward(replace(hp, n_swa=0), draft.layers[il], x, positions, cache, il, draft.causal, visible=visible)
+    return [Named(names.candidate_name(names.layer_name(names.L_OUT, il), names.HYP_FULL_ATTENTION), full.l_out)]
+
+
+def _scaled(draft: Draft, rows: torch.Tensor) -> torch.Tensor:
+    """The embedding rows times `dflash.embedding_scale` (dflash.cpp: ggml_scale after get_rows,
+    before the `inp_noise_embd` callback); unchanged when the scale is 0 (absent)."""
+    return rows * f32_scalar(draft.embedding_scale) if draft.embedding_scale != 0.0 else rows
 
 
 def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tuple[torch.Tensor, list[Named]]:
@@ -151,10 +188,10 @@ def noise_embeddings(draft: Draft, target: Target, tokens: torch.Tensor) -> tupl
     has them, docs/records.md).
     """
     table = draft.token_embd if draft.token_embd is not None else target.token_embd
-    rows = table[tokens]  # (n_tokens, n_embd)
+    rows = _scaled(draft, table[tokens])  # (n_tokens, n_embd)
     records = [Named(names.INP_NOISE_EMBD, rows)]
     if draft.token_embd is not None and target.hparams.n_embd == draft.hparams.n_embd:
-        borrowed = target.token_embd[tokens]  # (n_tokens, n_embd)
+        borrowed = _scaled(draft, target.token_embd[tokens])  # (n_tokens, n_embd)
         records.append(Named(names.candidate_name(names.INP_NOISE_EMBD, names.HYP_TABLE_TARGET), borrowed))
     if draft.log_snr is None:
         return rows, records

@@ -24,6 +24,7 @@ from featdiff.blocks import (
     first_draft_row,
 )
 from featdiff.errors import InputError
+from featdiff.gguf_meta import gguf_unmodelled
 from featdiff.reference.checks import (
     DSPARK_FILE_TENSORS,
     d2t_problems,
@@ -43,12 +44,15 @@ from featdiff.reference.gguf_io import (
     trained_context,
 )
 
-Severity = Literal["fatal", "advisory"]
+Severity = Literal["fatal", "advisory", "unmodelled"]
 # fatal: llama.cpp aborts on it (GGML_ASSERT), refuses to load the file, or misruns from the first
 # decode, so `preflight` refuses the pair. advisory: llama.cpp loads and runs the file, otherwise
-# than trained; a capture shows what that does, and lint lists it.
+# than trained; a capture shows what that does, and lint lists it. unmodelled: llama.cpp runs it as
+# the file says, but featdiff's reference does not compute it (featdiff.modelled): capture goes on
+# (and records it), `featdiff reference` refuses the drafter.
 FATAL: Severity = "fatal"
 ADVISORY: Severity = "advisory"
+UNMODELLED: Severity = "unmodelled"
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,15 @@ def _dspark_key_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return dspark_key_problems(keys, set(d.tensors))
 
 
+def _unmodelled_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """The drafter's keys and tensors llama.cpp computes and the reference does not model."""
+    return [
+        f"{name} is computed by llama.cpp but not modelled by featdiff's reference, which refuses this "
+        "drafter (docs/modelled.md); a capture runs and records it"
+        for name in gguf_unmodelled(d.reader)
+    ]
+
+
 # Each check of a drafter and the severity of its problems, in lint's order: written once, so lint
 # lists them all and preflight refuses the fatal ones.
 _CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
@@ -275,4 +288,5 @@ _CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severit
     (_table_problems, FATAL),  # a table of the wrong shape: refused at load
     (_dspark_problems, FATAL),  # the DSpark tensors and d2t: refused at load, or out-of-range rows
     (_dspark_key_problems, ADVISORY),  # keys llama.cpp reads otherwise than the checkpoint was trained
+    (_unmodelled_problems, UNMODELLED),  # llama.cpp runs them; the reference refuses them (featdiff.modelled)
 )

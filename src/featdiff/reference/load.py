@@ -6,16 +6,31 @@ from pathlib import Path
 
 import torch
 
+from featdiff import names
+from featdiff.errors import InputError
 from featdiff.reference import load_gguf, load_hf
+from featdiff.reference.gguf_io import read_gguf
+from featdiff.reference.hf_target import HF_ARCHS, hf_arch, target_from_transformers
 from featdiff.reference.weights import Draft, Target
 
 
 def load_target(path: Path, dtype: torch.dtype, device: torch.device, llama_dir: Path | None = None) -> Target:
     """The target from a GGUF file or a Hugging Face directory; a GGUF's quantized weights are
-    dequantized by the build `llama_dir`'s ggml when one is named, else gguf-py (gguf_io)."""
+    dequantized by the build `llama_dir`'s ggml when one is named, else gguf-py (gguf_io).
+
+    qwen3 and llama run on featdiff's own streamed stack; the other architectures of HF_ARCHS
+    through transformers' model code (hf_target.py), from their HF directory."""
     path = Path(path)
     if path.is_dir():
-        return load_hf.target_from_hf(path, dtype, device)
+        if hf_arch(path, load_hf.read_config(path).get(names.HF_MODEL_TYPE)) in names.TARGET_ARCHS:
+            return load_hf.target_from_hf(path, dtype, device)
+        return target_from_transformers(path, dtype, device)
+    arch = read_gguf(path).arch
+    if arch not in names.TARGET_ARCHS and arch in HF_ARCHS.values():
+        raise InputError(
+            f"{path}: architecture {arch!r} runs through transformers' model code, from its Hugging Face "
+            "directory; pass the target's HF checkpoint directory as --target"
+        )
     return load_gguf.target_from_gguf(path, dtype, device, llama_dir)
 
 

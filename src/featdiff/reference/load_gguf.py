@@ -6,17 +6,28 @@ converter, so a llama target from GGUF runs with `rope_type="normal"`; qwen3 and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.gguf_meta import gguf_unmodelled
+from featdiff.modelled import (
+    KEY_ATTN_VALUE_SCALE,
+    KEY_EMBEDDING_SCALE,
+    KEY_SLIDING_WINDOW,
+    KEY_SLIDING_WINDOW_PATTERN,
+    T_FC_SCALE,
+    refusal,
+)
 from featdiff.blocks import DEFAULT_BLOCK_SIZE
 from featdiff.reference.checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
-from featdiff.reference import rope_params
+from featdiff.reference import dflash2, rope_params
 from featdiff.reference.gguf_io import (
     GgufModel,
     array_from_tensor,
@@ -73,9 +84,14 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_
         raise InputError(
             f"{path}: architecture {g.arch!r}, expected {names.ARCH_DFLASH!r}; pass the drafter as --model"
         )
+    unmodelled = gguf_unmodelled(g.reader)
+    if unmodelled:
+        raise InputError(refusal(str(path), unmodelled))
     token_embd = _optional(g, names.T_TOKEN_EMBD, dtype, device)
     output = _optional(g, names.T_OUTPUT, dtype, device)
-    hp = _hparams(g, "neox", _draft_n_vocab(g))
+    hp = replace(
+        _hparams(g, "neox", _draft_n_vocab(g)), attn_value_scale=float(meta(g, KEY_ATTN_VALUE_SCALE, 0.0)), **_swa(g)
+    )
     head = output if output is not None else token_embd
     return Draft(
         source=Source(Path(path), is_gguf=True, dequantized_by=g.dequantized_by),
@@ -93,7 +109,35 @@ def draft_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_
         dspark=_dspark(g, hp, dtype, device),
         causal=bool(meta(g, names.KEY_CAUSAL, False)),
         d2t=_d2t(g, hp.n_vocab, head.shape[0] if head is not None else hp.n_vocab, device),
+        embedding_scale=float(meta(g, KEY_EMBEDDING_SCALE, 0.0)),
+        dflash2=_dflash2(g, hp, dtype, device),
+        fc_scale=_optional(g, T_FC_SCALE, dtype, device),
     )
+
+
+def _swa(g: GgufModel) -> dict[str, Any]:
+    """Hparams' sliding window, as llama_model_dflash::load_arch_hparams reads it: a window > 0
+    requires the per-layer pattern (a bool per layer)."""
+    n_swa = int(meta(g, KEY_SLIDING_WINDOW, 0))
+    if n_swa <= 0:
+        return {}
+    pattern = meta(g, KEY_SLIDING_WINDOW_PATTERN, None)
+    n_layer = int(meta(g, names.KEY_BLOCK_COUNT))
+    if pattern is None or len(pattern) != n_layer:
+        found = "none" if pattern is None else f"{len(pattern)} entries"
+        raise InputError(
+            f"{g.path}: {KEY_SLIDING_WINDOW} = {n_swa} needs {KEY_SLIDING_WINDOW_PATTERN} with one bool per "
+            f"layer ({n_layer}), found {found}; re-export the drafter with its layer pattern"
+        )
+    return {"n_swa": n_swa, "swa_layers": tuple(bool(x) for x in pattern)}
+
+
+def _dflash2(g: GgufModel, hp: Hparams, dtype: torch.dtype, device: torch.device) -> dflash2.DFlash2 | None:
+    """DFlash2's convs and selector (dflash2.py); None for a drafter without `selector_hidden`."""
+    keys = {k: meta(g, k, None) for k in dflash2.KEYS}
+    block_size = int(meta(g, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE))
+    tensor = partial(_optional, g, dtype=dtype, device=device)
+    return dflash2.of_tensors(keys, tensor, hp.n_layer, hp.n_embd, block_size, str(g.path))
 
 
 def _hparams(g: GgufModel, rope_type: RopeType, n_vocab: int) -> Hparams:

@@ -12,6 +12,7 @@ d2t[i] + i; the record holds the absolute ids, as the GGUF does).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,17 @@ from safetensors import safe_open
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.modelled import (
+    HF_FC_SCALE,
+    KEY_ATTN_VALUE_SCALE,
+    KEY_EMBEDDING_SCALE,
+    KEY_SLIDING_WINDOW,
+    KEY_SLIDING_WINDOW_PATTERN,
+    converter_keys,
+    refusal,
+    unmodelled_in_hf,
+)
+from featdiff.reference import dflash2
 from featdiff.reference.checks import d2t_problems, dspark_problems, log_snr_problems
 from featdiff.reference.rope_params import hf_rope
 from featdiff.reference.weights import (
@@ -88,7 +100,16 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
             "pass a DFlash drafter checkpoint as --model"
         )
     w = _weights(path, dtype, device)
-    hp = _hparams(path, config, names.ARCH_DFLASH)
+    unmodelled = unmodelled_in_hf(config, w, (f.name for f in Path(path).iterdir()))
+    if unmodelled:
+        raise InputError(refusal(str(path), unmodelled))
+    keys = converter_keys(config)  # what the converter would write: the GGUF's view of this config
+    hp = replace(
+        _hparams(path, config, names.ARCH_DFLASH),
+        attn_value_scale=keys.get(KEY_ATTN_VALUE_SCALE, 0.0),
+        n_swa=keys.get(KEY_SLIDING_WINDOW, 0),
+        swa_layers=tuple(keys.get(KEY_SLIDING_WINDOW_PATTERN, ())),
+    )
     token_embd = w.get(names.HF_EMBED_TOKENS)
     output = w.get(names.HF_LM_HEAD)
     head = output if output is not None else token_embd
@@ -112,7 +133,36 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
         dspark=_dspark(path, config, w, hp),
         causal=bool(causal),
         d2t=d2t,
+        embedding_scale=keys.get(KEY_EMBEDDING_SCALE, 0.0),
+        dflash2=_dflash2(path, config, dflash, keys, w, hp),
+        fc_scale=_fc_scale(w),
     )
+
+
+def _fc_scale(w: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """fc's per-tensor scale `(1,)`: the checkpoint's `fc.weight_scale_2` (ModelOpt), which the
+    converter writes as `fc.scale` (conversion/base.py _repack_nvfp4); None without one."""
+    if HF_FC_SCALE not in w:
+        return None
+    return w[HF_FC_SCALE].reshape(1).to(torch.float32)  # (1,)
+
+
+def _dflash2(
+    path: Path,
+    config: dict[str, Any],
+    dflash: dict[str, Any],
+    keys: dict[str, Any],
+    w: Mapping[str, torch.Tensor],
+    hp: Hparams,
+) -> dflash2.DFlash2 | None:
+    """DFlash2's convs and selector under their HF names (dflash2.py); None without the selector."""
+    block_size = int(_setting(path, config, dflash, names.HF_BLOCK_SIZE))
+    tensor = partial(_hf_tensor, w)
+    return dflash2.of_tensors(keys, tensor, hp.n_layer, hp.n_embd, block_size, str(path))
+
+
+def _hf_tensor(w: Mapping[str, torch.Tensor], gguf_name: str) -> torch.Tensor | None:
+    return w.get(dflash2.hf_name(gguf_name, names.HF_LAYER_PREFIX))
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -34,6 +34,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.T  # (n_tokens, in) @ (in, out) -> (n_tokens, out)
 
 
+def f32_scalar(value: float) -> float:
+    """`value` rounded to float32, as ggml_scale's float parameter holds it: a float32 tensor times
+    it is then the one float32 product ggml computes."""
+    return float(np.float32(value))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """ggml_rms_norm then ggml_mul over the last axis (ggml-cpu ops.cpp rms_norm_f32).
 

@@ -7,23 +7,27 @@ directories there is no llama.cpp vocabulary, so `--tokens` is required. Draft b
 long as the run's (`--block`, `--run`; featdiff.blocks), by default llama.cpp's default.
 `--follow run.npz` replays the run instead of deciding: its prompt, its rounds, its drafts and
 accepted prefixes (featdiff.reference.flow), so every eval of the run has its reference eval.
+`--run run.npz` decides every round itself, on the prompt and rounds it is given; where its
+choice parts from the run's (a near-tie of two tokens the numerics cannot tell apart, or a
+fault), it decodes the run's tokens from there on, so the rounds after the parting still pair,
+and compare judges the parting from this reference's own logits (compare/partings.py).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from featdiff import names
-from featdiff.dump import DumpWriter, Manifest, Round, read_dump, record_from_array, record_key
+from featdiff.dump import DumpWriter, FlowInfo, Manifest, Round, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
 from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows
 from featdiff.outputs import check_output, output_lock
 from featdiff.reference.dspark import first_draft_row
-from featdiff.reference.flow import FollowError, FlowTrace, run_flow
+from featdiff.reference.flow import EvalTrace, FollowError, FlowTrace, run_flow
 from featdiff.reference.gguf_io import read_gguf, trained_context
 from featdiff.reference.load_hf import read_config
 from featdiff.tokens import check_prompt, parse_tokens, require_one
@@ -82,18 +86,23 @@ def reference(
             rows.origin,
             dft.block_size,
         )
+        flows = run_flows(Path(run)) if run is not None else ()
         with torch.no_grad():
             try:
-                trace = run_flow(
-                    tgt,
-                    dft,
-                    prompt_ids,
-                    rounds,
-                    numerics,
-                    block_rows=rows.rows,
-                    p_min=p_min,
-                    follow=plan.rounds if plan is not None else None,
-                )
+                if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
+                    trace = flows_trace(tgt, dft, flows, numerics, rows.rows, p_min, follow is not None)
+                else:
+                    trace = run_flow(
+                        tgt,
+                        dft,
+                        prompt_ids,
+                        rounds,
+                        numerics,
+                        block_rows=rows.rows,
+                        p_min=p_min,
+                        follow=plan.rounds if plan is not None else None,
+                        guide=guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None,
+                    )
             except FollowError as e:
                 raise InputError(
                     f"{follow}: --follow cannot replay this run: {e}; compare it without --follow"
@@ -108,7 +117,59 @@ def reference(
             rows.rows,
             p_min,
             followed=Path(follow) if follow is not None else None,
+            flows=tuple(f.info for f in flows) if len(flows) > 1 else (),
         )
+
+
+@dataclass(frozen=True)
+class RunFlow:
+    """One flow of a run dump of several (docs/flow.md "Several flows"): what it decoded."""
+
+    info: FlowInfo
+    rounds: tuple[Round, ...]
+
+
+def run_flows(run: Path) -> tuple[RunFlow, ...]:
+    """The flows of the run dump `run`, each with its rounds; () for a run of one flow."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    ids = m.flow_ids()
+    if len(ids) < 2:
+        return ()
+    return tuple(RunFlow(m.flow_info(k), tuple(r for r in m.rounds if r.flow == k)) for k in ids)
+
+
+def flows_trace(
+    tgt: Target, dft: Draft, flows: tuple[RunFlow, ...], numerics: Numerics, block_rows: int, p_min: float, follow: bool
+) -> FlowTrace:
+    """Each flow of the run replayed from a fresh state (its cached prompt positions as warm-up
+    evals), following its rounds (`follow`) or guided by them (`--run`), as one trace: evals
+    numbered on, each with its flow."""
+    evals: list[EvalTrace] = []
+    rounds: list[Round] = []
+    for f in flows:
+        if len(f.info.prompt_tokens) < 2 or any(t < 0 for t in f.info.prompt_tokens):
+            raise InputError(
+                f"flow {f.info.flow} of the run has no whole prompt to replay ({list(f.info.prompt_tokens)})"
+            )
+        trace = run_flow(
+            tgt,
+            dft,
+            f.info.prompt_tokens,
+            len(f.rounds) if follow else sum(1 for r in f.rounds if r.drafts),
+            numerics,
+            block_rows=block_rows,
+            p_min=p_min,
+            follow=f.rounds if follow else None,
+            guide=None if follow else f.rounds,
+            cached=f.info.n_cached,
+        )
+        evals += [
+            EvalTrace(replace(et.eval, eval=len(evals) + i, flow=f.info.flow), et.records)
+            for i, et in enumerate(trace.evals)
+        ]
+        rounds += [replace(r, flow=f.info.flow) for r in trace.rounds]
+    return FlowTrace(tuple(evals), tuple(rounds))
 
 
 @dataclass(frozen=True)
@@ -141,6 +202,14 @@ def followed_run(
             "flow (featdiff capture), pass --tokens/--rounds instead"
         )
     return FollowedRun(tuple(m.prompt_tokens), tuple(m.rounds))
+
+
+def guided_rounds(run: Path, prompt: tuple[int, ...]) -> tuple[Round, ...]:
+    """The run dump's rounds, for the reference to take where its own choice parts from them;
+    () when the run decoded another prompt (its rounds say nothing about this one's)."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    return tuple(m.rounds) if tuple(m.prompt_tokens) == tuple(prompt) else ()
 
 
 def trained_context_of(target: Path) -> int | None:
@@ -218,6 +287,7 @@ def write_reference(
     block_rows: int,
     p_min: float = 0.0,
     followed: Path | None = None,
+    flows: tuple[FlowInfo, ...] = (),
 ) -> Path:
     """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
     how it was computed, with the rows of its draft blocks."""
@@ -247,6 +317,7 @@ def write_reference(
         evals=tuple(et.eval for et in trace.evals),
         records=(),
         rounds=trace.rounds,
-        prompt_tokens=prompt,
+        prompt_tokens=flows[0].prompt_tokens if flows else prompt,
+        flows=flows,
     )
     return writer.close(manifest)

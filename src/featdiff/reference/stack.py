@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from featdiff.reference.attention import KvCache, attend, layer_kv
-from featdiff.reference.numerics import ffn, linear, rms_norm, rope
+from featdiff.reference.numerics import f32_scalar, ffn, linear, rms_norm, rope
 from featdiff.reference.weights import Hparams, Layer
 
 
@@ -36,6 +36,21 @@ class LayerTrace:
     l_out: torch.Tensor  # (n_out, n_embd)
     k_cache: torch.Tensor  # (n_cells + n_tokens, n_head_kv, n_embd_head): the layer's cache after this batch
     v_cache: torch.Tensor
+
+
+def windowed(
+    q_pos: torch.Tensor, kv_pos: torch.Tensor, n_swa: int, causal: bool, visible: torch.Tensor | None
+) -> torch.Tensor:
+    """The cells a sliding-window layer's queries see, `(n_tokens, n_cells)`: what they see
+    without the window, less every key `n_swa` or more positions behind (llama-hparams.h
+    is_masked_swa, LLAMA_SWA_TYPE_STANDARD: masked when p1 - p0 >= n_swa). A key ahead of its query
+    (the non-causal draft block) is never behind, so the window never hides it."""
+    behind = q_pos[:, None] - kv_pos[None, :]  # (n_tokens, n_cells)
+    if visible is None:
+        visible = (
+            behind >= 0 if causal else torch.ones(behind.shape, dtype=torch.bool, device=behind.device)
+        )  # (n_tokens, n_cells)
+    return visible & (behind < n_swa)
 
 
 def layer_forward(
@@ -67,8 +82,13 @@ def layer_forward(
     k = rope(k, positions, hp)
     k_cache, v_cache = layer_kv(cache, il, k, v)
     kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
+    if hp.is_swa(il):
+        visible = windowed(positions, kv_pos, hp.n_swa, causal, visible)
     kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal, visible)
-    ffn_inp = linear(kqv_out, layer.wo)[out_rows] + x[out_rows]
+    attn_out = linear(kqv_out, layer.wo)[out_rows]  # (n_out, n_embd)
+    if hp.attn_value_scale != 0.0:  # dflash.cpp: ggml_scale of build_attn's output ("attn_out_scaled")
+        attn_out = attn_out * f32_scalar(hp.attn_value_scale)
+    ffn_inp = attn_out + x[out_rows]
     ffn_out = ffn(rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps), layer)
     return LayerTrace(
         attn_norm=h,

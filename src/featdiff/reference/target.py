@@ -14,6 +14,7 @@ import torch
 
 from featdiff import names
 from featdiff.reference.attention import KvCache, cache_with
+from featdiff.reference.hf_target import HfTarget, forward_hf
 from featdiff.reference.numerics import linear, rms_norm
 from featdiff.reference.stack import Named, layer_forward
 from featdiff.reference.weights import Target
@@ -33,6 +34,9 @@ def forward_target(
     model: Target, tokens: torch.Tensor, positions: torch.Tensor, cache: KvCache, has_outputs: bool
 ) -> TargetPass:
     """Run `tokens` at `positions` after the cached cells (causal); all rows or none are outputs."""
+    if isinstance(model, HfTarget):  # transformers' own model code (hf_target.py)
+        hf = forward_hf(model, tokens, positions, cache, has_outputs)
+        return TargetPass(hf.layer_inputs, hf.logits, hf.cache, hf.records)
     hp = model.hparams
     x = model.token_embd[tokens]  # (n_tokens, n_embd)
     inputs, records, ks, vs = [], [Named(names.TARGET_EMBD, x)], [], []

@@ -23,6 +23,7 @@ from featdiff.reference.checks import layer_id_problems
 from featdiff.reference.rope_params import RopeScaling
 from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, dspark_info, model_info
 
+
 RopeType = Literal["normal", "neox"]  # ggml's GGML_ROPE_TYPE_NORMAL (pairs 2i, 2i+1) / NEOX (i, i+d/2)
 
 
@@ -52,6 +53,14 @@ class Hparams:
     rope_type: RopeType
     rope_scaling: RopeScaling = RopeScaling()
     n_rot: int | None = None  # dims RoPE rotates, from the first (partial rotary); None: the whole head
+    attn_value_scale: float = 0.0  # dflash.attention.value_scale: multiplies attention's output (0: none)
+    # dflash.attention.sliding_window (0: none) and _pattern: which layers attend within the window
+    n_swa: int = 0
+    swa_layers: tuple[bool, ...] = ()
+
+    def is_swa(self, il: int) -> bool:
+        """Layer `il` attends only to keys less than `n_swa` positions behind (llama_hparams::is_swa)."""
+        return self.n_swa > 0 and il < len(self.swa_layers) and self.swa_layers[il]
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,11 @@ class Draft:
     dspark: DSpark | None = None  # the Markov (and confidence) head of a DSpark drafter
     causal: bool = False  # dflash.attention.causal: block rows attend causally
     d2t: torch.Tensor | None = None  # int64 (n_vocab_draft,): target id of each head row (reduced vocab)
+    embedding_scale: float = 0.0  # dflash.embedding_scale: multiplies the noise embedding rows (0: none)
+    fc_scale: torch.Tensor | None = None  # (1,) `fc.scale`: multiplies fc's product (build_lora_mm's w_s)
+    # DFlash2's local convs and candidate selector: a dflash2.DFlash2 (typed Any here: dflash2.py
+    # computes with this module's records, and an import back would close a circle)
+    dflash2: Any = None
 
     @property
     def has_own_embeddings(self) -> bool:

@@ -1,0 +1,155 @@
+"""Decodes of several sequences (llama-server's slots, a multi-sequence driver) become one decode
+per sequence, and each sequence's requests become flows of their own (docs/flow.md)."""
+
+from __future__ import annotations
+
+from featdiff.llama.exec import flow_evals
+from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
+from featdiff.llama.sequences import Split, equal_graphs, graph_rows, seq_runs, split_decodes
+
+E = -1  # an embedding row
+
+
+def _log(evals, records=()) -> ExecLog:
+    """evals as (ctx, token_ids, positions, seq_ids); ctx 0 target, 1 draft; every row an output."""
+    ctxs = (ExecContext(0, "target", "qwen3", "T.gguf", True), ExecContext(1, "draft", "dflash", "D.gguf", True))
+    evs = tuple(
+        ExecEval(i, c, tuple(t), tuple(p), tuple(s), (1,) * len(p), 0) for i, (c, t, p, s) in enumerate(evals)
+    )
+    return ExecLog("libllama.so", ctxs, evs, (), tuple(records), 0)
+
+
+def _record(ev: int, name: str, n_rows: int, width: int = 4, offset: int = 0) -> dict:
+    return {"eval": ev, "ubatch": 0, "role": 0, "name": name, "occurrence": 0, "ne": [width, n_rows, 1, 1],
+            "nbytes": 4 * width * n_rows, "offset": offset}  # fmt: skip
+
+
+ONE_STREAM = {0: Split(512), 1: Split(512)}
+TWO_STREAMS = {0: Split(4, 2), 1: Split(4, 2)}
+
+
+def split_sequences(log, splits=ONE_STREAM):
+    return split_decodes(log, splits)
+
+
+def test_seq_runs_are_contiguous_runs_in_graph_order():
+    assert seq_runs((0, 1, 2, 3, 4), (1, 1, 0, 0, 0)) == ((0, 1), (2, 3, 4))
+    assert seq_runs((0, 1, 2), (0, 1, 0)) is None
+
+
+def test_graphs_follow_llama_cpps_split_simple_and_split_equal():
+    assert graph_rows((0,) * 5, Split(2)) == ((0, 1), (2, 3), (4,))
+    assert graph_rows((0, 1), Split(None)) == ((0, 1),)
+    # a stream per sequence: consecutive sequence ids from the first unused row's, as many of each
+    assert equal_graphs((1, 1, 1, 1, 0, 0), 512) == ((0, 1, 2, 3), (4, 5))
+    assert equal_graphs((0, 0, 0, 0, 1, 1), 512) == ((0, 1, 4, 5), (2, 3))
+    assert equal_graphs((0,) * 4 + (1,) * 4, 4) == ((0, 1, 4, 5), (2, 3, 6, 7))
+
+
+def test_a_decode_of_two_sequences_becomes_two_with_their_rows_and_records():
+    log = _log([(0, [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [0, 0, 0, 1, 1])], [_record(0, "l_out-1", 5, offset=100)])
+    split = split_sequences(log)
+    assert [(e.eval, e.positions, e.seq_ids) for e in split.log.evals] == [(0, (0, 1, 2), (0, 0, 0)), (1, (0, 1), (1, 1))]
+    cut = [(r["eval"], r["ne"][1], r["offset"], r["nbytes"]) for r in split.log.records]
+    assert cut == [(0, 3, 100, 48), (1, 2, 148, 32)]
+    assert split.notes == ()
+
+
+def test_interleaved_sequences_are_kept_whole_and_said_so():
+    split = split_sequences(_log([(0, [5, 6, 7], [0, 0, 1], [0, 1, 0])]))
+    assert len(split.log.evals) == 1 and "not contiguous" in split.notes[0]
+
+
+def test_a_two_stream_batch_splits_into_graphs_of_whole_sequences():
+    """A verify of sequence 1 batched with a prefill of sequence 0 on a stream per sequence:
+    two graphs (split_equal takes increasing sequence ids), each one sequence's rows."""
+    records = [{**_record(0, "embd", 4), "ubatch": 0}, {**_record(0, "embd", 6, offset=64), "ubatch": 1}]
+    log = _log([(0, [81, 16, 16, 16, 300, 301, 302, 303, 304, 305], [8, 9, 10, 11, 0, 1, 2, 3, 4, 5], [1] * 4 + [0] * 6)],
+               records)  # fmt: skip
+    split = split_decodes(log, {0: Split(512, 2)})
+    assert [(e.seq_ids[0], e.positions[0], len(e.positions)) for e in split.log.evals] == [(1, 8, 4), (0, 0, 6)]
+    assert [(r["eval"], r["ne"][1], r["offset"]) for r in split.log.records] == [(0, 4, 0), (1, 6, 64)]
+    assert split.notes == ()
+
+
+def test_more_graphs_than_the_split_makes_are_kept_whole_and_said_so():
+    records = [{**_record(0, "embd", 2), "ubatch": u} for u in range(3)]
+    split = split_decodes(_log([(0, [5, 6, 7, 8], [0, 1, 2, 3], [0] * 4)], records), {0: Split(2)})
+    assert len(split.log.evals) == 1 and "computed as 3 graphs" in split.notes[0]
+
+
+def test_two_sequences_drafting_at_once_are_two_flows_with_their_own_rounds():
+    log = _log(
+        [
+            (0, [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [0, 0, 0, 1, 1]),  # both prompts, one decode
+            (1, [E, E, E], [0, 1, 2], [0, 0, 0]),  # seq 0's inject
+            (1, [E, E], [0, 1], [1, 1]),  # seq 1's inject
+            (1, [8, 3, 3, 3, 10, 3, 3, 3], [3, 4, 5, 6, 2, 3, 4, 5], [0] * 4 + [1] * 4),  # both blocks
+            (0, [8, 11, 10, 12], [3, 4, 2, 3], [0, 0, 1, 1]),  # both verifies
+        ]
+    )
+    evals = flow_evals(split_sequences(log).log)
+    got = [(e.role, e.phase, e.round, e.flow, e.seq_ids[0]) for e in evals]
+    assert got == [
+        ("target", "prefill", 0, 0, 0),
+        ("target", "prefill", 0, 1, 1),
+        ("draft", "inject", 0, 0, 0),
+        ("draft", "inject", 0, 1, 1),
+        ("draft", "draft", 1, 0, 0),
+        ("draft", "draft", 1, 1, 1),
+        ("target", "verify", 1, 0, 0),
+        ("target", "verify", 1, 1, 1),
+    ]
+
+
+def test_a_request_reusing_a_cached_prefix_is_a_new_flow_that_starts_there():
+    log = _log(
+        [
+            (0, [5, 6, 7], [0, 1, 2], [0, 0, 0]),  # request 1 prefill
+            (1, [E, E, E], [0, 1, 2], [0, 0, 0]),
+            (1, [8, 3, 3, 3], [3, 4, 5, 6], [0] * 4),
+            (0, [8, 11, 12, 13], [3, 4, 5, 6], [0] * 4),
+            (0, [9, 4], [2, 3], [0, 0]),  # request 2: positions 0, 1 kept from request 1
+        ]
+    )
+    evals = flow_evals(split_sequences(log).log)
+    assert [(e.phase, e.flow) for e in evals] == [("prefill", 0), ("inject", 0), ("draft", 0), ("verify", 0), ("prefill", 1)]
+
+
+def test_the_graphs_of_one_call_share_its_phase_and_round():
+    """A verify of two sequences on a stream each, computed as two graphs (3 rows of each, then
+    sequence 0's last row): sequence 0's two parts are one verify, not a verify of no drafts."""
+    log = _log(
+        [
+            (0, [5, 6, 7], [0, 1, 2], [0, 0, 0]),
+            (0, [9, 6, 7], [0, 1, 2], [1, 1, 1]),
+            (1, [8, 3, 3, 3, 10, 3, 3, 3], [3, 4, 5, 6, 3, 4, 5, 6], [0] * 4 + [1] * 4),
+            (0, [8, 11, 12, 13, 10, 11, 12], [3, 4, 5, 6, 3, 4, 5], [0] * 4 + [1] * 3),
+        ],
+        [{**_record(3, "embd", 6), "ubatch": 0}, {**_record(3, "embd", 1, offset=96), "ubatch": 1}],
+    )
+    split = split_decodes(log, {0: Split(6, 2), 1: Split(6, 2)})
+    evals = flow_evals(split.log)
+    verify = [(e.seq_ids[0], e.phase, e.round, e.n_tokens) for e in evals if e.role == "target" and e.phase != "prefill"]
+    assert verify == [(0, "verify", 1, 3), (1, "verify", 1, 3), (0, "verify", 1, 1)]
+
+
+def test_a_verify_computed_as_two_graphs_is_one_round():
+    from featdiff.llama.exec import derive_rounds, whole_calls
+
+    log = _log(
+        [
+            (0, [5, 6, 7], [0, 1, 2], [0, 0, 0]),
+            (0, [9, 6, 7], [0, 1, 2], [1, 1, 1]),
+            (1, [8, 3, 3, 3, 10, 3, 3, 3], [3, 4, 5, 6, 3, 4, 5, 6], [0] * 4 + [1] * 4),
+            (0, [8, 11, 12, 13, 10, 11, 12], [3, 4, 5, 6, 3, 4, 5], [0] * 4 + [1] * 3),
+            (0, [20], [5], [0]),  # sequence 0 goes on after accepting 1 draft
+        ],
+        [{**_record(3, "embd", 6), "ubatch": 0}, {**_record(3, "embd", 1, offset=96), "ubatch": 1}],
+    )
+    evals = flow_evals(split_decodes(log, {0: Split(6, 2), 1: Split(6, 2)}).log)
+    own = tuple(e for e in evals if e.seq_ids[0] == 0)
+    merged, parts = whole_calls(own)
+    (r,) = derive_rounds(merged, {})
+    assert (r.pos0, r.drafts, r.accepted, r.target_tokens) == (3, (11, 12, 13), 1, (11, 20))
+    assert next(e.eval for e in own if e.phase == "verify") in parts.values()

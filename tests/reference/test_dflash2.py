@@ -1,0 +1,122 @@
+"""DFlash2 end to end: the tiny DFlash2 fixture (featdiff.fixtures_dflash2) loads in the pinned
+llama.cpp, the reference computes its convs and candidate lattice as dflash.cpp does, its drafts
+are the lattice walk of common/speculative.cpp, and a capture around llama-speculative-simple
+compares clean against the reference built from the GGUF and from the HF directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from featdiff import modelled
+from featdiff.compare.comparison import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.fixtures_dflash2 import SELECTOR_TOP_K, write_dflash2_fixture
+from featdiff.gguf_meta import model_info
+from featdiff.lattice import lattice_drafts
+from featdiff.reference import dflash2
+from featdiff.reference.load_gguf import draft_from_gguf
+from featdiff.reference.load_hf import draft_from_hf
+from real_flow import reference_of
+
+N_PREDICT = 8  # llama-speculative-simple -n: a few rounds of 3 drafts
+RUN_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def d2_dir(tmp_path_factory) -> Path:
+    return write_dflash2_fixture(tmp_path_factory.mktemp("dflash2"))
+
+
+@pytest.fixture(scope="module")
+def spec_run(d2_dir, tools, tmp_path_factory) -> Path:
+    """A capture of every callback around llama-speculative-simple (the real DFlash2 driver)."""
+    from featdiff.llama import exec as exec_capture
+
+    cmd = [str(tools.program("llama-speculative-simple")), "-m", str(d2_dir / "target.gguf")]
+    cmd += ["-md", str(d2_dir / "draft.gguf"), "--spec-type", "draft-dflash", "--spec-draft-n-max", "3"]
+    cmd += ["-c", "256", "-t", "2", "-td", "2", "-p", "hello world", "-n", str(N_PREDICT), "--temp", "0"]
+    out = tmp_path_factory.mktemp("dflash2-run") / "run.npz"
+    return exec_capture.capture_exec(cmd, out, filters=["*"], timeout_s=RUN_TIMEOUT_S)
+
+
+def test_dflash2_keys_and_tensors_are_modelled(d2_dir):
+    assert model_info(d2_dir / "draft.gguf", with_hash=False).unmodelled == ()
+    for name in (*dflash2.KEYS[:4], dflash2.T_SELECTOR_HIDDEN, "blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight"):
+        assert modelled.entry(name).modelled, name
+
+
+def test_gguf_and_hf_drafters_load_the_same_dflash2(d2_dir):
+    g = draft_from_gguf(d2_dir / "draft.gguf", torch.float32, torch.device("cpu")).dflash2
+    h = draft_from_hf(d2_dir / "draft-hf", torch.float32, torch.device("cpu")).dflash2
+    assert g is not None and h is not None and g.top_k == h.top_k == SELECTOR_TOP_K
+    assert torch.equal(g.selector_prev, h.selector_prev) and torch.equal(g.ffn_conv[1].proj, h.ffn_conv[1].proj)
+
+
+def test_conv_reads_only_earlier_rows_of_the_block(d2_dir):
+    dfl = draft_from_gguf(d2_dir / "draft.gguf", torch.float32, torch.device("cpu")).dflash2
+    assert dfl is not None
+    hidden = torch.randn(4, 64)
+    dynamic = torch.randn(4, 2 * dfl.kernel_size * 64 // dfl.group_size)
+    later = hidden.clone()
+    later[3] += 1.0  # a change in the last row leaves the rows before it alone
+    a = dflash2.conv(dfl, hidden, dynamic, dfl.attn_conv[0].base, dflash2.SIDE_IN)
+    b = dflash2.conv(dfl, later, dynamic, dfl.attn_conv[0].base, dflash2.SIDE_IN)
+    assert torch.equal(a[:3], b[:3]) and not torch.equal(a[3], b[3])
+
+
+def test_lattice_walk_follows_the_best_successor_of_the_last_pick():
+    k = 2
+    row1 = [10.0, 11.0] + [0.0, 5.0] * 2  # best successor 1: token 11
+    row2 = [20.0, 21.0] + [9.0, 0.0] + [0.0, 9.0]  # after pick 1 the second block of scores: token 21
+    assert lattice_drafts([[0.0] * 6, row1, row2], k, 3, 0.0) == [11, 21]
+    assert lattice_drafts([[0.0] * 6, row1, row2], k, 3, 0.999) == []  # softmax at the pick below p_min
+
+
+def test_the_driver_drafts_are_the_walk_of_its_lattice(spec_run):
+    with read_dump(spec_run) as dump:
+        rounds = {r.round: r for r in dump.manifest.rounds}
+        evals = {e.eval: e for e in dump.manifest.evals}
+        walked = 0
+        for rec in dump.records():
+            ev = evals[rec.eval]
+            if rec.name != dflash2.LATTICE or ev.phase != "draft" or ev.round not in rounds:
+                continue
+            lat = np.asarray(dump.array(rec))  # (block rows, n_embd)
+            drafts = rounds[ev.round].drafts
+            assert lattice_drafts(lat.tolist(), SELECTOR_TOP_K, lat.shape[0], 0.0)[: len(drafts)] == list(drafts)
+            walked += 1
+    assert walked >= 2
+
+
+@pytest.mark.parametrize("model", ["draft.gguf", "draft-hf"])
+def test_dflash2_run_compares_clean_with_nothing_skipped(d2_dir, spec_run, tmp_path, model):
+    with read_dump(spec_run) as dump:
+        tokens = ",".join(map(str, dump.manifest.prompt_tokens))
+        rounds = len(dump.manifest.rounds)
+    ref = reference_of(d2_dir / "target-hf", d2_dir / model, tmp_path / "ref.npz", tokens=tokens, rounds=rounds)
+    comparison = compare_dumps(ref, spec_run)
+    assert comparison.ok, [f.message for f in comparison.findings if f.severity == "error"]
+    assert comparison.coverage.pairs_skipped == 0 and comparison.coverage.rows_skipped == 0
+    with read_dump(ref) as dump:
+        names = {r.name for r in dump.records()}
+    assert {dflash2.LATTICE, "attn_conv_in-0", "ffn_conv_out-1"} <= names and "draft_logits" not in names
+
+
+def test_in_process_dflash2_capture_walks_the_lattice_and_compares_clean(d2_dir, tmp_path):
+    """featdiff's own driver drafts a DFlash2 block as upstream's does (the lattice walk, not the
+    argmax of logits), with the default wiring filter keeping the convs and the lattice."""
+    from featdiff.llama.capture import capture
+
+    tokens = "7,21,3,99,140,5,260,33,18,402,77,9"
+    run = capture(d2_dir / "target.gguf", d2_dir / "draft.gguf", tmp_path / "run.npz", tokens=tokens, rounds=4)
+    with read_dump(run) as dump:
+        kept = {r.name for r in dump.records()}
+    assert {dflash2.LATTICE, "attn_conv_in-0", "ffn_conv_out-1"} <= kept
+    ref = reference_of(d2_dir / "target-hf", d2_dir / "draft-hf", tmp_path / "ref.npz", tokens=tokens, rounds=4)
+    comparison = compare_dumps(ref, run)
+    assert comparison.ok, [f.message for f in comparison.findings if f.severity == "error"]
+    assert comparison.coverage.pairs_skipped == 0 and comparison.coverage.rows_skipped == 0

@@ -1,0 +1,127 @@
+"""The table of what the reference models (featdiff.modelled) against the real llama.cpp build:
+each modelled converter key, on a correct drafter, compares clean from the GGUF and from the HF
+directory; an unmodelled one makes `reference` exit 2 naming it, and lint lists it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from featdiff import modelled
+from featdiff.cli import app
+from featdiff.compare.comparison import compare_dumps
+from featdiff.fixtures import write_feature_fixture
+from featdiff.gguf_meta import model_info
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "modelled.md"
+MODELLED = ("embedding-scale", "value-scale", "logit-scale", "fc-scale", "sliding-window")
+REFUSED = {"attn-sinks": "blk.*.attn_sinks.weight"}  # as the GGUF names it
+REFUSED_HF = {"attn-sinks": "layers.0.self_attn.sinks"}  # as the HF directory does
+
+
+@pytest.fixture(scope="module")
+def feature_dir(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(feature: str) -> Path:
+        if feature not in made:
+            made[feature] = write_feature_fixture(tmp_path_factory.mktemp(f"feat-{feature}"), feature)
+        return made[feature]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def run_of(feature_dir, tmp_path_factory):
+    from featdiff.llama.capture import capture
+
+    made: dict[str, Path] = {}
+
+    def get(feature: str) -> Path:
+        if feature not in made:
+            d = feature_dir(feature)
+            out = tmp_path_factory.mktemp(f"run-{feature}") / "run.npz"
+            made[feature] = capture(
+                d / "target.gguf", d / "draft.gguf", out, tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
+            )
+        return made[feature]
+
+    return get
+
+
+def _errors(ref: Path, run: Path) -> list[str]:
+    return [f"{f.kind} at {f.tensor}: {f.message}" for f in compare_dumps(ref, run).findings if f.severity == "error"]
+
+
+def test_docs_modelled_md_is_rendered_from_the_table():
+    assert DOC.read_text() == modelled.render_markdown(), "regenerate: featdiff.modelled.render_markdown()"
+
+
+@pytest.mark.parametrize("feature", MODELLED)
+@pytest.mark.parametrize("model", ["draft.gguf", "draft-hf"])
+def test_modelled_key_compares_clean_against_llama_cpp(feature_dir, run_of, tmp_path, feature, model):
+    d = feature_dir(feature)
+    ref = reference_of(d / "target.gguf", d / model, tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS)
+    assert _errors(ref, run_of(feature)) == []
+
+
+@pytest.mark.parametrize("feature", ["embedding-scale", "value-scale", "fc-scale", "sliding-window"])
+def test_a_reference_without_the_key_is_blamed_on_the_run(feature_dir, run_of, tmp_path, feature):
+    """The keys (and fc.scale) change what llama.cpp computes: a reference of the same weights
+    without them gets error findings against the run, so the clean comparisons above are not vacuous."""
+    plain = write_feature_fixture(tmp_path / "fx", "logit-scale")  # same weights; logits-only keys
+    ref = reference_of(
+        plain / "target.gguf", plain / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
+    )
+    assert _errors(ref, run_of(feature))
+
+
+@pytest.mark.parametrize("feature", list(REFUSED))
+@pytest.mark.parametrize("model", ["draft.gguf", "draft-hf"])
+def test_unmodelled_key_makes_reference_exit_2_naming_it(feature_dir, tmp_path, feature, model):
+    d = feature_dir(feature)
+    result = CliRunner().invoke(
+        app,
+        ["reference", "--target", str(d / "target.gguf"), "--model", str(d / model), "-o", str(tmp_path / "r.npz"),
+         "--tokens", DEFAULT_TOKENS],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert (REFUSED if model == "draft.gguf" else REFUSED_HF)[feature] in result.output
+    assert "featdiff models dflash.embedding_scale" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("feature", list(REFUSED))
+def test_lint_lists_the_unmodelled_key_and_capture_records_it(feature_dir, feature):
+    d = feature_dir(feature)
+    result = CliRunner().invoke(app, ["lint", str(d / "draft.gguf")])
+    assert result.exit_code == 1
+    assert any(REFUSED[feature] in line and "not modelled" in line for line in result.output.splitlines())
+    info = model_info(d / "draft.gguf", with_hash=False)
+    assert REFUSED[feature] in info.unmodelled
+    assert type(info).from_json(info.to_json()).unmodelled == info.unmodelled
+
+
+def test_unknown_dflash_key_and_tensor_are_refused_and_inert_values_are_not():
+    found = modelled.unmodelled_in(
+        {"dflash.some_future_key": 1, "dflash.attention.scale": 0.0, "dflash.hidden_activation": "silu"},
+        ["blk.0.attn_sinks.weight", "blk.1.attn_sinks.weight", "fc.weight", "fc.scale", "blk.0.attn_q.weight"],
+    )
+    assert found == ("dflash.some_future_key", "blk.*.attn_sinks.weight")
+
+
+def test_hf_fields_map_to_the_converters_keys():
+    config = {
+        "dflash_config": {"use_swa": True, "swa_window_size": 8, "input_embedding_scale": 2.0},
+        "num_hidden_layers": 2,
+    }
+    found = modelled.unmodelled_in_hf(
+        config, ["fc.weight", "fc.weight_scale_2", "layers.0.self_attn.sinks"], ["mask_embedding.pt"]
+    )
+    assert found == ("layers.0.self_attn.sinks", "mask_embedding.pt")
+    keys = modelled.converter_keys(config)
+    assert keys[modelled.KEY_EMBEDDING_SCALE] == 2.0
+    assert (keys[modelled.KEY_SLIDING_WINDOW], keys[modelled.KEY_SLIDING_WINDOW_PATTERN]) == (8, [True, True])
