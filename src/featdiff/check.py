@@ -42,7 +42,7 @@ MIN_BLOCKS = 2  # a sample standard deviation needs two blocks
 DEFAULT_ROUNDS = 4  # in-process: rounds of the capture, and of the probe per prompt
 RUN_DUMP, REF_DUMP = "run.npz", "ref.npz"  # the intermediate dumps, in --keep DIR or a temporary one
 ENV_STEP_SUMMARY = "GITHUB_STEP_SUMMARY"  # GitHub Actions: Markdown appended here shows on the run's page
-Mode = Literal["in-process", "llama-server", "program"]
+Mode = Literal["in-process", "llama-server", "program", "capture"]
 Verdict = Literal["pass", "fail"]
 
 
@@ -177,6 +177,7 @@ class CheckPlan:
     report: Path | None
     json_out: str | None  # a path, or "-" for stdout
     summary_md: Path | None
+    run: Path | None = None  # a capture to judge (mode "capture"): no program is run
 
 
 def plan_check(
@@ -194,11 +195,17 @@ def plan_check(
     report: Path | None = None,
     json_out: str | None = None,
     summary_md: Path | None = None,
+    run: Path | None = None,
 ) -> CheckPlan:
     """The checked plan of `check`: every output checked against the inputs (featdiff.outputs)."""
     from featdiff.llama.exec import command_files
 
-    mode = _mode(command)
+    if run is not None and (command or prompts is not None):
+        raise InputError(
+            f"--run {run} judges that capture as it is: drop {'--exec' if command else '--prompts'} (the capture "
+            "already holds the prompts and the program's rounds)"
+        )
+    mode: Mode = "capture" if run is not None else _mode(command)
     if mode == "program" and prompts is not None:
         raise InputError(
             f"{prompts}: {(command or [''])[0]} decodes the prompt of its own command line (-p); "
@@ -207,7 +214,7 @@ def plan_check(
     rounds = DEFAULT_ROUNDS if rounds is None else rounds
     if rounds < 1:
         raise InputError(f"--rounds {rounds}: expected >= 1 speculative round per prompt")
-    named = (target, model, ref_target, ref_model, prompts)
+    named = (target, model, ref_target, ref_model, prompts, run)
     inputs = tuple(Path(p) for p in named if p is not None) + (command_files(command) if command else ())
     if keep is not None:
         keep = check_output_dir(Path(keep), inputs, "--keep")
@@ -229,6 +236,7 @@ def plan_check(
         _path(report),
         None if json_out is None else str(json_out),
         _path(summary_md),
+        _path(run),
     )
 
 
@@ -269,7 +277,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
     from featdiff.dump import read_dump
     from featdiff.reference.run import reference
 
-    run = _capture(plan, work / RUN_DUMP)
+    run = plan.run if plan.run is not None else _capture(plan, work / RUN_DUMP)
     with read_dump(run) as dump:
         manifest = dump.manifest
     drafted = sum(1 for r in manifest.rounds if r.drafts)  # the reference drafts every round
@@ -330,8 +338,9 @@ def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:
     """The accept probe of every prompt (featdiff.probe); around another program, of its captured flow."""
     from featdiff.probe import probe
 
-    if plan.mode == "program":
-        return _probe_of_flow(manifest, plan.command[0], plan.ref_target, plan.ref_model)
+    if plan.mode in ("program", "capture"):
+        program = plan.command[0] if plan.command else str(plan.run)
+        return _probe_of_flows(manifest, program, plan.ref_target, plan.ref_model)
     return probe(
         plan.target,
         plan.model,
@@ -344,15 +353,20 @@ def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:
     )
 
 
-def _probe_of_flow(manifest: Manifest, program: str, ref_target: Path, ref_model: Path) -> Probe:
-    """The probe of a captured flow: its rounds, and the reference drafter's at the same places."""
+def _probe_of_flows(manifest: Manifest, program: str, ref_target: Path, ref_model: Path) -> Probe:
+    """The probe of a capture: each flow's rounds (one per request and sequence: docs/flow.md),
+    and the reference drafter's at the same places."""
     from featdiff.blocks import run_block_rows
+    from featdiff.dump import flow_view
     from featdiff.probe import RunTrace, probe_traces
 
-    trace = RunTrace(
-        Path(program).name, manifest.prompt_tokens, manifest.rounds, run_block_rows(manifest.evals, program)
-    )
-    return probe_traces((trace,), ref_target, ref_model)
+    flows = manifest.flow_ids()
+    traces = []
+    for k in flows:
+        view = flow_view(manifest, k)
+        label = Path(program).name if len(flows) == 1 else f"flow {k} (sequence {view.flow_info(k).seq_id})"
+        traces.append(RunTrace(label, view.prompt_tokens, view.rounds, run_block_rows(view.evals, program)))
+    return probe_traces(tuple(traces), ref_target, ref_model)
 
 
 # ---------------------------------------------------------------- what people and scripts read

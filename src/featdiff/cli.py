@@ -480,6 +480,15 @@ def check(
             "--exec", help="Run around the llama-server or llama-speculative-simple command given after `--`."
         ),
     ] = False,
+    run: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--run",
+            exists=True,
+            dir_okay=False,
+            help="Judge this capture instead of making one (e.g. of your own llama-server traffic); the probe is its own flows' rounds.",
+        ),
+    ] = None,
 ) -> None:
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
     from featdiff.check import check as run_check
@@ -500,6 +509,7 @@ def check(
         report=report_out,
         json_out=json_out,
         summary_md=summary_md,
+        run=run,
     )
     if json_out != "-":
         typer.echo(render_text(result))

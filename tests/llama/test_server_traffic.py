@@ -193,6 +193,14 @@ def test_three_client_requests_compare_clean_request_by_request(server_command, 
     assert c.ok, _errors(c)
     assert c.coverage.pairs_skipped == 0 and c.coverage.rows_skipped == 0, c.coverage.skipped_phrase()
     assert {p.eval for p in c.pairs} and c.coverage.pairs > 3 * 10
+    # the CI verdict on that capture: each request's wiring and its accept against the reference's
+    d = fixture_models("clean")
+    args = ["check", "--target", d / "target.gguf", "--model", d / "draft.gguf", "--ref-model", d / "draft-hf",
+            "--run", run, "--json", tmp_path / "check.json"]  # fmt: skip
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    verdict = json.loads((tmp_path / "check.json").read_text())
+    assert result.exit_code == 0 and verdict["verdict"] == "pass", result.output
+    assert verdict["mode"] == "capture" and len(verdict["probe"]["prompts"]) == 3
 
 
 TWO_SLOTS = ["-np", "2"]

@@ -178,6 +178,7 @@ def test_a_named_build_dequantizes_every_quantized_weight(tools, quantized, tmp_
             assert library.is_relative_to(tools.source) and library.name.startswith(ggml_dequant.LIBGGML_BASE)
 
 
+@pytest.mark.slow  # builds the older llama.cpp (ensure_release) when no test built it before
 def test_another_build_than_the_process_bound_is_refused(ggml):
     from featdiff.llama.tools import ensure_release
 
