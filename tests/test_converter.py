@@ -5,6 +5,7 @@ named conventions below."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +19,19 @@ from featdiff.converter import (
     DRAFT_HF,
     DSPARK_SCHEMAS,
     TARGET_HF,
+    TOKENIZER_MODEL,
     conversion_key,
     convert_checkpoint,
+    dspark_config,
     unconvertible_reason,
     write_converted_fixture,
+    write_spm_tokenizer,
 )
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
-from featdiff.fixtures import VOCAB_SPM, write_fixture
+from featdiff.fixtures import VOCAB_SPM, write_feature_fixture, write_fixture
 from featdiff.llama.exec import capture_exec
+from featdiff.reference.load_hf import converter_config
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
@@ -67,15 +72,15 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted_run(tmp_path_factory, converted):
-    """variant -> the in-process capture of its converted pair (made once)."""
-    made: dict[str, Path] = {}
+    """(variant, dspark_schema) -> the in-process capture of its converted pair (made once)."""
+    made: dict[tuple[str, str], Path] = {}
 
-    def get(variant: str) -> Path:
-        if variant not in made:
-            d = converted(variant)
-            out = tmp_path_factory.mktemp(f"conv-run-{variant}") / "run.npz"
-            made[variant] = featdiff.capture(d / "target.gguf", d / "draft.gguf", out, **FLOW)
-        return made[variant]
+    def get(variant: str, schema: str = "nested") -> Path:
+        if (variant, schema) not in made:
+            d = converted(variant, schema)
+            out = tmp_path_factory.mktemp(f"conv-run-{variant}-{schema}") / "run.npz"
+            made[variant, schema] = featdiff.capture(d / "target.gguf", d / "draft.gguf", out, **FLOW)
+        return made[variant, schema]
 
     return get
 
@@ -120,13 +125,59 @@ def test_converted_pair_runs_and_compares_clean(converted, converted_run, tmp_pa
     assert c.coverage.skips == () and c.coverage.run_only == 0 and len(c.pairs) > 40
 
 
+# DSpark variants laid out as each flat schema implies (converter.dspark_config)
+SCHEMA_CASES = [("dspark-no-conf", "lineage"), ("dspark-bonus", "eagle3"), ("dspark-d2t", "lineage")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "variant, schema", [("dspark-no-conf", "lineage"), ("dspark-bonus", "eagle3"), ("dspark-d2t", "lineage")]
-)
+@pytest.mark.parametrize("variant, schema", SCHEMA_CASES)
 def test_dspark_schemas_convert_to_the_nested_schemas_gguf(converted, variant, schema):
     assert schema in DSPARK_SCHEMAS
     assert _differences(converted(variant) / "draft.gguf", converted(variant, schema) / "draft.gguf") == set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, schema", SCHEMA_CASES)
+def test_dspark_schema_directory_compares_clean_against_its_converted_gguf(
+    converted, converted_run, tmp_path, variant, schema
+):
+    """The reference reads a flat or EAGLE3-style checkpoint directory as the converter does: it
+    compares clean against llama.cpp running the GGUF the converter made of that directory."""
+    d = converted(variant, schema)
+    ref = featdiff.reference(d / "target.gguf", d / DRAFT_HF, tmp_path / "ref.npz", **FLOW)
+    c = featdiff.compare(ref, converted_run(variant, schema))
+    assert exit_code(c) == 0 and c.ok, [(f.kind, f.tensor, f.message) for f in c.findings if f.severity == "error"]
+    assert c.coverage.skips == () and c.coverage.run_only == 0 and len(c.pairs) > 40
+
+
+@pytest.mark.parametrize("variant, schema", [*SCHEMA_CASES, ("dspark", "nested")])
+def test_dspark_schemas_read_as_the_nested_config(tmp_path, variant, schema):
+    """What the converter reads of each schema (DSparkModel.__init__) is the nested config's: the
+    same layer ids (EAGLE3's are GGUF ids, hf + 1), mask id, anchor layout and stack sizes."""
+    nested = json.loads((write_fixture(tmp_path, variant) / DRAFT_HF / names.HF_CONFIG).read_text())
+    read = converter_config(dspark_config(nested, schema))
+    assert read[names.HF_DFLASH_CONFIG] == {
+        k: nested[names.HF_DFLASH_CONFIG][k] for k in (names.HF_TARGET_LAYER_IDS, names.HF_MASK_TOKEN_ID)
+    } | ({} if schema != "nested" else nested[names.HF_DFLASH_CONFIG])
+    assert read[names.HF_SAMPLE_FROM_ANCHOR] == nested[names.HF_SAMPLE_FROM_ANCHOR]
+    assert {k: read[k] for k in nested if k != names.HF_DFLASH_CONFIG} == {
+        k: v for k, v in nested.items() if k != names.HF_DFLASH_CONFIG
+    }
+
+
+@pytest.mark.slow
+def test_converter_permutes_an_interleaved_rope_checkpoint_into_the_clean_gguf(tmp_path):
+    """`rope_is_neox_style: false` (fixtures' `interleaved-rope`: the clean drafter's q/k rows
+    interleaved): the pinned converter's permutation gives back the clean GGUF's tensors, the one
+    the reference applies reading the directory (tests/reference/test_modelled.py)."""
+    d = write_feature_fixture(tmp_path / "fx", "interleaved-rope")
+    n_vocab = json.loads((d / TARGET_HF / names.HF_CONFIG).read_text())["vocab_size"]
+    write_spm_tokenizer(d / TARGET_HF / TOKENIZER_MODEL, n_vocab)
+    out = convert_checkpoint(d / DRAFT_HF, tmp_path / "draft.gguf", target_dir=d / TARGET_HF)
+    (_, ours), (_, theirs) = _contents(d / "draft.gguf"), _contents(out)
+    permuted = [n for n in ours if n.endswith(("attn_q.weight", "attn_k.weight", "q_norm.weight", "k_norm.weight"))]
+    assert len(permuted) == 4 * pairs.TINY.draft.n_layer
+    assert {n for n in ours if n not in theirs or not np.array_equal(ours[n][1], theirs[n][1])} == set()
 
 
 @pytest.mark.slow

@@ -441,6 +441,8 @@ def _feature_specs() -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str
         ),
         "fc-scale": ({}, {}, {}),
         "attn-sinks": ({}, {}, {}),
+        "q-scale": ({}, {}, {}),
+        "interleaved-rope": ({}, {}, {m.HF_ROPE_IS_NEOX: False}),
         "sliding-window": (
             {m.KEY_SLIDING_WINDOW: 4, m.KEY_SLIDING_WINDOW_PATTERN: pattern},
             {},
@@ -455,11 +457,13 @@ def _feature_specs() -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str
 
 FC_SCALE = 1e-3  # fc.scale: small enough that the encoder norm's eps shows it (s^2 ms ~ RMS_EPS)
 SINK_LOGIT = 1.5  # every head's attention sink logit: a sizeable share of each softmax
+Q_SCALE = 0.5  # attn_q's per-tensor weight scale: a feature the reference refuses (modelled.py)
 
 
 def _feature_tensors(feature: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """feature -> (GGUF tensors, HF tensors) it adds: fc's ModelOpt per-tensor scale, which the
-    converter writes as `fc.scale`; per-head attention sinks (gpt-oss's `self_attn.sinks`)."""
+    converter writes as `fc.scale`; per-head attention sinks (gpt-oss's `self_attn.sinks`); attn_q's
+    per-tensor scale (ModelOpt's `weight_scale_2`, `blk.*.attn_q.scale`), which the reference refuses."""
     from featdiff import modelled as m
 
     d = TINY.draft
@@ -472,7 +476,36 @@ def _feature_tensors(feature: str) -> tuple[dict[str, np.ndarray], dict[str, np.
             {f"blk.{il}.attn_sinks.weight": sinks for il in range(d.n_layer)},
             {f"layers.{il}.self_attn.sinks": sinks for il in range(d.n_layer)},
         )
+    if feature == "q-scale":
+        scale = np.array([Q_SCALE], dtype=np.float32)  # (1,)
+        return (
+            {f"blk.{il}.attn_q.scale": scale for il in range(d.n_layer)},
+            {f"layers.{il}.self_attn.q_proj.weight_scale_2": scale.reshape(()) for il in range(d.n_layer)},
+        )
     return {}, {}
+
+
+# a drafter's HF tensors an interleaved-RoPE checkpoint holds in interleaved order
+# (conversion/qwen.py DFlashModel._ROPE_PERMUTE_SUFFIXES)
+_ROPE_PERMUTED_HF = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
+
+
+def _interleaved_rope(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The clean drafter's HF tensors as an interleaved-RoPE checkpoint (`rope_is_neox_style:
+    false`) holds them: per head, the NeoX order's dims i and i + d/2 made the pair 2i, 2i + 1, the
+    inverse of the converter's permutation, so the converter's GGUF of it is the clean GGUF."""
+    d = TINY.draft.n_embd_head
+    out = dict(tensors)
+    for name, a in tensors.items():
+        if name.endswith(_ROPE_PERMUTED_HF):
+            halves = a.reshape(-1, 2, d // 2, *a.shape[1:])  # (n_head, 2, n_embd_head / 2, ...)
+            out[name] = np.ascontiguousarray(halves.swapaxes(1, 2).reshape(a.shape))  # pairs interleaved
+    return out
 
 
 def feature_names() -> tuple[str, ...]:
@@ -490,10 +523,12 @@ def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Pa
     out = write_fixture(outdir, "clean", seed)
     with replaced(out / "draft.gguf") as tmp:
         _copy_gguf_with_keys(out / "draft.gguf", tmp, gguf_keys, gguf_tensors)
-    if hf_tensors:
+    if hf_tensors or feature == "interleaved-rope":
         weights = out / "draft-hf" / "model.safetensors"
         with safe_open(str(weights), "np") as st:
             tensors = {k: st.get_tensor(k) for k in st.keys()}
+        if feature == "interleaved-rope":
+            tensors = _interleaved_rope(tensors)
         with replaced(weights) as tmp:
             save_file({**tensors, **hf_tensors}, str(tmp))
     config_path = out / "draft-hf" / "config.json"

@@ -65,6 +65,8 @@ HF_OUTPUT_MULTIPLIER = "output_multiplier"
 HF_SOFTCAP = "final_logit_softcapping"
 HF_ROPE_IS_NEOX = "rope_is_neox_style"  # false: the converter permutes q/k rows into NeoX order
 T_FC_SCALE = "fc.scale"
+LAYER_ATTN_SINKS = "attn_sinks"  # blk.<il>.attn_sinks.weight, (n_head,) float32
+HF_ATTN_SINKS = "self_attn.sinks"  # gpt-oss's name, which the converter maps (it appends `.weight`)
 HF_FC_SCALE = "fc.weight_scale_2"  # ModelOpt's per-tensor scale, written as fc.scale (conversion/base.py)
 
 # In the order llama.cpp reads them: load_hparams, then llama_model_dflash::load_arch_hparams,
@@ -171,7 +173,9 @@ TABLE: tuple[Entry, ...] = (
     _k("rope.dimension_count_swa", False, "SWA layers' rotated dims", ()),
     _k("sample_from_anchor", True, "DSpark's first draft row (anchor-first or bonus anchor)", ("sample_from_anchor",)),
     _k("has_confidence_head", True, "checked against conf_proj (lint)", ()),
-    _k("log_snr_conditioning", True, "GIDD log-SNR term (the fork's graph; DESIGN.md)", (_DC + names.HF_LOG_SNR,)),
+    _k(
+        "log_snr_conditioning", True, "GIDD log-SNR term (the fork's graph; docs/records.md)", (_DC + names.HF_LOG_SNR,)
+    ),
     _k("min_log_snr", True, "the mask rows' level", (_DC + names.HF_MIN_LOG_SNR,)),
     _k("max_log_snr", True, "the anchor rows' level", (_DC + names.HF_MAX_LOG_SNR,)),
     # tensors: load_arch_tensors, then the generic `.scale` pass of llama_model_base::load_tensors
@@ -218,7 +222,13 @@ TABLE: tuple[Entry, ...] = (
     _t("blk.*.post_ffw_norm.weight", False, "RMS norm of the FFN output before the residual"),
     _t("blk.*.layer_output_scale.weight", False, "multiplies l_out"),
     _t(names.T_ROPE_FREQS, True, "llama3 per-pair frequency factors"),
-    _t("blk.*.attn_sinks.weight", False, "per-head attention sink logits (softmax denominator)", ("*sink*",)),
+    _t(
+        f"blk.*.{LAYER_ATTN_SINKS}.weight",
+        True,
+        "per-head sink logit: one more softmax term with no value row, folded into flash attention's running "
+        "max and sum after the cells (ggml_flash_attn_ext_add_sinks)",
+        (f"layers.*.{HF_ATTN_SINKS}",),
+    ),
     _t(
         "blk.*.attn_conv_base",
         True,
@@ -249,8 +259,9 @@ TABLE: tuple[Entry, ...] = (
     Entry(
         HF_ROPE_IS_NEOX,
         "key",
-        False,
-        "false: interleaved-RoPE checkpoint, whose q/k rows the converter permutes (HF directory only)",
+        True,
+        "false: interleaved-RoPE checkpoint, whose q/k rows (and q/k norms) the converter permutes per head "
+        "into NeoX order, as the reference does (HF directory only; with partial rotary refused)",
         (HF_ROPE_IS_NEOX,),
         (True,),
     ),
@@ -271,7 +282,6 @@ _FIRST_USE: dict[str, Use] = {
     KEY_ATTN_SCALE: _ATTENTION,
     KEY_SLIDING_WINDOW: _ATTENTION,
     KEY_SLIDING_WINDOW_PATTERN: _ATTENTION,
-    "blk.*.attn_sinks.weight": _ATTENTION,
     DFLASH_PREFIX + "hidden_activation": _FFN,
     KEY_ROPE_SECTIONS: ("inject", names.layer_name(names.KCUR_INJECTED, 0)),
     "blk.*.attn_q.scale": ("draft", names.layer_name(names.QCUR, 0)),
@@ -377,7 +387,7 @@ def converter_keys(config: Mapping[str, Any]) -> dict[str, Any]:
 def unmodelled_in_hf(config: Mapping[str, Any], tensors: Iterable[str], files: Iterable[str]) -> tuple[str, ...]:
     """What a HF drafter directory carries that the reference does not model: the GGUF keys the
     converter would write from it (named with their config field), its tensors no modelled entry
-    reads, `mask_embedding.pt`, and an interleaved-RoPE checkpoint."""
+    reads, and `mask_embedding.pt`."""
     out = [f"{key} (config.json {_hf_field(key, config)})" for key in unmodelled_in(converter_keys(config), ())]
     hf_modelled = [h for e in TABLE if e.modelled and e.kind == "tensor" for h in e.hf]
     for name in tensors:
@@ -387,8 +397,6 @@ def unmodelled_in_hf(config: Mapping[str, Any], tensors: Iterable[str], files: I
             out.append(name)
     if MASK_EMBEDDING_FILE in set(files):
         out.append(MASK_EMBEDDING_FILE)
-    if config.get(HF_ROPE_IS_NEOX, True) is False:
-        out.append(f"config.json {HF_ROPE_IS_NEOX} = false")
     return tuple(out)
 
 
@@ -408,7 +416,8 @@ def supported_line() -> str:
     return (
         "featdiff models "
         + ", ".join(extra)
-        + ", dflash.attention.causal, partial rotary, RoPE scaling, DSpark heads, DFlash2, d2t and log-SNR"
+        + ", dflash.attention.causal, sliding-window attention, attention sinks, fc.scale, partial rotary,"
+        + " RoPE scaling, interleaved-RoPE checkpoints, DSpark heads, DFlash2, d2t and log-SNR"
         + " (docs/modelled.md)"
     )
 

@@ -77,7 +77,7 @@ LAYER_INP = "layer_inp"  # layer_inp-<L>: the input of target layer L (= l_out-(
 LOG_SNR_EMBED = "log_snr_embed"  # the old name of dspark_log_snr_fc2: OLD_RECORD_NAMES
 
 # GIDD log-SNR conditioning on the `dflash` graph, as the fork that implements it names its
-# nodes (DESIGN.md; docs/records.md). Only a log-SNR conditioned drafter has them.
+# nodes (docs/records.md). Only a log-SNR conditioned drafter has them.
 DSPARK_LOG_SNR_FEAT = "dspark_log_snr_feat"  # a leaf (host-filled sin/cos features): src[] of fc1's MUL_MAT
 DSPARK_LOG_SNR_FC1 = "dspark_log_snr_fc1"  # silu(fc1 feat + b1)
 DSPARK_LOG_SNR_FC2 = "dspark_log_snr_fc2"  # fc2 fc1out + b2: the term added to the noise embeddings
@@ -114,7 +114,13 @@ EXCLUDE_DERIVED = "!* (*"
 # FFN, and the candidate lattice the driver walks for its drafts
 KEY_SELECTOR_TOP_K = "dflash.selector_top_k"
 DFLASH2_LATTICE = "dflash2_lattice"
-DFLASH2_RECORDS: tuple[str, ...] = ("attn_conv_in-*", "attn_conv_out-*", "ffn_conv_in-*", "ffn_conv_out-*", DFLASH2_LATTICE)
+DFLASH2_RECORDS: tuple[str, ...] = (
+    "attn_conv_in-*",
+    "attn_conv_out-*",
+    "ffn_conv_in-*",
+    "ffn_conv_out-*",
+    DFLASH2_LATTICE,
+)
 DRAFT_WIRING: tuple[str, ...] = (
     INP_TARGET_FEATURES,
     ENC_INP_EMBD,  # the older generation's encoder eval only
@@ -251,6 +257,10 @@ HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm
 HYP_ANCHOR_BONUS = "anchor=bonus"  # draft_logits@anchor=bonus: the Markov chain laid out bonus-anchor (from row 1)
 HYP_ANCHOR_FIRST = "anchor=first"  # draft_logits@anchor=first: the Markov chain laid out anchor-first (from row 0)
 HYP_FULL_ATTENTION = "attention=full"  # l_out-<il>@attention=full: a sliding-window layer over the whole context
+# l_out-<il>@router_margin: not a value of the record but evidence on it, per row (n_tokens, 2): the gap
+# between the k-th and (k+1)-th router logit of layer il's MoE (a near-tie where it is small), and
+# the rms of the row's router logits
+HYP_ROUTER_MARGIN = "router_margin"
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

@@ -224,17 +224,11 @@ def run_through_server(
 
 
 def split_requests(evals: tuple[Eval, ...]) -> list[tuple[Eval, ...]]:
-    """The real evals cut where a target prefill starts at position 0 (a new request)."""
+    """The real evals of each request, in order: one flow each (docs/flow.md "Several flows")."""
     from featdiff.llama.exec import WARMUP
 
-    parts: list[list[Eval]] = []
-    for e in evals:
-        if e.phase == WARMUP:
-            continue
-        if not parts or (e.role == "target" and e.phase == "prefill" and e.positions[:1] == (0,)):
-            parts.append([])
-        parts[-1].append(e)
-    return [tuple(p) for p in parts]
+    real = [e for e in evals if e.phase != WARMUP]
+    return [tuple(e for e in real if e.flow == k) for k in dict.fromkeys(e.flow for e in real)]
 
 
 def _trace_of(
@@ -242,8 +236,7 @@ def _trace_of(
 ) -> RunTrace:
     from featdiff.llama.exec import prompt_from_evals
 
-    numbers = {e.round for e in part if e.phase == "verify"}
-    mine = tuple(r for r in rounds if r.round in numbers)
+    mine = tuple(r for r in rounds if r.flow == part[0].flow)
     return RunTrace(prompt.label, prompt_from_evals(part), mine, block_rows, answer.draft_n, answer.draft_n_accepted)
 
 

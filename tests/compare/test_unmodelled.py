@@ -16,7 +16,7 @@ from featdiff.dump import read_dump
 
 import synth
 
-SINKS = "blk.*.attn_sinks.weight"  # first read at kqv_out-0 of the draft eval
+ATTN_SCALE = modelled.KEY_ATTN_SCALE  # first read at kqv_out-0 of the draft eval
 UNKNOWN = "dflash.some_future_key"  # first read unknown: every record the drafter computes
 SPEC = synth.Spec()
 
@@ -41,7 +41,7 @@ def _gap(*found: str) -> Gap:
 
 
 def test_the_rule_sets_aside_what_follows_the_first_read():
-    gap = _gap(SINKS)
+    gap = _gap(ATTN_SCALE)
     assert modelled.first_use(modelled.KEY_SLIDING_WINDOW) == gap.uses[0]  # a dump made before it was modelled
     assert not gap.depends("draft", "draft", names.INP_NOISE_EMBD)  # before the first attention
     assert not gap.depends("draft", "draft", names.layer_name(names.QCUR, 0))
@@ -61,11 +61,13 @@ def test_the_rule_sets_aside_what_follows_the_first_read():
 
 def test_detect_unmodelled_names_the_feature_and_what_it_set_aside():
     assert detect_unmodelled(None, (), ()) is None
-    f = detect_unmodelled(_gap(SINKS), ("result_output (draft, round 1)",), ("result_output (draft, round 1)",))
-    assert f is not None and f.kind == "unmodelled" and f.severity == "info" and f.tensor == SINKS
-    assert f.message.startswith(f"the drafter uses {SINKS}, which featdiff's reference does not model: no verdict on")
+    f = detect_unmodelled(_gap(ATTN_SCALE), ("result_output (draft, round 1)",), ("result_output (draft, round 1)",))
+    assert f is not None and f.kind == "unmodelled" and f.severity == "info" and f.tensor == ATTN_SCALE
+    assert f.message.startswith(
+        f"the drafter uses {ATTN_SCALE}, which featdiff's reference does not model: no verdict on"
+    )
     assert f.fields == {
-        "names": [SINKS],
+        "names": [ATTN_SCALE],
         "role": "draft",
         "first_use": ["kqv_out-0 (draft)"],
         "not_judged": ["result_output (draft, round 1)"],
@@ -76,10 +78,10 @@ def test_detect_unmodelled_names_the_feature_and_what_it_set_aside():
 def test_gap_reads_both_manifests_and_ignores_what_is_modelled_now(tmp_path):
     ref = synth.write(tmp_path / "ref.npz", SPEC)
     modelled_now = [modelled.KEY_EMBEDDING_SCALE, modelled.KEY_SLIDING_WINDOW, "fc.scale"]
-    run = synth.write(tmp_path / "run.npz", SPEC, side="run", models=_models([SINKS, *modelled_now], [UNKNOWN]))
+    run = synth.write(tmp_path / "run.npz", SPEC, side="run", models=_models([ATTN_SCALE, *modelled_now], [UNKNOWN]))
     with read_dump(ref) as r, read_dump(run) as u:
         gap = gap_of(r.manifest, u.manifest)
-        assert gap is not None and gap.draft == (SINKS,) and gap.target == (UNKNOWN,)
+        assert gap is not None and gap.draft == (ATTN_SCALE,) and gap.target == (UNKNOWN,)
         assert gap.depends("target", "verify", names.RESULT_OUTPUT)  # a target feature reaches everything
         assert gap_of(r.manifest, r.manifest) is None
 
@@ -92,16 +94,16 @@ def test_a_difference_after_the_first_read_is_no_error_but_one_info_finding(synt
     blames the wiring; with it, exit 0, one `unmodelled` finding, and the verdict says what it skipped."""
     blamed = compare_dumps(synth_ref, synth_run(mutate=_scaled(names.RESULT_OUTPUT)))
     assert exit_code(blamed) == 1
-    c = compare_dumps(synth_ref, synth_run(mutate=_scaled(names.RESULT_OUTPUT), models=_models([SINKS])))
+    c = compare_dumps(synth_ref, synth_run(mutate=_scaled(names.RESULT_OUTPUT), models=_models([ATTN_SCALE])))
     assert [f.kind for f in c.findings if f.severity == "error"] == []
     assert exit_code(c) == 0
     (f,) = [f for f in c.findings if f.kind == "unmodelled"]
     assert f.fields["diverged"] and all(n.startswith(names.RESULT_OUTPUT) for n in f.fields["not_judged"])
-    assert "no verdict on" in verdict(c) and SINKS in verdict(c)
+    assert "no verdict on" in verdict(c) and ATTN_SCALE in verdict(c)
 
 
 def test_a_fault_before_the_first_read_is_still_an_error(synth_ref, synth_run):
-    c = compare_dumps(synth_ref, synth_run(mutate=_scaled(names.INP_NOISE_EMBD), models=_models([SINKS])))
+    c = compare_dumps(synth_ref, synth_run(mutate=_scaled(names.INP_NOISE_EMBD), models=_models([ATTN_SCALE])))
     errors = [f for f in c.findings if f.severity == "error"]
     assert exit_code(c) == 1 and [(f.kind, f.tensor) for f in errors][:1] == [("scale", names.INP_NOISE_EMBD)]
     assert any(f.kind == "unmodelled" for f in c.findings)
@@ -118,6 +120,6 @@ def test_the_target_side_is_still_judged(synth_ref, synth_run):
     def fault(ev, name, a):  # a target layer's output, read by the drafter as a feature
         return a + 1.0 if (ev.role, name) == ("target", "l_out-3") else a
 
-    c = compare_dumps(synth_ref, synth_run(mutate=fault, models=_models([SINKS])))
+    c = compare_dumps(synth_ref, synth_run(mutate=fault, models=_models([ATTN_SCALE])))
     assert exit_code(c) == 1
     assert any(f.severity == "error" and f.tensor.startswith("l_out-") for f in c.findings)

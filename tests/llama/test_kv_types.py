@@ -134,3 +134,29 @@ def test_in_process_q8_0_cache_is_recorded_and_judged_by_its_bound(head32, tmp_p
     c = compare_dumps(ref, run)
     assert c.ok and c.types["kv_type"] == "q8_0", [f.message for f in c.findings if f.severity == "error"]
     assert _post_attention_tolerance(c) == tolerance_for("l_out-5", False, TypeInfo("q8_0", (), "float32")).nmse
+
+
+def test_a_q8_0_run_against_a_reference_guided_by_it_names_near_ties_as_information(head32, tools, tmp_path):
+    """`featdiff check`'s reference (`--run`): it decides each round itself and, where its choice
+    parts from the run's (an untrained drafter's near-ties under a q8_0 cache: this prompt and
+    length part on this build), takes the run's tokens; compare judges the parting from the
+    reference's own margin: information, exit 0, and every round still compared."""
+    cmd = _command(tools, "llama-speculative-simple", head32)
+    cmd[cmd.index("-n") + 1] = "24"
+    run = exec_capture.capture_exec(cmd + Q8_0_CACHES, tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S)
+    with read_dump(run) as d:
+        tokens = ",".join(map(str, d.manifest.prompt_tokens))
+        rounds = sum(1 for r in d.manifest.rounds if r.drafts)
+        run_drafts = [r.drafts for r in d.manifest.rounds if r.drafts]
+    own = reference_of(head32 / "target-hf", head32 / "draft-hf", tmp_path / "own.npz", tokens=tokens, rounds=rounds)
+    with read_dump(own) as d:
+        own_drafts = [r.drafts for r in d.manifest.rounds]
+    # the reference left to itself drafts otherwise (not only where the run's length budget cut a block)
+    assert any(a != b for a, b in zip(own_drafts, run_drafts) if len(a) == len(b))
+    ref = reference_of(head32 / "target-hf", head32 / "draft-hf", tmp_path / "ref.npz", tokens=tokens, rounds=rounds,
+                       run=run)  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert exit_code(c) == 0, [(f.kind, f.tensor, f.message) for f in c.findings if f.severity == "error"]
+    ties = [f for f in c.findings if f.kind == "near_tie"]
+    assert ties and all(f.severity == "info" and f.fields["margin"] <= f.fields["bound"] for f in ties)
+    assert c.coverage.pairs_skipped == 0

@@ -13,9 +13,7 @@ E = -1  # an embedding row
 def _log(evals, records=()) -> ExecLog:
     """evals as (ctx, token_ids, positions, seq_ids); ctx 0 target, 1 draft; every row an output."""
     ctxs = (ExecContext(0, "target", "qwen3", "T.gguf", True), ExecContext(1, "draft", "dflash", "D.gguf", True))
-    evs = tuple(
-        ExecEval(i, c, tuple(t), tuple(p), tuple(s), (1,) * len(p), 0) for i, (c, t, p, s) in enumerate(evals)
-    )
+    evs = tuple(ExecEval(i, c, tuple(t), tuple(p), tuple(s), (1,) * len(p), 0) for i, (c, t, p, s) in enumerate(evals))
     return ExecLog("libllama.so", ctxs, evs, (), tuple(records), 0)
 
 
@@ -49,7 +47,10 @@ def test_graphs_follow_llama_cpps_split_simple_and_split_equal():
 def test_a_decode_of_two_sequences_becomes_two_with_their_rows_and_records():
     log = _log([(0, [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [0, 0, 0, 1, 1])], [_record(0, "l_out-1", 5, offset=100)])
     split = split_sequences(log)
-    assert [(e.eval, e.positions, e.seq_ids) for e in split.log.evals] == [(0, (0, 1, 2), (0, 0, 0)), (1, (0, 1), (1, 1))]
+    assert [(e.eval, e.positions, e.seq_ids) for e in split.log.evals] == [
+        (0, (0, 1, 2), (0, 0, 0)),
+        (1, (0, 1), (1, 1)),
+    ]
     cut = [(r["eval"], r["ne"][1], r["offset"], r["nbytes"]) for r in split.log.records]
     assert cut == [(0, 3, 100, 48), (1, 2, 148, 32)]
     assert split.notes == ()
@@ -113,7 +114,13 @@ def test_a_request_reusing_a_cached_prefix_is_a_new_flow_that_starts_there():
         ]
     )
     evals = flow_evals(split_sequences(log).log)
-    assert [(e.phase, e.flow) for e in evals] == [("prefill", 0), ("inject", 0), ("draft", 0), ("verify", 0), ("prefill", 1)]
+    assert [(e.phase, e.flow) for e in evals] == [
+        ("prefill", 0),
+        ("inject", 0),
+        ("draft", 0),
+        ("verify", 0),
+        ("prefill", 1),
+    ]
 
 
 def test_the_graphs_of_one_call_share_its_phase_and_round():
@@ -130,7 +137,9 @@ def test_the_graphs_of_one_call_share_its_phase_and_round():
     )
     split = split_decodes(log, {0: Split(6, 2), 1: Split(6, 2)})
     evals = flow_evals(split.log)
-    verify = [(e.seq_ids[0], e.phase, e.round, e.n_tokens) for e in evals if e.role == "target" and e.phase != "prefill"]
+    verify = [
+        (e.seq_ids[0], e.phase, e.round, e.n_tokens) for e in evals if e.role == "target" and e.phase != "prefill"
+    ]
     assert verify == [(0, "verify", 1, 3), (1, "verify", 1, 3), (0, "verify", 1, 1)]
 
 

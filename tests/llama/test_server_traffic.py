@@ -211,7 +211,10 @@ CONCURRENT_PREDICT = 16
 def _interleaved(m) -> bool:
     """The two flows decoded side by side: each has an eval between two of the other's."""
     order = [e.flow for e in m.evals if e.phase != "warmup"]
-    first, last = {f: order.index(f) for f in set(order)}, {f: len(order) - 1 - order[::-1].index(f) for f in set(order)}
+    first, last = (
+        {f: order.index(f) for f in set(order)},
+        {f: len(order) - 1 - order[::-1].index(f) for f in set(order)},
+    )
     return all(any(first[f] < i < last[f] for i, g in enumerate(order) if g != f) for f in set(order))
 
 

@@ -192,6 +192,32 @@ def test_speculative_simple_with_a_long_prompt_file_compares_clean(tools, fixtur
     _assert_clean(c)
 
 
+def test_speculative_simple_with_a_long_prompt_on_its_command_line_compares_clean(tools, fixture_models, tmp_path):
+    """The same long prompt given with -p (an argument of thousands of characters, not a file)."""
+    prefill, c = _exec_and_compare(
+        tools,
+        fixture_models("clean"),
+        tmp_path,
+        "llama-speculative-simple",
+        ["-p", LONG_TEXT, "-n", "8", "--temp", "0"],
+    )
+    assert prefill[0] == 512 and sum(prefill) > 512
+    _assert_clean(c)
+
+
+def test_llama_server_with_ub_4_compares_clean(tools, fixture_models, tmp_path):
+    prefill, c = _exec_and_compare(
+        tools,
+        fixture_models("clean"),
+        tmp_path,
+        "llama-server",
+        ["-ub", "4"],
+        tokens="7,21,3,99,140,5,260,33,18,402,77,9",
+    )
+    assert len(prefill) > 1 and max(prefill) == 4
+    _assert_clean(c)
+
+
 def test_llama_server_with_a_long_prompt_compares_clean(tools, fixture_models, tmp_path):
     prefill, c = _exec_and_compare(tools, fixture_models("clean"), tmp_path, "llama-server", [], prompt=LONG_TEXT)
     assert prefill[0] == 512 and sum(prefill) > 512

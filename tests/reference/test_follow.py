@@ -39,7 +39,9 @@ def _flow(path: Path) -> list[tuple]:
 
 def test_following_the_run_pairs_every_eval(q4_run, tmp_path):
     d, run = q4_run
-    own = _reference(d, tmp_path / "own.npz", prompt=None, tokens=DEFAULT_TOKENS, rounds=ROUNDS)  # not --run: it follows
+    own = _reference(
+        d, tmp_path / "own.npz", prompt=None, tokens=DEFAULT_TOKENS, rounds=ROUNDS
+    )  # not --run: it follows
     assert _flow(own) != _flow(run)  # the premise: left to itself, the reference decodes other tokens
     skipped = {s.reason for s in compare_dumps(own, run).coverage.skips}
     assert skipped & NOT_THE_SAME_HISTORY, skipped

@@ -4,6 +4,8 @@ directory; an unmodelled one makes `reference` exit 2 naming it, and lint lists 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,17 @@ from featdiff.gguf_meta import model_info
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "modelled.md"
-MODELLED = ("embedding-scale", "value-scale", "logit-scale", "fc-scale", "sliding-window")
-REFUSED = {"attn-sinks": "blk.*.attn_sinks.weight"}  # as the GGUF names it
-REFUSED_HF = {"attn-sinks": "layers.0.self_attn.sinks"}  # as the HF directory does
+MODELLED = (
+    "embedding-scale",
+    "value-scale",
+    "logit-scale",
+    "fc-scale",
+    "sliding-window",
+    "attn-sinks",
+    "interleaved-rope",
+)
+REFUSED = {"q-scale": "blk.*.attn_q.scale"}  # as the GGUF names it
+REFUSED_HF = {"q-scale": "layers.0.self_attn.q_proj.weight_scale_2"}  # as the HF directory does
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +78,45 @@ def test_modelled_key_compares_clean_against_llama_cpp(feature_dir, run_of, tmp_
     assert _errors(ref, run_of(feature)) == []
 
 
-@pytest.mark.parametrize("feature", ["embedding-scale", "value-scale", "fc-scale", "sliding-window"])
+@pytest.mark.parametrize("feature", ["embedding-scale", "value-scale", "fc-scale", "sliding-window", "attn-sinks"])
 def test_a_reference_without_the_key_is_blamed_on_the_run(feature_dir, run_of, tmp_path, feature):
-    """The keys (and fc.scale) change what llama.cpp computes: a reference of the same weights
+    """The keys (and fc.scale, the sinks) change what llama.cpp computes: a reference of the same weights
     without them gets error findings against the run, so the clean comparisons above are not vacuous."""
     plain = write_feature_fixture(tmp_path / "fx", "logit-scale")  # same weights; logits-only keys
     ref = reference_of(
         plain / "target.gguf", plain / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
     )
     assert _errors(ref, run_of(feature))
+
+
+def _with_config(src: Path, dst: Path, **fields: object) -> Path:
+    """A copy of the HF directory `src` at `dst` with config.json's `fields` set (None: removed)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return dst
+
+
+def test_an_interleaved_checkpoint_read_as_neox_is_blamed_on_the_run(feature_dir, run_of, tmp_path):
+    """The same interleaved-RoPE directory with `rope_is_neox_style` dropped: q/k rows left in
+    interleaved order give error findings, so the clean comparison above rests on the permutation."""
+    d = feature_dir("interleaved-rope")
+    plain = _with_config(d / "draft-hf", tmp_path / "draft-hf", **{modelled.HF_ROPE_IS_NEOX: None})
+    ref = reference_of(d / "target.gguf", plain, tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS)
+    assert _errors(ref, run_of("interleaved-rope"))
+
+
+def test_an_interleaved_checkpoint_with_partial_rotary_is_refused_by_name(feature_dir, tmp_path):
+    d = feature_dir("interleaved-rope")
+    partial = _with_config(d / "draft-hf", tmp_path / "draft-hf", partial_rotary_factor=0.5)
+    result = CliRunner().invoke(
+        app,
+        ["reference", "--target", str(d / "target.gguf"), "--model", str(partial), "-o", str(tmp_path / "r.npz"),
+         "--tokens", DEFAULT_TOKENS],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"{modelled.HF_ROPE_IS_NEOX} = false with partial rotary" in result.output
 
 
 @pytest.mark.parametrize("feature", list(REFUSED))
@@ -108,9 +148,9 @@ def test_lint_lists_the_unmodelled_key_and_capture_records_it(feature_dir, featu
 def test_unknown_dflash_key_and_tensor_are_refused_and_inert_values_are_not():
     found = modelled.unmodelled_in(
         {"dflash.some_future_key": 1, "dflash.attention.scale": 0.0, "dflash.hidden_activation": "silu"},
-        ["blk.0.attn_sinks.weight", "blk.1.attn_sinks.weight", "fc.weight", "fc.scale", "blk.0.attn_q.weight"],
+        ["blk.0.attn_q.scale", "blk.1.attn_q.scale", "fc.weight", "fc.scale", "blk.0.attn_sinks.weight"],
     )
-    assert found == ("dflash.some_future_key", "blk.*.attn_sinks.weight")
+    assert found == ("dflash.some_future_key", "blk.*.attn_q.scale")
 
 
 def test_hf_fields_map_to_the_converters_keys():
@@ -119,9 +159,11 @@ def test_hf_fields_map_to_the_converters_keys():
         "num_hidden_layers": 2,
     }
     found = modelled.unmodelled_in_hf(
-        config, ["fc.weight", "fc.weight_scale_2", "layers.0.self_attn.sinks"], ["mask_embedding.pt"]
+        config,
+        ["fc.weight", "fc.weight_scale_2", "layers.0.self_attn.sinks", "layers.0.self_attn.q_proj.weight_scale_2"],
+        ["mask_embedding.pt"],
     )
-    assert found == ("layers.0.self_attn.sinks", "mask_embedding.pt")
+    assert found == ("layers.0.self_attn.q_proj.weight_scale_2", "mask_embedding.pt")
     keys = modelled.converter_keys(config)
     assert keys[modelled.KEY_EMBEDDING_SCALE] == 2.0
     assert (keys[modelled.KEY_SLIDING_WINDOW], keys[modelled.KEY_SLIDING_WINDOW_PATTERN]) == (8, [True, True])

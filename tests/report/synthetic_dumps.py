@@ -219,7 +219,7 @@ def _metrics(rec: Record, ref: np.ndarray, run: np.ndarray, positions: tuple[int
 
 
 def planted_findings(variant: str) -> tuple[Finding, ...]:
-    """The findings compare should make of a variant, as DESIGN.md's vocabulary writes them."""
+    """The findings compare should make of a variant, as docs/findings.md's vocabulary writes them."""
     if variant == "layers-plus1":
         return tuple(
             Finding(

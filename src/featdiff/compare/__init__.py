@@ -36,7 +36,7 @@ detectors.py + wiring.py (one `detect_<kind>` per finding kind), diagnose.py (fi
 own vs inherited error, the detector chain),
 comparison.py (the stage), render.py (terminal, JSON, exit code), namemap.py + maps/ (forks).
 
-Findings fields beyond DESIGN.md's table: `rows` (zeros, nonfinite, stale) are token positions
+Findings fields beyond the first findings table (docs/findings.md): `rows` (zeros, nonfinite, stale) are token positions
 (row indices when the record is not row-wise); `stale` adds `source_eval`; `layer_offset` adds
 `observed_layers`/`expected_layers` (all slots); `wrong_source` adds `candidate` (the reference
 record it matched); `missing_term` adds `expected_in` (the sum the run's graph lacks, when it

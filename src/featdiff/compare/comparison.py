@@ -273,7 +273,8 @@ def _findings(
         root = diagnose.diagnose_root(ev, measured[i].nmse)
         # rows of a batch placed at offset positions look shifted: the position_offset above says why
         found.append(None if root.kind == "row_shift" and plan.pairs[i].group in misplaced else root)
-    found.append(_quantized_feature_check(ref, run, plan, walk, tols, types))
+    routed = diagnose.first_routed(found)  # where a MoE near-tie took other experts: faults may hide behind it
+    found.append(_quantized_feature_check(ref, run, plan, walk, tols, types, routed))
     found.append(diagnose.check_positions(position_evidence(ref, run)))
     explained = any(f is not None and f.severity == "error" and f.kind not in UNEXPLAINING for f in found)
     partings = diagnose.parting_findings(
@@ -302,18 +303,27 @@ def _settled(f: Finding, explained: bool) -> Finding:
 
 
 def _quantized_feature_check(
-    ref: Source, run: Source, plan: Plan, walk: diagnose.Walk, tols: list[Tolerance], types: TypeInfo
+    ref: Source,
+    run: Source,
+    plan: Plan,
+    walk: diagnose.Walk,
+    tols: list[Tolerance],
+    types: TypeInfo,
+    routed: int | None = None,
 ) -> Finding | None:
     """With quantized weights the tolerance can swallow a neighbouring layer: check the first
     features' layer match even when they are within tolerance. (Runs on float weights never need
-    it: f32, f16 and bf16 tolerances are far below the difference between two layers.)"""
+    it: f32, f16 and bf16 tolerances are far below the difference between two layers.) Beside an
+    `expert_choice` (`routed`: its first position) the features inherit it, so the walk never
+    makes them a root: their layer match on the rows before it still names a wiring fault."""
     feature = first_feature_pair(plan.pairs)
     quantized = [t for t in types.quant_types if t not in FLOAT_TYPES]
-    if not quantized or feature is None or not feature.alignment.comparable:
+    if not (quantized or routed is not None) or feature is None or not feature.alignment.comparable:
         return None
     i = plan.pairs.index(feature)
     if i in walk.roots:
         return None
+    feature = feature if routed is None else diagnose.rows_before(feature, routed)
     return diagnose.check_features(build_evidence(ref, run, feature, tols[i]))
 
 

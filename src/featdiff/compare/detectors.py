@@ -571,3 +571,45 @@ def _pair_span(pairs: np.ndarray) -> str:
     if len(pairs) > 1 and np.array_equal(pairs, np.arange(pairs[0], pairs[-1] + 1)):
         return f"{pairs[0]}..{pairs[-1]}"
     return ", ".join(map(str, pairs[:8])) + (" ..." if len(pairs) > 8 else "")
+
+
+# --- MoE routing: a near-tie between experts -----------------------------------------------------
+
+# The router's logits are a matrix times the layer's normed input, whose error on one row may reach
+# the pair's row tolerance; the errors of the two logits around the top-k cut add in quadrature
+# (as partings.MARGIN_SPREAD): a margin below sqrt(2) x row_rel x rms(router logits) is a near-tie.
+ROUTER_MARGIN_SPREAD = float(np.sqrt(2.0))
+
+
+def detect_expert_choice(ev: Evidence) -> Finding | None:
+    """Hypothesis: the run routed some tokens of this MoE layer to other experts than the reference,
+    on a near-tie where either choice is right. Evidence: every row over the row tolerance has a
+    reference router margin (`<record>@router_margin`: the gap between the k-th and (k+1)-th router
+    logit, and the rms of the row's logits) at most ROUTER_MARGIN_SPREAD x row_rel x that rms."""
+    record = ev.record or ev.tensor
+    margins = ev.candidates.get(names.candidate_name(record, names.HYP_ROUTER_MARGIN))
+    if margins is None or not same_shape(ev) or ev.ref.ndim != 2 or margins.shape != (len(ev.ref), 2):
+        return None
+    bad = row_relative_error(ev.ref, ev.run) > ev.tolerance.row_rel  # (R,)
+    margin, rms = margins[:, 0].astype(np.float64), margins[:, 1].astype(np.float64)  # (R,) each
+    bound = ROUTER_MARGIN_SPREAD * ev.tolerance.row_rel * rms  # (R,)
+    if not bad.any() or not np.all(margin[bad] <= bound[bad]):
+        return None
+    rows = np.flatnonzero(bad)
+    tokens = _labels(ev, bad)
+    layer = record.rsplit("-", 1)[-1]
+    more = f" and {len(rows) - 1} more token{'s' * (len(rows) > 2)}" if len(rows) > 1 else ""
+    return Finding(
+        kind="expert_choice",
+        tensor=ev.tensor,
+        severity="info",
+        message=f"expert choice differs at layer {layer}, token {tokens[0]} (router margin {margin[rows[0]]:.3g} "
+        f"<= noise bound {bound[rows[0]]:.3g}){more}: the router's top-k cut is a near-tie there, so either "
+        f"expert is right and {ev.tensor} differs on those rows only; the layers after it inherit the difference",
+        fields={
+            "layer": int(layer) if layer.isdigit() else layer,
+            "rows": tokens,
+            "margins": [float(margin[i]) for i in rows],
+            "bounds": [float(bound[i]) for i in rows],
+        },
+    )

@@ -50,6 +50,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_nonfinite,
     d.detect_zeros,
     d.detect_layout_transpose,
+    d.detect_expert_choice,  # info: a MoE near-tie, before any fault is tried on its few rows
     w.detect_layer_offset,
     w.detect_slot_permutation,
     w.detect_missing_term,
@@ -125,6 +126,31 @@ def check_features(ev: d.Evidence) -> Finding | None:
     """Layer offsets and slot orders on a feature pair that is *within* tolerance: quantization
     noise can be as large as the difference between neighbouring layers, the layer match is not."""
     return w.detect_layer_offset(ev) or w.detect_slot_permutation(ev)
+
+
+def first_routed(found: list[Finding | None]) -> int | None:
+    """The earliest position an `expert_choice` finding names (a MoE near-tie routed it to other
+    experts), or None when there is none."""
+    return min((min(f.fields["rows"]) for f in found if f is not None and f.kind == "expert_choice"), default=None)
+
+
+def rows_before(pair: Pair, position: int) -> Pair:
+    """`pair` with its rows before `position` only: causal attention carries a row routed elsewhere
+    into every later position of the later layers, never into an earlier one. Unchanged when it is
+    not row-wise or no row (or every row) would be left."""
+    al = pair.alignment
+    keep = [i for i, p in enumerate(al.positions) if p < position]
+    if not al.positions or len(keep) in (0, len(al.positions)):
+        return pair
+    rows = al.rows or tuple(range(len(al.positions)))
+    run_rows = al.run_rows or tuple(range(len(al.positions)))
+    kept = replace(
+        al,
+        positions=tuple(al.positions[i] for i in keep),
+        rows=tuple(rows[i] for i in keep),
+        run_rows=tuple(run_rows[i] for i in keep),
+    )
+    return replace(pair, alignment=kept)
 
 
 def check_positions(evs: list[d.Evidence]) -> Finding | None:

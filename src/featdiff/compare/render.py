@@ -17,7 +17,7 @@ from rich.table import Table
 from featdiff.compare.result import Comparison, Finding, PairMetrics
 from featdiff.outputs import check_output, replaced
 
-EXIT_OK, EXIT_FINDINGS = 0, 1  # the contract's codes (DESIGN.md); 2 is the CLI's, for InputError
+EXIT_OK, EXIT_FINDINGS = 0, 1  # the contract's codes (docs/findings.md); 2 is the CLI's, for InputError
 SEVERITY_STYLE = {"error": "bold red", "info": "cyan"}
 
 

@@ -46,6 +46,7 @@ Kind = Literal[
     "near_tie",
     "misplaced_rows",
     "unmodelled",
+    "expert_choice",
 ]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
 SkipSide = Literal["both", "ref", "run"]  # where the records of a skip are
@@ -67,7 +68,7 @@ EXPECTED_SKIPS = ("no_rows", "no_draft", "fewer_drafts", "warmup", "empty")  # s
 
 @dataclass(frozen=True)
 class Finding:
-    """One diagnosis. `fields` holds the kind-specific fields, keyed exactly as in DESIGN.md."""
+    """One diagnosis. `fields` holds the kind-specific fields, keyed exactly as in docs/findings.md."""
 
     kind: Kind
     tensor: str

@@ -114,8 +114,12 @@ class Model:
         n_max = len(raw) + 8
         out = self.rt.ffi.new("llama_token[]", n_max)
         n = self.rt.lib.llama_tokenize(self.vocab, raw, len(raw), out, n_max, True, False)
+        if n < 0:  # llama_tokenize answers -(tokens needed) when the buffer is short (a byte-level vocabulary)
+            n_max = -n
+            out = self.rt.ffi.new("llama_token[]", n_max)
+            n = self.rt.lib.llama_tokenize(self.vocab, raw, len(raw), out, n_max, True, False)
         if n < 0:
-            raise InputError(f"{self.path}: tokenizing the prompt needs {-n} tokens, more than expected")
+            raise InputError(f"{self.path}: llama.cpp could not tokenize the prompt (it asked for {-n} tokens twice)")
         return [int(out[i]) for i in range(n)]
 
     def free(self) -> None:

@@ -67,13 +67,16 @@ def attend(
     kv_pos: torch.Tensor,
     causal: bool,
     visible: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `(n_tokens, n_head, d)` queries over the cache's cells, `(n_tokens, n_head * d)`.
 
     Causal: a query sees the cells at positions <= its own; otherwise every cell of the
     sequence. An explicit `visible` mask `(n_tokens, n_cells)` replaces both (training packs
     many sequences and blocks into one batch). Scale `1/sqrt(d)`; GQA: query head h reads KV
-    head `h // (n_head / n_head_kv)`. The cache type decides the numerics (module docstring).
+    head `h // (n_head / n_head_kv)`. `sinks` `(n_head,)`: head h's softmax has one more logit,
+    `sinks[h]` (unscaled), whose value row is zero (`attn_sinks`). The cache type decides the
+    numerics (module docstring).
     """
     n_tokens, n_head, d = q.shape
     if visible is None:
@@ -86,20 +89,26 @@ def attend(
     k = k.repeat_interleave(group, dim=1)  # (n_cells, n_head, d)
     v = v.repeat_interleave(group, dim=1)  # (n_cells, n_head, d)
     scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # 1.0f/sqrtf(float(n_embd_head))
+    sink = sinks.to(device=q.device, dtype=torch.float32) if sinks is not None else None  # (n_head,)
     if k.dtype == torch.float16 and n_tokens < FA_TILE_Q:
-        out = _flash_f16(q, k, v, visible, scale)
+        out = _flash_f16(q, k, v, visible, scale, sink)
     else:
-        out = _softmax_attention(q, k.to(q.dtype), v.to(q.dtype), visible, scale)
+        out = _softmax_attention(q, k.to(q.dtype), v.to(q.dtype), visible, scale, sink)
     return out.to(q.dtype).reshape(n_tokens, n_head * d)  # (n_tokens, n_head * d)
 
 
 def _softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, sink: torch.Tensor | None
 ) -> torch.Tensor:
-    """Plain masked softmax attention in q's dtype, `(n_tokens, n_head, d)`."""
+    """Plain masked softmax attention in q's dtype, `(n_tokens, n_head, d)`; a sink logit joins
+    each head's softmax as one more column whose value row is zero (ggml_soft_max_add_sinks)."""
     scores = torch.einsum("thd,chd->thc", q, k) * scale  # (n_tokens, n_head, n_cells)
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    return torch.einsum("thc,chd->thd", torch.softmax(scores, dim=-1), v)  # (n_tokens, n_head, d)
+    if sink is None:
+        return torch.einsum("thc,chd->thd", torch.softmax(scores, dim=-1), v)  # (n_tokens, n_head, d)
+    column = sink.to(scores.dtype)[None, :, None].expand(scores.shape[0], -1, 1)  # (n_tokens, n_head, 1)
+    p = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]  # (n_tokens, n_head, n_cells)
+    return torch.einsum("thc,chd->thd", p, v)  # (n_tokens, n_head, d)
 
 
 def _exp_f32(x: torch.Tensor) -> torch.Tensor:
@@ -107,12 +116,15 @@ def _exp_f32(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.double()).float()
 
 
-def _flash_f16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def _flash_f16(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, sink: torch.Tensor | None
+) -> torch.Tensor:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk with an f16 K/V cache, `(n_tokens, n_head, d)`.
 
     Per cell, in cache order: s = dot(f16 q, f16 k) * scale; on a new maximum the f16
     accumulator is rescaled by expf(M_old - M); then acc = f16(acc + v * expf(s - M)) and
-    S = S * ms + vs; finally acc / S in float32. Cells hidden by the mask are skipped.
+    S = S * ms + vs; finally acc / S in float32. Cells hidden by the mask are skipped. A head's
+    sink comes after the cells, on the float32 accumulator (`_fold_sink`).
     """
     n_tokens, n_head, d = q.shape
     products = torch.einsum("thd,chd->thc", q.to(torch.float16).double(), k.double())  # (n_tokens, n_head, n_cells)
@@ -131,4 +143,21 @@ def _flash_f16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch
         added = (acc.float() + v[c].float()[None] * vs[..., None]).half()  # (n_tokens, n_head, d)
         acc = torch.where(live[..., None], added, acc)
         s_sum = torch.where(live, s_sum * ms + vs, s_sum)
-    return acc.float() * (1.0 / s_sum)[..., None]
+    out = acc.float()  # VKQ32: the f16 accumulator widened
+    if sink is not None:
+        out, s_sum = _fold_sink(out, m, s_sum, sink)
+    return out * (1.0 / s_sum)[..., None]
+
+
+def _fold_sink(
+    acc: torch.Tensor, m: torch.Tensor, s_sum: torch.Tensor, sink: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink logit of each head `(n_head,)` folded into the float32 accumulator `(n_tokens,
+    n_head, d)` and the running sum, as ops.cpp does after the cells ("sinks - apply only on the
+    first kv-chunk"): a sink above the running max M rescales acc and S by expf(M - sink) and adds
+    1; otherwise S gains expf(sink - M)."""
+    s = sink[None, :].expand_as(m)  # (n_tokens, n_head)
+    is_max = s > m
+    ms = torch.where(is_max, _exp_f32(m - s), torch.ones_like(s))
+    vs = torch.where(is_max, torch.ones_like(s), _exp_f32(s - m))
+    return acc * ms[..., None], s_sum * ms + vs

@@ -18,9 +18,9 @@ import torch
 
 from featdiff import names
 from featdiff.errors import InputError
-from featdiff.reference.attention import KvCache, attend, layer_kv
-from featdiff.reference.numerics import f32_scalar, ffn, linear, rms_norm, rope
-from featdiff.reference.stack import LayerTrace, Named
+from featdiff.reference.attention import KvCache
+from featdiff.reference.numerics import f32_scalar, ffn, linear, rms_norm
+from featdiff.reference.stack import LayerTrace, Named, scaled_output, self_attention
 
 # GGUF keys and tensors (src/llama-arch.cpp LLM_KV_DFLASH_* / LLM_TENSOR_DFLASH_*)
 KEY_CONV_KERNEL_SIZE = "dflash.conv_kernel_size"
@@ -165,22 +165,12 @@ def layer_forward(
 ) -> tuple[LayerTrace, list[Named]]:
     """One DFlash2 decoder layer over the block `x` (dflash.cpp graph<false>, token branch): the
     layer of stack.layer_forward with the attention and FFN sub-blocks each wrapped in a conv."""
-    n_tokens = x.shape[0]
     attn, mlp = dfl.attn_conv[il], dfl.ffn_conv[il]
     h = rms_norm(x, layer.attn_norm, hp.rms_eps)
     attn_dynamic = linear(h, attn.proj)  # (n_tokens, 2 * kernel * n_groups)
     h_in = conv(dfl, h, attn_dynamic, attn.base, SIDE_IN)
-    q = linear(h_in, layer.wq).reshape(n_tokens, hp.n_head, hp.n_embd_head)  # (n_tokens, n_head, n_embd_head)
-    k = linear(h_in, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
-    v = linear(h_in, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
-    q = rope(rms_norm(q, layer.q_norm, hp.rms_eps), positions, hp)
-    k = rope(rms_norm(k, layer.k_norm, hp.rms_eps), positions, hp)
-    k_cache, v_cache = layer_kv(cache, il, k, v)
-    kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
-    kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal)
-    attn_out = linear(kqv_out, layer.wo)  # (n_tokens, n_embd)
-    if hp.attn_value_scale != 0.0:
-        attn_out = attn_out * f32_scalar(hp.attn_value_scale)
+    a = self_attention(hp, layer, h_in, positions, cache, il, causal)
+    attn_out = scaled_output(hp, linear(a.kqv_out, layer.wo))  # (n_tokens, n_embd)
     attn_out = conv(dfl, attn_out, attn_dynamic, attn.base, SIDE_OUT)
     ffn_inp = attn_out + x
     f = rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps)
@@ -190,15 +180,15 @@ def layer_forward(
     ffn_conv_out = conv(dfl, ffn_out, ffn_dynamic, mlp.base, SIDE_OUT)
     trace = LayerTrace(
         attn_norm=h,
-        q=q,
-        k=k,
-        v=v,
-        kqv_out=kqv_out,
+        q=a.q,
+        k=a.k,
+        v=a.v,
+        kqv_out=a.kqv_out,
         ffn_inp=ffn_inp,
         ffn_out=ffn_out,
         l_out=ffn_conv_out + ffn_inp,
-        k_cache=k_cache,
-        v_cache=v_cache,
+        k_cache=a.k_cache,
+        v_cache=a.v_cache,
     )
     named = [
         Named(f"{ATTN_CONV_IN}-{il}", h_in),

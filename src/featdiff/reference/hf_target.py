@@ -1,7 +1,9 @@
 """A target run by transformers' own model code, for the architectures featdiff does not write
 again in torch (issue 24): Qwen3-MoE and the like. Consumes a Hugging Face directory (config and
 safetensors); produces, per batch, the records the native target writes (target.py): `embd`,
-`layer_inp-<L>`, `l_out-<il>` and `result_norm` / `result_output`.
+`layer_inp-<L>`, `l_out-<il>` and `result_norm` / `result_output`; on a MoE layer also the
+router's top-k margin per token, `l_out-<il>@router_margin` (names.HYP_ROUTER_MARGIN), the
+evidence compare's `expert_choice` reads.
 
 The model is transformers' (`from_pretrained`, float32 on the CPU). Two things are featdiff's:
 * where it taps: a forward pre-hook on each decoder layer takes that layer's input, one on the
@@ -125,9 +127,12 @@ def forward_hf(
         if cache.k[il].shape[0]:
             past.update(_hf_layout(cache.k[il]), _hf_layout(cache.v[il]), il)
     taps: list[torch.Tensor] = []  # input of layer 0 .. n_layer-1, then of the final norm
+    margins: dict[int, torch.Tensor] = {}  # il -> (n_tokens, 2) router margin and rms, MoE layers only
     text = model.get_decoder()
     hooks = [layer.register_forward_pre_hook(_Tap(taps), with_kwargs=True) for layer in text.layers[:n_layer]]
     hooks.append(text.norm.register_forward_pre_hook(_Tap(taps), with_kwargs=True))
+    for il, layer in enumerate(text.layers[:n_layer]):
+        hooks += [router.register_forward_hook(_Margin(margins, il)) for router in _routers(layer)]
     try:
         out = model(
             input_ids=tokens[None],
@@ -152,6 +157,9 @@ def forward_hf(
             Named(names.layer_name(names.LAYER_INP, il), taps[il]),
             Named(names.layer_name(names.L_OUT, il), l_out),
         ]
+        if il in margins:  # the last layer's l_out keeps the output rows only, and so its margin
+            margin = margins[il] if il < n_layer - 1 else margins[il][rows]  # (n_rows, 2)
+            records.append(Named(_margin_name(il), margin))
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
     after = _cache_after(cache, positions, past, n_layer)
     return HfPass(tuple(taps), logits, after, tuple(records))
@@ -166,6 +174,37 @@ class _Tap:
     def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         self.taps.append(hidden[0].detach().clone())  # (n_tokens, n_embd)
+
+
+def _routers(layer: Any) -> list[Any]:
+    """The MoE routers of a decoder layer: transformers' top-k routers (`Qwen3MoeTopKRouter`),
+    modules with `top_k` and `num_experts` whose forward returns the router logits first."""
+    return [m for m in layer.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")]
+
+
+def _margin_name(il: int) -> str:
+    """`l_out-<il>@router_margin`: evidence on l_out-<il> (names.HYP_ROUTER_MARGIN), reference-only."""
+    return names.candidate_name(names.layer_name(names.L_OUT, il), names.HYP_ROUTER_MARGIN)
+
+
+@dataclass(frozen=True)
+class _Margin:
+    """A forward hook on layer `il`'s router: per token, its top-k margin (the gap between the
+    k-th and (k+1)-th router logit) and the rms of its router logits, into `margins[il]` (n_tokens, 2). A near-zero gap is a
+    near-tie: llama.cpp may route that token to the other expert within its float noise."""
+
+    margins: dict[int, torch.Tensor]
+    il: int
+
+    def __call__(self, module: Any, args: tuple, output: Any) -> None:
+        logits = output[0] if isinstance(output, tuple) else output  # (n_tokens, n_expert)
+        k = int(module.top_k)
+        if logits.shape[-1] <= k:
+            return  # every expert is used: no choice to make
+        x = logits.detach().float()  # (n_tokens, n_expert)
+        top = torch.topk(x, k + 1, dim=-1).values  # (n_tokens, k + 1), descending
+        rms = x.pow(2).mean(dim=-1).sqrt()  # (n_tokens,): the scale the margin's noise bound is of
+        self.margins[self.il] = torch.stack([top[:, k - 1] - top[:, k], rms], dim=-1)  # (n_tokens, 2)
 
 
 def _hf_layout(t: torch.Tensor) -> torch.Tensor:

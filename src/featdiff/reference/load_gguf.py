@@ -22,6 +22,7 @@ from featdiff.modelled import (
     KEY_EMBEDDING_SCALE,
     KEY_SLIDING_WINDOW,
     KEY_SLIDING_WINDOW_PATTERN,
+    LAYER_ATTN_SINKS,
     T_FC_SCALE,
     refusal,
 )
@@ -204,7 +205,9 @@ def _draft_n_vocab(g: GgufModel) -> int:
 def _layer(g: GgufModel, il: int, dtype: torch.dtype, device: torch.device) -> Layer:
     """Layer `il` in the compute dtype, built now; the pages of the file it read are released."""
     prefix = names.GGUF_LAYER_PREFIX.format(il=il)
-    layer = layer_from_tensors({k: _optional(g, f"{prefix}{k}.weight", dtype, device) for k in names.GGUF_TO_HF_LAYER})
+    t = {k: _optional(g, f"{prefix}{k}.weight", dtype, device) for k in names.GGUF_TO_HF_LAYER}
+    t[LAYER_ATTN_SINKS] = _optional(g, f"{prefix}{LAYER_ATTN_SINKS}.weight", torch.float32, device)  # (n_head,) F32
+    layer = layer_from_tensors(t)
     release_pages(g)
     return layer
 

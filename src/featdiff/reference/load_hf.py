@@ -4,7 +4,8 @@
 The drafter is in the DFlash reference layout: `fc`, `hidden_norm`, `layers.*`, `norm`, optional
 `embed_tokens`/`lm_head`, and `dflash_config.target_layer_ids` naming layer *outputs*; GGUF ids
 name layer inputs, so the reference stores `hf + 1` (what the upstream converter writes).
-HF q/k rows are in rotate-half order, so every HF stack runs NeoX RoPE. A DSpark checkpoint adds
+HF q/k rows are in rotate-half order, so every HF stack runs NeoX RoPE (a drafter saying
+`rope_is_neox_style: false` has its q/k rows permuted into that order, as the converter does). A DSpark checkpoint adds
 `markov_head.*`, `confidence_head.proj.*` and optionally `d2t`, stored as offsets (target id =
 d2t[i] + i; the record holds the absolute ids, as the GGUF does).
 """
@@ -25,7 +26,10 @@ from safetensors import safe_open
 from featdiff import names
 from featdiff.errors import InputError
 from featdiff.modelled import (
+    HF_ATTN_SINKS,
     HF_FC_SCALE,
+    HF_ROPE_IS_NEOX,
+    LAYER_ATTN_SINKS,
     KEY_ATTN_VALUE_SCALE,
     KEY_EMBEDDING_SCALE,
     KEY_SLIDING_WINDOW,
@@ -62,7 +66,21 @@ _HF_DSPARK = {
 }
 MARKOV_HEAD_TYPE = "markov_head_type"  # config.json; the converter and llama.cpp run "vanilla" only
 MARKOV_VANILLA = "vanilla"
+# a drafter's per-layer tensors the converter permutes for an interleaved-RoPE checkpoint
+# (DFlashModel._ROPE_PERMUTE_SUFFIXES), by GGUF name
+_ROPE_PERMUTED = ("attn_q", "attn_k", "attn_q_norm", "attn_k_norm")
 DFLASH_CAUSAL = "causal"  # dflash_config's spelling of the top-level is_causal (the converter reads both)
+# DSpark checkpoints' config.json schemas (conversion/qwen.py DSparkModel, registered for these)
+HF_ARCHITECTURES = "architectures"
+DSPARK_ARCHITECTURES = (
+    "Qwen3DSparkModel",
+    "DSparkDraftModel",
+    "DSparkSpeculator",
+    "Lfm2DSparkDraftModel",
+    "LingDSparkModel",
+)
+HF_AUX_LAYER_IDS = "aux_hidden_state_layer_ids"  # EAGLE3 style: ids of layer inputs (GGUF ids)
+HF_LAYER_CONFIG = "transformer_layer_config"  # EAGLE3 style: the stack's sizes
 
 
 def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
@@ -90,9 +108,10 @@ def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Targ
 
 
 def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft:
-    """A DFlash (or DSpark) drafter from its HF directory; InputError for an inconsistent log-SNR
-    or DSpark checkpoint."""
-    config = read_config(path)
+    """A DFlash (or DSpark) drafter from its HF directory, its config.json read as the converter
+    reads it (`converter_config`: DSpark's flat and EAGLE3-style schemas too); InputError for an
+    inconsistent log-SNR or DSpark checkpoint."""
+    config = converter_config(read_config(path))
     dflash = config.get(names.HF_DFLASH_CONFIG)
     if not isinstance(dflash, dict) or names.HF_TARGET_LAYER_IDS not in dflash:
         raise InputError(
@@ -128,7 +147,7 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
         output_norm=_required(w, path, names.HF_NORM),
         token_embd=token_embd,
         output=head,
-        layers=_layers(w, path, names.HF_LAYER_PREFIX, hp.n_layer),
+        layers=_layers(w, path, names.HF_LAYER_PREFIX, hp.n_layer, _interleaved_head(path, config, hp)),
         log_snr=_log_snr(path, dflash, w),
         dspark=_dspark(path, config, w, hp),
         causal=bool(causal),
@@ -137,6 +156,36 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
         dflash2=_dflash2(path, config, dflash, keys, w, hp),
         fc_scale=_fc_scale(w),
     )
+
+
+def converter_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A drafter's config.json as the pinned converter reads it: a DSpark checkpoint's
+    (`architectures[0]` one of DSPARK_ARCHITECTURES) normalized as conversion/qwen.py
+    DSparkModel.__init__ does, any other unchanged.
+
+    * `sample_from_anchor`: as stated, else true unless the config is EAGLE3-style
+      (`transformer_layer_config` or `aux_hidden_state_layer_ids`: a 1+N bonus-anchor block);
+    * `transformer_layer_config`'s fields (the stack's sizes) override the top level's;
+    * without a `dflash_config`, one is made: from `aux_hidden_state_layer_ids` (ids of layer
+      inputs, as the GGUF's: hf = id - 1) and `mask_token_id`, else from the DFlash lineage's flat
+      `target_layer_ids` and `mask_token_id`.
+    """
+    archs = config.get(HF_ARCHITECTURES) or [None]
+    if archs[0] not in DSPARK_ARCHITECTURES:
+        return config
+    bonus_style = HF_LAYER_CONFIG in config or HF_AUX_LAYER_IDS in config
+    sample_from_anchor = config.get(names.HF_SAMPLE_FROM_ANCHOR, not bonus_style)
+    out = {**config, **(config.get(HF_LAYER_CONFIG) or {})}
+    out[names.HF_SAMPLE_FROM_ANCHOR] = sample_from_anchor
+    if HF_AUX_LAYER_IDS in out:
+        made = {
+            names.HF_MASK_TOKEN_ID: out.get(names.HF_MASK_TOKEN_ID),
+            names.HF_TARGET_LAYER_IDS: [int(i) - 1 for i in out[HF_AUX_LAYER_IDS]],
+        }
+    else:
+        made = {k: out[k] for k in (names.HF_TARGET_LAYER_IDS, names.HF_MASK_TOKEN_ID) if k in out}
+    out.setdefault(names.HF_DFLASH_CONFIG, {k: v for k, v in made.items() if v is not None})
+    return out
 
 
 def _fc_scale(w: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -260,20 +309,50 @@ def _hparams(path: Path, config: dict[str, Any], arch: str) -> Hparams:
     )
 
 
-def _layer(w: Mapping[str, torch.Tensor], prefix: str, il: int) -> Layer:
-    """Layer `il` in the compute dtype, read from the safetensors now."""
+def neox_rows(t: torch.Tensor, n_embd_head: int) -> torch.Tensor:
+    """An interleaved-RoPE checkpoint's q/k projection or norm with its rows in NeoX order, as the
+    converter permutes them (conversion/qwen.py DFlashModel.modify_tensors): per head, the even
+    dims, then the odd. RoPE of pair (2i, 2i+1) becomes NeoX RoPE of pair (i, i + d/2), and q.k
+    is unchanged, as q and k are permuted alike."""
+    shape = t.shape
+    pairs = t.reshape(-1, n_embd_head // 2, 2, *shape[1:])  # (n_head, n_embd_head / 2, 2, ...)
+    return pairs.transpose(1, 2).reshape(shape)  # (n_head * n_embd_head, ...): evens, then odds
+
+
+def _layer(w: Mapping[str, torch.Tensor], prefix: str, interleaved_head: int, il: int) -> Layer:
+    """Layer `il` in the compute dtype, read from the safetensors now; `interleaved_head` (the
+    head size, 0: none): q/k rows permuted into NeoX order (`neox_rows`)."""
     p = prefix.format(il=il)
-    return layer_from_tensors({k: w.get(f"{p}{hf}.weight") for k, hf in names.GGUF_TO_HF_LAYER.items()})
+    t = {k: w.get(f"{p}{hf}.weight") for k, hf in names.GGUF_TO_HF_LAYER.items()}
+    if interleaved_head:
+        t.update({k: neox_rows(x, interleaved_head) for k in _ROPE_PERMUTED if (x := t[k]) is not None})
+    sinks = w.get(f"{p}{HF_ATTN_SINKS}")  # (n_head,): the converter writes it as attn_sinks.weight, F32
+    t[LAYER_ATTN_SINKS] = sinks.to(torch.float32) if sinks is not None else None
+    return layer_from_tensors(t)
 
 
-def _layers(w: Mapping[str, torch.Tensor], path: Path, prefix: str, n_layer: int) -> LayerStream:
+def _layers(
+    w: Mapping[str, torch.Tensor], path: Path, prefix: str, n_layer: int, interleaved_head: int = 0
+) -> LayerStream:
     """The layers, streamed (weights.LayerStream); a missing tensor is an InputError now, at load."""
     for il in range(n_layer):
         for k, hf in names.GGUF_TO_HF_LAYER.items():
             name = f"{prefix.format(il=il)}{hf}.weight"
             if name not in w and k not in names.GGUF_OPTIONAL_LAYER:
                 _required(w, path, name)
-    return LayerStream(n_layer, partial(_layer, w, prefix))
+    return LayerStream(n_layer, partial(_layer, w, prefix, interleaved_head))
+
+
+def _interleaved_head(path: Path, config: dict[str, Any], hp: Hparams) -> int:
+    """The head size whose q/k rows the converter permutes (`rope_is_neox_style: false`), else 0;
+    InputError for partial rotary, where the converter's whole-head permutation does not pair the
+    rotated dims as the checkpoint's interleaved RoPE does."""
+    if config.get(HF_ROPE_IS_NEOX, True) is not False:
+        return 0
+    if hp.n_rot is not None and hp.n_rot != hp.n_embd_head:
+        found = f"config.json {HF_ROPE_IS_NEOX} = false with partial rotary ({hp.n_rot} of {hp.n_embd_head} dims)"
+        raise InputError(refusal(str(path), (found,)))
+    return hp.n_embd_head
 
 
 def _log_snr(path: Path, dflash: dict[str, Any], w: Mapping[str, torch.Tensor]) -> LogSnr | None:

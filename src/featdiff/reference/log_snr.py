@@ -1,5 +1,5 @@
 """GIDD log-SNR conditioning of the noise block: the per-row embedding added to the noise
-embeddings of a conditioned drafter (DESIGN.md, the seed's naming).
+embeddings of a conditioned drafter (docs/records.md: the names of the fork that implements it).
 
 Anchor rows sit at `max_log_snr`, mask rows at `min_log_snr`; the log-SNR is normalized to
 `tau` in 0..1000, expanded into 64 sines then 64 cosines of `tau * 10000^(-j/64)`, and passed

@@ -69,8 +69,50 @@ def layer_forward(
     `out_rows` keeps only the output rows after attention (llama.cpp's last target layer);
     `visible` `(n_tokens, n_cells + n_tokens)` overrides `causal` (see `attend`).
     """
-    n_tokens = x.shape[0]
     h = rms_norm(x, layer.attn_norm, hp.rms_eps)
+    a = self_attention(hp, layer, h, positions, cache, il, causal, visible)
+    attn_out = scaled_output(hp, linear(a.kqv_out, layer.wo)[out_rows])  # (n_out, n_embd)
+    ffn_inp = attn_out + x[out_rows]
+    ffn_out = ffn(rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps), layer)
+    return LayerTrace(
+        attn_norm=h,
+        q=a.q,
+        k=a.k,
+        v=a.v,
+        kqv_out=a.kqv_out,
+        ffn_inp=ffn_inp,
+        ffn_out=ffn_out,
+        l_out=ffn_out + ffn_inp,
+        k_cache=a.k_cache,
+        v_cache=a.v_cache,
+    )
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One layer's attention over a batch: its projections, the cache it read and its output."""
+
+    q: torch.Tensor  # (n_tokens, n_head, n_embd_head), normed and RoPE'd
+    k: torch.Tensor  # (n_tokens, n_head_kv, n_embd_head)
+    v: torch.Tensor
+    kqv_out: torch.Tensor  # (n_tokens, n_head * n_embd_head)
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def self_attention(
+    hp: Hparams,
+    layer: Layer,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KvCache,
+    il: int,
+    causal: bool,
+    visible: torch.Tensor | None = None,
+) -> Attention:
+    """Q/K/V of the normed rows `h` (QK-norm, RoPE), through the cache, attended (a sliding-window
+    layer sees only its window: `windowed`)."""
+    n_tokens = h.shape[0]
     q = linear(h, layer.wq).reshape(n_tokens, hp.n_head, hp.n_embd_head)  # (n_tokens, n_head, n_embd_head)
     k = linear(h, layer.wk).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
     v = linear(h, layer.wv).reshape(n_tokens, hp.n_head_kv, hp.n_embd_head)  # (n_tokens, n_head_kv, n_embd_head)
@@ -84,21 +126,11 @@ def layer_forward(
     kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
     if hp.is_swa(il):
         visible = windowed(positions, kv_pos, hp.n_swa, causal, visible)
-    kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal, visible)
-    attn_out = linear(kqv_out, layer.wo)[out_rows]  # (n_out, n_embd)
-    if hp.attn_value_scale != 0.0:  # dflash.cpp: ggml_scale of build_attn's output ("attn_out_scaled")
-        attn_out = attn_out * f32_scalar(hp.attn_value_scale)
-    ffn_inp = attn_out + x[out_rows]
-    ffn_out = ffn(rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps), layer)
-    return LayerTrace(
-        attn_norm=h,
-        q=q,
-        k=k,
-        v=v,
-        kqv_out=kqv_out,
-        ffn_inp=ffn_inp,
-        ffn_out=ffn_out,
-        l_out=ffn_out + ffn_inp,
-        k_cache=k_cache,
-        v_cache=v_cache,
-    )
+    kqv_out = attend(q, positions, k_cache, v_cache, kv_pos, causal, visible, layer.attn_sinks)
+    return Attention(q, k, v, kqv_out, k_cache, v_cache)
+
+
+def scaled_output(hp: Hparams, attn_out: torch.Tensor) -> torch.Tensor:
+    """The attention output times `attention.value_scale` where set (dflash.cpp: ggml_scale of
+    build_attn's output, "attn_out_scaled")."""
+    return attn_out * f32_scalar(hp.attn_value_scale) if hp.attn_value_scale != 0.0 else attn_out

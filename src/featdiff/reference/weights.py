@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.modelled import LAYER_ATTN_SINKS
 from featdiff.reference.checks import layer_id_problems
 from featdiff.reference.rope_params import RopeScaling
 from featdiff.gguf_meta import HASH_CHUNK, ModelInfo, dspark_info, model_info
@@ -78,6 +79,7 @@ class Layer:
     ffn_gate: torch.Tensor  # (n_ff, n_embd)
     ffn_up: torch.Tensor  # (n_ff, n_embd)
     ffn_down: torch.Tensor  # (n_embd, n_ff)
+    attn_sinks: torch.Tensor | None = None  # (n_head,) float32: per-head sink logits (`attn_sinks`), or none
 
 
 class LayerStream(Sequence[Layer]):
@@ -212,14 +214,17 @@ _LAYER_FIELDS = {
     "ffn_gate": "ffn_gate",
     "ffn_up": "ffn_up",
     "ffn_down": "ffn_down",
+    LAYER_ATTN_SINKS: "attn_sinks",
 }  # GGUF per-layer name -> field
-_OPTIONAL_LAYER_TENSORS = ("attn_q_norm", "attn_k_norm")  # Layer's None-able fields (llama has no q/k norm)
+# Layer's None-able fields: llama has no q/k norm; only a drafter with sinks has them (a caller
+# may leave them out of its mapping)
+_OPTIONAL_LAYER_TENSORS = ("attn_q_norm", "attn_k_norm", LAYER_ATTN_SINKS)
 
 
 def layer_from_tensors(t: dict[str, torch.Tensor | None]) -> Layer:
     """A `Layer` from tensors keyed by their GGUF per-layer names (`attn_q`, `ffn_up`, ...)."""
     fields: dict[str, Any] = {
-        field: t[name] if name in _OPTIONAL_LAYER_TENSORS else present(t[name], name)
+        field: t.get(name) if name in _OPTIONAL_LAYER_TENSORS else present(t[name], name)
         for name, field in _LAYER_FIELDS.items()
     }
     return Layer(**fields)
