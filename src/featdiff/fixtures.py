@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 
 from featdiff import names
 from featdiff.errors import InputError
+from featdiff.gguf_rewrite import rewrite_gguf
 from featdiff.outputs import check_output_dir, replaced
 from featdiff.pairs import (
     BLOCK_SIZE,
@@ -521,8 +522,7 @@ def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Pa
     gguf_keys, dflash_fields, top_fields = specs[feature]
     gguf_tensors, hf_tensors = _feature_tensors(feature)
     out = write_fixture(outdir, "clean", seed)
-    with replaced(out / "draft.gguf") as tmp:
-        _copy_gguf_with_keys(out / "draft.gguf", tmp, gguf_keys, gguf_tensors)
+    rewrite_gguf(out / "draft.gguf", out / "draft.gguf", gguf_keys, gguf_tensors)
     if hf_tensors or feature == "interleaved-rope":
         weights = out / "draft-hf" / "model.safetensors"
         with safe_open(str(weights), "np") as st:
@@ -540,29 +540,3 @@ def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Pa
     with replaced(out / "VARIANT") as tmp:
         tmp.write_text(f"clean + {feature}: {', '.join([*gguf_keys, *sorted(gguf_tensors)])}\n")
     return out
-
-
-def _copy_gguf_with_keys(src: Path, dst: Path, keys: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
-    """`src` written to `dst` with `keys` added (float as f32, bool lists as bool arrays, int as
-    u32) and `tensors` after its own."""
-    from gguf import GGUFReader, GGUFValueType
-
-    reader = GGUFReader(str(src))
-    wr = GGUFWriter(str(dst), str(reader.fields[names.KEY_ARCH].contents()))
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == names.KEY_ARCH:
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        wr.add_key_value(key, f.contents(), f.types[0], sub)
-    for key, value in keys.items():
-        if isinstance(value, list):
-            wr.add_array(key, value)
-        elif isinstance(value, float):
-            wr.add_float32(key, value)
-        else:
-            wr.add_uint32(key, int(value))
-    for t in reader.tensors:
-        wr.add_tensor(t.name, np.array(t.data))
-    for name, a in tensors.items():
-        wr.add_tensor(name, a)
-    _finish(wr)

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from safetensors.numpy import save_file
 
 from featdiff import names
 from featdiff.fixtures import write_fixture
+from featdiff.gguf_rewrite import rewrite_gguf
 from featdiff.outputs import replaced
 from featdiff.pairs import BLOCK_SIZE, TINY
 from featdiff.reference import dflash2 as d2
@@ -62,8 +62,7 @@ def write_dflash2_fixture(outdir: str | Path, seed: int = 0) -> Path:
     out = write_fixture(outdir, "clean", seed)
     s = TINY.draft
     w = dflash2_weights(np.random.default_rng([seed, 2]), s.n_layer, s.n_embd, TINY.n_vocab)
-    with replaced(out / "draft.gguf") as tmp:
-        _copy_with(out / "draft.gguf", tmp, dflash2_keys(), w)
+    rewrite_gguf(out / "draft.gguf", out / "draft.gguf", dict(dflash2_keys()), w)
     hf = out / "draft-hf"
     config = json.loads((hf / names.HF_CONFIG).read_text())
     config["architectures"] = [HF_ARCH]
@@ -75,24 +74,3 @@ def write_dflash2_fixture(outdir: str | Path, seed: int = 0) -> Path:
     with replaced(out / "VARIANT") as tmp:
         tmp.write_text(f"clean + DFlash2 (block_size {BLOCK_SIZE}, top_k {SELECTOR_TOP_K}, kernel {KERNEL_SIZE})\n")
     return out
-
-
-def _copy_with(src: Path, dst: Path, keys: dict[str, int], tensors: dict[str, np.ndarray]) -> None:
-    """`src` written to `dst` with uint32 `keys` and `tensors` added."""
-    reader = GGUFReader(str(src))
-    wr = GGUFWriter(str(dst), str(reader.fields[names.KEY_ARCH].contents()))
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == names.KEY_ARCH:
-            continue
-        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
-        wr.add_key_value(key, f.contents(), f.types[0], sub)
-    for key, value in keys.items():
-        wr.add_uint32(key, value)
-    for t in reader.tensors:
-        wr.add_tensor(t.name, np.array(t.data))
-    for name, a in tensors.items():
-        wr.add_tensor(name, a)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()

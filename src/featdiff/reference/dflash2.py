@@ -20,7 +20,7 @@ from featdiff import names
 from featdiff.errors import InputError
 from featdiff.reference.attention import KvCache
 from featdiff.reference.numerics import f32_scalar, ffn, linear, rms_norm
-from featdiff.reference.stack import LayerTrace, Named, scaled_output, self_attention
+from featdiff.reference.stack import LayerTrace, Named, layer_trace, scaled_output, self_attention
 
 # GGUF keys and tensors (src/llama-arch.cpp LLM_KV_DFLASH_* / LLM_TENSOR_DFLASH_*)
 KEY_CONV_KERNEL_SIZE = "dflash.conv_kernel_size"
@@ -178,18 +178,7 @@ def layer_forward(
     f_in = conv(dfl, f, ffn_dynamic, mlp.base, SIDE_IN)
     ffn_out = ffn(f_in, layer)
     ffn_conv_out = conv(dfl, ffn_out, ffn_dynamic, mlp.base, SIDE_OUT)
-    trace = LayerTrace(
-        attn_norm=h,
-        q=a.q,
-        k=a.k,
-        v=a.v,
-        kqv_out=a.kqv_out,
-        ffn_inp=ffn_inp,
-        ffn_out=ffn_out,
-        l_out=ffn_conv_out + ffn_inp,
-        k_cache=a.k_cache,
-        v_cache=a.v_cache,
-    )
+    trace = layer_trace(h, a, ffn_inp, ffn_out, ffn_conv_out + ffn_inp)
     named = [
         Named(f"{ATTN_CONV_IN}-{il}", h_in),
         Named(f"{ATTN_CONV_OUT}-{il}", attn_out),

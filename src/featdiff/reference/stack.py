@@ -74,6 +74,13 @@ def layer_forward(
     attn_out = scaled_output(hp, linear(a.kqv_out, layer.wo)[out_rows])  # (n_out, n_embd)
     ffn_inp = attn_out + x[out_rows]
     ffn_out = ffn(rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps), layer)
+    return layer_trace(h, a, ffn_inp, ffn_out, ffn_out + ffn_inp)
+
+
+def layer_trace(
+    h: torch.Tensor, a: Attention, ffn_inp: torch.Tensor, ffn_out: torch.Tensor, l_out: torch.Tensor
+) -> LayerTrace:
+    """The trace of a layer whose attention was `a` over the normed rows `h`."""
     return LayerTrace(
         attn_norm=h,
         q=a.q,
@@ -82,7 +89,7 @@ def layer_forward(
         kqv_out=a.kqv_out,
         ffn_inp=ffn_inp,
         ffn_out=ffn_out,
-        l_out=ffn_out + ffn_inp,
+        l_out=l_out,
         k_cache=a.k_cache,
         v_cache=a.v_cache,
     )
