@@ -88,3 +88,42 @@ def test_truncated_and_foreign_files_exit_2_with_one_line(tmp_path):
         result = CliRunner().invoke(app, ["inspect", str(bad)])
         assert result.exit_code == 2
         assert str(bad) in result.output and "Traceback" not in result.output
+
+
+def test_flows_and_graphs_round_trip_and_a_flow_view_holds_one_flow(tmp_path):
+    """Issue 22's optional fields: `evals[].ubatch`, `evals[].flow`, `rounds[].flow`, `flows`;
+    a dump of one flow writes none of them (older readers see the dump they knew)."""
+    from featdiff.dump import FlowInfo, MemoryOp, Round, flow_view
+
+    evs = (
+        Eval(0, "target", "prefill", 2, (0, 1), (5, 6), (0, 0), ubatch=0),
+        Eval(1, "target", "prefill", 1, (2,), (7,), (0,), ubatch=1),
+        Eval(2, "target", "prefill", 3, (0, 1, 2), (9, 6, 7), (1, 1, 1), flow=1),
+    )
+    rounds = (Round(1, 3, 8, (1, 2), 1, (1, 4)), Round(1, 3, 10, (3,), 0, (5,), flow=1))
+    flows = (FlowInfo(0, 0, (5, 6, 7, 8)), FlowInfo(1, 1, (9, 6, 7, 10), n_cached=0))
+    ops = (MemoryOp("target", 1, 0, 3, -1), MemoryOp("target", 2, 1, 3, -1))
+    m = Manifest("llama.cpp", {}, {}, evs, (), rounds, (5, 6, 7, 8), ops, (), flows)
+    w = DumpWriter(tmp_path / "run.npz")
+    path = w.close(m)
+    with read_dump(path) as d:
+        back = d.manifest
+    assert back.evals == evs and back.rounds == rounds and back.flows == flows
+    assert back.flow_ids() == (0, 1)
+    one = flow_view(back, 1)
+    assert [e.eval for e in one.evals] == [2] and one.prompt_tokens == (9, 6, 7, 10)
+    assert one.rounds == (rounds[1],) and one.memory_ops == (ops[1],)
+    plain = Eval(0, "draft", "inject", 1, (0,), (), (0,)).to_json()
+    assert (
+        "flow" not in plain and "ubatch" not in plain and "flows" not in Manifest("reference", {}, {}, (), ()).to_json()
+    )
+
+
+def test_a_run_of_several_flows_against_a_reference_of_one_exits_2_naming_both(tmp_path):
+    from featdiff.compare.comparison import check_flows
+
+    run = Manifest("llama.cpp", {}, {}, (Eval(0, "target", "prefill", 1, (0,), (5,), (0,)),
+                                        Eval(1, "target", "prefill", 1, (0,), (6,), (1,), flow=1)), ())  # fmt: skip
+    ref = Manifest("reference", {}, {}, (Eval(0, "target", "prefill", 1, (0,), (5,), (0,)),), ())
+    with pytest.raises(InputError, match=r"ref.npz: holds flows \[0\], \S*run.npz flows \[0, 1\].*--follow \S*run.npz"):
+        check_flows(tmp_path / "ref.npz", tmp_path / "run.npz", ref, run)
