@@ -232,14 +232,19 @@ SERVER_TIMEOUT_S = 120
 
 
 @pytest.mark.slow
-def test_converted_pair_around_llama_server_compares_clean(converted, tools, tmp_path):
-    d = converted("clean")
+@pytest.mark.parametrize("variant", CONVERTED)
+def test_converted_pair_around_llama_server_compares_clean(converted, tools, tmp_path, variant):
+    """Every converted kind through llama-server's own loop (a DSpark drafter as
+    `--spec-type draft-dspark`)."""
+    d = converted(variant)
     server = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf")]
-    run = capture_exec([*server, *SERVER_ARGS], tmp_path / "run.npz", tokens=DEFAULT_TOKENS, timeout_s=SERVER_TIMEOUT_S)
+    args = [a if a != "draft-dflash" or not variant.startswith("dspark") else "draft-dspark" for a in SERVER_ARGS]
+    run = capture_exec([*server, *args], tmp_path / "run.npz", tokens=DEFAULT_TOKENS, timeout_s=SERVER_TIMEOUT_S)
     with read_dump(run) as dump:
         drafted = sum(1 for r in dump.manifest.rounds if r.drafts)  # the reference drafts every round
         tokens = ",".join(map(str, dump.manifest.prompt_tokens))
-    ref = featdiff.reference(d / TARGET_HF, d / DRAFT_HF, tmp_path / "ref.npz", tokens=tokens, rounds=drafted)
+    # the run's block length (an anchor-first DSpark block is n-max rows, not n-max + 1)
+    ref = featdiff.reference(d / TARGET_HF, d / DRAFT_HF, tmp_path / "ref.npz", tokens=tokens, rounds=drafted, run=run)
     c = featdiff.compare(ref, run)
     assert exit_code(c) == 0 and c.ok, [(f.kind, f.tensor, f.message) for f in c.findings if f.severity == "error"]
-    assert drafted >= 1 and len(c.pairs) > 40
+    assert drafted >= 1 and len(c.pairs) > 40 and c.coverage.pairs_skipped == 0

@@ -120,3 +120,21 @@ def test_in_process_dflash2_capture_walks_the_lattice_and_compares_clean(d2_dir,
     comparison = compare_dumps(ref, run)
     assert comparison.ok, [f.message for f in comparison.findings if f.severity == "error"]
     assert comparison.coverage.pairs_skipped == 0 and comparison.coverage.rows_skipped == 0
+
+
+def test_dflash2_around_llama_server_compares_clean(d2_dir, tools, tmp_path):
+    """The server's DFlash2 drafts (its own loop, its lattice walk) against the reference that
+    replays the run: clean, nothing skipped, with the default wiring filter."""
+    from featdiff.llama import exec as exec_capture
+
+    cmd = [str(tools.program("llama-server")), "-m", str(d2_dir / "target.gguf"), "-md", str(d2_dir / "draft.gguf")]
+    cmd += ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+    run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", tokens="7,21,3,99,140,5,260,33", timeout_s=RUN_TIMEOUT_S)
+    with read_dump(run) as dump:
+        kept = {r.name for r in dump.records()}
+        assert any(r.drafts for r in dump.manifest.rounds)
+    assert dflash2.LATTICE in kept
+    ref = reference_of(d2_dir / "target-hf", d2_dir / "draft-hf", tmp_path / "ref.npz", follow=run)
+    comparison = compare_dumps(ref, run)
+    assert comparison.ok, [f.message for f in comparison.findings if f.severity == "error"]
+    assert comparison.coverage.pairs_skipped == 0 and comparison.coverage.rows_skipped == 0
