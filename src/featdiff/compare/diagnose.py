@@ -349,30 +349,29 @@ def unpaired_findings(
 def _after_unmodelled(f: Finding, unmodelled: Finding) -> Finding:
     """Rows left out because the histories part, when the drafter uses a feature the reference
     does not model (its drafts may differ for that reason alone): info, saying so."""
-    if f.fields.get("reason") not in EXPLAINABLE_SKIPS:
-        return f
-    head = f.message.split("; ")[0]
-    return replace(
+    return _explained_skip(
         f,
-        severity="info",
-        message=f"{head}; the reference drafts without {', '.join(unmodelled.fields['names'])} (unmodelled), so "
-        "its drafts may differ: make the reference follow the run (`featdiff reference --follow run.npz`) "
-        "to compare them",
+        f"the reference drafts without {', '.join(unmodelled.fields['names'])} (unmodelled), so its drafts may "
+        "differ: make the reference follow the run (`featdiff reference --follow run.npz`) to compare them",
     )
 
 
 def _after_near_tie(f: Finding, near_tie: Finding) -> Finding:
     """Rows left out because the histories part at a near-tie: info, saying so."""
-    if f.fields.get("reason") not in EXPLAINABLE_SKIPS:
-        return f
-    head = f.message.split("; ")[0]
-    return replace(
+    return _explained_skip(
         f,
-        severity="info",
-        message=f"{head}; the token histories part at the near-tie of round {near_tie.fields['round']} "
-        f"(row {near_tie.fields['row']}), where either token is right: make the reference follow the run "
+        f"the token histories part at the near-tie of round {near_tie.fields['round']} (row "
+        f"{near_tie.fields['row']}), where either token is right: make the reference follow the run "
         "(`featdiff reference --run run.npz` or `--follow run.npz`) to compare them",
     )
+
+
+def _explained_skip(f: Finding, why: str) -> Finding:
+    """An `unpaired` finding of rows whose histories part, as information with `why` in place of
+    its advice; any other finding as it is."""
+    if f.fields.get("reason") not in EXPLAINABLE_SKIPS:
+        return f
+    return replace(f, severity="info", message=f"{f.message.split('; ')[0]}; {why}")
 
 
 def parting_findings(partings: tuple[Parting, ...], explained: bool) -> list[Finding]:

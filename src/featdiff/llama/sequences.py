@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.ubatch import UBATCH
+from featdiff.llama.ubatch import UBATCH, chunks
 
 Rows = tuple[int, ...]  # batch row indices, in the order a graph holds them
 
@@ -52,7 +52,7 @@ class SplitLog:
 
 def simple_graphs(n_tokens: int, n_ubatch: int) -> tuple[Rows, ...]:
     """split_simple: consecutive chunks of `n_ubatch` rows."""
-    return tuple(tuple(range(i, min(i + n_ubatch, n_tokens))) for i in range(0, n_tokens, n_ubatch))
+    return tuple(tuple(range(start, end)) for start, end in chunks(n_tokens, n_ubatch))
 
 
 def equal_graphs(seq_ids: tuple[int, ...], n_ubatch: int) -> tuple[Rows, ...]:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from featdiff.dump import Eval, MemoryOp
-from featdiff.names import Role
 
 UBATCH = "ubatch"  # the record event's graph index (absent in spools written before it: 0)
 
@@ -137,8 +136,3 @@ def _renumber_whole(
         e.pop("_old_eval", None)
         out.append(e)
     return tuple(out)
-
-
-def n_ubatch_by_eval(evals: tuple[Eval, ...], per_role: dict[Role, int | None]) -> dict[int, int | None]:
-    """Each eval's n_ubatch, from its role's context (in-process: one context per role)."""
-    return {ev.eval: per_role.get(ev.role) for ev in evals}
