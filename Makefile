@@ -63,6 +63,7 @@ bench: setup
 	$(BIN)/python bench/bench_capture.py
 	$(BIN)/python bench/bench_compare.py
 	$(BIN)/python bench/bench_report.py
+	$(BIN)/python bench/bench_hf_target.py
 
 clean:
 	rm -rf $(VENV) demo-out build

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.compare import compare_dumps, layer_match_matrix
+from featdiff.diff import compare_dumps, layer_match_matrix
 from featdiff.dump import DumpWriter, Eval, Manifest, record_from_array, record_key
 
 TARGET_LAYERS = (2, 4)

@@ -1,14 +1,14 @@
 """How long `featdiff report` takes next to `featdiff compare` alone, on the same dumps.
 
-Writes a synthetic ref/run pair shaped like the DFlash flow (tests/report/synthetic_dumps.py:
-a 36-layer target, a 600-token prompt, 8 rounds, n_embd 256: a few hundred records, the
-off-by-one layer bug planted), then times, side by side in one run, best of --repeat:
+Writes a synthetic ref/run pair of the DFlash flow with tests/synth.py (the suite's one
+synthetic-dump writer): a 36-layer target, a 480-token prompt, 8 rounds, n_embd 256: a few
+hundred records, the off-by-one layer bug planted (the run's features from layers L+1, as
+tests/report/conftest.py plants it), then times, side by side in one run, best of --repeat:
 
-  compare  featdiff.compare.compare_dumps(ref, run)
-  report   compare_dumps + featdiff.report.write_report (what `featdiff report` does)
+  compare  featdiff.diff.compare_dumps(ref, run)
+  report   compare_dumps + featdiff.html.write_report (what `featdiff report` does)
 
-and prints both times and the ratio report / compare. Without featdiff.compare.compare_dumps
-(not landed yet) it times the report on a hand-measured comparison and says so.
+and prints both times and the ratio report / compare.
 
     .venv/bin/python bench/bench_report.py [--repeat 3] [--keep DIR]
 """
@@ -20,18 +20,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "report"))
+sys.path.insert(0, str(ROOT / "tests"))
 
+from featdiff.diff import compare_dumps  # noqa: E402
 from featdiff.dump import read_dump  # noqa: E402
-from featdiff.report import write_report  # noqa: E402
+from featdiff.html import write_report  # noqa: E402
 
-from synthetic_dumps import Shape, compare_by_hand, planted_findings, write_pair  # noqa: E402
+import synth  # noqa: E402
 
-SHAPE = Shape(n_layer=36, n_embd=256, n_prompt=600, rounds=8)
-VARIANT = "layers-plus1"
+SPEC = synth.Spec(n_layer=36, n_embd=256, prompt=tuple(1 + (7 * i) % 97 for i in range(480)), rounds=8)
+RUN_SPEC = replace(SPEC, target_layers=tuple(L + 1 for L in SPEC.target_layers))  # layers-plus1
+RUN_NOISE = 1e-7  # below every tolerance: only the planted bug diverges (tests/report/conftest.py)
 
 
 def best_time(fn: Callable[[], object], repeat: int) -> float:
@@ -44,15 +47,6 @@ def best_time(fn: Callable[[], object], repeat: int) -> float:
     return min(times)
 
 
-def compare_function() -> Callable | None:
-    """compare's entry point when it has landed, else None."""
-    try:
-        from featdiff.compare import compare_dumps
-    except ImportError:
-        return None
-    return compare_dumps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -60,21 +54,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = args.keep or Path(tmp)
-        ref, run = write_pair(out, VARIANT, SHAPE)
+        out.mkdir(parents=True, exist_ok=True)
+        ref = synth.write(out / "ref.npz", SPEC)
+        run = synth.write(out / "run.npz", RUN_SPEC, side="run", noise=RUN_NOISE)
         with read_dump(ref) as r, read_dump(run) as u:
             n_ref, n_run = len(r.manifest.records), len(u.manifest.records)
-        print(f"dumps: {n_ref} ref records, {n_run} run records ({VARIANT}, {SHAPE})")
-        compare_dumps = compare_function()
-        if compare_dumps is None:
-            comparison = compare_by_hand(ref, run, planted_findings(VARIANT))
-            t_report = best_time(
-                lambda: write_report(ref, run, out / "report.html", comparison=comparison), args.repeat
-            )
-            print(
-                f"report (write_report only, hand-measured comparison of {len(comparison.pairs)} pairs): "
-                f"{t_report:.2f} s; featdiff.compare.compare_dumps not available, no ratio"
-            )
-            return
+        print(f"dumps: {n_ref} ref records, {n_run} run records (layers-plus1, {SPEC.n_layer} layers, "
+              f"n_embd {SPEC.n_embd}, {len(SPEC.prompt)}-token prompt, {SPEC.rounds} rounds)")  # fmt: skip
         t_compare = best_time(lambda: compare_dumps(ref, run, None), args.repeat)
         t_report = best_time(
             lambda: write_report(ref, run, out / "report.html", comparison=compare_dumps(ref, run, None)), args.repeat

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from featdiff import names
 from featdiff.cache_dir import cache_root
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.fixtures import _add_stack_keys, _add_vocab, drafter_hf_config  # the fixtures' layout
 from featdiff.llama.binding import find_build

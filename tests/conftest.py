@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.compare.result import Comparison
+from featdiff.diff.result import Comparison
 from featdiff.fixtures import write_fixture
 
 from findings_schema import validate_findings, written
@@ -16,17 +16,25 @@ from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 _UNCHECKED_TO_JSON = Comparison.to_json
 TOOLS_FIXTURE = "tools"  # the fixture below: featdiff's build of the llama.cpp programs
 THROUGH_SERVER = "through_server"  # a probe parameter: True runs it through the built llama-server
+# fixtures whose models the pinned tree's converter makes (featdiff.converter; cached per machine),
+# run through the transformers reference: tests/reference/test_hf_target.py, tests/test_converter.py
+CONVERTED_FIXTURES = ("qwen3moe", "qwen3moe_tied", "converted", "converted_feature")
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark what needs `make tools` (`tools`): every test using the `tools` fixture, directly or
-    through another fixture, and every probe run `through_server`; `make test-fast` leaves them
-    out. (`browser` and `cuda` are marked where they are written.)"""
+    through another fixture, and every probe run `through_server`; and what converts (`slow`):
+    every test on a pair of the pinned converter's (CONVERTED_FIXTURES). `make test-fast` leaves
+    both out, `make test` runs them. (`browser`, `cuda` and the other `slow` tests are marked where
+    they are written.)"""
     for item in items:
         callspec = getattr(item, "callspec", None)
         through_server = callspec is not None and callspec.params.get(THROUGH_SERVER) is True
-        if TOOLS_FIXTURE in getattr(item, "fixturenames", ()) or through_server:
+        fixtures = getattr(item, "fixturenames", ())
+        if TOOLS_FIXTURE in fixtures or through_server:
             item.add_marker(pytest.mark.tools)
+        if any(f in fixtures for f in CONVERTED_FIXTURES):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +107,7 @@ def captured(tmp_path_factory, fixture_models):
 def referenced(tmp_path_factory, fixture_models):
     """(variant, model=, target=, tokens=, rounds=, kv_dtype=) -> the reference dump of that
     fixture pair's files (default: the trained checkpoint draft-hf), made once per arguments."""
-    from featdiff.reference.run import reference
+    from featdiff.torchref.run import reference
 
     made: dict[tuple, Path] = {}
 

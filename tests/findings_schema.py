@@ -99,6 +99,6 @@ def validate_findings(document: Any) -> None:
 
 def written(comparison_json: dict[str, Any]) -> Any:
     """`Comparison.to_json()` as `featdiff compare --json` writes it, parsed back (strict JSON)."""
-    from featdiff.compare.render import jsonable
+    from featdiff.diff.render import jsonable
 
     return json.loads(json.dumps(jsonable(comparison_json), allow_nan=False))

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 import featdiff
 from featdiff import fixtures
-from featdiff.check import MIN_BLOCKS, judge_accept
 from featdiff.cli import app
 from featdiff.probe import Probe, PromptProbe, RoundPair
+from featdiff.verdict import MIN_BLOCKS, judge_accept
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_TEST = ROOT / "examples" / "test_drafter_wiring.py"
@@ -280,7 +280,7 @@ def test_check_help_shows_its_flags():
 def test_import_featdiff_stays_light_and_its_stages_are_callable():
     code = (
         "import sys, featdiff; heavy = [m for m in ('torch', 'numpy', 'featdiff.llama') if m in sys.modules]; "
-        "import featdiff.compare.render; "
+        "import featdiff.diff.render; "
         "print(heavy, all(callable(getattr(featdiff, n)) for n in "
         "('capture', 'reference', 'compare', 'report', 'check')))"
     )

@@ -243,12 +243,12 @@ def test_inspect_shows_a_drafters_dflash_metadata(fixture_models):
 
 
 def test_a_bug_of_featdiffs_exits_3_with_one_line_and_the_traceback_in_a_file(monkeypatch, tmp_path):
-    import featdiff.compare
+    import featdiff.diff
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted bug")
 
-    monkeypatch.setattr(featdiff.compare, "compare_dumps", broken)
+    monkeypatch.setattr(featdiff.diff, "compare_dumps", broken)
     for name in ("ref.npz", "run.npz"):
         (tmp_path / name).write_bytes(b"")
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "ref.npz"), str(tmp_path / "run.npz")])
@@ -264,3 +264,19 @@ def test_a_bug_of_featdiffs_exits_3_with_one_line_and_the_traceback_in_a_file(mo
 def test_usage_errors_keep_the_frameworks_exit_code():
     assert CliRunner().invoke(app, ["compare"]).exit_code == 2
     assert CliRunner().invoke(app, ["no-such-command"]).exit_code == 2
+
+
+@pytest.mark.parametrize("args", [["reference", "--help"], ["fixture", "--list"]])
+def test_a_reader_that_goes_away_ends_featdiff_quietly(args):
+    """`featdiff ... | head`: the pipe closes before featdiff writes; no traceback, no crash file,
+    no 'internal error' (click's own handler or featdiff's, exit 1 or 128 + SIGPIPE)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("featdiff")), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before the interpreter has even started
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (1, 141) and "internal error" not in err and "Traceback" not in err, err

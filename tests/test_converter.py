@@ -14,24 +14,29 @@ from gguf import GGUFReader
 
 import featdiff
 from featdiff import names, pairs
-from featdiff.compare import exit_code
 from featdiff.converter import (
+    DRAFT_GGUF,
     DRAFT_HF,
     DSPARK_SCHEMAS,
+    TARGET_GGUF,
     TARGET_HF,
     TOKENIZER_MODEL,
+    UNCONVERTIBLE_FEATURES,
+    WRITER_PREFIX,
     conversion_key,
     convert_checkpoint,
     dspark_config,
     unconvertible_reason,
+    write_converted_feature_fixture,
     write_converted_fixture,
     write_spm_tokenizer,
 )
+from featdiff.diff import exit_code
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
-from featdiff.fixtures import VOCAB_SPM, write_feature_fixture, write_fixture
+from featdiff.fixtures import VOCAB_SPM, feature_names, write_feature_fixture, write_fixture
 from featdiff.llama.exec import capture_exec
-from featdiff.reference.load_hf import converter_config
+from featdiff.torchref.load_hf import converter_config
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
@@ -248,3 +253,68 @@ def test_converted_pair_around_llama_server_compares_clean(converted, tools, tmp
     c = featdiff.compare(ref, run)
     assert exit_code(c) == 0 and c.ok, [(f.kind, f.tensor, f.message) for f in c.findings if f.severity == "error"]
     assert drafted >= 1 and len(c.pairs) > 40 and c.coverage.pairs_skipped == 0
+
+
+# Each modelled converter key, tensor and file (fixtures.write_feature_fixture) as the converter
+# writes it (tests/reference/test_modelled.py captures and compares them in-process)
+CONVERTED_FEATURES = tuple(f for f in feature_names() if f not in UNCONVERTIBLE_FEATURES)
+# feature -> what the converter writes besides featdiff's writer: an M-RoPE target's own sections
+# (qwen3's loader never reads them; the drafter's are the feature)
+FEATURE_CONVENTIONS = {"mrope-sections": {"qwen3.rope.dimension_sections"}}
+
+
+@pytest.fixture(scope="module")
+def converted_feature(tmp_path_factory):
+    """feature -> a fixture directory whose GGUFs the pinned converter wrote (featdiff's beside them)."""
+    made: dict[str, Path] = {}
+
+    def get(feature: str) -> Path:
+        if feature not in made:
+            made[feature] = write_converted_feature_fixture(tmp_path_factory.mktemp(f"convf-{feature}"), feature)
+        return made[feature]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", CONVERTED_FEATURES)
+def test_converted_feature_gguf_is_featdiffs_writers(converted_feature, feature):
+    """The converter writes each feature's keys and tensors as featdiff's writer does, so every
+    finding on the writer's fixtures (tests/reference/test_modelled.py) holds for the converter's."""
+    d = converted_feature(feature)
+    for role, arch in ((TARGET_GGUF, "qwen3"), (DRAFT_GGUF, names.ARCH_DFLASH)):
+        found = _differences(d / f"{WRITER_PREFIX}{role}", d / role)
+        assert found - WRITER_CONVENTIONS[arch] - FEATURE_CONVENTIONS.get(feature, set()) == set(), role
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", CONVERTED_FEATURES)
+def test_converted_feature_around_llama_server_compares_clean(converted_feature, tools, tmp_path, feature):
+    """Each feature's converted pair through llama-server's own loop, against the HF directories."""
+    d = converted_feature(feature)
+    server = [str(tools.program("llama-server")), "-m", str(d / TARGET_GGUF), "-md", str(d / DRAFT_GGUF)]
+    run = capture_exec([*server, *SERVER_ARGS], tmp_path / "run.npz", tokens=DEFAULT_TOKENS, timeout_s=SERVER_TIMEOUT_S)
+    with read_dump(run) as dump:
+        drafted = sum(1 for r in dump.manifest.rounds if r.drafts)
+        tokens = ",".join(map(str, dump.manifest.prompt_tokens))
+    ref = featdiff.reference(d / TARGET_HF, d / DRAFT_HF, tmp_path / "ref.npz", tokens=tokens, rounds=drafted, run=run)
+    c = featdiff.compare(ref, run)
+    assert exit_code(c) == 0 and c.ok, [(f.kind, f.tensor, f.message) for f in c.findings if f.severity == "error"]
+    assert drafted >= 1 and len(c.pairs) > 40 and c.coverage.pairs_skipped == 0
+
+
+@pytest.mark.slow
+def test_a_dspark_drafter_run_as_plain_dflash_is_named(converted, tools, tmp_path):
+    """The converter's correct anchor-first DSpark pair through llama-server with
+    `--spec-type draft-dflash`: the block's records agree, and its drafts are read from the row after
+    the anchor. compare names the reading (wrong_source at draft_logits, asking for draft-dspark)."""
+    d = converted("dspark-no-conf")
+    server = [str(tools.program("llama-server")), "-m", str(d / TARGET_GGUF), "-md", str(d / DRAFT_GGUF)]
+    run = capture_exec([*server, *SERVER_ARGS], tmp_path / "run.npz", tokens=DEFAULT_TOKENS, timeout_s=SERVER_TIMEOUT_S)
+    ref = featdiff.reference(d / TARGET_HF, d / DRAFT_HF, tmp_path / "ref.npz", follow=run)
+    c = featdiff.compare(ref, run)
+    errors = [f for f in c.findings if f.severity == "error"]
+    assert [(f.kind, f.tensor, f.fields["source"]) for f in errors] == [
+        ("wrong_source", names.DRAFT_LOGITS, "rows from 1")
+    ]
+    assert "--spec-type draft-dspark" in errors[0].message and exit_code(c) == 1

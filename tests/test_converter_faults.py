@@ -14,24 +14,25 @@ import pytest
 
 import featdiff
 from featdiff import names
-from featdiff.compare import exit_code
-from featdiff.compare.detectors import (
+from featdiff.converter import DRAFT_GGUF, TARGET_GGUF
+from featdiff.converter_faults import DROP, FAULTS, rewrite_gguf, write_fault_fixture
+from featdiff.diff import exit_code
+from featdiff.diff.detectors import (
     Evidence,
     Rope,
     detect_divergence_in_rope,
     detect_scale_per_channel,
     rotate,
 )
-from featdiff.compare.tolerance import Tolerance
-from featdiff.converter import DRAFT_GGUF, TARGET_GGUF
-from featdiff.converter_faults import DROP, FAULTS, rewrite_gguf, write_fault_fixture
+from featdiff.diff.tolerance import TypeInfo, tolerance_for
 from featdiff.errors import InputError
-from featdiff.reference.rope_params import hf_rope
+from featdiff.torchref.rope_params import hf_rope
 from test_converter import _contents
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
-F32 = Tolerance(2e-3, ("f32",))  # compare's f32 bound (tolerance.py)
+# compare's bound on an attention record of an f32 run with llama.cpp's default f16 KV cache
+F32 = tolerance_for("Kcur_injected-0", False, TypeInfo(kv_type="f16", quant_types=(), ref_dtype="float32"))
 ROPE = Rope(n_head=2, head_dim=16)
 POSITIONS = tuple(range(11))
 FLOW = {"tokens": DEFAULT_TOKENS, "rounds": DEFAULT_ROUNDS}

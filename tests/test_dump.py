@@ -120,7 +120,7 @@ def test_flows_and_graphs_round_trip_and_a_flow_view_holds_one_flow(tmp_path):
 
 
 def test_a_run_of_several_flows_against_a_reference_of_one_exits_2_naming_both(tmp_path):
-    from featdiff.compare.comparison import check_flows
+    from featdiff.diff.comparison import check_flows
 
     run = Manifest("llama.cpp", {}, {}, (Eval(0, "target", "prefill", 1, (0,), (5,), (0,)),
                                         Eval(1, "target", "prefill", 1, (0,), (6,), (1,), flow=1)), ())  # fmt: skip

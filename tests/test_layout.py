@@ -1,10 +1,17 @@
 """House rules that hold for the whole package: no import circles (issue 13: no module imports
-one that imports it back, directly or through others, at any depth, lazy imports included)."""
+one that imports it back, directly or through others, at any depth, lazy imports included), and
+imports go down the layers, never up (issue 25): a lower layer never imports a higher one, and the
+stages in the middle layer import each other only where `ACROSS` says so, lazy imports included.
+
+`python tests/test_layout.py` prints every upward import and their count.
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src"
 
@@ -62,6 +69,109 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+# The floors of the house, bottom first: a module is on the floor of its longest matching prefix.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "names/errors",
+        (
+            "featdiff.names",
+            "featdiff.phases",
+            "featdiff.errors",
+            "featdiff.options",
+            "featdiff.version",
+            "featdiff.cache_dir",
+            "featdiff.progress",
+            "featdiff.lattice",
+            "featdiff.outputs",
+            "featdiff.tokens",
+            "featdiff.filters",
+            "featdiff.modelled",
+            "featdiff.pairs",
+        ),
+    ),
+    (
+        "dump/gguf",
+        (
+            "featdiff.dump",
+            "featdiff.manifest_fields",
+            "featdiff.gguf_reader",
+            "featdiff.gguf_rewrite",
+            "featdiff.blocks",
+            "featdiff.drafter_checks",
+            "featdiff.preflight",
+        ),
+    ),
+    ("capture|reference|compare", ("featdiff.llama", "featdiff.torchref", "featdiff.diff")),
+    (
+        "report|probe|check",
+        (
+            "featdiff.html",
+            "featdiff.probe",
+            "featdiff.verdict",
+            "featdiff.inspect",
+            "featdiff.training",
+            "featdiff.fixtures",
+            "featdiff.fixtures_dflash2",
+            "featdiff.converter",
+            "featdiff.converter_faults",
+            "featdiff.hf_targets",
+        ),
+    ),
+    ("cli", ("featdiff", "featdiff.cli", "featdiff.api", "featdiff.pytest_plugin")),
+)
+# The middle floor's stages (rooms): one imports another only where named here, with the reason.
+ROOMS = ("featdiff.llama", "featdiff.torchref", "featdiff.diff")
+ACROSS = {
+    # the reference reads a run's tokens through the run's build, and GGUF weights with its ggml
+    ("featdiff.torchref", "featdiff.llama"),
+}
+
+
+def _prefix(name: str, prefixes) -> str | None:
+    """The longest of `prefixes` that is `name` or a package holding it (the package `featdiff`
+    itself holds nothing here: it is the API, on the top floor)."""
+    matches = [p for p in prefixes if name == p or (p != "featdiff" and name.startswith(p + "."))]
+    return max(matches, key=len) if matches else None
+
+
+def _floor(name: str) -> int:
+    """The index in LAYERS of the floor `name` is on; KeyError for a module no floor names."""
+    found = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) if (p := _prefix(name, prefixes))]
+    if not found:
+        raise KeyError(f"{name}: on no floor of LAYERS; add it to the floor it belongs to")
+    return max(found)[1]
+
+
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports (importer, imported) that climb to a higher floor, or cross between two middle
+    rooms where ACROSS does not allow it."""
+    out = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            fa, fb = _floor(a), _floor(b)
+            ra, rb = _prefix(a, ROOMS), _prefix(b, ROOMS)
+            across = fa == fb and ra is not None and rb is not None and ra != rb and (ra, rb) not in ACROSS
+            if fb > fa or across:
+                out.append((a, b))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imports(m, p, known) for m, p in known.items()}
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, at any depth, itself included."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    return seen
+
+
 def test_no_import_circles():
     known = _modules()
     assert _circles({m: _imports(m, p, known) for m, p in known.items()}) == []
@@ -69,3 +179,53 @@ def test_no_import_circles():
 
 def test_the_circle_finder_finds_one():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_module_is_on_a_floor():
+    for m in _modules():
+        _floor(m)
+
+
+def test_imports_go_down_the_floors():
+    assert upward(_graph()) == []
+
+
+def test_an_upward_import_is_found():
+    """A synthetic graph: the dump importing compare, capture importing the reference, and the one
+    allowed crossing (the reference importing the build's tokenizer)."""
+    graph = {
+        "featdiff.dump": {"featdiff.names", "featdiff.diff.align"},
+        "featdiff.llama.capture": {"featdiff.torchref.lint", "featdiff.dump"},
+        "featdiff.torchref.run": {"featdiff.llama.tokenize"},
+        "featdiff.names": set(),
+    }
+    assert upward(graph) == [
+        ("featdiff.dump", "featdiff.diff.align"),
+        ("featdiff.llama.capture", "featdiff.torchref.lint"),
+    ]
+
+
+def test_a_lazy_import_is_seen(tmp_path):
+    source = tmp_path / "dump.py"
+    source.write_text("def f():\n    from featdiff.diff import align\n    import featdiff.html\n")
+    known = {"featdiff.dump": source, "featdiff.diff.align": source, "featdiff.html": source}
+    found = _imports("featdiff.dump", source, known)
+    assert found == {"featdiff.diff.align", "featdiff.html"}
+    assert upward({"featdiff.dump": found}) == [
+        ("featdiff.dump", "featdiff.diff.align"),
+        ("featdiff.dump", "featdiff.html"),
+    ]
+
+
+def test_a_module_on_no_floor_is_named():
+    with pytest.raises(KeyError, match="featdiff.attic: on no floor"):
+        _floor("featdiff.attic")
+
+
+if __name__ == "__main__":
+    graph = _graph()
+    found = upward(graph)
+    from_check = _reached(graph, "featdiff.verdict")
+    for a, b in found:
+        print(f"{a} -> {b}" + ("  (reached from featdiff.verdict)" if a in from_check else ""))
+    print(f"{len(found)} upward imports; {sum(a in from_check for a, _ in found)} reached from featdiff.verdict")

@@ -20,6 +20,7 @@ from pathlib import Path
 from featdiff import names
 from featdiff.dump import Eval, read_dump
 from featdiff.errors import InputError
+from featdiff.phases import ROUND_OPENER
 from featdiff.tokens import MIN_PROMPT_TOKENS
 
 DEFAULT_DRAFT_MAX = 3  # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
@@ -36,7 +37,6 @@ MAX_BLOCK_SIZE = 512
 # not llama.cpp's: wiring faults show in the first rounds, 32768 positions are thousands of rounds
 # of a 4-row block, and a runaway --rounds stops here instead of running for days.
 UNSTATED_N_CTX_TRAIN = 32768
-DRAFT_PHASE = "draft"  # the flow's draft evals (docs/flow.md); warm-up decodes carry phase `warmup`
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def run_block_rows(evals: tuple[Eval, ...], source: str) -> int | None:
     """
     evals_by_rows: dict[int, list[int]] = {}
     for e in evals:
-        if e.role == "draft" and e.phase == DRAFT_PHASE and e.rc == 0:
+        if (e.role, e.phase) == ROUND_OPENER and e.rc == 0:
             evals_by_rows.setdefault(e.n_tokens, []).append(e.eval)
     if len(evals_by_rows) > 1:
         seen = "; ".join(f"{rows} rows in evals {_listed(ids)}" for rows, ids in sorted(evals_by_rows.items()))

@@ -3,7 +3,9 @@ renders and exits; `main` is the only place that turns `InputError` into exit co
 SIGTERM into `Interrupted` and exit code 130 / 143.
 
 Library imports sit inside the commands so that `featdiff compare` never loads torch or the
-llama.cpp binding.
+llama.cpp binding. The stage commands' options are defined in featdiff.options (flags, help,
+default), and each stage command calls its featdiff.api function: the Python API, with the same
+options and defaults.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from typer.core import TyperGroup
 
+from featdiff import options as o
 from featdiff.errors import InputError, Interrupted
 from featdiff.outputs import is_no_room, no_room_error
 
@@ -35,6 +38,11 @@ class _App(TyperGroup):
         except InputError as e:
             typer.echo(f"featdiff: error: {e}", err=True)
             raise typer.Exit(EXIT_INPUT) from None
+        except BrokenPipeError:
+            # the reader of featdiff's output left (`featdiff ... | head`): stop quietly, as a Unix
+            # tool killed by SIGPIPE would; stdout is pointed at /dev/null so the final flush is mute
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(EXIT_BROKEN_PIPE) from None
         except OSError as e:
             if not is_no_room(e):
                 raise _internal_error(e) from None
@@ -77,61 +85,25 @@ app = typer.Typer(
 )
 
 EXIT_OK, EXIT_FINDINGS, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3  # and 128 + signal when interrupted: 130, 143
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141: the reader of our output went away, as for any Unix tool
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # each raises Interrupted; a second one ends featdiff at once
 CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are the CLI framework's (typer vendors click)
 
-TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated token ids, e.g. 1,2,3.")]
-PromptOpt = Annotated[
-    Optional[str], typer.Option("--prompt", help="Prompt text, tokenized with llama.cpp's own vocabulary.")
-]
-RoundsOpt = Annotated[
-    int,
-    typer.Option(
-        "--rounds",
-        min=0,
-        help="Speculative rounds (draft, verify, inject) after the prefill; at most what fits the target's trained context: prompt + (rounds + 1) x block rows <= {arch}.context_length (HF: max_position_embeddings; 32768 when the target states none).",
-    ),
-]
-DraftMaxOpt = Annotated[
-    Optional[int],
-    typer.Option(
-        "--draft-max",
-        help="Drafts per block, as llama.cpp's --spec-draft-n-max: the block is the anchor plus N masks, N clamped to dflash.block_size - 1. Default: 3, llama.cpp's default. In-process only: with --exec the program's command line decides.",
-    ),
-]
-LlamaDirOpt = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--llama-dir",
-        help="A llama.cpp build to use: a checkout with its CMake build dir, or an install prefix. Default: $FEATDIFF_LLAMA_DIR, else featdiff's build of the pinned llama.cpp (make setup), else llama-cpp-python.",
-    ),
-]
-RefLlamaDirOpt = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--llama-dir",
-        help="The llama.cpp build the run used: its vocabulary tokenizes --prompt and its own ggml dequantizes every quantized GGUF weight (bit for bit what the run read). Default: gguf-py dequantizes, and a type it cannot read (Q1_0) goes to the default build's ($FEATDIFF_LLAMA_DIR, else featdiff's build of the pinned llama.cpp).",
-    ),
-]
-RefTargetOpt = Annotated[
-    Optional[Path],
-    typer.Option("--ref-target", exists=True, help="Reference target: GGUF or HF directory. Default: --target."),
-]
-RefModelOpt = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--ref-model", exists=True, help="Reference drafter, e.g. the trained HF checkpoint. Default: --model."
-    ),
-]
-PMinOpt = Annotated[
-    Optional[float],
-    typer.Option(
-        "--p-min",
-        min=0.0,
-        max=1.0,
-        help="llama.cpp's --spec-draft-p-min: a DSpark drafter with a confidence head stops drafting below it. Default 0 (reference: the --run dump's).",
-    ),
-]
+
+def _option(d: o.Option) -> Any:
+    """typer's option of a featdiff.options definition (its default is the parameter's: `= d.default`)."""
+    return typer.Option(*d.flags, help=d.help, min=d.min, max=d.max, exists=d.exists, dir_okay=d.dir_okay)
+
+
+TokensOpt = Annotated[Optional[str], _option(o.TOKENS)]
+PromptOpt = Annotated[Optional[str], _option(o.PROMPT)]
+RoundsOpt = Annotated[int, _option(o.ROUNDS)]
+DraftMaxOpt = Annotated[Optional[int], _option(o.DRAFT_MAX)]
+LlamaDirOpt = Annotated[Optional[Path], _option(o.LLAMA_DIR)]
+RefTargetOpt = Annotated[Optional[Path], _option(o.REF_TARGET)]
+RefModelOpt = Annotated[Optional[Path], _option(o.REF_MODEL)]
+PMinOpt = Annotated[Optional[float], _option(o.P_MIN)]
+NameMapOpt = Annotated[Optional[Path], _option(o.NAME_MAP)]
 
 
 @app.command()
@@ -157,59 +129,26 @@ def fixture(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def capture(
     ctx: typer.Context,
-    output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
-    target: Annotated[
-        Optional[Path], typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF.")
-    ] = None,
-    model: Annotated[
-        Optional[Path], typer.Option("--model", exists=True, dir_okay=False, help="Drafter model GGUF.")
-    ] = None,
-    prompt: PromptOpt = None,
-    tokens: TokensOpt = None,
-    rounds: RoundsOpt = 2,
-    filters: Annotated[
-        Optional[list[str]],
-        typer.Option("--filter", help="Glob on callback names to capture (repeatable). Default: the wiring tensors."),
-    ] = None,
-    llama_dir: LlamaDirOpt = None,
-    draft_max: DraftMaxOpt = None,
-    p_min: PMinOpt = None,
-    exec_: Annotated[
-        bool, typer.Option("--exec", help="Capture around an unmodified llama.cpp program given after `--`.")
-    ] = False,
-    requests: Annotated[
-        Optional[int],
-        typer.Option(
-            "--requests",
-            min=1,
-            help="With --exec of llama-server and no --prompt/--tokens: stop after N of your own requests have completed (default: at Ctrl-C).",
-        ),
-    ] = None,
+    output: Annotated[Path, _option(o.DUMP_OUTPUT)],
+    target: Annotated[Optional[Path], _option(o.TARGET_GGUF)] = o.TARGET_GGUF.default,
+    model: Annotated[Optional[Path], _option(o.MODEL_GGUF)] = o.MODEL_GGUF.default,
+    prompt: PromptOpt = o.PROMPT.default,
+    tokens: TokensOpt = o.TOKENS.default,
+    rounds: RoundsOpt = o.ROUNDS.default,
+    filters: Annotated[Optional[list[str]], _option(o.FILTERS)] = o.FILTERS.default,
+    llama_dir: LlamaDirOpt = o.LLAMA_DIR.default,
+    draft_max: DraftMaxOpt = o.DRAFT_MAX.default,
+    p_min: PMinOpt = o.P_MIN.default,
+    exec_: Annotated[bool, _option(o.EXEC)] = o.EXEC.default,
+    requests: Annotated[Optional[int], _option(o.REQUESTS)] = o.REQUESTS.default,
 ) -> None:
     """Capture named tensors from a real llama.cpp build into a dump. In-process, llama.cpp's run options follow the
     featdiff options as the programs spell them: -ctk/-ctv, -ctkd/-ctvd (drafter), -fa on|off|auto, -ngl, -ngld, -t, -c."""
-    from featdiff.llama import capture as capture_mod
+    from featdiff import api
 
-    if exec_:
-        path = capture_mod.capture_exec(
-            list(ctx.args),
-            output,
-            filters,
-            llama_dir,
-            prompt,
-            tokens,
-            draft_max=draft_max,
-            p_min=p_min,
-            n_requests=requests,
-        )
-    elif requests is not None:
-        raise InputError(
-            f"--requests {requests} counts llama-server's requests: give it with --exec -- llama-server ..."
-        )
-    else:
-        from featdiff.llama.options import parse_run_options
-
-        path = capture_mod.capture(
+    command, run_options = (list(ctx.args), None) if exec_ else (None, list(ctx.args))
+    typer.echo(
+        api.capture(
             target,
             model,
             output,
@@ -220,9 +159,11 @@ def capture(
             llama_dir=llama_dir,
             draft_max=draft_max,
             p_min=p_min,
-            options=parse_run_options(list(ctx.args)),
+            command=command,
+            requests=requests,
+            options=run_options,
         )
-    typer.echo(path)
+    )
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -243,10 +184,10 @@ def probe(
     n_predict: Annotated[
         int, typer.Option("--n-predict", min=1, help="Tokens per request (run through llama-server).")
     ] = 16,
-    ref_target: RefTargetOpt = None,
-    ref_model: RefModelOpt = None,
-    llama_dir: LlamaDirOpt = None,
-    draft_max: DraftMaxOpt = None,
+    ref_target: RefTargetOpt = o.REF_TARGET.default,
+    ref_model: RefModelOpt = o.REF_MODEL.default,
+    llama_dir: LlamaDirOpt = o.LLAMA_DIR.default,
+    draft_max: DraftMaxOpt = o.DRAFT_MAX.default,
     exec_: Annotated[
         bool,
         typer.Option("--exec", help="Run through the llama-server command given after `--` instead of in-process."),
@@ -288,46 +229,26 @@ def pack(
 
 @app.command()
 def reference(
-    target: Annotated[Path, typer.Option("--target", exists=True, help="Target model: GGUF or HF directory.")],
-    model: Annotated[Path, typer.Option("--model", exists=True, help="Drafter: GGUF or HF directory (DFlash layout).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
-    prompt: PromptOpt = None,
-    tokens: TokensOpt = None,
-    rounds: RoundsOpt = 2,
-    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype.")] = "float32",
-    device: Annotated[str, typer.Option("--device", help="Torch device.")] = "cpu",
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Emulate the run's KV cache type: f16 or f32.")] = "f16",
-    llama_dir: RefLlamaDirOpt = None,
-    block: Annotated[
-        Optional[int],
-        typer.Option(
-            "--block",
-            help="Rows per draft block: the anchor and the masks; a run's --spec-draft-n-max + 1 (anchor-first DSpark: n-max), up to dflash.block_size. Default: llama.cpp's default --spec-draft-n-max 3, clamped.",
-        ),
-    ] = None,
-    run: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--run",
-            help="A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block.",
-        ),
-    ] = None,
-    p_min: PMinOpt = None,
-    follow: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--follow",
-            exists=True,
-            dir_okay=False,
-            help="A run dump (.npz) to replay: its prompt, rounds, drafts and accepted prefixes instead of the reference's own, so every eval of the run pairs (a quantized target, a server's own loop). Replaces --prompt/--tokens/--rounds/--block/--run.",
-        ),
-    ] = None,
+    target: Annotated[Path, _option(o.REF_TARGET_ANY)],
+    model: Annotated[Path, _option(o.REF_MODEL_ANY)],
+    output: Annotated[Path, _option(o.DUMP_OUTPUT)],
+    prompt: PromptOpt = o.PROMPT.default,
+    tokens: TokensOpt = o.TOKENS.default,
+    rounds: RoundsOpt = o.ROUNDS.default,
+    dtype: Annotated[str, _option(o.DTYPE)] = o.DTYPE.default,
+    device: Annotated[str, _option(o.DEVICE)] = o.DEVICE.default,
+    kv_dtype: Annotated[str, _option(o.KV_DTYPE)] = o.KV_DTYPE.default,
+    llama_dir: Annotated[Optional[Path], _option(o.REF_LLAMA_DIR)] = o.REF_LLAMA_DIR.default,
+    block: Annotated[Optional[int], _option(o.BLOCK)] = o.BLOCK.default,
+    run: Annotated[Optional[Path], _option(o.BLOCKS_OF_RUN)] = o.BLOCKS_OF_RUN.default,
+    p_min: PMinOpt = o.P_MIN.default,
+    follow: Annotated[Optional[Path], _option(o.FOLLOW)] = o.FOLLOW.default,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
-    from featdiff.reference import run as reference_run
+    from featdiff import api
 
     typer.echo(
-        reference_run.reference(
+        api.reference(
             target,
             model,
             output,
@@ -350,33 +271,20 @@ def reference(
 def compare(
     ref: Annotated[Path, typer.Argument(help="Reference dump (or any dump taken as the truth).")],
     run: Annotated[Path, typer.Argument(help="Run dump to diagnose.")],
-    json_out: Annotated[
-        Optional[str], typer.Option("--json", help="Write findings JSON to FILE, or - for stdout only.")
-    ] = None,
-    report_out: Annotated[Optional[Path], typer.Option("--report", help="Also write the HTML triage report.")] = None,
-    name_map: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--map", exists=True, dir_okay=False, help="Name map (TOML) for forks that name tensors their own way."
-        ),
-    ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the per-record table too.")] = False,
+    json_out: Annotated[Optional[str], _option(o.JSON_OUT)] = o.JSON_OUT.default,
+    report: Annotated[Optional[Path], _option(o.ALSO_REPORT)] = o.ALSO_REPORT.default,
+    name_map: NameMapOpt = o.NAME_MAP.default,
+    verbose: Annotated[bool, _option(o.VERBOSE)] = o.VERBOSE.default,
 ) -> None:
     """Align two dumps, find the first divergent tensor and name the wiring fault."""
-    from featdiff.compare import compare_dumps, exit_code, render_summary, write_json
+    from featdiff import api
+    from featdiff.diff import exit_code, render_summary
 
-    comparison = compare_dumps(ref, run, name_map)
-    if json_out is not None:
-        write_json(comparison, json_out)
+    comparison = api.compare(ref, run, name_map, json_out=json_out, report=report)
     if json_out != "-":
         render_summary(comparison, verbose=verbose)
-    if report_out is not None:
-        from featdiff.report import write_report
-
-        typer.echo(
-            write_report(ref, run, report_out, comparison=comparison, name_map=name_map, output_flag="--report"),
-            err=True,
-        )
+    if report is not None:
+        typer.echo(report, err=True)
     raise typer.Exit(exit_code(comparison))
 
 
@@ -384,18 +292,16 @@ def compare(
 def report(
     ref: Annotated[Path, typer.Argument(help="Reference dump.")],
     run: Annotated[Path, typer.Argument(help="Run dump.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")],
-    png_dir: Annotated[Optional[Path], typer.Option("--png-dir", help="Also write each figure as a PNG here.")] = None,
-    name_map: Annotated[
-        Optional[Path], typer.Option("--map", exists=True, dir_okay=False, help="Name map (TOML).")
-    ] = None,
+    output: Annotated[Path, _option(o.HTML_OUTPUT)],
+    png_dir: Annotated[Optional[Path], _option(o.PNG_DIR)] = o.PNG_DIR.default,
+    name_map: NameMapOpt = o.NAME_MAP.default,
 ) -> None:
     """Write a self-contained HTML triage report with heatmaps."""
-    from featdiff.compare import compare_dumps, exit_code
-    from featdiff.report import write_report
+    from featdiff import api
+    from featdiff.diff import exit_code
 
-    comparison = compare_dumps(ref, run, name_map)
-    typer.echo(write_report(ref, run, output, comparison=comparison, png_dir=png_dir, name_map=name_map))
+    comparison = api.compare(ref, run, name_map)
+    typer.echo(api.report(ref, run, output, comparison=comparison, png_dir=png_dir, name_map=name_map))
     raise typer.Exit(exit_code(comparison))
 
 
@@ -418,7 +324,7 @@ def lint(
     ] = None,
 ) -> None:
     """Check a drafter GGUF's DFlash metadata and tensors; one line per problem."""
-    from featdiff.reference.lint import lint_gguf
+    from featdiff.torchref.lint import lint_gguf
 
     problems = lint_gguf(model, target)
     for line in problems:
@@ -431,84 +337,40 @@ def lint(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def check(
     ctx: typer.Context,
-    target: Annotated[Path, typer.Option("--target", exists=True, dir_okay=False, help="Target model GGUF (the run).")],
-    model: Annotated[Path, typer.Option("--model", exists=True, dir_okay=False, help="Drafter GGUF (the run).")],
-    ref_target: RefTargetOpt = None,
-    ref_model: RefModelOpt = None,
-    llama_dir: LlamaDirOpt = None,
-    prompts: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--prompts",
-            exists=True,
-            dir_okay=False,
-            help="One prompt per line (`tokens: 1,2,3` for ids); the capture takes the first, the accept probe all. Default: two built-in prompts.",
-        ),
-    ] = None,
-    rounds: Annotated[
-        Optional[int],
-        typer.Option(
-            "--rounds",
-            min=1,
-            help="In-process: speculative rounds of the capture and of the probe, per prompt. Default: 4.",
-        ),
-    ] = None,
-    min_accept: Annotated[
-        Optional[float],
-        typer.Option(
-            "--min-accept",
-            min=0.0,
-            max=1.0,
-            help="Fail when the run's accept rate (accepted / drafted tokens) is below this fraction.",
-        ),
-    ] = None,
-    keep: Annotated[
-        Optional[Path],
-        typer.Option("--keep", help="Keep the run and reference dumps in this directory (default: a temporary one)."),
-    ] = None,
-    json_out: Annotated[
-        Optional[str], typer.Option("--json", help="Write the check's JSON to FILE, or - for stdout only.")
-    ] = None,
-    report_out: Annotated[Optional[Path], typer.Option("--report", help="Also write the HTML triage report.")] = None,
-    summary_md: Annotated[
-        Optional[Path],
-        typer.Option("--summary-md", help="Write a Markdown verdict (also appended to $GITHUB_STEP_SUMMARY when set)."),
-    ] = None,
-    exec_: Annotated[
-        bool,
-        typer.Option(
-            "--exec", help="Run around the llama-server or llama-speculative-simple command given after `--`."
-        ),
-    ] = False,
-    run: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--run",
-            exists=True,
-            dir_okay=False,
-            help="Judge this capture instead of making one (e.g. of your own llama-server traffic); the probe is its own flows' rounds.",
-        ),
-    ] = None,
+    target: Annotated[Path, _option(o.RUN_TARGET)],
+    model: Annotated[Path, _option(o.RUN_MODEL)],
+    ref_target: RefTargetOpt = o.REF_TARGET.default,
+    ref_model: RefModelOpt = o.REF_MODEL.default,
+    llama_dir: LlamaDirOpt = o.LLAMA_DIR.default,
+    prompts: Annotated[Optional[Path], _option(o.CHECK_PROMPTS)] = o.CHECK_PROMPTS.default,
+    rounds: Annotated[Optional[int], _option(o.CHECK_ROUNDS)] = o.CHECK_ROUNDS.default,
+    min_accept: Annotated[Optional[float], _option(o.MIN_ACCEPT)] = o.MIN_ACCEPT.default,
+    keep: Annotated[Optional[Path], _option(o.KEEP)] = o.KEEP.default,
+    json_out: Annotated[Optional[str], _option(o.CHECK_JSON_OUT)] = o.CHECK_JSON_OUT.default,
+    report: Annotated[Optional[Path], _option(o.ALSO_REPORT)] = o.ALSO_REPORT.default,
+    summary_md: Annotated[Optional[Path], _option(o.SUMMARY_MD)] = o.SUMMARY_MD.default,
+    exec_: Annotated[bool, _option(o.CHECK_EXEC)] = o.CHECK_EXEC.default,
+    run: Annotated[Optional[Path], _option(o.JUDGED_RUN)] = o.JUDGED_RUN.default,
 ) -> None:
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
-    from featdiff.check import check as run_check
-    from featdiff.check import exit_code as check_exit_code
-    from featdiff.check import render_text
+    from featdiff import api
+    from featdiff.verdict import exit_code as check_exit_code
+    from featdiff.verdict import render_text
 
-    result = run_check(
+    result = api.check(
         target,
         model,
         ref_target=ref_target,
         ref_model=ref_model,
         llama_dir=llama_dir,
-        command=list(ctx.args) if exec_ else None,
         prompts=prompts,
         rounds=rounds,
         min_accept=min_accept,
         keep=keep,
-        report=report_out,
         json_out=json_out,
+        report=report,
         summary_md=summary_md,
+        command=list(ctx.args) if exec_ else None,
         run=run,
     )
     if json_out != "-":

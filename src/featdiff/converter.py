@@ -29,6 +29,7 @@ from featdiff.fixtures import (
     TOKEN_NORMAL,
     TOKEN_UNKNOWN,
     VOCAB_SPM,
+    write_feature_fixture,
     write_fixture,
 )
 from featdiff.llama.binding import project_tree
@@ -49,6 +50,7 @@ CONVERT_TIMEOUT_S = 600  # one tiny checkpoint takes ~5 s, nearly all of it impo
 TOKENIZER_MODEL = "tokenizer.model"  # Qwen-family set_vocab tries SentencePiece before tokenizer.json
 TARGET_HF, DRAFT_HF = "target-hf", "draft-hf"
 TARGET_GGUF, DRAFT_GGUF = "target.gguf", "draft.gguf"
+WRITER_PREFIX = "writer-"  # featdiff's own GGUFs of a converted feature fixture, kept beside the converter's
 ERROR_TAIL_LINES = 3
 # A converter class that reads a BPE tokenizer.json (`_set_vocab_gpt2`: Qwen3-MoE, ...) refuses the
 # fixtures' 512-token vocabulary (its pre-tokenizer hash is in no upstream list), so a transformers
@@ -128,6 +130,50 @@ def write_converted_fixture(
     return out
 
 
+# Feature fixtures (fixtures.write_feature_fixture) whose checkpoint the pinned converter cannot
+# write: feature -> why. ModelOpt per-tensor scales (`*.weight_scale_2`) are mapped only beside
+# NVFP4 weights (conversion/base.py _generate_nvfp4_tensors: 4-bit packed weights, block scales
+# and an input scale), which featdiff's fixtures do not make; their GGUFs come from featdiff's writer.
+UNCONVERTIBLE_FEATURES = {
+    "fc-scale": "the converter writes fc.scale only from an NVFP4 ModelOpt checkpoint",
+    "q-scale": "the converter writes attn_q.scale only from an NVFP4 ModelOpt checkpoint",
+}
+
+
+def write_converted_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Path:
+    """Write `feature`'s fixture (fixtures.write_feature_fixture: the clean pair with one modelled
+    converter key, tensor or file) into `outdir`, its GGUFs then replaced by the pinned converter's
+    of its HF directories; return `outdir`. featdiff's own GGUFs stay beside them as
+    `writer-target.gguf` / `writer-draft.gguf`, for comparing the two writers."""
+    if feature in UNCONVERTIBLE_FEATURES:
+        raise InputError(f"feature {feature!r}: {UNCONVERTIBLE_FEATURES[feature]}; use fixtures.write_feature_fixture")
+    out = write_feature_fixture(check_output_dir(Path(outdir), (), "OUTDIR"), feature, seed, vocab=VOCAB_SPM)
+    return _converted_in_place(out, f"clean + {feature}")
+
+
+def write_converted_dflash2_fixture(outdir: str | Path, seed: int = 0) -> Path:
+    """The DFlash2 pair (fixtures_dflash2) with the pinned converter's GGUFs, featdiff's beside
+    them as for write_converted_feature_fixture; return `outdir`."""
+    from featdiff.fixtures_dflash2 import write_dflash2_fixture
+
+    out = write_dflash2_fixture(check_output_dir(Path(outdir), (), "OUTDIR"), seed, vocab=VOCAB_SPM)
+    return _converted_in_place(out, "clean + DFlash2")
+
+
+def _converted_in_place(out: Path, what: str) -> Path:
+    """A fixture directory whose GGUFs featdiff wrote (with the SentencePiece vocabulary), given the
+    converter's GGUFs of its HF directories in their place; featdiff's moved to `writer-*.gguf`."""
+    for name in (TARGET_GGUF, DRAFT_GGUF):
+        (out / name).replace(out / f"{WRITER_PREFIX}{name}")
+    n_vocab = json.loads((out / TARGET_HF / names.HF_CONFIG).read_text())["vocab_size"]
+    write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, n_vocab)
+    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF)
+    convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
+    with replaced(out / "VARIANT") as tmp:
+        tmp.write_text(f"{what} (converted by {CONVERTER})\n")
+    return out
+
+
 def dspark_config(config: dict, schema: str) -> dict:
     """A DSpark drafter's config.json, as featdiff writes it (nested `dflash_config`), in `schema`
     (DSPARK_SCHEMAS). The lineage and EAGLE3 forms state no `sample_from_anchor`: the checkpoint's
@@ -152,20 +198,27 @@ def dspark_config(config: dict, schema: str) -> dict:
 
 
 def convert_checkpoint(
-    hf_dir: Path, out: Path, target_dir: Path | None = None, tree: Path | None = None, spm_vocab: bool = False
+    hf_dir: Path,
+    out: Path,
+    target_dir: Path | None = None,
+    tree: Path | None = None,
+    spm_vocab: bool = False,
+    no_mtp: bool = False,
 ) -> Path:
     """`hf_dir` converted to the GGUF `out` by the pinned tree's converter (`--target-model-dir
-    target_dir` for a drafter; `spm_vocab`: SPM_VOCAB_BOOTSTRAP), from the per-machine cache when
-    the same inputs were converted by the same converter before; return `out`."""
+    target_dir` for a drafter; `spm_vocab`: SPM_VOCAB_BOOTSTRAP; `no_mtp`: `--no-mtp`, which a
+    Qwen3.5 checkpoint without MTP layers needs: conversion/qwen.py asserts MTP tensors otherwise),
+    from the per-machine cache when the same inputs were converted by the same converter before;
+    return `out`."""
     tree = tree or project_tree()
     if not (tree / CONVERTER).is_file():
         raise InputError(f"{tree / CONVERTER}: no such file; the pinned llama.cpp tree is unpacked by `make setup`")
-    key = conversion_key(hf_dir, target_dir, tree) + ("-spm" if spm_vocab else "")
+    key = conversion_key(hf_dir, target_dir, tree) + ("-spm" if spm_vocab else "") + ("-nomtp" if no_mtp else "")
     cached = cache_root() / CACHE_SUBDIR / f"{key}.gguf"
     if not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with replaced(cached) as tmp:
-            _run_converter(tree, hf_dir, tmp, target_dir, spm_vocab)
+            _run_converter(tree, hf_dir, tmp, target_dir, spm_vocab, no_mtp)
     with replaced(Path(out)) as tmp:
         shutil.copyfile(cached, tmp)
     return Path(out)
@@ -195,7 +248,9 @@ def _converter_files(tree: Path) -> list[Path]:
     return files
 
 
-def _run_converter(tree: Path, hf_dir: Path, out: Path, target_dir: Path | None, spm_vocab: bool = False) -> None:
+def _run_converter(
+    tree: Path, hf_dir: Path, out: Path, target_dir: Path | None, spm_vocab: bool = False, no_mtp: bool = False
+) -> None:
     script = tree / CONVERTER
     missing = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
@@ -204,6 +259,8 @@ def _run_converter(tree: Path, hf_dir: Path, out: Path, target_dir: Path | None,
     argv = [sys.executable, *runner, str(script), str(hf_dir), "--outfile", str(out), "--outtype", OUTTYPE]
     if target_dir is not None:
         argv += ["--target-model-dir", str(target_dir)]
+    if no_mtp:
+        argv.append("--no-mtp")
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the tree's own gguf-py
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})  # a local directory: never the hub
     log.info("converting %s with %s", hf_dir, script)

@@ -23,10 +23,10 @@ import numpy as np
 
 from featdiff.errors import InputError
 from featdiff.filters import KEEP_ALL, FilterSet
-from featdiff.gguf_meta import ModelInfo
 from featdiff.manifest_fields import (
     Fields,
     ManifestError,
+    ModelInfo,
     as_call,
     as_count,
     as_count_or_null,
@@ -44,8 +44,9 @@ from featdiff.manifest_fields import (
     as_strs,
     shown,
 )
-from featdiff.names import CALL_DECODE, CALL_ENCODE, ROLES, Phase, Role
+from featdiff.names import CALL_DECODE, CALL_ENCODE, ROLES, Role
 from featdiff.outputs import is_no_room, no_room_error, partial_path
+from featdiff.phases import Phase
 
 FORMAT = "featdiff-dump"
 VERSION = 1
@@ -387,7 +388,7 @@ class Manifest:
         return FlowInfo(flow, min(seqs) if seqs else 0, self.prompt_tokens if flow == 0 else ())
 
     def model(self, role: Role) -> ModelInfo | None:
-        """`models[role]`, typed (featdiff.gguf_meta.ModelInfo); None when the dump has no such entry."""
+        """`models[role]`, typed (featdiff.manifest_fields.ModelInfo); None when the dump has no such entry."""
         entry = self.models.get(role)
         return ModelInfo.from_json(entry) if isinstance(entry, dict) else None
 

@@ -40,7 +40,7 @@ from featdiff.pairs import (
     draft_weights,
     target_weights,
 )
-from featdiff.reference.rope_params import llama3_freq_factors
+from featdiff.torchref.rope_params import llama3_freq_factors
 
 PROMPTS_FILE = "prompts.txt"  # a trained variant's held-out prompts, in `featdiff probe --prompts` format
 HELD_OUT_PROMPTS = 8
@@ -453,7 +453,22 @@ def _feature_specs() -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str
                 "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern],
             },
         ),
+        "causal": ({names.KEY_CAUSAL: True}, {}, {names.HF_IS_CAUSAL: True}),
+        "partial-rotary": (
+            {names.KEY_ROPE_DIMS.format(arch=names.ARCH_DFLASH): TINY.draft.n_embd_head // 2},
+            {},
+            {m.HF_PARTIAL_ROTARY: 0.5},
+        ),
+        # the drafter of an M-RoPE target: the converter reads the sections off the target's
+        # config.json (MROPE_TARGET_FIELDS), the drafter's own states nothing
+        "mrope-sections": ({m.KEY_ROPE_SECTIONS: list(m.degenerate_sections(TINY.draft.n_embd_head))}, {}, {}),
+        "mask-embedding": ({}, {}, {}),
     }
+
+
+# What an M-RoPE target's config.json says (Qwen3-VL's text config): the target itself runs text,
+# whose positions are equal in every section, so only the drafter's keys change
+MROPE_TARGET_FIELDS = {"rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]}}
 
 
 FC_SCALE = 1e-3  # fc.scale: small enough that the encoder norm's eps shows it (s^2 ms ~ RMS_EPS)
@@ -477,6 +492,8 @@ def _feature_tensors(feature: str) -> tuple[dict[str, np.ndarray], dict[str, np.
             {f"blk.{il}.attn_sinks.weight": sinks for il in range(d.n_layer)},
             {f"layers.{il}.self_attn.sinks": sinks for il in range(d.n_layer)},
         )
+    if feature == "mask-embedding":
+        return {}, {}  # the GGUF's are the target's tables: _mask_embedding_tensors
     if feature == "q-scale":
         scale = np.array([Q_SCALE], dtype=np.float32)  # (1,)
         return (
@@ -513,7 +530,7 @@ def feature_names() -> tuple[str, ...]:
     return tuple(_feature_specs())
 
 
-def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Path:
+def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0, vocab: str = VOCAB_TEST) -> Path:
     """The clean pair in `outdir` with `feature`'s converter keys in `draft.gguf` and its fields in
     `draft-hf/config.json` (`_feature_specs`); return `outdir`."""
     specs = _feature_specs()
@@ -521,7 +538,11 @@ def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Pa
         raise InputError(f"feature {feature!r}: choose one of {', '.join(specs)}")
     gguf_keys, dflash_fields, top_fields = specs[feature]
     gguf_tensors, hf_tensors = _feature_tensors(feature)
-    out = write_fixture(outdir, "clean", seed)
+    out = write_fixture(outdir, "clean", seed, vocab=vocab)
+    if feature == "mask-embedding":
+        gguf_tensors = _mask_embedding(out, seed)
+    if feature == "mrope-sections":
+        _update_json(out / "target-hf" / "config.json", MROPE_TARGET_FIELDS)
     rewrite_gguf(out / "draft.gguf", out / "draft.gguf", gguf_keys, gguf_tensors)
     if hf_tensors or feature == "interleaved-rope":
         weights = out / "draft-hf" / "model.safetensors"
@@ -531,12 +552,40 @@ def write_feature_fixture(outdir: str | Path, feature: str, seed: int = 0) -> Pa
             tensors = _interleaved_rope(tensors)
         with replaced(weights) as tmp:
             save_file({**tensors, **hf_tensors}, str(tmp))
-    config_path = out / "draft-hf" / "config.json"
-    config = json.loads(config_path.read_text())
-    config[names.HF_DFLASH_CONFIG].update(dflash_fields)
-    config.update(top_fields)
-    with replaced(config_path) as tmp:
-        tmp.write_text(json.dumps(config, indent=1))
+    _update_json(out / "draft-hf" / "config.json", {**top_fields, names.HF_DFLASH_CONFIG: dflash_fields})
     with replaced(out / "VARIANT") as tmp:
         tmp.write_text(f"clean + {feature}: {', '.join([*gguf_keys, *sorted(gguf_tensors)])}\n")
     return out
+
+
+def _update_json(path: Path, fields: dict[str, Any]) -> None:
+    """`path`'s JSON object with `fields` set (a dict value updates the dict already there)."""
+    config = json.loads(path.read_text())
+    for k, v in fields.items():
+        config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
+    with replaced(path) as tmp:
+        tmp.write_text(json.dumps(config, indent=1))
+
+
+MASK_ROW_SEED = 7  # the drafter's own mask row: a vector unlike any row of the target's table
+
+
+def _mask_embedding(out: Path, seed: int) -> dict[str, np.ndarray]:
+    """A drafter that ships its own mask row as `draft-hf/mask_embedding.pt` (MiMo's layout); return
+    the GGUF tensors the converter makes of it: the target's table with that row patched in as the
+    drafter's `token_embd`, and the target's head as its `output`."""
+    import torch
+
+    from featdiff.modelled import MASK_EMBEDDING_FILE
+
+    with safe_open(str(out / "target-hf" / "model.safetensors"), "np") as st:
+        table = st.get_tensor("model.embed_tokens.weight").copy()  # (n_vocab, n_embd)
+        head = st.get_tensor("lm_head.weight")  # (n_vocab, n_embd)
+    rng = np.random.default_rng(seed + MASK_ROW_SEED)
+    row = rng.standard_normal(table.shape[1]).astype(np.float32)  # (n_embd,)
+    torch.save(
+        {"mask_token_id": TINY.mask_token_id, "embedding": torch.from_numpy(row)},
+        out / "draft-hf" / MASK_EMBEDDING_FILE,
+    )
+    table[TINY.mask_token_id] = row
+    return {"token_embd.weight": table, "output.weight": head}

@@ -2,7 +2,7 @@
 and candidate selector added, as the pinned converter writes them (conversion/qwen.py
 DFlashModel for `DFlash2DraftModel`: the four `dflash.*` keys, `blk.<il>.{attn,ffn}_conv_*` and
 the `selector_*` codebooks), in `draft.gguf` and in `draft-hf/` (config.json's `dflash_config`
-fields and `dflash2.safetensors` under the HF names the converter maps).
+fields and `model-dflash2.safetensors` under the HF names the converter maps).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from featdiff import names
-from featdiff.fixtures import write_fixture
+from featdiff.fixtures import VOCAB_TEST, write_fixture
 from featdiff.gguf_rewrite import rewrite_gguf
 from featdiff.outputs import replaced
 from featdiff.pairs import BLOCK_SIZE, TINY
-from featdiff.reference import dflash2 as d2
+from featdiff.torchref import dflash2 as d2
 
 KERNEL_SIZE = 3  # taps: more than one, fewer than BLOCK_SIZE rows, so the left padding shows
 GROUP_SIZE = 16  # n_embd 64 / 16 = 4 groups of dynamic taps
@@ -26,7 +26,7 @@ SELECTOR_RANK = 8
 SELECTOR_TOP_K = 4  # top_k (top_k + 1) = 20 <= n_embd, as llama.cpp requires
 BASE_TAP0, BASE_SPREAD, PROJ_SPREAD = 1.0, 0.3, 0.05  # tap 0 near identity: the conv moves rows, not wipes them
 SELECTOR_GAIN = 3.0  # the pairwise score outweighs the logits' spread, so the walk parts from the per-row argmax
-HF_WEIGHTS = "dflash2.safetensors"
+HF_WEIGHTS = "model-dflash2.safetensors"  # a second part: the converter reads every model*.safetensors
 HF_ARCH = "DFlash2DraftModel"
 
 
@@ -57,9 +57,9 @@ def dflash2_weights(rng: np.random.Generator, n_layer: int, n_embd: int, n_vocab
     return w
 
 
-def write_dflash2_fixture(outdir: str | Path, seed: int = 0) -> Path:
+def write_dflash2_fixture(outdir: str | Path, seed: int = 0, vocab: str = VOCAB_TEST) -> Path:
     """The clean pair in `outdir` with a DFlash2 drafter in `draft.gguf` and `draft-hf/`; return `outdir`."""
-    out = write_fixture(outdir, "clean", seed)
+    out = write_fixture(outdir, "clean", seed, vocab=vocab)
     s = TINY.draft
     w = dflash2_weights(np.random.default_rng([seed, 2]), s.n_layer, s.n_embd, TINY.n_vocab)
     rewrite_gguf(out / "draft.gguf", out / "draft.gguf", dict(dflash2_keys()), w)

@@ -54,8 +54,10 @@ def rewrite_gguf(src: Path, dst: Path, keys: Changes | None = None, tensors: Cha
 
 
 def _add_new_key(wr, key: str, value: Any) -> None:
-    """A key `src` lacks, typed as the converter writes it: str, f32, u32, arrays."""
-    if isinstance(value, str):
+    """A key `src` lacks, typed as the converter writes it: str, bool, f32, u32, arrays."""
+    if isinstance(value, bool):  # before int: a bool is an int to Python, not to llama.cpp's loader
+        wr.add_bool(key, value)
+    elif isinstance(value, str):
         wr.add_string(key, value)
     elif isinstance(value, list):
         wr.add_array(key, value)

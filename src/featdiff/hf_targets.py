@@ -34,6 +34,29 @@ EMBD_STD = 1.0  # token embeddings ~ N(0, 1), as pairs.target_weights draws them
 NORM_SPREAD = 0.1  # norm weights 1 + N(0, 0.1): pairs._norm
 N_EXPERT, N_EXPERT_USED = 4, 2  # the tiny MoE: 4 experts, top-2
 N_FF_EXPERT = 32  # each expert's FFN width
+# gpt-oss: the window of its sliding layers (even layers: transformers' default layer_types and
+# llama.cpp's openai-moe swa pattern 2 agree), shorter than the tests' prompt plus its drafts
+SLIDING_WINDOW = 8
+# gpt-oss's experts' gate/up projection drawn this much wider than N(0, 1/n_in): at 1 no gate
+# reaches the swiglu clamp (limit 7; measured max |x| 3.7 on the tests' prompt), at 3 a few
+# percent do, so the fixture runs the clamp llama.cpp must reproduce
+GATE_UP_GAIN = 3.0
+# gpt-oss-20b's YaRN (its config.json rope_scaling), but for `truncate`: the checkpoint says
+# false (correction dims not rounded) while llama.cpp always rounds them (ggml.c
+# ggml_rope_yarn_corr_dims floorf/ceilf; the pinned converter writes no truncate key), so a
+# converted gpt-oss runs slightly other RoPE angles than it was trained with (measured on this
+# fixture with truncate false: NMSE 4.5e-6 at l_out-0 by position 24, over compare's 4e-6).
+# The fixture takes the rounding both sides run, so its pair compares clean through YaRN.
+YARN_FACTOR, YARN_N_CTX_ORIG = 32.0, 4096
+GPT_OSS_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": YARN_FACTOR,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": YARN_N_CTX_ORIG,
+    "rope_theta": 150000.0,
+    "truncate": True,
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +66,15 @@ class Family:
     name: str  # llama.cpp's architecture name (the converted GGUF's general.architecture)
     doc: str
     config: Callable[[pairs.Sizes], object]
+    gains: tuple[tuple[str, float], ...] = ()  # (parameter name suffix, factor on its seeded draw)
+    # converted with --no-mtp: a Qwen3.5 checkpoint without MTP layers (conversion/qwen.py
+    # Qwen3NextModel.__init__ asserts MTP tensors unless told there are none)
+    no_mtp: bool = False
+    # the drafter converted against this family's own target-hf/ (as a user converts a drafter of
+    # that target), not the fixtures' qwen3 one: possible where the converter's target class can
+    # set a vocabulary on the drafter (not Qwen3-MoE, see write_family_fixture). A Qwen3.5 target's
+    # drafter so gets the degenerate M-RoPE `dflash.rope.dimension_sections` a real one has.
+    draft_against_target: bool = False
 
 
 def _qwen3moe_config(sz: pairs.Sizes) -> object:
@@ -69,9 +101,113 @@ def _qwen3moe_config(sz: pairs.Sizes) -> object:
     return Qwen3MoeConfig(**fields)
 
 
+def _gpt_oss_config(sz: pairs.Sizes) -> object:
+    """gpt-oss at the tiny sizes: attention biases and per-head sinks, sliding window on the even
+    layers, experts with biases and the clamped swiglu (alpha 1.702, limit 7: the only values
+    llama.cpp's openai-moe graph runs, llama-graph.cpp LLM_FFN_SWIGLU_OAI_MOE), softmax over the
+    top-k router logits; gpt-oss-20b's YaRN (GPT_OSS_ROPE)."""
+    from transformers import GptOssConfig
+
+    s = sz.target
+    fields: dict[str, Any] = {
+        "vocab_size": sz.n_vocab,
+        "hidden_size": s.n_embd,
+        "intermediate_size": N_FF_EXPERT,  # each expert's width (the converter's expert_feed_forward_length)
+        "num_hidden_layers": s.n_layer,
+        "num_attention_heads": s.n_head,
+        "num_key_value_heads": s.n_head_kv,
+        "head_dim": s.n_embd_head,
+        "num_local_experts": N_EXPERT,
+        "num_experts_per_tok": N_EXPERT_USED,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention" if il % 2 == 0 else "full_attention" for il in range(s.n_layer)],
+        "max_position_embeddings": int(YARN_FACTOR * YARN_N_CTX_ORIG),
+        "rms_norm_eps": pairs.RMS_EPS,
+        "rope_parameters": dict(GPT_OSS_ROPE),
+        "attention_bias": True,  # llama.cpp's openai-moe requires attn_output.bias
+        "tie_word_embeddings": False,
+    }
+    return GptOssConfig(**fields)
+
+
+# Qwen3.5 (llama.cpp's qwen35): gated delta-net (linear attention) layers with a full-attention
+# layer every QWEN35_FULL_EVERY-th. At 3 on the 6 tiny layers, layers 2 and 5 are full attention:
+# the fixtures' drafter taps layers 2 and 4 (GGUF ids, pairs.HF_TARGET_LAYER_IDS + 1), one of each
+# kind, so a tap one layer off reads the other kind's input. The converter writes the interval
+# (conversion/qwen.py Qwen3NextModel: full_attention_interval, default 4) and the layer kinds
+QWEN35_FULL_EVERY = 3
+# the gated delta-net's heads: llama.cpp requires key and value heads of one size (qwen35.cpp
+# load_arch_tensors: head_v_dim = ssm_d_state); more value heads than key heads, as Qwen3.5-9B
+# has (16 / 32), so the converter's V-head reordering (_LinearAttentionVReorderBase) is exercised
+QWEN35_LINEAR_HEAD_DIM, QWEN35_LINEAR_K_HEADS, QWEN35_LINEAR_V_HEADS = 16, 2, 4
+QWEN35_CONV_KERNEL = 4  # Qwen3.5's linear_conv_kernel_dim
+# Qwen3.5's interleaved M-RoPE at the tiny head size: rotate half the head (Qwen3.5 rotates a
+# quarter of 256), 4 rotary pairs split t/h/w as the sections say (they must sum to the pairs:
+# the converter's default [11, 11, 10] fits 256-wide heads only, and ggml aborts on it here,
+# ops.cpp "GGML_ASSERT(sect_dims <= ne0)"). On text every section has the same position.
+QWEN35_ROPE: dict[str, Any] = {
+    "rope_type": "default",
+    "rope_theta": pairs.ROPE_BASE,
+    "partial_rotary_factor": 0.5,
+    "mrope_section": [2, 1, 1],
+    "mrope_interleaved": True,
+}
+
+
+def qwen35_layer_types(n_layer: int) -> list[str]:
+    """Qwen3.5's layer kinds: full attention on every QWEN35_FULL_EVERY-th layer, else linear."""
+    return ["full_attention" if (il + 1) % QWEN35_FULL_EVERY == 0 else "linear_attention" for il in range(n_layer)]
+
+
+def _qwen35_config(sz: pairs.Sizes) -> object:
+    """Qwen3.5's text model at the tiny sizes: gated delta-net layers (conv, gated delta rule,
+    gated norm) and full-attention layers (output gate, q/k norms, partial interleaved M-RoPE,
+    which on text positions is plain RoPE on the rotated quarter)."""
+    from transformers import Qwen3_5TextConfig
+
+    s = sz.target
+    fields: dict[str, Any] = {
+        "vocab_size": sz.n_vocab,
+        "hidden_size": s.n_embd,
+        "intermediate_size": s.n_ff,
+        "num_hidden_layers": s.n_layer,
+        "num_attention_heads": s.n_head,
+        "num_key_value_heads": s.n_head_kv,
+        "head_dim": s.n_embd_head,
+        "layer_types": qwen35_layer_types(s.n_layer),
+        "full_attention_interval": QWEN35_FULL_EVERY,  # a config.json key the converter reads
+        "linear_conv_kernel_dim": QWEN35_CONV_KERNEL,
+        "linear_key_head_dim": QWEN35_LINEAR_HEAD_DIM,
+        "linear_value_head_dim": QWEN35_LINEAR_HEAD_DIM,
+        "linear_num_key_heads": QWEN35_LINEAR_K_HEADS,
+        "linear_num_value_heads": QWEN35_LINEAR_V_HEADS,
+        "max_position_embeddings": pairs.N_POS_TRAIN,
+        "rms_norm_eps": pairs.RMS_EPS,
+        "rope_parameters": dict(QWEN35_ROPE),
+        "tie_word_embeddings": False,
+    }
+    return Qwen3_5TextConfig(**fields)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
-    for f in (Family("qwen3moe", f"Qwen3-MoE target: {N_EXPERT} experts, top-{N_EXPERT_USED}", _qwen3moe_config),)
+    for f in (
+        Family("qwen3moe", f"Qwen3-MoE target: {N_EXPERT} experts, top-{N_EXPERT_USED}", _qwen3moe_config),
+        Family(
+            "gpt-oss",
+            f"gpt-oss target: sinks, sliding window {SLIDING_WINDOW} on even layers, "
+            f"{N_EXPERT} biased experts, top-{N_EXPERT_USED}, YaRN x{YARN_FACTOR:g}",
+            _gpt_oss_config,
+            gains=(("mlp.experts.gate_up_proj", GATE_UP_GAIN),),
+        ),
+        Family(
+            "qwen35",
+            f"Qwen3.5 target: gated delta-net layers, full attention every {QWEN35_FULL_EVERY}rd layer",
+            _qwen35_config,
+            no_mtp=True,
+            draft_against_target=True,
+        ),
+    )
 }
 
 
@@ -94,10 +230,13 @@ def write_family_fixture(outdir: str | Path, family: str, seed: int = 0) -> Path
     # Qwen3MoeModel.set_vocab's super() then fails ("TypeError: super(type, obj)"), so the pinned
     # converter cannot convert a drafter against a Qwen3-MoE directory. The vocabulary, the only
     # thing it reads there, is the same.
-    convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
+    if not fam.draft_against_target:
+        convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
     write_hf_target(out / TARGET_HF, fam, seed)
     write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
-    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF, spm_vocab=True)
+    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF, spm_vocab=True, no_mtp=fam.no_mtp)
+    if fam.draft_against_target:  # the target class's set_vocab reads tokenizer.model: SPM_VOCAB_BOOTSTRAP
+        convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF, spm_vocab=True)
     with replaced(out / "VARIANT") as tmp:
         tmp.write_text(f"{fam.name} (transformers target, converted): {fam.doc}\n")
     return out
@@ -113,15 +252,16 @@ def write_hf_target(path: Path, fam: Family, seed: int) -> Path:
 
     config = fam.config(pairs.TINY)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _seeded(model, seed)
+    _seeded(model, seed, dict(fam.gains))
     if path.exists():
         shutil.rmtree(path)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
-def _seeded(model: object, seed: int) -> None:
-    """Every parameter drawn from `seed`: matrices N(0, 1/n_in) as pairs._linear, vectors (norms)
+def _seeded(model: object, seed: int, gains: dict[str, float]) -> None:
+    """Every parameter drawn from `seed`: matrices N(0, 1/n_in) as pairs._linear (times the
+    family's gain for a parameter named in `gains`), vectors (norms, biases, sinks)
     1 + N(0, NORM_SPREAD), the embedding table N(0, EMBD_STD); transformers' own init is too
     small for a random model to route, attend or decode distinctly."""
     import torch
@@ -129,8 +269,9 @@ def _seeded(model: object, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     embed = model.get_input_embeddings().weight  # type: ignore[attr-defined]
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):  # type: ignore[attr-defined]
+        for name, p in sorted(model.named_parameters()):  # type: ignore[attr-defined]
             draw = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            draw *= next((f for suffix, f in gains.items() if name.endswith(suffix)), 1.0)
             if p is embed:
                 p.copy_(draw * EMBD_STD)
             elif p.ndim == 1:

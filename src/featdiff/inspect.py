@@ -8,7 +8,8 @@ from pathlib import Path
 
 from featdiff.dump import Dump, read_dump
 from featdiff.errors import InputError
-from featdiff.gguf_meta import model_info
+from featdiff.gguf_reader import model_info
+from featdiff.llama import ggml_dequant
 
 
 def describe(path: Path) -> str:
@@ -23,7 +24,7 @@ def describe(path: Path) -> str:
 
 
 def describe_gguf(path: Path) -> str:
-    info = model_info(path, with_hash=False)
+    info = model_info(path, with_hash=False, ggml=ggml_dequant.load)
     lines = [
         f"{path}: {info.architecture}, {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.n_vocab}",
         f"  weight types: {', '.join(info.weight_types) or '-'}",

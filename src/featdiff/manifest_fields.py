@@ -1,6 +1,8 @@
-"""Typed reading of a JSON manifest, field by field: each reader checks one value's type and
-range and raises `ManifestError` naming the value's path (`records[3].shape[1]`), which
-`featdiff.dump` turns into an InputError naming the file. No value is trusted, none is coerced.
+"""The manifest's schema beside the dump: `ModelInfo`, what a `models` entry says about a model
+(capture and the reference write it, compare reads it back), and typed reading of a JSON manifest,
+field by field: each reader checks one value's type and range and raises `ManifestError` naming
+the value's path (`records[3].shape[1]`), which `featdiff.dump` turns into an InputError naming the
+file. No value is trusted, none is coerced.
 """
 
 from __future__ import annotations
@@ -9,15 +11,90 @@ import itertools
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, cast, get_type_hints
 
-from featdiff.gguf_meta import ModelInfo
-from featdiff.names import CALLS, PHASES, ROLES, Phase, Role
+from featdiff import names
+from featdiff.names import CALLS, ROLES, Role
+from featdiff.phases import PHASES, Phase
 
 INT64 = 1 << 63  # every int of a manifest is a llama.cpp int32/int64 (or a count): |x| < 2**63
 SHOWN_CHARS = 40  # how much of a bad value a message quotes
 REQUIRED = object()  # `Fields.get`'s default: the field has none
+GGUF_PY = "gguf-py"  # ModelInfo.dequantized_by when the `gguf` package dequantized the weights
+
+# what a `models` entry without the fields a producer always writes reads as: unknown
+UNKNOWN_MODEL: dict[str, Any] = {"path": "", "sha256": "", "architecture": "", "n_layer": 0, "n_embd": 0, "n_vocab": 0}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The metadata of one model that matters for wiring (read from a GGUF by
+    featdiff.gguf_reader.model_info)."""
+
+    path: str
+    sha256: str
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    weight_types: tuple[str, ...]  # distinct ggml types of the 2-D weights
+    target_layers: tuple[int, ...] = ()  # drafter: input-of-layer ids (GGUF convention)
+    block_size: int = 0
+    mask_token_id: int = -1
+    log_snr: dict[str, Any] | None = None  # {"enabled", "min", "max"} for a drafter
+    has_own_embeddings: bool = False
+    has_log_snr_tensors: bool = False
+    rope_freq_base: float = names.ROPE_FREQ_BASE_DEFAULT
+    dspark: dict[str, Any] | None = None  # a DSpark drafter's heads (`dspark_info`); None without markov_w1
+    # a reference's GGUF: who dequantized its weights, GGUF_PY or the libggml-base file; None: not
+    # said (a capture, whose build's ggml reads them; a HF checkpoint, never quantized)
+    dequantized_by: str | None = None
+    # a drafter's keys and tensors llama.cpp computes and the reference does not model
+    # (featdiff.modelled); optional (docs/dump.md): written only when there is one
+    unmodelled: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["weight_types"] = list(self.weight_types)
+        d["target_layers"] = list(self.target_layers)
+        if self.dequantized_by is None:  # optional (docs/dump.md): written only where it says something
+            del d["dequantized_by"]
+        if self.unmodelled:
+            d["unmodelled"] = list(self.unmodelled)
+        else:
+            del d["unmodelled"]
+        return dict(sorted(d.items()))
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelInfo:
+        """A manifest's `models` entry (its field types checked by featdiff.dump on reading); a
+        field an older or hand-made dump lacks reads as unknown: "", 0, (), or its default."""
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        return cls(
+            **{
+                **UNKNOWN_MODEL,
+                **d,
+                "weight_types": tuple(d.get("weight_types", ())),
+                "target_layers": tuple(d.get("target_layers", ())),
+                "unmodelled": tuple(d.get("unmodelled", ())),
+            }
+        )
+
+
+def dspark_info(
+    rank: int, has_confidence_head: bool, sample_from_anchor: bool, causal: bool, n_vocab_draft: int
+) -> dict[str, Any]:
+    """ModelInfo's `dspark` entry (docs/dump.md): what the Markov and confidence heads are."""
+    return {
+        "markov": True,
+        "rank": rank,
+        "confidence_head": has_confidence_head,
+        "sample_from_anchor": sample_from_anchor,
+        "causal": causal,
+        "n_vocab_draft": n_vocab_draft,
+    }
 
 
 class ManifestError(ValueError):
@@ -82,8 +159,8 @@ def as_role(value: Any, where: str) -> Role:
 
 
 def as_phase(value: Any, where: str) -> Phase:
-    """An eval phase (names.PHASES), typed."""
-    return cast(Phase, as_str(value, where, PHASES))
+    """An eval phase (featdiff.phases.PHASES), typed."""
+    return Phase(as_str(value, where, PHASES))
 
 
 def as_call(value: Any, where: str) -> str:
@@ -173,8 +250,8 @@ class Fields:
         return read(self.d.get(key, REQUIRED), f"{self.at}.{key}" if self.at else key, *args)
 
 
-# What each `models` entry field must be, by ModelInfo's own field types (featdiff.gguf_meta: the
-# one home of those names); a field of a type not listed here is passed through unchecked.
+# What each `models` entry field must be, by ModelInfo's own field types (above: the one home of
+# those names); a field of a type not listed here is passed through unchecked.
 _READ_BY_TYPE: dict[Any, Callable[[Any, str], Any]] = {
     str: as_str,
     int: as_int,

@@ -6,7 +6,7 @@ load_hparams, names from `src/llama-arch.cpp`), and of what the pinned converter
 Consumes a drafter's metadata (GGUF keys and tensor names, or a HF config.json and tensor names);
 produces the names it carries that the reference does not compute as llama.cpp does. The reference
 refuses those (exit 2), lint lists them, capture records them in the manifest (`ModelInfo.unmodelled`)
-and compare names them instead of reporting a wiring fault. It sits below `gguf_meta` because
+and compare names them instead of reporting a wiring fault. It sits below `gguf_reader` because
 capture, lint and the reference all read it; docs/modelled.md is rendered from it (`render_markdown`).
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from featdiff import names
+from featdiff.phases import Phase
 
 Kind = Literal["key", "tensor", "file"]
 DFLASH_PREFIX = f"{names.ARCH_DFLASH}."
@@ -63,6 +64,7 @@ HF_EMBEDDING_SCALE = "input_embedding_scale"  # dflash_config's, else the top le
 HF_VALUE_SCALE = "attention_value_scale"  # dflash_config's
 HF_OUTPUT_MULTIPLIER = "output_multiplier"
 HF_SOFTCAP = "final_logit_softcapping"
+HF_PARTIAL_ROTARY = "partial_rotary_factor"  # the rotated share of the head (the converter's rope_parameters)
 HF_ROPE_IS_NEOX = "rope_is_neox_style"  # false: the converter permutes q/k rows into NeoX order
 T_FC_SCALE = "fc.scale"
 LAYER_ATTN_SINKS = "attn_sinks"  # blk.<il>.attn_sinks.weight, (n_head,) float32
@@ -86,7 +88,7 @@ TABLE: tuple[Entry, ...] = (
         "rope.dimension_count",
         True,
         "partial rotary: the first n_rot dims rotate, the rest pass through",
-        ("partial_rotary_factor",),
+        (HF_PARTIAL_ROTARY,),
     ),
     _k("rope.scaling.type", True, "none / linear / yarn (others refused by rope_params)", ("rope_scaling",)),
     _k("rope.scaling.factor", True, "freq_scale = 1 / factor", ("rope_scaling.factor",)),
@@ -132,10 +134,11 @@ TABLE: tuple[Entry, ...] = (
     _k("hidden_activation", False, "gelu FFN (silu is the default and modelled)", (), ("silu",)),
     _k(
         "rope.dimension_sections",
-        False,
-        "M-RoPE (degenerate sections for M-RoPE targets) through ggml_rope_multi",
-        (),
-        ((0, 0, 0, 0),),
+        True,
+        "M-RoPE through ggml_rope_multi: the degenerate sections [s, 0, 0, 0] the converter writes for "
+        "an M-RoPE target's drafter put every rotated pair in the text position's section, as NeoX RoPE "
+        "(degenerate_sections); any other sections are refused by the loader",
+        ("target's rope_scaling.mrope_section",),
     ),
     _k("block_size", True, "the draft block's rows", (_DC + "block_size", "block_size")),
     _k("target_layers", True, "the tapped target layers (hf + 1)", (_DC + "target_layer_ids",)),
@@ -252,8 +255,9 @@ TABLE: tuple[Entry, ...] = (
     Entry(
         MASK_EMBEDDING_FILE,
         "file",
-        False,
-        "the converter writes this vector into token_embd's mask row (HF directory only)",
+        True,
+        "the converter writes this vector into token_embd's mask row (the drafter's own table, else a copy "
+        "of the target's, with the target's head as output): the reference's noise embedding reads it there",
         (MASK_EMBEDDING_FILE,),
     ),
     Entry(
@@ -272,28 +276,28 @@ _BY_NAME = {e.name: e for e in TABLE}
 # no drafter record from there on (docs/findings.md, `unmodelled`). An entry not listed here, or a
 # name the table lacks, is first read by fc (FIRST_USE_UNKNOWN): every record the drafter computes.
 Use = tuple[str, str]
-FIRST_USE_UNKNOWN: Use = ("inject", names.INP_G_EMBEDDINGS)
-_ATTENTION: Use = ("draft", names.layer_name(names.KQV_OUT, 0))  # the draft block's first attention
-_FFN: Use = ("draft", names.layer_name(names.FFN_OUT, 0))
-_CONV: Use = ("draft", names.layer_name(names.QCUR, 0))  # DFlash2's conv reads noise_norm, feeds wq
-_SELECTOR: Use = ("draft", "dflash2_lattice")  # after result_output: the selector's own node
+FIRST_USE_UNKNOWN: Use = (Phase.INJECT, names.INP_G_EMBEDDINGS)
+_ATTENTION: Use = (Phase.DRAFT, names.layer_name(names.KQV_OUT, 0))  # the draft block's first attention
+_FFN: Use = (Phase.DRAFT, names.layer_name(names.FFN_OUT, 0))
+_CONV: Use = (Phase.DRAFT, names.layer_name(names.QCUR, 0))  # DFlash2's conv reads noise_norm, feeds wq
+_SELECTOR: Use = (Phase.DRAFT, "dflash2_lattice")  # after result_output: the selector's own node
 _FIRST_USE: dict[str, Use] = {
-    "fc.scale": ("inject", names.INP_G_EMBEDDINGS),
+    "fc.scale": (Phase.INJECT, names.INP_G_EMBEDDINGS),
     KEY_ATTN_SCALE: _ATTENTION,
     KEY_SLIDING_WINDOW: _ATTENTION,
     KEY_SLIDING_WINDOW_PATTERN: _ATTENTION,
     DFLASH_PREFIX + "hidden_activation": _FFN,
-    KEY_ROPE_SECTIONS: ("inject", names.layer_name(names.KCUR_INJECTED, 0)),
-    "blk.*.attn_q.scale": ("draft", names.layer_name(names.QCUR, 0)),
-    "blk.*.attn_k.scale": ("inject", names.layer_name(names.KCUR_INJECTED, 0)),
-    "blk.*.attn_v.scale": ("inject", names.layer_name(names.VCUR_INJECTED, 0)),
-    "blk.*.attn_output.scale": ("draft", names.layer_name(names.FFN_INP, 0)),
+    KEY_ROPE_SECTIONS: (Phase.INJECT, names.layer_name(names.KCUR_INJECTED, 0)),
+    "blk.*.attn_q.scale": (Phase.DRAFT, names.layer_name(names.QCUR, 0)),
+    "blk.*.attn_k.scale": (Phase.INJECT, names.layer_name(names.KCUR_INJECTED, 0)),
+    "blk.*.attn_v.scale": (Phase.INJECT, names.layer_name(names.VCUR_INJECTED, 0)),
+    "blk.*.attn_output.scale": (Phase.DRAFT, names.layer_name(names.FFN_INP, 0)),
     **{f"blk.*.{k}.scale": _FFN for k in ("ffn_gate", "ffn_up", "ffn_down")},
-    "blk.*.post_attention_norm.weight": ("draft", names.layer_name(names.FFN_INP, 0)),
-    "blk.*.post_ffw_norm.weight": ("draft", names.layer_name(names.L_OUT, 0)),
-    "blk.*.layer_output_scale.weight": ("draft", names.layer_name(names.L_OUT, 0)),
-    "output.scale": ("draft", names.RESULT_OUTPUT),
-    MASK_EMBEDDING_FILE: ("draft", names.INP_NOISE_EMBD),
+    "blk.*.post_attention_norm.weight": (Phase.DRAFT, names.layer_name(names.FFN_INP, 0)),
+    "blk.*.post_ffw_norm.weight": (Phase.DRAFT, names.layer_name(names.L_OUT, 0)),
+    "blk.*.layer_output_scale.weight": (Phase.DRAFT, names.layer_name(names.L_OUT, 0)),
+    "output.scale": (Phase.DRAFT, names.RESULT_OUTPUT),
+    MASK_EMBEDDING_FILE: (Phase.DRAFT, names.INP_NOISE_EMBD),
     **{DFLASH_PREFIX + k: _CONV for k in ("conv_kernel_size", "conv_group_size")},
     **{
         f"blk.*.{k}": _CONV
@@ -305,6 +309,19 @@ _FIRST_USE: dict[str, Use] = {
 
 # HF drafter tensors the reference reads that no GGUF tensor entry names (the converter drops t2d)
 _HF_IGNORED = ("t2d",)
+
+
+def degenerate_sections(n_embd_head: int) -> tuple[int, int, int, int]:
+    """The M-RoPE sections the converter writes for an M-RoPE target's drafter (conversion/qwen.py
+    DFlashModel: `[head_dim // 2, 0, 0, 0]`)."""
+    return (n_embd_head // 2, 0, 0, 0)
+
+
+def sections_modelled(sections: Iterable[int]) -> bool:
+    """Whether `dflash.rope.dimension_sections` computes as NeoX RoPE: no sections at all, or only
+    the first (ggml_rope_multi puts rotated pair i in section (i mod s0) < s0, the text position's)."""
+    s = tuple(int(x) for x in sections)
+    return len(s) == 4 and not any(s[1:])
 
 
 def entry(name: str) -> Entry:
@@ -324,7 +341,7 @@ def first_use(name: str) -> Use:
 def still_unmodelled(found: Iterable[str]) -> tuple[str, ...]:
     """The names of a manifest's `unmodelled` list this featdiff still does not model (a dump
     written before a feature was modelled names it; the reference computes it now)."""
-    return tuple(n for n in found if (e := _matching(n)) is None or not e.modelled)
+    return tuple(n for n in found if (e := _matching(n)) is None or not e.modelled or n in _BY_VALUE)
 
 
 def _matching(name: str) -> Entry | None:
@@ -338,6 +355,11 @@ def _inert(e: Entry, value: Any) -> bool:
     return any(v == x for x in e.inert)
 
 
+# Modelled keys modelled at some values only: key -> whether a value is (a manifest's list names
+# the key without its value, so still_unmodelled keeps these)
+_BY_VALUE = {KEY_ROPE_SECTIONS: sections_modelled}
+
+
 def unmodelled_in(keys: Mapping[str, Any], tensors: Iterable[str]) -> tuple[str, ...]:
     """The `dflash.*` keys and tensors of a drafter GGUF the reference does not model, each once
     (a layer's tensor as its `blk.*.` table name); a name the table lacks counts as unmodelled."""
@@ -346,7 +368,8 @@ def unmodelled_in(keys: Mapping[str, Any], tensors: Iterable[str]) -> tuple[str,
         if not key.startswith(DFLASH_PREFIX):
             continue
         e = _matching(key)
-        if e is None or (not e.modelled and not _inert(e, value)):
+        at_value = _BY_VALUE.get(key)
+        if e is None or (not e.modelled and not _inert(e, value)) or (at_value is not None and not at_value(value)):
             out.append(key)
     for name in tensors:
         e = _matching(name)
@@ -395,8 +418,7 @@ def unmodelled_in_hf(config: Mapping[str, Any], tensors: Iterable[str], files: I
             continue
         if name not in out:
             out.append(name)
-    if MASK_EMBEDDING_FILE in set(files):
-        out.append(MASK_EMBEDDING_FILE)
+    out += [f for f in files if (e := _BY_NAME.get(f)) is not None and e.kind == "file" and not e.modelled]
     return tuple(out)
 
 

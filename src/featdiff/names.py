@@ -1,5 +1,5 @@
 """Every foreign name featdiff relies on, spelled once: GGUF keys, llama.cpp callback names,
-ggml type ids, record roles and phases.
+ggml type ids and record roles. (The flow's phases and their rules live in featdiff.phases.)
 
 GGUF keys follow the upstream DFlash converter; callback names follow upstream
 `src/models/dflash.cpp` and the qwen3/llama target graphs.
@@ -7,16 +7,15 @@ GGUF keys follow the upstream DFlash converter; callback names follow upstream
 
 from typing import Literal
 
-# --- roles and phases of the DFlash flow (upstream common/speculative.cpp) -------------------
-Role = Literal["target", "draft"]
-Phase = Literal["prefill", "inject", "draft", "verify", "warmup"]
-ROLES: tuple[Role, ...] = ("target", "draft")
-PHASES: tuple[Phase, ...] = ("prefill", "inject", "draft", "verify", "warmup")
+# --- roles of the DFlash flow (upstream common/speculative.cpp; its phases: featdiff.phases) ----
+Role = Literal["target", "draft"]  # the model whose context ran an eval ("draft": the drafter)
+ROLE_TARGET: Role = "target"
+ROLE_DRAFT: Role = "draft"
+ROLES: tuple[Role, ...] = (ROLE_TARGET, ROLE_DRAFT)
 # how an eval ran: a decode (llama_decode / llama_process), or llama_encode, the older batch API
 # generation's inject encoder step (docs/flow.md)
 CALL_DECODE, CALL_ENCODE = "decode", "encode"
 CALLS = (CALL_DECODE, CALL_ENCODE)
-PHASE_WARMUP: Phase = "warmup"  # decodes outside the flow: warm-up, probes, throwaway contexts
 
 # --- GGUF metadata keys ------------------------------------------------------------------------
 ARCH_DFLASH = "dflash"

@@ -19,6 +19,7 @@ from featdiff.blocks import DEFAULT_DRAFT_MAX, run_block_rows
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
 from featdiff.filters import capture_filters
+from featdiff.phases import Phase
 
 DEFAULT_ROUNDS = 6  # in-process: rounds per prompt
 DEFAULT_N_PREDICT = 16  # through llama-server: tokens per request
@@ -163,11 +164,12 @@ def run_in_process(
 ) -> tuple[RunTrace, ...]:
     """Each prompt through the in-process DFlash driver, `rounds` rounds of `draft_max` drafts
     (clamped as llama.cpp clamps them), nothing captured."""
+    from featdiff.llama import ggml_dequant
     from featdiff.llama.capture import flow_config
     from featdiff.llama.runtime import Model, Runtime
-    from featdiff.reference.lint import preflight
+    from featdiff.preflight import preflight
 
-    preflight(Path(model), Path(target), rounds=rounds, draft_max=draft_max)
+    preflight(Path(model), Path(target), rounds=rounds, draft_max=draft_max, ggml=ggml_dequant.load)
     rt = Runtime.load(llama_dir)
     tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
     try:
@@ -225,9 +227,7 @@ def run_through_server(
 
 def split_requests(evals: tuple[Eval, ...]) -> list[tuple[Eval, ...]]:
     """The real evals of each request, in order: one flow each (docs/flow.md "Several flows")."""
-    from featdiff.llama.exec import WARMUP
-
-    real = [e for e in evals if e.phase != WARMUP]
+    real = [e for e in evals if e.phase != Phase.WARMUP]
     return [tuple(e for e in real if e.flow == k) for k in dict.fromkeys(e.flow for e in real)]
 
 
@@ -257,7 +257,7 @@ def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[
     """Per run round: the reference drafter's block at the same position, after the same tokens."""
     import torch
 
-    from featdiff.reference.flow import run_flow
+    from featdiff.torchref.replay import run_flow
 
     tokens = history(trace)
     out = []
@@ -319,9 +319,9 @@ def probe_traces(
     traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path, dtype: str = "float32", kv_dtype: str = "f16"
 ) -> Probe:
     """The probe of runs already made: each trace's rounds beside the reference drafter's."""
-    from featdiff.reference.load import load_draft, load_target
-    from featdiff.reference.run import numerics_from_options
-    from featdiff.reference.weights import check_pair
+    from featdiff.torchref.load import load_draft, load_target
+    from featdiff.torchref.run import numerics_from_options
+    from featdiff.torchref.weights import check_pair
 
     numerics = numerics_from_options(dtype, "cpu", kv_dtype)
     ref_t = load_target(ref_target, numerics.dtype, numerics.device)

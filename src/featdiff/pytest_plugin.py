@@ -5,7 +5,7 @@ drafter wiring with one test file (examples/test_drafter_wiring.py):
         assert_wired(featdiff_check("T.gguf", "D.gguf", ref_model="D-hf/", llama_dir="llama.cpp"))
 
 * fixture `featdiff_check`: a callable `(target, draft, **options) -> CheckResult`, `options`
-  those of `featdiff.check.check`; the dumps and the HTML report go to the test's `tmp_path`
+  those of `featdiff.verdict.check`; the dumps and the HTML report go to the test's `tmp_path`
   (`featdiff/` and `featdiff-report.html`) unless the options name other places.
 * `assert_wired(result)`: fails the test with the check's findings, accept figures and the report
   path when the verdict is not a pass.
@@ -34,7 +34,7 @@ def featdiff_check(tmp_path: Path) -> Callable[..., Any]:
 
 
 def _check_in(tmp_path: Path, target: str | Path, draft: str | Path, **options: Any) -> Any:
-    from featdiff.check import check
+    from featdiff.verdict import check
 
     options.setdefault("keep", tmp_path / KEEP_DIR)
     options.setdefault("report", tmp_path / REPORT_FILE)
@@ -45,6 +45,6 @@ def assert_wired(result: Any) -> None:
     """Fail (AssertionError) unless `result` (a CheckResult) passed; the message is the check's text."""
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
     if not result.ok:
-        from featdiff.check import render_text
+        from featdiff.verdict import render_text
 
         raise AssertionError(f"featdiff check failed: {'; '.join(result.reasons)}\n\n{render_text(result)}")

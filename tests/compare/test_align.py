@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from featdiff.compare import compare_dumps
-from featdiff.compare.align import plan_pairs, row_contexts
-from featdiff.compare.namemap import NameMap, builtin_map, read_name_map
+from featdiff.diff import compare_dumps
+from featdiff.diff.align import plan_pairs, row_contexts
+from featdiff.diff.namemap import NameMap, builtin_map, read_name_map
 from featdiff.dump import DumpWriter, Manifest, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
 

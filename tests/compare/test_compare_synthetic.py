@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from featdiff.compare import compare_dumps, exit_code
+from featdiff.diff import compare_dumps, exit_code
 from featdiff.dump import read_dump
 
 import synth
@@ -157,7 +157,7 @@ def test_head_major_keys_are_a_layout_transpose(synth_ref, tmp_path):
 
 
 def test_comparison_carries_the_layer_match_and_the_row_shift_it_concluded(synth_ref, synth_run):
-    from featdiff.compare import layer_match_matrix
+    from featdiff.diff import layer_match_matrix
 
     run = synth_run(spec=synth.Spec(target_layers=(3, 5)), models=REF_MODELS)
     c = compare_dumps(synth_ref, run, None)

@@ -3,15 +3,17 @@ silent on a neighbouring fault or on noise."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from featdiff.compare import detectors as d
-from featdiff.compare import wiring as w
-from featdiff.compare.detectors import Evidence, Rope, rotate
-from featdiff.compare.sketch import LayerMatch
-from featdiff.compare.tolerance import Tolerance
-from featdiff.compare.wiring import best_assignment
+from featdiff.diff import detectors as d
+from featdiff.diff.detectors import Evidence, Rope, best_assignment, rotate
+from featdiff.diff.result import KINDS
+from featdiff.diff.sketch import LayerMatch
+from featdiff.diff.tolerance import Tolerance
 
 TOL = Tolerance(rel=1e-3, sources=("test",))
 RNG = np.random.default_rng(0)
@@ -65,12 +67,14 @@ def test_zeros_silent_when_the_other_rows_also_differ():
 
 def test_stale_found_when_rows_repeat_an_earlier_eval():
     ref, earlier = rows(4), rows(4, seed=9)
-    f = d.detect_stale(evidence(ref, noisy(earlier), earlier=earlier, earlier_evals=(4,) * 4))
+    f = d.detect_stale_rows(evidence(ref, noisy(earlier), earlier=earlier, earlier_evals=(4,) * 4))
     assert f.kind == "stale" and f.fields["rows"] == [10, 11, 12, 13] and f.fields["source_eval"] == 4
 
 
 def test_stale_silent_without_a_matching_earlier_row():
-    assert d.detect_stale(evidence(rows(4), rows(4, seed=1), earlier=rows(4, seed=2), earlier_evals=(4,) * 4)) is None
+    assert (
+        d.detect_stale_rows(evidence(rows(4), rows(4, seed=1), earlier=rows(4, seed=2), earlier_evals=(4,) * 4)) is None
+    )
 
 
 # --- rows, layouts, positions ------------------------------------------------------------------
@@ -113,7 +117,7 @@ def test_position_offset_found_in_roped_keys(neox):
     rope = Rope(n_head=2, head_dim=8)
     ref = rows(width=16)
     run = rotate(ref, 3, rope, neox)
-    f = d.detect_position_offset(evidence(ref, run, rope=rope, tensor="Kcur_injected-0"))
+    f = d.detect_position_offset_of_record(evidence(ref, run, rope=rope, tensor="Kcur_injected-0"))
     assert f.kind == "position_offset" and f.fields["offset"] == 3
 
 
@@ -125,13 +129,13 @@ def test_rotate_by_k_then_minus_k_is_identity():
 
 def test_position_offset_found_in_integer_positions():
     ref = np.arange(10, 14, dtype=np.float64)[:, None]
-    f = d.detect_position_offset(evidence(ref, ref + 1, is_integer=True, tensor="inp_pos"))
+    f = d.detect_position_offset_of_record(evidence(ref, ref + 1, is_integer=True, tensor="inp_pos"))
     assert f.fields["offset"] == 1
 
 
 def test_position_offset_silent_on_unrelated_keys():
     ref = rows(width=16)
-    assert d.detect_position_offset(evidence(ref, rows(width=16, seed=5), rope=Rope(2, 8))) is None
+    assert d.detect_position_offset_of_record(evidence(ref, rows(width=16, seed=5), rope=Rope(2, 8))) is None
 
 
 # --- feature slots -----------------------------------------------------------------------------
@@ -146,7 +150,7 @@ def layer_match(observed: tuple[int, ...], expected=(2, 4), layers=tuple(range(6
 
 @pytest.mark.parametrize("observed,delta", [((3, 5), 1), ((1, 3), -1)])
 def test_layer_offset_names_slot_layers_and_delta(observed, delta):
-    f = w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match(observed)))
+    f = d.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match(observed)))
     assert f.kind == "layer_offset"
     assert (f.fields["slot"], f.fields["expected_layer"], f.fields["observed_layer"], f.fields["delta"]) == (
         0,
@@ -158,34 +162,34 @@ def test_layer_offset_names_slot_layers_and_delta(observed, delta):
 
 
 def test_layer_offset_reports_the_first_wrong_slot_only():
-    f = w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((2, 5))))
+    f = d.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((2, 5))))
     assert (f.fields["slot"], f.fields["delta"]) == (1, 1)
 
 
 def test_layer_offset_silent_when_slots_are_only_reordered():
-    assert w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((4, 2)))) is None
+    assert d.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((4, 2)))) is None
 
 
 def test_layer_offset_silent_when_no_layer_matches():
     lm = layer_match((3, 5), err_match=0.5)
-    assert w.detect_layer_offset(evidence(rows(), rows(seed=1), layers=lm)) is None
+    assert d.detect_layer_offset(evidence(rows(), rows(seed=1), layers=lm)) is None
 
 
 def test_slot_permutation_found_from_the_layer_matrix():
-    f = w.detect_slot_permutation(evidence(rows(), rows(seed=1), layers=layer_match((4, 2))))
+    f = d.detect_slot_permutation(evidence(rows(), rows(seed=1), layers=layer_match((4, 2))))
     assert f.kind == "slot_permutation" and f.fields["permutation"] == [1, 0]
 
 
 def test_slot_permutation_found_by_slot_assignment():
     ref = rows(width=3 * N)
     run = ref.reshape(T, 3, N)[:, [2, 0, 1], :].reshape(T, 3 * N)  # (T, 3 * N), slots reordered
-    f = w.detect_slot_permutation(evidence(ref, run, n_extract=3))
+    f = d.detect_slot_permutation(evidence(ref, run, n_extract=3))
     assert f.fields["permutation"] == [2, 0, 1]
 
 
 def test_slot_permutation_found_from_a_reference_candidate():
     ref, cand = rows(width=N), rows(width=N, seed=4)
-    f = w.detect_slot_permutation(
+    f = d.detect_slot_permutation(
         evidence(ref, noisy(cand), tensor="inp_g_embeddings", candidates={"inp_g_embeddings@slots=1,0": cand})
     )
     assert f.fields["permutation"] == [1, 0] and f.tensor == "inp_g_embeddings"
@@ -193,7 +197,7 @@ def test_slot_permutation_found_from_a_reference_candidate():
 
 def test_slot_permutation_silent_on_identity():
     ref = rows()
-    assert w.detect_slot_permutation(evidence(ref, noisy(ref), n_extract=K, layers=layer_match((2, 4)))) is None
+    assert d.detect_slot_permutation(evidence(ref, noisy(ref), n_extract=K, layers=layer_match((2, 4)))) is None
 
 
 def test_best_assignment_exhaustive_and_greedy_agree_on_a_clear_cost():
@@ -209,7 +213,7 @@ def test_best_assignment_exhaustive_and_greedy_agree_on_a_clear_cost():
 
 def test_missing_term_names_the_reference_component():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_missing_term(
+    f = d.detect_missing_term(
         evidence(
             embd + term,
             noisy(embd),
@@ -223,7 +227,7 @@ def test_missing_term_names_the_reference_component():
 
 def test_missing_term_found_downstream_when_the_run_graph_has_no_sum():
     out, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_missing_term(
+    f = d.detect_missing_term(
         evidence(
             out,
             rows(4, N, seed=3),
@@ -240,17 +244,17 @@ def test_missing_term_found_downstream_when_the_run_graph_has_no_sum():
 def test_missing_term_downstream_silent_when_the_sum_is_there_or_the_pair_feeds_it():
     out, term = rows(4, N), rows(4, N, seed=2)
     kw = dict(candidates={"dspark_log_snr_fc2": term})
-    assert w.detect_missing_term(evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0", **kw)) is None
+    assert d.detect_missing_term(evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0", **kw)) is None
     for record in ("inp_noise_embd", "dspark_log_snr_fc1"):
         ev = evidence(out, rows(4, N, seed=3), tensor=record, record=record, absent=LOG_SNR_ABSENT, **kw)
-        assert w.detect_missing_term(ev) is None
+        assert d.detect_missing_term(ev) is None
     ev = evidence(out, rows(4, N, seed=3), tensor="l_out-0", record="l_out-0", absent=LOG_SNR_ABSENT)
-    assert w.detect_missing_term(ev) is None  # no term in this eval: the checkpoint adds nothing here
+    assert d.detect_missing_term(ev) is None  # no term in this eval: the checkpoint adds nothing here
 
 
 def test_extra_term_names_the_reference_component():
     embd, term = rows(4, N), rows(4, N, seed=2)
-    f = w.detect_extra_term(
+    f = d.detect_extra_term(
         evidence(embd, noisy(embd + term), tensor="inp_noise_embd", candidates={"dspark_log_snr_fc2": term})
     )
     assert f.kind == "extra_term" and f.fields["term"] == "dspark_log_snr_fc2" and f.tensor == "inp_noise_embd"
@@ -259,12 +263,12 @@ def test_extra_term_names_the_reference_component():
 def test_terms_silent_when_the_residual_is_something_else():
     embd, term = rows(4, N), rows(4, N, seed=2)
     ev = evidence(embd, rows(4, N, seed=3), candidates={"dspark_log_snr_fc2": term})
-    assert w.detect_missing_term(ev) is None and w.detect_extra_term(ev) is None
+    assert d.detect_missing_term(ev) is None and d.detect_extra_term(ev) is None
 
 
 def test_wrong_source_names_the_table():
     own, target = rows(4, N), rows(4, N, seed=7)
-    f = w.detect_wrong_source(
+    f = d.detect_wrong_source(
         evidence(own, noisy(target), tensor="inp_noise_embd", candidates={"inp_noise_embd@table=target": target})
     )
     assert f.kind == "wrong_source" and f.fields["source"] == "target"
@@ -273,7 +277,7 @@ def test_wrong_source_names_the_table():
 def test_wrong_source_ignores_candidates_other_detectors_own():
     own, cand = rows(4, N), rows(4, N, seed=7)
     ev = evidence(own, cand, candidates={"dspark_draft_embd_snr@log_snr=none": cand, "x@slots=1,0": cand})
-    assert w.detect_wrong_source(ev) is None
+    assert d.detect_wrong_source(ev) is None
 
 
 def test_scale_reports_the_factor():
@@ -312,15 +316,71 @@ def test_numeric_noise_is_info_and_absent_for_identical_data():
     assert d.detect_numeric_noise("l_out-3", 0.0, TOL) is None
 
 
-def test_detectors_are_deterministic():
-    """Two calls on equal evidence (each built afresh) give one finding, the same both times."""
+def _with_nan() -> Evidence:
+    ref = rows()
+    run = ref.copy()
+    run[2, 3] = np.nan
+    return evidence(ref, run)
 
-    def shifted() -> Evidence:
-        ref = rows()
-        return evidence(ref, np.roll(ref, -1, axis=0), ref_all=ref, ref_all_positions=tuple(range(10, 18)))
 
-    first, second = d.detect_row_shift(shifted()), d.detect_row_shift(shifted())
-    assert first is not None and first.kind == "row_shift" and first.fields["shift"] == 1
+def _with_zeros() -> Evidence:
+    ref = rows()
+    run = ref.copy()
+    run[[0, 1]] = 0.0
+    return evidence(ref, run)
+
+
+def _repeating_an_earlier_eval() -> Evidence:
+    earlier = rows(4, seed=9)
+    return evidence(rows(4), earlier.copy(), earlier=earlier, earlier_evals=(4,) * 4)
+
+
+def _shifted() -> Evidence:
+    ref = rows()
+    return evidence(ref, np.roll(ref, -1, axis=0), ref_all=ref, ref_all_positions=tuple(range(10, 18)))
+
+
+def _misplaced() -> Evidence:
+    ref = rows()
+    run = np.concatenate([ref[:4], ref[:4]])  # (8, width): rows 4..7 hold rows 0..3
+    return evidence(ref, run, ref_all=ref, ref_all_positions=tuple(range(10, 18)))
+
+
+def _scaled() -> Evidence:
+    ref = rows()
+    return evidence(ref, 1.25 * ref)
+
+
+def _positions_late() -> Evidence:
+    ref = np.arange(10, 14, dtype=np.float64)[:, None]
+    return evidence(ref, ref + 1, is_integer=True, tensor="inp_pos")
+
+
+def _layer_major() -> Evidence:
+    ref = rows()
+    run = ref.reshape(T, K, N).transpose(1, 0, 2).reshape(T, K * N)  # (K, T, N) buffer read as (T, K * N)
+    return evidence(ref, run, run_raw=run, n_extract=K)
+
+
+@pytest.mark.parametrize(
+    "detect, planted",
+    [
+        (d.detect_nonfinite, _with_nan),
+        (d.detect_zeros, _with_zeros),
+        (d.detect_stale_rows, _repeating_an_earlier_eval),
+        (d.detect_row_shift, _shifted),
+        (d.detect_misplaced_rows, _misplaced),
+        (d.detect_scale, _scaled),
+        (d.detect_position_offset_of_record, _positions_late),
+        (d.detect_layout_transpose, _layer_major),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_detectors_are_deterministic(detect, planted):
+    """Two calls on equal evidence (each built afresh) give one finding, of the detector's own
+    kind, the same both times."""
+    first, second = detect(planted()), detect(planted())
+    assert first is not None and detect.__name__.startswith(f"detect_{first.kind}")
     assert first == second
 
 
@@ -349,3 +409,68 @@ def test_misplaced_rows_needs_every_wrong_row_to_be_some_reference_row():
     assert d.detect_misplaced_rows(ev) is None
     assert d.detect_misplaced_rows(Evidence("x", ref, ref.copy(), tol, positions=tuple(range(8)), ref_all=ref,
                                           ref_all_positions=tuple(range(8)))) is None  # fmt: skip
+
+
+# --- the detector contract, for every detector of the package ----------------------------------
+
+PACKAGE = Path(d.__file__).parent
+SOURCE = PACKAGE.parents[1]  # src/featdiff
+# what a pure detector never imports: files, processes, clocks, logs, randomness
+IMPURE_MODULES = {"io", "logging", "os", "pathlib", "random", "shutil", "subprocess", "sys", "tempfile", "time"}
+
+
+def _detector_defs() -> list[tuple[str, ast.FunctionDef]]:
+    """(module, definition) of every module-level `detect_*` function of the detectors package."""
+    return [
+        (path.name, node)
+        for path in sorted(PACKAGE.glob("*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("detect_")
+    ]
+
+
+def _kind_of(name: str) -> str | None:
+    """The finding kind a detector's name says: `detect_<kind>` or `detect_<kind>_<what it reads>`."""
+    rest = name.removeprefix("detect_")
+    return max((k for k in KINDS if rest == k or rest.startswith(f"{k}_")), key=len, default=None)
+
+
+def test_detector_names_are_unique_and_each_names_a_kind():
+    names = [f"{module}: {node.name}" for module, node in _detector_defs()]
+    assert len({n.split(": ")[1] for n in names}) == len(names), sorted(names)
+    assert [n for n in names if _kind_of(n.split(": ")[1]) is None] == []
+    assert {_kind_of(node.name) for _, node in _detector_defs()} == set(KINDS)  # each kind has its detector
+
+
+def test_every_detector_states_its_hypothesis_and_evidence_and_returns_a_finding():
+    for module, node in _detector_defs():
+        doc = ast.get_docstring(node) or ""
+        assert doc.startswith("Hypothesis:") and "Evidence" in doc, f"{module}: {node.name}"
+        assert node.returns is not None and ast.unparse(node.returns) in ("Finding | None", "Finding"), node.name
+
+
+def test_every_detector_is_exported_by_the_package():
+    assert {node.name for _, node in _detector_defs()} == {n for n in d.__all__ if n.startswith("detect_")}
+    assert all(callable(getattr(d, n)) for n in d.__all__)
+
+
+def test_detector_modules_do_no_io():
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+            n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+        }
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert not imported & IMPURE_MODULES and not called & {"print", "open", "input"}, path.name
+
+
+def test_every_finding_is_made_from_its_kinds_record():
+    """Only `Finding.of(<the kind's record>, ...)` makes a finding (result.py's from_json reads
+    one back): no producer writes a kind's fields as a dict of its own."""
+    makers = [
+        f"{path.relative_to(SOURCE)}:{n.lineno}"
+        for path in sorted(SOURCE.rglob("*.py"))
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Finding"
+    ]
+    assert [m for m in makers if not m.startswith("diff/result.py:")] == []

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from featdiff import names
-from featdiff.compare import compare_dumps, exit_code
-from featdiff.compare.detectors import Evidence, detect_expert_choice
-from featdiff.compare.tolerance import Tolerance
+from featdiff.diff import compare_dumps, exit_code
+from featdiff.diff.detectors import Evidence, detect_expert_choice
+from featdiff.diff.tolerance import Tolerance
 from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
 
 import synth

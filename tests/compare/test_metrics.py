@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from featdiff.compare.metrics import measure, relative_error, row_cosine, row_similarity
-from featdiff.compare.sketch import compare_sketches, projection, sample_rows, sketch, slot_sketches
-from featdiff.compare.tolerance import (
+from featdiff.diff.metrics import measure, relative_error, row_cosine, row_similarity
+from featdiff.diff.sketch import compare_sketches, projection, sample_rows, sketch, slot_sketches
+from featdiff.diff.tolerance import (
     MAX_REL,
     REL_F32,
     REL_KV_F16,

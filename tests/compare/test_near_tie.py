@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featdiff.compare import compare_dumps, exit_code
-from featdiff.compare.detectors import detect_near_tie, parting_divergence
-from featdiff.compare.partings import MARGIN_SPREAD, Parting, find_partings
-from featdiff.compare.tolerance import TypeInfo, tolerance_for, type_info
+from featdiff.diff import compare_dumps, exit_code
+from featdiff.diff.detectors import detect_divergence_by_margin, detect_near_tie
+from featdiff.diff.partings import MARGIN_SPREAD, Parting, find_partings
+from featdiff.diff.tolerance import TypeInfo, tolerance_for, type_info
 from featdiff.dump import DumpWriter, read_dump, record_from_array, record_key
 from featdiff.names import DRAFT_LOGITS, RESULT_OUTPUT
 
@@ -55,12 +55,12 @@ def test_near_tie_found_when_the_margin_is_within_the_bound():
         "bound": 0.05,
     }
     assert "near-tie at round 2, row 1" in f.message and "0.01 <= noise bound 0.05" in f.message
-    assert parting_divergence(_parting(0.01, 0.05)) is None
+    assert detect_divergence_by_margin(_parting(0.01, 0.05)) is None
 
 
 def test_parting_beyond_the_bound_is_no_near_tie_but_a_divergence_by_margin():
     assert detect_near_tie(_parting(0.5, 0.05)) is None
-    f = parting_divergence(_parting(0.5, 0.05))
+    f = detect_divergence_by_margin(_parting(0.5, 0.05))
     assert f is not None and f.kind == "divergence" and f.severity == "error"
     assert (f.fields["metric"], f.fields["value"], f.fields["tolerance"]) == ("margin", 0.5, 0.05)
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from featdiff import names
-from featdiff.compare import compare_dumps, exit_code
-from featdiff.compare.result import Finding
+from featdiff.diff import compare_dumps, exit_code
+from featdiff.diff.result import Finding
 from featdiff.dump import DumpWriter, read_dump, record_key
 
 from findings_schema import validate_findings, written
@@ -232,7 +232,7 @@ def test_stale_found_in_data_from_the_previous_round(clean, tmp_path):
 
 
 def test_position_offset_found_in_keys_roped_two_positions_late(clean, tmp_path):
-    from featdiff.compare.detectors import Rope, rotate
+    from featdiff.diff.detectors import Rope, rotate
 
     def late(a):
         n_tokens, n_head, head_dim = a.shape

@@ -11,10 +11,10 @@ import numpy as np
 from rich.console import Console
 from typer.testing import CliRunner
 
-import featdiff.compare
+import featdiff.diff
 from featdiff.cli import app
-from featdiff.compare import compare_dumps, exit_code, render_summary, verdict, write_json
-from featdiff.compare.result import Coverage, Finding
+from featdiff.diff import compare_dumps, exit_code, render_summary, verdict, write_json
+from featdiff.diff.result import Coverage, Finding
 
 import synth
 
@@ -108,7 +108,7 @@ def test_cli_map_option_reads_a_name_map(synth_ref, synth_run, tmp_path):
 
 def test_json_never_overwrites_the_name_map_it_was_compared_with(synth_ref, synth_run, tmp_path):
     name_map = tmp_path / "fork.toml"
-    name_map.write_bytes((Path(featdiff.compare.__file__).parent / "maps" / "dspark.toml").read_bytes())
+    name_map.write_bytes((Path(featdiff.diff.__file__).parent / "maps" / "dspark.toml").read_bytes())
     before = name_map.read_bytes()
     result = CliRunner().invoke(
         app, ["compare", str(synth_ref), str(synth_run()), "--map", str(name_map), "--json", str(name_map)]

@@ -1,12 +1,12 @@
-"""The figures compare returns with its findings (compare/sketch.py `LayerMatch`, compare/rowshift.py
+"""The figures compare returns with its findings (diff/sketch.py `LayerMatch`, diff/rowshift.py
 `RowShift`), built from arrays, no dumps."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from featdiff.compare.rowshift import MAX_SHIFT_ROWS, SHIFT_MARGIN_ROWS, measure_row_shift
-from featdiff.compare.sketch import LayerMatch
+from featdiff.diff.rowshift import MAX_SHIFT_ROWS, SHIFT_MARGIN_ROWS, measure_row_shift
+from featdiff.diff.sketch import LayerMatch
 
 
 def _match(similarity: np.ndarray, layers: tuple[int, ...], expected: tuple[int, ...]) -> LayerMatch:

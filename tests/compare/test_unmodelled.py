@@ -9,9 +9,9 @@ the unmodelled feature as a capture writes it (`models.draft.unmodelled`, docs/d
 from __future__ import annotations
 
 from featdiff import modelled, names
-from featdiff.compare import compare_dumps, exit_code, verdict
-from featdiff.compare.dependence import Gap, gap_of, graph_rank
-from featdiff.compare.detectors import detect_unmodelled
+from featdiff.diff import compare_dumps, exit_code, verdict
+from featdiff.diff.dependence import Gap, gap_of, graph_rank
+from featdiff.diff.detectors import detect_unmodelled
 from featdiff.dump import read_dump
 
 import synth

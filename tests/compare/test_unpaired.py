@@ -11,7 +11,15 @@ import numpy as np
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.compare import compare_dumps, exit_code, verdict
+from featdiff.diff import compare_dumps, exit_code, verdict
+from featdiff.diff.result import (
+    ERROR_SKIPS,
+    EXPECTED_SKIPS,
+    EXPLAINABLE_SKIPS,
+    INFO_SKIPS,
+    QUIET_SKIPS,
+    SKIP_REASONS,
+)
 from featdiff.dump import DumpWriter, read_dump, record_from_array, record_key
 
 import synth
@@ -220,3 +228,11 @@ def test_dumps_of_other_prompts_that_share_nothing_say_so_and_exit_2(synth_ref, 
     assert (
         "the run decoded another prompt than the reference: they differ at token 0 (run 6, reference 5" in result.output
     )
+
+
+def test_each_skip_reason_is_judged_one_way():
+    """Every skip reason is in exactly one class (result.py, one home): an error another error
+    finding may explain, always an error, expected with an info line, or expected and quiet."""
+    classes = (EXPLAINABLE_SKIPS, ERROR_SKIPS, INFO_SKIPS, QUIET_SKIPS)
+    assert sorted(r for c in classes for r in c) == sorted(SKIP_REASONS)
+    assert EXPECTED_SKIPS == INFO_SKIPS + QUIET_SKIPS

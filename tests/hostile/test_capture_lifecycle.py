@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -22,7 +23,7 @@ from featdiff.cli import app
 from featdiff.dump import read_dump, record_key
 from featdiff.filters import capture_filters
 from featdiff.llama import exec as exec_capture
-from featdiff.llama import spool
+from featdiff.llama import spool, spool_index
 from featdiff.llama.capture import capture
 from featdiff.llama.preload import preload
 from featdiff.llama.recover import pack_spool
@@ -212,22 +213,80 @@ def test_pack_keeps_every_complete_record_after_a_short_one_and_counts_the_dropp
     copy = _copy_spool(exec_spool, tmp_path / "run.npz.spool")
     index, data = spool.spool_files(copy)
     lines = index.read_bytes().splitlines(keepends=True)
-    records = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == spool.RECORD]
-    middle = records[len(records) // 2]
-    short = json.loads(lines[middle])
+    records = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == spool_index.RECORD]
+    middle, other = records[len(records) // 2], records[len(records) // 3]
+    short, missized = json.loads(lines[middle]), json.loads(lines[other])
     short["offset"] = data.stat().st_size  # its bytes are past the end of the data file
-    lines[middle] = json.dumps(short).encode() + b"\n"
+    missized["nbytes"] += 4  # its byte count is not its shape's
+    lines[middle], lines[other] = (json.dumps(e).encode() + b"\n" for e in (short, missized))
     index.write_bytes(b"".join(lines) + b'{"kind": "record", "eval": ')  # and a torn last line
     result = CliRunner().invoke(app, ["pack", str(copy), "-o", str(tmp_path / "run.npz")])
     assert result.exit_code == 0, result.output
-    kept = exec_spool_packed.kept - 1
+    kept = exec_spool_packed.kept - 2
     assert f"packed {kept} complete records" in result.output
-    assert "warning: dropped 2 (1: data file ends early, 1: torn index line)" in result.output
+    assert (
+        "warning: dropped 3 (1: byte count does not match the shape, 1: data file ends early, 1: torn index line)"
+        in result.output
+    )
     with read_dump(exec_spool_packed.path) as whole, read_dump(tmp_path / "run.npz") as packed:
         lost = {r.key for r in whole.manifest.records} - {r.key for r in packed.manifest.records}
         assert len(packed.manifest.records) == kept
-    role = ROLES[int(short["role"])]
-    assert lost == {record_key(int(short["eval"]), role, short["name"], int(short["occurrence"]))}
+    assert lost == {
+        record_key(int(e["eval"]), ROLES[int(e["role"])], e["name"], int(e["occurrence"])) for e in (short, missized)
+    }
+
+
+def _preload_spool(prefix: Path, lines: list[dict], data: bytes = b"") -> Path:
+    """A preload spool written by hand: its index lines and data bytes."""
+    index, data_path = spool.spool_files(prefix)
+    index.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data_path.write_bytes(data)
+    return prefix
+
+
+# the lines native/featdiff_preload.c writes for a program that decoded two tokens on one context
+PRELOAD_LINES = [
+    {"kind": "exec_start", "pid": 1, "library": "libllama.so"},
+    {"kind": "exec_context", "ctx": 0, "ok": True, "role": 0, "model": 1, "arch": "qwen3", "n_ubatch": 512,
+     "n_seq_max": 1, "kv_unified": False},
+    {"kind": "exec_eval", "eval": 0, "ctx": 0, "call": "decode", "n_tokens": 2, "token_ids": [5, 6],
+     "positions": [0, 1], "seq_ids": [0, 0], "outputs": [1, 1]},
+    {"kind": "exec_done", "eval": 0, "rc": 0, "ms": 1.0},
+]  # fmt: skip
+RECORD_LINE = {"kind": "record", "eval": 0, "ubatch": 0, "role": 0, "occurrence": 0, "name": "result_output",
+               "op": "MUL_MAT", "ggml_type": "f32", "n_dims": 2, "ne": [4, 2, 1, 1], "nb": [4, 16, 32, 32],
+               "srcs": [], "dtype": "float32", "offset": 0, "nbytes": 32, "is_leaf": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        {k: v for k, v in PRELOAD_LINES[2].items() if k != "positions"},
+        {**PRELOAD_LINES[2], "seq_ids": "0,0"},
+        {**PRELOAD_LINES[1], "role": 7},
+    ],
+    ids=["a-field-missing", "a-field-of-another-type", "no-such-role"],
+)
+def test_a_preload_line_without_its_fields_exits_2_naming_the_index(line, tmp_path):
+    lines = [line if e["kind"] == line["kind"] else e for e in PRELOAD_LINES]
+    prefix = _preload_spool(tmp_path / "run.npz.spool", lines)
+    result = CliRunner().invoke(app, ["pack", str(prefix), "-o", str(tmp_path / "run.npz")])
+    assert result.exit_code == 2, result.output
+    assert f"{spool.spool_files(prefix)[0]}: an {line['kind']} line of the preload" in result.output
+    assert not (tmp_path / "run.npz").exists()
+
+
+def test_a_record_line_with_a_field_of_another_type_is_dropped_and_counted(tmp_path):
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)  # (n_tokens, n_vocab)
+    bad = {**RECORD_LINE, "occurrence": 1, "nbytes": "32"}
+    prefix = _preload_spool(tmp_path / "run.npz.spool", [*PRELOAD_LINES, RECORD_LINE, bad], rows.tobytes())
+    result = CliRunner().invoke(app, ["pack", str(prefix), "-o", str(tmp_path / "run.npz")])
+    assert result.exit_code == 0, result.output
+    assert "packed 1 complete records" in result.output and "1: unreadable index line" in result.output
+    with read_dump(tmp_path / "run.npz") as dump:
+        (record,) = dump.manifest.records
+        assert (record.phase, record.shape) == ("prefill", (2, 4))
+        np.testing.assert_array_equal(dump.array(record), rows)
 
 
 # ---------------------------------------------------------------- signals

@@ -40,7 +40,7 @@ from hostile_dumps import (
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.dump import (
     INFLATION_FLOOR,
     MANIFEST_MEMBER,
@@ -475,7 +475,7 @@ REFUSAL = """
 import json, re, sys, time
 from pathlib import Path
 from featdiff.cli import main
-import featdiff.compare  # what `featdiff compare` imports first: part of the baseline
+import featdiff.diff  # what `featdiff compare` imports first: part of the baseline
 
 def peak_rss():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024

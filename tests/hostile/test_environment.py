@@ -198,12 +198,12 @@ def test_a_dump_writer_out_of_room_removes_its_partial_file(tmp_path):
 def test_a_write_out_of_room_no_writer_named_is_exit_2_naming_its_file(monkeypatch, tmp_path, code):
     """An OSError out of room raised past the writers (a cache, a spool) is the user's, not a bug:
     main says so in one line, naming the file the system named. (Mocked: a full disk on demand.)"""
-    import featdiff.compare
+    import featdiff.diff
 
     def full(*args, **kwargs):
         raise OSError(code, os.strerror(code), str(tmp_path / "cache.bin"))
 
-    monkeypatch.setattr(featdiff.compare, "compare_dumps", full)
+    monkeypatch.setattr(featdiff.diff, "compare_dumps", full)
     for name in ("ref.npz", "run.npz"):
         (tmp_path / name).write_bytes(b"")
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "ref.npz"), str(tmp_path / "run.npz")])

@@ -1,4 +1,4 @@
-"""Hostile inputs to the producers' pre-flight (featdiff.reference.lint.preflight), the bound on
+"""Hostile inputs to the producers' pre-flight (featdiff.preflight.preflight), the bound on
 a flow's positions (featdiff.blocks) and the `--filter` parser: crafted drafter GGUFs, files that
 are no GGUF, runaway `--rounds` and a typo of a role. Each is refused with one line and exit 2
 before llama.cpp or the reference starts, and `featdiff lint` names each GGUF's problem."""
@@ -19,9 +19,10 @@ from featdiff import names
 from featdiff.blocks import MAX_BLOCK_SIZE, block_size_problem, check_rounds_fit, flow_positions
 from featdiff.cli import EXIT_FINDINGS, EXIT_INPUT, app
 from featdiff.errors import InputError
-from featdiff.reference import run as reference_run
-from featdiff.reference.gguf_io import read_gguf, trained_context
-from featdiff.reference.lint import lint_gguf, preflight
+from featdiff.gguf_reader import read_gguf, trained_context
+from featdiff.preflight import preflight
+from featdiff.torchref import run as reference_run
+from featdiff.torchref.lint import lint_gguf
 
 runner = CliRunner()
 CLI = [sys.executable, "-c", "from featdiff.cli import main; main()"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 
 from real_flow import reference_of

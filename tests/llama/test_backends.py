@@ -26,7 +26,7 @@ def _cuda_build() -> Path:
 
 @pytest.mark.cuda
 def test_cuda_capture_matches_the_cpu_capture(fixture_models, captured, tmp_path):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
     from featdiff.llama.capture import capture
 
     llama_dir = _cuda_build()

@@ -268,7 +268,7 @@ def test_reference_of_the_runs_block_length_compares_clean(run_draft_max_2, fixt
     from typer.testing import CliRunner
 
     from featdiff.cli import app
-    from featdiff.compare import compare_dumps, exit_code
+    from featdiff.diff import compare_dumps, exit_code
 
     d, ref = fixture_models("clean"), tmp_path / "ref.npz"
     result = CliRunner().invoke(
@@ -299,7 +299,7 @@ def test_reference_of_the_runs_block_length_compares_clean(run_draft_max_2, fixt
 
 
 def test_a_reference_of_longer_blocks_names_the_block_length(run_draft_max_2, referenced):
-    from featdiff.compare import compare_dumps, exit_code
+    from featdiff.diff import compare_dumps, exit_code
 
     comparison = compare_dumps(referenced("clean"), run_draft_max_2)  # llama.cpp's default: 4-row blocks
     assert exit_code(comparison) == 1

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from featdiff import fixtures, names
-from featdiff.compare import compare_dumps, exit_code
+from featdiff.diff import compare_dumps, exit_code
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.capture import capture
 from featdiff.probe import probe
-from featdiff.reference.run import reference
+from featdiff.torchref.run import reference
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from test_exec import RUN_TIMEOUT_S, TOKENS
 

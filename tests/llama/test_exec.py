@@ -15,8 +15,8 @@ from featdiff import pairs
 from featdiff.cli import app
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
-from featdiff.llama.exec import flow_evals, prompt_from_evals
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
+from featdiff.llama.exec_phases import derive_rounds, flow_evals, flow_notes, prompt_from_evals
 from featdiff.llama.preload import preload, preload_library
 
 from real_flow import DEFAULT_TOKENS
@@ -126,7 +126,7 @@ def test_warmup_and_probe_decodes_are_kept_apart(exec_captured):
 
 
 def test_speculative_simple_capture_compares_clean_against_the_reference(exec_captured, reference_for):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
 
     run = exec_captured("llama-speculative-simple")
     comparison = compare_dumps(reference_for(run, "clean"), run)
@@ -134,7 +134,7 @@ def test_speculative_simple_capture_compares_clean_against_the_reference(exec_ca
 
 
 def test_server_capture_compares_clean_against_the_reference(exec_captured, reference_for):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
 
     run = exec_captured("llama-server")
     comparison = compare_dumps(reference_for(run, "clean"), run)
@@ -142,7 +142,7 @@ def test_server_capture_compares_clean_against_the_reference(exec_captured, refe
 
 
 def test_layers_off_by_one_around_llama_server_is_a_layer_offset(exec_captured, reference_for):
-    from featdiff.compare import compare_dumps, exit_code
+    from featdiff.diff import compare_dumps, exit_code
 
     run = exec_captured("llama-server", "layers-plus1")
     comparison = compare_dumps(reference_for(run, "layers-plus1"), run)
@@ -265,8 +265,6 @@ def test_a_failing_program_exits_2_naming_its_exit_code(tools, tmp_path):
 
 
 def test_flow_notes_name_refused_decodes_and_n_past_drift_but_not_a_new_prompt():
-    from featdiff.llama.exec import derive_rounds, flow_notes
-
     e = -1  # an embedding row
     log = _log(
         [

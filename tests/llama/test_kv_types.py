@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.compare import compare_dumps, exit_code
-from featdiff.compare.tolerance import TypeInfo, tolerance_for
+from featdiff.diff import compare_dumps, exit_code
+from featdiff.diff.tolerance import TypeInfo, tolerance_for
 from featdiff.dump import MANIFEST_MEMBER, CacheTypes, read_dump
 from featdiff.fixtures import write_fixture
 from featdiff.llama import exec as exec_capture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.fixtures import VOCAB_SPM, write_fixture
 from featdiff.llama import binding

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from featdiff import fixtures, names
-from featdiff.compare import compare_dumps, exit_code
+from featdiff.diff import compare_dumps, exit_code
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.probe import probe, read_prompts

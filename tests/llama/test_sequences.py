@@ -3,9 +3,10 @@ per sequence, and each sequence's requests become flows of their own (docs/flow.
 
 from __future__ import annotations
 
-from featdiff.llama.exec import flow_evals
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
+from featdiff.llama.exec_phases import derive_rounds, flow_evals, whole_calls
 from featdiff.llama.sequences import Split, equal_graphs, graph_rows, seq_runs, split_decodes
+from featdiff.llama.spool_index import RecordEvent
 
 E = -1  # an embedding row
 
@@ -17,9 +18,9 @@ def _log(evals, records=()) -> ExecLog:
     return ExecLog("libllama.so", ctxs, evs, (), tuple(records), 0)
 
 
-def _record(ev: int, name: str, n_rows: int, width: int = 4, offset: int = 0) -> dict:
-    return {"eval": ev, "ubatch": 0, "role": 0, "name": name, "occurrence": 0, "ne": [width, n_rows, 1, 1],
-            "nbytes": 4 * width * n_rows, "offset": offset}  # fmt: skip
+def _record(ev: int, name: str, n_rows: int, width: int = 4, offset: int = 0, ubatch: int = 0) -> RecordEvent:
+    return RecordEvent(eval=ev, role="target", name=name, occurrence=0, op="", ggml_type="f32", ne=(width, n_rows, 1, 1),
+                       nb=(), srcs=(), dtype="float32", offset=offset, nbytes=4 * width * n_rows, ubatch=ubatch)  # fmt: skip
 
 
 ONE_STREAM = {0: Split(512), 1: Split(512)}
@@ -51,7 +52,7 @@ def test_a_decode_of_two_sequences_becomes_two_with_their_rows_and_records():
         (0, (0, 1, 2), (0, 0, 0)),
         (1, (0, 1), (1, 1)),
     ]
-    cut = [(r["eval"], r["ne"][1], r["offset"], r["nbytes"]) for r in split.log.records]
+    cut = [(r.eval, r.ne[1], r.offset, r.nbytes) for r in split.log.records]
     assert cut == [(0, 3, 100, 48), (1, 2, 148, 32)]
     assert split.notes == ()
 
@@ -64,17 +65,17 @@ def test_interleaved_sequences_are_kept_whole_and_said_so():
 def test_a_two_stream_batch_splits_into_graphs_of_whole_sequences():
     """A verify of sequence 1 batched with a prefill of sequence 0 on a stream per sequence:
     two graphs (split_equal takes increasing sequence ids), each one sequence's rows."""
-    records = [{**_record(0, "embd", 4), "ubatch": 0}, {**_record(0, "embd", 6, offset=64), "ubatch": 1}]
+    records = [_record(0, "embd", 4), _record(0, "embd", 6, offset=64, ubatch=1)]
     log = _log([(0, [81, 16, 16, 16, 300, 301, 302, 303, 304, 305], [8, 9, 10, 11, 0, 1, 2, 3, 4, 5], [1] * 4 + [0] * 6)],
                records)  # fmt: skip
     split = split_decodes(log, {0: Split(512, 2)})
     assert [(e.seq_ids[0], e.positions[0], len(e.positions)) for e in split.log.evals] == [(1, 8, 4), (0, 0, 6)]
-    assert [(r["eval"], r["ne"][1], r["offset"]) for r in split.log.records] == [(0, 4, 0), (1, 6, 64)]
+    assert [(r.eval, r.ne[1], r.offset) for r in split.log.records] == [(0, 4, 0), (1, 6, 64)]
     assert split.notes == ()
 
 
 def test_more_graphs_than_the_split_makes_are_kept_whole_and_said_so():
-    records = [{**_record(0, "embd", 2), "ubatch": u} for u in range(3)]
+    records = [_record(0, "embd", 2, ubatch=u) for u in range(3)]
     split = split_decodes(_log([(0, [5, 6, 7, 8], [0, 1, 2, 3], [0] * 4)], records), {0: Split(2)})
     assert len(split.log.evals) == 1 and "computed as 3 graphs" in split.notes[0]
 
@@ -133,7 +134,7 @@ def test_the_graphs_of_one_call_share_its_phase_and_round():
             (1, [8, 3, 3, 3, 10, 3, 3, 3], [3, 4, 5, 6, 3, 4, 5, 6], [0] * 4 + [1] * 4),
             (0, [8, 11, 12, 13, 10, 11, 12], [3, 4, 5, 6, 3, 4, 5], [0] * 4 + [1] * 3),
         ],
-        [{**_record(3, "embd", 6), "ubatch": 0}, {**_record(3, "embd", 1, offset=96), "ubatch": 1}],
+        [_record(3, "embd", 6), _record(3, "embd", 1, offset=96, ubatch=1)],
     )
     split = split_decodes(log, {0: Split(6, 2), 1: Split(6, 2)})
     evals = flow_evals(split.log)
@@ -144,8 +145,6 @@ def test_the_graphs_of_one_call_share_its_phase_and_round():
 
 
 def test_a_verify_computed_as_two_graphs_is_one_round():
-    from featdiff.llama.exec import derive_rounds, whole_calls
-
     log = _log(
         [
             (0, [5, 6, 7], [0, 1, 2], [0, 0, 0]),
@@ -154,7 +153,7 @@ def test_a_verify_computed_as_two_graphs_is_one_round():
             (0, [8, 11, 12, 13, 10, 11, 12], [3, 4, 5, 6, 3, 4, 5], [0] * 4 + [1] * 3),
             (0, [20], [5], [0]),  # sequence 0 goes on after accepting 1 draft
         ],
-        [{**_record(3, "embd", 6), "ubatch": 0}, {**_record(3, "embd", 1, offset=96), "ubatch": 1}],
+        [_record(3, "embd", 6), _record(3, "embd", 1, offset=96, ubatch=1)],
     )
     evals = flow_evals(split_decodes(log, {0: Split(6, 2), 1: Split(6, 2)}).log)
     own = tuple(e for e in evals if e.seq_ids[0] == 0)

@@ -168,7 +168,7 @@ def _captured_traffic(server_command, tmp_path, requests, extra=(), concurrent=F
 
 
 def _compared(models: Path, run: Path, tmp_path: Path):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
 
     from real_flow import reference_of
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from featdiff.dump import Eval, MemoryOp
+from featdiff.llama.spool_index import RecordEvent
 from featdiff.llama.ubatch import chunks, split_ubatches
 
 
@@ -20,8 +21,9 @@ def _eval(i: int, n: int, role="target", phase="prefill", seqs=None) -> Eval:
     )
 
 
-def _record(ev: int, ubatch: int, name: str, occurrence: int = 0, role: int = 0) -> dict:
-    return {"eval": ev, "ubatch": ubatch, "role": role, "name": name, "occurrence": occurrence}
+def _record(ev: int, ubatch: int, name: str, occurrence: int = 0, role: str = "target") -> RecordEvent:
+    return RecordEvent(eval=ev, role=role, name=name, occurrence=occurrence, op="", ggml_type="f32", ne=(4, 1, 1, 1),
+                       nb=(), srcs=(), dtype="float32", offset=0, nbytes=16, ubatch=ubatch)  # fmt: skip
 
 
 def test_chunks_are_consecutive_rows_of_n_ubatch():
@@ -35,7 +37,7 @@ def test_a_three_graph_prefill_becomes_three_evals_with_their_rows():
         _record(0, 0, "l_out-1"),
         _record(0, 1, "l_out-1"),
         _record(0, 2, "l_out-1"),
-        _record(1, 0, "inp_target_features", role=1),
+        _record(1, 0, "inp_target_features", role="draft"),
     )
     split = split_ubatches(evals, records, {0: 4, 1: 10}, (MemoryOp("target", 0, 0, 5, -1),))
     assert [(e.eval, e.ubatch, e.positions[0], e.n_tokens) for e in split.evals] == [
@@ -45,7 +47,7 @@ def test_a_three_graph_prefill_becomes_three_evals_with_their_rows():
         (3, None, 0, 10),
     ]
     assert split.evals[2].token_ids == (108, 109)
-    assert [(r["eval"], r["occurrence"]) for r in split.records] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert [(r.eval, r.occurrence) for r in split.records] == [(0, 0), (1, 0), (2, 0), (3, 0)]
     assert split.memory_ops[0].after_eval == 2  # after the call: after its last graph
     assert split.notes == ()
 
@@ -55,7 +57,7 @@ def test_one_graph_per_eval_is_left_as_it_was():
     records = (_record(0, 0, "embd"), _record(1, 0, "embd"))
     split = split_ubatches(evals, records, {0: 512, 1: None})
     assert split.evals == evals
-    assert [r["eval"] for r in split.records] == [0, 1]
+    assert [r.eval for r in split.records] == [0, 1]
 
 
 def test_a_batch_of_several_sequences_is_kept_whole_and_said_so():
@@ -63,7 +65,7 @@ def test_a_batch_of_several_sequences_is_kept_whole_and_said_so():
     records = (_record(0, 0, "embd"), _record(0, 1, "embd"))
     split = split_ubatches(evals, records, {0: 4})
     assert len(split.evals) == 1 and split.evals[0].ubatch is None
-    assert [r["occurrence"] for r in split.records] == [0, 1]  # unique keys: occurrences count on
+    assert [r.occurrence for r in split.records] == [0, 1]  # unique keys: occurrences count on
     assert "2 sequences" in split.notes[0]
 
 
@@ -88,7 +90,7 @@ def _long_tokens(n: int) -> str:
 
 
 def _capture_and_compare(models, tmp_path, tokens: str, run_args: list[str], rounds: int = 3):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
     from featdiff.llama.capture import capture
     from featdiff.llama.options import parse_run_options
 
@@ -154,7 +156,7 @@ SPEC = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "2048", 
 
 
 def _exec_and_compare(tools, models, tmp_path, program: str, extra: list[str], **capture_kw):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
     from featdiff.dump import read_dump
     from featdiff.llama import exec as exec_capture
 

@@ -1,7 +1,9 @@
-"""DFlash2 end to end: the tiny DFlash2 fixture (featdiff.fixtures_dflash2) loads in the pinned
-llama.cpp, the reference computes its convs and candidate lattice as dflash.cpp does, its drafts
-are the lattice walk of common/speculative.cpp, and a capture around llama-speculative-simple
-compares clean against the reference built from the GGUF and from the HF directory."""
+"""DFlash2 end to end: the tiny DFlash2 checkpoint (featdiff.fixtures_dflash2), converted by the
+pinned converter, loads in the pinned llama.cpp; the reference computes its convs and candidate
+lattice as dflash.cpp does, its drafts are the lattice walk of common/speculative.cpp; captures
+in-process, around llama-speculative-simple and around llama-server compare clean against the
+reference built from the GGUF and from the HF directory; the probe and `check` agree, and a
+layer-id fault fails `check` by name."""
 
 from __future__ import annotations
 
@@ -11,24 +13,30 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff import modelled
-from featdiff.compare.comparison import compare_dumps
+from featdiff import modelled, names
+from featdiff.diff.comparison import compare_dumps
 from featdiff.dump import read_dump
-from featdiff.fixtures_dflash2 import SELECTOR_TOP_K, write_dflash2_fixture
-from featdiff.gguf_meta import model_info
+from featdiff.converter import DRAFT_GGUF, TARGET_GGUF, WRITER_PREFIX, write_converted_dflash2_fixture
+from featdiff.fixtures_dflash2 import SELECTOR_TOP_K
+from featdiff.gguf_reader import model_info
 from featdiff.lattice import lattice_drafts
-from featdiff.reference import dflash2
-from featdiff.reference.load_gguf import draft_from_gguf
-from featdiff.reference.load_hf import draft_from_hf
+from featdiff.torchref import dflash2
+from featdiff.torchref.load_gguf import draft_from_gguf
+from featdiff.torchref.load_hf import draft_from_hf
 from real_flow import reference_of
 
 N_PREDICT = 8  # llama-speculative-simple -n: a few rounds of 3 drafts
 RUN_TIMEOUT_S = 120
 
 
+pytestmark = pytest.mark.slow  # the pair is converted (cached per machine)
+
+
 @pytest.fixture(scope="module")
 def d2_dir(tmp_path_factory) -> Path:
-    return write_dflash2_fixture(tmp_path_factory.mktemp("dflash2"))
+    """The DFlash2 pair as the pinned converter writes it from the HF directories (featdiff's
+    writer's GGUFs beside it as writer-*.gguf)."""
+    return write_converted_dflash2_fixture(tmp_path_factory.mktemp("dflash2"))
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +146,40 @@ def test_dflash2_around_llama_server_compares_clean(d2_dir, tools, tmp_path):
     comparison = compare_dumps(ref, run)
     assert comparison.ok, [f.message for f in comparison.findings if f.severity == "error"]
     assert comparison.coverage.pairs_skipped == 0 and comparison.coverage.rows_skipped == 0
+
+
+def test_the_converters_dflash2_gguf_is_featdiffs_writers(d2_dir):
+    """The converter writes DFlash2's keys, convs and codebooks as featdiff's writer does."""
+    from test_converter import WRITER_CONVENTIONS, _differences
+
+    for role, arch in ((TARGET_GGUF, "qwen3"), (DRAFT_GGUF, modelled.DFLASH_PREFIX.rstrip("."))):
+        assert _differences(d2_dir / f"{WRITER_PREFIX}{role}", d2_dir / role) <= WRITER_CONVENTIONS[arch], role
+
+
+def test_dflash2_probe_drafts_the_runs_blocks_and_check_passes(d2_dir):
+    """The probe's reference walks the lattice as the driver does: every round's drafts are the
+    run's own (the untrained drafter accepts little, but equally), and `check` passes."""
+    import featdiff
+    from featdiff.probe import probe
+
+    p = probe(d2_dir / TARGET_GGUF, d2_dir / DRAFT_GGUF)
+    rounds = [r for pp in p.prompts for r in pp.rounds if r.run_drafts]
+    assert len(rounds) >= 8 and all(r.run_drafts == r.ref_drafts for r in rounds) and not p.has_gap
+    result = featdiff.check(d2_dir / TARGET_GGUF, d2_dir / DRAFT_GGUF)
+    assert result.verdict == "pass" and result.reasons == (), result.reasons
+
+
+def test_dflash2_layer_offset_fails_check_by_name(d2_dir, tmp_path):
+    """The converter's GGUF with dflash.target_layers one too high (the +1 written twice)."""
+    import featdiff
+    from gguf import GGUFReader
+
+    from featdiff.gguf_rewrite import rewrite_gguf
+
+    key = names.KEY_TARGET_LAYERS
+    ids = [int(i) for i in GGUFReader(str(d2_dir / DRAFT_GGUF)).fields[key].contents()]
+    bad = rewrite_gguf(d2_dir / DRAFT_GGUF, tmp_path / "draft.gguf", {key: [i + 1 for i in ids]}, {})
+    result = featdiff.check(d2_dir / TARGET_GGUF, bad, ref_model=d2_dir / "draft-hf")
+    assert result.verdict == "fail"
+    first = next(f for f in result.comparison.findings if f.severity == "error")
+    assert (first.kind, first.tensor) == ("layer_offset", names.INP_TARGET_FEATURES), first.message

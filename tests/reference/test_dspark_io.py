@@ -19,10 +19,10 @@ from featdiff import names
 from featdiff.cli import app
 from featdiff.errors import InputError
 from featdiff.pairs import MARKOV_RANK, TINY
-from featdiff.gguf_meta import ModelInfo
-from featdiff.reference.lint import lint_gguf
-from featdiff.reference.load import load_draft
-from featdiff.reference.weights import models_entry
+from featdiff.manifest_fields import ModelInfo
+from featdiff.torchref.lint import lint_gguf
+from featdiff.torchref.load import load_draft
+from featdiff.torchref.weights import models_entry
 
 CPU = torch.device("cpu")
 N_EMBD = TINY.draft.n_embd

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType
 
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
 from featdiff.llama.capture import capture

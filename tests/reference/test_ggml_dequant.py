@@ -16,14 +16,14 @@ from gguf.quants import dequantize, quantize
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
-from featdiff.gguf_meta import GGUF_PY
+from featdiff.gguf_reader import array_from_tensor, read_gguf_weights
 from featdiff.llama import ggml_dequant
 from featdiff.llama.binding import ENV_LLAMA_DIR
 from featdiff.llama.capture import capture
-from featdiff.reference.gguf_io import array_from_tensor, read_gguf_weights
+from featdiff.manifest_fields import GGUF_PY
 from quantize import quantize_gguf
 from real_flow import DEFAULT_TOKENS, reference_of
 
@@ -93,21 +93,23 @@ def q1_0_target(variant_dir, tmp_path_factory) -> Path:
 
 
 def test_a_type_gguf_py_cannot_read_falls_back_to_the_default_build(ggml, q1_0_target, variant_dir):
-    g = read_gguf_weights(q1_0_target, None)
+    g = read_gguf_weights(q1_0_target, None, ggml_dequant.load)
     assert g.tensors[Q1_0_WEIGHT].ggml_type == "q1_0"
     assert g.dequantized_by == str(ggml.library)
-    f32 = array_from_tensor(read_gguf_weights(variant_dir("clean") / "target.gguf", None), Q1_0_WEIGHT)
+    f32 = array_from_tensor(
+        read_gguf_weights(variant_dir("clean") / "target.gguf", None, ggml_dequant.load), Q1_0_WEIGHT
+    )
     np.testing.assert_array_equal(array_from_tensor(g, Q1_0_WEIGHT), _q1_0_values(f32))
 
 
 def test_a_gguf_gguf_py_reads_is_dequantized_by_gguf_py(variant_dir):
-    assert read_gguf_weights(variant_dir("clean") / "target.gguf", None).dequantized_by == GGUF_PY
+    assert read_gguf_weights(variant_dir("clean") / "target.gguf", None, ggml_dequant.load).dequantized_by == GGUF_PY
 
 
 def test_without_a_build_a_type_gguf_py_cannot_read_names_tensor_type_and_fix(q1_0_target, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_LLAMA_DIR, str(tmp_path))  # the default build: a directory with none
     with pytest.raises(InputError) as e:
-        read_gguf_weights(q1_0_target, None)
+        read_gguf_weights(q1_0_target, None, ggml_dequant.load)
     message = str(e.value)
     assert "\n" not in message and str(q1_0_target) in message
     assert "'blk.0.ffn_down.weight' is q1_0" in message and "pass --llama-dir" in message

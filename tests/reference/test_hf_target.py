@@ -1,4 +1,4 @@
-"""The transformers-backed target (reference/hf_target.py): equal to featdiff's own qwen3 path on
+"""The transformers-backed target (torchref/hf_target.py): equal to featdiff's own qwen3 path on
 the qwen3 fixture, clean against a real capture of a converted Qwen3-MoE pair, and refusing what
 it does not run with exit 2."""
 
@@ -16,10 +16,10 @@ import featdiff
 from featdiff import names
 from featdiff.cli import app
 from featdiff.hf_targets import write_family_fixture
-from featdiff.reference.flow import run_flow
-from featdiff.reference.hf_target import HfTarget, target_from_transformers
-from featdiff.reference.load import load_draft, load_target
-from featdiff.reference.numerics import Numerics
+from featdiff.torchref.replay import run_flow
+from featdiff.torchref.hf_target import HfTarget, target_from_transformers
+from featdiff.torchref.load import load_draft, load_target
+from featdiff.torchref.numerics import Numerics
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 runner = CliRunner()
@@ -111,10 +111,10 @@ def test_transformers_arch_gguf_target_exits_2_asking_for_its_hf_dir(qwen3moe, t
 def test_unsupported_model_type_exits_2_naming_the_supported(fixture_models, tmp_path):
     target = shutil.copytree(fixture_models("clean") / "target-hf", tmp_path / "t-hf")
     config = json.loads((target / names.HF_CONFIG).read_text())
-    (target / names.HF_CONFIG).write_text(json.dumps({**config, "model_type": "gpt_oss"}))
+    (target / names.HF_CONFIG).write_text(json.dumps({**config, "model_type": "gemma3_text"}))
     result = _reference_cli(target, fixture_models("clean") / "draft.gguf", tmp_path / "ref.npz")
     assert result.exit_code == 2, result.output
-    assert "model_type 'gpt_oss'" in result.output and "qwen3_moe" in result.output
+    assert "model_type 'gemma3_text'" in result.output and "qwen3_moe" in result.output
 
 
 # ---------------------------------------------------------------- around llama-server, check, a planted fault
@@ -148,7 +148,7 @@ def _layers_plus1(draft: Path, out: Path) -> tuple[list[int], Path]:
 
 
 def test_qwen3moe_pair_around_llama_server_compares_clean(qwen3moe, tools, tmp_path):
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
 
     run = _server_capture(tools, qwen3moe, qwen3moe / "draft.gguf", tmp_path / "run.npz")
     comparison = compare_dumps(_followed(qwen3moe, qwen3moe / "draft.gguf", run, tmp_path / "ref.npz"), run)
@@ -163,7 +163,7 @@ def test_qwen3moe_pair_around_llama_server_compares_clean(qwen3moe, tools, tmp_p
 
 
 def test_qwen3moe_check_passes_and_its_accept_agrees(qwen3moe, tmp_path):
-    from featdiff.check import check
+    from featdiff.verdict import check
     from featdiff.probe import TOKENS_PREFIX
 
     # token-id prompts: the tiny SPM vocabulary spells check's default text prompt byte by byte,
@@ -185,7 +185,7 @@ def test_qwen3moe_check_passes_and_its_accept_agrees(qwen3moe, tmp_path):
 
 
 def test_qwen3moe_layers_off_by_one_is_a_layer_offset(qwen3moe, tools, tmp_path):
-    from featdiff.compare import compare_dumps, exit_code
+    from featdiff.diff import compare_dumps, exit_code
 
     layers, draft = _layers_plus1(qwen3moe / "draft.gguf", tmp_path / "draft-plus1.gguf")
     run = _server_capture(tools, qwen3moe, draft, tmp_path / "run.npz")
@@ -239,7 +239,7 @@ def test_a_real_expert_choice_on_a_router_tie_is_information(qwen3moe, qwen3moe_
 
 
 def test_a_layer_offset_beside_a_real_expert_choice_is_named(qwen3moe, qwen3moe_tied, tmp_path):
-    from featdiff.compare import exit_code
+    from featdiff.diff import exit_code
 
     layers, draft = _layers_plus1(qwen3moe / "draft.gguf", tmp_path / "draft-plus1.gguf")
     run = _in_process(qwen3moe_tied / "target.gguf", draft, tmp_path / "run.npz")

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from featdiff import names
 from featdiff.cli import app
 from featdiff.pairs import TINY, VARIANTS
-from featdiff.reference.lint import lint_gguf
+from featdiff.torchref.lint import lint_gguf
 
 runner = CliRunner()
 RNG = np.random.default_rng(0)

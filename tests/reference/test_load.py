@@ -15,7 +15,7 @@ from gguf.quants import quantize
 from featdiff import names
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
-from featdiff.reference.load import load_draft, load_target
+from featdiff.torchref.load import load_draft, load_target
 
 CPU = torch.device("cpu")
 LLAMA_HF_VS_GGUF = 1e-5  # rel L2: ggml's normal RoPE vs rotate-half sum q.k in another order
@@ -140,7 +140,7 @@ def _with_raw_tensor(src, dst, name, raw, qtype):
 
 
 def test_reference_refuses_target_layer_equal_to_n_layer(variant_dir, edit_gguf, tmp_path):
-    from featdiff.reference.run import reference
+    from featdiff.torchref.run import reference
 
     d = variant_dir("clean")
     broken = edit_gguf(

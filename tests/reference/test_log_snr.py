@@ -95,7 +95,7 @@ def test_default_capture_keeps_every_log_snr_record_the_reference_writes(ref_dum
     """A capture of a build that implements the term (same names) keeps what compare pairs."""
     from fnmatch import fnmatchcase
 
-    from featdiff.compare.align import is_reference_only
+    from featdiff.diff.align import is_reference_only
     from featdiff.filters import capture_filters
 
     kept = capture_filters(None, (2, 4))

@@ -16,9 +16,9 @@ import torch
 
 from featdiff import names
 from featdiff.dump import read_dump
-from featdiff.reference.attention import empty_cache
-from featdiff.reference.drafter import inject
-from featdiff.reference.load import load_draft
+from featdiff.torchref.attention import empty_cache
+from featdiff.torchref.drafter import inject
+from featdiff.torchref.load import load_draft
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
 

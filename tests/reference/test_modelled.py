@@ -1,6 +1,7 @@
 """The table of what the reference models (featdiff.modelled) against the real llama.cpp build:
-each modelled converter key, on a correct drafter, compares clean from the GGUF and from the HF
-directory; an unmodelled one makes `reference` exit 2 naming it, and lint lists it."""
+each modelled converter key, on a correct drafter the pinned converter wrote, compares clean from
+the GGUF and from the HF directory; an unmodelled one makes `reference` exit 2 naming it, and lint
+lists it. Conversions are cached per machine: the module is `slow`."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from typer.testing import CliRunner
 
 from featdiff import modelled
 from featdiff.cli import app
-from featdiff.compare.comparison import compare_dumps
+from featdiff.diff.comparison import compare_dumps
+from featdiff.converter import UNCONVERTIBLE_FEATURES, write_converted_feature_fixture
 from featdiff.fixtures import write_feature_fixture
-from featdiff.gguf_meta import model_info
+from featdiff.gguf_reader import model_info
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
+pytestmark = pytest.mark.slow
 DOC = Path(__file__).resolve().parents[2] / "docs" / "modelled.md"
 MODELLED = (
     "embedding-scale",
@@ -27,6 +30,10 @@ MODELLED = (
     "sliding-window",
     "attn-sinks",
     "interleaved-rope",
+    "causal",
+    "partial-rotary",
+    "mrope-sections",
+    "mask-embedding",
 )
 REFUSED = {"q-scale": "blk.*.attn_q.scale"}  # as the GGUF names it
 REFUSED_HF = {"q-scale": "layers.0.self_attn.q_proj.weight_scale_2"}  # as the HF directory does
@@ -34,11 +41,14 @@ REFUSED_HF = {"q-scale": "layers.0.self_attn.q_proj.weight_scale_2"}  # as the H
 
 @pytest.fixture(scope="module")
 def feature_dir(tmp_path_factory):
+    """feature -> its fixture directory, whose GGUFs the pinned converter wrote from the HF
+    directories (featdiff's writer for the features the converter cannot write)."""
     made: dict[str, Path] = {}
 
     def get(feature: str) -> Path:
         if feature not in made:
-            made[feature] = write_feature_fixture(tmp_path_factory.mktemp(f"feat-{feature}"), feature)
+            write = write_feature_fixture if feature in UNCONVERTIBLE_FEATURES else write_converted_feature_fixture
+            made[feature] = write(tmp_path_factory.mktemp(f"feat-{feature}"), feature)
         return made[feature]
 
     return get
@@ -78,7 +88,13 @@ def test_modelled_key_compares_clean_against_llama_cpp(feature_dir, run_of, tmp_
     assert _errors(ref, run_of(feature)) == []
 
 
-@pytest.mark.parametrize("feature", ["embedding-scale", "value-scale", "fc-scale", "sliding-window", "attn-sinks"])
+# Every modelled feature but the logits-only keys (the plain reference's) and the M-RoPE sections,
+# whose degenerate form computes as no sections by design
+@pytest.mark.parametrize(
+    "feature",
+    ["embedding-scale", "value-scale", "fc-scale", "sliding-window", "attn-sinks", "causal", "partial-rotary",
+     "mask-embedding"],
+)  # fmt: skip
 def test_a_reference_without_the_key_is_blamed_on_the_run(feature_dir, run_of, tmp_path, feature):
     """The keys (and fc.scale, the sinks) change what llama.cpp computes: a reference of the same weights
     without them gets error findings against the run, so the clean comparisons above are not vacuous."""
@@ -163,7 +179,40 @@ def test_hf_fields_map_to_the_converters_keys():
         ["fc.weight", "fc.weight_scale_2", "layers.0.self_attn.sinks", "layers.0.self_attn.q_proj.weight_scale_2"],
         ["mask_embedding.pt"],
     )
-    assert found == ("layers.0.self_attn.q_proj.weight_scale_2", "mask_embedding.pt")
+    assert found == ("layers.0.self_attn.q_proj.weight_scale_2",)  # mask_embedding.pt: modelled
     keys = modelled.converter_keys(config)
     assert keys[modelled.KEY_EMBEDDING_SCALE] == 2.0
     assert (keys[modelled.KEY_SLIDING_WINDOW], keys[modelled.KEY_SLIDING_WINDOW_PATTERN]) == (8, [True, True])
+
+
+def test_sections_other_than_the_degenerate_ones_are_refused_by_name(feature_dir, tmp_path):
+    """M-RoPE sections that give rows a second position section (a vision target's drafter) are not
+    what the reference computes: `reference` exits 2 naming the key."""
+    from featdiff.gguf_rewrite import rewrite_gguf
+
+    d = feature_dir("mrope-sections")
+    real_mrope = rewrite_gguf(d / "draft.gguf", tmp_path / "draft.gguf", {modelled.KEY_ROPE_SECTIONS: [4, 2, 2, 0]}, {})
+    result = CliRunner().invoke(
+        app,
+        ["reference", "--target", str(d / "target.gguf"), "--model", str(real_mrope), "-o", str(tmp_path / "r.npz"),
+         "--tokens", DEFAULT_TOKENS],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert modelled.KEY_ROPE_SECTIONS in result.output
+    assert modelled.sections_modelled(modelled.degenerate_sections(16)) and not modelled.sections_modelled([4, 2, 2, 0])
+
+
+def test_a_mask_row_of_another_token_is_refused_as_the_converter_refuses_it(feature_dir, tmp_path):
+    import torch
+
+    d = feature_dir("mask-embedding")
+    draft = tmp_path / "draft-hf"
+    shutil.copytree(d / "draft-hf", draft)
+    saved = torch.load(draft / modelled.MASK_EMBEDDING_FILE, weights_only=True)
+    torch.save({**saved, "mask_token_id": saved["mask_token_id"] + 1}, draft / modelled.MASK_EMBEDDING_FILE)
+    result = CliRunner().invoke(
+        app,
+        ["reference", "--target", str(d / "target-hf"), "--model", str(draft), "-o", str(tmp_path / "r.npz"),
+         "--tokens", DEFAULT_TOKENS],
+    )  # fmt: skip
+    assert result.exit_code == 2 and modelled.MASK_EMBEDDING_FILE in result.output, result.output

@@ -14,12 +14,12 @@ import torch
 from gguf import GGUFValueType
 
 from featdiff import names
-from featdiff.compare import compare_dumps
+from featdiff.diff import compare_dumps
 from featdiff.errors import InputError
-from featdiff.reference import load_gguf, numerics
-from featdiff.reference.load import load_target
-from featdiff.reference.rope_params import PLAIN, hf_rope, llama3_freq_factors, llama_scaling
-from featdiff.reference.weights import Hparams
+from featdiff.torchref import load_gguf, numerics
+from featdiff.torchref.load import load_target
+from featdiff.torchref.rope_params import PLAIN, hf_rope, llama3_freq_factors, llama_scaling
+from featdiff.torchref.weights import Hparams
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 from conftest import rewrite_gguf

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from featdiff import names
 from featdiff.cli import app
 from featdiff.dump import DumpWriter, Eval, Manifest, read_dump
-from featdiff.reference.drafter import encode
+from featdiff.torchref.drafter import encode
 from featdiff.blocks import run_block_rows
-from featdiff.reference.load import load_draft
+from featdiff.torchref.load import load_draft
 
 runner = CliRunner()
 B, N_EMBD, N_VOCAB, N_LAYER_TGT, N_LAYER_DFT = 4, 64, 512, 6, 2

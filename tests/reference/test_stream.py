@@ -8,10 +8,10 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-from featdiff.reference.attention import empty_cache
-from featdiff.reference.load import load_draft, load_target
-from featdiff.reference.target import forward_target
-from featdiff.reference.weights import Layer, LayerStream, Target, tensors_of_layer
+from featdiff.torchref.attention import empty_cache
+from featdiff.torchref.load import load_draft, load_target
+from featdiff.torchref.target import forward_target
+from featdiff.torchref.weights import Layer, LayerStream, Target, tensors_of_layer
 
 CPU = torch.device("cpu")
 

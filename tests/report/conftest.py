@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featdiff.compare.result import Comparison
+from featdiff.diff.result import Comparison
 
 import synth
 
@@ -42,7 +42,7 @@ class Pair:
 
 
 def _pair(factory: pytest.TempPathFactory, variant: str) -> Pair:
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
 
     d = factory.mktemp(variant)
     ref = synth.write(d / "ref.npz")
@@ -73,7 +73,7 @@ def shift_pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
 @pytest.fixture(scope="session")
 def real_pair(captured, referenced):
     """`real_pair(variant)`: a real capture, a real reference and compare's Comparison of them."""
-    from featdiff.compare import compare_dumps
+    from featdiff.diff import compare_dumps
 
     made: dict[str, Pair] = {}
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.report import write_report
+from featdiff.html import write_report
 
 from chromium_probe import assert_renders, probe
 

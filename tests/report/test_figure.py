@@ -1,4 +1,4 @@
-"""Figure data (report/figure.py): the divergence map laid out from hand-made comparisons, no dumps."""
+"""Figure data (html/figure.py): the divergence map laid out from hand-made comparisons, no dumps."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from featdiff.compare.result import Comparison, PairMetrics
-from featdiff.report.figure import bin_map, map_divergence
+from featdiff.diff.result import Comparison, PairMetrics
+from featdiff.html.figure import bin_map, map_divergence
 
 
 def _pair(

@@ -1,14 +1,14 @@
-"""Drawing (report/heatmap.py): real sizes stay legible and every figure states its scale."""
+"""Drawing (html/heatmap.py): real sizes stay legible and every figure states its scale."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from featdiff.compare.result import Comparison, PairMetrics
-from featdiff.compare.rowshift import RowShift
-from featdiff.compare.sketch import LayerMatch
-from featdiff.report.figure import bin_map, map_divergence
-from featdiff.report.heatmap import (
+from featdiff.diff.result import Comparison, PairMetrics
+from featdiff.diff.rowshift import RowShift
+from featdiff.diff.sketch import LayerMatch
+from featdiff.html.figure import bin_map, map_divergence
+from featdiff.html.heatmap import (
     MAX_MAP_COLS,
     MAX_MAP_ROWS,
     MIN_LABEL_GAP_IN,

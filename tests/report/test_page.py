@@ -1,4 +1,4 @@
-"""The HTML page (report/page.py) and the whole report (report/writer.py), read as text."""
+"""The HTML page (html/page.py) and the whole report (html/writer.py), read as text."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import base64
 import html
 import re
 
-from featdiff.compare.result import Comparison, Finding
+from featdiff.diff.result import Comparison, Finding
 from featdiff.dump import read_dump
-from featdiff.report import write_report
-from featdiff.report.page import Picture, render_page, summarise_ints, verdict_sentence
+from featdiff.html import write_report
+from featdiff.html.page import Picture, render_page, summarise_ints, verdict_sentence
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +91,7 @@ def test_integer_lists_are_summarised_as_ranges() -> None:
 
 
 def test_verdict_states_the_coverage_it_rests_on(clean_pair) -> None:
-    from featdiff.compare.result import Coverage, Skip
+    from featdiff.diff.result import Coverage, Skip
 
     skip = Skip(
         role="draft",

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.report import write_report
+from featdiff.html import write_report
 
 from chromium_probe import assert_renders
 

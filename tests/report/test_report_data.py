@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from featdiff.compare import compare_dumps
-from featdiff.report.figure import map_divergence
-from featdiff.report.heatmap import draw_layer_match, draw_row_shift
-from featdiff.report.writer import draw_pictures
+from featdiff.diff import compare_dumps
+from featdiff.html.figure import map_divergence
+from featdiff.html.heatmap import draw_layer_match, draw_row_shift
+from featdiff.html.writer import draw_pictures
 
 import synth
 from findings_schema import written

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from featdiff import fixtures, pairs  # noqa: E402
-from featdiff.reference.drafter import draft_block, inject  # noqa: E402
+from featdiff.torchref.drafter import draft_block, inject  # noqa: E402
 from featdiff.training import TRAINED_SIZES, TrainConfig, cache, held_out_prompts, train_pair, trained_pair  # noqa: E402
 from featdiff.training.corpus import f32_cache, make_corpus, prompts  # noqa: E402
 from featdiff.training.objective import block_logits, packed_batch  # noqa: E402
@@ -89,7 +89,7 @@ def test_cache_trains_once_then_loads(tmp_path, monkeypatch):
 
 
 def test_trained_variants_write_both_formats_with_the_converter_convention(fixture_models):
-    from featdiff.gguf_meta import model_info
+    from featdiff.gguf_reader import model_info
 
     d = fixture_models("trained-log-snr")
     info = model_info(d / "draft.gguf")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from featdiff.pairs import BLOCK_SIZE
-from featdiff.reference.dspark import heads
+from featdiff.torchref.dspark import heads
 from featdiff.training import TRAINED_SIZES, held_out_prompts, trained_pair
 from featdiff.training.corpus import make_corpus
 from featdiff.training.dspark import (

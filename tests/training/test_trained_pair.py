@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from featdiff import fixtures
-from featdiff.compare import compare_dumps, exit_code
+from featdiff.diff import compare_dumps, exit_code
 from featdiff.probe import probe, read_prompts
 
 

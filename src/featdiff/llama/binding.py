@@ -192,6 +192,12 @@ class LlamaBuild:
         return BATCH_EXT if EXT_MARKER in header.read_text(errors="replace") else BATCH_LEGACY
 
     @property
+    def has_rs_seq(self) -> bool:
+        """This build's llama_context_params has `n_rs_seq` (recurrent-state rollback)."""
+        header = next(d / "llama.h" for d in self.include_dirs if (d / "llama.h").is_file())
+        return f"uint32_t {RS_SEQ_FIELD};" in header.read_text(errors="replace")
+
+    @property
     def libllama(self) -> Path:
         return next(d / LIBLLAMA for d in self.lib_dirs if (d / LIBLLAMA).exists())
 
@@ -301,9 +307,19 @@ def _checked(build: LlamaBuild) -> LlamaBuild:
     return LlamaBuild(build.root, build.include_dirs, existing, build.kind)
 
 
+# llama_context_params.n_rs_seq: recurrent-state snapshots per sequence, the rollback a
+# speculative loop on a hybrid target needs (llama.h; common.cpp sets it to the draft length).
+# Declared only where the build's header has it: a cffi field the struct lacks fails to compile.
+RS_SEQ_FIELD = "n_rs_seq"
+CONTEXT_PARAMS_HEAD = "uint32_t n_ctx; uint32_t n_batch; uint32_t n_ubatch; uint32_t n_seq_max;"
+
+
 def cdef(build: LlamaBuild) -> str:
     """The declarations the binding compiles for `build`: the common ones and its batch API's."""
-    return CDEF + CDEF_BATCH[build.batch_api]
+    common = CDEF
+    if build.has_rs_seq:
+        common = CDEF.replace(CONTEXT_PARAMS_HEAD, f"{CONTEXT_PARAMS_HEAD} uint32_t {RS_SEQ_FIELD};")
+    return common + CDEF_BATCH[build.batch_api]
 
 
 def build_key(build: LlamaBuild) -> str:

@@ -19,12 +19,12 @@ from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
-from featdiff.gguf_meta import model_info
-from featdiff.llama import driver, spool
+from featdiff.gguf_reader import model_info
+from featdiff.llama import driver, ggml_dequant, spool
 from featdiff.llama.options import RunOptions
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
 from featdiff.outputs import check_output, failed_output, output_lock
-from featdiff.reference.lint import preflight
+from featdiff.preflight import preflight
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float =
     automatic type, a drafter GGUF with `markov_w1.weight` runs as draft-dspark."""
     layers = tuple(draft.target_layer_ids())  # their range against the target: preflight, before loading
     block_size = int(draft.meta(names.KEY_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
-    dspark = model_info(draft.path, with_hash=False).dspark
+    dspark = model_info(draft.path, with_hash=False, ggml=ggml_dequant.load).dspark
     first_row = first_draft_row(dspark is not None, bool(dspark and dspark["sample_from_anchor"]))
     confidence = bool(dspark and dspark["confidence_head"])
     if p_min > 0.0 and not confidence:
@@ -132,7 +132,11 @@ def capture(
     output = check_output(Path(output), (Path(target), Path(model)), "-o")
     with output_lock(output):
         preflight(
-            Path(model), Path(target), rounds=rounds, draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max
+            Path(model),
+            Path(target),
+            rounds=rounds,
+            draft_max=DEFAULT_DRAFT_MAX if draft_max is None else draft_max,
+            ggml=ggml_dequant.load,
         )
         rt = Runtime.load(llama_dir)
         models = (
@@ -212,7 +216,11 @@ def new_contexts(
     threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
     ub, fa = n_ubatch(options), options.flash_attn
     check_ubatch(ub, cfg.block_rows)
-    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0], kv=options.kv["target"], flash_attn=fa, n_ubatch=ub)
+    # n_rs_seq: common.cpp common_context_params_to_llama sets the target's to the draft length
+    # (common_params_speculative::need_n_rs_seq), so a hybrid target's recurrent state rolls back
+    # the rejected rows; llama.cpp clamps it to 0 where the arch has no recurrent state
+    kv, rs = options.kv["target"], cfg.draft_max
+    tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0], kv=kv, flash_attn=fa, n_ubatch=ub, n_rs_seq=rs)
     dft = Context.new(
         rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=fa, n_ubatch=ub
     )
@@ -272,7 +280,9 @@ def _header(
     options: RunOptions,
 ) -> dict:
     return {
-        "models": {"target": model_info(models[0].path).to_json(), "draft": model_info(models[1].path).to_json()},
+        "models": {
+            role: model_info(m.path, ggml=ggml_dequant.load).to_json() for role, m in zip(("target", "draft"), models)
+        },
         "build": {
             "library": str(rt.build.libllama),
             "kind": rt.build.kind,

@@ -21,8 +21,10 @@ import numpy as np
 from featdiff import names
 from featdiff.blocks import accepted_length, block_rows, read_drafts
 from featdiff.dump import Eval, Round
+from featdiff.errors import InputError
 from featdiff.lattice import lattice_drafts
 from featdiff.llama.runtime import Context
+from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, ROLE_OF, Phase
 
 
 class Recorder(Protocol):
@@ -78,10 +80,10 @@ def run_flow(
     """Prefill, then `rounds` x (draft, verify, inject); return the rounds."""
     st = _State(n_past=len(prompt) - 1, id_last=prompt[-1])
     positions = list(range(st.n_past))
-    _decode_target(tgt, st, rec, prompt[:-1], positions, "prefill", 0, outputs=False)
-    _inject(tgt, dft, st, rec, cfg, positions, 0)
+    _decode_target(tgt, st, rec, prompt[:-1], positions, Phase.PREFILL, PREFILL_ROUND, outputs=False)
+    _inject(tgt, dft, st, rec, cfg, positions, PREFILL_ROUND)
     done = []
-    for r in range(1, rounds + 1):
+    for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
         done.append(_round(tgt, dft, st, rec, cfg, r))
         if on_round is not None:
             on_round()
@@ -91,17 +93,17 @@ def run_flow(
 def _eval(
     st: _State,
     rec: Recorder,
-    role: names.Role,
-    phase: names.Phase,
+    phase: Phase,
     rnd: int,
     positions: list[int],
     tokens: list[int],
     call: str = names.CALL_DECODE,
 ) -> None:
+    """Open the recorder's next eval: a `phase` decode, by the role that runs that phase."""
     rec.begin_eval(
         Eval(
             eval=st.n_evals,
-            role=role,
+            role=ROLE_OF[phase],
             phase=phase,
             n_tokens=len(positions),
             positions=tuple(positions),
@@ -120,11 +122,11 @@ def _decode_target(
     rec: Recorder,
     tokens: list[int],
     positions: list[int],
-    phase: names.Phase,
+    phase: Phase,
     rnd: int,
     outputs: bool,
 ) -> None:
-    _eval(st, rec, "target", phase, rnd, positions, tokens)
+    _eval(st, rec, phase, rnd, positions, tokens)
     tgt.decode_tokens(tokens, positions, outputs)
 
 
@@ -147,28 +149,28 @@ def _inject(
 
 def _inject_chunk(dft: Context, st: _State, rec: Recorder, rows: np.ndarray, positions: list[int], rnd: int) -> None:
     if dft.inject_encodes_first:  # the older generation: encode (fc, enc norm), then decode its rows
-        _eval(st, rec, "draft", "inject", rnd, positions, [], call=names.CALL_ENCODE)
+        _eval(st, rec, Phase.INJECT, rnd, positions, [], call=names.CALL_ENCODE)
         rows = dft.encode_embd(rows)
-    _eval(st, rec, "draft", "inject", rnd, positions, [])
+    _eval(st, rec, Phase.INJECT, rnd, positions, [])
     dft.decode_embd(rows, positions)
 
 
 def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, rnd: int) -> Round:
     pos0, anchor, B = st.n_past, st.id_last, cfg.block_rows
     block, block_positions = [anchor] + [cfg.mask_token_id] * (B - 1), list(range(pos0, pos0 + B))
-    _eval(st, rec, "draft", "draft", rnd, block_positions, block)
+    _eval(st, rec, Phase.DRAFT, rnd, block_positions, block)
     dft.decode_tokens(block, block_positions, outputs=True)
     drafts = _drafts(dft, rec, cfg, B)
     dft.seq_rm(pos0)  # the draft block leaves the draft KV cache
     verify = [anchor] + drafts
     positions = list(range(pos0, pos0 + len(verify)))
-    _decode_target(tgt, st, rec, verify, positions, "verify", rnd, outputs=True)
+    _decode_target(tgt, st, rec, verify, positions, Phase.VERIFY, rnd, outputs=True)
     target_tokens = [int(np.argmax(tgt.logits(i))) for i in range(len(verify))]
     _inject(tgt, dft, st, rec, cfg, positions, rnd)
     accepted = accepted_length(drafts, target_tokens)
     st.n_past = pos0 + accepted + 1
     st.id_last = target_tokens[accepted]
-    tgt.seq_rm(st.n_past)
+    _rollback(tgt, st.n_past, len(verify) - (accepted + 1))
     dft.seq_rm(st.n_past)
     rnd_rec = Round(
         round=rnd,
@@ -180,6 +182,21 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
     )
     rec.end_round(rnd_rec)
     return rnd_rec
+
+
+def _rollback(tgt: Context, n_past: int, n_rejected: int) -> None:
+    """The rejected rows out of the target's memory. A hybrid target's recurrent state rolls
+    back through the per-token snapshots its context keeps (n_rs_seq, set to the draft length
+    as upstream's common.cpp does; llama-memory-recurrent.cpp seq_rm restores the snapshot
+    `n_rejected` back); a memory that refuses would keep the rejected rows' state, and the next
+    verify would run on it, so the flow stops naming it (tools/server falls back to a state
+    checkpoint and a replay of the accepted rows there, which this flow does not model)."""
+    if not tgt.seq_rm(n_past) and n_rejected > 0:
+        raise InputError(
+            f"{tgt.model.path}: llama.cpp could not roll the target's recurrent state back {n_rejected} rejected "
+            "rows (llama_memory_seq_rm refused: its n_rs_seq snapshots do not reach); featdiff's in-process flow "
+            "runs a hybrid target only on a build whose llama_context_params has n_rs_seq"
+        )
 
 
 def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[int]:

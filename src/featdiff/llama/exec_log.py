@@ -1,16 +1,23 @@
 """What the preload noted of a program's run (native/featdiff_preload.c): its contexts, its
 decodes, its memory edits and the shim's records, read from a spool index into typed records
-once, for `capture --exec` (llama/exec.py) to infer the flow from.
+once, for `capture --exec` to infer the phases and rounds from (featdiff.llama.exec_phases).
+
+Consumes a preload spool index (featdiff.llama.spool_index reads its lines); produces an `ExecLog`
+of frozen records: nothing after it indexes a raw event. A line of a kind the preload writes that
+lacks a field, or holds one of the wrong type, is an InputError naming the index.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from featdiff import names
-from featdiff.llama import spool
+from featdiff.errors import InputError
+from featdiff.llama import spool_index
+from featdiff.llama.spool_index import RecordEvent, is_json_int
 
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the batch entry is an embedding row
 
@@ -54,6 +61,18 @@ class ExecEval:
 
 
 @dataclass(frozen=True)
+class ExecSeqRm:
+    """A removal the program made from a context's cache (llama_memory_seq_rm), after an eval."""
+
+    ctx: int
+    after_eval: int  # the last eval before it (-1: before every eval)
+    seq_id: int
+    p0: int
+    p1: int
+    ok: bool = True  # what llama.cpp answered (False: it refused, nothing was removed)
+
+
+@dataclass(frozen=True)
 class ExecLog:
     """The complete lines of a preload spool index, by kind, in the order they happened."""
 
@@ -61,52 +80,109 @@ class ExecLog:
     contexts: tuple[ExecContext, ...]
     evals: tuple[ExecEval, ...]
     clears: tuple[tuple[int, int], ...]  # (ctx, last eval number before the memory clear)
-    records: tuple[dict[str, Any], ...]  # the shim's record lines
+    records: tuple[RecordEvent, ...]  # the shim's record lines
     n_torn: int
-    seq_rms: tuple[dict[str, Any], ...] = ()  # the preload's exec_seq_rm lines: removals from a cache
+    seq_rms: tuple[ExecSeqRm, ...] = ()  # the preload's exec_seq_rm lines: removals from a cache
     n_unreadable: int = 0  # complete lines that are no JSON event
 
 
-def read_exec_log(index: Path) -> ExecLog:
-    """Parse a preload spool index; lines are JSON, written by native/featdiff_preload.c."""
-    lines = spool.read_index_lines(index)
-    events = lines.events
-    models = {e["model"]: e["path"] for e in events if e["kind"] == "exec_model"}
-    done = {e["eval"]: int(e["rc"]) for e in events if e["kind"] == "exec_done"}
-    start = next((e for e in events if e["kind"] == "exec_start"), {})
-    return ExecLog(
-        library=start.get("library", ""),
-        contexts=tuple(
-            ExecContext(
-                e["ctx"],
-                names.ROLES[e["role"]],
-                e["arch"],
-                models.get(e["model"]),
-                e["ok"],
-                e.get("n_ubatch"),
-                e.get("n_seq_max"),
-                e.get("kv_unified"),
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _Line:
+    """One of the preload's lines, its fields read with their JSON type checked: a field that is
+    missing or of another type is an InputError naming the spool index (the spool is damaged, or
+    another featdiff wrote it), never a KeyError deep in the flow inference."""
+
+    event: dict[str, Any]
+    index: Path
+
+    def _get(self, key: str, ok: Callable[[Any], bool], what: str, default: Any) -> Any:
+        value = self.event.get(key, default)
+        if value is _MISSING or not (ok(value) or (value is default and default is not _MISSING)):
+            found = "missing" if key not in self.event else f"{self.event[key]!r}"
+            raise InputError(
+                f"{self.index}: an {self.event['kind']} line of the preload holds no {what} {key!r} ({found}); "
+                "the spool is damaged or another featdiff version wrote it: run the capture again"
             )
-            for e in events
-            if e["kind"] == "exec_context"
-        ),
-        evals=tuple(_exec_eval(e, done.get(e["eval"])) for e in events if e["kind"] == "exec_eval"),
-        clears=tuple((e["ctx"], e["after_eval"]) for e in events if e["kind"] == "exec_clear"),
-        records=tuple(e for e in events if e["kind"] == spool.RECORD),
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING) -> Any:
+        return self._get(key, is_json_int, "integer", default)
+
+    def text(self, key: str, default: Any = _MISSING) -> Any:
+        return self._get(key, lambda v: isinstance(v, str), "string", default)
+
+    def flag(self, key: str, default: Any = _MISSING) -> Any:
+        return self._get(key, lambda v: isinstance(v, bool), "true/false", default)
+
+    def integers(self, key: str) -> tuple[int, ...]:
+        return tuple(
+            self._get(key, lambda v: isinstance(v, list) and all(map(is_json_int, v)), "integer list", _MISSING)
+        )
+
+
+def read_exec_log(index: Path) -> ExecLog:
+    """Parse a preload spool index; lines are JSON, written by native/featdiff_preload.c. A line
+    of a known kind without its fields is an InputError naming `index` (exit 2)."""
+    lines = spool_index.read_index_lines(index)
+    by_kind: dict[str, list[_Line]] = {}
+    for e in lines.events:
+        by_kind.setdefault(e["kind"], []).append(_Line(e, index))
+    models = {e.integer("model"): e.text("path") for e in by_kind.get("exec_model", [])}
+    done = {e.integer("eval"): e.integer("rc") for e in by_kind.get("exec_done", [])}
+    start = by_kind.get("exec_start", [])
+    return ExecLog(
+        library=start[0].text("library", "") if start else "",
+        contexts=tuple(_exec_context(e, models) for e in by_kind.get("exec_context", [])),
+        evals=tuple(_exec_eval(e, done) for e in by_kind.get("exec_eval", [])),
+        clears=tuple((e.integer("ctx"), e.integer("after_eval")) for e in by_kind.get("exec_clear", [])),
+        records=lines.records,
         n_torn=lines.n_torn,
-        seq_rms=tuple(e for e in events if e["kind"] == "exec_seq_rm"),
+        seq_rms=tuple(
+            ExecSeqRm(
+                e.integer("ctx"),
+                e.integer("after_eval"),
+                e.integer("seq_id"),
+                e.integer("p0"),
+                e.integer("p1"),
+                e.flag("ok", True),
+            )
+            for e in by_kind.get("exec_seq_rm", [])
+        ),
         n_unreadable=lines.n_unreadable,
     )
 
 
-def _exec_eval(e: dict[str, Any], rc: int | None) -> ExecEval:
+def _exec_context(e: _Line, models: dict[int, str]) -> ExecContext:
+    role = e.integer("role")
+    if not 0 <= role < len(names.ROLES):
+        raise InputError(
+            f"{e.index}: an exec_context line of the preload names role {role}, not one of "
+            f"0..{len(names.ROLES) - 1}; the spool is damaged or another featdiff version wrote it: run the capture again"
+        )
+    return ExecContext(
+        e.integer("ctx"),
+        names.ROLES[role],
+        e.text("arch"),
+        models.get(e.integer("model")),
+        e.flag("ok"),
+        e.integer("n_ubatch", None),
+        e.integer("n_seq_max", None),
+        e.flag("kv_unified", None),
+    )
+
+
+def _exec_eval(e: _Line, done: dict[int, int]) -> ExecEval:
+    eval_ = e.integer("eval")
     return ExecEval(
-        e["eval"],
-        e["ctx"],
-        tuple(e["token_ids"]),
-        tuple(e["positions"]),
-        tuple(e["seq_ids"]),
-        tuple(e["outputs"]),
-        rc,
-        str(e.get("call", names.CALL_DECODE)),
+        eval_,
+        e.integer("ctx"),
+        e.integers("token_ids"),
+        e.integers("positions"),
+        e.integers("seq_ids"),
+        e.integers("outputs"),
+        done.get(eval_),
+        e.text("call", names.CALL_DECODE),
     )

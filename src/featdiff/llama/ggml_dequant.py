@@ -4,7 +4,8 @@ weight type that build reads (Q1_0, IQ*, MXFP4, ...), bit for bit as the run's g
 Consumes a build (featdiff.llama.binding.find_build) and a tensor's raw bytes; produces float32
 arrays through `ggml_get_type_traits(type)->to_float`. A small cffi module in API mode, compiled
 against the build's ggml.h and linked to its libggml-base only, cached per build under
-cache_root()/ggml-dequant.
+cache_root()/ggml-dequant. `load` is the loader the GGUF reader takes (featdiff.gguf_reader's
+`GgmlLoader`), and `Ggml` its `Dequantizer`: the reader, a floor below, never imports this module.
 """
 
 from __future__ import annotations
@@ -111,6 +112,27 @@ class Ggml:
         to_float(ffi.from_buffer(data), ffi.from_buffer("float[]", out, require_writable=True), out.size)
         return out
 
+    def teach_gguf_py(self) -> list[str]:
+        """Make gguf-py's reader accept the tensor types this ggml knows and gguf-py's enum lacks
+        (Q2_0 and any newer one): each gets a member of `GGMLQuantizationType` named as ggml names
+        it, and its block size and bytes in `GGML_QUANT_SIZES`, so a GGUF holding it opens, sizes its
+        tensors right and reads as that type; its values are then dequantized by this ggml (gguf-py
+        has no dequantizer for it). Returns the names taught."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        taught = []
+        for type_id in range(self.module.lib.GGML_TYPE_COUNT):
+            if type_id in GGMLQuantizationType._value2member_map_ or not self.knows(type_id):
+                continue
+            traits = self.module.lib.ggml_get_type_traits(type_id)
+            member = int.__new__(GGMLQuantizationType, type_id)
+            member._name_ = self.type_name(type_id).upper()
+            member._value_ = type_id
+            GGMLQuantizationType._value2member_map_[type_id] = member
+            GGML_QUANT_SIZES[member] = (int(traits.blck_size), int(traits.type_size))
+            taught.append(member._name_.lower())
+        return taught
+
 
 def load(llama_dir: Path | None = None) -> Ggml:
     """The build's ggml (`find_build(llama_dir)`), compiled once per build; InputError when this
@@ -177,25 +199,3 @@ def _compile(build: LlamaBuild, library: Path, outdir: Path, modname: str) -> Pa
         extra_compile_args=["-O2"],
     )
     return compile_into(ffi, outdir)
-
-
-def teach_gguf_py(ggml: Ggml) -> list[str]:
-    """Make gguf-py's reader accept the tensor types `ggml` knows and gguf-py's enum lacks (Q2_0
-    and any newer one): each gets a member of `GGMLQuantizationType` named as ggml names it, and
-    its block size and bytes in `GGML_QUANT_SIZES`, so a GGUF holding it opens, sizes its tensors
-    right and reads as that type; its values are then dequantized by `ggml` (gguf-py has no
-    dequantizer for it). Returns the names taught."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    taught = []
-    for type_id in range(ggml.module.lib.GGML_TYPE_COUNT):
-        if type_id in GGMLQuantizationType._value2member_map_ or not ggml.knows(type_id):
-            continue
-        traits = ggml.module.lib.ggml_get_type_traits(type_id)
-        member = int.__new__(GGMLQuantizationType, type_id)
-        member._name_ = ggml.type_name(type_id).upper()
-        member._value_ = type_id
-        GGMLQuantizationType._value2member_map_[type_id] = member
-        GGML_QUANT_SIZES[member] = (int(traits.blck_size), int(traits.type_size))
-        taught.append(member._name_.lower())
-    return taught

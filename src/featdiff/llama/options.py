@@ -5,7 +5,7 @@ layers, threads, context size.
 Consumes an in-process capture's extra arguments (`featdiff capture ... -ctk q8_0 -fa on`), which
 must all be known, or a program's command line and environment under `--exec`, from which the
 known ones are read; produces one `RunOptions`, which a manifest records in `build.kv_types` and
-`build.run_options` (docs/dump.md) and the tolerance model reads (featdiff.compare.tolerance).
+`build.run_options` (docs/dump.md) and the tolerance model reads (featdiff.diff.tolerance).
 """
 
 from __future__ import annotations

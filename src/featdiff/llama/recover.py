@@ -1,9 +1,9 @@
 """`featdiff pack`: turn the spool a capture left (killed, crashed, set aside) into a dump.
 
 Consumes a spool prefix of either kind: an in-process capture's (its index opens with a `header`,
-featdiff.llama.spool) or a `capture --exec` run's (the preload's lines, featdiff.llama.exec);
+featdiff.llama.spool) or a `capture --exec` run's (the preload's lines, featdiff.llama.exec_pack);
 produces the dump and a `spool.Packed` saying what was kept and dropped. The dispatch lives here
-so that spool.py never imports exec.py (exec imports spool).
+so that spool.py never imports exec_pack.py (exec_pack imports spool).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from featdiff.errors import InputError
-from featdiff.llama import exec as exec_capture
 from featdiff.llama import spool
+from featdiff.llama.exec_pack import pack_exec, saved_build
 from featdiff.outputs import check_output, output_lock
 
 
@@ -41,4 +41,4 @@ def _pack_kind(prefix: Path, index: Path, output: Path) -> spool.Packed:
             f"{index}: the spool holds no complete line, so nothing was captured; "
             "there is nothing to pack (run the capture again)"
         )
-    return exec_capture.pack_exec(prefix, output, exec_capture.saved_build(prefix))
+    return pack_exec(prefix, output, saved_build(prefix))

@@ -149,6 +149,7 @@ class Context:
         kv: CacheTypes | None = None,
         flash_attn: str = "auto",
         n_ubatch: int | None = None,
+        n_rs_seq: int = 0,
     ) -> "Context":
         """A context with llama.cpp's defaults but for the size, threads, callback, `kv` cache
         types (default f16), `flash_attn` (on / off / auto) and `n_ubatch` (None: one graph per
@@ -160,6 +161,8 @@ class Context:
         p.n_ctx = p.n_batch = n_ctx  # a decode of any length fits one batch
         p.n_ubatch = min(n_ubatch or n_ctx, n_ctx)  # llama.cpp clamps n_ubatch to n_batch too
         p.n_seq_max = 1
+        if n_rs_seq and rt.build.has_rs_seq:  # recurrent-state snapshots: a hybrid target's rollback
+            p.n_rs_seq = n_rs_seq  # llama.cpp clamps it to 0 for an arch that cannot use it
         p.n_threads = p.n_threads_batch = n_threads
         if tag is not None:
             p.cb_eval = rt.ffi.addressof(rt.lib, "fd_eval_callback")
@@ -300,8 +303,10 @@ class Context:
         flat = np.frombuffer(self.rt.ffi.buffer(ptr, 4 * n_tokens * n_embd), dtype=np.float32)
         return flat.reshape(n_tokens, n_embd).copy()  # (n_tokens, n_embd)
 
-    def seq_rm(self, p0: int) -> None:
-        self.rt.lib.llama_memory_seq_rm(self.rt.lib.llama_get_memory(self.ptr), 0, p0, -1)
+    def seq_rm(self, p0: int) -> bool:
+        """Drop the cells at positions >= p0; False where the memory refused (a recurrent state
+        rolls back only as far as its n_rs_seq snapshots reach, llama-memory-recurrent.cpp seq_rm)."""
+        return bool(self.rt.lib.llama_memory_seq_rm(self.rt.lib.llama_get_memory(self.ptr), 0, p0, -1))
 
     def free(self) -> None:
         if not self.legacy:

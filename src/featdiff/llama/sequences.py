@@ -4,7 +4,7 @@ flows").
 
 Consumes the decodes the preload noted, each context's micro-batch settings and the shim's
 record events, which carry the index of their graph within the decode (`ubatch`); produces the
-same log (llama/exec.py `ExecLog`) with each decode replaced by one decode per (graph,
+same log (llama/exec_log.py `ExecLog`) with each decode replaced by one decode per (graph,
 sequence), in execution order, holding its rows, and each record cut to them: a row record has
 one row per token of its graph, an output record (logits) one per output row.
 
@@ -19,10 +19,10 @@ whole and a note says why: its rows are then compared together, never guessed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.ubatch import UBATCH, chunks
+from featdiff.llama.spool_index import RecordEvent, n_dims
+from featdiff.llama.ubatch import chunks
 
 Rows = tuple[int, ...]  # batch row indices, in the order a graph holds them
 
@@ -103,50 +103,45 @@ def seq_runs(rows: Rows, seq_ids: tuple[int, ...]) -> tuple[Rows, ...] | None:
     return tuple(tuple(r) for r in runs)
 
 
-def _n_dims(ne: list[int]) -> int:
-    n = len(ne)
-    while n > 1 and ne[n - 1] == 1:
-        n -= 1
-    return n
-
-
-def _cut(event: dict[str, Any], start: int, end: int, n_rows: int) -> dict[str, Any] | None:
+def _cut(event: RecordEvent, start: int, end: int, n_rows: int) -> RecordEvent | None:
     """The record event cut to rows [start, end) of its `n_rows` (numpy's leading axis, ggml's
     last), or None when its leading axis is not those rows."""
-    ne = [int(x) for x in event["ne"]]
-    axis = _n_dims(ne) - 1
+    ne = list(event.ne)
+    axis = n_dims(event.ne) - 1
     if ne[axis] != n_rows or (n_rows == 1 and end - start != 1):
         return None
     if (start, end) == (0, n_rows):
-        return {**event, UBATCH: 0}
-    row_bytes = int(event["nbytes"]) // n_rows
+        return replace(event, ubatch=0)
+    row_bytes = event.nbytes // n_rows
     ne[axis] = end - start
-    return {
-        **event,
-        UBATCH: 0,
-        "ne": ne,
-        "offset": int(event["offset"]) + start * row_bytes,
-        "nbytes": (end - start) * row_bytes,
-    }
+    return replace(
+        event,
+        ubatch=0,
+        ne=tuple(ne),
+        offset=event.offset + start * row_bytes,
+        nbytes=(end - start) * row_bytes,
+    )
 
 
-def _record_part(event: dict[str, Any], ev: ExecEval, graph: Rows, part: Rows) -> dict[str, Any] | None:
-    """The rows of `part` (a run of `graph`'s rows) of a record of that graph: by token, or by
-    output row; None when the record has neither."""
+def _record_part(event: RecordEvent, ev: ExecEval, graph: Rows, part: Rows) -> tuple[RecordEvent, ...] | None:
+    """The rows of `part` (a run of `graph`'s rows) of a record of that graph, by token or by
+    output row: one record, or none when the part holds no output row of an output record; None
+    when the record has a row neither per token nor per output."""
     if len(part) == len(graph):  # the graph is one sequence's: all of the record is this part's
-        return {**event, UBATCH: 0}
+        return (replace(event, ubatch=0),)
     start = graph.index(part[0])
     cut = _cut(event, start, start + len(part), len(graph))
     if cut is not None:
-        return cut
+        return (cut,)
     outputs = [i for i in graph if ev.outputs[i]]
     mine = [i for i in part if ev.outputs[i]]
     if not outputs or len(outputs) == len(graph):
         return None
     if not mine:
-        return {}  # this sequence has no output row in the record: nothing of it to keep
+        return ()  # this sequence has no output row in the record: nothing of it to keep
     first = outputs.index(mine[0])
-    return _cut(event, first, first + len(mine), len(outputs))
+    cut = _cut(event, first, first + len(mine), len(outputs))
+    return None if cut is None else (cut,)
 
 
 @dataclass(frozen=True)
@@ -157,9 +152,9 @@ class _Plan:
     why_whole: str | None = None
 
 
-def _plan(ev: ExecEval, records: list[dict[str, Any]], split: Split) -> _Plan:
+def _plan(ev: ExecEval, records: list[RecordEvent], split: Split) -> _Plan:
     graphs = graph_rows(ev.seq_ids, split)
-    seen = max((int(r.get(UBATCH, 0)) for r in records), default=0) + 1
+    seen = max((r.ubatch for r in records), default=0) + 1
     what = f"decode {ev.eval} ({len(ev.positions)} rows of sequences {sorted(set(ev.seq_ids))})"
     if seen > len(graphs):
         return _Plan(
@@ -174,19 +169,18 @@ def _plan(ev: ExecEval, records: list[dict[str, Any]], split: Split) -> _Plan:
     if len(parts) == 1:
         return _Plan(tuple(parts))
     for r in records:
-        u = int(r.get(UBATCH, 0))
-        if any(_record_part(r, ev, graphs[u], run) is None for ug, _, run in parts if ug == u):
-            return _Plan((), f"{what}: its record {r['name']} has no row per token of its graph")
+        if any(_record_part(r, ev, graphs[r.ubatch], run) is None for ug, _, run in parts if ug == r.ubatch):
+            return _Plan((), f"{what}: its record {r.name} has no row per token of its graph")
     return _Plan(tuple(parts))
 
 
 def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:
     """One decode per graph and sequence (module docstring); `splits` per context index."""
-    by_eval: dict[int, list[dict[str, Any]]] = {}
+    by_eval: dict[int, list[RecordEvent]] = {}
     for e in log.records:
-        by_eval.setdefault(int(e["eval"]), []).append(e)
+        by_eval.setdefault(e.eval, []).append(e)
     evals: list[ExecEval] = []
-    records: list[dict[str, Any]] = []
+    records: list[RecordEvent] = []
     last: dict[int, int] = {}
     notes: list[str] = []
     for ev in log.evals:
@@ -198,19 +192,19 @@ def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:
                     plan.why_whole + "; its rows are kept together, and pair with the reference only as a whole"
                 )
             evals.append(replace(ev, eval=len(evals), origin=ev.call_id))
-            records += [{**r, "eval": len(evals) - 1} for r in own]
+            records += [replace(r, eval=len(evals) - 1) for r in own]
         else:
             for u, graph, run in plan.parts:
                 evals.append(_sub_decode(ev, len(evals), run))
-                parts = (_record_part(r, ev, graph, run) for r in own if int(r.get(UBATCH, 0)) == u)
-                records += [{**p, "eval": len(evals) - 1} for p in parts if p]
+                parts = (_record_part(r, ev, graph, run) or () for r in own if r.ubatch == u)
+                records += [replace(p, eval=len(evals) - 1) for part in parts for p in part]
         last[ev.eval] = len(evals) - 1
     moved = replace(
         log,
         evals=tuple(evals),
         records=tuple(records),
         clears=tuple((ctx, _moved(last, after)) for ctx, after in log.clears),
-        seq_rms=tuple({**e, "after_eval": _moved(last, int(e["after_eval"]))} for e in log.seq_rms),
+        seq_rms=tuple(replace(e, after_eval=_moved(last, e.after_eval)) for e in log.seq_rms),
     )
     return SplitLog(moved, tuple(notes))
 

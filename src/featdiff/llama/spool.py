@@ -1,10 +1,11 @@
 """Pack a shim spool (<prefix>.data + <prefix>.index) into a dump (format v1).
 
 The index holds one JSON line per event: a `header` (models, build, prompt), an `eval`, a
-`round`, or a `record` (written by the C shim after its data). A line without a final newline is
-the tail of a process that died mid-write, and a record whose bytes are not all in the data file
-cannot be read back: both are dropped and counted, every other record is kept, so a killed
-capture still packs into a readable dump of its complete records (`Packed` says what was dropped).
+`round`, or a `record` (written by the C shim after its data; featdiff.llama.spool_index reads the
+lines). A line without a final newline is the tail of a process that died mid-write, and a record
+whose bytes are not all in the data file cannot be read back: both are dropped and counted, every
+other record is kept, so a killed capture still packs into a readable dump of its complete records
+(`Packed` says what was dropped). `read_record_array` is the one reader of a record's bytes.
 
 The spool sits beside the dump it becomes (`prefix_for`); a spool found there when a capture
 starts is an earlier capture's that died before packing, and is moved aside, never overwritten.
@@ -12,7 +13,6 @@ starts is an earlier capture's that died before packing, and is moved aside, nev
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
@@ -26,28 +26,15 @@ import numpy as np
 from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.errors import InputError
 from featdiff.filters import FilterSet, RoleFilter
+from featdiff.llama.spool_index import RecordEvent, n_dims, read_index_lines
 from featdiff.llama.ubatch import split_ubatches
-from featdiff.names import PHASE_WARMUP, ROLES, Phase, Role
+from featdiff.names import ROLES, Role
 from featdiff.outputs import check_output
+from featdiff.phases import Phase
 
 log = logging.getLogger(__name__)
 
 HEADER = "header"  # the first line of an in-process spool (capture.py); the preload's lines are others
-RECORD = "record"
-RECORD_FIELDS = (
-    "eval",
-    "role",
-    "name",
-    "occurrence",
-    "op",
-    "ggml_type",
-    "ne",
-    "nb",
-    "srcs",
-    "dtype",
-    "offset",
-    "nbytes",
-)  # what a shim `record` line holds (featdiff_shim.c)
 # why a pack dropped something, as its summary says it
 DROP_DATA_SHORT = "data file ends early"  # a record whose bytes are not all in <prefix>.data
 DROP_MISSIZED = "byte count does not match the shape"
@@ -57,56 +44,20 @@ ASIDE_STAMP = "%Y%m%dT%H%M%SZ"  # UTC: `<output>.spool-20250101T120000Z.*`
 RECOVERED_TAG = ".recovered-"  # the dump the set-aside message suggests: `<stem>.recovered-<stamp><suffix>`
 
 
-@dataclass(frozen=True)
-class IndexLines:
-    """The complete, readable lines of a spool index, and how many were not."""
-
-    events: tuple[dict[str, Any], ...]
-    n_torn: int  # an incomplete last line
-    n_unreadable: int  # complete lines that are no JSON event (or a record without its fields)
-
-
-def read_index_lines(index_path: Path) -> IndexLines:
-    """Parse the complete lines of a spool index (either kind: in-process or the preload's)."""
-    complete, _, torn = index_path.read_bytes().rpartition(b"\n")
-    events, bad = [], 0
-    for line in complete.split(b"\n") if complete else []:
-        event = _event(line)
-        if event is None:
-            bad += 1
-        else:
-            events.append(event)
-    return IndexLines(tuple(events), int(bool(torn)), bad)
-
-
-def _event(line: bytes) -> dict[str, Any] | None:
-    """One index line as an event, or None when it is not one."""
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
-        return None
-    if event["kind"] == RECORD and not all(k in event for k in RECORD_FIELDS):
-        return None
-    return event
-
-
 def first_kind(index_path: Path) -> str | None:
     """The kind of the first readable line of a spool index (None: it holds none): `header` for
     an in-process spool, one of the preload's kinds for a `capture --exec` spool."""
-    lines = read_index_lines(index_path)
-    return lines.events[0]["kind"] if lines.events else None
+    return read_index_lines(index_path).first_kind
 
 
 @dataclass(frozen=True)
 class SpoolEvents:
-    """The complete lines of a spool index, sorted by kind."""
+    """The complete lines of an in-process spool index, sorted by kind."""
 
     header: dict[str, Any]
     evals: tuple[Eval, ...]
     rounds: tuple[Round, ...]
-    records: tuple[dict[str, Any], ...]
+    records: tuple[RecordEvent, ...]
     n_torn: int  # incomplete trailing lines dropped
     n_unreadable: int = 0  # complete lines dropped: no JSON event
 
@@ -115,7 +66,7 @@ def read_index(index_path: Path) -> SpoolEvents:
     """Parse the complete lines of an in-process spool index."""
     lines = read_index_lines(index_path)
     header: dict[str, Any] = {}
-    evals, rounds, records = [], [], []
+    evals, rounds = [], []
     for event in (dict(e) for e in lines.events):
         kind = event.pop("kind")
         if kind == HEADER:
@@ -124,48 +75,37 @@ def read_index(index_path: Path) -> SpoolEvents:
             evals.append(Eval.from_json(event))
         elif kind == "round":
             rounds.append(Round.from_json(event))
-        elif kind == RECORD:
-            records.append(event)
-    return SpoolEvents(header, tuple(evals), tuple(rounds), tuple(records), lines.n_torn, lines.n_unreadable)
+    return SpoolEvents(header, tuple(evals), tuple(rounds), lines.records, lines.n_torn, lines.n_unreadable)
 
 
-def _n_dims(ne: list[int]) -> int:
-    """ggml's dimension count: trailing 1s of ne dropped (an empty dimension, ne = 0, is kept)."""
-    n = len(ne)
-    while n > 1 and ne[n - 1] == 1:
-        n -= 1
-    return n
-
-
-def dims_by_name(records: tuple[dict[str, Any], ...], n_tokens: dict[int, int]) -> dict[str, int]:
+def dims_by_name(records: tuple[RecordEvent, ...], n_tokens: dict[int, int]) -> dict[str, int]:
     """Dimension count of each name in multi-token evals: a one-token eval's token dimension is 1
     and would otherwise vanish, turning (1, n_embd) into (n_embd,)."""
     dims: dict[str, int] = {}
     for e in records:
-        if n_tokens.get(int(e["eval"]), 0) > 1:
-            dims[e["name"]] = max(dims.get(e["name"], 1), _n_dims(e["ne"]))
+        if n_tokens.get(e.eval, 0) > 1:
+            dims[e.name] = max(dims.get(e.name, 1), n_dims(e.ne))
     return dims
 
 
-def record_from_event(event: dict[str, Any], phase: Phase, n_dims: int | None = None) -> Record:
-    """A dump record from a shim `record` line; numpy shape = reversed ggml ne[:n_dims]
+def record_from_event(event: RecordEvent, phase: Phase, dims: int | None = None) -> Record:
+    """A dump record from a shim `record` line; numpy shape = reversed ggml ne[:dims]
     (default: ggml's own dimension count)."""
-    ne = tuple(int(x) for x in event["ne"][: n_dims or _n_dims(event["ne"])])
-    role = ROLES[int(event["role"])]
+    ne = event.ne[: dims or n_dims(event.ne)]
     return Record(
-        key=record_key(int(event["eval"]), role, event["name"], int(event["occurrence"])),
-        role=role,
+        key=record_key(event.eval, event.role, event.name, event.occurrence),
+        role=event.role,
         phase=phase,
-        eval=int(event["eval"]),
-        name=event["name"],
-        occurrence=int(event["occurrence"]),
-        op=event["op"],
-        ggml_type=event["ggml_type"],
+        eval=event.eval,
+        name=event.name,
+        occurrence=event.occurrence,
+        op=event.op,
+        ggml_type=event.ggml_type,
         ne=ne,
-        srcs=tuple(event["srcs"]),
-        dtype=event["dtype"],
+        srcs=event.srcs,
+        dtype=event.dtype,
         shape=tuple(reversed(ne)),
-        nb=tuple(int(x) for x in event["nb"]),
+        nb=event.nb,
     )
 
 
@@ -178,9 +118,7 @@ class Written:
     dropped: tuple[str, ...]
 
 
-def write_records(
-    writer: DumpWriter, records: tuple[dict[str, Any], ...], evals: tuple[Eval, ...], data: Path
-) -> Written:
+def write_records(writer: DumpWriter, records: tuple[RecordEvent, ...], evals: tuple[Eval, ...], data: Path) -> Written:
     """Add every record whose bytes are all in `data` to the dump being written; drop the others
     (a short one never hides the complete ones after it)."""
     phases = {e.eval: e.phase for e in evals}
@@ -189,11 +127,11 @@ def write_records(
     kept, dropped = [], []
     with open(data, "rb") as f:
         for event in records:
-            n = _n_dims(event["ne"])
-            if n_tokens.get(int(event["eval"])) == 1:
-                n = min(max(n, dims.get(event["name"], n + 1)), 4)  # keep the token dimension
-            record = record_from_event(event, phases.get(int(event["eval"]), PHASE_WARMUP), n)
-            array, why = _read_array(f, event, record)
+            n = n_dims(event.ne)
+            if n_tokens.get(event.eval) == 1:
+                n = min(max(n, dims.get(event.name, n + 1)), 4)  # keep the token dimension
+            record = record_from_event(event, phases.get(event.eval, Phase.WARMUP), n)
+            array, why = read_record_array(f, event, record)
             if array is None:
                 dropped.append(why)
                 continue
@@ -202,14 +140,15 @@ def write_records(
     return Written(tuple(kept), tuple(dropped))
 
 
-def _read_array(f: BinaryIO, event: dict[str, Any], record: Record) -> tuple[np.ndarray | None, str]:
-    """The record's array from the open data file, or None and why it cannot be read."""
-    nbytes = int(event["nbytes"])
-    if nbytes != int(np.prod(record.shape)) * np.dtype(record.dtype).itemsize:
+def read_record_array(f: BinaryIO, event: RecordEvent, record: Record) -> tuple[np.ndarray | None, str]:
+    """The record's array (`record.shape`, `record.dtype`) from the open data file, or None and
+    why it cannot be read (its byte count is not its shape's, or the file ends before its bytes
+    do). Every reader of a spooled record's bytes reads them here."""
+    if event.nbytes != int(np.prod(record.shape)) * np.dtype(record.dtype).itemsize:
         return None, DROP_MISSIZED
-    f.seek(int(event["offset"]))
-    buf = f.read(nbytes)
-    if len(buf) != nbytes:
+    f.seek(event.offset)
+    buf = f.read(event.nbytes)
+    if len(buf) != event.nbytes:
         return None, DROP_DATA_SHORT
     return np.frombuffer(buf, dtype=record.dtype).reshape(record.shape), ""
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
 
 from featdiff.dump import Eval, MemoryOp
-
-UBATCH = "ubatch"  # the record event's graph index (absent in spools written before it: 0)
+from featdiff.llama.spool_index import RecordEvent
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,7 @@ class Split:
     """The evals once split per graph, the record events pointed at them, and what was kept whole."""
 
     evals: tuple[Eval, ...]
-    records: tuple[dict[str, Any], ...]
+    records: tuple[RecordEvent, ...]
     memory_ops: tuple[MemoryOp, ...]
     renumbered: dict[int, int]  # old eval -> its last new eval (for anything that names evals)
     notes: tuple[str, ...] = ()
@@ -39,11 +37,11 @@ def chunks(n_tokens: int, n_ubatch: int) -> tuple[tuple[int, int], ...]:
     return tuple((i, min(i + n_ubatch, n_tokens)) for i in range(0, n_tokens, n_ubatch))
 
 
-def graphs_seen(records: tuple[dict[str, Any], ...]) -> dict[int, int]:
+def graphs_seen(records: tuple[RecordEvent, ...]) -> dict[int, int]:
     """Eval -> how many graphs its records came from (the highest `ubatch` + 1)."""
     seen: dict[int, int] = defaultdict(lambda: 1)
     for e in records:
-        seen[int(e["eval"])] = max(seen[int(e["eval"])], int(e.get(UBATCH, 0)) + 1)
+        seen[e.eval] = max(seen[e.eval], e.ubatch + 1)
     return dict(seen)
 
 
@@ -78,7 +76,7 @@ def _sub_eval(ev: Eval, index: int, ubatch: int, start: int, end: int) -> Eval:
 
 def split_ubatches(
     evals: tuple[Eval, ...],
-    records: tuple[dict[str, Any], ...],
+    records: tuple[RecordEvent, ...],
     n_ubatch: dict[int, int | None],
     memory_ops: tuple[MemoryOp, ...] = (),
 ) -> Split:
@@ -105,34 +103,33 @@ def split_ubatches(
                 out.append(_sub_eval(ev, len(out), u, start, end))
         last[ev.eval] = len(out) - 1
     whole = {old for (old, u) in new_id if u == 0} - {old for (old, u) in new_id if u > 0}
-    moved = _renumber_whole(tuple(_move_record(e, new_id, last) for e in records), whole, seen)
+    moved = _renumber_whole(tuple((e.eval, _move_record(e, new_id, last)) for e in records), whole, seen)
     ops = tuple(replace(op, after_eval=last.get(op.after_eval, op.after_eval)) for op in memory_ops)
     return Split(tuple(out), moved, ops, last, tuple(notes))
 
 
-def _move_record(event: dict[str, Any], new_id: dict[tuple[int, int], int], last: dict[int, int]) -> dict[str, Any]:
+def _move_record(event: RecordEvent, new_id: dict[tuple[int, int], int], last: dict[int, int]) -> RecordEvent:
     """The record event pointed at its graph's eval (an eval kept whole keeps every graph's)."""
-    old, ubatch = int(event["eval"]), int(event.get(UBATCH, 0))
-    target = new_id.get((old, ubatch))
+    old = event.eval
+    target = new_id.get((old, event.ubatch))
     if target is None:  # kept whole: the later graphs' records stay in the one eval
         target = new_id.get((old, 0), last.get(old, old))
-    return {**event, "eval": target, "_old_eval": old}
+    return replace(event, eval=target)
 
 
 def _renumber_whole(
-    records: tuple[dict[str, Any], ...], whole: set[int], seen: dict[int, int]
-) -> tuple[dict[str, Any], ...]:
+    moved: tuple[tuple[int, RecordEvent], ...], whole: set[int], seen: dict[int, int]
+) -> tuple[RecordEvent, ...]:
     """In an eval kept whole, occurrences count on across its graphs (the shim restarts them per
-    graph), so every record key stays unique: the n-th record of a name gets occurrence n."""
+    graph), so every record key stays unique: the n-th record of a name gets occurrence n.
+    `moved`: (the eval before the split, the record pointed at its new eval)."""
     split_whole = {old for old in whole if seen.get(old, 1) > 1}
-    count: dict[tuple[int, int, str], int] = defaultdict(int)
+    count: dict[tuple[int, str, str], int] = defaultdict(int)
     out = []
-    for e in records:
-        old = int(e.get("_old_eval", -1))
+    for old, e in moved:
         if old in split_whole:
-            key = (old, int(e["role"]), e["name"])
-            e = {**e, "occurrence": count[key]}
+            key = (old, e.role, e.name)
+            e = replace(e, occurrence=count[key])
             count[key] += 1
-        e.pop("_old_eval", None)
         out.append(e)
     return tuple(out)

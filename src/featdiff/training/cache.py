@@ -23,7 +23,7 @@ from featdiff.training.train import DEFAULT_CONFIG, TRAINED_SIZES, TrainConfig, 
 log = logging.getLogger(__name__)
 
 # The code the trained weights depend on is part of the cache key: editing it retrains (once).
-KEYED_SOURCES = ("training/*.py", "reference/*.py", "pairs.py")
+KEYED_SOURCES = ("training/*.py", "torchref/*.py", "pairs.py")
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 CACHE_SUBDIR = "trained"
 META_FILE = "meta.json"

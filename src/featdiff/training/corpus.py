@@ -12,9 +12,9 @@ import torch
 
 from featdiff.pairs import HF_TARGET_LAYER_IDS, Sizes
 from featdiff.probe import TOKENS_PREFIX
-from featdiff.reference.attention import KvCache, empty_cache
-from featdiff.reference.target import forward_target
-from featdiff.reference.weights import Hparams, Target
+from featdiff.torchref.attention import KvCache, empty_cache
+from featdiff.torchref.target import forward_target
+from featdiff.torchref.weights import Hparams, Target
 from featdiff.training.target import LOOKBACK
 
 PROMPT_LENGTHS = (LOOKBACK + 1, 12)  # inclusive bounds; the lookback rule needs LOOKBACK tokens before

@@ -18,8 +18,8 @@ import torch
 from torch.nn.functional import binary_cross_entropy_with_logits, cross_entropy
 
 from featdiff import names
-from featdiff.reference.drafter import draft_block, inject
-from featdiff.reference.weights import Draft, DSpark, Target, present
+from featdiff.torchref.drafter import draft_block, inject
+from featdiff.torchref.weights import Draft, DSpark, Target, present
 from featdiff.training.corpus import Corpus, f32_cache
 from featdiff.training.objective import ROW_DECAY, Batch, accepted_length, packed_batch
 

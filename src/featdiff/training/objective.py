@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from featdiff.pairs import BLOCK_SIZE
-from featdiff.reference.drafter import draft_block, inject
-from featdiff.reference.weights import Draft, Target
+from featdiff.torchref.drafter import draft_block, inject
+from featdiff.torchref.weights import Draft, Target
 from featdiff.training.corpus import Corpus, f32_cache
 
 ROW_DECAY = 2.0  # block row j weighs exp(-(j-1)/ROW_DECAY): draft j counts only once drafts 0..j-1 are accepted

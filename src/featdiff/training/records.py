@@ -1,4 +1,4 @@
-"""The reference's weight records (`featdiff.reference.weights`) of fixtures weight dicts, and
+"""The reference's weight records (`featdiff.torchref.weights`) of fixtures weight dicts, and
 back: training runs the reference's own forward on them, the fixtures' writers save the result.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from featdiff import names, pairs
 from featdiff.pairs import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
-from featdiff.reference.weights import (
+from featdiff.torchref.weights import (
     DSpark,
     Draft,
     Hparams,

@@ -19,8 +19,8 @@ import torch
 
 from featdiff import names, pairs
 from featdiff.pairs import BLOCK_SIZE, HF_TARGET_LAYER_IDS, Shape, Sizes
-from featdiff.reference.numerics import ffn, linear, rms_norm
-from featdiff.reference.weights import Layer, layer_from_tensors
+from featdiff.torchref.numerics import ffn, linear, rms_norm
+from featdiff.torchref.weights import Layer, layer_from_tensors
 
 LOOKBACK = BLOCK_SIZE  # x[t+1] = perm(x[t+1-LOOKBACK]): drafts 1..B-1 all read context rows
 FEATURE_LAYER = HF_TARGET_LAYER_IDS[-1]  # HF id: its output is the drafter's last feature slot

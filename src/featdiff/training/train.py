@@ -20,7 +20,7 @@ import torch
 
 from featdiff import pairs
 from featdiff.pairs import BLOCK_SIZE, Sizes
-from featdiff.reference.weights import Draft, DSpark, Target, present
+from featdiff.torchref.weights import Draft, DSpark, Target, present
 from featdiff.training import dspark
 from featdiff.training.corpus import Corpus, held_out_prompts, make_corpus, prompts
 from featdiff.training.objective import block_loss, mean_accepted_length, packed_batch

@@ -1,0 +1,143 @@
+"""Detectors of choices: where run and reference chose another token (a parting of their token
+histories: diff/partings.py) or routed a token to other experts (a MoE router's top-k cut),
+and whether the numerics can tell the two choices apart. Each `detect_<kind>` is pure and
+returns `Finding | None`; its sentence is written beside it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from featdiff import names
+from featdiff.diff.detectors.base import Evidence, labels, same_shape
+from featdiff.diff.fields import DivergenceFields, ExpertChoiceFields, NearTieFields, WrongSourceFields
+from featdiff.diff.metrics import row_relative_error
+from featdiff.diff.partings import Parting
+from featdiff.diff.result import Finding
+from featdiff.phases import Phase
+
+# The router's logits are a matrix times the layer's normed input, whose error on one row may reach
+# the pair's row tolerance; the errors of the two logits around the top-k cut add in quadrature
+# (as partings.MARGIN_SPREAD): a margin below sqrt(2) x row_rel x rms(router logits) is a near-tie.
+ROUTER_MARGIN_SPREAD = float(np.sqrt(2.0))
+
+
+# --- where the tokens part -----------------------------------------------------------------------
+
+
+def _parting_where(p: Parting) -> str:
+    batch = "the draft block" if p.phase == Phase.DRAFT else "the verify"
+    return f"round {p.round}, row {p.row} ({batch}, position {p.position})"
+
+
+def detect_near_tie(p: Parting) -> Finding | None:
+    """Hypothesis: run and reference chose different tokens on a row where the reference's own
+    two candidates are closer than the numerics can tell apart, so either choice is right.
+    Evidence: the reference's margin between its argmax and the run's token on that row is at
+    most the noise bound that row's tolerance allows (partings.MARGIN_SPREAD)."""
+    if not p.is_near_tie:
+        return None
+    return Finding.of(
+        NearTieFields(
+            phase=p.phase,
+            round=p.round,
+            row=p.row,
+            position=p.position,
+            eval=p.eval,
+            expected=p.expected,
+            observed=p.observed,
+            margin=p.margin,
+            bound=p.bound,
+        ),
+        tensor=p.tensor,
+        severity="info",
+        message=f"near-tie at {_parting_where(p)}: the run chose token {p.observed}, the reference "
+        f"{p.expected}, by a reference margin {p.margin:.3g} <= noise bound {p.bound:.3g}: either token is "
+        "right, so the run's is not an error",
+    )
+
+
+def detect_divergence_by_margin(p: Parting) -> Finding | None:
+    """Hypothesis: the run chose a token its logits do not put first, beyond the noise (a parting
+    no value explains). Evidence: the reference's margin between its argmax and the run's token on
+    that row is above the noise bound; None for a near-tie (`detect_near_tie`'s)."""
+    if p.is_near_tie:
+        return None
+    return Finding.of(
+        DivergenceFields(
+            metric="margin",
+            value=p.margin,
+            tolerance=p.bound,
+            phase=p.phase,
+            round=p.round,
+            row=p.row,
+            position=p.position,
+            eval=p.eval,
+            expected=p.expected,
+            observed=p.observed,
+        ),
+        tensor=p.tensor,
+        message=f"at {_parting_where(p)} the run chose token {p.observed} where the reference's argmax is "
+        f"{p.expected} by a margin {p.margin:.3g}, beyond the noise bound {p.bound:.3g}; check which rows the "
+        "driver drafts from and that it samples greedily",
+    )
+
+
+def detect_wrong_source_of_drafts(p: Parting) -> Finding | None:
+    """Hypothesis: the run read its drafts from the wrong rows of a correct block: a DSpark
+    drafter run as plain DFlash (`--spec-type draft-dflash`: drafts from the row after the anchor)
+    where it samples from the anchor, or the other way round. Evidence: the block's records agree,
+    its first draft is no near-tie, and every draft the run made is the reference's argmax of
+    `draft_logits` read from the other first row (`Parting.other_first_row`)."""
+    if p.phase != Phase.DRAFT or p.other_first_row is None or p.is_near_tie:
+        return None
+    own = p.row
+    reading = (
+        "the row after the anchor, as plain DFlash reads a block"
+        if p.other_first_row == 1
+        else "the anchor row on, as an anchor-first DSpark block reads"
+    )
+    return Finding.of(
+        WrongSourceFields(source=f"rows from {p.other_first_row}", candidate=p.tensor),
+        tensor=p.tensor,
+        message=f"at {_parting_where(p)} the run's drafts are the reference's argmax of {p.tensor} from row "
+        f"{p.other_first_row} on ({reading}), where this drafter's drafts start at row {own} "
+        f"({names.KEY_SAMPLE_FROM_ANCHOR} of the GGUF): the block is computed right and read from the wrong "
+        "rows; a DSpark drafter needs llama.cpp's --spec-type draft-dspark (draft-dflash reads DFlash's rows)",
+    )
+
+
+# --- MoE routing: a near-tie between experts -----------------------------------------------------
+
+
+def detect_expert_choice(ev: Evidence) -> Finding | None:
+    """Hypothesis: the run routed some tokens of this MoE layer to other experts than the reference,
+    on a near-tie where either choice is right. Evidence: every row over the row tolerance has a
+    reference router margin (`<record>@router_margin`: the gap between the k-th and (k+1)-th router
+    logit, and the rms of the row's logits) at most ROUTER_MARGIN_SPREAD x row_rel x that rms."""
+    record = ev.record or ev.tensor
+    margins = ev.candidates.get(names.candidate_name(record, names.HYP_ROUTER_MARGIN))
+    if margins is None or not same_shape(ev) or ev.ref.ndim != 2 or margins.shape != (len(ev.ref), 2):
+        return None
+    bad = row_relative_error(ev.ref, ev.run) > ev.tolerance.row_rel  # (R,)
+    margin, rms = margins[:, 0].astype(np.float64), margins[:, 1].astype(np.float64)  # (R,) each
+    bound = ROUTER_MARGIN_SPREAD * ev.tolerance.row_rel * rms  # (R,)
+    if not bad.any() or not np.all(margin[bad] <= bound[bad]):
+        return None
+    rows = np.flatnonzero(bad)
+    tokens = labels(ev, bad)
+    layer = record.rsplit("-", 1)[-1]
+    more = f" and {len(rows) - 1} more token{'s' * (len(rows) > 2)}" if len(rows) > 1 else ""
+    return Finding.of(
+        ExpertChoiceFields(
+            layer=int(layer) if layer.isdigit() else layer,
+            rows=tokens,
+            margins=tuple(float(margin[i]) for i in rows),
+            bounds=tuple(float(bound[i]) for i in rows),
+        ),
+        tensor=ev.tensor,
+        severity="info",
+        message=f"expert choice differs at layer {layer}, token {tokens[0]} (router margin {margin[rows[0]]:.3g} "
+        f"<= noise bound {bound[rows[0]]:.3g}){more}: the router's top-k cut is a near-tie there, so either "
+        f"expert is right and {ev.tensor} differs on those rows only; the layers after it inherit the difference",
+    )

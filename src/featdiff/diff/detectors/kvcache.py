@@ -1,0 +1,145 @@
+"""Detectors of the drafter's KV cache, as kvcache.py follows it through the run's decodes and
+`memory_ops`: `stale` (rows the flow removes, still held) and `duplicate_rows` (a position held
+twice). Each `detect_<kind>(run)` is pure, reads the run's `Manifest` only, and returns the first
+such fault in eval order, or None; its sentence is written beside it. Without `memory_ops` (older
+dumps, the in-process capture) only what the evals show is checked: an inject batch, or two of
+one round, carrying a position twice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from featdiff import names
+from featdiff.diff.detectors.base import span
+from featdiff.diff.fields import DuplicateRowsFields, StaleFields
+from featdiff.diff.kvcache import CacheState, draft_cache_states
+from featdiff.diff.result import Finding
+from featdiff.dump import Eval, Manifest
+from featdiff.phases import Phase
+
+KV_TENSOR = f"{names.KCUR_INJECTED}-*"  # what the draft KV cache holds: the injected K/V rows
+
+
+def _block_seqs(state: CacheState) -> set[int]:
+    return set(state.block.seq_ids) or {0}
+
+
+def detect_stale_cache(run: Manifest) -> Finding | None:
+    """Hypothesis: rows the flow removes stayed in the drafter's KV cache (the rejected rows of a
+    verify, an earlier draft block), so the drafter attends to them. Evidence: following the
+    run's `memory_ops`, the cache holds a position >= n_past when a draft block starts at n_past.
+    (A record's rows repeating an earlier eval's values: numeric.detect_stale_rows.)"""
+    for state in draft_cache_states(run):
+        left = sorted(
+            {
+                (pos, evs[-1])
+                for (seq, pos), evs in state.held.items()
+                if seq in _block_seqs(state) and pos >= state.n_past
+            }
+        )
+        if left:
+            rows = sorted({p for p, _ in left})
+            source = left[0][1]
+            detail = (
+                f"the draft KV cache holds positions {span(rows)} (written by eval {source}) when the draft "
+                f"block of round {state.block.round} starts at n_past {state.n_past}"
+            )
+            return Finding.of(
+                StaleFields(
+                    rows=tuple(rows), source_eval=source, detail=detail, round=state.block.round, eval=state.block.eval
+                ),
+                tensor=KV_TENSOR,
+                message=f"{detail}; the flow removes every row at or beyond n_past after the accept "
+                f"and after each draft block (llama_memory_seq_rm(seq, n_past, -1))",
+            )
+    return None
+
+
+def detect_duplicate_rows(run: Manifest) -> Finding | None:
+    """Hypothesis: the same positions were injected twice without a removal in between, so the
+    drafter attends to two rows per position. Evidence: following `memory_ops`, a position < n_past
+    held more than once when a draft block starts; without ops, two inject evals of one round
+    carrying the same positions."""
+    found = _batch_repeats(run)
+    if found is not None or not run.memory_ops:
+        return found or _injected_twice(run)
+    for state in draft_cache_states(run):
+        twice = {
+            pos: evs
+            for (seq, pos), evs in state.held.items()
+            if seq in _block_seqs(state) and pos < state.n_past and len(evs) > 1
+        }
+        if twice:
+            rows = sorted(twice)
+            sources = sorted({e for evs in twice.values() for e in evs})
+            return _duplicate_finding(
+                rows,
+                sources,
+                state.block.round,
+                state.block.eval,
+                f"positions {span(rows)} are held twice in the draft KV cache when the draft "
+                f"block of round {state.block.round} starts (written by evals "
+                f"{', '.join(map(str, sources))})",
+            )
+    return None
+
+
+def _batch_repeats(run: Manifest) -> Finding | None:
+    """An inject batch that carries a position twice for one sequence (llama.cpp refuses such a
+    batch; a build that does not would hold both rows)."""
+    for ev in run.evals:
+        if ev.role != names.ROLE_DRAFT or ev.phase != Phase.INJECT:
+            continue
+        seen: set[tuple[int, int]] = set()
+        again: set[int] = set()
+        for seq, p in zip(ev.seq_ids or (0,) * len(ev.positions), ev.positions):
+            if (seq, p) in seen:
+                again.add(p)
+            seen.add((seq, p))
+        if again:
+            held = (
+                f"the inject batch of round {ev.round} carries positions {span(sorted(again))} twice; llama.cpp "
+                f"refused it (rc {ev.rc})"
+                if ev.rc
+                else f"positions {span(sorted(again))} are held twice in the draft KV cache: the inject batch of "
+                f"round {ev.round} carries each of them twice"
+            )
+            return _duplicate_finding(sorted(again), [ev.eval], ev.round, ev.eval, held)
+    return None
+
+
+def _injected_twice(run: Manifest) -> Finding | None:
+    injects: dict[int, list[Eval]] = defaultdict(list)
+    for ev in run.evals:
+        if ev.role == names.ROLE_DRAFT and ev.phase == Phase.INJECT and ev.writes_cache:
+            injects[ev.round].append(ev)
+    for rnd in sorted(injects):
+        seen: dict[int, int] = {}  # position -> the inject eval that carried it first
+        for ev in injects[rnd]:
+            again: dict[int, int] = {}
+            for p in ev.positions:
+                if p in seen:
+                    again.setdefault(p, seen[p])
+                seen.setdefault(p, ev.eval)
+            if again:
+                sources = sorted(set(again.values()) | {ev.eval})
+                rows = sorted(again)
+                return _duplicate_finding(
+                    rows,
+                    sources,
+                    rnd,
+                    ev.eval,
+                    f"positions {span(rows)} are held twice in the draft KV cache by two inject "
+                    f"evals of round {rnd} (evals {', '.join(map(str, sources))})",
+                )
+    return None
+
+
+def _duplicate_finding(rows: list[int], sources: list[int], rnd: int, eval_index: int, what: str) -> Finding:
+    return Finding.of(
+        DuplicateRowsFields(rows=tuple(rows), source_evals=tuple(sources), round=rnd, eval=eval_index),
+        tensor=KV_TENSOR,
+        message=f"{what}; inject each target row once (remove rows with llama_memory_seq_rm before "
+        f"injecting the same positions again)",
+    )

@@ -1,0 +1,251 @@
+"""Diagnosis: separate a tensor's own error from error it inherited, then name the cause.
+
+`find_roots` walks the pairs in eval and graph order and keeps each pair beyond tolerance whose
+inputs are all within it (the first is the first divergence). `diagnose_root` runs the detector
+chain on one root's evidence. `unpaired_findings` and `parting_findings` say which of the plan's
+skips and the token partings become findings, and how severe (the detectors: detectors/).
+
+What a pair's inputs are, from the run node's recorded sources:
+* every source a captured pair of its eval, a weight (`x.weight`) or a leaf (`inp_*`, `leaf_*`):
+  those captured pairs, nothing else (e.g. `inp_noise_embd` = get_rows(token_embd, tokens));
+* no source and op NONE (a leaf, e.g. `inp_target_features`): the evals that feed its eval;
+* otherwise (an uncaptured node in between): every earlier pair of the eval and the evals that
+  feed it. Which evals feed which is the protocol's (featdiff.phases.FEEDERS, docs/flow.md): a
+  target eval reads the earlier target evals (KV cache), an inject eval the target evals
+  (features), a draft eval the inject evals.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from featdiff.diff import detectors as d
+from featdiff.diff.align import GroupKey, Pair, Plan
+from featdiff.diff.batches import batch_label
+from featdiff.diff.dependence import Gap
+from featdiff.diff.detectors.pairing import (
+    absent_keys,
+    explained_by_near_tie,
+    explained_by_unmodelled,
+    is_wiring,
+)
+from featdiff.diff.fields import ExpertChoiceFields, UnmodelledFields
+from featdiff.diff.partings import Parting
+from featdiff.diff.result import INFO_SKIPS, Finding, Skip
+from featdiff.dump import Manifest
+from featdiff.names import ROLE_DRAFT
+from featdiff.phases import ROUND_OPENER, feeders, role_of
+
+LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
+LEAF_OPS = ("NONE", "")  # ggml's op of a leaf (an input tensor)
+MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same fault again
+
+# The detector chain, most specific evidence first; the first to return a Finding names the cause.
+CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
+    d.detect_nonfinite,
+    d.detect_zeros,
+    d.detect_layout_transpose,
+    d.detect_expert_choice,  # info: a MoE near-tie, before any fault is tried on its few rows
+    d.detect_layer_offset,
+    d.detect_slot_permutation,
+    d.detect_missing_term,
+    d.detect_extra_term,
+    d.detect_wrong_source,
+    d.detect_stale_rows,
+    d.detect_row_shift,
+    d.detect_misplaced_rows,
+    d.detect_position_offset_of_record,
+    d.detect_scale,
+    d.detect_scale_per_channel,
+    d.detect_divergence_in_rope,
+)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The roots (own error) and the inherited pairs, as indices into the plan's pairs."""
+
+    roots: tuple[int, ...]
+    inherited: tuple[int, ...]
+
+    @property
+    def first_divergence(self) -> int | None:
+        return self.roots[0] if self.roots else None
+
+
+def _is_resolved(src: str, captured: set[str]) -> bool:
+    return src in captured or "." in src or src.startswith(LEAF_PREFIXES)
+
+
+def _inputs(pair: Pair, earlier: list[int], pairs: tuple[Pair, ...]) -> tuple[list[int], bool]:
+    """The earlier pairs of its own eval `pair` reads, and whether it reads other evals' data."""
+    captured = {pairs[i].name for i in earlier}
+    if not pair.run_srcs and pair.run.records[0].op in LEAF_OPS:
+        return [], True  # a graph input: its data was copied in from another eval (the features)
+    if pair.run_srcs and all(_is_resolved(s, captured) for s in pair.run_srcs):
+        return [i for i in earlier if pairs[i].name in pair.run_srcs], False
+    return earlier, True  # an uncaptured node in between: anything before it may feed it
+
+
+def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
+    """Walk pairs in order; a divergent pair is a root when none of its inputs diverges."""
+    roots: list[int] = []
+    inherited: list[int] = []
+    by_group: dict[tuple, list[int]] = {}
+    first_bad: dict[tuple[str, str], int] = {}  # (role, phase) -> first eval holding a divergence
+    for i, pair in enumerate(pairs):
+        earlier = by_group.setdefault(pair.group, [])
+        if not within[i]:
+            same_eval, reads_others = _inputs(pair, earlier, pairs)
+            bad_input = any(not within[j] for j in same_eval)
+            bad_feeder = reads_others and any(
+                first_bad.get(f, pair.first_eval) < pair.first_eval
+                for f in feeders(*pair.group[:2]) or tuple(first_bad)
+            )
+            (inherited if bad_input or bad_feeder else roots).append(i)
+            first_bad.setdefault(pair.group[:2], pair.first_eval)
+        earlier.append(i)
+    return Walk(tuple(roots), tuple(inherited))
+
+
+def diagnose_root(ev: d.Evidence, nmse: float) -> Finding:
+    """The first detector of the chain that explains the pair, else `divergence`."""
+    for detect in CHAIN:
+        finding = detect(ev)
+        if finding is not None:
+            return finding
+    return d.detect_divergence(ev, nmse)
+
+
+def check_features(ev: d.Evidence) -> Finding | None:
+    """Layer offsets and slot orders on a feature pair that is *within* tolerance: quantization
+    noise can be as large as the difference between neighbouring layers, the layer match is not."""
+    return d.detect_layer_offset(ev) or d.detect_slot_permutation(ev)
+
+
+def first_routed(found: list[Finding | None]) -> int | None:
+    """The earliest position an `expert_choice` finding names (a MoE near-tie routed it to other
+    experts), or None when there is none."""
+    routed = [f for f in found if f is not None and f.kind == ExpertChoiceFields.KIND]
+    return min((min(ExpertChoiceFields.from_json(f.fields).rows) for f in routed), default=None)
+
+
+def rows_before(pair: Pair, position: int) -> Pair:
+    """`pair` with its rows before `position` only: causal attention carries a row routed elsewhere
+    into every later position of the later layers, never into an earlier one. Unchanged when it is
+    not row-wise or no row (or every row) would be left."""
+    al = pair.alignment
+    keep = [i for i, p in enumerate(al.positions) if p < position]
+    if not al.positions or len(keep) in (0, len(al.positions)):
+        return pair
+    rows = al.rows or tuple(range(len(al.positions)))
+    run_rows = al.run_rows or tuple(range(len(al.positions)))
+    kept = replace(
+        al,
+        positions=tuple(al.positions[i] for i in keep),
+        rows=tuple(rows[i] for i in keep),
+        run_rows=tuple(run_rows[i] for i in keep),
+    )
+    return replace(pair, alignment=kept)
+
+
+def check_positions(evs: list[d.Evidence]) -> Finding | None:
+    """The first eval whose recorded positions differ from the reference's."""
+    for ev in evs:
+        if ev.run.shape == ev.ref.shape and np.array_equal(ev.run, ev.ref):
+            continue
+        return d.detect_position_offset_of_record(ev) or d.detect_divergence(ev, float("inf"))
+    return None
+
+
+# --- records that depend on a feature the reference left out ------------------------------------
+
+
+def set_aside_unmodelled(plan: Plan, walk: Walk, gap: Gap | None) -> tuple[Plan, Walk, Finding | None]:
+    """The plan and walk without the records that depend on an unmodelled feature
+    (diff/dependence.py), and the one `unmodelled` finding that says so: no root, skip or
+    one-sided record of theirs is judged. Unchanged, and no finding, when nothing is unmodelled."""
+    if gap is None:
+        return plan, walk, None
+    out = {i for i, p in enumerate(plan.pairs) if gap.depends(p.group[0], p.group[1], p.name)}
+    diverged = [i for i in sorted(out) if i in set(walk.roots) | set(walk.inherited)]
+    kept = replace(
+        plan,
+        ref_only=tuple(k for k in plan.ref_only if not gap.depends(k[0][0], k[0][1], k[1])),
+        run_only=tuple(k for k in plan.run_only if not gap.depends(k[0][0], k[0][1], k[1])),
+        skips=tuple(s for s in plan.skips if not gap.depends(s.role, s.phase, s.name)),
+    )
+    judged = Walk(
+        roots=tuple(i for i in walk.roots if i not in out), inherited=tuple(i for i in walk.inherited if i not in out)
+    )
+    finding = d.detect_unmodelled(
+        gap, tuple(_set_name(plan.pairs[i]) for i in sorted(out)), tuple(_set_name(plan.pairs[i]) for i in diverged)
+    )
+    return kept, judged, finding
+
+
+def _set_name(p: Pair) -> str:
+    return f"{p.name} ({batch_label(p.group)})"
+
+
+def judged_partings(partings: tuple[Parting, ...], gap: Gap | None) -> tuple[Parting, ...]:
+    """The partings compare may judge: not those on logits that depend on an unmodelled feature
+    (a drafted token, when the drafter's logits do)."""
+    if gap is None:
+        return partings
+    return tuple(p for p in partings if not gap.depends(role_of(p.phase), p.phase, p.tensor))
+
+
+# --- wiring records the run's graph lacks, and those the plan could not pair ---------------------
+
+
+def absent_records(plan: Plan, run: Manifest) -> dict[GroupKey, tuple[str, ...]]:
+    """absent_keys by eval group: the names each group's run graph lacks."""
+    out: dict[GroupKey, dict[str, None]] = defaultdict(dict)
+    for group, name, _ in absent_keys(plan, run):
+        out[group][name] = None
+    return {group: tuple(found) for group, found in out.items()}
+
+
+def unpaired_findings(
+    plan: Plan,
+    explained: bool,
+    parting: str | None,
+    near_tie: Finding | None = None,
+    unmodelled: Finding | None = None,
+) -> list[Finding]:
+    """One `unpaired` finding per (reason, side) of the wiring record sets the plan left out:
+    errors, except rows left out because the run decoded other tokens when other error findings
+    (`explained`) or a near-tie where the histories part (`near_tie`, a reference that did not
+    follow the run after it) say why; the expected llama-server skips as info. `parting`: where
+    the two token histories part (positions.history_divergence). An `unmodelled` drafter feature explains
+    rows of another token history too: the reference drafts without it, so its drafts may differ."""
+    by_cause: dict[tuple[str, str], list[Skip]] = {}
+    for skip in plan.skips:
+        if is_wiring(skip.name) and (not skip.is_expected or skip.reason in INFO_SKIPS):
+            by_cause.setdefault((skip.reason, skip.side), []).append(skip)
+    rounds = (_last_round(plan.ref_groups), _last_round(plan.run_groups))
+    found = [d.detect_unpaired(tuple(skips), explained, parting, rounds) for skips in by_cause.values()]
+    drafter_gap = unmodelled is not None and UnmodelledFields.from_json(unmodelled.fields).role == ROLE_DRAFT
+    if near_tie is not None and not explained:
+        found = [explained_by_near_tie(f, near_tie) if f is not None else None for f in found]
+    elif unmodelled is not None and drafter_gap and not explained:
+        found = [explained_by_unmodelled(f, unmodelled) if f is not None else None for f in found]
+    return [f for f in found if f is not None]
+
+
+def parting_findings(partings: tuple[Parting, ...], explained: bool) -> list[Finding]:
+    """The near-ties (info), and the first parting beyond the noise as an error unless other
+    error findings (`explained`) already say why the run chose other tokens."""
+    found = [f for f in map(d.detect_near_tie, partings) if f is not None]
+    beyond = [f for f in map(d.detect_wrong_source_of_drafts, partings) if f is not None]
+    beyond = beyond or [f for f in map(d.detect_divergence_by_margin, partings) if f is not None]
+    return found + ([] if explained or not beyond else beyond[:1])
+
+
+def _last_round(groups: tuple[GroupKey, ...]) -> int:
+    return max((g[2] for g in groups if g[:2] == ROUND_OPENER), default=0)

@@ -1,0 +1,165 @@
+"""Where the run's tokens part from the reference's own greedy choice, and by how much.
+
+Consumes the reference's logits records (`draft_logits` of each draft block, `result_output` of
+each verify) and the run's rounds (its drafts and its target argmax tokens); produces one
+`Parting` per round whose tokens the reference would not have chosen, on rows both sides
+computed from the same tokens. A reference that follows the run (`reference --follow`, or
+`--run`, which follows from a parting on: torchref/replay.py) pairs every round; one that decided
+its own tokens pairs up to the first parting. The margin is judged against the noise bound
+`tolerance_for` gives that record, scaled to the row's logits (MARGIN_SPREAD).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from featdiff import names
+from featdiff.blocks import first_draft_row
+from featdiff.diff.tolerance import TypeInfo, tolerance_for
+from featdiff.dump import Eval, Manifest, Record, Round
+from featdiff.phases import CHOOSING_PHASES, Phase
+
+Reader = Callable[[Record], np.ndarray]  # a record's array (compare.evidence.Source.array)
+
+# A margin is the difference of two logits, each off from the reference by up to the tolerated
+# relative error of its row (tolerance.py: rms(run - ref) <= rel * rms(ref)); independent errors
+# on the two add in quadrature: sqrt(2) * rel * rms(ref row).
+MARGIN_SPREAD = math.sqrt(2.0)
+
+
+@dataclass(frozen=True)
+class Parting:
+    """One row where the run's token is not the reference's argmax, both computed alike."""
+
+    phase: Phase  # a draft (a drafted token) or a verify (the target's argmax): CHOOSING_PHASES
+    round: int
+    row: int  # the row of the batch the token was chosen on
+    position: int  # that row's position
+    eval: int  # the run's eval of that batch; -1 when the run manifest has none
+    tensor: str  # the reference record whose row was read
+    expected: int  # the reference's argmax
+    observed: int  # the run's token
+    margin: float  # ref logit(expected) - ref logit(observed), on that row
+    bound: float  # the noise bound on that margin
+    # a draft block whose drafts are all the reference's argmax read from another first row (the
+    # other DSpark reading: plain DFlash's row after the anchor, or anchor-first's row 0): that row
+    other_first_row: int | None = None
+
+    @property
+    def is_near_tie(self) -> bool:
+        return self.margin <= self.bound
+
+
+def find_partings(ref: Manifest, read: Reader, run: Manifest, types: TypeInfo) -> tuple[Parting, ...]:
+    """The first parting of each round's draft block and of its verify, in flow order, while
+    the two sides' rounds start alike and the reference decoded the run's tokens. `read` reads
+    the reference's records."""
+    if ref.prompt_tokens != run.prompt_tokens:
+        return ()
+    ref_rounds = {r.round: r for r in ref.rounds}
+    ref_evals = {(e.phase, e.round): e for e in ref.evals if e.phase in CHOOSING_PHASES}
+    run_evals: dict[tuple[str, int], int] = {
+        (e.phase, e.round): e.eval for e in run.evals if e.phase in CHOOSING_PHASES
+    }
+    first = next((row for row in map(_first_draft_row, (ref, run)) if row is not None), 1)
+    found: list[Parting] = []
+    for rr in run.rounds:
+        rf = ref_rounds.get(rr.round)
+        if rf is None or (rf.pos0, rf.anchor) != (rr.pos0, rr.anchor):
+            break
+        for parting in (
+            _draft_parting(ref, read, ref_evals.get((Phase.DRAFT, rr.round)), rr, first, types),
+            _verify_parting(ref, read, ref_evals.get((Phase.VERIFY, rr.round)), rr, rf, types),
+        ):
+            if parting is not None:
+                found.append(_at_run_eval(parting, run_evals))
+        if (rf.drafts, rf.accepted) != (rr.drafts, rr.accepted):
+            break  # the reference decided otherwise and did not follow: later rounds share no history
+    return tuple(found)
+
+
+def _first_draft_row(m: Manifest) -> int | None:
+    """The block row the first draft is read from, as the manifest's drafter says; None: unknown."""
+    draft = m.model("draft")
+    if draft is None or not draft.architecture:
+        return None
+    dspark = draft.dspark
+    return first_draft_row(dspark is not None, bool(dspark and dspark.get("sample_from_anchor", True)))
+
+
+def _at_run_eval(p: Parting, run_evals: dict[tuple[str, int], int]) -> Parting:
+    return replace(p, eval=run_evals.get((p.phase, p.round), -1))
+
+
+def _logits(ref: Manifest, read: Reader, ev: Eval | None, name: str) -> np.ndarray | None:
+    """The reference's `name` record of eval `ev` as (rows, n_vocab), or None."""
+    if ev is None:
+        return None
+    record = next((r for r in ref.records if r.eval == ev.eval and r.name == name), None)
+    if record is None:
+        return None
+    a = np.asarray(read(record), dtype=np.float64)
+    return a.reshape(-1, a.shape[-1]) if a.ndim >= 1 and a.size else None  # (rows, n_vocab)
+
+
+def _draft_parting(
+    ref: Manifest, read: Reader, ev: Eval | None, rr: Round, first: int, types: TypeInfo
+) -> Parting | None:
+    """The first draft of the run's block that is not the reference's argmax on its row. Only
+    the first: a DSpark row's logits depend on the token drafted before it (the Markov head)."""
+    logits = _logits(ref, read, ev, names.DRAFT_LOGITS)
+    if logits is None or ev is None:
+        return None
+    for i, token in enumerate(rr.drafts):
+        row = first + i
+        if row >= len(logits):
+            break
+        p = _parting(Phase.DRAFT, rr.round, row, ev.positions[row], names.DRAFT_LOGITS, logits[row], token, types)
+        if p is not None:
+            return replace(p, other_first_row=_read_from(logits, rr.drafts, 1 - first))
+    return None
+
+
+def _read_from(logits: np.ndarray, drafts: tuple[int, ...], row: int) -> int | None:
+    """`row` when every draft is the argmax of `logits` (rows, n_vocab) read from that row on."""
+    if row < 0 or not drafts or row + len(drafts) > len(logits):
+        return None
+    read = tuple(int(t) for t in np.argmax(logits[row : row + len(drafts)], axis=-1))
+    return row if read == tuple(drafts) else None
+
+
+def _verify_parting(
+    ref: Manifest, read: Reader, ev: Eval | None, rr: Round, rf: Round, types: TypeInfo
+) -> Parting | None:
+    """The first row of the run's verify whose target argmax (`target_tokens`) is not the
+    reference's, among the rows both verified after the same drafts."""
+    logits = _logits(ref, read, ev, names.RESULT_OUTPUT)
+    if logits is None or ev is None:
+        return None
+    shared = next(
+        (k for k, (a, b) in enumerate(zip(rr.drafts, rf.drafts)) if a != b), min(len(rr.drafts), len(rf.drafts))
+    )
+    for j, token in enumerate(rr.target_tokens[: min(shared + 1, len(logits))]):
+        p = _parting(Phase.VERIFY, rr.round, j, ev.positions[j], names.RESULT_OUTPUT, logits[j], token, types)
+        if p is not None:
+            return p
+    return None
+
+
+def _parting(
+    phase: Phase, rnd: int, row: int, position: int, tensor: str, logits: np.ndarray, token: int, types: TypeInfo
+) -> Parting | None:
+    """A Parting when `token` is not the argmax of the reference's row `logits` (n_vocab,)."""
+    expected = int(np.argmax(logits))
+    if token == expected:
+        return None
+    observed_logit = logits[token] if 0 <= token < len(logits) else -math.inf
+    margin = float(logits[expected] - observed_logit) if np.isfinite(observed_logit) else math.inf
+    finite = logits[np.isfinite(logits)]  # a reduced vocabulary's rows are -inf off its tokens
+    rms = float(np.sqrt(np.mean(finite * finite))) if finite.size else 0.0
+    bound = MARGIN_SPREAD * tolerance_for(tensor, False, types).rel * rms
+    return Parting(phase, rnd, row, position, -1, tensor, expected, int(token), margin, bound)

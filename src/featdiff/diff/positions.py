@@ -1,0 +1,54 @@
+"""Token ids and positions as evidence: the order compare meets them in. `check_batches` runs the
+token, position and draft KV cache detectors (detectors/positions.py, detectors/kvcache.py) on the
+two manifests before any value is compared and lists what they found in the order the run met it;
+`history_divergence` says where the two token histories part (the batches: batches.py).
+"""
+
+from __future__ import annotations
+
+from featdiff.diff.batches import batches, decoded_alike
+from featdiff.diff.detectors.base import span
+from featdiff.diff.detectors.kvcache import detect_duplicate_rows, detect_stale_cache
+from featdiff.diff.detectors.positions import (
+    detect_block_token,
+    detect_flow_note,
+    detect_position_offset_of_batch,
+    detect_unpaired_prompt,
+)
+from featdiff.diff.result import Finding
+from featdiff.dump import Manifest
+from featdiff.phases import Phase, phase_order
+
+
+def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
+    """Every token and position finding, in the order the run met it (the prompt first), then the
+    run's flow notes."""
+    found = [
+        detect_unpaired_prompt(ref, run),
+        detect_block_token(ref, run),
+        detect_position_offset_of_batch(ref, run),
+        detect_stale_cache(run),
+        detect_duplicate_rows(run),
+    ]
+    # by the run's eval each is about (`eval` of every kind here); the prompt, which has none, first
+    ordered = sorted((f for f in found if f is not None), key=lambda f: f.fields.get("eval", -1))
+    note = detect_flow_note(run)
+    return tuple(ordered + ([note] if note is not None else []))
+
+
+def history_divergence(ref: Manifest, run: Manifest) -> str | None:
+    """Where the run first decoded other tokens, or at other positions, than the reference (a
+    target or draft batch, in the reference's flow order), as a phrase; None when nowhere."""
+    run_batches = batches(run)
+    for key, ref_batch in sorted(batches(ref).items(), key=lambda kv: (phase_order(kv[0][1], kv[0][2]), kv[1].eval)):
+        if key[1] == Phase.INJECT:
+            continue
+        batch = run_batches.get(key)
+        if batch is None:
+            return None
+        if not decoded_alike(batch, ref_batch):
+            return (
+                f"{batch.label}: the run decoded {list(batch.token_ids)} at {span(batch.positions)}, the "
+                f"reference {list(ref_batch.token_ids)} at {span(ref_batch.positions)}"
+            )
+    return None

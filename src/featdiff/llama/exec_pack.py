@@ -1,0 +1,165 @@
+"""Pack a `capture --exec` spool (the preload's and the shim's lines, featdiff.llama.exec_log)
+into a dump v1, at the end of a run or later (`featdiff pack` of a run that died).
+
+Consumes the spool at a prefix and the manifest's build entry (`save_build` keeps the one known
+at launch beside the spool); splits the decodes per graph and sequence (featdiff.llama.sequences),
+reads the greedy tokens of each flow's verifies from the spooled logits (through
+`spool.read_record_array`, the one reader of a record's bytes), infers phases and rounds
+(featdiff.llama.exec_phases) and produces the dump and a `spool.Packed`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from featdiff import names
+from featdiff.dump import DumpWriter, Eval, FlowInfo, Manifest, MemoryOp, Round
+from featdiff.errors import InputError
+from featdiff.gguf_reader import model_info
+from featdiff.llama import ggml_dequant, spool
+from featdiff.llama.exec_log import ExecLog, read_exec_log
+from featdiff.llama.exec_phases import (
+    derive_rounds,
+    flow_evals,
+    flow_info,
+    flow_notes,
+    memory_ops,
+    next_decodes,
+    whole_calls,
+)
+from featdiff.llama.preload import PRELOAD_VAR
+from featdiff.llama.sequences import split_decodes, split_of
+from featdiff.phases import Phase
+
+log = logging.getLogger(__name__)
+
+BUILD_SUFFIX = ".build.json"  # the manifest's build entry as known at launch: `featdiff pack` of a dead run reads it
+# the preload's owner note, the server log, the launch's build entry
+SPOOL_SUFFIXES = spool.SPOOL_SUFFIXES + (".owner", ".server.log", BUILD_SUFFIX)
+UNKNOWN_VERSION = "unknown"  # the build's commit when the program does not say (featdiff.llama.exec)
+
+
+def greedy_tokens(log: ExecLog, data: Path, evals: tuple[Eval, ...]) -> dict[int, tuple[int, ...]]:
+    """Argmax of the captured target `result_output` rows of each verify (of a verify computed as
+    several graphs, its parts' rows in order, under its first eval: whole_calls)."""
+    merged, parts = whole_calls(evals)
+    verifies = set(next_decodes(merged))
+    n_tokens = {e.eval: e.n_tokens for e in evals}
+    out: dict[int, tuple[int, ...]] = {}
+    with open(data, "rb") as f:
+        for event in log.records:
+            whole = parts.get(event.eval, event.eval)
+            if whole in verifies and event.name == names.RESULT_OUTPUT and event.occurrence == 0:
+                n = n_tokens.get(event.eval, 0)
+                record = spool.record_from_event(event, Phase.VERIFY)  # only its dtype and shape are read
+                logits, _ = spool.read_record_array(f, event, record)  # (n_tokens, n_vocab); 1 token: (n_vocab,)
+                if logits is not None and n and logits.size % n == 0:
+                    out[whole] = out.get(whole, ()) + tuple(int(t) for t in logits.reshape(n, -1).argmax(axis=1))
+    return out
+
+
+@dataclass(frozen=True)
+class ExecFlow:
+    """Everything a dump says about the program's run, short of the arrays."""
+
+    log: ExecLog
+    evals: tuple[Eval, ...]
+    rounds: tuple[Round, ...]
+    prompt_tokens: tuple[int, ...]
+    memory_ops: tuple[MemoryOp, ...] = ()
+    notes: tuple[str, ...] = ()
+    flows: tuple[FlowInfo, ...] = ()  # a run of several flows (requests, sequences); () for one
+
+
+def read_flow(prefix: Path) -> ExecFlow:
+    """The spool at `prefix` as a flow: phases, rounds, prompt tokens."""
+    index, data = spool.spool_files(prefix)
+    if not index.is_file() or not data.is_file():
+        raise InputError(
+            f"{index}: the program never loaded the preload library; is it dynamically linked "
+            f"against libllama (BUILD_SHARED_LIBS=ON), and not setuid? ({PRELOAD_VAR} is ignored otherwise)"
+        )
+    log_ = read_exec_log(index)
+    if not log_.library:
+        raise InputError(
+            f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
+            "with shared libllama (BUILD_SHARED_LIBS=ON)?"
+        )
+    seqs = split_decodes(log_, {c.index: split_of(c) for c in log_.contexts})
+    log_ = seqs.log
+    evals = flow_evals(log_)
+    rounds: list[Round] = []
+    notes: list[str] = list(seqs.notes)
+    flows: list[FlowInfo] = []
+    history: dict[int, dict[int, int]] = {}  # sequence -> position -> the token last decoded there
+    for k in sorted({e.flow for e in evals}):
+        own = tuple(e for e in evals if e.flow == k)
+        merged, _ = whole_calls(own)
+        greedy = greedy_tokens(log_, data, own)
+        found = derive_rounds(merged, greedy)
+        rounds += [replace(r, flow=k) for r in found]
+        notes += flow_notes(merged, found, greedy)
+        flows.append(flow_info(k, own, history))
+    return ExecFlow(
+        log_,
+        evals,
+        tuple(rounds),
+        flows[0].prompt_tokens if flows else (),
+        memory_ops(log_, evals),
+        tuple(notes),
+        tuple(flows) if len(flows) > 1 else (),
+    )
+
+
+def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
+    """Write the dump of the spool at `prefix`; `build` adds to the manifest's build entry."""
+    flow = read_flow(prefix)
+    writer = DumpWriter(Path(output))
+    written = spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
+    manifest = Manifest(
+        source="llama.cpp",
+        models=_models(flow),
+        evals=flow.evals,
+        records=(),
+        build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **build},
+        rounds=flow.rounds,
+        prompt_tokens=flow.prompt_tokens,
+        memory_ops=flow.memory_ops,
+        flow_notes=flow.notes,
+        flows=flow.flows,
+    )
+    return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
+
+
+def save_build(prefix: Path, build: dict[str, Any]) -> None:
+    """Keep the build entry known at launch beside the spool, for `featdiff pack` of a run that dies."""
+    Path(f"{prefix}{BUILD_SUFFIX}").write_text(json.dumps(build, sort_keys=True))
+
+
+def saved_build(prefix: Path) -> dict[str, Any]:
+    """The build entry `save_build` kept for the spool at `prefix` ({} when there is none, or it is cut off)."""
+    path = Path(f"{prefix}{BUILD_SUFFIX}")
+    try:
+        found = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        log.warning("%s: not readable JSON; packing without the command line and filters it held", path)
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _models(flow: ExecFlow) -> dict[str, Any]:
+    """The model of the context each role ran its real (non-warm-up) evals on."""
+    used = {ev.ctx for ev, e in zip(flow.log.evals, flow.evals) if e.phase != Phase.WARMUP}
+    out: dict[str, Any] = {}
+    for c in flow.log.contexts:
+        if c.index in used and c.role not in out and c.model_path:
+            out[c.role] = model_info(Path(c.model_path), ggml=ggml_dequant.load).to_json()
+    return out
+
+
+def remove_spool(prefix: Path) -> None:
+    spool.remove_spool(prefix, SPOOL_SUFFIXES)

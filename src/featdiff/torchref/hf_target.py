@@ -1,0 +1,371 @@
+"""A target run by transformers' own model code, for the architectures featdiff does not write
+again in torch (issue 24): Qwen3-MoE, gpt-oss (attention sinks, sliding windows) and the like.
+Consumes a Hugging Face directory (config and safetensors); produces, per batch, the records the
+native target writes (target.py): `embd`, `layer_inp-<L>`, `l_out-<il>` and `result_norm` /
+`result_output`; on a MoE layer also the
+router's top-k margin per token, `l_out-<il>@router_margin` (names.HYP_ROUTER_MARGIN), the
+evidence compare's `expert_choice` reads.
+
+The model is transformers' (`from_pretrained`, float32 on the CPU). Two things are featdiff's:
+* where it taps: a forward pre-hook on each decoder layer takes that layer's input, one on the
+  final norm the state before it (layer `n_layer`), exactly llama.cpp's taps (`l_out-(L-1)`);
+* attention's numerics: the model's attention calls `attention.attend` (registered with
+  transformers as ATTN_IMPLEMENTATION), which emulates llama.cpp's f16 KV cache and CPU flash
+  attention as the native path does; the mask is transformers' own (causal, sliding windows).
+The KV cache lives in the flow's `KvCache` (one row per cell, position order), rebuilt into a
+transformers DynamicCache per batch, so rolling back rejected rows is `attention.truncated`. A
+hybrid target's recurrent layers (Qwen3.5's gated delta-net) keep their mixer inputs per cell in
+the same cache and rerun over that history (`_Recurrent`), so the same truncation rolls their
+state back to the accepted rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from featdiff import names
+from featdiff.errors import InputError
+from featdiff.torchref.memory import available_bytes, check_fits
+from featdiff.torchref.attention import KvCache, attend
+from featdiff.torchref.stack import Named
+from featdiff.torchref.weights import Hparams, Source, Target
+
+log = logging.getLogger(__name__)
+
+# HF model_type -> llama.cpp architecture, for the targets this path runs. Attention layers keep
+# a KV cache that rolls back by position; Qwen3.5's gated delta-net layers keep recurrent state,
+# rolled back as their history (`_Recurrent`). Qwen3.5 runs as its text model: from a text-only
+# directory (`qwen3_5_text`) or a published one (`qwen3_5`: transformers' AutoModelForCausalLM
+# builds Qwen3_5ForCausalLM from its text_config, takes `model.language_model.*` and skips the
+# `mtp.*` and `model.visual.*` tensors, which a target's layer inputs never read).
+HF_ARCHS = {
+    "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt-oss",
+    "qwen3_5_text": "qwen35",
+    "qwen3_5": "qwen35",  # the published checkpoints' layout (image-text-to-text): its text model runs
+    "qwen3": "qwen3",
+    "llama": "llama",
+}
+# Architectures whose graph keeps every row through the last layer and selects the output rows
+# only before the final norm (src/models/openai-moe.cpp, qwen35.cpp: the last layer's get_rows
+# only under embeddings_nextn_masked, which a target context never sets): their last `l_out` has
+# all rows. The others select before the last layer's FFN, as target.py says.
+ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35"})
+# The graph callback name of the target's token embeddings (layer 0's input) where an arch renames
+# llama-graph.cpp's `embd`: qwen35.cpp `cb(inpL, "model.input_embed", -1)`. The reference records
+# the rows under the name the capture writes.
+EMBD_NAMES = {"qwen35": "model.input_embed"}
+LINEAR_ATTENTION = "linear_attention"  # transformers' layer_types entry of a recurrent (gated delta-net) layer
+ATTN_IMPLEMENTATION = "featdiff_ggml"  # the name featdiff's attention is registered under
+KV_DTYPE_KWARG = "featdiff_kv_dtype"  # passed through the model's **kwargs to the attention call
+MISSING_SHOWN = 3  # missing tensors named in the refusal
+
+
+@dataclass(frozen=True)
+class HfTarget(Target):
+    """A target whose forward is transformers' module `model`; `layers` is empty (the module has
+    them), `token_embd` and `output` are the module's own tensors (a drafter borrows them)."""
+
+    model: Any = None  # a transformers PreTrainedModel (…ForCausalLM)
+
+
+@dataclass(frozen=True)
+class HfPass:
+    """One eval of a transformers target: what target.TargetPass holds."""
+
+    layer_inputs: tuple[torch.Tensor, ...]  # input of layer L, (n_tokens, n_embd), L = 0 .. n_layer
+    logits: torch.Tensor  # (n_outputs, n_vocab)
+    cache: KvCache
+    records: tuple[Named, ...]
+
+
+def hf_arch(path: Path, model_type: object) -> str:
+    """llama.cpp's architecture of a HF `model_type` this path runs, else an InputError naming
+    what is supported."""
+    if not isinstance(model_type, str) or model_type not in HF_ARCHS:
+        raise InputError(
+            f"{path / names.HF_CONFIG}: model_type {model_type!r}: the reference runs targets of model_type "
+            f"{', '.join(HF_ARCHS)} (qwen3 and llama natively, the others through transformers); "
+            "pass one of those checkpoints"
+        )
+    return HF_ARCHS[model_type]
+
+
+def target_from_transformers(path: Path, dtype: torch.dtype, device: torch.device) -> HfTarget:
+    """The HF directory `path` loaded by transformers (`from_pretrained`, local files only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _register_attention()
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    arch = hf_arch(path, config.model_type)
+    check_fits(path, dtype, available_bytes())  # exit 2 before transformers allocates a byte
+    loaded: Any = AutoModelForCausalLM.from_pretrained(  # (model, loading info)
+        path,
+        config=config,
+        dtype=dtype,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        local_files_only=True,
+        output_loading_info=True,
+    )
+    model, info = loaded
+    # transformers fills a parameter the checkpoint lacks with its random init and only logs it:
+    # a reference of such a model would be compared as if it were the trained one
+    missing = sorted(info.get("missing_keys", ())) + sorted(str(m) for m in info.get("mismatched_keys", ()))
+    if missing:
+        shown = ", ".join(missing[:MISSING_SHOWN]) + (" ..." if len(missing) > MISSING_SHOWN else "")
+        raise InputError(
+            f"{path}: the checkpoint lacks {len(missing)} of the model's tensors ({shown}), which transformers "
+            "would fill with random values; pass the complete checkpoint directory"
+        )
+    model = model.to(device).eval()
+    text = model.get_decoder()
+    return HfTarget(
+        source=Source(path=path, is_gguf=False),
+        hparams=_hparams(model.config, arch),  # a composite checkpoint's text config (transformers chose it)
+        token_embd=model.get_input_embeddings().weight.detach(),
+        output_norm=text.norm.weight.detach(),
+        output=model.get_output_embeddings().weight.detach(),
+        layers=(),
+        model=model,
+    )
+
+
+def _hparams(config: Any, arch: str) -> Hparams:
+    """The dimensions the flow and the manifest read, from transformers' config."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    swa = tuple(t == "sliding_attention" for t in getattr(config, "layer_types", None) or ())
+    n_head = config.num_attention_heads
+    return Hparams(
+        arch=arch,
+        n_layer=config.num_hidden_layers,
+        n_embd=config.hidden_size,
+        n_head=n_head,
+        n_head_kv=getattr(config, "num_key_value_heads", None) or n_head,
+        n_embd_head=getattr(config, "head_dim", None) or config.hidden_size // n_head,
+        n_ff=config.intermediate_size,
+        n_vocab=config.vocab_size,
+        rms_eps=config.rms_norm_eps,
+        rope_base=float(rope.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
+        rope_type="neox",
+        n_swa=int(getattr(config, "sliding_window", None) or 0) if any(swa) else 0,
+        swa_layers=swa if any(swa) else (),
+    )
+
+
+def forward_hf(
+    target: HfTarget, tokens: torch.Tensor, positions: torch.Tensor, cache: KvCache, has_outputs: bool
+) -> HfPass:
+    """Run `tokens` at `positions` after the cached cells through the transformers model (causal);
+    all rows or none are outputs, as target.forward_target."""
+    from transformers import DynamicCache
+
+    model, n_layer = target.model, target.hparams.n_layer
+    # plain layers, never transformers' sliding-window ones (config=...): those keep only the last
+    # `sliding_window - 1` rows, and the flow's cache holds every cell, as llama.cpp's does until
+    # the window has passed them; the window is the mask's (`_visible`)
+    recurrent = _recurrent_layers(model)
+    past = DynamicCache()
+    for il in range(n_layer):
+        if not cache.k[il].shape[0]:
+            continue
+        if il in recurrent:  # placeholders: transformers sizes the mask by layer 0's cache length
+            blank = torch.zeros((1, 1, cache.k[il].shape[0], 1), device=tokens.device)  # (1, 1, n_cells, 1)
+            past.update(blank, blank, il)
+        else:
+            past.update(_hf_layout(cache.k[il]), _hf_layout(cache.v[il]), il)
+    taps: list[torch.Tensor] = []  # input of layer 0 .. n_layer-1, then of the final norm
+    margins: dict[int, torch.Tensor] = {}  # il -> (n_tokens, 2) router margin and rms, MoE layers only
+    mixed: dict[int, torch.Tensor] = {}  # il -> (n_tokens, n_embd): a recurrent layer's mixer input
+    text = model.get_decoder()
+    hooks = [layer.register_forward_pre_hook(_Tap(taps), with_kwargs=True) for layer in text.layers[:n_layer]]
+    hooks.append(text.norm.register_forward_pre_hook(_Tap(taps), with_kwargs=True))
+    for il, layer in enumerate(text.layers[:n_layer]):
+        hooks += [router.register_forward_hook(_Margin(margins, il)) for router in _routers(layer)]
+        if il in recurrent:
+            rec = _Recurrent(cache.k[il].float().reshape(-1, target.hparams.n_embd), mixed, il)  # (n_cells, n_embd)
+            hooks.append(layer.linear_attn.register_forward_pre_hook(rec.before, with_kwargs=True))
+            hooks.append(layer.linear_attn.register_forward_hook(rec.after))
+    try:
+        out = model(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            past_key_values=past,
+            use_cache=True,
+            **{KV_DTYPE_KWARG: cache.k[0].dtype},
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    if len(taps) != n_layer + 1:
+        raise RuntimeError(f"{target.source.path}: tapped {len(taps)} layer inputs, expected {n_layer + 1}")
+    rows = slice(None) if has_outputs else slice(0, 0)
+    x = taps[n_layer][rows]  # (n_outputs, n_embd): the rows the final norm sees
+    last_rows = slice(None) if target.hparams.arch in ALL_ROWS_LAST_LAYER else rows
+    norm = text.norm(x)  # (n_outputs, n_embd)
+    logits = out.logits[0][rows]  # (n_outputs, n_vocab)
+    records = [Named(EMBD_NAMES.get(target.hparams.arch, names.TARGET_EMBD), taps[0])]
+    for il in range(n_layer):
+        l_out = taps[il + 1] if il < n_layer - 1 else taps[n_layer][last_rows]
+        records += [
+            Named(names.layer_name(names.LAYER_INP, il), taps[il]),
+            Named(names.layer_name(names.L_OUT, il), l_out),
+        ]
+        if il in margins:  # the last layer's margin keeps the rows its l_out keeps
+            margin = margins[il] if il < n_layer - 1 else margins[il][last_rows]  # (n_rows, 2)
+            records.append(Named(_margin_name(il), margin))
+    records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
+    after = _cache_after(cache, positions, past, n_layer, mixed)
+    return HfPass(tuple(taps), logits, after, tuple(records))
+
+
+def _recurrent_layers(model: Any) -> frozenset[int]:
+    """The layers whose token mixer is recurrent (Qwen3.5's gated delta-net), by the config's
+    layer_types."""
+    types = getattr(model.config, "layer_types", None) or ()
+    return frozenset(il for il, t in enumerate(types) if t == LINEAR_ATTENTION)
+
+
+@dataclass(frozen=True)
+class _Recurrent:
+    """A recurrent layer's mixer run over its whole history: the mixer inputs of the cells kept
+    (`history`, (n_cells, n_embd)) then this batch's, without transformers' cache; the batch's
+    rows of the output are kept. The state after the cells is a function of their mixer inputs
+    only, so a cache truncated to the accepted cells (`attention.truncated`) holds exactly the
+    state llama.cpp's rollback restores (llama-memory-recurrent.cpp seq_rm: the snapshot of the
+    last accepted row): rejected rows leave nothing behind. Costs one pass over the history per
+    batch, which the tiny and test-sized flows afford."""
+
+    history: torch.Tensor  # (n_cells, n_embd) float32
+    mixed: dict[int, torch.Tensor]
+    il: int
+
+    def before(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0] if args else kwargs.pop("hidden_states")  # (1, n_tokens, n_embd)
+        self.mixed[self.il] = hidden[0].detach().clone()  # (n_tokens, n_embd)
+        full = torch.cat([self.history.to(hidden.dtype)[None], hidden], dim=1)  # (1, n_cells + n_tokens, n_embd)
+        return (full,), {**kwargs, "cache_params": None, "attention_mask": None}
+
+    def after(self, module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output[:, -self.mixed[self.il].shape[0] :]  # (1, n_tokens, n_embd)
+
+
+@dataclass(frozen=True)
+class _Tap:
+    """A forward pre-hook appending its module's hidden-state input `(n_tokens, n_embd)` to `taps`."""
+
+    taps: list[torch.Tensor]
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self.taps.append(hidden[0].detach().clone())  # (n_tokens, n_embd)
+
+
+def _routers(layer: Any) -> list[Any]:
+    """The MoE routers of a decoder layer: transformers' top-k routers (`Qwen3MoeTopKRouter`),
+    modules with `top_k` and `num_experts` whose forward returns the router logits first."""
+    return [m for m in layer.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")]
+
+
+def _margin_name(il: int) -> str:
+    """`l_out-<il>@router_margin`: evidence on l_out-<il> (names.HYP_ROUTER_MARGIN), reference-only."""
+    return names.candidate_name(names.layer_name(names.L_OUT, il), names.HYP_ROUTER_MARGIN)
+
+
+@dataclass(frozen=True)
+class _Margin:
+    """A forward hook on layer `il`'s router: per token, its top-k margin (the gap between the
+    k-th and (k+1)-th router logit) and the rms of its router logits, into `margins[il]` (n_tokens, 2). A near-zero gap is a
+    near-tie: llama.cpp may route that token to the other expert within its float noise."""
+
+    margins: dict[int, torch.Tensor]
+    il: int
+
+    def __call__(self, module: Any, args: tuple, output: Any) -> None:
+        logits = output[0] if isinstance(output, tuple) else output  # (n_tokens, n_expert)
+        k = int(module.top_k)
+        if logits.shape[-1] <= k:
+            return  # every expert is used: no choice to make
+        x = logits.detach().float()  # (n_tokens, n_expert)
+        top = torch.topk(x, k + 1, dim=-1).values  # (n_tokens, k + 1), descending
+        rms = x.pow(2).mean(dim=-1).sqrt()  # (n_tokens,): the scale the margin's noise bound is of
+        self.margins[self.il] = torch.stack([top[:, k - 1] - top[:, k], rms], dim=-1)  # (n_tokens, 2)
+
+
+def _hf_layout(t: torch.Tensor) -> torch.Tensor:
+    """A cached layer `(n_cells, n_head_kv, d)` (store dtype) as transformers holds it, float32."""
+    return t.float().permute(1, 0, 2)[None]  # (1, n_head_kv, n_cells, d)
+
+
+def _cache_after(
+    cache: KvCache, positions: torch.Tensor, past: Any, n_layer: int, mixed: dict[int, torch.Tensor]
+) -> KvCache:
+    """The flow's cache after this batch: every attention layer's K/V, rows rounded to the store
+    dtype; a recurrent layer's mixer inputs (`_Recurrent`), float32 `(n_cells, 1, n_embd)` in
+    both its K and V slots, so truncating the cache by position rolls its state back."""
+    store = next(cache.k[il].dtype for il in range(n_layer) if il not in mixed)
+    k: list[torch.Tensor] = []
+    v: list[torch.Tensor] = []
+    for il in range(n_layer):
+        if il in mixed:
+            history = torch.cat([cache.k[il].float().reshape(-1, mixed[il].shape[-1]), mixed[il].float()])
+            k.append(history[:, None])  # (n_cells, 1, n_embd)
+            v.append(history[:, None])
+            continue
+        k.append(past.layers[il].keys[0].permute(1, 0, 2).to(store))  # (n_cells, n_head_kv, d)
+        v.append(past.layers[il].values[0].permute(1, 0, 2).to(store))  # (n_cells, n_head_kv, d)
+    return KvCache(positions=torch.cat([cache.positions, positions]), k=tuple(k), v=tuple(v))  # (n_cells,)
+
+
+def ggml_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface over `attention.attend`: query `(1, n_head,
+    n_tokens, d)`, key/value `(1, n_head_kv, n_cells, d)` (the cache and this batch), the mask
+    transformers built `(1, 1, n_tokens, n_cells)`; returns `(1, n_tokens, n_head, d)`. A module
+    with `sinks` `(n_head,)` (gpt-oss) adds them to each head's softmax (`attend`)."""
+    sinks = getattr(module, "sinks", None)
+    _, n_head, n_tokens, d = query.shape
+    store = kwargs.get(KV_DTYPE_KWARG, torch.float32)
+    q = query[0].transpose(0, 1)  # (n_tokens, n_head, d)
+    if scaling is not None and not np.isclose(scaling, 1.0 / np.sqrt(d), rtol=0, atol=0):
+        q = q * float(np.float32(scaling) * np.sqrt(np.float32(d)))  # attend scales by 1/sqrt(d)
+    k = key[0].transpose(0, 1).to(store)  # (n_cells, n_head_kv, d): rows as the cache stores them
+    v = value[0].transpose(0, 1).to(store)  # (n_cells, n_head_kv, d)
+    visible = _visible(attention_mask, n_tokens, k.shape[0], query.device)
+    cells = torch.zeros(k.shape[0], dtype=torch.int64, device=query.device)  # unused: `visible` decides
+    sink = None if sinks is None else sinks.detach()  # (n_head,)
+    out = attend(q, cells[:n_tokens], k, v, cells, causal=True, visible=visible, sinks=sink)  # (n_tokens, n_head * d)
+    return out.reshape(1, n_tokens, n_head, d), None  # (1, n_tokens, n_head, d)
+
+
+def _visible(mask: torch.Tensor | None, n_tokens: int, n_cells: int, device: torch.device) -> torch.Tensor:
+    """Which cells each row sees `(n_tokens, n_cells)`, from transformers' additive or boolean mask."""
+    if mask is None:
+        if n_tokens != 1:
+            raise RuntimeError(f"transformers passed no attention mask for a batch of {n_tokens} rows")
+        return torch.ones((1, n_cells), dtype=torch.bool, device=device)
+    m = mask[0, 0, :, -n_cells:]  # (n_tokens, n_cells)
+    return m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+
+
+def _register_attention() -> None:
+    """Register `ggml_attention` (with transformers' eager mask) under ATTN_IMPLEMENTATION:
+    transformers' own registry, the one way a model takes an attention function by name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ggml_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)

@@ -1,0 +1,324 @@
+"""`featdiff reference`: load the target and the drafter (GGUF or HF), run the DFlash flow in
+PyTorch on the same token ids, and write a dump v1 with `source: "reference"`.
+
+`--prompt` is tokenized with llama.cpp's own vocabulary (featdiff.llama.tokenize) from the
+target GGUF, else the drafter GGUF (DFlash pairs share one vocabulary); with two HF
+directories there is no llama.cpp vocabulary, so `--tokens` is required. Draft blocks are as
+long as the run's (`--block`, `--run`; featdiff.blocks), by default llama.cpp's default.
+`--follow run.npz` replays the run instead of deciding: its prompt, its rounds, its drafts and
+accepted prefixes (featdiff.torchref.replay), so every eval of the run has its reference eval.
+`--run run.npz` decides every round itself, on the prompt and rounds it is given; where its
+choice parts from the run's (a near-tie of two tokens the numerics cannot tell apart, or a
+fault), it decodes the run's tokens from there on, so the rounds after the parting still pair,
+and compare judges the parting from this reference's own logits (diff/partings.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from featdiff import names
+from featdiff.dump import DumpWriter, FlowInfo, Manifest, Round, read_dump, record_from_array, record_key
+from featdiff.errors import InputError
+from featdiff.gguf_reader import read_gguf, trained_context
+from featdiff.llama import ggml_dequant
+from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows
+from featdiff.outputs import check_output, output_lock
+from featdiff.torchref.dspark import first_draft_row
+from featdiff.torchref.replay import EvalTrace, FollowError, FlowTrace, run_flow
+from featdiff.torchref.load_hf import read_config
+from featdiff.tokens import check_prompt, parse_tokens, require_one
+from featdiff.torchref.load import load_draft, load_target
+from featdiff.torchref.numerics import COMPUTE_DTYPES, KV_DTYPES, Numerics
+from featdiff.torchref.weights import Draft, Target, check_pair, models_entry
+
+log = logging.getLogger(__name__)
+
+
+def reference(
+    target: Path,
+    model: Path,
+    output: Path,
+    *,
+    prompt: str | None,
+    tokens: str | None,
+    rounds: int,
+    dtype: str,
+    device: str,
+    kv_dtype: str,
+    llama_dir: Path | None,
+    block: int | None = None,
+    run: Path | None = None,
+    p_min: float | None = None,
+    follow: Path | None = None,
+) -> Path:
+    """Compute the reference dump; return its path.
+
+    Draft blocks are `block` rows, else as long as the run dump `run`'s, else llama.cpp's default.
+    With `follow` (a run dump), the prompt, the rounds and the blocks are that run's, replayed.
+    """
+    output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
+    with output_lock(output):  # held from the start: a second run to it refuses before any work
+        numerics = numerics_from_options(dtype, device, kv_dtype)
+        plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
+        run = Path(follow) if follow is not None else run
+        asked = asked_block_rows(block, Path(run) if run is not None else None)
+        p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
+        prompt_ids = (
+            plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+        )
+        rounds = len(plan.rounds) if plan is not None else rounds
+        dft = load_draft(Path(model), numerics.dtype, numerics.device, llama_dir)
+        rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
+        # before the target's weights load: its trained context bounds the flow's positions
+        check_rounds_fit(rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(prompt_ids))
+        tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
+        check_pair(tgt, dft)
+        check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
+        log.info(
+            "reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
+            len(prompt_ids),
+            rounds,
+            rows.rows,
+            rows.origin,
+            dft.block_size,
+        )
+        flows = run_flows(Path(run)) if run is not None else ()
+        with torch.no_grad():
+            try:
+                if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
+                    trace = flows_trace(tgt, dft, flows, numerics, rows.rows, p_min, follow is not None)
+                else:
+                    trace = run_flow(
+                        tgt,
+                        dft,
+                        prompt_ids,
+                        rounds,
+                        numerics,
+                        block_rows=rows.rows,
+                        p_min=p_min,
+                        follow=plan.rounds if plan is not None else None,
+                        guide=guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None,
+                    )
+            except FollowError as e:
+                raise InputError(
+                    f"{follow}: --follow cannot replay this run: {e}; compare it without --follow"
+                ) from None
+        return write_reference(
+            output,
+            trace,
+            tgt,
+            dft,
+            numerics,
+            prompt_ids,
+            rows.rows,
+            p_min,
+            followed=Path(follow) if follow is not None else None,
+            flows=tuple(f.info for f in flows) if len(flows) > 1 else (),
+        )
+
+
+@dataclass(frozen=True)
+class RunFlow:
+    """One flow of a run dump of several (docs/flow.md "Several flows"): what it decoded."""
+
+    info: FlowInfo
+    rounds: tuple[Round, ...]
+
+
+def run_flows(run: Path) -> tuple[RunFlow, ...]:
+    """The flows of the run dump `run`, each with its rounds; () for a run of one flow."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    ids = m.flow_ids()
+    if len(ids) < 2:
+        return ()
+    return tuple(RunFlow(m.flow_info(k), tuple(r for r in m.rounds if r.flow == k)) for k in ids)
+
+
+def flows_trace(
+    tgt: Target, dft: Draft, flows: tuple[RunFlow, ...], numerics: Numerics, block_rows: int, p_min: float, follow: bool
+) -> FlowTrace:
+    """Each flow of the run replayed from a fresh state (its cached prompt positions as warm-up
+    evals), following its rounds (`follow`) or guided by them (`--run`), as one trace: evals
+    numbered on, each with its flow."""
+    evals: list[EvalTrace] = []
+    rounds: list[Round] = []
+    for f in flows:
+        if len(f.info.prompt_tokens) < 2 or any(t < 0 for t in f.info.prompt_tokens):
+            raise InputError(
+                f"flow {f.info.flow} of the run has no whole prompt to replay ({list(f.info.prompt_tokens)})"
+            )
+        trace = run_flow(
+            tgt,
+            dft,
+            f.info.prompt_tokens,
+            len(f.rounds) if follow else sum(1 for r in f.rounds if r.drafts),
+            numerics,
+            block_rows=block_rows,
+            p_min=p_min,
+            follow=f.rounds if follow else None,
+            guide=None if follow else f.rounds,
+            cached=f.info.n_cached,
+        )
+        evals += [
+            EvalTrace(replace(et.eval, eval=len(evals) + i, flow=f.info.flow), et.records)
+            for i, et in enumerate(trace.evals)
+        ]
+        rounds += [replace(r, flow=f.info.flow) for r in trace.rounds]
+    return FlowTrace(tuple(evals), tuple(rounds))
+
+
+@dataclass(frozen=True)
+class FollowedRun:
+    """What `--follow` replays of a run dump: its prompt and its speculative rounds."""
+
+    prompt: tuple[int, ...]
+    rounds: tuple[Round, ...]
+
+
+def followed_run(
+    run: Path, prompt: str | None, tokens: str | None, block: int | None, also_run: Path | None
+) -> FollowedRun:
+    """The run dump `run` as a plan to replay; InputError for options it replaces, or a dump that
+    holds no flow to follow."""
+    given = [
+        flag
+        for flag, value in (("--prompt", prompt), ("--tokens", tokens), ("--block", block), ("--run", also_run))
+        if value is not None
+    ]
+    if given:
+        raise InputError(
+            f"--follow {run} takes the prompt, the rounds and the draft blocks from the run; drop {', '.join(given)}"
+        )
+    with read_dump(run) as dump:
+        m = dump.manifest
+    if not m.prompt_tokens or not m.rounds:
+        raise InputError(
+            f"{run}: no prompt tokens or no speculative rounds to follow; --follow replays a capture's "
+            "flow (featdiff capture), pass --tokens/--rounds instead"
+        )
+    return FollowedRun(tuple(m.prompt_tokens), tuple(m.rounds))
+
+
+def guided_rounds(run: Path, prompt: tuple[int, ...]) -> tuple[Round, ...]:
+    """The run dump's rounds, for the reference to take where its own choice parts from them;
+    () when the run decoded another prompt (its rounds say nothing about this one's)."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    return tuple(m.rounds) if tuple(m.prompt_tokens) == tuple(prompt) else ()
+
+
+def trained_context_of(target: Path) -> int | None:
+    """The positions the target was trained on: its GGUF's `{arch}.context_length`, its HF
+    config.json's `max_position_embeddings`; None when it does not say."""
+    if not target.is_dir():
+        return trained_context(read_gguf(target, ggml_dequant.load))
+    n = read_config(target).get(names.HF_MAX_POSITIONS)
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InputError(
+            f"{target / names.HF_CONFIG}: {names.HF_MAX_POSITIONS} = {n!r}, expected a positive "
+            "integer (the trained context length); fix config.json"
+        )
+    return n
+
+
+def run_p_min(run: Path | None) -> float:
+    """The `--spec-draft-p-min` the run dump `run` drafted with (its build's `p_min`), else 0."""
+    if run is None:
+        return 0.0
+    with read_dump(run) as dump:
+        return float(dump.manifest.build.get("p_min", 0.0) or 0.0)
+
+
+def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
+    """Validated `--dtype`, `--device`, `--kv-dtype`."""
+    if dtype not in COMPUTE_DTYPES:
+        raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(COMPUTE_DTYPES)}")
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"--kv-dtype {kv_dtype!r}: expected one of {', '.join(KV_DTYPES)} (the run's KV cache type)")
+    try:
+        dev = torch.device(device)
+        torch.zeros(1, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise InputError(
+            f"--device {device!r}: unusable by this torch {torch.__version__} ({e}); use --device cpu"
+        ) from None
+    return Numerics(dtype=COMPUTE_DTYPES[dtype], device=dev, kv_dtype=kv_dtype)
+
+
+def prompt_tokens(
+    target: Path, model: Path, prompt: str | None, tokens: str | None, llama_dir: Path | None
+) -> tuple[int, ...]:
+    """The prompt's token ids, from exactly one of `--prompt` / `--tokens`."""
+    require_one(prompt, tokens)
+    return parse_tokens(tokens) if tokens is not None else _tokenize(target, model, prompt or "", llama_dir)
+
+
+def _tokenize(target: Path, model: Path, text: str, llama_dir: Path | None) -> tuple[int, ...]:
+    """Tokenize with llama.cpp's vocabulary of the target GGUF, else the drafter GGUF."""
+    vocab = next((p for p in (target, model) if p.is_file()), None)
+    if vocab is None:
+        raise InputError(
+            f"--prompt needs a GGUF vocabulary, but {target} and {model} are HF directories; "
+            "pass --tokens or a GGUF target"
+        )
+    try:
+        from featdiff.llama.tokenize import tokenize
+    except ImportError as e:
+        raise InputError(
+            f"--prompt needs the llama.cpp binding (featdiff.llama.tokenize: {e}); pass --tokens"
+        ) from None
+    return tuple(int(t) for t in tokenize(vocab, text, llama_dir))
+
+
+def write_reference(
+    output: Path,
+    trace: FlowTrace,
+    target: Target,
+    draft: Draft,
+    numerics: Numerics,
+    prompt: tuple[int, ...],
+    block_rows: int,
+    p_min: float = 0.0,
+    followed: Path | None = None,
+    flows: tuple[FlowInfo, ...] = (),
+) -> Path:
+    """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
+    how it was computed, with the rows of its draft blocks."""
+    writer = DumpWriter(output)
+    for et in trace.evals:
+        e = et.eval
+        for named in et.records:
+            key = record_key(e.eval, e.role, named.name, 0)
+            record, array = record_from_array(
+                key, e.role, e.phase, e.eval, named.name, 0, named.array.detach().cpu().numpy()
+            )
+            writer.add(record, array)
+    build = {
+        "torch": torch.__version__,
+        "device": str(numerics.device),
+        "dtype": str(numerics.dtype).removeprefix("torch."),
+        "kv_dtype": numerics.kv_dtype,
+        "block_rows": block_rows,
+        "p_min": p_min,
+    }
+    if followed is not None:
+        build["follow"] = str(followed)  # the run dump whose decisions this reference replayed
+    manifest = Manifest(
+        source="reference",
+        models={"target": models_entry(target), "draft": models_entry(draft)},
+        build=build,
+        evals=tuple(et.eval for et in trace.evals),
+        records=(),
+        rounds=trace.rounds,
+        prompt_tokens=flows[0].prompt_tokens if flows else prompt,
+        flows=flows,
+    )
+    return writer.close(manifest)

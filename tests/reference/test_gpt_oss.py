@@ -1,0 +1,261 @@
+"""The gpt-oss family (llama.cpp's openai-moe) through transformers' model code (issue 24): a tiny
+GptOss target with attention sinks, a sliding window on its even layers that the tests' prompt
+outgrows, gpt-oss-20b's YaRN, biased experts behind the clamped swiglu and a softmax over the
+top-k router logits, converted by the pinned converter, with the fixtures' DFlash drafter. Its
+converted pair compares clean in-process and around llama-server (also once llama.cpp reuses the
+sliding layers' cells), `featdiff check` passes, and a drafter tapping the layers one too high
+is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import featdiff
+from featdiff import names
+from featdiff.hf_targets import GATE_UP_GAIN, GPT_OSS_ROPE, SLIDING_WINDOW, write_family_fixture
+from featdiff.torchref.hf_target import HfTarget, target_from_transformers
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
+
+pytestmark = pytest.mark.slow  # the pair is converted (cached per machine)
+PROMPT = tuple(int(t) for t in DEFAULT_TOKENS.split(","))
+SWIGLU_LIMIT = 7.0  # llama-graph.cpp LLM_FFN_SWIGLU_OAI_MOE's limit, and GptOssConfig's default
+# rel L2 of a layer input, the reference's cached windowed forward vs transformers' eager
+# attention over the whole sequence at once (f32 cache): float32 op order only, measured <= 1.3e-7
+EAGER_BOUND = 1e-6
+# rel L2 at the first sliding layer's output when the reference ignores the window (measured 0.14):
+# far above numeric noise, so a window llama.cpp did not apply could not pass as noise
+NO_WINDOW_MIN = 1e-2
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(tmp_path_factory):
+    """The tiny gpt-oss pair, converted by the pinned tree's converter (made once)."""
+    return write_family_fixture(tmp_path_factory.mktemp("fam-gpt-oss"), "gpt-oss")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / a.norm())
+
+
+def test_fixture_runs_what_llama_cpp_must_reproduce(gpt_oss):
+    """Sinks, the window (outgrown by the prompt), YaRN, expert biases, gates past the swiglu clamp."""
+    from gguf import GGUFReader
+
+    config = json.loads((gpt_oss / "target-hf" / names.HF_CONFIG).read_text())
+    assert config["model_type"] == "gpt_oss" and config["sliding_window"] == SLIDING_WINDOW < len(PROMPT)
+    assert config["layer_types"][:2] == ["sliding_attention", "full_attention"]  # llama.cpp's swa pattern 2
+    g = GGUFReader(str(gpt_oss / "target.gguf"))
+    assert g.fields["general.architecture"].contents() == "gpt-oss"
+    assert g.fields["gpt-oss.attention.sliding_window"].contents() == SLIDING_WINDOW
+    assert g.fields["gpt-oss.rope.scaling.type"].contents() == "yarn"  # gpt-oss-20b's RoPE
+    assert g.fields["gpt-oss.rope.scaling.factor"].contents() == GPT_OSS_ROPE["factor"]
+    tensors = {t.name for t in g.tensors}
+    assert {"blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias", "blk.0.ffn_gate_inp.bias"} <= tensors
+    hf = target_from_transformers(gpt_oss / "target-hf", torch.float32, torch.device("cpu"))
+    assert isinstance(hf, HfTarget) and hf.hparams.arch == "gpt-oss"
+    assert (hf.hparams.n_swa, hf.hparams.swa_layers[:2]) == (SLIDING_WINDOW, (True, False))
+    gates: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(lambda m, a: gates.append(a[0] @ m.gate_up_proj[0][:, ::2]))
+        for layer in hf.model.get_decoder().layers
+    ]
+    with torch.no_grad():
+        hf.model(input_ids=torch.tensor([PROMPT]))
+    for h in hooks:
+        h.remove()
+    assert GATE_UP_GAIN > 1 and max(float(x.max()) for x in gates) > SWIGLU_LIMIT  # the clamp binds
+
+
+def test_cached_windowed_forward_equals_transformers_eager(gpt_oss):
+    """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
+    ggml attention equals transformers' own eager attention over the whole sequence; ignoring
+    the window does not."""
+    from transformers import AutoModelForCausalLM
+
+    from featdiff.torchref.attention import empty_cache, truncated
+    from featdiff.torchref.hf_target import forward_hf
+
+    tokens = torch.tensor([*PROMPT, 11, 40, 2, 75, 300, 6])
+    n = len(PROMPT)
+    hf = target_from_transformers(gpt_oss / "target-hf", torch.float32, torch.device("cpu"))
+    hp = hf.hparams
+    eager = AutoModelForCausalLM.from_pretrained(gpt_oss / "target-hf", attn_implementation="eager").eval()
+    wide = AutoModelForCausalLM.from_pretrained(
+        gpt_oss / "target-hf", attn_implementation="eager", sliding_window=10 * len(tokens)
+    ).eval()
+    with torch.no_grad():
+        want = eager(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        unwindowed = wide(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        cache = empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, "f32", torch.device("cpu"))
+        cache = forward_hf(hf, tokens[:n], torch.arange(n), cache, False).cache
+        rejected = forward_hf(hf, torch.tensor([1, 2, 3, 4]), torch.arange(n, n + 4), cache, True)
+        got = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), truncated(rejected.cache, n), True)
+    for il in range(hp.n_layer):  # hidden_states[n_layer] is after the final norm
+        assert _rel(want[il][0, n:], got.layer_inputs[il]) <= EAGER_BOUND, il
+    assert _rel(want[1][0, n:], unwindowed[1][0, n:]) > NO_WINDOW_MIN  # layer 0 slides: its window shows
+
+
+def test_gpt_oss_pair_compares_clean_with_nothing_skipped(gpt_oss, tmp_path):
+    run = featdiff.capture(
+        gpt_oss / "target.gguf",
+        gpt_oss / "draft.gguf",
+        tmp_path / "run.npz",
+        tokens=DEFAULT_TOKENS,
+        rounds=DEFAULT_ROUNDS,
+        filters=["*"],  # every layer's l_out and the target's embd, not only the drafter's taps
+    )
+    ref = featdiff.reference(
+        gpt_oss / "target-hf",
+        gpt_oss / "draft.gguf",
+        tmp_path / "ref.npz",
+        tokens=DEFAULT_TOKENS,
+        rounds=DEFAULT_ROUNDS,
+    )
+    result = featdiff.compare(ref, run).to_json()
+    assert result["ok"], result["findings"]
+    assert [f for f in result["findings"] if f["severity"] == "error"] == []
+    assert result["first_divergence"] is None
+    cov = result["coverage"]
+    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
+    paired = {(r["role"], r["name"]) for r in result["records"]}
+    n_layer = json.loads((gpt_oss / "target-hf" / names.HF_CONFIG).read_text())["num_hidden_layers"]
+    target = {names.TARGET_EMBD, names.RESULT_NORM, names.RESULT_OUTPUT}
+    target |= {names.layer_name(names.L_OUT, il) for il in range(n_layer)}
+    assert {("target", n) for n in target} | {("draft", names.INP_TARGET_FEATURES)} <= paired
+    assert result["layer_match"]["closest_layers"] == result["layer_match"]["expected_layers"]
+
+
+# ---------------------------------------------------------------- around llama-server, check, a planted fault
+
+SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
+RUN_TIMEOUT_S = 120
+
+
+def _server_capture(tools, d: Path, draft: Path, out: Path) -> Path:
+    from featdiff.llama.exec import capture_exec
+
+    cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(draft), *SERVER_ARGS]
+    return capture_exec(cmd, out, filters=["*"], tokens=DEFAULT_TOKENS, timeout_s=RUN_TIMEOUT_S)
+
+
+def _followed(d: Path, draft: Path, run: Path, out: Path) -> Path:
+    """The transformers reference of the target-hf/ directory, replaying the run's flow."""
+    return reference_of(d / "target-hf", draft, out, follow=run)
+
+
+def test_gpt_oss_pair_around_llama_server_compares_clean(gpt_oss, tools, tmp_path):
+    from featdiff.diff import compare_dumps
+
+    run = _server_capture(tools, gpt_oss, gpt_oss / "draft.gguf", tmp_path / "run.npz")
+    comparison = compare_dumps(_followed(gpt_oss, gpt_oss / "draft.gguf", run, tmp_path / "ref.npz"), run)
+    result = comparison.to_json()
+    assert comparison.ok, [f.message for f in comparison.findings]
+    assert [f for f in result["findings"] if f["severity"] == "error"] == []
+    cov = result["coverage"]
+    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
+    assert cov["pairs"] > 0 and ("draft", names.INP_TARGET_FEATURES) in {
+        (r["role"], r["name"]) for r in result["records"]
+    }
+
+
+# llama-kv-cache-iswa.cpp: without --swa-full the sliding layers' cache holds
+# GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256) cells, here 256 of the 512; a prompt past that
+# makes llama.cpp reuse the cells the window has passed (llama-kv-cache.cpp find_slot: a cell is
+# free once masked for the position after the sequence's last), through prefill and rollbacks
+SWA_CACHE_CELLS = 256
+SMALL_SWA_ARGS = ["-c", "512", "-ub", "16", "-b", "16"]
+
+
+def test_gpt_oss_around_llama_server_reusing_swa_cells_compares_clean(gpt_oss, tools, tmp_path):
+    from featdiff.diff import compare_dumps
+    from featdiff.llama.exec import capture_exec
+
+    g = torch.Generator().manual_seed(0)
+    n_vocab = json.loads((gpt_oss / "target-hf" / names.HF_CONFIG).read_text())["vocab_size"]
+    prompt = torch.randint(3, n_vocab - 1, (SWA_CACHE_CELLS + SLIDING_WINDOW,), generator=g)
+    server = str(tools.program("llama-server"))
+    args = [a for a in SERVER_ARGS if a not in ("-c", "256")] + SMALL_SWA_ARGS
+    cmd = [server, "-m", str(gpt_oss / "target.gguf"), "-md", str(gpt_oss / "draft.gguf"), *args]
+    tokens = ",".join(str(int(t)) for t in prompt)
+    run = capture_exec(cmd, tmp_path / "run.npz", filters=["*"], tokens=tokens, timeout_s=RUN_TIMEOUT_S)
+    comparison = compare_dumps(_followed(gpt_oss, gpt_oss / "draft.gguf", run, tmp_path / "ref.npz"), run)
+    result = comparison.to_json()
+    assert comparison.ok and result["first_divergence"] is None, [f.message for f in comparison.findings]
+    cov = result["coverage"]
+    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
+    assert all(s["expected"] for s in cov["skipped"]), cov["skipped"]
+
+
+def test_gpt_oss_check_passes_and_its_accept_agrees(gpt_oss, tmp_path):
+    from featdiff.verdict import check
+    from featdiff.probe import TOKENS_PREFIX
+
+    prompts = tmp_path / "prompts.txt"  # token ids: the tiny SPM vocabulary spells text byte by byte
+    prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} 11,40,2,75,300,6,19,8\n")
+    result = check(
+        gpt_oss / "target.gguf",
+        gpt_oss / "draft.gguf",
+        ref_target=gpt_oss / "target-hf",
+        ref_model=gpt_oss / "draft-hf",
+        prompts=prompts,
+        rounds=DEFAULT_ROUNDS,
+        keep=tmp_path / "dumps",
+    )
+    assert result.ok and result.verdict == "pass", result.reasons
+    assert result.mode == "in-process" and result.comparison.ok
+    assert result.accept.matches and result.accept.blocks >= DEFAULT_ROUNDS, result.accept.to_json()
+
+
+def test_gpt_oss_layers_off_by_one_is_a_layer_offset(gpt_oss, tools, tmp_path):
+    from gguf import GGUFReader
+
+    from featdiff.diff import compare_dumps, exit_code
+    from featdiff.converter_faults import rewrite_gguf
+
+    draft = gpt_oss / "draft.gguf"
+    layers = [int(i) for i in GGUFReader(str(draft)).fields[names.KEY_TARGET_LAYERS].contents()]
+    planted = rewrite_gguf(draft, tmp_path / "draft-plus1.gguf", {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]})
+    run = _server_capture(tools, gpt_oss, planted, tmp_path / "run.npz")
+    # the reference of the drafter as trained: the converter's GGUF, with the layers it names
+    comparison = compare_dumps(_followed(gpt_oss, draft, run, tmp_path / "ref.npz"), run)
+    offsets = [f.to_json() for f in comparison.findings if f.kind == "layer_offset"]
+    assert offsets, [f.message for f in comparison.findings]
+    f = offsets[0]
+    assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, layers[0], layers[0] + 1, 1)
+    assert exit_code(comparison) == 1
+
+
+def test_gpt_oss_hf_dir_without_its_sinks_exits_2(gpt_oss, tmp_path):
+    """A checkpoint missing a tensor the model has (here layer 0's sinks) is refused before any
+    reference: transformers alone would fill it with random values and only log it."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    hf = shutil.copytree(gpt_oss / "target-hf", tmp_path / "t-hf")
+    weights = next(hf.glob("*.safetensors"))
+    w = load_file(weights)
+    del w["model.layers.0.self_attn.sinks"]
+    save_file(w, weights, metadata={"format": "pt"})
+    args = ["reference", "--target", str(hf), "--model", str(gpt_oss / "draft.gguf"), "-o", str(tmp_path / "r.npz")]
+    result = CliRunner().invoke(app, [*args, "--tokens", "1,2,3"])
+    assert result.exit_code == 2, result.output
+    assert "model.layers.0.self_attn.sinks" in result.output and str(hf) in result.output
+
+
+def test_gpt_oss_gguf_as_reference_target_exits_2_asking_for_its_hf_dir(gpt_oss, tmp_path):
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    args = ["reference", "--target", str(gpt_oss / "target.gguf"), "--model", str(gpt_oss / "draft.gguf")]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "r.npz"), "--tokens", "1,2,3"])
+    assert result.exit_code == 2, result.output
+    assert "'gpt-oss' runs through transformers" in result.output and "HF checkpoint directory" in result.output
