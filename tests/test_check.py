@@ -291,6 +291,7 @@ def test_import_featdiff_stays_light_and_its_stages_are_callable():
 # ---------------------------------------------------------------- the plugin's example and the CI script
 
 
+@pytest.mark.slow  # a whole pytest session in a subprocess
 @pytest.mark.parametrize("variant, passes", [("trained", True), ("trained-layers-minus1", False)])
 def test_the_plugins_example_test_file_runs_under_pytest(fixture_models, tmp_path, variant, passes):
     d = fixture_models(variant)

@@ -43,6 +43,7 @@ def _sh_blocks(text: str) -> list[str]:
     return re.findall(r"```sh\n(.*?)```", text, flags=re.S)
 
 
+@pytest.mark.slow  # each block is a whole workflow in a shell
 @pytest.mark.parametrize("index", range(len(_sh_blocks((ROOT / "README.md").read_text()))))
 def test_readme_sh_block_runs(index, tmp_path):
     block = _sh_blocks((ROOT / "README.md").read_text())[index]
