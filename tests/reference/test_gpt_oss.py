@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-import featdiff
 from featdiff import names
 from featdiff.hf_targets import GATE_UP_GAIN, GPT_OSS_ROPE, SLIDING_WINDOW, write_family_fixture
 from featdiff.torchref.hf_target import HfTarget, target_from_transformers
-from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
+import families
+from real_flow import DEFAULT_TOKENS
 
 pytestmark = pytest.mark.slow  # the pair is converted (cached per machine)
 PROMPT = tuple(int(t) for t in DEFAULT_TOKENS.split(","))
@@ -102,72 +101,16 @@ def test_cached_windowed_forward_equals_transformers_eager(gpt_oss):
 
 
 def test_gpt_oss_pair_compares_clean_with_nothing_skipped(gpt_oss, tmp_path):
-    run = featdiff.capture(
-        gpt_oss / "target.gguf",
-        gpt_oss / "draft.gguf",
-        tmp_path / "run.npz",
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-        filters=["*"],  # every layer's l_out and the target's embd, not only the drafter's taps
-    )
-    ref = featdiff.reference(
-        gpt_oss / "target-hf",
-        gpt_oss / "draft.gguf",
-        tmp_path / "ref.npz",
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-    )
-    result = featdiff.compare(ref, run).to_json()
-    assert result["ok"], result["findings"]
-    assert [f for f in result["findings"] if f["severity"] == "error"] == []
-    assert result["first_divergence"] is None
-    cov = result["coverage"]
-    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
-    paired = {(r["role"], r["name"]) for r in result["records"]}
-    n_layer = json.loads((gpt_oss / "target-hf" / names.HF_CONFIG).read_text())["num_hidden_layers"]
-    target = {names.TARGET_EMBD, names.RESULT_NORM, names.RESULT_OUTPUT}
-    target |= {names.layer_name(names.L_OUT, il) for il in range(n_layer)}
-    assert {("target", n) for n in target} | {("draft", names.INP_TARGET_FEATURES)} <= paired
-    assert result["layer_match"]["closest_layers"] == result["layer_match"]["expected_layers"]
+    families.assert_clean_in_process(gpt_oss, tmp_path)
 
 
 # ---------------------------------------------------------------- around llama-server, check, a planted fault
 
-SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
-RUN_TIMEOUT_S = 120
-
-
-def _server_capture(tools, d: Path, draft: Path, out: Path) -> Path:
-    from featdiff.llama.exec import capture_exec
-
-    cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(draft), *SERVER_ARGS]
-    return capture_exec(cmd, out, filters=["*"], tokens=DEFAULT_TOKENS, timeout_s=RUN_TIMEOUT_S)
-
-
-def _followed(d: Path, draft: Path, run: Path, out: Path) -> Path:
-    """The transformers reference of the target-hf/ directory, replaying the run's flow."""
-    return reference_of(d / "target-hf", draft, out, follow=run)
-
 
 def test_gpt_oss_pair_around_llama_server_compares_clean(gpt_oss, tools, tmp_path):
-    from featdiff.diff import compare_dumps
-
-    run = _server_capture(tools, gpt_oss, gpt_oss / "draft.gguf", tmp_path / "run.npz")
-    comparison = compare_dumps(_followed(gpt_oss, gpt_oss / "draft.gguf", run, tmp_path / "ref.npz"), run)
-    result = comparison.to_json()
-    assert comparison.ok, [f.message for f in comparison.findings]
-    assert [f for f in result["findings"] if f["severity"] == "error"] == []
-    cov = result["coverage"]
-    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
-    assert cov["pairs"] > 0 and ("draft", names.INP_TARGET_FEATURES) in {
-        (r["role"], r["name"]) for r in result["records"]
-    }
+    families.assert_clean_around_server(gpt_oss, tools, tmp_path)
 
 
-# llama-kv-cache-iswa.cpp: without --swa-full the sliding layers' cache holds
-# GGML_PAD(min(n_ctx, n_swa + n_ubatch), 256) cells, here 256 of the 512; a prompt past that
-# makes llama.cpp reuse the cells the window has passed (llama-kv-cache.cpp find_slot: a cell is
-# free once masked for the position after the sequence's last), through prefill and rollbacks
 SWA_CACHE_CELLS = 256
 SMALL_SWA_ARGS = ["-c", "512", "-ub", "16", "-b", "16"]
 
@@ -180,11 +123,11 @@ def test_gpt_oss_around_llama_server_reusing_swa_cells_compares_clean(gpt_oss, t
     n_vocab = json.loads((gpt_oss / "target-hf" / names.HF_CONFIG).read_text())["vocab_size"]
     prompt = torch.randint(3, n_vocab - 1, (SWA_CACHE_CELLS + SLIDING_WINDOW,), generator=g)
     server = str(tools.program("llama-server"))
-    args = [a for a in SERVER_ARGS if a not in ("-c", "256")] + SMALL_SWA_ARGS
+    args = [a for a in families.SERVER_ARGS if a not in ("-c", "256")] + SMALL_SWA_ARGS
     cmd = [server, "-m", str(gpt_oss / "target.gguf"), "-md", str(gpt_oss / "draft.gguf"), *args]
     tokens = ",".join(str(int(t)) for t in prompt)
-    run = capture_exec(cmd, tmp_path / "run.npz", filters=["*"], tokens=tokens, timeout_s=RUN_TIMEOUT_S)
-    comparison = compare_dumps(_followed(gpt_oss, gpt_oss / "draft.gguf", run, tmp_path / "ref.npz"), run)
+    run = capture_exec(cmd, tmp_path / "run.npz", filters=["*"], tokens=tokens, timeout_s=families.RUN_TIMEOUT_S)
+    comparison = compare_dumps(families.followed(gpt_oss, gpt_oss / "draft.gguf", run, tmp_path / "ref.npz"), run)
     result = comparison.to_json()
     assert comparison.ok and result["first_divergence"] is None, [f.message for f in comparison.findings]
     cov = result["coverage"]
@@ -193,42 +136,11 @@ def test_gpt_oss_around_llama_server_reusing_swa_cells_compares_clean(gpt_oss, t
 
 
 def test_gpt_oss_check_passes_and_its_accept_agrees(gpt_oss, tmp_path):
-    from featdiff.verdict import check
-    from featdiff.probe import TOKENS_PREFIX
-
-    prompts = tmp_path / "prompts.txt"  # token ids: the tiny SPM vocabulary spells text byte by byte
-    prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} 11,40,2,75,300,6,19,8\n")
-    result = check(
-        gpt_oss / "target.gguf",
-        gpt_oss / "draft.gguf",
-        ref_target=gpt_oss / "target-hf",
-        ref_model=gpt_oss / "draft-hf",
-        prompts=prompts,
-        rounds=DEFAULT_ROUNDS,
-        keep=tmp_path / "dumps",
-    )
-    assert result.ok and result.verdict == "pass", result.reasons
-    assert result.mode == "in-process" and result.comparison.ok
-    assert result.accept.matches and result.accept.blocks >= DEFAULT_ROUNDS, result.accept.to_json()
+    families.assert_check_passes(gpt_oss, tmp_path)
 
 
 def test_gpt_oss_layers_off_by_one_is_a_layer_offset(gpt_oss, tools, tmp_path):
-    from gguf import GGUFReader
-
-    from featdiff.diff import compare_dumps, exit_code
-    from featdiff.converter_faults import rewrite_gguf
-
-    draft = gpt_oss / "draft.gguf"
-    layers = [int(i) for i in GGUFReader(str(draft)).fields[names.KEY_TARGET_LAYERS].contents()]
-    planted = rewrite_gguf(draft, tmp_path / "draft-plus1.gguf", {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]})
-    run = _server_capture(tools, gpt_oss, planted, tmp_path / "run.npz")
-    # the reference of the drafter as trained: the converter's GGUF, with the layers it names
-    comparison = compare_dumps(_followed(gpt_oss, draft, run, tmp_path / "ref.npz"), run)
-    offsets = [f.to_json() for f in comparison.findings if f.kind == "layer_offset"]
-    assert offsets, [f.message for f in comparison.findings]
-    f = offsets[0]
-    assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, layers[0], layers[0] + 1, 1)
-    assert exit_code(comparison) == 1
+    families.assert_layer_offset_named(gpt_oss, tools, tmp_path)
 
 
 def test_gpt_oss_hf_dir_without_its_sinks_exits_2(gpt_oss, tmp_path):

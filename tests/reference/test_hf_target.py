@@ -20,6 +20,7 @@ from featdiff.torchref.replay import run_flow
 from featdiff.torchref.hf_target import HfTarget, target_from_transformers
 from featdiff.torchref.load import load_draft, load_target
 from featdiff.torchref.numerics import Numerics
+import families
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 runner = CliRunner()
@@ -67,33 +68,7 @@ def qwen3moe(tmp_path_factory):
 
 
 def test_qwen3moe_pair_compares_clean_with_nothing_skipped(qwen3moe, tmp_path):
-    run = featdiff.capture(
-        qwen3moe / "target.gguf",
-        qwen3moe / "draft.gguf",
-        tmp_path / "run.npz",
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-        filters=["*"],  # every layer's l_out and the target's embd, not only the drafter's taps
-    )
-    ref = featdiff.reference(
-        qwen3moe / "target-hf",
-        qwen3moe / "draft.gguf",
-        tmp_path / "ref.npz",
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-    )
-    result = featdiff.compare(ref, run).to_json()
-    assert result["ok"], result["findings"]
-    assert [f for f in result["findings"] if f["severity"] == "error"] == []
-    assert result["first_divergence"] is None
-    cov = result["coverage"]
-    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
-    paired = {(r["role"], r["name"]) for r in result["records"]}
-    n_layer = json.loads((qwen3moe / "target-hf" / names.HF_CONFIG).read_text())["num_hidden_layers"]
-    target = {names.TARGET_EMBD, names.RESULT_NORM, names.RESULT_OUTPUT}
-    target |= {names.layer_name(names.L_OUT, il) for il in range(n_layer)}
-    assert {("target", n) for n in target} | {("draft", names.INP_TARGET_FEATURES)} <= paired
-    assert result["layer_match"]["closest_layers"] == result["layer_match"]["expected_layers"]
+    families.assert_clean_in_process(qwen3moe, tmp_path)
 
 
 def _reference_cli(target: Path, model: Path, out: Path):
@@ -119,83 +94,17 @@ def test_unsupported_model_type_exits_2_naming_the_supported(fixture_models, tmp
 
 # ---------------------------------------------------------------- around llama-server, check, a planted fault
 
-SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
-RUN_TIMEOUT_S = 120
-
-
-def _server_capture(tools, d: Path, draft: Path, out: Path) -> Path:
-    from featdiff.llama.exec import capture_exec
-
-    cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(draft), *SERVER_ARGS]
-    # every layer's l_out and the target's embd, not only the drafter's taps: nothing left ref-only
-    return capture_exec(cmd, out, filters=["*"], tokens=DEFAULT_TOKENS, timeout_s=RUN_TIMEOUT_S)
-
-
-def _followed(d: Path, draft: Path, run: Path, out: Path) -> Path:
-    """The transformers reference of the target-hf/ directory, replaying the run's flow."""
-    return reference_of(d / "target-hf", draft, out, follow=run)
-
-
-def _layers_plus1(draft: Path, out: Path) -> tuple[list[int], Path]:
-    """The converter's drafter rewritten with `dflash.target_layers` one too high (fixtures'
-    `layers-plus1`): its original layers, and the planted GGUF."""
-    from gguf import GGUFReader
-
-    from featdiff.converter_faults import rewrite_gguf
-
-    layers = [int(i) for i in GGUFReader(str(draft)).fields[names.KEY_TARGET_LAYERS].contents()]
-    return layers, rewrite_gguf(draft, out, {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]})
-
 
 def test_qwen3moe_pair_around_llama_server_compares_clean(qwen3moe, tools, tmp_path):
-    from featdiff.diff import compare_dumps
-
-    run = _server_capture(tools, qwen3moe, qwen3moe / "draft.gguf", tmp_path / "run.npz")
-    comparison = compare_dumps(_followed(qwen3moe, qwen3moe / "draft.gguf", run, tmp_path / "ref.npz"), run)
-    result = comparison.to_json()
-    assert comparison.ok, [f.message for f in comparison.findings]
-    assert [f for f in result["findings"] if f["severity"] == "error"] == []
-    cov = result["coverage"]
-    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
-    assert cov["pairs"] > 0 and ("draft", names.INP_TARGET_FEATURES) in {
-        (r["role"], r["name"]) for r in result["records"]
-    }
+    families.assert_clean_around_server(qwen3moe, tools, tmp_path)
 
 
 def test_qwen3moe_check_passes_and_its_accept_agrees(qwen3moe, tmp_path):
-    from featdiff.verdict import check
-    from featdiff.probe import TOKENS_PREFIX
-
-    # token-id prompts: the tiny SPM vocabulary spells check's default text prompt byte by byte,
-    # more tokens than the capture's tokenizer buffer allows (llama/runtime.py)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} 11,40,2,75,300,6,19,8\n")
-    result = check(
-        qwen3moe / "target.gguf",
-        qwen3moe / "draft.gguf",
-        ref_target=qwen3moe / "target-hf",
-        ref_model=qwen3moe / "draft-hf",
-        prompts=prompts,
-        rounds=DEFAULT_ROUNDS,
-        keep=tmp_path / "dumps",
-    )
-    assert result.ok and result.verdict == "pass", result.reasons
-    assert result.mode == "in-process" and result.comparison.ok
-    assert result.accept.matches and result.accept.blocks >= DEFAULT_ROUNDS, result.accept.to_json()
+    families.assert_check_passes(qwen3moe, tmp_path)
 
 
 def test_qwen3moe_layers_off_by_one_is_a_layer_offset(qwen3moe, tools, tmp_path):
-    from featdiff.diff import compare_dumps, exit_code
-
-    layers, draft = _layers_plus1(qwen3moe / "draft.gguf", tmp_path / "draft-plus1.gguf")
-    run = _server_capture(tools, qwen3moe, draft, tmp_path / "run.npz")
-    # the reference of the drafter as trained: the converter's GGUF, with the layers it names
-    comparison = compare_dumps(_followed(qwen3moe, qwen3moe / "draft.gguf", run, tmp_path / "ref.npz"), run)
-    offsets = [f.to_json() for f in comparison.findings if f.kind == "layer_offset"]
-    assert offsets, [f.message for f in comparison.findings]
-    f = offsets[0]
-    assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, layers[0], layers[0] + 1, 1)
-    assert exit_code(comparison) == 1
+    families.assert_layer_offset_named(qwen3moe, tools, tmp_path)
 
 
 # ---------------------------------------------------------------- a real MoE near-tie
@@ -241,7 +150,11 @@ def test_a_real_expert_choice_on_a_router_tie_is_information(qwen3moe, qwen3moe_
 def test_a_layer_offset_beside_a_real_expert_choice_is_named(qwen3moe, qwen3moe_tied, tmp_path):
     from featdiff.diff import exit_code
 
-    layers, draft = _layers_plus1(qwen3moe / "draft.gguf", tmp_path / "draft-plus1.gguf")
+    from featdiff.converter_faults import rewrite_gguf
+
+    layers = families.draft_layers(qwen3moe / "draft.gguf")
+    planted = {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]}
+    draft = rewrite_gguf(qwen3moe / "draft.gguf", tmp_path / "draft-plus1.gguf", planted)
     run = _in_process(qwen3moe_tied / "target.gguf", draft, tmp_path / "run.npz")
     ref = reference_of(qwen3moe_tied / "target-hf", qwen3moe / "draft.gguf", tmp_path / "ref.npz", follow=run)
     comparison = featdiff.compare(ref, run)

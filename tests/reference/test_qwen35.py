@@ -12,7 +12,6 @@ tapping a linear-attention layer's input for a full-attention one is named a lay
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +20,12 @@ import featdiff
 from featdiff import names
 from featdiff.hf_targets import QWEN35_ROPE, qwen35_layer_types, write_family_fixture
 from featdiff.torchref.hf_target import HfTarget, target_from_transformers
+import families
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 pytestmark = pytest.mark.slow  # the pair is converted (cached per machine)
 PROMPT = tuple(int(t) for t in DEFAULT_TOKENS.split(","))
+QWEN35_EMBD = "model.input_embed"  # qwen35.cpp's name for the target's embeddings (embd elsewhere)
 FULL, LINEAR = "full_attention", "linear_attention"
 # rel L2 of a layer input, the reference's cached forward (prefill, a rejected block rolled back,
 # the accepted rows) vs transformers' eager forward over the whole sequence at once: float32 op
@@ -46,12 +47,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / a.norm())
 
 
-def _draft_layers(d: Path) -> list[int]:
-    from gguf import GGUFReader
-
-    return [int(i) for i in GGUFReader(str(d / "draft.gguf")).fields[names.KEY_TARGET_LAYERS].contents()]
-
-
 def test_fixture_is_hybrid_and_the_drafter_taps_both_kinds(qwen35):
     from gguf import GGUFReader
 
@@ -69,7 +64,7 @@ def test_fixture_is_hybrid_and_the_drafter_taps_both_kinds(qwen35):
     # rotary pair of its 16-wide heads in the first
     d = GGUFReader(str(qwen35 / "draft.gguf"))
     assert list(d.fields["dflash.rope.dimension_sections"].contents()) == [8, 0, 0, 0]
-    layers = _draft_layers(qwen35)
+    layers = families.draft_layers(qwen35 / "draft.gguf")
     assert [kinds[L] for L in layers] == [FULL, LINEAR]  # the planted offset reads the other kind
     assert kinds[layers[0] + 1] == LINEAR
     hf = target_from_transformers(qwen35 / "target-hf", torch.float32, torch.device("cpu"))
@@ -116,34 +111,13 @@ def test_rolled_back_recurrent_state_equals_transformers_eager(qwen35):
 
 
 def test_qwen35_pair_compares_clean_with_nothing_skipped(qwen35, tmp_path):
-    run = featdiff.capture(
-        qwen35 / "target.gguf",
-        qwen35 / "draft.gguf",
-        tmp_path / "run.npz",
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-        filters=["*"],  # every layer's l_out and the target's embd, not only the drafter's taps
-    )
-    ref = featdiff.reference(
-        qwen35 / "target-hf", qwen35 / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
-    )
     from featdiff.dump import read_dump
 
-    rounds = read_dump(run).manifest.rounds
+    result = families.assert_clean_in_process(qwen35, tmp_path, embd=QWEN35_EMBD)
+    with read_dump(result["run"]) as dump:
+        rounds = dump.manifest.rounds
     # rows were rejected: the target's recurrent state was rolled back within a verify block
     assert any(r.accepted < len(r.drafts) for r in rounds), rounds
-    result = featdiff.compare(ref, run).to_json()
-    assert result["ok"], result["findings"]
-    assert [f for f in result["findings"] if f["severity"] == "error"] == []
-    assert result["first_divergence"] is None
-    cov = result["coverage"]
-    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
-    paired = {(r["role"], r["name"]) for r in result["records"]}
-    n_layer = json.loads((qwen35 / "target-hf" / names.HF_CONFIG).read_text())["num_hidden_layers"]
-    target = {"model.input_embed", names.RESULT_NORM, names.RESULT_OUTPUT}  # qwen35.cpp's name for embd
-    target |= {names.layer_name(names.L_OUT, il) for il in range(n_layer)}
-    assert {("target", n) for n in target} | {("draft", names.INP_TARGET_FEATURES)} <= paired
-    assert result["layer_match"]["closest_layers"] == result["layer_match"]["expected_layers"]
 
 
 def test_qwen35_one_draft_blocks_roll_back_one_row_and_compare_clean(qwen35, tmp_path):
@@ -172,71 +146,21 @@ def test_qwen35_one_draft_blocks_roll_back_one_row_and_compare_clean(qwen35, tmp
 
 # ---------------------------------------------------------------- around llama-server, check, a planted fault
 
-SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
-RUN_TIMEOUT_S = 120
-
-
-def _server_capture(tools, d: Path, draft: Path, out: Path) -> Path:
-    from featdiff.llama.exec import capture_exec
-
-    cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(draft), *SERVER_ARGS]
-    return capture_exec(cmd, out, filters=["*"], tokens=DEFAULT_TOKENS, timeout_s=RUN_TIMEOUT_S)
-
 
 def test_qwen35_pair_around_llama_server_compares_clean(qwen35, tools, tmp_path):
-    from featdiff.diff import compare_dumps
-
-    run = _server_capture(tools, qwen35, qwen35 / "draft.gguf", tmp_path / "run.npz")
-    ref = reference_of(qwen35 / "target-hf", qwen35 / "draft.gguf", tmp_path / "ref.npz", follow=run)
-    comparison = compare_dumps(ref, run)
-    result = comparison.to_json()
-    assert comparison.ok and result["first_divergence"] is None, [f.message for f in comparison.findings]
-    assert [f for f in result["findings"] if f["severity"] == "error"] == []
-    cov = result["coverage"]
-    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
-    assert all(s["expected"] for s in cov["skipped"]), cov["skipped"]
-    assert cov["pairs"] > 0 and ("draft", names.INP_TARGET_FEATURES) in {
-        (r["role"], r["name"]) for r in result["records"]
-    }
+    families.assert_clean_around_server(qwen35, tools, tmp_path)
 
 
 def test_qwen35_check_passes_and_its_accept_agrees(qwen35, tmp_path):
-    from featdiff.verdict import check
-    from featdiff.probe import TOKENS_PREFIX
-
-    prompts = tmp_path / "prompts.txt"  # token ids: the tiny SPM vocabulary spells text byte by byte
-    prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} 11,40,2,75,300,6,19,8\n")
-    result = check(
-        qwen35 / "target.gguf",
-        qwen35 / "draft.gguf",
-        ref_target=qwen35 / "target-hf",
-        ref_model=qwen35 / "draft-hf",
-        prompts=prompts,
-        rounds=DEFAULT_ROUNDS,
-        keep=tmp_path / "dumps",
-    )
-    assert result.ok and result.verdict == "pass", result.reasons
-    assert result.mode == "in-process" and result.comparison.ok
-    assert result.accept.matches and result.accept.blocks >= DEFAULT_ROUNDS, result.accept.to_json()
+    families.assert_check_passes(qwen35, tmp_path)
 
 
 def test_qwen35_linear_layer_tapped_for_a_full_attention_one_is_a_layer_offset(qwen35, tools, tmp_path):
     """The drafter's slot 0 reads the full-attention layer 2's input; planted one higher, it
     reads the gated delta-net layer 3's: named as the offset it is."""
-    from featdiff.diff import compare_dumps, exit_code
-    from featdiff.converter_faults import rewrite_gguf
-
-    draft = qwen35 / "draft.gguf"
-    layers = _draft_layers(qwen35)
-    planted = rewrite_gguf(draft, tmp_path / "draft-plus1.gguf", {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]})
-    run = _server_capture(tools, qwen35, planted, tmp_path / "run.npz")
-    # the reference of the drafter as trained: the converter's GGUF, with the layers it names
-    comparison = compare_dumps(reference_of(qwen35 / "target-hf", draft, tmp_path / "ref.npz", follow=run), run)
-    offsets = [f.to_json() for f in comparison.findings if f.kind == "layer_offset"]
-    assert offsets, [f.message for f in comparison.findings]
-    f = offsets[0]
-    assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, layers[0], layers[0] + 1, 1)
-    assert exit_code(comparison) == 1
+    kinds = json.loads((qwen35 / "target-hf" / names.HF_CONFIG).read_text())["layer_types"]
+    f = families.assert_layer_offset_named(qwen35, tools, tmp_path)
+    assert (kinds[f["expected_layer"]], kinds[f["observed_layer"]]) == ("full_attention", "linear_attention")
 
 
 def test_qwen35_target_that_cannot_roll_back_is_refused_by_name(qwen35, tmp_path, monkeypatch):

@@ -1,0 +1,117 @@
+"""What every transformers-backed target family must pass (issue 24), written once: a tiny
+converted pair (featdiff.hf_targets) captured in-process and around llama-server compares clean
+with nothing skipped, `featdiff check` passes with the accept probe agreeing, and a drafter whose
+layer ids are one too high is a `layer_offset`. tests/reference/test_hf_target.py (qwen3moe),
+test_gpt_oss.py and test_qwen35.py call these on their family's fixture directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gguf import GGUFReader
+
+import featdiff
+from featdiff import names
+from featdiff.converter_faults import rewrite_gguf
+from featdiff.diff import compare_dumps, exit_code
+
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
+
+# llama-server as the family tests run it: DFlash drafts of 3, a small context, one thread each
+SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
+RUN_TIMEOUT_S = 120
+SECOND_PROMPT = "11,40,2,75,300,6,19,8"  # check's second prompt, as token ids
+
+
+def draft_layers(draft: Path) -> list[int]:
+    """The drafter GGUF's `dflash.target_layers`."""
+    return [int(i) for i in GGUFReader(str(draft)).fields[names.KEY_TARGET_LAYERS].contents()]
+
+
+def server_capture(tools, d: Path, draft: Path, out: Path, extra: tuple[str, ...] = ()) -> Path:
+    """`d`'s target with `draft` around llama-server, every record kept."""
+    from featdiff.llama.exec import capture_exec
+
+    cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(draft), *SERVER_ARGS, *extra]
+    return capture_exec(cmd, out, filters=["*"], tokens=DEFAULT_TOKENS, timeout_s=RUN_TIMEOUT_S)
+
+
+def followed(d: Path, draft: Path, run: Path, out: Path) -> Path:
+    """The transformers reference of `d`'s target-hf/ directory, replaying the run's flow."""
+    return reference_of(d / "target-hf", draft, out, follow=run)
+
+
+def assert_clean_in_process(d: Path, tmp_path: Path, embd: str = names.TARGET_EMBD) -> dict:
+    """`d`'s pair in-process, every record kept, against the reference from its HF target: no
+    error, nothing skipped, the embeddings (`embd`: the name the arch's graph gives them) and every
+    target layer's output paired; return the comparison's JSON (its `run`: the run dump's path)."""
+    run = featdiff.capture(
+        d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS,
+        filters=["*"],  # every layer's l_out and the target's embd, not only the drafter's taps
+    )  # fmt: skip
+    ref = featdiff.reference(
+        d / "target-hf", d / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
+    )
+    result = featdiff.compare(ref, run).to_json()
+    assert result["ok"], result["findings"]
+    assert [f for f in result["findings"] if f["severity"] == "error"] == []
+    assert result["first_divergence"] is None
+    cov = result["coverage"]
+    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
+    paired = {(r["role"], r["name"]) for r in result["records"]}
+    n_layer = json.loads((d / "target-hf" / names.HF_CONFIG).read_text())["num_hidden_layers"]
+    target = {embd, names.RESULT_NORM, names.RESULT_OUTPUT} | {
+        names.layer_name(names.L_OUT, il) for il in range(n_layer)
+    }
+    assert {("target", n) for n in target} | {("draft", names.INP_TARGET_FEATURES)} <= paired
+    assert result["layer_match"]["closest_layers"] == result["layer_match"]["expected_layers"]
+    return {**result, "run": run}
+
+
+def assert_clean_around_server(d: Path, tools, tmp_path: Path, extra: tuple[str, ...] = ()) -> dict:
+    """`d`'s pair around llama-server against the reference replaying its flow: no error, nothing
+    skipped but what llama-server is expected to leave out; return the comparison's JSON."""
+    run = server_capture(tools, d, d / "draft.gguf", tmp_path / "run.npz", extra)
+    result = compare_dumps(followed(d, d / "draft.gguf", run, tmp_path / "ref.npz"), run).to_json()
+    assert result["ok"], [f["message"] for f in result["findings"] if f["severity"] == "error"]
+    cov = result["coverage"]
+    assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
+    assert all(s["expected"] for s in cov["skipped"]), cov["skipped"]
+    assert cov["pairs"] > 0 and ("draft", names.INP_TARGET_FEATURES) in {
+        (r["role"], r["name"]) for r in result["records"]
+    }
+    return result
+
+
+def assert_check_passes(d: Path, tmp_path: Path) -> None:
+    """`featdiff check` in-process on `d`'s pair (token-id prompts: the tiny SPM vocabulary spells
+    check's default text byte by byte) passes, and the accept probe agrees."""
+    from featdiff.probe import TOKENS_PREFIX
+    from featdiff.verdict import check
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} {SECOND_PROMPT}\n")
+    result = check(
+        d / "target.gguf", d / "draft.gguf", ref_target=d / "target-hf", ref_model=d / "draft-hf", prompts=prompts,
+        rounds=DEFAULT_ROUNDS, keep=tmp_path / "dumps",
+    )  # fmt: skip
+    assert result.ok and result.verdict == "pass", result.reasons
+    assert result.mode == "in-process" and result.comparison.ok
+    assert result.accept.matches and result.accept.blocks >= DEFAULT_ROUNDS, result.accept.to_json()
+
+
+def assert_layer_offset_named(d: Path, tools, tmp_path: Path) -> dict:
+    """`d`'s drafter GGUF with every layer id one too high, around llama-server, against the
+    reference of the drafter as trained: a `layer_offset` at slot 0 by +1; return its JSON."""
+    draft = d / "draft.gguf"
+    layers = draft_layers(draft)
+    planted = rewrite_gguf(draft, tmp_path / "draft-plus1.gguf", {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]})
+    run = server_capture(tools, d, planted, tmp_path / "run.npz")
+    comparison = compare_dumps(followed(d, draft, run, tmp_path / "ref.npz"), run)
+    offsets = [f.to_json() for f in comparison.findings if f.kind == "layer_offset"]
+    assert offsets, [f.message for f in comparison.findings]
+    f = offsets[0]
+    assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, layers[0], layers[0] + 1, 1)
+    assert exit_code(comparison) == 1
+    return f
