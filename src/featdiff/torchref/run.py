@@ -234,7 +234,7 @@ def run_p_min(run: Path | None) -> float:
     if run is None:
         return 0.0
     with read_dump(run) as dump:
-        return float(dump.manifest.build.get("p_min", 0.0) or 0.0)
+        return dump.manifest.build_info.p_min
 
 
 def numerics_from_options(dtype: str, device: str, kv_dtype: str) -> Numerics:
