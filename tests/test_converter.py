@@ -241,9 +241,14 @@ SERVER_TIMEOUT_S = 120
 def test_converted_pair_around_llama_server_compares_clean(converted, tools, tmp_path, variant):
     """Every converted kind through llama-server's own loop (a DSpark drafter as
     `--spec-type draft-dspark`)."""
-    d = converted(variant)
-    server = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf")]
     args = [a if a != "draft-dflash" or not variant.startswith("dspark") else "draft-dspark" for a in SERVER_ARGS]
+    _assert_server_run_compares_clean(converted(variant), tools, tmp_path, args)
+
+
+def _assert_server_run_compares_clean(d: Path, tools, tmp_path: Path, args: list[str]) -> None:
+    """`d`'s converted pair around llama-server (`args`) against the reference of its HF
+    directories, with the run's block length: no error, nothing skipped."""
+    server = [str(tools.program("llama-server")), "-m", str(d / TARGET_GGUF), "-md", str(d / DRAFT_GGUF)]
     run = capture_exec([*server, *args], tmp_path / "run.npz", tokens=DEFAULT_TOKENS, timeout_s=SERVER_TIMEOUT_S)
     with read_dump(run) as dump:
         drafted = sum(1 for r in dump.manifest.rounds if r.drafts)  # the reference drafts every round
@@ -291,16 +296,7 @@ def test_converted_feature_gguf_is_featdiffs_writers(converted_feature, feature)
 @pytest.mark.parametrize("feature", CONVERTED_FEATURES)
 def test_converted_feature_around_llama_server_compares_clean(converted_feature, tools, tmp_path, feature):
     """Each feature's converted pair through llama-server's own loop, against the HF directories."""
-    d = converted_feature(feature)
-    server = [str(tools.program("llama-server")), "-m", str(d / TARGET_GGUF), "-md", str(d / DRAFT_GGUF)]
-    run = capture_exec([*server, *SERVER_ARGS], tmp_path / "run.npz", tokens=DEFAULT_TOKENS, timeout_s=SERVER_TIMEOUT_S)
-    with read_dump(run) as dump:
-        drafted = sum(1 for r in dump.manifest.rounds if r.drafts)
-        tokens = ",".join(map(str, dump.manifest.prompt_tokens))
-    ref = featdiff.reference(d / TARGET_HF, d / DRAFT_HF, tmp_path / "ref.npz", tokens=tokens, rounds=drafted, run=run)
-    c = featdiff.compare(ref, run)
-    assert exit_code(c) == 0 and c.ok, [(f.kind, f.tensor, f.message) for f in c.findings if f.severity == "error"]
-    assert drafted >= 1 and len(c.pairs) > 40 and c.coverage.pairs_skipped == 0
+    _assert_server_run_compares_clean(converted_feature(feature), tools, tmp_path, SERVER_ARGS)
 
 
 @pytest.mark.slow

@@ -121,13 +121,7 @@ def write_converted_fixture(
         config = dspark_config(json.loads(config_path.read_text()), dspark_schema)
         with replaced(config_path) as tmp:
             tmp.write_text(json.dumps(config, indent=1))
-    n_vocab = json.loads((out / TARGET_HF / names.HF_CONFIG).read_text())["vocab_size"]
-    write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, n_vocab)
-    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF)
-    convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
-    with replaced(out / "VARIANT") as tmp:
-        tmp.write_text(f"{variant} (converted by {CONVERTER}): {pairs.VARIANTS[variant].doc}\n")
-    return out
+    return _convert_pair(out, f"{variant} (converted by {CONVERTER}): {pairs.VARIANTS[variant].doc}")
 
 
 # Feature fixtures (fixtures.write_feature_fixture) whose checkpoint the pinned converter cannot
@@ -165,12 +159,19 @@ def _converted_in_place(out: Path, what: str) -> Path:
     converter's GGUFs of its HF directories in their place; featdiff's moved to `writer-*.gguf`."""
     for name in (TARGET_GGUF, DRAFT_GGUF):
         (out / name).replace(out / f"{WRITER_PREFIX}{name}")
+    return _convert_pair(out, f"{what} (converted by {CONVERTER})")
+
+
+def _convert_pair(out: Path, variant_line: str) -> Path:
+    """The converter's `target.gguf` and `draft.gguf` of the fixture directory `out`'s HF
+    checkpoints (the target's SentencePiece tokenizer.model written first), and `variant_line` as
+    its VARIANT; return `out`."""
     n_vocab = json.loads((out / TARGET_HF / names.HF_CONFIG).read_text())["vocab_size"]
     write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, n_vocab)
     convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF)
     convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
     with replaced(out / "VARIANT") as tmp:
-        tmp.write_text(f"{what} (converted by {CONVERTER})\n")
+        tmp.write_text(variant_line + "\n")
     return out
 
 
