@@ -1,8 +1,9 @@
 """What every transformers-backed target family must pass (issue 24), written once: a tiny
 converted pair (featdiff.hf_targets) captured in-process and around llama-server compares clean
 with nothing skipped, `featdiff check` passes with the accept probe agreeing, and a drafter whose
-layer ids are one too high is a `layer_offset`. tests/reference/test_hf_target.py (qwen3moe),
-test_gpt_oss.py and test_qwen35.py call these on their family's fixture directory."""
+layer ids are one too high is a `layer_offset` (and, for some, slots in reverse order a
+`slot_permutation`). tests/reference/test_hf_target.py (qwen3moe),
+test_gpt_oss.py, test_qwen35.py and test_gemma4.py call these on their family's fixture directory."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 RUN_TIMEOUT_S = 120
 SECOND_PROMPT = "11,40,2,75,300,6,19,8"  # check's second prompt, as token ids
+REJECTED_BLOCK = (1, 2, 3, 4)  # a verify block the eager comparisons roll back
+ACCEPTED_ROWS = (11, 40, 2, 75, 300, 6)  # and the rows they run after it
 
 
 def draft_layers(draft: Path) -> list[int]:
@@ -115,3 +118,56 @@ def assert_layer_offset_named(d: Path, tools, tmp_path: Path) -> dict:
     assert (f["slot"], f["expected_layer"], f["observed_layer"], f["delta"]) == (0, layers[0], layers[0] + 1, 1)
     assert exit_code(comparison) == 1
     return f
+
+
+def assert_slots_reversed_named(d: Path, tools, tmp_path: Path) -> dict:
+    """`d`'s drafter GGUF with its tapped layers in reverse slot order, around llama-server,
+    against the reference of the drafter as trained: a `slot_permutation` that reverses the
+    slots; return its JSON."""
+    draft = d / "draft.gguf"
+    layers = draft_layers(draft)
+    planted = rewrite_gguf(draft, tmp_path / "draft-reversed.gguf", {names.KEY_TARGET_LAYERS: layers[::-1]})
+    run = server_capture(tools, d, planted, tmp_path / "run.npz")
+    comparison = compare_dumps(followed(d, draft, run, tmp_path / "ref.npz"), run)
+    found = [f.to_json() for f in comparison.findings if f.kind == "slot_permutation"]
+    assert found, [f.message for f in comparison.findings]
+    assert found[0]["permutation"] == list(range(len(layers)))[::-1]
+    assert exit_code(comparison) == 1
+    return found[0]
+
+
+def assert_cached_forward_equals_eager(d: Path, prompt: tuple[int, ...], bound: float, no_window_min: float) -> None:
+    """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
+    reference equals transformers' own eager attention over the whole sequence, layer inputs and
+    logits within `bound` (rel L2); ignoring the sliding window does not (layer 0 slides: its
+    output differs by more than `no_window_min`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from featdiff.torchref.attention import empty_cache, truncated
+    from featdiff.torchref.hf_target import forward_hf, target_from_transformers
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.double(), b.double()
+        return float((a - b).norm() / a.norm())
+
+    tokens = torch.tensor([*prompt, *ACCEPTED_ROWS])
+    n = len(prompt)
+    hf = target_from_transformers(d / "target-hf", torch.float32, torch.device("cpu"))
+    hp = hf.hparams
+    eager = AutoModelForCausalLM.from_pretrained(d / "target-hf", attn_implementation="eager").eval()
+    wide = AutoModelForCausalLM.from_pretrained(
+        d / "target-hf", attn_implementation="eager", sliding_window=10 * len(tokens)
+    ).eval()
+    with torch.no_grad():
+        want = eager(input_ids=tokens[None], output_hidden_states=True)
+        unwindowed = wide(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        cache = empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, "f32", torch.device("cpu"))
+        cache = forward_hf(hf, tokens[:n], torch.arange(n), cache, False).cache
+        block = torch.tensor(REJECTED_BLOCK)
+        rejected = forward_hf(hf, block, torch.arange(n, n + len(block)), cache, True)
+        got = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), truncated(rejected.cache, n), True)
+    for il in range(hp.n_layer):  # hidden_states[n_layer] is after the final norm
+        assert rel(want.hidden_states[il][0, n:], got.layer_inputs[il]) <= bound, il
+    assert rel(want.logits[0, n:], got.logits) <= bound
+    assert rel(want.hidden_states[1][0, n:], unwindowed[1][0, n:]) > no_window_min

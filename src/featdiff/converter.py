@@ -289,6 +289,38 @@ def write_spm_tokenizer(path: Path, n_vocab: int) -> None:
         tmp.write_bytes(body)
 
 
+def write_bpe_tokenizer(hf_dir: Path, n_vocab: int) -> None:
+    """The fixtures' vocabulary (fixtures.VOCAB_SPM's ids: unk, bos, eos, the 256 byte tokens,
+    words, `<mask>` last) as a Llama-style BPE `tokenizer.json` (byte fallback, one merge) and its
+    `tokenizer_config.json` in `hf_dir`: the files a Gemma 4 checkpoint ships and its converter
+    class reads (conversion/gemma.py Gemma4Model.set_vocab: gguf-py LlamaHfVocab, which takes a
+    BPE model with byte_fallback and a Sequence decoder). llama.cpp's BPE vocabulary needs at
+    least one merge, so the first three words are the word-start mark, `w` and their merge; token
+    ids keep their meaning for the weights."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    start = "\u2581"  # SentencePiece's word-start mark, as Llama-style BPE vocabularies spell a space
+    pieces = [*SPM_SPECIAL, *(f"<0x{b:02X}>" for b in range(N_BYTES))]
+    pieces += [start, "w", start + "w"]
+    pieces += [f"w{i}" for i in range(len(pieces), n_vocab - 1)] + ["<mask>"]
+    model = models.BPE(
+        vocab={p: i for i, p in enumerate(pieces)}, merges=[(start, "w")], unk_token=SPM_SPECIAL[0],
+        byte_fallback=True, fuse_unk=True,
+    )  # fmt: skip
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(start), normalizers.Replace(" ", start)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(start, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*SPM_SPECIAL, "<mask>")])
+    unk, bos, eos = SPM_SPECIAL
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "bos_token": bos, "eos_token": eos}
+    with replaced(Path(hf_dir) / "tokenizer.json") as tmp:
+        tok.save(str(tmp))
+    with replaced(Path(hf_dir) / "tokenizer_config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=1) + "\n")
+
+
 def _pb_varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:

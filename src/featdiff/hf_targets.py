@@ -24,6 +24,7 @@ from featdiff.converter import (
     TARGET_HF,
     TOKENIZER_MODEL,
     convert_checkpoint,
+    write_bpe_tokenizer,
     write_spm_tokenizer,
 )
 from featdiff.errors import InputError
@@ -63,7 +64,7 @@ GPT_OSS_ROPE: dict[str, Any] = {
 class Family:
     """One target family: its transformers config, as a function of the tiny sizes."""
 
-    name: str  # llama.cpp's architecture name (the converted GGUF's general.architecture)
+    name: str  # llama.cpp's architecture name (the converted GGUF's general.architecture), or its -variant
     doc: str
     config: Callable[[pairs.Sizes], object]
     gains: tuple[tuple[str, float], ...] = ()  # (parameter name suffix, factor on its seeded draw)
@@ -75,21 +76,37 @@ class Family:
     # set a vocabulary on the drafter (not Qwen3-MoE, see write_family_fixture). A Qwen3.5 target's
     # drafter so gets the degenerate M-RoPE `dflash.rope.dimension_sections` a real one has.
     draft_against_target: bool = False
+    # the target's tokenizer as its checkpoints ship it: SentencePiece `tokenizer.model` (the
+    # Qwen and gpt-oss fixtures) or a BPE `tokenizer.json` (Gemma 4: its converter class reads no
+    # other). A BPE family's drafter converts against its own target (llama.cpp refuses a drafter
+    # whose vocabulary type differs from the target's)
+    bpe_tokenizer: bool = False
+    # persistent buffers the checkpoint saves and llama.cpp reads (Gemma 4's per-layer
+    # `layer_scalar`): drawn 1 + N(0, NORM_SPREAD) like a norm, not left at transformers' ones
+    buffers: tuple[str, ...] = ()
+
+
+def _tiny_fields(sz: pairs.Sizes) -> dict[str, Any]:
+    """The config fields every family takes from the tiny target's sizes (head_dim goes through a
+    config's **kwargs where its class does not type it)."""
+    s = sz.target
+    return {
+        "vocab_size": sz.n_vocab,
+        "hidden_size": s.n_embd,
+        "intermediate_size": s.n_ff,
+        "num_hidden_layers": s.n_layer,
+        "num_attention_heads": s.n_head,
+        "num_key_value_heads": s.n_head_kv,
+        "head_dim": s.n_embd_head,
+    }
 
 
 def _qwen3moe_config(sz: pairs.Sizes) -> object:
     from transformers import Qwen3MoeConfig
 
-    s = sz.target
-    fields: dict[str, Any] = {  # head_dim goes through the config's **kwargs (typed without it)
-        "vocab_size": sz.n_vocab,
-        "hidden_size": s.n_embd,
-        "intermediate_size": s.n_ff,
+    fields: dict[str, Any] = {
+        **_tiny_fields(sz),
         "moe_intermediate_size": N_FF_EXPERT,
-        "num_hidden_layers": s.n_layer,
-        "num_attention_heads": s.n_head,
-        "num_key_value_heads": s.n_head_kv,
-        "head_dim": s.n_embd_head,
         "num_experts": N_EXPERT,
         "num_experts_per_tok": N_EXPERT_USED,
         "norm_topk_prob": True,  # Qwen3-30B-A3B's, and llama.cpp's qwen3moe graph's
@@ -110,13 +127,8 @@ def _gpt_oss_config(sz: pairs.Sizes) -> object:
 
     s = sz.target
     fields: dict[str, Any] = {
-        "vocab_size": sz.n_vocab,
-        "hidden_size": s.n_embd,
+        **_tiny_fields(sz),
         "intermediate_size": N_FF_EXPERT,  # each expert's width (the converter's expert_feed_forward_length)
-        "num_hidden_layers": s.n_layer,
-        "num_attention_heads": s.n_head,
-        "num_key_value_heads": s.n_head_kv,
-        "head_dim": s.n_embd_head,
         "num_local_experts": N_EXPERT,
         "num_experts_per_tok": N_EXPERT_USED,
         "sliding_window": SLIDING_WINDOW,
@@ -167,13 +179,7 @@ def _qwen35_config(sz: pairs.Sizes) -> object:
 
     s = sz.target
     fields: dict[str, Any] = {
-        "vocab_size": sz.n_vocab,
-        "hidden_size": s.n_embd,
-        "intermediate_size": s.n_ff,
-        "num_hidden_layers": s.n_layer,
-        "num_attention_heads": s.n_head,
-        "num_key_value_heads": s.n_head_kv,
-        "head_dim": s.n_embd_head,
+        **_tiny_fields(sz),
         "layer_types": qwen35_layer_types(s.n_layer),
         "full_attention_interval": QWEN35_FULL_EVERY,  # a config.json key the converter reads
         "linear_conv_kernel_dim": QWEN35_CONV_KERNEL,
@@ -187,6 +193,80 @@ def _qwen35_config(sz: pairs.Sizes) -> object:
         "tie_word_embeddings": False,
     }
     return Qwen3_5TextConfig(**fields)
+
+
+# Gemma 4 (llama.cpp's gemma4) as its dense 31B is built: sliding-window layers with a full-attention
+# layer every GEMMA4_FULL_EVERY-th (the last layer always full), the full layers with wider heads
+# (GEMMA4_GLOBAL_HEAD_DIM), fewer KV heads, keys reused as values (`attention_k_eq_v`) and
+# proportional RoPE on a quarter of the head; q/k/v norms, attention scale 1, sandwich norms, a
+# per-layer output scalar, tied embeddings scaled by sqrt(n_embd) and final logit softcapping. On
+# the 6 tiny layers the full ones are 2 and 5, so the drafter's taps (layer inputs 2 and 4) read
+# one of each kind's input.
+GEMMA4_FULL_EVERY = 3
+GEMMA4_GLOBAL_HEAD_DIM, GEMMA4_GLOBAL_KV_HEADS = 32, 1
+GEMMA4_SOFTCAP = 30.0  # gemma-4-31B's final_logit_softcapping
+
+
+def gemma4_layer_types(n_layer: int) -> list[str]:
+    """Gemma 4's layer kinds: full attention on every GEMMA4_FULL_EVERY-th layer, else sliding."""
+    return ["full_attention" if (il + 1) % GEMMA4_FULL_EVERY == 0 else "sliding_attention" for il in range(n_layer)]
+
+
+def _gemma4_config(sz: pairs.Sizes) -> object:
+    """Gemma 4's text model at the tiny sizes (transformers' defaults for RoPE: the sliding layers'
+    plain RoPE at base 1e4, the full layers' proportional RoPE at 1e6 on a quarter of the head),
+    no per-layer embeddings and no shared KV layers (the 31B and 26B-A4B have neither)."""
+    from transformers import Gemma4TextConfig
+
+    s = sz.target
+    fields: dict[str, Any] = {  # global_head_dim, num_global_key_value_heads: **kwargs of the config
+        **_tiny_fields(sz),
+        "global_head_dim": GEMMA4_GLOBAL_HEAD_DIM,
+        "num_global_key_value_heads": GEMMA4_GLOBAL_KV_HEADS,
+        "attention_k_eq_v": True,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": gemma4_layer_types(s.n_layer),
+        "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": sz.n_vocab,
+        "num_kv_shared_layers": 0,
+        "final_logit_softcapping": GEMMA4_SOFTCAP,
+        "max_position_embeddings": pairs.N_POS_TRAIN,
+        "rms_norm_eps": pairs.RMS_EPS,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,  # fixtures.SPM_SPECIAL's ids
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    return Gemma4TextConfig(**fields)
+
+
+# Gemma 4's other mechanisms, in a second tiny target: per-layer embeddings (a PLE_WIDTH-wide
+# token embedding per layer, gated into each layer's output) and the last GEMMA4_KV_SHARED layers
+# attending over the cache of the last earlier layer of their kind (E2B and E4B have both; their
+# shared layers' MLPs double wide), and an MoE block of N_EXPERT experts beside the dense MLP
+# (26B-A4B). llama.cpp reuses layer n_kv - 1 for a full layer and n_kv - 2 for a sliding one
+# (llama-model.cpp), which transformers' "last layer of the kind" matches when the last layer
+# keeping its own KV is full and the one before it sliding: layers 2 and 1 here.
+GEMMA4_PLE_WIDTH, GEMMA4_KV_SHARED = 8, 3
+
+
+def _gemma4_ple_moe_config(sz: pairs.Sizes) -> object:
+    """The dense Gemma 4 fixture (`_gemma4_config`) with per-layer embeddings, shared KV layers
+    (double-wide MLPs on them) and an MoE block in every layer."""
+    from transformers import Gemma4TextConfig
+
+    dense: Any = _gemma4_config(sz)
+    fields: dict[str, Any] = {
+        **dense.to_dict(),
+        "hidden_size_per_layer_input": GEMMA4_PLE_WIDTH,
+        "num_kv_shared_layers": GEMMA4_KV_SHARED,
+        "use_double_wide_mlp": True,
+        "enable_moe_block": True,
+        "num_experts": N_EXPERT,
+        "top_k_experts": N_EXPERT_USED,
+        "moe_intermediate_size": N_FF_EXPERT,
+    }
+    return Gemma4TextConfig(**fields)
 
 
 FAMILIES: dict[str, Family] = {
@@ -207,6 +287,25 @@ FAMILIES: dict[str, Family] = {
             no_mtp=True,
             draft_against_target=True,
         ),
+        Family(
+            "gemma4",
+            f"Gemma 4 target: sliding window {SLIDING_WINDOW}, full attention every {GEMMA4_FULL_EVERY}rd layer "
+            "(wider heads, keys as values, proportional RoPE), softcapped tied head",
+            _gemma4_config,
+            draft_against_target=True,
+            bpe_tokenizer=True,
+            buffers=("layer_scalar",),
+        ),
+        Family(
+            "gemma4-ple-moe",
+            f"Gemma 4 target as the dense one, with {GEMMA4_PLE_WIDTH}-wide per-layer embeddings, the last "
+            f"{GEMMA4_KV_SHARED} layers reading earlier layers' KV, and {N_EXPERT} experts, top-{N_EXPERT_USED}, "
+            "beside each dense MLP",
+            _gemma4_ple_moe_config,
+            draft_against_target=True,
+            bpe_tokenizer=True,
+            buffers=("layer_scalar",),
+        ),
     )
 }
 
@@ -224,19 +323,23 @@ def write_family_fixture(outdir: str | Path, family: str, seed: int = 0) -> Path
     fam = checked_family(family)
     out = check_output_dir(Path(outdir), (), "OUTDIR")
     write_fixture(out, "clean", seed, vocab=VOCAB_SPM)  # the drafter: draft-hf/ fits any target of TINY's sizes
-    write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
     # The drafter converts against the fixtures' qwen3 target-hf/ (the same tokenizer.model):
     # upstream DFlashModel.set_vocab calls the target class's set_vocab on itself, and
     # Qwen3MoeModel.set_vocab's super() then fails ("TypeError: super(type, obj)"), so the pinned
     # converter cannot convert a drafter against a Qwen3-MoE directory. The vocabulary, the only
     # thing it reads there, is the same.
     if not fam.draft_against_target:
+        write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
         convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
     write_hf_target(out / TARGET_HF, fam, seed)
-    write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
-    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF, spm_vocab=True, no_mtp=fam.no_mtp)
-    if fam.draft_against_target:  # the target class's set_vocab reads tokenizer.model: SPM_VOCAB_BOOTSTRAP
-        convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF, spm_vocab=True)
+    spm = not fam.bpe_tokenizer  # a SPM family's converter class reads tokenizer.model: SPM_VOCAB_BOOTSTRAP
+    if spm:
+        write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
+    else:
+        write_bpe_tokenizer(out / TARGET_HF, pairs.TINY.n_vocab)
+    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF, spm_vocab=spm, no_mtp=fam.no_mtp)
+    if fam.draft_against_target:
+        convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF, spm_vocab=spm)
     with replaced(out / "VARIANT") as tmp:
         tmp.write_text(f"{fam.name} (transformers target, converted): {fam.doc}\n")
     return out
@@ -252,18 +355,18 @@ def write_hf_target(path: Path, fam: Family, seed: int) -> Path:
 
     config = fam.config(pairs.TINY)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _seeded(model, seed, dict(fam.gains))
+    _seeded(model, seed, dict(fam.gains), fam.buffers)
     if path.exists():
         shutil.rmtree(path)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
-def _seeded(model: object, seed: int, gains: dict[str, float]) -> None:
+def _seeded(model: object, seed: int, gains: dict[str, float], buffers: tuple[str, ...] = ()) -> None:
     """Every parameter drawn from `seed`: matrices N(0, 1/n_in) as pairs._linear (times the
-    family's gain for a parameter named in `gains`), vectors (norms, biases, sinks)
-    1 + N(0, NORM_SPREAD), the embedding table N(0, EMBD_STD); transformers' own init is too
-    small for a random model to route, attend or decode distinctly."""
+    family's gain for a parameter named in `gains`), vectors (norms, biases, sinks) and the
+    buffers named in `buffers` 1 + N(0, NORM_SPREAD), the embedding table N(0, EMBD_STD);
+    transformers' own init is too small for a random model to route, attend or decode distinctly."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -278,3 +381,6 @@ def _seeded(model: object, seed: int, gains: dict[str, float]) -> None:
                 p.copy_(1.0 + NORM_SPREAD * draw)
             else:
                 p.copy_(draw / math.sqrt(p.shape[-1]))
+        for name, b in sorted(model.named_buffers()):  # type: ignore[attr-defined]
+            if name.rsplit(".", 1)[-1] in buffers:
+                b.copy_(1.0 + NORM_SPREAD * torch.randn(b.shape, generator=g, dtype=torch.float32))

@@ -37,11 +37,6 @@ def gpt_oss(tmp_path_factory):
     return write_family_fixture(tmp_path_factory.mktemp("fam-gpt-oss"), "gpt-oss")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / a.norm())
-
-
 def test_fixture_runs_what_llama_cpp_must_reproduce(gpt_oss):
     """Sinks, the window (outgrown by the prompt), YaRN, expert biases, gates past the swiglu clamp."""
     from gguf import GGUFReader
@@ -72,32 +67,9 @@ def test_fixture_runs_what_llama_cpp_must_reproduce(gpt_oss):
 
 
 def test_cached_windowed_forward_equals_transformers_eager(gpt_oss):
-    """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
-    ggml attention equals transformers' own eager attention over the whole sequence; ignoring
-    the window does not."""
-    from transformers import AutoModelForCausalLM
-
-    from featdiff.torchref.attention import empty_cache, truncated
-    from featdiff.torchref.hf_target import forward_hf
-
-    tokens = torch.tensor([*PROMPT, 11, 40, 2, 75, 300, 6])
-    n = len(PROMPT)
-    hf = target_from_transformers(gpt_oss / "target-hf", torch.float32, torch.device("cpu"))
-    hp = hf.hparams
-    eager = AutoModelForCausalLM.from_pretrained(gpt_oss / "target-hf", attn_implementation="eager").eval()
-    wide = AutoModelForCausalLM.from_pretrained(
-        gpt_oss / "target-hf", attn_implementation="eager", sliding_window=10 * len(tokens)
-    ).eval()
-    with torch.no_grad():
-        want = eager(input_ids=tokens[None], output_hidden_states=True).hidden_states
-        unwindowed = wide(input_ids=tokens[None], output_hidden_states=True).hidden_states
-        cache = empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, "f32", torch.device("cpu"))
-        cache = forward_hf(hf, tokens[:n], torch.arange(n), cache, False).cache
-        rejected = forward_hf(hf, torch.tensor([1, 2, 3, 4]), torch.arange(n, n + 4), cache, True)
-        got = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), truncated(rejected.cache, n), True)
-    for il in range(hp.n_layer):  # hidden_states[n_layer] is after the final norm
-        assert _rel(want[il][0, n:], got.layer_inputs[il]) <= EAGER_BOUND, il
-    assert _rel(want[1][0, n:], unwindowed[1][0, n:]) > NO_WINDOW_MIN  # layer 0 slides: its window shows
+    """The flow's cache through the ggml attention equals transformers' own eager attention over
+    the whole sequence; ignoring the window does not."""
+    families.assert_cached_forward_equals_eager(gpt_oss, PROMPT, EAGER_BOUND, NO_WINDOW_MIN)
 
 
 def test_gpt_oss_pair_compares_clean_with_nothing_skipped(gpt_oss, tmp_path):

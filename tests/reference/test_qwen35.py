@@ -163,6 +163,11 @@ def test_qwen35_linear_layer_tapped_for_a_full_attention_one_is_a_layer_offset(q
     assert (kinds[f["expected_layer"]], kinds[f["observed_layer"]]) == ("full_attention", "linear_attention")
 
 
+def test_qwen35_slots_reversed_is_a_slot_permutation(qwen35, tools, tmp_path):
+    """Slot 0 reading the gated delta-net layer's input and slot 1 the full-attention one's."""
+    families.assert_slots_reversed_named(qwen35, tools, tmp_path)
+
+
 def test_qwen35_target_that_cannot_roll_back_is_refused_by_name(qwen35, tmp_path, monkeypatch):
     """A target context without recurrent-state snapshots (n_rs_seq 0: a build whose
     llama_context_params lacks the field) refuses the partial seq_rm of the rejected rows

@@ -49,18 +49,25 @@ HF_ARCHS = {
     "gpt_oss": "gpt-oss",
     "qwen3_5_text": "qwen35",
     "qwen3_5": "qwen35",  # the published checkpoints' layout (image-text-to-text): its text model runs
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",  # published (image-text-to-text): Gemma4ForConditionalGeneration, run on text ids
     "qwen3": "qwen3",
     "llama": "llama",
 }
 # Architectures whose graph keeps every row through the last layer and selects the output rows
-# only before the final norm (src/models/openai-moe.cpp, qwen35.cpp: the last layer's get_rows
-# only under embeddings_nextn_masked, which a target context never sets): their last `l_out` has
-# all rows. The others select before the last layer's FFN, as target.py says.
-ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35"})
-# The graph callback name of the target's token embeddings (layer 0's input) where an arch renames
-# llama-graph.cpp's `embd`: qwen35.cpp `cb(inpL, "model.input_embed", -1)`. The reference records
-# the rows under the name the capture writes.
-EMBD_NAMES = {"qwen35": "model.input_embed"}
+# only before the final norm (src/models/openai-moe.cpp, qwen35.cpp, gemma4.cpp: the last layer's
+# get_rows only under embeddings_nextn_masked, which a target context never sets): their last
+# `l_out` has all rows. The others select before the last layer's FFN, as target.py says.
+ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "gemma4"})
+# The graph callback name of layer 0's input where an arch renames llama-graph.cpp's `embd`:
+# qwen35.cpp `cb(inpL, "model.input_embed", -1)`; gemma4.cpp scales the looked-up rows by
+# sqrt(n_embd) into `inp_scaled` (its `embd` is the unscaled lookup, which transformers' scaled
+# embedding never holds). The reference records the rows under the name the capture writes.
+EMBD_NAMES = {"qwen35": "model.input_embed", "gemma4": "inp_scaled"}
+# Architectures whose graph also names the unscaled lookup `embd` (gemma4.cpp): the reference
+# records it too, so compare never pairs it with layer 0's scaled input (align.REF_ALIASES)
+RAW_EMBD = frozenset({"gemma4"})
+KV_REUSE = "reuse"  # transformers' kv_sharing_modes entry of a layer that reads an earlier layer's KV
 LINEAR_ATTENTION = "linear_attention"  # transformers' layer_types entry of a recurrent (gated delta-net) layer
 ATTN_IMPLEMENTATION = "featdiff_ggml"  # the name featdiff's attention is registered under
 KV_DTYPE_KWARG = "featdiff_kv_dtype"  # passed through the model's **kwargs to the attention call
@@ -127,7 +134,7 @@ def target_from_transformers(path: Path, dtype: torch.dtype, device: torch.devic
     text = model.get_decoder()
     return HfTarget(
         source=Source(path=path, is_gguf=False),
-        hparams=_hparams(model.config, arch),  # a composite checkpoint's text config (transformers chose it)
+        hparams=_hparams(model.config.get_text_config(), arch),  # a composite checkpoint's text config
         token_embd=model.get_input_embeddings().weight.detach(),
         output_norm=text.norm.weight.detach(),
         output=model.get_output_embeddings().weight.detach(),
@@ -138,22 +145,26 @@ def target_from_transformers(path: Path, dtype: torch.dtype, device: torch.devic
 
 def _hparams(config: Any, arch: str) -> Hparams:
     """The dimensions the flow and the manifest read, from transformers' config."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    swa = tuple(t == "sliding_attention" for t in getattr(config, "layer_types", None) or ())
-    n_head = config.num_attention_heads
+    # the config's own top-level values: a config with per-layer overrides (Gemma 4's wider
+    # full-attention heads) refuses attribute reads of the fields a layer may override
+    raw = config.to_dict()
+    rope = raw.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # per layer kind (Gemma 4): the full layers' RoPE
+    swa = tuple(t == "sliding_attention" for t in raw.get("layer_types") or ())
+    n_head = raw["num_attention_heads"]
     return Hparams(
         arch=arch,
-        n_layer=config.num_hidden_layers,
-        n_embd=config.hidden_size,
+        n_layer=raw["num_hidden_layers"],
+        n_embd=raw["hidden_size"],
         n_head=n_head,
-        n_head_kv=getattr(config, "num_key_value_heads", None) or n_head,
-        n_embd_head=getattr(config, "head_dim", None) or config.hidden_size // n_head,
-        n_ff=config.intermediate_size,
-        n_vocab=config.vocab_size,
-        rms_eps=config.rms_norm_eps,
-        rope_base=float(rope.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
+        n_head_kv=raw.get("num_key_value_heads") or n_head,
+        n_embd_head=raw.get("head_dim") or raw["hidden_size"] // n_head,
+        n_ff=raw["intermediate_size"],
+        n_vocab=raw["vocab_size"],
+        rms_eps=raw["rms_norm_eps"],
+        rope_base=float(rope.get("rope_theta", raw.get("rope_theta", 0.0)) or 0.0),
         rope_type="neox",
-        n_swa=int(getattr(config, "sliding_window", None) or 0) if any(swa) else 0,
+        n_swa=int(raw.get("sliding_window") or 0) if any(swa) else 0,
         swa_layers=swa if any(swa) else (),
     )
 
@@ -170,9 +181,10 @@ def forward_hf(
     # `sliding_window - 1` rows, and the flow's cache holds every cell, as llama.cpp's does until
     # the window has passed them; the window is the mask's (`_visible`)
     recurrent = _recurrent_layers(model)
+    shared = _kv_shared_layers(model)
     past = DynamicCache()
     for il in range(n_layer):
-        if not cache.k[il].shape[0]:
+        if not cache.k[il].shape[0] or il in shared:
             continue
         if il in recurrent:  # placeholders: transformers sizes the mask by layer 0's cache length
             blank = torch.zeros((1, 1, cache.k[il].shape[0], 1), device=tokens.device)  # (1, 1, n_cells, 1)
@@ -186,7 +198,7 @@ def forward_hf(
     hooks = [layer.register_forward_pre_hook(_Tap(taps), with_kwargs=True) for layer in text.layers[:n_layer]]
     hooks.append(text.norm.register_forward_pre_hook(_Tap(taps), with_kwargs=True))
     for il, layer in enumerate(text.layers[:n_layer]):
-        hooks += [router.register_forward_hook(_Margin(margins, il)) for router in _routers(layer)]
+        hooks += [router.register_forward_hook(_Margin(margins, il, k)) for router, k in _routers(layer)]
         if il in recurrent:
             rec = _Recurrent(cache.k[il].float().reshape(-1, target.hparams.n_embd), mixed, il)  # (n_cells, n_embd)
             hooks.append(layer.linear_attn.register_forward_pre_hook(rec.before, with_kwargs=True))
@@ -210,6 +222,8 @@ def forward_hf(
     norm = text.norm(x)  # (n_outputs, n_embd)
     logits = out.logits[0][rows]  # (n_outputs, n_vocab)
     records = [Named(EMBD_NAMES.get(target.hparams.arch, names.TARGET_EMBD), taps[0])]
+    if target.hparams.arch in RAW_EMBD:
+        records.append(Named(names.TARGET_EMBD, target.token_embd[tokens]))  # (n_tokens, n_embd)
     for il in range(n_layer):
         l_out = taps[il + 1] if il < n_layer - 1 else taps[n_layer][last_rows]
         records += [
@@ -220,14 +234,22 @@ def forward_hf(
             margin = margins[il] if il < n_layer - 1 else margins[il][last_rows]  # (n_rows, 2)
             records.append(Named(_margin_name(il), margin))
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
-    after = _cache_after(cache, positions, past, n_layer, mixed)
+    after = _cache_after(cache, positions, past, n_layer, mixed, shared)
     return HfPass(tuple(taps), logits, after, tuple(records))
+
+
+def _kv_shared_layers(model: Any) -> frozenset[int]:
+    """The layers that keep no KV of their own and attend over an earlier layer's (Gemma 4's
+    `num_kv_shared_layers`: transformers passes them that layer's keys and values within the
+    forward, as llama.cpp's gemma4 graph reads that layer's cache)."""
+    modes = getattr(model.config.get_text_config(), "kv_sharing_modes", None) or ()
+    return frozenset(il for il, mode in enumerate(modes) if mode == KV_REUSE)
 
 
 def _recurrent_layers(model: Any) -> frozenset[int]:
     """The layers whose token mixer is recurrent (Qwen3.5's gated delta-net), by the config's
     layer_types."""
-    types = getattr(model.config, "layer_types", None) or ()
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
     return frozenset(il for il, t in enumerate(types) if t == LINEAR_ATTENTION)
 
 
@@ -266,10 +288,18 @@ class _Tap:
         self.taps.append(hidden[0].detach().clone())  # (n_tokens, n_embd)
 
 
-def _routers(layer: Any) -> list[Any]:
-    """The MoE routers of a decoder layer: transformers' top-k routers (`Qwen3MoeTopKRouter`),
-    modules with `top_k` and `num_experts` whose forward returns the router logits first."""
-    return [m for m in layer.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")]
+def _routers(layer: Any) -> list[tuple[Any, int]]:
+    """The MoE routers of a decoder layer, each as (the module whose output is the router logits,
+    how many experts a token takes): transformers' top-k routers (`Qwen3MoeTopKRouter`, gpt-oss's),
+    modules with `top_k` and `num_experts` whose forward returns the logits first; Gemma 4's router
+    (`Gemma4TextRouter`) returns softmax probabilities, so its logits are its `proj`'s output."""
+    found: list[tuple[Any, int]] = []
+    for m in layer.modules():
+        if hasattr(m, "top_k") and hasattr(m, "num_experts"):
+            found.append((m, int(m.top_k)))
+        elif hasattr(m, "proj") and hasattr(m, "per_expert_scale") and hasattr(m, "config"):
+            found.append((m.proj, int(m.config.top_k_experts)))
+    return found
 
 
 def _margin_name(il: int) -> str:
@@ -285,10 +315,12 @@ class _Margin:
 
     margins: dict[int, torch.Tensor]
     il: int
+    k: int  # experts per token
 
     def __call__(self, module: Any, args: tuple, output: Any) -> None:
         logits = output[0] if isinstance(output, tuple) else output  # (n_tokens, n_expert)
-        k = int(module.top_k)
+        logits = logits.reshape(-1, logits.shape[-1])  # a Linear's output keeps the batch dim
+        k = self.k
         if logits.shape[-1] <= k:
             return  # every expert is used: no choice to make
         x = logits.detach().float()  # (n_tokens, n_expert)
@@ -303,15 +335,26 @@ def _hf_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_after(
-    cache: KvCache, positions: torch.Tensor, past: Any, n_layer: int, mixed: dict[int, torch.Tensor]
+    cache: KvCache,
+    positions: torch.Tensor,
+    past: Any,
+    n_layer: int,
+    mixed: dict[int, torch.Tensor],
+    shared: frozenset[int] = frozenset(),
 ) -> KvCache:
     """The flow's cache after this batch: every attention layer's K/V, rows rounded to the store
     dtype; a recurrent layer's mixer inputs (`_Recurrent`), float32 `(n_cells, 1, n_embd)` in
-    both its K and V slots, so truncating the cache by position rolls its state back."""
+    both its K and V slots, so truncating the cache by position rolls its state back; a layer
+    reading another's KV (`shared`) an empty `(n_cells, 0, 1)`, one row per cell."""
     store = next(cache.k[il].dtype for il in range(n_layer) if il not in mixed)
+    n_cells = cache.positions.shape[0] + positions.shape[0]
     k: list[torch.Tensor] = []
     v: list[torch.Tensor] = []
     for il in range(n_layer):
+        if il in shared:
+            k.append(torch.zeros((n_cells, 0, 1), dtype=store, device=positions.device))
+            v.append(k[-1])
+            continue
         if il in mixed:
             history = torch.cat([cache.k[il].float().reshape(-1, mixed[il].shape[-1]), mixed[il].float()])
             k.append(history[:, None])  # (n_cells, 1, n_embd)
