@@ -256,6 +256,9 @@ HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm
 HYP_ANCHOR_BONUS = "anchor=bonus"  # draft_logits@anchor=bonus: the Markov chain laid out bonus-anchor (from row 1)
 HYP_ANCHOR_FIRST = "anchor=first"  # draft_logits@anchor=first: the Markov chain laid out anchor-first (from row 0)
 HYP_FULL_ATTENTION = "attention=full"  # l_out-<il>@attention=full: a sliding-window layer over the whole context
+# l_out-<il>@recurrent=kept_rejected: a hybrid target's layer run on a recurrent state that kept the
+# last verify's rejected rows (the position rolled back, not the state)
+HYP_RECURRENT_KEPT = "recurrent=kept_rejected"
 # l_out-<il>@router_margin: not a value of the record but evidence on it, per row (n_tokens, 2): the gap
 # between the k-th and (k+1)-th router logit of layer il's MoE (a near-tie where it is small), and
 # the rms of the row's router logits

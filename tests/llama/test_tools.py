@@ -57,6 +57,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0001-dflash-log-snr.patch",
         "0002-driver-faults.patch",
         "0003-log-snr-faults.patch",
+        "0004-recurrent-rollback-fault.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -65,3 +66,4 @@ def test_the_project_patches_name_the_files_they_change():
     )
     assert "common/speculative.cpp" in touched["0002-driver-faults.patch"]
     assert not touched["0001-dflash-log-snr.patch"] & touched["0002-driver-faults.patch"]
+    assert touched["0004-recurrent-rollback-fault.patch"] == {"src/llama-memory-recurrent.cpp"}

@@ -19,7 +19,12 @@ import torch
 import featdiff
 from featdiff import names
 from featdiff.hf_targets import QWEN35_ROPE, qwen35_layer_types, write_family_fixture
-from featdiff.torchref.hf_target import HfTarget, target_from_transformers
+from featdiff.torchref.hf_target import (
+    HfTarget,
+    kept_rejected_candidates,
+    kept_rejected_state,
+    target_from_transformers,
+)
 import families
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
@@ -91,15 +96,12 @@ def test_rolled_back_recurrent_state_equals_transformers_eager(qwen35):
         cache = forward_hf(hf, tokens[:n], torch.arange(n), cache, False).cache
         rejected = forward_hf(hf, rejected_block, torch.arange(n, n + 4), cache, True)
         got = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), truncated(rejected.cache, n), True)
-        # the rejected rows' recurrent history kept (the attention cells dropped, as a refused
-        # recurrent seq_rm would leave a hybrid memory that rolled back its attention only)
-        kept_state = truncated(rejected.cache, n)
-        kept_state = type(kept_state)(
-            positions=kept_state.positions,
-            k=tuple(r if r.shape[1] == 1 else t for r, t in zip(rejected.cache.k, kept_state.k, strict=True)),
-            v=tuple(r if r.shape[1] == 1 else t for r, t in zip(rejected.cache.v, kept_state.v, strict=True)),
-        )
+        # the rejected rows' recurrent history kept, the attention cells dropped (a memory that
+        # rolled back its attention and position only: the `@recurrent=kept_rejected` candidates)
+        kept_state = kept_rejected_state(hf, rejected.cache, n)
+        assert kept_state is not None and kept_rejected_state(hf, got.cache, len(tokens)) is None  # nothing rejected
         kept = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), kept_state, True)
+        candidates = kept_rejected_candidates(hf, tokens[n:], torch.arange(n, len(tokens)), kept_state)
         # a block of which the first two rows are accepted: the state rolls back to mid-block
         partial_block = torch.cat([tokens[n : n + 2], rejected_block[:2]])
         partial = forward_hf(hf, partial_block, torch.arange(n, n + 4), cache, True)
@@ -108,6 +110,39 @@ def test_rolled_back_recurrent_state_equals_transformers_eager(qwen35):
         assert _rel(want[il][0, n:], got.layer_inputs[il]) <= EAGER_BOUND, il
         assert _rel(want[il][0, n + 2 :], rest.layer_inputs[il]) <= EAGER_BOUND, il
     assert _rel(want[1][0, n:], kept.layer_inputs[1]) > KEPT_STATE_MIN  # layer 0 is recurrent
+    # a candidate for every layer from the first recurrent one (layer 0) on, each that layer's output
+    assert [c.name for c in candidates] == [f"l_out-{il}@{names.HYP_RECURRENT_KEPT}" for il in range(hp.n_layer)]
+    assert torch.equal(candidates[0].array, kept.layer_inputs[1])
+
+
+def test_qwen35_recurrent_state_that_kept_the_rejected_drafts_is_named(qwen35, tmp_path, monkeypatch):
+    """patches/llama.cpp 0004 `recurrent-keep-rejected`: llama.cpp's recurrent seq_rm moves the
+    position back but keeps the state after the rejected drafts. In-process (the suite's own
+    libllama reads FEATDIFF_FAULT at each rollback), the next verify's output is named as a state
+    that kept them (`wrong_source`, `source: kept_rejected`), not a generic divergence."""
+    from featdiff.diff import exit_code
+
+    monkeypatch.setenv("FEATDIFF_FAULT", "recurrent-keep-rejected")
+    run = featdiff.capture(
+        qwen35 / "target.gguf",
+        qwen35 / "draft.gguf",
+        tmp_path / "run.npz",
+        tokens=DEFAULT_TOKENS,
+        rounds=DEFAULT_ROUNDS,
+    )
+    monkeypatch.delenv("FEATDIFF_FAULT")
+    ref = featdiff.reference(
+        qwen35 / "target-hf", qwen35 / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
+    )
+    comparison = featdiff.compare(ref, run)
+    errors = [f.to_json() for f in comparison.findings if f.severity == "error"]
+    assert errors and errors[0]["kind"] == "wrong_source", errors
+    f = errors[0]
+    assert f["source"] == "kept_rejected" and f["candidate"] == f"{f['tensor']}@{names.HYP_RECURRENT_KEPT}"
+    diverged = comparison.to_json()["first_divergence"]
+    assert (diverged["name"], diverged["phase"]) == (f["tensor"], "verify")
+    assert f["tensor"].startswith(names.L_OUT + "-")
+    assert exit_code(comparison) == 1
 
 
 def test_qwen35_pair_compares_clean_with_nothing_skipped(qwen35, tmp_path):

@@ -32,7 +32,7 @@ import torch
 from featdiff import names
 from featdiff.errors import InputError
 from featdiff.torchref.memory import available_bytes, check_fits
-from featdiff.torchref.attention import KvCache, attend
+from featdiff.torchref.attention import KvCache, attend, truncated
 from featdiff.torchref.stack import Named
 from featdiff.torchref.weights import Hparams, Source, Target
 
@@ -187,7 +187,8 @@ def forward_hf(
         if not cache.k[il].shape[0] or il in shared:
             continue
         if il in recurrent:  # placeholders: transformers sizes the mask by layer 0's cache length
-            blank = torch.zeros((1, 1, cache.k[il].shape[0], 1), device=tokens.device)  # (1, 1, n_cells, 1)
+            n_cells = cache.positions.shape[0]  # the attention layers' cells (a kept state's history is longer)
+            blank = torch.zeros((1, 1, n_cells, 1), device=tokens.device)  # (1, 1, n_cells, 1)
             past.update(blank, blank, il)
         else:
             past.update(_hf_layout(cache.k[il]), _hf_layout(cache.v[il]), il)
@@ -236,6 +237,38 @@ def forward_hf(
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
     after = _cache_after(cache, positions, past, n_layer, mixed, shared)
     return HfPass(tuple(taps), logits, after, tuple(records))
+
+
+def kept_rejected_state(target: HfTarget, cache: KvCache, n_past: int) -> KvCache | None:
+    """The cache a hybrid target holds after a verify whose rows at positions >= `n_past` were
+    rejected, when its memory rolls the attention cells back but not the recurrent state (a
+    port's bug; patches/llama.cpp 0004 `recurrent-keep-rejected`): attention layers truncated,
+    each recurrent layer's history whole. Its recurrent histories are longer than `positions`,
+    so it serves one forward (`kept_rejected_candidates`) and is never truncated. None where the
+    target has no recurrent layer or nothing was rejected."""
+    recurrent = _recurrent_layers(target.model)
+    if not recurrent or not bool((cache.positions >= n_past).any()):
+        return None
+    rolled = truncated(cache, n_past)
+
+    def kept(cut: tuple[torch.Tensor, ...], whole: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(whole[il] if il in recurrent else t for il, t in enumerate(cut))
+
+    return KvCache(positions=rolled.positions, k=kept(rolled.k, cache.k), v=kept(rolled.v, cache.v))
+
+
+def kept_rejected_candidates(
+    target: HfTarget, tokens: torch.Tensor, positions: torch.Tensor, kept: KvCache
+) -> tuple[Named, ...]:
+    """This verify run on the `kept` state: `l_out-<il>@recurrent=kept_rejected` of the first
+    recurrent layer and every layer after it (the ones the kept state reaches), the candidates
+    compare's `wrong_source` tests the run against (names.HYP_RECURRENT_KEPT)."""
+    first = min(_recurrent_layers(target.model))
+    ran = forward_hf(target, tokens, positions, kept, has_outputs=True)
+    wanted = {names.layer_name(names.L_OUT, il) for il in range(first, target.hparams.n_layer)}
+    return tuple(
+        Named(names.candidate_name(r.name, names.HYP_RECURRENT_KEPT), r.array) for r in ran.records if r.name in wanted
+    )
 
 
 def _kv_shared_layers(model: Any) -> frozenset[int]:

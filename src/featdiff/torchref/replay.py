@@ -26,6 +26,7 @@ from featdiff.dump import Eval, Round
 from featdiff.torchref.attention import KvCache, empty_cache, truncated
 from featdiff.lattice import lattice_drafts
 from featdiff.torchref.drafter import DraftPass, draft_block, inject
+from featdiff.torchref.hf_target import HfTarget, kept_rejected_candidates, kept_rejected_state
 from featdiff.torchref.dspark import drafted, first_draft_row, sampled
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.stack import Named
@@ -63,6 +64,9 @@ class _State:
     draft_cache: KvCache
     n_past: int
     id_last: int
+    # a hybrid target's cache had its recurrent state kept the last verify's rejected rows
+    # (hf_target.kept_rejected_state): the next verify's `@recurrent=kept_rejected` candidates
+    kept_rejected: KvCache | None = None
 
 
 def run_flow(
@@ -168,6 +172,9 @@ def _round(
     verify = (state.id_last,) + drafts
     positions = _ids(tuple(range(state.n_past, state.n_past + len(verify))), numerics)
     tp = forward_target(target, _ids(verify, numerics), positions, state.target_cache, has_outputs=True)
+    kept: tuple[Named, ...] = ()
+    if state.kept_rejected is not None and isinstance(target, HfTarget):
+        kept = kept_rejected_candidates(target, _ids(verify, numerics), positions, state.kept_rejected)
     ip = inject(draft, features(tp, draft), positions, state.draft_cache)
     best = tuple(int(t) for t in tp.logits.argmax(-1))
     own_best, own_accepted = best, accepted_length(drafts, best)  # the reference's own choice
@@ -180,10 +187,11 @@ def _round(
     if plan is not None:
         _note_parting(r, own, own_best[: own_accepted + 1], drafts, best[: accepted + 1])
     n_past = state.n_past + accepted + 1
-    after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted])
+    kept_state = kept_rejected_state(target, tp.cache, n_past) if isinstance(target, HfTarget) else None
+    after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted], kept_state)
     n = first_eval + len(traces)
     traces += [
-        EvalTrace(_eval(n, names.ROLE_TARGET, Phase.VERIFY, positions, verify, r), tp.records),
+        EvalTrace(_eval(n, names.ROLE_TARGET, Phase.VERIFY, positions, verify, r), tp.records + kept),
         EvalTrace(_eval(n + 1, names.ROLE_DRAFT, Phase.INJECT, positions, (), r), ip.records),
     ]
     one_round = Round(

@@ -241,6 +241,13 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
             f"the checkpoint's layer slides over a window: write {names.ARCH_DFLASH}.attention.sliding_window and "
             f"_pattern into the GGUF (a converter that leaves them out runs the window as full attention)"
         )
+    if f"{key}={value}" == names.HYP_RECURRENT_KEPT:
+        return (
+            f"{tensor} is the layer run on a recurrent state that kept the last verify's rejected drafts (it matches "
+            f"the reference's {candidate}): the rollback moved the position back but not the state; restore the "
+            "state of the last accepted row (llama_memory_seq_rm on a context whose n_rs_seq covers the draft "
+            "length restores its snapshot)"
+        )
     if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
         return (
             f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
