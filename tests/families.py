@@ -23,6 +23,7 @@ from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 RUN_TIMEOUT_S = 120
 SECOND_PROMPT = "11,40,2,75,300,6,19,8"  # check's second prompt, as token ids
+FAULT_VAR = "FEATDIFF_FAULT"  # the patched llama.cpp's planted faults (patches/llama.cpp)
 REJECTED_BLOCK = (1, 2, 3, 4)  # a verify block the eager comparisons roll back
 ACCEPTED_ROWS = (11, 40, 2, 75, 300, 6)  # and the rows they run after it
 
@@ -45,10 +46,11 @@ def followed(d: Path, draft: Path, run: Path, out: Path) -> Path:
     return reference_of(d / "target-hf", draft, out, follow=run)
 
 
-def assert_clean_in_process(d: Path, tmp_path: Path, embd: str = names.TARGET_EMBD) -> dict:
+def assert_clean_in_process(d: Path, tmp_path: Path, embd: str = names.TARGET_EMBD, l_out: str = names.L_OUT) -> dict:
     """`d`'s pair in-process, every record kept, against the reference from its HF target: no
-    error, nothing skipped, the embeddings (`embd`: the name the arch's graph gives them) and every
-    target layer's output paired; return the comparison's JSON (its `run`: the run dump's path)."""
+    error, nothing skipped, the embeddings (`embd`) and every target layer's output (`l_out`-<il>):
+    the names the arch's graph gives them) paired; return the comparison's JSON (its `run`: the run
+    dump's path)."""
     run = featdiff.capture(
         d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS,
         filters=["*"],  # every layer's l_out and the target's embd, not only the drafter's taps
@@ -63,10 +65,9 @@ def assert_clean_in_process(d: Path, tmp_path: Path, embd: str = names.TARGET_EM
     cov = result["coverage"]
     assert (cov["pairs_skipped"], cov["rows_skipped"], cov["ref_only"]) == (0, 0, 0), cov
     paired = {(r["role"], r["name"]) for r in result["records"]}
-    n_layer = json.loads((d / "target-hf" / names.HF_CONFIG).read_text())["num_hidden_layers"]
-    target = {embd, names.RESULT_NORM, names.RESULT_OUTPUT} | {
-        names.layer_name(names.L_OUT, il) for il in range(n_layer)
-    }
+    config = json.loads((d / "target-hf" / names.HF_CONFIG).read_text())
+    n_layer = config.get("num_hidden_layers") or len(config["layers_block_type"])  # Nemotron-H: its block list
+    target = {embd, names.RESULT_NORM, names.RESULT_OUTPUT} | {names.layer_name(l_out, il) for il in range(n_layer)}
     assert {("target", n) for n in target} | {("draft", names.INP_TARGET_FEATURES)} <= paired
     assert result["layer_match"]["closest_layers"] == result["layer_match"]["expected_layers"]
     return {**result, "run": run}
@@ -136,11 +137,13 @@ def assert_slots_reversed_named(d: Path, tools, tmp_path: Path) -> dict:
     return found[0]
 
 
-def assert_cached_forward_equals_eager(d: Path, prompt: tuple[int, ...], bound: float, no_window_min: float) -> None:
+def assert_cached_forward_equals_eager(
+    d: Path, prompt: tuple[int, ...], bound: float, no_window_min: float | None = None
+) -> None:
     """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
-    reference equals transformers' own eager attention over the whole sequence, layer inputs and
-    logits within `bound` (rel L2); ignoring the sliding window does not (layer 0 slides: its
-    output differs by more than `no_window_min`)."""
+    reference equals transformers' own eager forward over the whole sequence, layer inputs and
+    logits within `bound` (rel L2); with `no_window_min`, ignoring the sliding window does not
+    (layer 0 slides: its output differs by more than that)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -156,12 +159,8 @@ def assert_cached_forward_equals_eager(d: Path, prompt: tuple[int, ...], bound: 
     hf = target_from_transformers(d / "target-hf", torch.float32, torch.device("cpu"))
     hp = hf.hparams
     eager = AutoModelForCausalLM.from_pretrained(d / "target-hf", attn_implementation="eager").eval()
-    wide = AutoModelForCausalLM.from_pretrained(
-        d / "target-hf", attn_implementation="eager", sliding_window=10 * len(tokens)
-    ).eval()
     with torch.no_grad():
         want = eager(input_ids=tokens[None], output_hidden_states=True)
-        unwindowed = wide(input_ids=tokens[None], output_hidden_states=True).hidden_states
         cache = empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, "f32", torch.device("cpu"))
         cache = forward_hf(hf, tokens[:n], torch.arange(n), cache, False).cache
         block = torch.tensor(REJECTED_BLOCK)
@@ -170,4 +169,35 @@ def assert_cached_forward_equals_eager(d: Path, prompt: tuple[int, ...], bound: 
     for il in range(hp.n_layer):  # hidden_states[n_layer] is after the final norm
         assert rel(want.hidden_states[il][0, n:], got.layer_inputs[il]) <= bound, il
     assert rel(want.logits[0, n:], got.logits) <= bound
-    assert rel(want.hidden_states[1][0, n:], unwindowed[1][0, n:]) > no_window_min
+    if no_window_min is not None:
+        wide = AutoModelForCausalLM.from_pretrained(
+            d / "target-hf", attn_implementation="eager", sliding_window=10 * len(tokens)
+        ).eval()
+        with torch.no_grad():
+            unwindowed = wide(input_ids=tokens[None], output_hidden_states=True).hidden_states
+        assert rel(want.hidden_states[1][0, n:], unwindowed[1][0, n:]) > no_window_min
+
+
+def assert_recurrent_kept_rejected_named(d: Path, tmp_path: Path, monkeypatch) -> dict:
+    """patches/llama.cpp 0004 `recurrent-keep-rejected`: llama.cpp's recurrent seq_rm moves the
+    position back but keeps the state after the rejected drafts. In-process (the suite's own
+    libllama reads FEATDIFF_FAULT at each rollback), the first divergence, in the next verify, is
+    named as a state that kept them (`wrong_source`, `source: kept_rejected`), not a generic
+    divergence; return the finding's JSON."""
+    monkeypatch.setenv(FAULT_VAR, "recurrent-keep-rejected")
+    run = featdiff.capture(
+        d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
+    )
+    monkeypatch.delenv(FAULT_VAR)
+    ref = featdiff.reference(
+        d / "target-hf", d / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
+    )
+    comparison = featdiff.compare(ref, run)
+    errors = [f.to_json() for f in comparison.findings if f.severity == "error"]
+    assert errors and errors[0]["kind"] == "wrong_source", errors
+    f = errors[0]
+    assert f["source"] == "kept_rejected" and f["candidate"] == f"{f['tensor']}@{names.HYP_RECURRENT_KEPT}"
+    diverged = comparison.to_json()["first_divergence"]
+    assert (diverged["name"], diverged["phase"]) == (f["tensor"], "verify")
+    assert exit_code(comparison) == 1
+    return f

@@ -54,15 +54,27 @@ WRITER_PREFIX = "writer-"  # featdiff's own GGUFs of a converted feature fixture
 ERROR_TAIL_LINES = 3
 # A converter class that reads a BPE tokenizer.json (`_set_vocab_gpt2`: Qwen3-MoE, ...) refuses the
 # fixtures' 512-token vocabulary (its pre-tokenizer hash is in no upstream list), so a transformers
-# family fixture (featdiff.hf_targets) converts with `spm_vocab`: the pinned converter run with
-# `_set_vocab_gpt2` read as `_set_vocab_sentencepiece` (the fixtures' tokenizer.model). Only the
-# vocabulary's route changes; hparams and tensors are upstream's. argv: [-c, script, args...]
-SPM_VOCAB_BOOTSTRAP = (
-    "import runpy, sys; from pathlib import Path; tree = Path(sys.argv[1]).parent; "
-    "sys.path[0:0] = [str(tree), str(tree / 'gguf-py')]; from conversion.base import TextModel; "
-    "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece; sys.argv = sys.argv[1:]; "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
+# family fixture (featdiff.hf_targets) converts through a bootstrap: the pinned converter run with
+# one vocabulary method replaced. "spm": `_set_vocab_gpt2` read as `_set_vocab_sentencepiece` (the
+# fixtures' tokenizer.model); "pre": for a class with its own BPE set_vocab (Nemotron-H), an
+# unrecognized pre-tokenizer hash named "default" (llama.cpp's default BPE pre-tokenizer) instead
+# of raising. Only the vocabulary's route changes; hparams and tensors are upstream's.
+# argv: [-c, bootstrap, script, args...]
+_BOOTSTRAP_HEAD = (
+    "import runpy, sys\nfrom pathlib import Path\ntree = Path(sys.argv[1]).parent\n"
+    "sys.path[0:0] = [str(tree), str(tree / 'gguf-py')]\nfrom conversion.base import TextModel\n"
 )
+_BOOTSTRAP_RUN = "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+BOOTSTRAPS = {
+    "spm": _BOOTSTRAP_HEAD + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n" + _BOOTSTRAP_RUN,
+    "pre": _BOOTSTRAP_HEAD
+    + "known = TextModel.get_vocab_base_pre\n"
+    + "def pre(self, tokenizer):\n"
+    + "    try:\n        return known(self, tokenizer)\n"
+    + "    except NotImplementedError:\n        return 'default'\n"
+    + "TextModel.get_vocab_base_pre = pre\n"
+    + _BOOTSTRAP_RUN,
+}
 
 # A DSpark checkpoint's config.json schemas (conversion/qwen.py DSparkModel.__init__): "nested" as
 # featdiff writes it (`dflash_config`), the DFlash lineage's flat `target_layer_ids` and
@@ -203,23 +215,25 @@ def convert_checkpoint(
     out: Path,
     target_dir: Path | None = None,
     tree: Path | None = None,
-    spm_vocab: bool = False,
+    bootstrap: str | None = None,
     no_mtp: bool = False,
 ) -> Path:
     """`hf_dir` converted to the GGUF `out` by the pinned tree's converter (`--target-model-dir
-    target_dir` for a drafter; `spm_vocab`: SPM_VOCAB_BOOTSTRAP; `no_mtp`: `--no-mtp`, which a
+    target_dir` for a drafter; `bootstrap`: a BOOTSTRAPS key; `no_mtp`: `--no-mtp`, which a
     Qwen3.5 checkpoint without MTP layers needs: conversion/qwen.py asserts MTP tensors otherwise),
     from the per-machine cache when the same inputs were converted by the same converter before;
     return `out`."""
     tree = tree or project_tree()
     if not (tree / CONVERTER).is_file():
         raise InputError(f"{tree / CONVERTER}: no such file; the pinned llama.cpp tree is unpacked by `make setup`")
-    key = conversion_key(hf_dir, target_dir, tree) + ("-spm" if spm_vocab else "") + ("-nomtp" if no_mtp else "")
+    key = (
+        conversion_key(hf_dir, target_dir, tree) + (f"-{bootstrap}" if bootstrap else "") + ("-nomtp" if no_mtp else "")
+    )
     cached = cache_root() / CACHE_SUBDIR / f"{key}.gguf"
     if not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with replaced(cached) as tmp:
-            _run_converter(tree, hf_dir, tmp, target_dir, spm_vocab, no_mtp)
+            _run_converter(tree, hf_dir, tmp, target_dir, bootstrap, no_mtp)
     with replaced(Path(out)) as tmp:
         shutil.copyfile(cached, tmp)
     return Path(out)
@@ -250,13 +264,13 @@ def _converter_files(tree: Path) -> list[Path]:
 
 
 def _run_converter(
-    tree: Path, hf_dir: Path, out: Path, target_dir: Path | None, spm_vocab: bool = False, no_mtp: bool = False
+    tree: Path, hf_dir: Path, out: Path, target_dir: Path | None, bootstrap: str | None = None, no_mtp: bool = False
 ) -> None:
     script = tree / CONVERTER
     missing = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise InputError(f"{script} needs {', '.join(missing)}; pip install {CONVERTER_REQUIREMENTS}")
-    runner = ["-c", SPM_VOCAB_BOOTSTRAP] if spm_vocab else []
+    runner = ["-c", BOOTSTRAPS[bootstrap]] if bootstrap else []
     argv = [sys.executable, *runner, str(script), str(hf_dir), "--outfile", str(out), "--outtype", OUTTYPE]
     if target_dir is not None:
         argv += ["--target-model-dir", str(target_dir)]
@@ -289,29 +303,38 @@ def write_spm_tokenizer(path: Path, n_vocab: int) -> None:
         tmp.write_bytes(body)
 
 
-def write_bpe_tokenizer(hf_dir: Path, n_vocab: int) -> None:
-    """The fixtures' vocabulary (fixtures.VOCAB_SPM's ids: unk, bos, eos, the 256 byte tokens,
-    words, `<mask>` last) as a Llama-style BPE `tokenizer.json` (byte fallback, one merge) and its
-    `tokenizer_config.json` in `hf_dir`: the files a Gemma 4 checkpoint ships and its converter
-    class reads (conversion/gemma.py Gemma4Model.set_vocab: gguf-py LlamaHfVocab, which takes a
-    BPE model with byte_fallback and a Sequence decoder). llama.cpp's BPE vocabulary needs at
-    least one merge, so the first three words are the word-start mark, `w` and their merge; token
-    ids keep their meaning for the weights."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+def write_bpe_tokenizer(hf_dir: Path, n_vocab: int, byte_level: bool = False) -> None:
+    """The fixtures' vocabulary (fixtures.VOCAB_SPM's ids: unk, bos, eos, 256 byte tokens, words,
+    `<mask>` last) as a BPE `tokenizer.json` and its `tokenizer_config.json` in `hf_dir`, as the
+    checkpoints of a family ship it: Llama-style (byte fallback `<0xNN>` tokens, a Sequence
+    decoder: Gemma 4, whose converter class reads it through gguf-py's LlamaHfVocab) or, with
+    `byte_level`, GPT-2 style (the 256 bytes as their printable characters: Nemotron-H, written as
+    llama.cpp's `gpt2` vocabulary, which needs every byte's token). llama.cpp's BPE vocabulary needs
+    at least one merge, so the first words are the word-start mark, `w` and their merge; token ids
+    keep their meaning for the weights."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    start = "\u2581"  # SentencePiece's word-start mark, as Llama-style BPE vocabularies spell a space
-    pieces = [*SPM_SPECIAL, *(f"<0x{b:02X}>" for b in range(N_BYTES))]
-    pieces += [start, "w", start + "w"]
+    if byte_level:
+        start, byte_tokens = _BYTE_CHARS[ord(" ")], list(_BYTE_CHARS)
+        pieces = [*SPM_SPECIAL, *byte_tokens, start + "w"]  # `w` is a byte token already
+    else:
+        start, byte_tokens = "\u2581", [f"<0x{b:02X}>" for b in range(N_BYTES)]  # SentencePiece's word start
+        pieces = [*SPM_SPECIAL, *byte_tokens, start, "w", start + "w"]
     pieces += [f"w{i}" for i in range(len(pieces), n_vocab - 1)] + ["<mask>"]
-    model = models.BPE(
-        vocab={p: i for i, p in enumerate(pieces)}, merges=[(start, "w")], unk_token=SPM_SPECIAL[0],
-        byte_fallback=True, fuse_unk=True,
-    )  # fmt: skip
-    tok = Tokenizer(model)
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend(start), normalizers.Replace(" ", start)])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace(start, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=[(start, "w")], unk_token=SPM_SPECIAL[0], byte_fallback=not byte_level, fuse_unk=True
+        )
     )
+    if byte_level:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(start), normalizers.Replace(" ", start)])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(start, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
     tok.add_special_tokens([AddedToken(t, special=True) for t in (*SPM_SPECIAL, "<mask>")])
     unk, bos, eos = SPM_SPECIAL
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "bos_token": bos, "eos_token": eos}
@@ -319,6 +342,17 @@ def write_bpe_tokenizer(hf_dir: Path, n_vocab: int) -> None:
         tok.save(str(tmp))
     with replaced(Path(hf_dir) / "tokenizer_config.json") as tmp:
         tmp.write_text(json.dumps(config, indent=1) + "\n")
+
+
+def _byte_chars() -> tuple[str, ...]:
+    """GPT-2's byte-level alphabet: byte b as a printable character (the printable Latin-1 bytes
+    as themselves, the others as 256 + n in order), the token text a `gpt2` vocabulary holds."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    shifted = iter(range(256, 512))
+    return tuple(chr(b) if b in keep else chr(next(shifted)) for b in range(N_BYTES))
+
+
+_BYTE_CHARS = _byte_chars()
 
 
 def _pb_varint(n: int) -> bytes:

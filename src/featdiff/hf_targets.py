@@ -60,6 +60,11 @@ GPT_OSS_ROPE: dict[str, Any] = {
 }
 
 
+TOKENIZER_SPM, TOKENIZER_BPE, TOKENIZER_BYTE_BPE = "spm", "bpe", "byte-bpe"
+# each tokenizer's converter bootstrap (converter.BOOTSTRAPS), None: the converter's own route
+BOOTSTRAP_OF: dict[str, str | None] = {TOKENIZER_SPM: "spm", TOKENIZER_BPE: None, TOKENIZER_BYTE_BPE: "pre"}
+
+
 @dataclass(frozen=True)
 class Family:
     """One target family: its transformers config, as a function of the tiny sizes."""
@@ -76,13 +81,16 @@ class Family:
     # set a vocabulary on the drafter (not Qwen3-MoE, see write_family_fixture). A Qwen3.5 target's
     # drafter so gets the degenerate M-RoPE `dflash.rope.dimension_sections` a real one has.
     draft_against_target: bool = False
-    # the target's tokenizer as its checkpoints ship it: SentencePiece `tokenizer.model` (the
-    # Qwen and gpt-oss fixtures) or a BPE `tokenizer.json` (Gemma 4: its converter class reads no
-    # other). A BPE family's drafter converts against its own target (llama.cpp refuses a drafter
-    # whose vocabulary type differs from the target's)
-    bpe_tokenizer: bool = False
+    # the target's tokenizer as its checkpoints ship it: SentencePiece `tokenizer.model` (TOKENIZER_SPM:
+    # the Qwen and gpt-oss fixtures, converted through the "spm" bootstrap), a Llama-style BPE
+    # `tokenizer.json` (TOKENIZER_BPE: Gemma 4, whose converter class reads no other) or a GPT-2
+    # byte-level one (TOKENIZER_BYTE_BPE: Nemotron-H, converted through the "pre" bootstrap). A BPE
+    # family's drafter converts against its own target (llama.cpp refuses a drafter whose
+    # vocabulary type differs from the target's)
+    tokenizer: str = TOKENIZER_SPM
     # persistent buffers the checkpoint saves and llama.cpp reads (Gemma 4's per-layer
-    # `layer_scalar`): drawn 1 + N(0, NORM_SPREAD) like a norm, not left at transformers' ones
+    # `layer_scalar`, Nemotron-H's router bias): drawn 1 + N(0, NORM_SPREAD) like a norm, not left
+    # at transformers' init
     buffers: tuple[str, ...] = ()
 
 
@@ -269,6 +277,44 @@ def _gemma4_ple_moe_config(sz: pairs.Sizes) -> object:
     return Gemma4TextConfig(**fields)
 
 
+# Nemotron-H as Nemotron 3 Nano is built (llama.cpp's nemotron_h_moe): one block kind per layer,
+# Mamba2 (recurrent), attention without RoPE, or an MoE of squared-ReLU experts with a shared one.
+# The drafter's taps read the inputs of layers 2 (attention) and 4 (MoE); layers 0 and 3 are
+# Mamba2, so rejected drafts must be rolled back out of their state. (A dense "mlp" block is left
+# out: the pinned converter counts only "moe" blocks as MLPs when it reads `layers_block_type`,
+# conversion/nemotron.py _MLP_LAYER_TYPES, and writes an "mlp" block's FFN length as 0, which
+# llama.cpp then loads as a Mamba2 layer and refuses: "blk.1.ssm_in.weight not found".)
+NEMOTRON_H_BLOCKS = ("linear_attention", "moe", "full_attention", "linear_attention", "moe", "full_attention")
+NEMOTRON_SSM_STATE, NEMOTRON_SSM_HEADS, NEMOTRON_SSM_HEAD_DIM, NEMOTRON_SSM_GROUPS = 16, 8, 16, 2
+
+
+def _nemotron_h_config(sz: pairs.Sizes) -> object:
+    """Nemotron-H at the tiny sizes: Mamba2 mixers (conv 4, 8 heads of 16, 2 groups, state 16),
+    attention and MoE blocks in NEMOTRON_H_BLOCKS' order."""
+    from transformers import NemotronHConfig
+
+    fields: dict[str, Any] = {
+        **_tiny_fields(sz),
+        "layers_block_type": list(NEMOTRON_H_BLOCKS),
+        "ssm_state_size": NEMOTRON_SSM_STATE,
+        "mamba_num_heads": NEMOTRON_SSM_HEADS,
+        "mamba_head_dim": NEMOTRON_SSM_HEAD_DIM,
+        "n_groups": NEMOTRON_SSM_GROUPS,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "n_routed_experts": N_EXPERT,
+        "num_experts_per_tok": N_EXPERT_USED,
+        "moe_intermediate_size": N_FF_EXPERT,
+        "moe_shared_expert_intermediate_size": N_FF_EXPERT,
+        "n_shared_experts": 1,
+        "max_position_embeddings": pairs.N_POS_TRAIN,
+        "layer_norm_epsilon": pairs.RMS_EPS,
+        "tie_word_embeddings": False,
+    }
+    del fields["num_hidden_layers"]  # the block list says how many (the config warns on both)
+    return NemotronHConfig(**fields)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -293,7 +339,7 @@ FAMILIES: dict[str, Family] = {
             "(wider heads, keys as values, proportional RoPE), softcapped tied head",
             _gemma4_config,
             draft_against_target=True,
-            bpe_tokenizer=True,
+            tokenizer=TOKENIZER_BPE,
             buffers=("layer_scalar",),
         ),
         Family(
@@ -303,8 +349,16 @@ FAMILIES: dict[str, Family] = {
             "beside each dense MLP",
             _gemma4_ple_moe_config,
             draft_against_target=True,
-            bpe_tokenizer=True,
+            tokenizer=TOKENIZER_BPE,
             buffers=("layer_scalar",),
+        ),
+        Family(
+            "nemotron_h",
+            "Nemotron-H target: Mamba2, attention and MoE blocks (" + ", ".join(NEMOTRON_H_BLOCKS) + ")",
+            _nemotron_h_config,
+            draft_against_target=True,
+            tokenizer=TOKENIZER_BYTE_BPE,
+            buffers=("e_score_correction_bias",),  # the router's choice bias, which llama.cpp adds (exp_probs_b)
         ),
     )
 }
@@ -332,14 +386,14 @@ def write_family_fixture(outdir: str | Path, family: str, seed: int = 0) -> Path
         write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
         convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF)
     write_hf_target(out / TARGET_HF, fam, seed)
-    spm = not fam.bpe_tokenizer  # a SPM family's converter class reads tokenizer.model: SPM_VOCAB_BOOTSTRAP
-    if spm:
+    if fam.tokenizer == TOKENIZER_SPM:
         write_spm_tokenizer(out / TARGET_HF / TOKENIZER_MODEL, pairs.TINY.n_vocab)
     else:
-        write_bpe_tokenizer(out / TARGET_HF, pairs.TINY.n_vocab)
-    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF, spm_vocab=spm, no_mtp=fam.no_mtp)
+        write_bpe_tokenizer(out / TARGET_HF, pairs.TINY.n_vocab, byte_level=fam.tokenizer == TOKENIZER_BYTE_BPE)
+    bootstrap = BOOTSTRAP_OF[fam.tokenizer]
+    convert_checkpoint(out / TARGET_HF, out / TARGET_GGUF, bootstrap=bootstrap, no_mtp=fam.no_mtp)
     if fam.draft_against_target:
-        convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF, spm_vocab=spm)
+        convert_checkpoint(out / DRAFT_HF, out / DRAFT_GGUF, target_dir=out / TARGET_HF, bootstrap=bootstrap)
     with replaced(out / "VARIANT") as tmp:
         tmp.write_text(f"{fam.name} (transformers target, converted): {fam.doc}\n")
     return out

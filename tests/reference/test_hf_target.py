@@ -128,7 +128,7 @@ def qwen3moe_tied(qwen3moe, tmp_path_factory):
     gate = f"model.layers.{TIE_LAYER}.mlp.gate.weight"  # (n_expert, n_embd)
     w[gate][1] = w[gate][0]
     save_file(w, weights, metadata={"format": "pt"})
-    return convert_checkpoint(hf, out / "target.gguf", spm_vocab=True).parent
+    return convert_checkpoint(hf, out / "target.gguf", bootstrap="spm").parent
 
 
 def _in_process(target: Path, draft: Path, out: Path) -> Path:

@@ -116,33 +116,8 @@ def test_rolled_back_recurrent_state_equals_transformers_eager(qwen35):
 
 
 def test_qwen35_recurrent_state_that_kept_the_rejected_drafts_is_named(qwen35, tmp_path, monkeypatch):
-    """patches/llama.cpp 0004 `recurrent-keep-rejected`: llama.cpp's recurrent seq_rm moves the
-    position back but keeps the state after the rejected drafts. In-process (the suite's own
-    libllama reads FEATDIFF_FAULT at each rollback), the next verify's output is named as a state
-    that kept them (`wrong_source`, `source: kept_rejected`), not a generic divergence."""
-    from featdiff.diff import exit_code
-
-    monkeypatch.setenv("FEATDIFF_FAULT", "recurrent-keep-rejected")
-    run = featdiff.capture(
-        qwen35 / "target.gguf",
-        qwen35 / "draft.gguf",
-        tmp_path / "run.npz",
-        tokens=DEFAULT_TOKENS,
-        rounds=DEFAULT_ROUNDS,
-    )
-    monkeypatch.delenv("FEATDIFF_FAULT")
-    ref = featdiff.reference(
-        qwen35 / "target-hf", qwen35 / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS, rounds=DEFAULT_ROUNDS
-    )
-    comparison = featdiff.compare(ref, run)
-    errors = [f.to_json() for f in comparison.findings if f.severity == "error"]
-    assert errors and errors[0]["kind"] == "wrong_source", errors
-    f = errors[0]
-    assert f["source"] == "kept_rejected" and f["candidate"] == f"{f['tensor']}@{names.HYP_RECURRENT_KEPT}"
-    diverged = comparison.to_json()["first_divergence"]
-    assert (diverged["name"], diverged["phase"]) == (f["tensor"], "verify")
+    f = families.assert_recurrent_kept_rejected_named(qwen35, tmp_path, monkeypatch)
     assert f["tensor"].startswith(names.L_OUT + "-")
-    assert exit_code(comparison) == 1
 
 
 def test_qwen35_pair_compares_clean_with_nothing_skipped(qwen35, tmp_path):

@@ -1,10 +1,10 @@
 """A target run by transformers' own model code, for the architectures featdiff does not write
-again in torch (issue 24): Qwen3-MoE, gpt-oss (attention sinks, sliding windows) and the like.
+again in torch (issue 24): Qwen3-MoE, gpt-oss, Qwen3.5, Gemma 4, Nemotron-H (HF_ARCHS).
 Consumes a Hugging Face directory (config and safetensors); produces, per batch, the records the
-native target writes (target.py): `embd`, `layer_inp-<L>`, `l_out-<il>` and `result_norm` /
-`result_output`; on a MoE layer also the
-router's top-k margin per token, `l_out-<il>@router_margin` (names.HYP_ROUTER_MARGIN), the
-evidence compare's `expert_choice` reads.
+native target writes (target.py): `embd`, `layer_inp-<L>`, `l_out-<il>` (under the arch's graph
+names where they differ: EMBD_NAMES, L_OUT_NAMES) and `result_norm` / `result_output`; on a MoE
+layer also the router's top-k margin per token, `l_out-<il>@router_margin`
+(names.HYP_ROUTER_MARGIN), the evidence compare's `expert_choice` reads.
 
 The model is transformers' (`from_pretrained`, float32 on the CPU). Two things are featdiff's:
 * where it taps: a forward pre-hook on each decoder layer takes that layer's input, one on the
@@ -14,9 +14,12 @@ The model is transformers' (`from_pretrained`, float32 on the CPU). Two things a
   attention as the native path does; the mask is transformers' own (causal, sliding windows).
 The KV cache lives in the flow's `KvCache` (one row per cell, position order), rebuilt into a
 transformers DynamicCache per batch, so rolling back rejected rows is `attention.truncated`. A
-hybrid target's recurrent layers (Qwen3.5's gated delta-net) keep their mixer inputs per cell in
-the same cache and rerun over that history (`_Recurrent`), so the same truncation rolls their
-state back to the accepted rows.
+hybrid target's recurrent layers (Qwen3.5's gated delta-net, Nemotron-H's Mamba2) keep their
+mixer inputs per cell in the same cache and rerun over that history (`_Recurrent`), so the same
+truncation rolls their state back to the accepted rows; layers with no KV of their own (Gemma 4's
+shared-KV layers, Nemotron-H's MoE blocks) keep an empty row per cell. After a verify that
+rejected rows, `kept_rejected_state` is the state a memory that rolled back only its attention
+would hold, and the next verify's `@recurrent=kept_rejected` candidates come from it.
 """
 
 from __future__ import annotations
@@ -51,23 +54,32 @@ HF_ARCHS = {
     "qwen3_5": "qwen35",  # the published checkpoints' layout (image-text-to-text): its text model runs
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",  # published (image-text-to-text): Gemma4ForConditionalGeneration, run on text ids
+    "nemotron_h": "nemotron_h",
     "qwen3": "qwen3",
     "llama": "llama",
 }
+# llama.cpp's architectures of these targets, as a converted GGUF names them: a Nemotron-H
+# checkpoint with experts converts to nemotron_h_moe (conversion/nemotron.py)
+GGUF_ARCHS = frozenset(HF_ARCHS.values()) | {"nemotron_h_moe"}
 # Architectures whose graph keeps every row through the last layer and selects the output rows
 # only before the final norm (src/models/openai-moe.cpp, qwen35.cpp, gemma4.cpp: the last layer's
 # get_rows only under embeddings_nextn_masked, which a target context never sets): their last
 # `l_out` has all rows. The others select before the last layer's FFN, as target.py says.
-ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "gemma4"})
+ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "gemma4", "nemotron_h"})
 # The graph callback name of layer 0's input where an arch renames llama-graph.cpp's `embd`:
 # qwen35.cpp `cb(inpL, "model.input_embed", -1)`; gemma4.cpp scales the looked-up rows by
 # sqrt(n_embd) into `inp_scaled` (its `embd` is the unscaled lookup, which transformers' scaled
 # embedding never holds). The reference records the rows under the name the capture writes.
 EMBD_NAMES = {"qwen35": "model.input_embed", "gemma4": "inp_scaled"}
+# The callback name of a layer's output where an arch's graph gives `l_out` to something else:
+# nemotron-h.cpp names the FFN block's output (before the residual) `l_out` and the layer's output
+# `nemotron_h_block_out`. The reference records the layer's output under the latter.
+L_OUT_NAMES = {"nemotron_h": "nemotron_h_block_out"}
 # Architectures whose graph also names the unscaled lookup `embd` (gemma4.cpp): the reference
 # records it too, so compare never pairs it with layer 0's scaled input (align.REF_ALIASES)
 RAW_EMBD = frozenset({"gemma4"})
 KV_REUSE = "reuse"  # transformers' kv_sharing_modes entry of a layer that reads an earlier layer's KV
+MIXERLESS = frozenset({"mlp", "moe"})  # Nemotron-H's layer_types of a block with no token mixer
 LINEAR_ATTENTION = "linear_attention"  # transformers' layer_types entry of a recurrent (gated delta-net) layer
 ATTN_IMPLEMENTATION = "featdiff_ggml"  # the name featdiff's attention is registered under
 KV_DTYPE_KWARG = "featdiff_kv_dtype"  # passed through the model's **kwargs to the attention call
@@ -136,7 +148,7 @@ def target_from_transformers(path: Path, dtype: torch.dtype, device: torch.devic
         source=Source(path=path, is_gguf=False),
         hparams=_hparams(model.config.get_text_config(), arch),  # a composite checkpoint's text config
         token_embd=model.get_input_embeddings().weight.detach(),
-        output_norm=text.norm.weight.detach(),
+        output_norm=_final_norm(text).weight.detach(),
         output=model.get_output_embeddings().weight.detach(),
         layers=(),
         model=model,
@@ -154,14 +166,14 @@ def _hparams(config: Any, arch: str) -> Hparams:
     n_head = raw["num_attention_heads"]
     return Hparams(
         arch=arch,
-        n_layer=raw["num_hidden_layers"],
+        n_layer=config.num_hidden_layers,  # Nemotron-H's counts its block list (not a raw field)
         n_embd=raw["hidden_size"],
         n_head=n_head,
         n_head_kv=raw.get("num_key_value_heads") or n_head,
         n_embd_head=raw.get("head_dim") or raw["hidden_size"] // n_head,
         n_ff=raw["intermediate_size"],
         n_vocab=raw["vocab_size"],
-        rms_eps=raw["rms_norm_eps"],
+        rms_eps=raw["rms_norm_eps"] if "rms_norm_eps" in raw else raw["layer_norm_epsilon"],  # Nemotron-H's name
         rope_base=float(rope.get("rope_theta", raw.get("rope_theta", 0.0)) or 0.0),
         rope_type="neox",
         n_swa=int(raw.get("sliding_window") or 0) if any(swa) else 0,
@@ -181,12 +193,12 @@ def forward_hf(
     # `sliding_window - 1` rows, and the flow's cache holds every cell, as llama.cpp's does until
     # the window has passed them; the window is the mask's (`_visible`)
     recurrent = _recurrent_layers(model)
-    shared = _kv_shared_layers(model)
+    kv_less = _kv_less_layers(model)
     past = DynamicCache()
     for il in range(n_layer):
-        if not cache.k[il].shape[0] or il in shared:
+        if not cache.k[il].shape[0]:
             continue
-        if il in recurrent:  # placeholders: transformers sizes the mask by layer 0's cache length
+        if il in recurrent or il in kv_less:  # placeholders: transformers sizes the mask by layer 0's cache length
             n_cells = cache.positions.shape[0]  # the attention layers' cells (a kept state's history is longer)
             blank = torch.zeros((1, 1, n_cells, 1), device=tokens.device)  # (1, 1, n_cells, 1)
             past.update(blank, blank, il)
@@ -195,15 +207,19 @@ def forward_hf(
     taps: list[torch.Tensor] = []  # input of layer 0 .. n_layer-1, then of the final norm
     margins: dict[int, torch.Tensor] = {}  # il -> (n_tokens, 2) router margin and rms, MoE layers only
     mixed: dict[int, torch.Tensor] = {}  # il -> (n_tokens, n_embd): a recurrent layer's mixer input
+    ffn_out: dict[int, torch.Tensor] = {}  # il -> (n_tokens, n_embd): an FFN block's output (Nemotron-H's `l_out`)
     text = model.get_decoder()
     hooks = [layer.register_forward_pre_hook(_Tap(taps), with_kwargs=True) for layer in text.layers[:n_layer]]
-    hooks.append(text.norm.register_forward_pre_hook(_Tap(taps), with_kwargs=True))
+    hooks.append(_final_norm(text).register_forward_pre_hook(_Tap(taps), with_kwargs=True))
     for il, layer in enumerate(text.layers[:n_layer]):
         hooks += [router.register_forward_hook(_Margin(margins, il, k)) for router, k in _routers(layer)]
+        if target.hparams.arch in L_OUT_NAMES and il in _mixerless_layers(model):
+            hooks.append(layer.mixer.register_forward_hook(_Output(ffn_out, il)))
         if il in recurrent:
             rec = _Recurrent(cache.k[il].float().reshape(-1, target.hparams.n_embd), mixed, il)  # (n_cells, n_embd)
-            hooks.append(layer.linear_attn.register_forward_pre_hook(rec.before, with_kwargs=True))
-            hooks.append(layer.linear_attn.register_forward_hook(rec.after))
+            mixer = _recurrent_mixer(layer)
+            hooks.append(mixer.register_forward_pre_hook(rec.before, with_kwargs=True))
+            hooks.append(mixer.register_forward_hook(rec.after))
     try:
         out = model(
             input_ids=tokens[None],
@@ -220,7 +236,7 @@ def forward_hf(
     rows = slice(None) if has_outputs else slice(0, 0)
     x = taps[n_layer][rows]  # (n_outputs, n_embd): the rows the final norm sees
     last_rows = slice(None) if target.hparams.arch in ALL_ROWS_LAST_LAYER else rows
-    norm = text.norm(x)  # (n_outputs, n_embd)
+    norm = _final_norm(text)(x)  # (n_outputs, n_embd)
     logits = out.logits[0][rows]  # (n_outputs, n_vocab)
     records = [Named(EMBD_NAMES.get(target.hparams.arch, names.TARGET_EMBD), taps[0])]
     if target.hparams.arch in RAW_EMBD:
@@ -229,13 +245,17 @@ def forward_hf(
         l_out = taps[il + 1] if il < n_layer - 1 else taps[n_layer][last_rows]
         records += [
             Named(names.layer_name(names.LAYER_INP, il), taps[il]),
-            Named(names.layer_name(names.L_OUT, il), l_out),
+            Named(layer_out_name(target.hparams.arch, il), l_out),
         ]
+        if il in ffn_out:  # the arch's graph names the FFN block's output `l_out`
+            records.append(
+                Named(names.layer_name(names.L_OUT, il), ffn_out[il] if il < n_layer - 1 else ffn_out[il][last_rows])
+            )
         if il in margins:  # the last layer's margin keeps the rows its l_out keeps
             margin = margins[il] if il < n_layer - 1 else margins[il][last_rows]  # (n_rows, 2)
-            records.append(Named(_margin_name(il), margin))
+            records.append(Named(_margin_name(target.hparams.arch, il), margin))
     records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
-    after = _cache_after(cache, positions, past, n_layer, mixed, shared)
+    after = _cache_after(cache, positions, past, n_layer, mixed, kv_less)
     return HfPass(tuple(taps), logits, after, tuple(records))
 
 
@@ -261,22 +281,44 @@ def kept_rejected_candidates(
     target: HfTarget, tokens: torch.Tensor, positions: torch.Tensor, kept: KvCache
 ) -> tuple[Named, ...]:
     """This verify run on the `kept` state: `l_out-<il>@recurrent=kept_rejected` of the first
-    recurrent layer and every layer after it (the ones the kept state reaches), the candidates
-    compare's `wrong_source` tests the run against (names.HYP_RECURRENT_KEPT)."""
+    recurrent layer and every layer after it (the ones the kept state reaches; under the arch's
+    name of a layer's output, layer_out_name), the candidates compare's `wrong_source` tests the
+    run against (names.HYP_RECURRENT_KEPT)."""
     first = min(_recurrent_layers(target.model))
     ran = forward_hf(target, tokens, positions, kept, has_outputs=True)
-    wanted = {names.layer_name(names.L_OUT, il) for il in range(first, target.hparams.n_layer)}
+    wanted = {  # the layer's output, and an FFN block's output where the arch's graph names it l_out
+        name
+        for il in range(first, target.hparams.n_layer)
+        for name in (layer_out_name(target.hparams.arch, il), names.layer_name(names.L_OUT, il))
+    }
     return tuple(
         Named(names.candidate_name(r.name, names.HYP_RECURRENT_KEPT), r.array) for r in ran.records if r.name in wanted
     )
 
 
-def _kv_shared_layers(model: Any) -> frozenset[int]:
-    """The layers that keep no KV of their own and attend over an earlier layer's (Gemma 4's
-    `num_kv_shared_layers`: transformers passes them that layer's keys and values within the
-    forward, as llama.cpp's gemma4 graph reads that layer's cache)."""
+def _kv_less_layers(model: Any) -> frozenset[int]:
+    """The layers that keep no KV of their own: Gemma 4's `num_kv_shared_layers`, which attend over
+    an earlier layer's KV (transformers passes them that layer's keys and values within the
+    forward, as llama.cpp's gemma4 graph reads that layer's cache), and Nemotron-H's MLP and MoE
+    blocks, which have no token mixer."""
     modes = getattr(model.config.get_text_config(), "kv_sharing_modes", None) or ()
-    return frozenset(il for il, mode in enumerate(modes) if mode == KV_REUSE)
+    return frozenset(il for il, mode in enumerate(modes) if mode == KV_REUSE) | _mixerless_layers(model)
+
+
+def _mixerless_layers(model: Any) -> frozenset[int]:
+    """Nemotron-H's MLP and MoE blocks, by the config's layer_types: no token mixer, no KV."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    return frozenset(il for il, t in enumerate(types) if t in MIXERLESS)
+
+
+def _final_norm(text: Any) -> Any:
+    """The decoder's final norm: `norm`, Nemotron-H's `norm_f`."""
+    return text.norm if hasattr(text, "norm") else text.norm_f
+
+
+def _recurrent_mixer(layer: Any) -> Any:
+    """A recurrent layer's token mixer: Qwen3.5's `linear_attn`, Nemotron-H's Mamba2 `mixer`."""
+    return layer.linear_attn if hasattr(layer, "linear_attn") else layer.mixer
 
 
 def _recurrent_layers(model: Any) -> frozenset[int]:
@@ -311,6 +353,17 @@ class _Recurrent:
 
 
 @dataclass(frozen=True)
+class _Output:
+    """A forward hook keeping its module's output `(n_tokens, n_embd)` as `outputs[il]`."""
+
+    outputs: dict[int, torch.Tensor]
+    il: int
+
+    def __call__(self, module: Any, args: tuple, output: torch.Tensor) -> None:
+        self.outputs[self.il] = output[0].detach().clone()  # (n_tokens, n_embd)
+
+
+@dataclass(frozen=True)
 class _Tap:
     """A forward pre-hook appending its module's hidden-state input `(n_tokens, n_embd)` to `taps`."""
 
@@ -335,16 +388,22 @@ def _routers(layer: Any) -> list[tuple[Any, int]]:
     return found
 
 
-def _margin_name(il: int) -> str:
-    """`l_out-<il>@router_margin`: evidence on l_out-<il> (names.HYP_ROUTER_MARGIN), reference-only."""
-    return names.candidate_name(names.layer_name(names.L_OUT, il), names.HYP_ROUTER_MARGIN)
+def _margin_name(arch: str, il: int) -> str:
+    """`l_out-<il>@router_margin`: evidence on layer il's output (names.HYP_ROUTER_MARGIN), reference-only."""
+    return names.candidate_name(layer_out_name(arch, il), names.HYP_ROUTER_MARGIN)
+
+
+def layer_out_name(arch: str, il: int) -> str:
+    """The callback name of layer il's output in `arch`'s graph: `l_out-<il>`, or the arch's own."""
+    return names.layer_name(L_OUT_NAMES.get(arch, names.L_OUT), il)
 
 
 @dataclass(frozen=True)
 class _Margin:
     """A forward hook on layer `il`'s router: per token, its top-k margin (the gap between the
     k-th and (k+1)-th router logit) and the rms of its router logits, into `margins[il]` (n_tokens, 2). A near-zero gap is a
-    near-tie: llama.cpp may route that token to the other expert within its float noise."""
+    near-tie: llama.cpp may route that token to the other expert within its float noise. A router
+    that chooses by sigmoid(logit) + a correction bias (Nemotron-H) has its margin taken there."""
 
     margins: dict[int, torch.Tensor]
     il: int
@@ -357,6 +416,9 @@ class _Margin:
         if logits.shape[-1] <= k:
             return  # every expert is used: no choice to make
         x = logits.detach().float()  # (n_tokens, n_expert)
+        bias = getattr(module, "e_score_correction_bias", None)  # Nemotron-H, DeepSeek-V3: choice by sigmoid + bias
+        if bias is not None:
+            x = x.sigmoid() + bias.detach().float()
         top = torch.topk(x, k + 1, dim=-1).values  # (n_tokens, k + 1), descending
         rms = x.pow(2).mean(dim=-1).sqrt()  # (n_tokens,): the scale the margin's noise bound is of
         self.margins[self.il] = torch.stack([top[:, k - 1] - top[:, k], rms], dim=-1)  # (n_tokens, 2)
@@ -373,18 +435,18 @@ def _cache_after(
     past: Any,
     n_layer: int,
     mixed: dict[int, torch.Tensor],
-    shared: frozenset[int] = frozenset(),
+    kv_less: frozenset[int] = frozenset(),
 ) -> KvCache:
     """The flow's cache after this batch: every attention layer's K/V, rows rounded to the store
     dtype; a recurrent layer's mixer inputs (`_Recurrent`), float32 `(n_cells, 1, n_embd)` in
     both its K and V slots, so truncating the cache by position rolls its state back; a layer
-    reading another's KV (`shared`) an empty `(n_cells, 0, 1)`, one row per cell."""
+    keeping no KV (`kv_less`) an empty `(n_cells, 0, 1)`, one row per cell."""
     store = next(cache.k[il].dtype for il in range(n_layer) if il not in mixed)
     n_cells = cache.positions.shape[0] + positions.shape[0]
     k: list[torch.Tensor] = []
     v: list[torch.Tensor] = []
     for il in range(n_layer):
-        if il in shared:
+        if il in kv_less:
             k.append(torch.zeros((n_cells, 0, 1), dtype=store, device=positions.device))
             v.append(k[-1])
             continue

@@ -11,7 +11,7 @@ from featdiff.errors import InputError
 from featdiff.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
 from featdiff.torchref import load_gguf, load_hf
-from featdiff.torchref.hf_target import HF_ARCHS, hf_arch, target_from_transformers
+from featdiff.torchref.hf_target import GGUF_ARCHS, hf_arch, target_from_transformers
 from featdiff.torchref.weights import Draft, Target
 
 
@@ -27,7 +27,7 @@ def load_target(path: Path, dtype: torch.dtype, device: torch.device, llama_dir:
             return load_hf.target_from_hf(path, dtype, device)
         return target_from_transformers(path, dtype, device)
     arch = read_gguf(path, ggml_dequant.load).arch
-    if arch not in names.TARGET_ARCHS and arch in HF_ARCHS.values():
+    if arch not in names.TARGET_ARCHS and arch in GGUF_ARCHS:
         raise InputError(
             f"{path}: architecture {arch!r} runs through transformers' model code, from its Hugging Face "
             "directory; pass the target's HF checkpoint directory as --target"
