@@ -2,7 +2,7 @@
 for a target it loads through transformers' model code, against what featdiff.torchref.memory
 predicts before loading.
 
-    nice -n 10 .venv/bin/python bench/bench_hf_target.py [--family qwen3moe|gpt-oss] [--layers N] [--width N]
+    nice -n 10 .venv/bin/python bench/bench_hf_target.py [--family NAME (hf_targets.FAMILIES)] [--layers N] [--width N]
 
 For each family it writes a seeded checkpoint at the given sizes (transformers' `save_pretrained`,
 then stored in bfloat16 as published checkpoints are; default 16 layers x 1024, a 32768-token vocabulary: ~120 M parameters) into a temporary directory, then

@@ -285,19 +285,21 @@ def _gemma4_ple_moe_config(sz: pairs.Sizes) -> object:
 # conversion/nemotron.py _MLP_LAYER_TYPES, and writes an "mlp" block's FFN length as 0, which
 # llama.cpp then loads as a Mamba2 layer and refuses: "blk.1.ssm_in.weight not found".)
 NEMOTRON_H_BLOCKS = ("linear_attention", "moe", "full_attention", "linear_attention", "moe", "full_attention")
-NEMOTRON_SSM_STATE, NEMOTRON_SSM_HEADS, NEMOTRON_SSM_HEAD_DIM, NEMOTRON_SSM_GROUPS = 16, 8, 16, 2
+NEMOTRON_SSM_STATE, NEMOTRON_SSM_HEAD_DIM, NEMOTRON_SSM_GROUPS = 16, 16, 2
+NEMOTRON_SSM_EXPAND = 2  # the Mamba2 mixer's width over the model's, as Nemotron-H's (8 heads at the tiny 64)
 
 
 def _nemotron_h_config(sz: pairs.Sizes) -> object:
-    """Nemotron-H at the tiny sizes: Mamba2 mixers (conv 4, 8 heads of 16, 2 groups, state 16),
-    attention and MoE blocks in NEMOTRON_H_BLOCKS' order."""
+    """Nemotron-H at the given sizes: Mamba2 mixers (conv 4, heads of 16 twice the model's width,
+    2 groups, state 16), attention and MoE blocks in NEMOTRON_H_BLOCKS' order, repeated to the
+    layer count (the tiny target's 6 layers are the pattern once)."""
     from transformers import NemotronHConfig
 
     fields: dict[str, Any] = {
         **_tiny_fields(sz),
-        "layers_block_type": list(NEMOTRON_H_BLOCKS),
+        "layers_block_type": [NEMOTRON_H_BLOCKS[il % len(NEMOTRON_H_BLOCKS)] for il in range(sz.target.n_layer)],
         "ssm_state_size": NEMOTRON_SSM_STATE,
-        "mamba_num_heads": NEMOTRON_SSM_HEADS,
+        "mamba_num_heads": NEMOTRON_SSM_EXPAND * sz.target.n_embd // NEMOTRON_SSM_HEAD_DIM,
         "mamba_head_dim": NEMOTRON_SSM_HEAD_DIM,
         "n_groups": NEMOTRON_SSM_GROUPS,
         "conv_kernel": 4,

@@ -102,3 +102,15 @@ def test_nemotron_slots_reversed_is_a_slot_permutation(nemotron, tools, tmp_path
 def test_nemotron_mamba_state_that_kept_the_rejected_drafts_is_named(nemotron, tmp_path, monkeypatch):
     f = families.assert_recurrent_kept_rejected_named(nemotron, tmp_path, monkeypatch)
     assert f["tensor"].split("-")[0] in (BLOCK_OUT, names.L_OUT)
+
+
+def test_nemotron_gguf_as_reference_target_exits_2_asking_for_its_hf_dir(nemotron, tmp_path):
+    """The converted GGUF says nemotron_h_moe, not the HF model_type's name: still refused by name."""
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    args = ["reference", "--target", str(nemotron / "target.gguf"), "--model", str(nemotron / "draft.gguf")]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "r.npz"), "--tokens", "1,2,3"])
+    assert result.exit_code == 2, result.output
+    assert "'nemotron_h_moe' runs through transformers" in result.output and "HF checkpoint directory" in result.output
