@@ -226,9 +226,8 @@ def convert_checkpoint(
     tree = tree or project_tree()
     if not (tree / CONVERTER).is_file():
         raise InputError(f"{tree / CONVERTER}: no such file; the pinned llama.cpp tree is unpacked by `make setup`")
-    key = (
-        conversion_key(hf_dir, target_dir, tree) + (f"-{bootstrap}" if bootstrap else "") + ("-nomtp" if no_mtp else "")
-    )
+    route = f"-{bootstrap}-{hashlib.sha256(BOOTSTRAPS[bootstrap].encode()).hexdigest()[:8]}" if bootstrap else ""
+    key = conversion_key(hf_dir, target_dir, tree) + route + ("-nomtp" if no_mtp else "")
     cached = cache_root() / CACHE_SUBDIR / f"{key}.gguf"
     if not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -64,8 +64,8 @@ class _State:
     draft_cache: KvCache
     n_past: int
     id_last: int
-    # a hybrid target's cache had its recurrent state kept the last verify's rejected rows
-    # (hf_target.kept_rejected_state): the next verify's `@recurrent=kept_rejected` candidates
+    # the cache a hybrid target would hold had its recurrent state kept the last verify's rejected
+    # rows (hf_target.kept_rejected_state): the next verify's `@recurrent=kept_rejected` candidates
     kept_rejected: KvCache | None = None
 
 
