@@ -17,6 +17,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
+from featdiff.llama.tools import TEST_BUILD_FLAGS
 
 from real_flow import reference_of
 
@@ -34,6 +35,7 @@ DL_OPTIONS = [
     "-DLLAMA_LLGUIDANCE=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF",
+    *TEST_BUILD_FLAGS,  # unoptimized: a test-only build of tiny runs compiles faster
 ]
 BUILD_TIMEOUT_S = 1800
 pytestmark = pytest.mark.slow  # builds a backend-loaded llama.cpp: not part of `make test-fast`
