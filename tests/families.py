@@ -8,7 +8,9 @@ test_gpt_oss.py, test_qwen35.py and test_gemma4.py call these on their family's 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gguf import GGUFReader
 
@@ -137,22 +139,28 @@ def assert_slots_reversed_named(d: Path, tools, tmp_path: Path) -> dict:
     return found[0]
 
 
-def assert_cached_forward_equals_eager(
-    d: Path, prompt: tuple[int, ...], bound: float, no_window_min: float | None = None
-) -> None:
-    """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
-    reference equals transformers' own eager forward over the whole sequence, layer inputs and
-    logits within `bound` (rel L2); with `no_window_min`, ignoring the sliding window does not
-    (layer 0 slides: its output differs by more than that)."""
+@dataclass(frozen=True)
+class RolledBack:
+    """A target's prompt run through the reference's flow cache, a rejected block rolled back and
+    the accepted rows run after it, beside transformers' eager forward over the whole sequence."""
+
+    hf: Any  # the reference's HfTarget
+    tokens: Any  # (n_tokens,): the prompt, then ACCEPTED_ROWS
+    n: int  # the prompt's length
+    want: Any  # transformers' eager output over `tokens` (hidden states, logits)
+    prefill: Any  # the flow's KvCache after the prompt
+    rejected: Any  # the HfPass of REJECTED_BLOCK after the prompt
+    got: Any  # the HfPass of ACCEPTED_ROWS on the cache rolled back to the prompt
+
+
+def rolled_back_passes(d: Path, prompt: tuple[int, ...]) -> RolledBack:
+    """`d`'s target through the flow cache (prefill, REJECTED_BLOCK rolled back, ACCEPTED_ROWS)
+    and through transformers' eager attention at once (f32 cache)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from featdiff.torchref.attention import empty_cache, truncated
     from featdiff.torchref.hf_target import forward_hf, target_from_transformers
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        a, b = a.double(), b.double()
-        return float((a - b).norm() / a.norm())
 
     tokens = torch.tensor([*prompt, *ACCEPTED_ROWS])
     n = len(prompt)
@@ -166,15 +174,36 @@ def assert_cached_forward_equals_eager(
         block = torch.tensor(REJECTED_BLOCK)
         rejected = forward_hf(hf, block, torch.arange(n, n + len(block)), cache, True)
         got = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), truncated(rejected.cache, n), True)
-    for il in range(hp.n_layer):  # hidden_states[n_layer] is after the final norm
-        assert rel(want.hidden_states[il][0, n:], got.layer_inputs[il]) <= bound, il
-    assert rel(want.logits[0, n:], got.logits) <= bound
+    return RolledBack(hf, tokens, n, want, cache, rejected, got)
+
+
+def rel(a, b) -> float:
+    """Relative L2 error of `b` against `a`, in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / a.norm())
+
+
+def assert_cached_forward_equals_eager(
+    d: Path, prompt: tuple[int, ...], bound: float, no_window_min: float | None = None
+) -> None:
+    """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
+    reference equals transformers' own eager forward over the whole sequence, layer inputs and
+    logits within `bound` (rel L2); with `no_window_min`, ignoring the sliding window does not
+    (layer 0 slides: its output differs by more than that)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rb = rolled_back_passes(d, prompt)
+    n, want = rb.n, rb.want
+    for il in range(rb.hf.hparams.n_layer):  # hidden_states[n_layer] is after the final norm
+        assert rel(want.hidden_states[il][0, n:], rb.got.layer_inputs[il]) <= bound, il
+    assert rel(want.logits[0, n:], rb.got.logits) <= bound
     if no_window_min is not None:
         wide = AutoModelForCausalLM.from_pretrained(
-            d / "target-hf", attn_implementation="eager", sliding_window=10 * len(tokens)
+            d / "target-hf", attn_implementation="eager", sliding_window=10 * len(rb.tokens)
         ).eval()
         with torch.no_grad():
-            unwindowed = wide(input_ids=tokens[None], output_hidden_states=True).hidden_states
+            unwindowed = wide(input_ids=rb.tokens[None], output_hidden_states=True).hidden_states
         assert rel(want.hidden_states[1][0, n:], unwindowed[1][0, n:]) > no_window_min
 
 

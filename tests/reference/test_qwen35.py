@@ -47,11 +47,6 @@ def qwen35(tmp_path_factory):
     return write_family_fixture(tmp_path_factory.mktemp("fam-qwen35"), "qwen35")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / a.norm())
-
-
 def test_fixture_is_hybrid_and_the_drafter_taps_both_kinds(qwen35):
     from gguf import GGUFReader
 
@@ -80,22 +75,13 @@ def test_rolled_back_recurrent_state_equals_transformers_eager(qwen35):
     """The flow's cache (prefill, a rejected block rolled back, the accepted rows) through the
     reference equals transformers' eager forward over the whole sequence; keeping the rejected
     block's state does not."""
-    from transformers import AutoModelForCausalLM
-
-    from featdiff.torchref.attention import empty_cache, truncated
+    from featdiff.torchref.attention import truncated
     from featdiff.torchref.hf_target import forward_hf
 
-    tokens = torch.tensor([*PROMPT, 11, 40, 2, 75, 300, 6])
-    n, rejected_block = len(PROMPT), torch.tensor([1, 2, 3, 4])
-    hf = target_from_transformers(qwen35 / "target-hf", torch.float32, torch.device("cpu"))
-    hp = hf.hparams
-    eager = AutoModelForCausalLM.from_pretrained(qwen35 / "target-hf", attn_implementation="eager").eval()
+    rb = families.rolled_back_passes(qwen35, PROMPT)
+    hf, tokens, n, cache, rejected, got = rb.hf, rb.tokens, rb.n, rb.prefill, rb.rejected, rb.got
+    rejected_block, want, hp = torch.tensor(families.REJECTED_BLOCK), rb.want.hidden_states, rb.hf.hparams
     with torch.no_grad():
-        want = eager(input_ids=tokens[None], output_hidden_states=True).hidden_states
-        cache = empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, "f32", torch.device("cpu"))
-        cache = forward_hf(hf, tokens[:n], torch.arange(n), cache, False).cache
-        rejected = forward_hf(hf, rejected_block, torch.arange(n, n + 4), cache, True)
-        got = forward_hf(hf, tokens[n:], torch.arange(n, len(tokens)), truncated(rejected.cache, n), True)
         # the rejected rows' recurrent history kept, the attention cells dropped (a memory that
         # rolled back its attention and position only: the `@recurrent=kept_rejected` candidates)
         kept_state = kept_rejected_state(hf, rejected.cache, n)
@@ -107,9 +93,9 @@ def test_rolled_back_recurrent_state_equals_transformers_eager(qwen35):
         partial = forward_hf(hf, partial_block, torch.arange(n, n + 4), cache, True)
         rest = forward_hf(hf, tokens[n + 2 :], torch.arange(n + 2, len(tokens)), truncated(partial.cache, n + 2), True)
     for il in range(hp.n_layer):  # hidden_states[n_layer] is after the final norm
-        assert _rel(want[il][0, n:], got.layer_inputs[il]) <= EAGER_BOUND, il
-        assert _rel(want[il][0, n + 2 :], rest.layer_inputs[il]) <= EAGER_BOUND, il
-    assert _rel(want[1][0, n:], kept.layer_inputs[1]) > KEPT_STATE_MIN  # layer 0 is recurrent
+        assert families.rel(want[il][0, n:], got.layer_inputs[il]) <= EAGER_BOUND, il
+        assert families.rel(want[il][0, n + 2 :], rest.layer_inputs[il]) <= EAGER_BOUND, il
+    assert families.rel(want[1][0, n:], kept.layer_inputs[1]) > KEPT_STATE_MIN  # layer 0 is recurrent
     # a candidate for every layer from the first recurrent one (layer 0) on, each that layer's output
     assert [c.name for c in candidates] == [f"l_out-{il}@{names.HYP_RECURRENT_KEPT}" for il in range(hp.n_layer)]
     assert torch.equal(candidates[0].array, kept.layer_inputs[1])

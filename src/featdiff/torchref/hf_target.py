@@ -194,6 +194,8 @@ def forward_hf(
     # the window has passed them; the window is the mask's (`_visible`)
     recurrent = _recurrent_layers(model)
     kv_less = _kv_less_layers(model)
+    # FFN blocks whose output the arch's graph names `l_out` (L_OUT_NAMES: Nemotron-H's MoE blocks)
+    ffn_blocks = _mixerless_layers(model) if target.hparams.arch in L_OUT_NAMES else frozenset()
     past = DynamicCache()
     for il in range(n_layer):
         if not cache.k[il].shape[0]:
@@ -213,7 +215,7 @@ def forward_hf(
     hooks.append(_final_norm(text).register_forward_pre_hook(_Tap(taps), with_kwargs=True))
     for il, layer in enumerate(text.layers[:n_layer]):
         hooks += [router.register_forward_hook(_Margin(margins, il, k)) for router, k in _routers(layer)]
-        if target.hparams.arch in L_OUT_NAMES and il in _mixerless_layers(model):
+        if il in ffn_blocks:
             hooks.append(layer.mixer.register_forward_hook(_Output(ffn_out, il)))
         if il in recurrent:
             rec = _Recurrent(cache.k[il].float().reshape(-1, target.hparams.n_embd), mixed, il)  # (n_cells, n_embd)
