@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.featdiff-setup
 TORCH  := torch==2.13.0
 
-.PHONY: setup library demo lint test test-fast test-cuda bench browser tools clean
+.PHONY: setup library demo lint test test-fast test-cuda bench browser vulkan tools clean
 
 setup: $(STAMP) library
 
@@ -30,6 +30,16 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing: install Debian's chromium package (sudo apt-get install chromium)"; exit 1; fi; }
 
+# Debian's Vulkan headers, loader, glslc and SPIRV-Headers build the pinned tree with ggml's Vulkan
+# backend, and Mesa's llvmpipe (a Vulkan device that computes on the CPU) runs it, for the tests
+# that capture on a device backend (tests/llama/test_vulkan.py; root installs them once).
+VULKAN_PACKAGES := libvulkan-dev glslc spirv-headers mesa-vulkan-drivers
+vulkan:
+	@{ command -v glslc >/dev/null 2>&1 && test -f /usr/include/vulkan/vulkan.h && test -d /usr/share/cmake/SPIRV-Headers \
+	   && ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(VULKAN_PACKAGES) >/dev/null; \
+	  else echo "Vulkan build packages missing: install Debian's $(VULKAN_PACKAGES) (sudo apt-get install ...)"; exit 1; fi; }
+
 demo: setup tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
@@ -46,7 +56,7 @@ lint: setup
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
-test: setup lint browser tools
+test: setup lint browser vulkan tools
 	$(BIN)/python -m pytest -q -m "not cuda"
 
 # Everything that needs neither the tools build nor a browser (markers in pyproject.toml,

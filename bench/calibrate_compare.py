@@ -23,12 +23,18 @@ in-process with llama.cpp's default f16 cache and, where the heads are a multipl
 blocks, with `-ctk q8_0 -ctv q8_0 -ctkd q8_0 -ctvd q8_0 -fa on`, against a reference that follows
 the run (f32, K/V rounded to f16). Prints the worst pair and row relative error per class, then per
 shape, and the cases compare judged other than clean. About 25 minutes on 2 busy cores.
+
+`--vulkan`: the same held-out models and flows captured on ggml's Vulkan backend (the pinned tree
+built with -DGGML_VULKAN=ON, `featdiff.llama.tools.ensure_vulkan`) with every layer of both models
+on the device (`-ngl 99 -ngld 99`, f16 cache), here Mesa's llvmpipe; against the same references.
+The figures behind tolerance.py's word on device backends.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections import defaultdict
@@ -45,7 +51,7 @@ from featdiff.fixtures import write_fixture  # noqa: E402
 from featdiff.llama.binding import find_build  # noqa: E402
 from featdiff.llama.capture import capture  # noqa: E402
 from featdiff.llama.options import parse_run_options  # noqa: E402
-from featdiff.llama.tools import ensure_tools  # noqa: E402
+from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ensure_tools, ensure_vulkan  # noqa: E402
 from featdiff.pairs import Shape, Sizes  # noqa: E402
 from featdiff.torchref.run import reference  # noqa: E402
 
@@ -130,6 +136,8 @@ HELD_OUT_KV = {
     "f16": ["-t", "1"],  # llama.cpp's default cache; flash attention at its default (auto)
     "q8_0": ["-ctk", "q8_0", "-ctv", "q8_0", "-ctkd", "q8_0", "-ctvd", "q8_0", "-fa", "on", "-t", "1"],
 }
+# --vulkan: both models wholly on the Vulkan device, llama.cpp's default f16 cache
+HELD_OUT_VULKAN = {"vulkan f16": ["-ngl", "99", "-ngld", "99", "-t", "1"]}
 
 
 def held_out_flows() -> list[tuple[str, int, int | None]]:
@@ -138,7 +146,9 @@ def held_out_flows() -> list[tuple[str, int, int | None]]:
     return [(",".join(str(int(t)) for t in rng.integers(1, 500, n)), r, b) for n, r, b in HELD_OUT_FLOWS]
 
 
-def held_out(work: Path, only: str | None = None) -> None:
+def held_out(
+    work: Path, only: str | None = None, kv_options: dict[str, list[str]] = HELD_OUT_KV, llama_dir: Path | None = None
+) -> None:
     # (kv, class, shape, worst pair rel, worst row rel, tensor, case) per pair
     rows: list[tuple[str, str, str, float, float, str, str]] = []
     verdicts: list[str] = []
@@ -150,15 +160,16 @@ def held_out(work: Path, only: str | None = None) -> None:
             seed = HELD_OUT_SEEDS[(si + vi) % len(HELD_OUT_SEEDS)]
             slug = f"{shape_name.replace(' ', '-')}-{variant}-{seed}"
             fx = write_fixture(work / slug, variant, seed=seed, sizes=sizes)
-            for kv, extra in HELD_OUT_KV.items():
-                if kv != "f16" and target_shape.n_embd_head % Q8_0_BLOCK:
+            for kv, extra in kv_options.items():
+                if "q8_0" in kv and target_shape.n_embd_head % Q8_0_BLOCK:
                     continue
                 for tokens, rounds, block in held_out_flows():
                     n = tokens.count(",") + 1
                     case = f"{slug} {kv} {n}t x{rounds}"
                     out = work / f"{slug}-{kv}-{n}"
                     run = capture(fx / "target.gguf", fx / "draft.gguf", out.with_suffix(".run.npz"), tokens=tokens,
-                                  rounds=rounds, draft_max=block, options=parse_run_options(extra))  # fmt: skip
+                                  rounds=rounds, draft_max=block, options=parse_run_options(extra),
+                                  llama_dir=llama_dir)  # fmt: skip
                     ref = reference(fx / "target-hf", fx / "draft-hf", out.with_suffix(".ref.npz"), prompt=None,
                                     tokens=None, rounds=0, dtype="float32", device="cpu", kv_dtype="f16",
                                     llama_dir=None, follow=run)  # fmt: skip
@@ -222,10 +233,17 @@ def main() -> None:
     ap.add_argument("--deep", action="store_true", help="the 28-layer target in f16, bf16, q8_0, q4_k and q1_0")
     ap.add_argument("--held-out", action="store_true", help="KV cache figures on seeds and shapes no test uses")
     ap.add_argument("--shape", default=None, help="--held-out: only the shapes whose name contains this")
+    ap.add_argument(
+        "--vulkan", action="store_true", help="the held-out models on the Vulkan build, all layers offloaded"
+    )
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featdiff-calib-"))
     if args.held_out:
         held_out(work, args.shape)
+        return
+    if args.vulkan:  # this process binds the Vulkan build only (the builds' sonames clash)
+        os.environ.update(SOFTWARE_VULKAN_ENV)
+        held_out(work, args.shape, HELD_OUT_VULKAN, ensure_vulkan().root)
         return
     if args.deep:
         deep(work)

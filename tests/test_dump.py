@@ -127,3 +127,17 @@ def test_a_run_of_several_flows_against_a_reference_of_one_exits_2_naming_both(t
     ref = Manifest("reference", {}, {}, (Eval(0, "target", "prefill", 1, (0,), (5,), (0,)),), ())
     with pytest.raises(InputError, match=r"ref.npz: holds flows \[0\], \S*run.npz flows \[0, 1\].*--follow \S*run.npz"):
         check_flows(tmp_path / "ref.npz", tmp_path / "run.npz", ref, run)
+
+
+def test_a_records_backend_is_optional_and_kept_when_given(tmp_path):
+    path = _write(tmp_path / "d.npz")
+    with read_dump(path) as d:  # a dump before issue 31 (and every reference): no backend
+        assert all(r.backend is None and "backend" not in r.to_json() for r in d.manifest.records)
+    on_device = _rewrite_manifest(
+        path, tmp_path / "dev.npz", lambda m: {**m, "records": [{**r, "backend": "Vulkan0"} for r in m["records"]]}
+    )
+    with read_dump(on_device) as d:
+        assert [r.to_json()["backend"] for r in d.manifest.records] == ["Vulkan0", "Vulkan0"]
+    bad = _rewrite_manifest(path, tmp_path / "bad.npz", lambda m: {**m, "records": [{**m["records"][0], "backend": 3}]})
+    with pytest.raises(InputError, match="backend"):
+        read_dump(bad)

@@ -62,19 +62,32 @@ class _App(TyperGroup):
 def _internal_error(e: Exception) -> typer.Exit:
     """Say that `e` is a bug of featdiff's, its traceback in a file; the exit to raise."""
     typer.echo(
-        f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; "
-        f"the traceback is in {_crash_report()}",
+        f"featdiff: internal error (a bug in featdiff, not in your input): {type(e).__name__}: {e}; {_crash_report()}",
         err=True,
     )
     return typer.Exit(EXIT_INTERNAL)
 
 
 def _crash_report() -> str:
-    """Write the current exception's traceback to a new file in the temp dir; return its path."""
-    fd, path = tempfile.mkstemp(prefix="featdiff-crash-", suffix=".txt")
-    with os.fdopen(fd, "w") as out:
-        traceback.print_exc(file=out)
-    return path
+    """Write the current exception's traceback to a new file in the temp dir; say where. A report
+    that cannot be written (a full temp dir) is removed and said so: a bug still exits 3, in one line."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="featdiff-crash-", suffix=".txt")
+    except OSError as failed:
+        return _unwritten(tempfile.gettempdir(), failed)
+    try:
+        with os.fdopen(fd, "w") as out:
+            traceback.print_exc(file=out)
+    except OSError as failed:
+        Path(path).unlink(missing_ok=True)
+        return _unwritten(path, failed)
+    return f"the traceback is in {path}"
+
+
+def _unwritten(path: str, failed: OSError) -> str:
+    """Why the crash report `path` is not there, for the internal error's line."""
+    why = no_room_error(path, failed) if is_no_room(failed) else f"{path}: {failed.strerror or failed}"
+    return f"no crash report: {why}"
 
 
 app = typer.Typer(

@@ -41,6 +41,7 @@ from featdiff.manifest_fields import (
     as_phase,
     as_role,
     as_str,
+    as_str_or_null,
     as_strs,
     shown,
 )
@@ -88,6 +89,9 @@ class Record:
     dtype: str
     shape: tuple[int, ...]
     nb: tuple[int, ...] = ()
+    # the ggml device whose memory held the data when a capture read it ("CPU", "Vulkan0"):
+    # where a node was computed, or where a graph input was copied for its consumer (optional)
+    backend: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +99,10 @@ class Record:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return dict(sorted(asdict(self).items()))
+        d = asdict(self)
+        if self.backend is None:  # a reference record, or a capture before issue 31: the key is absent
+            del d["backend"]
+        return dict(sorted(d.items()))
 
     @staticmethod
     def from_json(d: Any, at: str = "record") -> Record:
@@ -121,6 +128,7 @@ class Record:
             dtype=f.get("dtype", as_str, DTYPES),
             shape=shape,
             nb=f.get("nb", as_counts, default=()),
+            backend=f.get("backend", as_str_or_null, default=None),
         )
 
 
@@ -238,10 +246,22 @@ class FlowInfo:
     seq_id: int
     prompt_tokens: tuple[int, ...]
     n_cached: int = 0
+    # the target token whose features the drafter's cache held at each of the n_cached positions
+    # (-1: not known); None: not recorded (a dump before issue 30, or no drafter context)
+    draft_cached: tuple[int, ...] | None = None
+    # why some of the n_cached positions' tokens (-1 in prompt_tokens) are not known: a change to
+    # the sequence's memory featdiff does not follow; "" when every one is known
+    unfollowed: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["prompt_tokens"] = list(self.prompt_tokens)
+        if self.draft_cached is None:
+            del out["draft_cached"]
+        else:
+            out["draft_cached"] = list(self.draft_cached)
+        if not self.unfollowed:
+            del out["unfollowed"]
         return dict(sorted(out.items()))
 
     @staticmethod
@@ -252,7 +272,34 @@ class FlowInfo:
             seq_id=f.get("seq_id", as_int),
             prompt_tokens=f.get("prompt_tokens", as_ints),
             n_cached=f.get("n_cached", as_count, default=0),
+            draft_cached=f.get("draft_cached", as_ints, default=None),
+            unfollowed=f.get("unfollowed", as_str, default=""),
         )
+
+    def why_unreplayable(self) -> str:
+        """Why a reference cannot replay this flow, in one sentence ("" when it can): a prompt
+        shorter than 2 tokens, or positions whose tokens the capture could not follow."""
+        who = f"flow {self.flow} (sequence {self.seq_id})"
+        if len(self.prompt_tokens) < 2:
+            return f"{who} has no prompt of 2 tokens or more to replay"
+        missing = [p for p, t in enumerate(self.prompt_tokens) if t < 0]
+        if missing:
+            because = self.unfollowed or "no decode the capture saw wrote them"
+            return (
+                f"{who} starts with {len(missing)} positions ({_spans(missing)}) whose tokens are not known: {because}"
+            )
+        return f"{who}: {self.unfollowed}" if self.unfollowed else ""
+
+
+def _spans(positions: list[int]) -> str:
+    """Sorted positions as runs: "0..81, 90"."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in runs)
 
 
 @dataclass(frozen=True)
@@ -434,9 +481,10 @@ class Manifest:
         )
 
 
-def flow_view(m: Manifest, flow: int) -> Manifest:
+def flow_view(m: Manifest, flow: int, notes_with: int | None = None) -> Manifest:
     """The manifest of one flow of a run of several: its evals, records, rounds and prompt, and the
-    KV-cache edits of its sequence (eval numbers stay the dump's). The flow notes go with flow 0."""
+    KV-cache edits of its sequence (eval numbers stay the dump's). The flow notes go with flow
+    `notes_with` (default: the first flow), so that exactly one view of the run holds them."""
     info = m.flow_info(flow)
     evals = tuple(e for e in m.evals if e.flow == flow)
     ids = {e.eval for e in evals}
@@ -447,7 +495,7 @@ def flow_view(m: Manifest, flow: int) -> Manifest:
         rounds=tuple(r for r in m.rounds if r.flow == flow),
         prompt_tokens=info.prompt_tokens,
         memory_ops=tuple(op for op in m.memory_ops if op.seq_id in (-1, info.seq_id)),
-        flow_notes=m.flow_notes if flow == m.flow_ids()[0] else (),
+        flow_notes=m.flow_notes if flow == (m.flow_ids()[0] if notes_with is None else notes_with) else (),
         flows=(info,) if m.flows else (),
     )
 
@@ -482,6 +530,7 @@ class DumpWriter:
     path: Path
     _zip: zipfile.ZipFile | None = field(default=None, init=False)
     _records: list[Record] = field(default_factory=list, init=False)
+    _keys: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -498,6 +547,10 @@ class DumpWriter:
                 f"{record.key}: record says {record.dtype}{record.shape}, array is {array.dtype}{array.shape}"
             )
         assert self._zip is not None
+        if record.key in self._keys:  # a bug of the producer's: never a zip the reader refuses
+            self._failed(OSError())
+            raise ValueError(f"{self.path}: record {record.key} written twice; nothing was written (a featdiff bug)")
+        self._keys.add(record.key)
         try:
             with self._zip.open(record.key + NPY_SUFFIX, "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, array, allow_pickle=False)

@@ -11,6 +11,11 @@ class InputError(Exception):
     """Unusable input. The message names the file, what was expected, what was found, the fix."""
 
 
+class NoRoomError(InputError):
+    """A write ran out of room (a full disk, a quota, `ulimit -f`): the user's to free, exit 2
+    like any InputError. Its writer removed what it had written (featdiff.outputs.no_room_error)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """featdiff was stopped by SIGINT or SIGTERM (`signum`). `outcome` says what the stopped
     command left behind, e.g. where it packed what was decoded ("": nothing to say).

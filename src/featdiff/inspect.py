@@ -4,12 +4,15 @@ DFlash metadata. Reads files, returns text; prints nothing itself.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from featdiff.dump import Dump, read_dump
+from featdiff.dump import Dump, Manifest, read_dump
 from featdiff.errors import InputError
 from featdiff.gguf_reader import model_info
 from featdiff.llama import ggml_dequant
+from featdiff.names import BACKEND_HOST, ROLES
 
 
 def describe(path: Path) -> str:
@@ -39,6 +42,32 @@ def describe_gguf(path: Path) -> str:
     return "\n".join(lines)
 
 
+def placement_lines(m: Manifest) -> list[str]:
+    """Where a capture computed (`build.placement`: the devices, each model's offloaded layers)
+    and, per model, how many records each backend's memory held (`records[].backend`); nothing
+    for a dump that says neither (a reference, a capture before issue 31). `build` is the
+    producer's own (docs/dump.md): what is not of the documented shape is left out."""
+    placement = m.build.get("placement")
+    placement = placement if isinstance(placement, dict) else {}
+    devices = [d for d in _listed(placement.get("devices")) if isinstance(d, dict)]
+    lines = ["  devices: " + ", ".join(f"{d.get('name')} ({d.get('description')})" for d in devices)] if devices else []
+    for role in ROLES:
+        counts = Counter(r.backend for r in m.records if r.role == role and r.backend)
+        told = placement.get(role)
+        told = told if isinstance(told, dict) else {}
+        if not counts and not told:
+            continue
+        on = ", ".join(str(d) for d in _listed(told.get("devices"))) or BACKEND_HOST
+        layers = f"-ngl {told.get('n_gpu_layers')} -> {on}; " if told else ""
+        read = ", ".join(f"{n} from {b}" for b, n in sorted(counts.items()))
+        lines.append(f"  {role} placement: {layers}records: {read or 'none read from a buffer'}")
+    return lines
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _log_snr_text(log_snr: dict | None, has_tensors: bool) -> str:
     enabled = bool(log_snr and log_snr.get("enabled"))
     if not enabled:
@@ -52,6 +81,7 @@ def describe_dump(dump: Dump) -> str:
     lines = [f"{dump.path}: {m.source} dump, {len(m.evals)} evals, {len(m.records)} records, {len(m.rounds)} rounds"]
     for role, info in sorted(m.models.items()):
         lines.append(f"  {role}: {info.get('path')} ({info.get('architecture')})")
+    lines += placement_lines(m)
     by_eval: dict[int, list] = {}
     for r in m.records:
         by_eval.setdefault(r.eval, []).append(r)
@@ -65,7 +95,8 @@ def describe_dump(dump: Dump) -> str:
         )
         for r in by_eval.get(ev.eval, []):
             occ = f"#{r.occurrence}" if r.occurrence else ""
-            lines.append(f"    {r.name + occ:32s} {r.op:10s} {r.ggml_type:5s} {str(r.shape):18s} {r.dtype}")
+            where = f" {r.backend}" if r.backend else ""
+            lines.append(f"    {r.name + occ:32s} {r.op:10s} {r.ggml_type:5s} {str(r.shape):18s} {r.dtype}{where}")
     for rnd in m.rounds:
         lines.append(
             f"round {rnd.round}: pos0 {rnd.pos0}, anchor {rnd.anchor}, drafts {list(rnd.drafts)}, accepted {rnd.accepted}"

@@ -16,6 +16,9 @@ ROLES: tuple[Role, ...] = (ROLE_TARGET, ROLE_DRAFT)
 # generation's inject encoder step (docs/flow.md)
 CALL_DECODE, CALL_ENCODE = "decode", "encode"
 CALLS = (CALL_DECODE, CALL_ENCODE)
+# where a captured record's data was (records[].backend, native/featdiff_shim.c memory_device):
+# host memory, else a ggml device by its name, e.g. "Vulkan0", "CUDA0"
+BACKEND_HOST = "CPU"
 
 # --- GGUF metadata keys ------------------------------------------------------------------------
 ARCH_DFLASH = "dflash"
@@ -68,6 +71,7 @@ RESULT_OUTPUT = "result_output"
 INP_EMBD = "inp_embd"  # the DFlash encoder graph's input
 TARGET_EMBD = "embd"  # the target's token embeddings: the input of layer 0
 # Records no graph callback names (docs/records.md, "featdiff names"): read back through the API
+API_OP = "API"  # their `op` (native/featdiff_shim.c): one row per output row of the whole call
 DRAFT_LOGITS = "draft_logits"  # each draft row's logits as the sampler reads them (llama_get_logits_ith)
 DSPARK_CONF = "dspark_conf"  # DSpark confidence per draft row (llama_get_embeddings_nextn, column 0), (n, 1)
 DSPARK_MARKOV_BIAS = "dspark_markov_bias"  # reference-only: the Markov head's bias on each row's logits

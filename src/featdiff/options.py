@@ -153,7 +153,11 @@ BLOCKS_OF_RUN = Option(
     "run",
     ("--run",),
     None,
-    "A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block.",
+    (
+        "A run dump (.npz): draft blocks as long as its draft evals, and its --p-min. Instead of --block. "
+        "A run of several requests (llama-server): each flow replayed from its own prompt, the reference "
+        "drafting on its own (no --prompt/--tokens needed)."
+    ),
 )
 FOLLOW = Option(
     "follow",
@@ -161,8 +165,8 @@ FOLLOW = Option(
     None,
     (
         "A run dump (.npz) to replay: its prompt, rounds, drafts and accepted prefixes instead of the "
-        "reference's own, so every eval of the run pairs (a quantized target, a server's own loop). Replaces "
-        "--prompt/--tokens/--rounds/--block/--run."
+        "reference's own, so every eval of the run pairs (a quantized target, a server's own loop); a run "
+        "of several requests, flow by flow. Replaces --prompt/--tokens/--rounds/--block/--run."
     ),
     exists=True,
     dir_okay=False,

@@ -11,8 +11,9 @@ it touches the spool until the dump is in place, so two runs never write one out
 failed or interrupted run writes what it has to `failed_output`, never over the user's dump.
 
 A write that runs out of room (a full disk, a quota, a file-size limit) is the user's problem,
-not a bug: `replaced` (and the dump writer) remove the partial file and raise `no_room_error`,
-one line naming the output; what was at the output before is left as it was.
+not a bug: every writer (`replaced`, the lock, the dump writer, a capture's spool, the crash
+report) tells it from other failures with `is_no_room`, removes what it wrote and raises
+`no_room_error`, one line naming the output; what was at the output before is left as it was.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from featdiff.errors import InputError
+from featdiff.errors import InputError, NoRoomError
 
 PARTIAL_SUFFIX = ".partial"  # a file being written; renamed onto its real name once complete
 LOCK_SUFFIX = ".lock"  # beside an output while a run writes it; holds the writer's pid
@@ -63,6 +64,23 @@ def replaced(output: Path) -> Iterator[Path]:
         tmp.replace(output)
 
 
+def append_text(path: Path, text: str) -> None:
+    """Append `text` to `path`, a file others write too (GitHub's $GITHUB_STEP_SUMMARY): never
+    replaced, and a write that fails takes back what it appended, so the file is as it was."""
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    start = os.fstat(fd).st_size
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError as e:
+        os.ftruncate(fd, start)
+        raise_if_no_room(e, path)
+        raise
+    finally:
+        os.close(fd)
+
+
 def is_no_room(e: OSError, written: Path | None = None) -> bool:
     """True when `e` says a write ran out of room: disk, quota or file-size limit (NO_ROOM_ERRNOS).
     A short write reported without an errno (numpy's `tofile`: "N requested and M written") ran
@@ -71,6 +89,22 @@ def is_no_room(e: OSError, written: Path | None = None) -> bool:
     if e.errno in NO_ROOM_ERRNOS:
         return True
     return e.errno is None and written is not None and _is_full(written)
+
+
+def room_shortfall(directory: Path, need: int) -> OSError | None:
+    """The error a write of a `need`-byte file into `directory` would meet, None when it fits:
+    EFBIG past the file-size limit (`ulimit -f`), ENOSPC past the filesystem's free space. For a
+    writer that cannot tell its own failures apart (a compiler it runs), asked before it runs."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < need:
+        why = f"{os.strerror(errno.EFBIG)}: the file-size limit is {limit} bytes, below the {need} this needs"
+        return OSError(errno.EFBIG, why)
+    existing = next((p for p in (directory, *directory.parents) if p.is_dir()), Path("/"))
+    stat = os.statvfs(existing)
+    if stat.f_bavail * stat.f_frsize < need:
+        why = f"{os.strerror(errno.ENOSPC)}: {stat.f_bavail * stat.f_frsize} bytes free, this needs {need}"
+        return OSError(errno.ENOSPC, why)
+    return None
 
 
 def _is_full(path: Path) -> bool:
@@ -83,13 +117,22 @@ def _is_full(path: Path) -> bool:
     return free == 0 or (limit != resource.RLIM_INFINITY and size >= limit)
 
 
-def no_room_error(output: Path | str, e: OSError) -> InputError:
-    """The one-line error of a write to `output` that ran out of room (`is_no_room(e)`)."""
-    return InputError(
-        f"{output}: could not be written ({e.strerror or e}); nothing was "
+def no_room_error(output: Path | str, e: OSError, via: Path | str | None = None) -> NoRoomError:
+    """The one-line error of a write to `output` that ran out of room (`is_no_room(e)`); `via`
+    names the file whose write failed when it is not `output` itself (a capture's spool)."""
+    where = f" writing {via}" if via is not None else ""
+    return NoRoomError(
+        f"{output}: could not be written ({e.strerror or e}{where}); nothing was "
         "written there and a file already there was kept; free disk space, raise the file-size "
         "limit (`ulimit -f`) or quota, or write it elsewhere"
     )
+
+
+def raise_if_no_room(e: OSError, output: Path | str, via: Path | str | None = None) -> None:
+    """Raise `no_room_error` for `e` when it says a write ran out of room; else return, for the
+    caller to re-raise `e` (a bug, or a disk that is failing rather than full)."""
+    if is_no_room(e):
+        raise no_room_error(output, e, via) from None
 
 
 def existing_file(arg: str) -> Path | None:
@@ -192,6 +235,7 @@ def _acquire(path: Path, output: Path, what: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
+            raise_if_no_room(e, path)
             raise InputError(
                 f"{path}: cannot create the lock file beside {what} {output} ({e.strerror}); "
                 f"check that the directory is writable or choose another {what}"
@@ -206,10 +250,22 @@ def _acquire(path: Path, output: Path, what: str) -> int:
                 f"wait for it or choose another {what}"
             ) from None
         if _is_linked(fd, path):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            _write_pid(fd, path)
             return fd
         os.close(fd)  # its holder removed this file as it let go: lock the one at `path` now
+
+
+def _write_pid(fd: int, path: Path) -> None:
+    """Write this pid into the lock file `fd` (named `path`), for a second run's message; a lock
+    that cannot be written is released and removed."""
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as e:
+        path.unlink(missing_ok=True)  # while still locked, as output_lock releases it
+        os.close(fd)
+        raise_if_no_room(e, path)
+        raise
 
 
 def _is_linked(fd: int, path: Path) -> bool:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from featdiff.diff.result import Comparison
 from featdiff.dump import Manifest
 from featdiff.errors import InputError
-from featdiff.outputs import check_output, check_output_dir, replaced
+from featdiff.outputs import append_text, check_output, check_output_dir, replaced
 from featdiff.probe import AcceptStats, Probe
 
 MARGIN_Z = 2.576  # two-sided 99% normal quantile: a CI gate should rarely fail a right wiring by chance
@@ -363,6 +363,8 @@ def _probe_of_flows(manifest: Manifest, program: str, ref_target: Path, ref_mode
     flows = manifest.flow_ids()
     traces = []
     for k in flows:
+        if manifest.flow_info(k).why_unreplayable():  # compare named it: no accept rate rests on it
+            continue
         view = flow_view(manifest, k)
         label = Path(program).name if len(flows) == 1 else f"flow {k} (sequence {view.flow_info(k).seq_id})"
         traces.append(RunTrace(label, view.prompt_tokens, view.rounds, run_block_rows(view.evals, program)))
@@ -389,8 +391,7 @@ def write_outputs(result: CheckResult, json_out: str | None, summary_md: Path | 
             tmp.write_text(markdown, encoding="utf-8")
     step_summary = os.environ.get(ENV_STEP_SUMMARY)
     if step_summary:
-        with open(step_summary, "a", encoding="utf-8") as out:  # GitHub's file: appended to, never replaced
-            out.write(markdown + "\n")
+        append_text(Path(step_summary), markdown + "\n")  # GitHub's file: appended to, never replaced
 
 
 def render_text(result: CheckResult) -> str:

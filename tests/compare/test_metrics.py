@@ -9,6 +9,7 @@ from featdiff.diff.metrics import measure, relative_error, row_cosine, row_simil
 from featdiff.diff.sketch import compare_sketches, projection, sample_rows, sketch, slot_sketches
 from featdiff.diff.tolerance import (
     MAX_REL,
+    REL_DEVICE,
     REL_F32,
     REL_KV_F16,
     REL_KV_Q8_0,
@@ -18,7 +19,7 @@ from featdiff.diff.tolerance import (
     tolerance_for,
     type_info,
 )
-from featdiff.dump import Manifest
+from featdiff.dump import Manifest, Record
 
 RNG = np.random.default_rng(0)
 
@@ -124,3 +125,22 @@ def test_sample_rows_is_even_and_bounded():
     assert list(sample_rows(5)) == [0, 1, 2, 3, 4]
     picked = sample_rows(10_000, 256)
     assert len(picked) == 256 and picked[0] == 0 and picked[-1] == 9_999
+
+
+def test_a_run_computed_on_a_device_is_judged_with_its_backends_bound_after_attention():
+    rec = {"key": "k", "role": "draft", "phase": "draft", "eval": 0, "occurrence": 0, "op": "ADD"}
+    rec |= {"ggml_type": "f32", "ne": [4], "srcs": [], "dtype": "float32", "shape": [4]}
+    records = tuple(
+        Record.from_json({**rec, "key": f"k{i}", "name": f"l_out-{i}", "backend": b})
+        for i, b in enumerate(("CPU", "Vulkan0", "Vulkan1", None))
+    )
+    run = Manifest("llama.cpp", {}, {}, (), records)
+    types = type_info(Manifest("reference", {}, {}, (), ()), run)
+    assert types.devices == ("Vulkan0", "Vulkan1")  # the host's records, and the API's, are no device's
+    cpu = TypeInfo("f16", (), "float32")
+    post = tolerance_for("l_out-3", False, types)
+    assert post.rel == pytest.approx(SAFETY * np.sqrt(REL_F32**2 + REL_KV_F16**2 + REL_DEVICE["Vulkan"] ** 2))
+    assert "Vulkan backend" in post.sources and post.sources.count("Vulkan backend") == 1  # one per backend
+    assert tolerance_for("inp_noise_embd", False, types) == tolerance_for("inp_noise_embd", False, cpu)  # bitwise
+    cuda = tolerance_for("l_out-3", False, TypeInfo("f16", (), "float32", devices=("CUDA0",)))
+    assert cuda.rel == post.rel and "CUDA backend" in cuda.sources  # not measured: the Vulkan figure

@@ -3,10 +3,19 @@ per sequence, and each sequence's requests become flows of their own (docs/flow.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from featdiff.dump import DumpWriter, Manifest, Record, read_dump
+from featdiff.llama import spool
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
 from featdiff.llama.exec_phases import derive_rounds, flow_evals, whole_calls
 from featdiff.llama.sequences import Split, equal_graphs, graph_rows, seq_runs, split_decodes
 from featdiff.llama.spool_index import RecordEvent
+from featdiff.names import API_OP
+from featdiff.phases import Phase
 
 E = -1  # an embedding row
 
@@ -161,3 +170,79 @@ def test_a_verify_computed_as_two_graphs_is_one_round():
     (r,) = derive_rounds(merged, {})
     assert (r.pos0, r.drafts, r.accepted, r.target_tokens) == (3, (11, 12, 13), 1, (11, 20))
     assert next(e.eval for e in own if e.phase == "verify") in parts.values()
+
+
+def test_a_decode_kept_whole_numbers_its_graphs_records_on_so_no_two_share_a_key():
+    records = [_record(0, "embd", 2, ubatch=u) for u in range(3)]
+    split = split_decodes(_log([(0, [5, 6, 7, 8], [0, 1, 2, 3], [0] * 4)], records), {0: Split(2)})
+    assert [(r.eval, r.name, r.occurrence) for r in split.log.records] == [
+        (0, "embd", 0),
+        (0, "embd", 1),
+        (0, "embd", 2),
+    ]
+
+
+MIXED_BATCHES = {  # (decodes, records, splits): every multi-sequence batch shape a server makes
+    "two prompts in one prefill": ([(0, [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [0, 0, 0, 1, 1])], [(0, 5, 0)], ONE_STREAM),
+    "a prefill beside a verify": (
+        [(0, [81, 16, 16, 16, 300, 301, 302], [8, 9, 10, 11, 0, 1, 2], [1] * 4 + [0] * 3)],
+        [(0, 4, 0), (0, 3, 1)],
+        {0: Split(512, 2)},
+    ),
+    "two slots' draft blocks": ([(1, [8, 3, 3, 3, 10, 3, 3, 3], [3, 4, 5, 6, 2, 3, 4, 5], [0] * 4 + [1] * 4)], [(0, 8, 0)], ONE_STREAM),
+    "micro-batches of mixed sequences": ([(0, [1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2], [0, 0, 0, 1, 1, 1])], [(0, 4, 0), (0, 2, 1)], {0: Split(4)}),
+    "a split featdiff does not model": ([(0, [1, 2, 3, 4], [0, 1, 0, 1], [0, 0, 1, 1])], [(0, 1, u) for u in range(4)], {0: Split(2)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", MIXED_BATCHES)
+def test_every_multi_sequence_batch_shape_packs_into_a_dump_featdiff_reads(shape, tmp_path):
+    decodes, cuts, splits = MIXED_BATCHES[shape]
+    records = [_record(ev, "l_out-0", rows, ubatch=u) for ev, rows, u in cuts]
+    records += [replace(r, name="Qcur-0", occurrence=1) for r in records]  # a name twice in each graph
+    split = split_decodes(_log(decodes, records), splits)
+    data = tmp_path / "run.npz.spool.data"
+    data.write_bytes(bytes(max(r.offset + r.nbytes for r in split.log.records)))
+    evals = flow_evals(split.log)
+    writer = DumpWriter(tmp_path / "run.npz")
+    written = spool.write_records(writer, split.log.records, evals, data)
+    writer.close(Manifest(source="llama.cpp", models={}, build={}, evals=evals, records=()))
+    with read_dump(tmp_path / "run.npz") as dump:
+        assert len(dump.manifest.records) == len(written.names) == len(split.log.records) and not written.dropped
+
+
+def test_the_dump_writer_refuses_a_key_twice_and_leaves_nothing(tmp_path):
+    writer = DumpWriter(tmp_path / "run.npz")
+    record = Record(key="e00000.target.embd.0", role="target", phase=Phase.PREFILL, eval=0, name="embd", occurrence=0,
+                    op="GET_ROWS", ggml_type="f32", ne=(4, 2), srcs=(), dtype="float32", shape=(2, 4))  # fmt: skip
+    writer.add(record, np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="e00000.target.embd.0 written twice"):
+        writer.add(record, np.zeros((2, 4), np.float32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_last_layer_with_one_output_row_per_graph_splits_by_sequence():
+    """A prefill of two prompts on a stream each, the second longer: the first graph holds one
+    output row (the first prompt's last), the record's one row (ggml ne [n_embd, 1])."""
+    log = _log([(0, [1, 2, 3, 4, 5, 6], [0, 1, 0, 1, 2, 3], [0, 0, 1, 1, 1, 1])])
+    log = replace(log, evals=(replace(log.evals[0], outputs=(0, 1, 0, 0, 0, 1)),))
+    records = (_record(0, "l_out-5", 1, width=8), _record(0, "l_out-5", 1, width=8, offset=32, ubatch=1))
+    split = split_decodes(replace(log, records=records), {0: Split(4, 2)})
+    assert split.notes == ()
+    assert [(e.seq_ids[0], len(e.positions)) for e in split.log.evals] == [(0, 2), (1, 2), (1, 2)]
+    assert [(r.eval, r.offset) for r in split.log.records] == [(0, 0), (2, 32)]
+
+
+def test_a_read_back_of_a_call_computed_as_two_graphs_splits_by_its_output_rows():
+    """Three slots' draft blocks in one batch on a stream each (sequences 0, 1, 3: split_equal
+    takes 0 and 1, then 3): the nodes come per graph, `draft_logits` (read back through the API
+    after the call, ubatch 0) holds every output row of the call, in batch order."""
+    seqs = [0] * 4 + [1] * 4 + [3] * 4
+    log = _log([(1, [8, 3, 3, 3, 9, 3, 3, 3, 10, 3, 3, 3], [5, 6, 7, 8] * 3, seqs)])
+    logits = replace(_record(0, "draft_logits", 12), op=API_OP, role="draft")
+    records = [_record(0, "l_out-0", 8), _record(0, "l_out-0", 4, offset=128, ubatch=1), logits]
+    split = split_decodes(replace(log, records=tuple(records)), {1: Split(512, 4)})
+    assert split.notes == ()
+    assert [e.seq_ids[0] for e in split.log.evals] == [0, 1, 3]
+    read_back = [(r.eval, r.ne[1], r.offset) for r in split.log.records if r.name == "draft_logits"]
+    assert read_back == [(0, 4, 0), (1, 4, 64), (2, 4, 128)]

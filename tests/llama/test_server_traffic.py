@@ -8,22 +8,19 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import featdiff_process
 from featdiff.cli import app
 from featdiff.dump import read_dump
 from featdiff.llama.server import free_port
 
 # one slot: the request after the shared prefix finds it cached; one thread each (2 shared cores)
 SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-np", "1", "-t", "1", "-td", "1"]
-FEATDIFF = [sys.executable, "-c", "import sys; from featdiff.cli import main; sys.argv[0] = 'featdiff'; main()"]
-LISTENING = "send your requests now"  # featdiff's line once the server answers /health
 WAIT_S = 60  # the most a test waits for the server to come up, or featdiff to end
 N_PREDICT = 8
 SHARED_PREFIX = list(range(100, 140))  # 40 tokens both prefix requests start with
@@ -37,19 +34,12 @@ def server_command(tools, fixture_models) -> list[str]:
     return [program, "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SERVER_ARGS]
 
 
-def _featdiff(args: list[str], stderr: Path) -> subprocess.Popen:
-    """featdiff as its console script runs it (cli.main, its signal handlers), stderr to a file."""
-    with open(stderr, "w") as err:
-        return subprocess.Popen([*FEATDIFF, *map(str, args)], stdout=subprocess.DEVNULL, stderr=err)
+def _featdiff(args: list, stderr: Path) -> subprocess.Popen:
+    return featdiff_process.start(args, stderr)
 
 
 def _wait_listening(proc: subprocess.Popen, stderr: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while LISTENING not in stderr.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"featdiff never said it listens (rc {proc.poll()}): {stderr.read_text()[-2000:]}")
-        time.sleep(0.05)
+    featdiff_process.wait_listening(proc, stderr, WAIT_S)
 
 
 def _complete(port: int, prompt: list, n_predict: int = N_PREDICT):

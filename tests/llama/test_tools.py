@@ -58,6 +58,8 @@ def test_the_project_patches_name_the_files_they_change():
         "0002-driver-faults.patch",
         "0003-log-snr-faults.patch",
         "0004-recurrent-rollback-fault.patch",
+        "0005-vulkan-older-headers.patch",
+        "0006-vulkan-device-fault.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -67,3 +69,6 @@ def test_the_project_patches_name_the_files_they_change():
     assert "common/speculative.cpp" in touched["0002-driver-faults.patch"]
     assert not touched["0001-dflash-log-snr.patch"] & touched["0002-driver-faults.patch"]
     assert touched["0004-recurrent-rollback-fault.patch"] == {"src/llama-memory-recurrent.cpp"}
+    # the Vulkan backend's file only, which the CPU builds never compile
+    vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
+    assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan

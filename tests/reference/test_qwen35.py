@@ -34,8 +34,10 @@ QWEN35_EMBD = "model.input_embed"  # qwen35.cpp's name for the target's embeddin
 FULL, LINEAR = "full_attention", "linear_attention"
 # rel L2 of a layer input, the reference's cached forward (prefill, a rejected block rolled back,
 # the accepted rows) vs transformers' eager forward over the whole sequence at once: float32 op
-# order only (chunked delta rule over the history vs over the whole), measured <= 5.0e-7
-EAGER_BOUND = 1e-6
+# order only (chunked delta rule over the history vs over the whole), measured <= 5.0e-7 on one
+# machine and 1.15e-6 on a Xeon with AVX-512 and AMX (torch's CPU kernels differ); as Nemotron-H's,
+# 1e-5 leaves that noise 8x and still sits 10^4 below a state that kept the rejected rows (0.64)
+EAGER_BOUND = 1e-5
 # rel L2 at layer 1's input when the rejected block's recurrent state is kept (measured 0.64):
 # far above numeric noise, so a state that kept rejected rows could not pass as noise
 KEPT_STATE_MIN = 1e-1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from featdiff import names
+from featdiff import lattice, names
 from featdiff.diff.metrics import as_rows
 from featdiff.diff.namemap import NameMap
 from featdiff.diff.result import WARMUP_SKIP, Alignment, Skip, SkipReason, SkipSide
@@ -472,7 +472,21 @@ def pair_arrays(
         raise ValueError(f"{alignment.run_key}: not comparable ({alignment.layout})")
     if alignment.positions:
         ref_rows, run_rows = _take(ref_rows, alignment.rows), _take(run_rows, alignment.run_rows)  # (R, D) each
-    return comparable_values(name, ref_rows, run_rows)
+    ref_rows, run_rows = comparable_values(name, ref_rows, run_rows)
+    return ref_rows, in_ref_candidate_order(name, ref_rows, run_rows)
+
+
+def in_ref_candidate_order(name: str, ref: np.ndarray, run: np.ndarray) -> np.ndarray:
+    """`run`, a DFlash2 `dflash2_lattice`, with each row's candidates in the reference's order
+    where both list the same candidates (featdiff.lattice.candidate_orders): the selector lists
+    its top-k by logit, and two nearly equal logits swap places with the f16 cache, which changes
+    no draft the walk takes; other records, and candidates that differ, are left as they are."""
+    if name != names.DFLASH2_LATTICE or ref.shape != run.shape or ref.ndim != 2:
+        return run
+    orders = lattice.candidate_orders(ref.tolist(), run.tolist())
+    if orders is None:
+        return run
+    return np.asarray(lattice.canonical_rows(run.tolist(), orders), dtype=run.dtype)  # (R, D)
 
 
 def comparable_values(name: str, ref: np.ndarray, run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -27,7 +27,7 @@ from featdiff.diff.evidence import (
     position_evidence,
     target_layers,
 )
-from featdiff.diff.fields import ABSENT, FlowFields, PositionOffsetFields
+from featdiff.diff.fields import ABSENT, FlowFields, FlowNoteFields, PositionOffsetFields
 from featdiff.diff.metrics import Measurement, measure
 from featdiff.diff.namemap import NameMap, read_name_map
 from featdiff.diff.partings import find_partings
@@ -59,30 +59,59 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
     reference's flow of the same number, and each finding says which flow it is about."""
     rules = read_name_map(name_map)
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
-        flows = run_dump.manifest.flow_ids()
+        run_m = run_dump.manifest
+        flows = run_m.flow_ids()
         if len(flows) == 1:
             return _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map)
-        check_flows(ref, run, ref_dump.manifest, run_dump.manifest)
+        unfollowed = {k: run_dump.manifest.flow_info(k).why_unreplayable() for k in flows}
+        check_flows(
+            ref, run, ref_dump.manifest, run_dump.manifest, frozenset(k for k, why in unfollowed.items() if why)
+        )
         ref_index, run_index = index_members(ref_dump), index_members(run_dump)
+        first = next((k for k in flows if not unfollowed[k]), None)  # its view holds the run's flow notes
         parts = [
             _compare(
                 ref,
                 run,
                 open_source(ref_dump, flow_view(ref_dump.manifest, k), ref_index),
-                open_source(run_dump, flow_view(run_dump.manifest, k), run_index),
+                open_source(run_dump, flow_view(run_dump.manifest, k, first), run_index),
                 rules,
                 name_map,
                 flow=run_dump.manifest.flow_info(k),
             )
             for k in flows
+            if not unfollowed[k]
         ]
-    return merged(parts)
+    if not parts:
+        raise InputError(f"{run}: no flow of the run can be compared: {next(iter(unfollowed.values()))}")
+    return _with_unfollowed(merged(parts), [(run_m.flow_info(k), why) for k, why in unfollowed.items() if why])
 
 
-def check_flows(ref: Path, run: Path, ref_m: Manifest, run_m: Manifest) -> None:
+def _with_unfollowed(c: Comparison, flows: list[tuple[FlowInfo, str]]) -> Comparison:
+    """The flows left out because what their sequences held is not modelled, named as
+    information with their flow and sequence: no verdict rests on them."""
+    notes = [
+        replace(
+            Finding.of(
+                FlowNoteFields(notes=(why,)),
+                tensor="flows",
+                message=f"{why}; the flow was not compared, and the verdict rests on the other flows",
+                severity="info",
+            ),
+            fields={**FlowNoteFields(notes=(why,)).to_json(), **FlowFields(flow=f.flow, seq_id=f.seq_id).to_json()},
+        )
+        for f, why in flows
+    ]
+    return replace(c, findings=c.findings + tuple(notes)) if notes else c
+
+
+def check_flows(
+    ref: Path, run: Path, ref_m: Manifest, run_m: Manifest, unfollowed: frozenset[int] = frozenset()
+) -> None:
     """A run of several flows needs a reference of the same flows (`reference --run` or
-    `--follow` of that run): InputError naming both otherwise."""
-    if ref_m.flow_ids() != run_m.flow_ids():
+    `--follow` of that run), but the run's flows no reference can replay (`unfollowed`):
+    InputError naming both otherwise."""
+    if set(ref_m.flow_ids()) != set(run_m.flow_ids()) - unfollowed:
         raise InputError(
             f"{ref}: holds flows {list(ref_m.flow_ids())}, {run} flows {list(run_m.flow_ids())} (one per request "
             f"and sequence); make the reference of this run with `featdiff reference ... --follow {run}` "

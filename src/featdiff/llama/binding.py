@@ -87,6 +87,13 @@ struct llama_context_params {
 
 void llama_backend_init(void);
 size_t ggml_backend_reg_count(void);
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+enum ggml_backend_dev_type { GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, ... };
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
 void ggml_backend_load_all_from_path(const char * dir_path);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 const char * llama_print_system_info(void);
@@ -131,6 +138,7 @@ void fd_capture_begin_eval(fd_capture * cap, int eval_index);
 int fd_capture_note(fd_capture * cap, const char * json_line);
 int fd_capture_add_rows(fd_capture * cap, int role, const char * name, const float * data, int64_t n_cols, int64_t n_rows);
 int fd_capture_error(const fd_capture * cap);
+int fd_capture_errno(const fd_capture * cap);
 long fd_capture_n_records(const fd_capture * cap);
 fd_context_tag * fd_tag_new(fd_capture * cap, int role);
 void fd_tag_free(fd_context_tag * tag);

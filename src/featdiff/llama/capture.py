@@ -17,13 +17,13 @@ from pathlib import Path
 from featdiff import names, progress
 from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row, flow_positions
 from featdiff.dump import Eval, Round
-from featdiff.errors import InputError, Interrupted
+from featdiff.errors import InputError, Interrupted, NoRoomError
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
 from featdiff.gguf_reader import model_info
 from featdiff.llama import driver, ggml_dequant, spool
 from featdiff.llama.options import RunOptions
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
-from featdiff.outputs import check_output, failed_output, output_lock
+from featdiff.outputs import check_output, failed_output, is_no_room, no_room_error, output_lock
 from featdiff.preflight import preflight
 from featdiff.tokens import check_prompt, parse_tokens, require_one
 
@@ -173,31 +173,41 @@ def _spooled(
     try:
         sp.note(spool.HEADER, _header(rt, models, ids, filters, cfg, options))
         _run(rt, sp, models, ids, cfg, rounds, options)
+        failed = sp.close()
+        if failed is not None:
+            raise failed
+        packed = spool.pack(prefix, output)
     except KeyboardInterrupt as stop:
         sp.close()
         packed = spool.pack(prefix, failed_output(output))
         spool.remove_spool(prefix)
         raise Interrupted.of(stop, packed.summary()) from None
-    except BaseException:
+    except BaseException as e:
         sp.close()
-        data = spool.spool_files(prefix)[1]
-        if data.is_file() and data.stat().st_size == 0:  # it stopped before a record: nothing to recover
-            spool.remove_spool(prefix)
-        else:
-            log.error(
-                "capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
-                prefix,
-                prefix,
-                failed_output(output),
-            )
+        _leave_spool(prefix, output, e)
         raise
-    err = sp.close()
-    if err:
-        raise OSError(f"{prefix}.data: the shim failed to write the spool (error {err})")
-    packed = spool.pack(prefix, output)
     spool.remove_spool(prefix)
     spool.warn_dropped(packed)
     return packed
+
+
+def _leave_spool(prefix: Path, output: Path, stopped: BaseException) -> None:
+    """What a capture that `stopped` leaves of its spool: nothing when it ran out of room (raises
+    the one-line error: the spool's room is what a rerun needs) or stopped before a record; else
+    its complete records, and how to pack them."""
+    if isinstance(stopped, OSError) and is_no_room(stopped):
+        spool.remove_spool(prefix)
+        raise no_room_error(output, stopped, f"its spool {stopped.filename}") from None
+    data = spool.spool_files(prefix)[1]
+    if isinstance(stopped, NoRoomError) or (data.is_file() and data.stat().st_size == 0):
+        spool.remove_spool(prefix)  # the dump ran out of room, or nothing to recover
+        return
+    log.error(
+        "capture stopped; its complete records stay in %s.*: `featdiff pack %s -o %s`",
+        prefix,
+        prefix,
+        failed_output(output),
+    )
 
 
 def new_contexts(
@@ -293,10 +303,25 @@ def _header(
             "draft_max": cfg.draft_max,
             "p_min": cfg.p_min,
             "n_ubatch": n_ubatch(options),
+            "placement": placement_json(rt, options),
             **options.build_json(),
         },
         "prompt_tokens": ids,
     }
+
+
+def placement_json(rt: Runtime, options: RunOptions) -> dict:
+    """`build.placement` (docs/dump.md): the devices ggml reports and, per model, the layers it
+    was told to offload (-ngl / -ngld, else llama.cpp's default; negative: all) and the devices
+    that can take them (every device but the CPU; none when no layer is offloaded)."""
+    devices = rt.devices()
+    offload = [d.name for d in devices if d.kind != "cpu"]
+    given = {"target": options.n_gpu_layers, "draft": options.n_gpu_layers_draft}
+    per_role = {}
+    for role, n in given.items():
+        layers = rt.default_gpu_layers() if n is None else n
+        per_role[role] = {"n_gpu_layers": layers, "devices": offload if layers != 0 else []}
+    return {"devices": [d.to_json() for d in devices], **per_role}
 
 
 def _commit(rt: Runtime) -> str:

@@ -10,9 +10,11 @@ packs from the spool, whose phases and rounds featdiff.llama.exec_phases infers 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from featdiff.llama.exec_pack import UNKNOWN_VERSION, pack_exec, read_flow, remo
 from featdiff.llama.exec_phases import prompt_from_evals
 from featdiff.llama.options import options_of_command
 from featdiff.llama.preload import Preload, build_of_program, preload
-from featdiff.outputs import check_output, existing_file, failed_output, output_lock
+from featdiff.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
 
 # read_flow and prompt_from_evals stay importable from here for featdiff.probe.
 __all__ = ["capture_exec", "command_files", "program_path", "prompt_from_evals", "read_flow"]
@@ -115,7 +117,7 @@ def capture_exec(
             "commit": program_version(program),
         }
         pre = preload(prefix, kept, build_of_program(program, llama_dir))
-        save_build(prefix, build)
+        save_build(prefix, build, output)
         try:
             build |= _launch(command, pre, prefix, prompt, tokens, timeout_s, n_requests)
         except KeyboardInterrupt as stop:
@@ -136,6 +138,9 @@ def capture_exec(
 def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
     """Pack the spool of a run that ended (to -o, or beside it if the program failed) and remove it."""
     rc = int(build.get("exit_code", 0))
+    if rc == -signal.SIGXFSZ:  # the program ran past the file-size limit writing the spool
+        remove_spool(prefix)
+        raise no_room_error(output, OSError(errno.EFBIG, os.strerror(errno.EFBIG)), f"{prefix}.*")
     try:
         packed = pack_exec(prefix, failed_output(output) if rc != 0 else output, build)
     except InputError:

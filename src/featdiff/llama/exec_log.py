@@ -72,6 +72,28 @@ class ExecSeqRm:
     ok: bool = True  # what llama.cpp answered (False: it refused, nothing was removed)
 
 
+MEMORY_OPS = ("seq_rm", "clear", "seq_cp", "seq_keep", "seq_add", "seq_div", "state_save", "state_restore")
+
+
+@dataclass(frozen=True)
+class ExecMemory:
+    """A change the program made to what a context's sequences hold, in the order it was made:
+    a removal (`seq_rm`), a `clear`, a copy, keep, shift or division of positions, a sequence's
+    state saved or restored (the preload's exec_seq_rm, exec_clear and exec_memory lines)."""
+
+    ctx: int
+    after_eval: int  # the last eval before it (-1: before every eval)
+    op: str  # one of MEMORY_OPS
+    seq_id: int = -1  # the sequence (seq_cp: the source); -1: every sequence
+    p0: int = -1
+    p1: int = -1
+    seq_dst: int = -1  # seq_cp's destination
+    delta: int = 0  # seq_add's shift, seq_div's divisor
+    flags: int = 0  # llama_state_seq_flags of a state op (1: a partial state, SWA or recurrent only)
+    ok: bool = True  # what llama.cpp answered (a refused removal or restore changed nothing)
+    state: str = ""  # a saved state's name: a hash of its bytes, or "file:<path>" for a state file
+
+
 @dataclass(frozen=True)
 class ExecLog:
     """The complete lines of a preload spool index, by kind, in the order they happened."""
@@ -84,6 +106,7 @@ class ExecLog:
     n_torn: int
     seq_rms: tuple[ExecSeqRm, ...] = ()  # the preload's exec_seq_rm lines: removals from a cache
     n_unreadable: int = 0  # complete lines that are no JSON event
+    memory: tuple[ExecMemory, ...] = ()  # every change to what a sequence holds, in order
 
 
 _MISSING = object()
@@ -152,6 +175,36 @@ def read_exec_log(index: Path) -> ExecLog:
             for e in by_kind.get("exec_seq_rm", [])
         ),
         n_unreadable=lines.n_unreadable,
+        memory=tuple(_exec_memory(_Line(e, index)) for e in lines.events if e["kind"] in _MEMORY_KINDS),
+    )
+
+
+_MEMORY_KINDS = ("exec_seq_rm", "exec_clear", "exec_memory")
+
+
+def _exec_memory(e: _Line) -> ExecMemory:
+    kind = e.event["kind"]
+    if kind == "exec_clear":
+        return ExecMemory(e.integer("ctx"), e.integer("after_eval"), "clear")
+    op = "seq_rm" if kind == "exec_seq_rm" else e.text("op")
+    if op not in MEMORY_OPS:
+        raise InputError(
+            f"{e.index}: an exec_memory line of the preload names op {op!r}, not one of {', '.join(MEMORY_OPS)}; "
+            "the spool is damaged or another featdiff version wrote it: run the capture again"
+        )
+    file = e.text("file", "")
+    return ExecMemory(
+        e.integer("ctx"),
+        e.integer("after_eval"),
+        op,
+        e.integer("seq_id"),
+        e.integer("p0"),
+        e.integer("p1"),
+        e.integer("seq_dst", -1),
+        e.integer("delta", 0),
+        e.integer("flags", 0),
+        e.flag("ok", True),
+        f"file:{file}" if file else e.text("state", ""),
     )
 
 

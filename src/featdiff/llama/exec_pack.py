@@ -22,6 +22,7 @@ from featdiff.errors import InputError
 from featdiff.gguf_reader import model_info
 from featdiff.llama import ggml_dequant, spool
 from featdiff.llama.exec_log import ExecLog, read_exec_log
+from featdiff.llama.exec_memory import follow_memory
 from featdiff.llama.exec_phases import (
     derive_rounds,
     flow_evals,
@@ -33,6 +34,7 @@ from featdiff.llama.exec_phases import (
 )
 from featdiff.llama.preload import PRELOAD_VAR
 from featdiff.llama.sequences import split_decodes, split_of
+from featdiff.outputs import raise_if_no_room
 from featdiff.phases import Phase
 
 log = logging.getLogger(__name__)
@@ -93,17 +95,22 @@ def read_flow(prefix: Path) -> ExecFlow:
     log_ = seqs.log
     evals = flow_evals(log_)
     rounds: list[Round] = []
-    notes: list[str] = list(seqs.notes)
     flows: list[FlowInfo] = []
-    history: dict[int, dict[int, int]] = {}  # sequence -> position -> the token last decoded there
+    starts = {s.flow: s for s in follow_memory(log_, evals)}
+    notes_of: dict[int, list[str]] = {}  # flow -> the notes about it
+    for e, note in zip(seqs.noted_evals, seqs.notes):
+        notes_of.setdefault(evals[e].flow, []).append(note)
     for k in sorted({e.flow for e in evals}):
         own = tuple(e for e in evals if e.flow == k)
         merged, _ = whole_calls(own)
         greedy = greedy_tokens(log_, data, own)
         found = derive_rounds(merged, greedy)
         rounds += [replace(r, flow=k) for r in found]
-        notes += flow_notes(merged, found, greedy)
-        flows.append(flow_info(k, own, history))
+        notes_of.setdefault(k, []).extend(flow_notes(merged, found, greedy))
+        flows.append(flow_info(k, own, starts.get(k)))
+    # a flow whose sequence was changed in a way featdiff does not follow (`unfollowed`: a context
+    # shift, a state never seen saved) is named by compare as information: its own notes are moot
+    notes = [n for f in flows if not f.unfollowed for n in notes_of.get(f.flow, [])]
     return ExecFlow(
         log_,
         evals,
@@ -135,9 +142,16 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed
     return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
 
 
-def save_build(prefix: Path, build: dict[str, Any]) -> None:
-    """Keep the build entry known at launch beside the spool, for `featdiff pack` of a run that dies."""
-    Path(f"{prefix}{BUILD_SUFFIX}").write_text(json.dumps(build, sort_keys=True))
+def save_build(prefix: Path, build: dict[str, Any], output: Path) -> None:
+    """Keep the build entry known at launch beside the spool, for `featdiff pack` of a run that
+    dies; out of room, it is removed and the capture to `output` refused (NoRoomError)."""
+    path = Path(f"{prefix}{BUILD_SUFFIX}")
+    try:
+        path.write_text(json.dumps(build, sort_keys=True))
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        raise_if_no_room(e, output, path)
+        raise
 
 
 def saved_build(prefix: Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from featdiff import names
 from featdiff.blocks import accepted_length
 from featdiff.dump import Eval, FlowInfo, MemoryOp, Round
 from featdiff.llama.exec_log import ExecEval, ExecLog
+from featdiff.llama.exec_memory import PARTIAL_STATE, FlowStart
 from featdiff.phases import TARGET_PHASES, Phase
 
 POS_UNSET = -1  # the preload's position of an entry the program left unplaced (a NULL pos array)
@@ -63,6 +64,7 @@ class _Walk:
     speculating: bool = False  # this sequence has drafted before (a new one starts at position 0)
     request: int = 0  # requests this sequence served before this one
     last_pos0: int = -1  # the first position of the sequence's last target decode
+    restored: bool = False  # the program restored the sequence's state since its last target decode
 
 
 def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
@@ -83,11 +85,16 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     last_part: dict[int, tuple[int, str, int]] = {}  # per sequence: (call, role, seq) of its last decode
     calls: list[tuple[int, int]] = []  # (call, sequence) of each eval
     flow_of: dict[tuple[int, int], int] = {}  # (sequence, request) -> flow, in order of appearance
+    restores = _target_restores(log)
     out: list[Eval] = []
     for ev in log.evals:
         ev = replace(ev, positions=encoded.get(ev.eval, ev.positions))
         role: names.Role = roles.get(ev.ctx, names.ROLE_TARGET)
         seq = ev.seq_ids[0] if len(set(ev.seq_ids)) == 1 else -1
+        while restores and restores[0][0] < ev.eval:  # a restored state: the sequence's next request
+            _, restored = restores.pop(0)
+            if restored in walks and walks[restored].speculating:
+                walks[restored] = replace(walks[restored], restored=True)
         walk = walks.get(seq, _Walk())
         if ev.eval in warm:
             phase = Phase.WARMUP
@@ -115,6 +122,18 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
         )
         calls.append((ev.call_id, seq))
     return _numbered_parts(out, calls)
+
+
+def _target_restores(log: ExecLog) -> list[tuple[int, int]]:
+    """(after eval, sequence) of each state the program restored into a target sequence (a prompt
+    cache hit: llama-server's RAM cache, a `/slots` file), in order; partial states (checkpoints
+    of a recurrent or SWA memory) roll a request back and start none."""
+    targets = {c.index for c in log.contexts if c.role == names.ROLE_TARGET}
+    return [
+        (m.after_eval, m.seq_id)
+        for m in log.memory
+        if m.op == "state_restore" and m.ok and m.ctx in targets and not m.flags & PARTIAL_STATE
+    ]
 
 
 def _numbered_parts(evals: list[Eval], calls: list[tuple[int, int]]) -> tuple[Eval, ...]:
@@ -148,6 +167,8 @@ def _step(walk: _Walk, role: names.Role, ev: ExecEval) -> tuple[Phase, _Walk]:
             return Phase.INJECT, walk
         return Phase.DRAFT, replace(walk, round=walk.round + 1, drafted=True, speculating=True)
     pos0 = ev.positions[0] if ev.positions else walk.last_pos0 + 1
+    if walk.restored:  # a prompt cache restored it: a new request, whatever it decodes
+        return Phase.PREFILL, _Walk(request=walk.request + 1, last_pos0=pos0)
     if walk.drafted:
         return Phase.VERIFY, replace(walk, drafted=False, last_pos0=pos0)
     if walk.speculating and len(ev.positions) == 1 and pos0 > walk.last_pos0:
@@ -348,17 +369,15 @@ def _continuation_notes(
     return out
 
 
-def flow_info(flow: int, evals: tuple[Eval, ...], history: dict[int, dict[int, int]]) -> FlowInfo:
-    """One flow's sequence and prompt: the tokens its sequence already held before the flow's
-    first prefill position (a prompt cache the program reused), then prompt_from_evals'. Records
-    the flow's target tokens into `history` for the flows after it."""
+def flow_info(flow: int, evals: tuple[Eval, ...], start: FlowStart | None) -> FlowInfo:
+    """One flow's sequence and prompt: the tokens its sequence held before the flow's first
+    prefill position (`start`: a prompt cache the program reused or restored,
+    featdiff.llama.exec_memory), then prompt_from_evals'."""
     real = [e for e in evals if e.phase != Phase.WARMUP]
     seq = real[0].seq_ids[0] if real and real[0].seq_ids else 0
-    held = history.setdefault(seq, {})
-    prefill = [p for e in real if e.phase == Phase.PREFILL for p in e.positions]
-    n_cached = min(prefill) if prefill else 0
-    cached = tuple(held.get(p, -1) for p in range(n_cached))
-    for e in real:
-        if e.role == names.ROLE_TARGET and e.token_ids:
-            held.update(zip(e.positions, e.token_ids))
-    return FlowInfo(flow, seq, cached + prompt_from_evals(evals), n_cached)
+    prompt = prompt_from_evals(evals)
+    if start is None:
+        return FlowInfo(flow, seq, prompt)
+    if not start.n_cached:
+        return FlowInfo(flow, seq, prompt, unfollowed=start.unfollowed)
+    return FlowInfo(flow, seq, start.target + prompt, start.n_cached, start.draft, start.unfollowed)

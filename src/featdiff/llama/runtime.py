@@ -15,6 +15,7 @@ import numpy as np
 from featdiff.dump import CacheTypes
 from featdiff.errors import InputError
 from featdiff.llama import binding
+from featdiff.outputs import is_no_room
 
 ENV_VERBOSE = "FEATDIFF_LLAMA_LOG"
 META_BUF = 256
@@ -65,6 +66,39 @@ class Runtime:
 
     def system_info(self) -> str:
         return self.ffi.string(self.lib.llama_print_system_info()).decode()
+
+    def devices(self) -> tuple[Device, ...]:
+        """The devices ggml reports, in its order (the CPU's among them)."""
+        lib, ffi = self.lib, self.ffi
+        kinds = {int(lib.GGML_BACKEND_DEVICE_TYPE_CPU): "cpu", int(lib.GGML_BACKEND_DEVICE_TYPE_GPU): "gpu"}
+        found = []
+        for i in range(int(lib.ggml_backend_dev_count())):
+            dev = lib.ggml_backend_dev_get(i)
+            found.append(
+                Device(
+                    name=ffi.string(lib.ggml_backend_dev_name(dev)).decode(errors="replace"),
+                    description=ffi.string(lib.ggml_backend_dev_description(dev)).decode(errors="replace"),
+                    kind=kinds.get(int(lib.ggml_backend_dev_type(dev)), "other"),
+                )
+            )
+        return tuple(found)
+
+    def default_gpu_layers(self) -> int:
+        """llama.cpp's n_gpu_layers when -ngl is not given (-1 in the pinned tree: every layer)."""
+        return int(self.lib.llama_model_default_params().n_gpu_layers)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A ggml device: its name (`Vulkan0`, `CUDA0`, `CPU`), ggml's description of it, and its
+    kind: `cpu`, `gpu`, or `other` (an integrated GPU, an accelerator)."""
+
+    name: str
+    description: str
+    kind: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "description": self.description, "kind": self.kind}
 
 
 @dataclass
@@ -326,6 +360,11 @@ class Spool:
     def open(rt: Runtime, prefix: Path, filters: dict[int, list[str]]) -> "Spool":
         ptr = rt.lib.fd_capture_open(str(prefix).encode())
         if ptr == rt.ffi.NULL:
+            failed = OSError(rt.ffi.errno, os.strerror(rt.ffi.errno), f"{prefix}.*")  # open(2)'s errno
+            for suffix in (".data", ".index"):  # it may have created one of the two
+                Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+            if is_no_room(failed):
+                raise failed
             raise InputError(f"{prefix}.index: cannot create the capture spool; check the output directory is writable")
         for role, globs in filters.items():
             for g in globs:
@@ -342,19 +381,36 @@ class Spool:
     def note(self, kind: str, payload: dict[str, Any]) -> None:
         line = json.dumps({"kind": kind, **payload}, sort_keys=True)
         if self.rt.lib.fd_capture_note(self.ptr, line.encode()) != 0:
-            raise OSError(f"{self.prefix}.index: write failed")
+            raise self.write_error()
 
     def add_rows(self, role: int, name: str, rows: np.ndarray) -> None:
         """Record `rows` `(n_rows, n_cols)`, read back through the API, under `name` in the current eval."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_rows, n_cols)
         data = self.rt.ffi.from_buffer("float[]", rows)
         if self.rt.lib.fd_capture_add_rows(self.ptr, role, name.encode(), data, rows.shape[1], rows.shape[0]) != 0:
-            raise OSError(f"{self.prefix}.data: write failed")
+            raise self.write_error()
 
-    def close(self) -> int:
-        err = self.rt.lib.fd_capture_error(self.ptr)
-        rc = self.rt.lib.fd_capture_close(self.ptr)
-        return err or rc
+    def write_error(self) -> OSError:
+        """The spool write that failed, with the shim's errno when a write(2) failed: ENOSPC,
+        EDQUOT and EFBIG are a spool out of room (featdiff.outputs.is_no_room), not a bug."""
+        code = self.rt.lib.fd_capture_errno(self.ptr)
+        if code:
+            return OSError(code, os.strerror(code), f"{self.prefix}.*")
+        return OSError(f"{self.prefix}.*: the shim failed to write the spool (error {self.error()})")
+
+    def error(self) -> int:
+        """The shim's first error (an FD_E* code), 0 if none: its callback cannot raise one."""
+        return int(self.rt.lib.fd_capture_error(self.ptr))
+
+    def close(self) -> OSError | None:
+        """Close the spool files (once; again is a no-op). The write the shim's callback could not
+        make (it cannot raise), None when every write succeeded."""
+        if self.ptr == self.rt.ffi.NULL:
+            return None
+        failed = self.write_error() if self.error() else None
+        ptr, self.ptr = self.ptr, self.rt.ffi.NULL
+        rc = self.rt.lib.fd_capture_close(ptr)
+        return failed or (OSError(f"{self.prefix}.*: closing the spool failed (error {rc})") if rc else None)
 
 
 def ggml_type(rt: Runtime, name: str) -> int:

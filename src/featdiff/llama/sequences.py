@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from featdiff import names
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
 from featdiff.llama.spool_index import RecordEvent, n_dims
 from featdiff.llama.ubatch import chunks
@@ -48,6 +49,7 @@ class SplitLog:
 
     log: ExecLog
     notes: tuple[str, ...] = ()
+    noted_evals: tuple[int, ...] = ()  # the eval (of `log`) each note is about
 
 
 def simple_graphs(n_tokens: int, n_ubatch: int) -> tuple[Rows, ...]:
@@ -108,6 +110,8 @@ def _cut(event: RecordEvent, start: int, end: int, n_rows: int) -> RecordEvent |
     last), or None when its leading axis is not those rows."""
     ne = list(event.ne)
     axis = n_dims(event.ne) - 1
+    if n_rows == 1 and ne[axis] != 1 and axis + 1 < len(ne):  # one row: its axis is the 1 n_dims leaves out
+        axis += 1
     if ne[axis] != n_rows or (n_rows == 1 and end - start != 1):
         return None
     if (start, end) == (0, n_rows):
@@ -144,6 +148,27 @@ def _record_part(event: RecordEvent, ev: ExecEval, graph: Rows, part: Rows) -> t
     return None if cut is None else (cut,)
 
 
+def _holds(event: RecordEvent, graph: int) -> bool:
+    """Whether the record holds rows of this graph: a node those of its own, a row read back
+    through the API after the call (`draft_logits`) those of every graph."""
+    return event.op == names.API_OP or event.ubatch == graph
+
+
+def _part_of(event: RecordEvent, ev: ExecEval, graph: Rows, part: Rows) -> tuple[RecordEvent, ...] | None:
+    """The rows of `part` (a run of `graph`'s rows) of a record: a node's by its graph's rows
+    (_record_part); an API read-back's by the call's output rows, in batch order, as the program
+    reads them (llama_get_logits_ith)."""
+    if event.op != names.API_OP:
+        return _record_part(event, ev, graph, part)
+    outputs = [i for i in range(len(ev.seq_ids)) if not ev.outputs or ev.outputs[i]]
+    mine = [i for i in part if not ev.outputs or ev.outputs[i]]
+    if not mine:
+        return ()
+    first = outputs.index(mine[0])
+    cut = _cut(event, first, first + len(mine), len(outputs))
+    return None if cut is None else (cut,)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """How one decode splits: (graph index, graph rows, run rows) per part, or why it cannot."""
@@ -169,7 +194,7 @@ def _plan(ev: ExecEval, records: list[RecordEvent], split: Split) -> _Plan:
     if len(parts) == 1:
         return _Plan(tuple(parts))
     for r in records:
-        if any(_record_part(r, ev, graphs[r.ubatch], run) is None for ug, _, run in parts if ug == r.ubatch):
+        if any(_part_of(r, ev, graph, run) is None for u, graph, run in parts if _holds(r, u)):
             return _Plan((), f"{what}: its record {r.name} has no row per token of its graph")
     return _Plan(tuple(parts))
 
@@ -183,6 +208,7 @@ def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:
     records: list[RecordEvent] = []
     last: dict[int, int] = {}
     notes: list[str] = []
+    noted: list[int] = []
     for ev in log.evals:
         own = by_eval.get(ev.eval, [])
         plan = _plan(ev, own, splits.get(ev.ctx, Split(None)))
@@ -191,12 +217,13 @@ def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:
                 notes.append(
                     plan.why_whole + "; its rows are kept together, and pair with the reference only as a whole"
                 )
+                noted.append(len(evals))
             evals.append(replace(ev, eval=len(evals), origin=ev.call_id))
-            records += [replace(r, eval=len(evals) - 1) for r in own]
+            records += _one_graph(own, len(evals) - 1)
         else:
             for u, graph, run in plan.parts:
                 evals.append(_sub_decode(ev, len(evals), run))
-                parts = (_record_part(r, ev, graph, run) or () for r in own if r.ubatch == u)
+                parts = (_part_of(r, ev, graph, run) or () for r in own if _holds(r, u))
                 records += [replace(p, eval=len(evals) - 1) for part in parts for p in part]
         last[ev.eval] = len(evals) - 1
     moved = replace(
@@ -205,8 +232,23 @@ def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:
         records=tuple(records),
         clears=tuple((ctx, _moved(last, after)) for ctx, after in log.clears),
         seq_rms=tuple(replace(e, after_eval=_moved(last, e.after_eval)) for e in log.seq_rms),
+        memory=tuple(replace(e, after_eval=_moved(last, e.after_eval)) for e in log.memory),
     )
-    return SplitLog(moved, tuple(notes))
+    return SplitLog(moved, tuple(notes), tuple(noted))
+
+
+def _one_graph(own: list[RecordEvent], eval_: int) -> list[RecordEvent]:
+    """The records of a decode kept whole, as one eval's: a node of a later graph of the call
+    counts on from the earlier graphs' nodes of its name (occurrence), so no two share a key."""
+    count: dict[tuple[str, str, int], int] = {}  # (name, role, graph) -> its nodes of that name
+    for r in own:
+        k = (r.name, r.role, r.ubatch)
+        count[k] = max(count.get(k, 0), r.occurrence + 1)
+    return [replace(r, eval=eval_, occurrence=_in_earlier_graphs(count, r) + r.occurrence) for r in own]
+
+
+def _in_earlier_graphs(count: dict[tuple[str, str, int], int], r: RecordEvent) -> int:
+    return sum(n for (name, role, u), n in count.items() if (name, role) == (r.name, r.role) and u < r.ubatch)
 
 
 def _moved(last: dict[int, int], after: int) -> int:

@@ -9,6 +9,7 @@ Consumes the user's llama-server command and the requests; produces a `ServerRes
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import signal
@@ -340,6 +341,11 @@ def _complete(port: int, request: CompletionRequest, log_path: Path) -> ServerRe
     except urllib.error.HTTPError as e:
         raise RequestFailed(
             f"{log_path}: llama-server answered {e.code} to /completion ({e.read()[:200]!r}); check the request and the server flags"
+        ) from None
+    except (ConnectionError, http.client.HTTPException, urllib.error.URLError) as e:  # it died answering
+        raise RequestFailed(
+            f"{log_path}: llama-server closed the connection without answering /completion ({e}): it died "
+            f"decoding the request; its log ends: {_tail(log_path)}"
         ) from None
     timings = answer.get("timings", {})
     return ServerResult(

@@ -106,6 +106,7 @@ def record_from_event(event: RecordEvent, phase: Phase, dims: int | None = None)
         dtype=event.dtype,
         shape=tuple(reversed(ne)),
         nb=event.nb,
+        backend=event.backend,
     )
 
 

@@ -53,6 +53,7 @@ class RecordEvent:
     offset: int
     nbytes: int
     ubatch: int = 0  # the graph within the eval (absent in spools written before it: 0)
+    backend: str | None = None  # the ggml device whose memory held the data (absent before issue 31)
 
 
 def is_json_int(x: Any) -> bool:
@@ -71,6 +72,7 @@ def record_event(event: dict[str, Any]) -> RecordEvent | None:
     ints = (event["eval"], event["role"], event["occurrence"], event["offset"], event["nbytes"])
     strs = (event["name"], event["op"], event["ggml_type"], event["dtype"])
     ubatch = event.get("ubatch", 0)
+    backend = event.get("backend")
     if not (
         all(is_json_int(v) for v in ints)
         and is_json_int(ubatch)
@@ -81,6 +83,7 @@ def record_event(event: dict[str, Any]) -> RecordEvent | None:
         and isinstance(event["srcs"], list)
         and all(isinstance(s, str) for s in event["srcs"])
         and 0 <= event["role"] < len(ROLES)
+        and (backend is None or isinstance(backend, str))
     ):
         return None
     return RecordEvent(
@@ -97,6 +100,7 @@ def record_event(event: dict[str, Any]) -> RecordEvent | None:
         offset=event["offset"],
         nbytes=event["nbytes"],
         ubatch=ubatch,
+        backend=backend,
     )
 
 

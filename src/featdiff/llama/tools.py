@@ -68,6 +68,11 @@ CMAKE_OPTIONS = (
     "-DGGML_METAL=OFF",
     "-DGGML_VULKAN=OFF",
     "-DGGML_BACKEND_DL=OFF",
+    # x86-64-v3 (AVX2, FMA, F16C), not -march=native: on a CPU with AMX (a Xeon reporting amx_int8)
+    # the native build's AMX q8_0 matmul crashes the process (SIGSEGV in ggml_backend_amx_mul_mat)
+    # on the tiny fixtures' q8_0 target; and one build runs alike on every machine CI lands on
+    "-DGGML_NATIVE=OFF",
+    *(f"-DGGML_{f}=ON" for f in ("SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2")),  # said, so a reconfigure sets them
 )
 
 
@@ -349,6 +354,62 @@ def ensure_release(
     stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s %s in %.0f s", spec, ", ".join(targets), seconds)
     return ToolBuild(root, source, build_dir / "bin", seconds)
+
+
+# The pinned tree with ggml's Vulkan backend, for the tests that capture on a device backend
+# (tests/llama/test_vulkan.py): built once per machine from the project's patched tree (patch
+# 0005 lets ggml-vulkan.cpp compile against Debian 12's Vulkan 1.3.239 headers) into a build
+# directory of its own beside the CPU build, `--llama-dir build/llama.cpp-vulkan`. It needs
+# Debian's libvulkan-dev, glslc and spirv-headers to build and mesa-vulkan-drivers (llvmpipe, a
+# Vulkan 1.3 device that computes on the CPU) to run (`make vulkan`, as root). Unoptimized like
+# the other test-only builds: the CPU backend's code at -O0; the shaders glslc compiles are the
+# same either way.
+VULKAN_DIR = "llama.cpp-vulkan"
+VULKAN_STAMP = "featdiff-vulkan.json"
+# the library only: the tests capture on the device in-process. On llvmpipe (Mesa 22.3) the pinned
+# tree's programs built with Vulkan crash inside the driver (SIGSEGV in a libvulkan_lvp.so worker
+# thread), without featdiff too: every run of llama-speculative-simple -ngl 99 -ngld 99 with its
+# default flash attention, and 2 of 10 with `-fa off --no-spec-draft-backend-sampling` and
+# GGML_VK_DISABLE_ASYNC=1 (measured here); no test can rest on them, so no program is built
+VULKAN_TARGETS = ("llama",)
+VULKAN_OPTIONS = (
+    *(o for o in CMAKE_OPTIONS if not o.startswith("-DGGML_VULKAN=")),
+    "-DGGML_VULKAN=ON",
+    *TEST_BUILD_FLAGS,
+)
+VULKAN_PACKAGES = ("libvulkan-dev", "glslc", "spirv-headers", "mesa-vulkan-drivers")
+# ggml skips Vulkan devices of the CPU type (llvmpipe) unless they are named visible
+# (ggml-vulkan.cpp ggml_vk_instance_init): the environment a capture on llvmpipe needs.
+SOFTWARE_VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
+VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
+
+
+def ensure_vulkan(root: Path | None = None, targets: tuple[str, ...] = VULKAN_TARGETS) -> ToolBuild:
+    """The project's patched tree built with -DGGML_VULKAN=ON into `root` (default
+    build/llama.cpp-vulkan), once per source, patches and options; `ToolBuild.root` is the
+    `--llama-dir` (a CMake build directory whose CMakeCache.txt names the tree)."""
+    source = source_tree(tools_dir())
+    root = Path(root or tools_dir().parent / VULKAN_DIR)
+    want = {"key": build_key(source), "targets": list(targets), "options": list(VULKAN_OPTIONS)}
+    stamp = root / VULKAN_STAMP
+    built = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    if built.get("want") == want and (root / "bin" / LIBLLAMA).exists():
+        return ToolBuild(root, source, root / "bin", float(built["seconds"]))
+    _require_vulkan_sdk()
+    seconds = _build(source, root, targets, VULKAN_OPTIONS)
+    stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
+    log.info("built the Vulkan %s in %.0f s", ", ".join(targets), seconds)
+    return ToolBuild(root, source, root / "bin", seconds)
+
+
+def _require_vulkan_sdk() -> None:
+    """What building ggml's Vulkan backend needs first: the headers and glslc (a missing
+    SPIRV-Headers, CMake's configure step names)."""
+    if shutil.which("glslc") is None or not VULKAN_HEADER.is_file():
+        raise InputError(
+            f"{VULKAN_HEADER}: the Vulkan headers or glslc are missing; building llama.cpp with -DGGML_VULKAN=ON "
+            f"needs them: `make vulkan` (as root), or apt-get install {' '.join(VULKAN_PACKAGES)}"
+        )
 
 
 def main() -> None:

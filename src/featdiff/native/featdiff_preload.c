@@ -14,6 +14,13 @@
  *   llama_encode
  *   llama_memory_clear           "exec_clear"    (warm-up and probe decodes end in one)
  *   llama_memory_seq_rm          "exec_seq_rm"   which positions the program removes from a cache
+ *   llama_memory_seq_cp / _keep  "exec_memory"   every other change to what a sequence holds: copies,
+ *   / _add / _div                                 keeps, position shifts (context shift, cache reuse)
+ *   llama_state_seq_get_data*    "exec_memory"   a sequence's state saved (op "state_save") or
+ *   llama_state_seq_set_data*                     restored ("state_restore"), named by a hash of its
+ *                                                 bytes: the server's RAM prompt cache, checkpoints
+ *   llama_state_seq_save_file /  "exec_memory"   the same through a file (`/slots` save and restore),
+ *   llama_state_seq_load_file                     named by its path
  *   llama_free                   "exec_free"
  *
  * Both generations of llama.h's batch API are served: FDP_BATCH_EXT (set by featdiff from the
@@ -78,6 +85,18 @@ typedef void    (*fdp_free_fn)(struct llama_context *);
 typedef int32_t (*fdp_decode_fn)(struct llama_context *, struct llama_batch);
 typedef void    (*fdp_clear_fn)(llama_memory_t, bool);
 typedef bool    (*fdp_seq_rm_fn)(llama_memory_t, llama_seq_id, llama_pos, llama_pos);
+typedef void    (*fdp_seq_cp_fn)(llama_memory_t, llama_seq_id, llama_seq_id, llama_pos, llama_pos);
+typedef void    (*fdp_seq_keep_fn)(llama_memory_t, llama_seq_id);
+typedef void    (*fdp_seq_shift_fn)(llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos);
+typedef void    (*fdp_seq_div_fn)(llama_memory_t, llama_seq_id, llama_pos, llama_pos, int);
+typedef size_t  (*fdp_state_get_fn)(struct llama_context *, uint8_t *, size_t, llama_seq_id);
+typedef size_t  (*fdp_state_set_fn)(struct llama_context *, const uint8_t *, size_t, llama_seq_id);
+typedef size_t  (*fdp_state_save_fn)(struct llama_context *, const char *, llama_seq_id, const llama_token *, size_t);
+typedef size_t  (*fdp_state_load_fn)(struct llama_context *, const char *, llama_seq_id, llama_token *, size_t, size_t *);
+#ifdef LLAMA_STATE_SEQ_FLAGS_NONE
+typedef size_t  (*fdp_state_get_ext_fn)(struct llama_context *, uint8_t *, size_t, llama_seq_id, llama_state_seq_flags);
+typedef size_t  (*fdp_state_set_ext_fn)(struct llama_context *, const uint8_t *, size_t, llama_seq_id, llama_state_seq_flags);
+#endif
 #if FDP_BATCH_EXT
 typedef int32_t (*fdp_process_fn)(struct llama_context *, enum llama_process_type, struct llama_batch_ext *);
 typedef struct llama_batch_ext * (*fdp_batch_init_fn)(struct llama_context *);
@@ -98,6 +117,18 @@ struct fdp_real {
     fdp_decode_fn encode;
     fdp_clear_fn clear_mem;
     fdp_seq_rm_fn seq_rm;
+    fdp_seq_cp_fn seq_cp;
+    fdp_seq_keep_fn seq_keep;
+    fdp_seq_shift_fn seq_add;
+    fdp_seq_div_fn seq_div;
+    fdp_state_get_fn state_get;
+    fdp_state_set_fn state_set;
+    fdp_state_save_fn state_save;
+    fdp_state_load_fn state_load;
+#ifdef LLAMA_STATE_SEQ_FLAGS_NONE
+    fdp_state_get_ext_fn state_get_ext;
+    fdp_state_set_ext_fn state_set_ext;
+#endif
 #if FDP_BATCH_EXT
     fdp_process_fn process;
     fdp_batch_init_fn batch_init;
@@ -242,6 +273,18 @@ static void resolve(void) {
     FDP_RESOLVE(encode, llama_encode);
     FDP_RESOLVE(clear_mem, llama_memory_clear);
     FDP_RESOLVE(seq_rm, llama_memory_seq_rm);
+    FDP_RESOLVE(seq_cp, llama_memory_seq_cp);
+    FDP_RESOLVE(seq_keep, llama_memory_seq_keep);
+    FDP_RESOLVE(seq_add, llama_memory_seq_add);
+    FDP_RESOLVE(seq_div, llama_memory_seq_div);
+    FDP_RESOLVE(state_get, llama_state_seq_get_data);
+    FDP_RESOLVE(state_set, llama_state_seq_set_data);
+    FDP_RESOLVE(state_save, llama_state_seq_save_file);
+    FDP_RESOLVE(state_load, llama_state_seq_load_file);
+#ifdef LLAMA_STATE_SEQ_FLAGS_NONE
+    FDP_RESOLVE(state_get_ext, llama_state_seq_get_data_ext);
+    FDP_RESOLVE(state_set_ext, llama_state_seq_set_data_ext);
+#endif
 #if FDP_BATCH_EXT
     FDP_RESOLVE_EXT(process, llama_process);
     FDP_RESOLVE_EXT(batch_init, llama_batch_ext_init);
@@ -493,6 +536,155 @@ static bool hook_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, l
     return ok;
 }
 FDP_HOOK(llama_memory_seq_rm, hook_seq_rm)
+
+/* Every other change a program makes to what a sequence holds, as one "exec_memory" line after
+ * it ran: featdiff follows which tokens each sequence's cache holds at each position through
+ * them (a restored prompt cache, a shifted context), and names the ones it cannot follow. */
+struct fdp_mem_op {
+    const char * op;
+    int seq_id, seq_dst, p0, p1, delta, flags, ok;
+    const char * state;  /* a saved state's name: a hash of its bytes, or a file's path */
+    int state_is_file;
+};
+
+static void note_memory(int ctx_index, const struct fdp_mem_op * m) {
+    struct fdp_buf b = { 0 };
+    buf_printf(&b, "{\"kind\":\"exec_memory\",\"ctx\":%d,\"after_eval\":%d,\"op\":\"%s\",\"seq_id\":%d,"
+                   "\"seq_dst\":%d,\"p0\":%d,\"p1\":%d,\"delta\":%d,\"flags\":%d,\"ok\":%s",
+               ctx_index, G.n_evals - 1, m->op, m->seq_id, m->seq_dst, m->p0, m->p1, m->delta, m->flags,
+               m->ok ? "true" : "false");
+    if (m->state) {
+        buf_printf(&b, m->state_is_file ? ",\"file\":" : ",\"state\":");
+        buf_str(&b, m->state);
+    }
+    buf_printf(&b, "}");
+    note_locked(&b);
+}
+
+static void note_mem_op(llama_memory_t mem, const struct fdp_mem_op * m) {
+    pthread_mutex_lock(&G.spool_lock);
+    struct fdp_ctx * c = G.contexts;
+    while (c && c->mem != mem) c = c->next;
+    if (c && G.cap) note_memory(c->index, m);
+    pthread_mutex_unlock(&G.spool_lock);
+}
+
+static void note_ctx_op(const struct llama_context * ctx, const struct fdp_mem_op * m) {
+    pthread_mutex_lock(&G.spool_lock);
+    struct fdp_ctx * c = find_ctx(ctx);
+    if (c && G.cap) note_memory(c->index, m);
+    pthread_mutex_unlock(&G.spool_lock);
+}
+
+static void hook_seq_cp(llama_memory_t mem, llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) {
+    init();
+    if (G.real.seq_cp) G.real.seq_cp(mem, src, dst, p0, p1);
+    struct fdp_mem_op m = { .op = "seq_cp", .seq_id = src, .seq_dst = dst, .p0 = p0, .p1 = p1, .ok = 1 };
+    note_mem_op(mem, &m);
+}
+FDP_HOOK(llama_memory_seq_cp, hook_seq_cp)
+
+static void hook_seq_keep(llama_memory_t mem, llama_seq_id seq_id) {
+    init();
+    if (G.real.seq_keep) G.real.seq_keep(mem, seq_id);
+    struct fdp_mem_op m = { .op = "seq_keep", .seq_id = seq_id, .seq_dst = -1, .p0 = -1, .p1 = -1, .ok = 1 };
+    note_mem_op(mem, &m);
+}
+FDP_HOOK(llama_memory_seq_keep, hook_seq_keep)
+
+static void hook_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos delta) {
+    init();
+    if (G.real.seq_add) G.real.seq_add(mem, seq_id, p0, p1, delta);
+    struct fdp_mem_op m = { .op = "seq_add", .seq_id = seq_id, .seq_dst = -1, .p0 = p0, .p1 = p1, .delta = delta, .ok = 1 };
+    note_mem_op(mem, &m);
+}
+FDP_HOOK(llama_memory_seq_add, hook_seq_add)
+
+static void hook_seq_div(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    init();
+    if (G.real.seq_div) G.real.seq_div(mem, seq_id, p0, p1, d);
+    struct fdp_mem_op m = { .op = "seq_div", .seq_id = seq_id, .seq_dst = -1, .p0 = p0, .p1 = p1, .delta = d, .ok = 1 };
+    note_mem_op(mem, &m);
+}
+FDP_HOOK(llama_memory_seq_div, hook_seq_div)
+
+/* A saved state is named by the FNV-1a hash of its bytes (and their count): a restore of the
+ * same bytes names the same state, so featdiff knows which saved history a restore brings back,
+ * whatever the program believes it restored. */
+static void state_name(const uint8_t * data, size_t n, char * out, size_t cap) {
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; data && i < n; ++i) h = (h ^ data[i]) * 1099511628211ULL;
+    snprintf(out, cap, "%016llx-%zu", (unsigned long long) h, n);
+}
+
+static void note_state(const struct llama_context * ctx, const char * op, llama_seq_id seq, const uint8_t * data,
+                       size_t size, size_t n, int flags) {
+    char name[64];
+    state_name(data, size, name, sizeof(name));
+    struct fdp_mem_op m = { .op = op, .seq_id = seq, .seq_dst = -1, .p0 = -1, .p1 = -1, .flags = flags,
+                            .ok = n > 0 && n == size, .state = name };
+    note_ctx_op(ctx, &m);
+}
+
+static size_t hook_state_get(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq) {
+    init();
+    size_t n = G.real.state_get ? G.real.state_get(ctx, dst, size, seq) : 0;
+    note_state(ctx, "state_save", seq, dst, n, n, 0);
+    return n;
+}
+FDP_HOOK(llama_state_seq_get_data, hook_state_get)
+
+static size_t hook_state_set(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id seq) {
+    init();
+    size_t n = G.real.state_set ? G.real.state_set(ctx, src, size, seq) : 0;
+    note_state(ctx, "state_restore", seq, src, size, n, 0);
+    return n;
+}
+FDP_HOOK(llama_state_seq_set_data, hook_state_set)
+
+#ifdef LLAMA_STATE_SEQ_FLAGS_NONE
+static size_t hook_state_get_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq,
+                                 llama_state_seq_flags flags) {
+    init();
+    size_t n = G.real.state_get_ext ? G.real.state_get_ext(ctx, dst, size, seq, flags) : 0;
+    note_state(ctx, "state_save", seq, dst, n, n, (int) flags);
+    return n;
+}
+FDP_HOOK(llama_state_seq_get_data_ext, hook_state_get_ext)
+
+static size_t hook_state_set_ext(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id seq,
+                                 llama_state_seq_flags flags) {
+    init();
+    size_t n = G.real.state_set_ext ? G.real.state_set_ext(ctx, src, size, seq, flags) : 0;
+    note_state(ctx, "state_restore", seq, src, size, n, (int) flags);
+    return n;
+}
+FDP_HOOK(llama_state_seq_set_data_ext, hook_state_set_ext)
+#endif
+
+static size_t hook_state_save(struct llama_context * ctx, const char * path, llama_seq_id seq,
+                              const llama_token * tokens, size_t n_tokens) {
+    init();
+    size_t n = G.real.state_save ? G.real.state_save(ctx, path, seq, tokens, n_tokens) : 0;
+    struct fdp_mem_op m = { .op = "state_save", .seq_id = seq, .seq_dst = -1, .p0 = -1, .p1 = -1, .ok = n > 0,
+                            .state = path ? path : "", .state_is_file = 1 };
+    note_ctx_op(ctx, &m);
+    return n;
+}
+FDP_HOOK(llama_state_seq_save_file, hook_state_save)
+
+static size_t hook_state_load(struct llama_context * ctx, const char * path, llama_seq_id seq, llama_token * tokens,
+                              size_t cap, size_t * n_tokens) {
+    init();
+    size_t n = G.real.state_load ? G.real.state_load(ctx, path, seq, tokens, cap, n_tokens) : 0;
+    if (tokens) {  /* NULL tokens: only the count is read, nothing is loaded */
+        struct fdp_mem_op m = { .op = "state_restore", .seq_id = seq, .seq_dst = -1, .p0 = -1, .p1 = -1, .ok = n > 0,
+                                .state = path ? path : "", .state_is_file = 1 };
+        note_ctx_op(ctx, &m);
+    }
+    return n;
+}
+FDP_HOOK(llama_state_seq_load_file, hook_state_load)
 
 /* ---------------------------------------------------------------- batch shadows */
 #if FDP_BATCH_EXT

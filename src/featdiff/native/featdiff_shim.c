@@ -39,6 +39,7 @@ struct fd_capture {
     long long data_off;
     int eval;
     int error;
+    int write_errno;   /* errno of the first failed spool write: a full disk is not a bug */
     long n_records;
     char * filters[FD_N_ROLES][FD_MAX_FILTERS];
     int n_filters[FD_N_ROLES];
@@ -53,6 +54,7 @@ struct fd_pending {
     int occurrence;
     int n_leafs;
     struct ggml_tensor * leafs[GGML_MAX_SRC];
+    char leaf_names[GGML_MAX_SRC][GGML_MAX_NAME];   /* each input's own name (not its copy's) */
 };
 
 /* A batch larger than n_ubatch is computed as several graphs (ubatches), one after the other,
@@ -74,7 +76,7 @@ struct fd_tag_state {
     struct fd_pending pending;
     int leaf_eval;
     int n_leafs_done;
-    const struct ggml_tensor * leafs_done[FD_MAX_LEAFS];
+    char leafs_done[FD_MAX_LEAFS][GGML_MAX_NAME];   /* inputs recorded in this graph, by name */
     struct fd_graph graph;
 };
 
@@ -92,6 +94,12 @@ static int write_all(int fd, const void * buf, size_t n) {
         n -= (size_t) w;
     }
     return FD_OK;
+}
+
+/* `rc`, keeping the errno of the first write that failed (ENOSPC, EFBIG: the caller's to name). */
+static int kept_errno(fd_capture * cap, int rc) {
+    if (rc == FD_EWRITE && !cap->write_errno) cap->write_errno = errno;
+    return rc;
 }
 
 fd_capture * fd_capture_open(const char * prefix) {
@@ -138,10 +146,11 @@ void fd_capture_begin_eval(fd_capture * cap, int eval_index) {
 int fd_capture_note(fd_capture * cap, const char * json_line) {
     int rc = write_all(cap->fd_index, json_line, strlen(json_line));
     if (rc == FD_OK) rc = write_all(cap->fd_index, "\n", 1);
-    return rc;
+    return kept_errno(cap, rc);
 }
 
 int fd_capture_error(const fd_capture * cap) { return cap->error; }
+int fd_capture_errno(const fd_capture * cap) { return cap->write_errno; }
 long fd_capture_n_records(const fd_capture * cap) { return cap->n_records; }
 
 fd_context_tag * fd_tag_new(fd_capture * cap, int role) {
@@ -267,25 +276,63 @@ static void follow_graph(struct fd_tag_state * s, const struct ggml_tensor * t) 
 }
 
 /* A graph input (leaf) is safe to read through a consumer that cannot overwrite it in place:
- * a matrix multiplication's operand, ROPE's position vector, GET_ROWS' row ids. */
-static int is_safe_leaf_of(const struct ggml_tensor * node, int i) {
-    const struct ggml_tensor * src = node->src[i];
-    /* graph inputs only (ggml_set_input), not model weights */
-    if (!src || src->op != GGML_OP_NONE || !(src->flags & GGML_TENSOR_FLAG_INPUT) || !src->buffer) return 0;
+ * a matrix multiplication's operand, ROPE's position vector, GET_ROWS' row ids. A scheduler copy
+ * (below) is taken as a MUL_MAT's second operand only: llama.cpp multiplies weight x activation,
+ * and a model weight the scheduler copies to a device (op offload) is the first. */
+static int is_safe_consumer(const struct ggml_tensor * node, int i, int is_copy) {
     switch (node->op) {
-        case GGML_OP_MUL_MAT:  return 1;
+        case GGML_OP_MUL_MAT:  return !is_copy || i == 1;
         case GGML_OP_ROPE:     return i == 1;
         case GGML_OP_GET_ROWS: return i == 1;
         default:               return 0;
     }
 }
 
-static int leaf_done(const struct fd_tag_state * s, const struct ggml_tensor * leaf) {
+/* When a consumer runs on another backend than its source (a device with -ngl, the CPU for a
+ * graph input), ggml's scheduler hands it a copy named "<backend>#<source name>#<copy>"
+ * (ggml-backend.cpp, ggml_backend_sched_split_graph), without the input flag when there is one
+ * copy. Writes the source's own name into `out`; 0 when `name` is no such copy's. */
+static int copied_from(const char * name, char out[GGML_MAX_NAME]) {
+    const char * first = strchr(name, '#');
+    const char * last = strrchr(name, '#');
+    if (!first || first == name || last == first || !last[1]) return 0;
+    for (const char * d = last + 1; *d; ++d)
+        if (*d < '0' || *d > '9') return 0;
+    snprintf(out, GGML_MAX_NAME, "%.*s", (int) (last - first - 1), first + 1);
+    return 1;
+}
+
+static int leaf_done(const struct fd_tag_state * s, const char * name) {
     for (int i = 0; i < s->n_leafs_done; ++i)
-        if (s->leafs_done[i] == leaf) return 1;
+        if (strcmp(s->leafs_done[i], name) == 0) return 1;
     return 0;
 }
 
+/* Whether this graph computed a selected node `name` already: `occ` counts the selected names
+ * of the graph, nodes and recorded inputs alike. */
+static int was_computed(const struct fd_tag_state * s, const char * name) {
+    const fd_capture * cap = s->tag.cap;
+    if (leaf_done(s, name)) return 0;
+    for (int i = 0; i < cap->n_occ; ++i)
+        if (cap->occ[i].role == s->tag.role && strcmp(cap->occ[i].name, name) == 0) return 1;
+    return 0;
+}
+
+/* Whether src[i] of `node` is a graph input (ggml_set_input, not a model weight nor a computed
+ * node) read safely through this consumer; `name` gets the input's own name. The input itself
+ * carries the flag; a scheduler copy of it is one unless the graph computed a node of that name
+ * (then it is a copy of that node's output, recorded as the node). */
+static int input_source(const struct fd_tag_state * s, const struct ggml_tensor * node, int i,
+                        char name[GGML_MAX_NAME]) {
+    const struct ggml_tensor * src = node->src[i];
+    if (!src || src->op != GGML_OP_NONE || !src->buffer) return 0;
+    if (copied_from(src->name, name)) return is_safe_consumer(node, i, 1) && !was_computed(s, name);
+    snprintf(name, GGML_MAX_NAME, "%s", src->name);
+    return (src->flags & GGML_TENSOR_FLAG_INPUT) && is_safe_consumer(node, i, 0);
+}
+
+/* The inputs of `node` to record (each once per graph, under its own name, from whichever
+ * tensor holds its data: the input, or the scheduler's copy on the consumer's backend). */
 static void select_leafs(struct fd_tag_state * s, const struct ggml_tensor * node) {
     fd_capture * cap = s->tag.cap;
     if (s->leaf_eval != cap->eval) {
@@ -294,11 +341,11 @@ static void select_leafs(struct fd_tag_state * s, const struct ggml_tensor * nod
     }
     s->pending.n_leafs = 0;
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        struct ggml_tensor * src = node->src[i];
-        if (!is_safe_leaf_of(node, i) || leaf_done(s, src) || !matches(cap, s->tag.role, src->name)) continue;
+        char * name = s->pending.leaf_names[s->pending.n_leafs];
+        if (!input_source(s, node, i, name) || leaf_done(s, name) || !matches(cap, s->tag.role, name)) continue;
         if (s->n_leafs_done == FD_MAX_LEAFS) break;
-        s->leafs_done[s->n_leafs_done++] = src;
-        s->pending.leafs[s->pending.n_leafs++] = src;
+        memcpy(s->leafs_done[s->n_leafs_done++], name, strlen(name) + 1);   /* < GGML_MAX_NAME */
+        s->pending.leafs[s->pending.n_leafs++] = node->src[i];
     }
 }
 
@@ -347,6 +394,18 @@ static char * host_array(const struct ggml_tensor * t, size_t * out_nbytes, cons
 
 /* ---------------------------------------------------------------- index lines */
 
+/* The ggml device whose memory held `t` when it was read: "CPU" for host memory (where the CPU
+ * backend computes, also in a device's pinned host buffer), else the device's name ("Vulkan0",
+ * "CUDA0"): the backend that computed a node, or that a graph input was copied to. NULL for
+ * rows read back through the API (no buffer). */
+static const char * memory_device(const struct ggml_tensor * t) {
+    ggml_backend_buffer_t buf = t->view_src ? t->view_src->buffer : t->buffer;
+    if (!buf) return NULL;
+    if (ggml_backend_buffer_is_host(buf)) return "CPU";
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
+    return dev ? ggml_backend_dev_name(dev) : ggml_backend_buffer_name(buf);
+}
+
 static int json_str(char * buf, size_t cap, const char * s) {
     size_t n = 0;
     if (n < cap) buf[n++] = '"';
@@ -371,12 +430,19 @@ static int index_line(char * buf, size_t cap, const struct ggml_tensor * t, cons
                   t->nb[0], t->nb[1], t->nb[2], t->nb[3]);
     for (int i = 0, first = 1; i < GGML_MAX_SRC && (size_t) n < cap - 80; ++i) {
         if (!t->src[i]) continue;
+        char own[GGML_MAX_NAME];   /* a scheduler copy of a source is listed as the source */
         if (!first) buf[n++] = ',';
-        n += json_str(buf + n, cap - n, t->src[i]->name);
+        n += json_str(buf + n, cap - n, copied_from(t->src[i]->name, own) ? own : t->src[i]->name);
         first = 0;
     }
-    n += snprintf(buf + n, cap - n, "],\"dtype\":\"%s\",\"offset\":%lld,\"nbytes\":%zu,\"is_leaf\":%s}\n",
+    n += snprintf(buf + n, cap - n, "],\"dtype\":\"%s\",\"offset\":%lld,\"nbytes\":%zu,\"is_leaf\":%s",
                   dtype, off, nbytes, is_leaf ? "true" : "false");
+    const char * device = memory_device(t);
+    if (device) {
+        n += snprintf(buf + n, cap - n, ",\"backend\":");
+        n += json_str(buf + n, cap - n, device);
+    }
+    n += snprintf(buf + n, cap - n, "}\n");
     return n;
 }
 
@@ -391,19 +457,23 @@ static int append_record(fd_capture * cap, const void * data, size_t nbytes, con
                            is_leaf);
         rc = write_all(cap->fd_index, line, (size_t) n);
     }
-    if (rc != FD_OK) { cap->error = rc; return rc; }
+    if (rc != FD_OK) { cap->error = kept_errno(cap, rc); return rc; }
     cap->data_off += (long long) nbytes;
     cap->n_records++;
     return FD_OK;
 }
 
-static void record_tensor(fd_capture * cap, int ubatch, int role, const struct ggml_tensor * t, int occurrence,
-                          int is_leaf) {
+/* Record `t`'s data under `name` (a graph input read through the scheduler's copy keeps the
+ * input's own name: the index line describes a copy of the tensor struct renamed). */
+static void record_tensor(fd_capture * cap, int ubatch, int role, const struct ggml_tensor * t, const char * name,
+                          int occurrence, int is_leaf) {
     size_t nbytes = 0;
     const char * dtype = NULL;
     char * data = host_array(t, &nbytes, &dtype);
     if (!data) { cap->error = FD_ENOMEM; return; }
-    append_record(cap, data, nbytes, t, ggml_op_desc(t), ubatch, role, occurrence, dtype, is_leaf);
+    struct ggml_tensor described = *t;
+    snprintf(described.name, sizeof(described.name), "%s", name);
+    append_record(cap, data, nbytes, &described, ggml_op_desc(t), ubatch, role, occurrence, dtype, is_leaf);
     free(data);
 }
 
@@ -454,11 +524,12 @@ bool fd_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) {
         return s->pending.want_node || s->pending.n_leafs > 0;
     }
     for (int i = 0; i < s->pending.n_leafs; ++i) {
-        const struct ggml_tensor * leaf = s->pending.leafs[i];
-        record_tensor(cap, s->graph.ubatch, s->tag.role, leaf, next_occurrence(cap, s->tag.role, leaf->name), 1);
+        const char * name = s->pending.leaf_names[i];
+        record_tensor(cap, s->graph.ubatch, s->tag.role, s->pending.leafs[i], name,
+                      next_occurrence(cap, s->tag.role, name), 1);
     }
     if (s->pending.want_node && s->pending.occurrence >= 0) {
-        record_tensor(cap, s->graph.ubatch, s->tag.role, t, s->pending.occurrence, 0);
+        record_tensor(cap, s->graph.ubatch, s->tag.role, t, t->name, s->pending.occurrence, 0);
     }
     s->pending.want_node = 0;
     s->pending.n_leafs = 0;

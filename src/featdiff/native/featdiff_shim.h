@@ -53,6 +53,8 @@ int  fd_capture_add_rows(fd_capture * cap, int role, const char * name, const fl
                          int64_t n_cols, int64_t n_rows);
 /* First error seen by the callback (which cannot return one), 0 if none. */
 int  fd_capture_error(const fd_capture * cap);
+/* errno of the first spool write that failed (ENOSPC, EDQUOT, EFBIG: out of room), 0 if none. */
+int  fd_capture_errno(const fd_capture * cap);
 long fd_capture_n_records(const fd_capture * cap);
 
 fd_context_tag * fd_tag_new(fd_capture * cap, int role);

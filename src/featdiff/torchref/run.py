@@ -68,9 +68,13 @@ def reference(
         run = Path(follow) if follow is not None else run
         asked = asked_block_rows(block, Path(run) if run is not None else None)
         p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
-        prompt_ids = (
-            plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-        )
+        flows = run_flows(Path(run)) if run is not None else ()
+        if len(flows) > 1 and prompt is None and tokens is None:  # each flow's own prompt (flows_trace)
+            prompt_ids = replayed_prompt(flows)
+        else:
+            prompt_ids = (
+                plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+            )
         rounds = len(plan.rounds) if plan is not None else rounds
         dft = load_draft(Path(model), numerics.dtype, numerics.device, llama_dir)
         rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
@@ -87,7 +91,6 @@ def reference(
             rows.origin,
             dft.block_size,
         )
-        flows = run_flows(Path(run)) if run is not None else ()
         with torch.no_grad():
             try:
                 if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
@@ -140,6 +143,16 @@ def run_flows(run: Path) -> tuple[RunFlow, ...]:
     return tuple(RunFlow(m.flow_info(k), tuple(r for r in m.rounds if r.flow == k)) for k in ids)
 
 
+def replayed_prompt(flows: tuple[RunFlow, ...]) -> tuple[int, ...]:
+    """The longest prompt of the run's flows a reference can replay (what the checks of a prompt's
+    length and tokens see); InputError naming the first flow when none can be."""
+    why = [f.info.why_unreplayable() for f in flows]
+    if all(why):
+        more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
+        raise InputError(f"no flow of the run can be replayed: {why[0]}{more}")
+    return max((f.info.prompt_tokens for f, w in zip(flows, why) if not w), key=len)
+
+
 def flows_trace(
     tgt: Target, dft: Draft, flows: tuple[RunFlow, ...], numerics: Numerics, block_rows: int, p_min: float, follow: bool
 ) -> FlowTrace:
@@ -148,11 +161,11 @@ def flows_trace(
     numbered on, each with its flow."""
     evals: list[EvalTrace] = []
     rounds: list[Round] = []
-    for f in flows:
-        if len(f.info.prompt_tokens) < 2 or any(t < 0 for t in f.info.prompt_tokens):
-            raise InputError(
-                f"flow {f.info.flow} of the run has no whole prompt to replay ({list(f.info.prompt_tokens)})"
-            )
+    why = [f.info.why_unreplayable() for f in flows]  # replayed_prompt refused a run with none
+    for f, unreplayable in zip(flows, why):
+        if unreplayable:  # compare names it (information) and compares the other flows
+            log.warning("%s; the reference leaves it out", unreplayable)
+            continue
         trace = run_flow(
             tgt,
             dft,

@@ -18,7 +18,7 @@ from featdiff.diff.detectors.choices import (
     detect_near_tie,
     detect_wrong_source_of_drafts,
 )
-from featdiff.diff.detectors.kvcache import detect_duplicate_rows, detect_stale_cache
+from featdiff.diff.detectors.kvcache import detect_duplicate_rows, detect_stale_cache, detect_wrong_source_restored
 from featdiff.diff.detectors.numeric import (
     detect_divergence,
     detect_divergence_in_rope,
@@ -86,6 +86,7 @@ __all__ = [
     "detect_scale_per_channel",
     "detect_slot_permutation",
     "detect_stale_cache",
+    "detect_wrong_source_restored",
     "detect_stale_rows",
     "detect_unexpected_tensor",
     "detect_unexpected_tensor_outside_wiring",

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from featdiff import names
 from featdiff.diff.detectors.base import span
-from featdiff.diff.fields import DuplicateRowsFields, StaleFields
+from featdiff.diff.fields import DuplicateRowsFields, StaleFields, WrongSourceFields
 from featdiff.diff.kvcache import CacheState, draft_cache_states
 from featdiff.diff.result import Finding
 from featdiff.dump import Eval, Manifest
@@ -143,3 +143,31 @@ def _duplicate_finding(rows: list[int], sources: list[int], rnd: int, eval_index
         message=f"{what}; inject each target row once (remove rows with llama_memory_seq_rm before "
         f"injecting the same positions again)",
     )
+
+
+RESTORED_SOURCE = "another_saved_prompt"  # wrong_source's `source`: the drafter's cache restored from another prompt
+
+
+def detect_wrong_source_restored(run: Manifest) -> Finding | None:
+    """Hypothesis: the program restored the drafter's cache of a flow from another saved prompt
+    than the target's (a prompt cache that pairs the two contexts' states wrongly), so the drafter
+    reads another prompt's features at the cached positions. Evidence: the flow's `draft_cached`
+    (the target token whose features each cached drafter row holds, followed through the saved and
+    restored states' bytes by the capture) differs from the target's tokens at those positions."""
+    for flow in run.flows:
+        if flow.draft_cached is None:
+            continue
+        cached = flow.prompt_tokens[: flow.n_cached]
+        rows = [p for p, (t, d) in enumerate(zip(cached, flow.draft_cached)) if t >= 0 and d != t]
+        if rows:
+            detail = (
+                f"the drafter's cache held the features of other tokens than the target's at positions "
+                f"{span(rows)} of the {flow.n_cached} the program restored or kept for flow {flow.flow}"
+            )
+            return Finding.of(
+                WrongSourceFields(source=RESTORED_SOURCE, candidate=""),
+                tensor=KV_TENSOR,
+                message=f"{detail}: the drafter's state came from another saved prompt than the target's; "
+                "restore both contexts' states from the same prompt-cache entry",
+            )
+    return None

@@ -1,0 +1,114 @@
+"""What each sequence holds, followed through a program's decodes and memory changes (issue 30):
+a restored RAM prompt cache brings back the history saved under its bytes' name, a drafter
+restored from another saved prompt is seen, and shifts and unseen states are named, never
+guessed. Pure: hand-made logs of what the preload notes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from featdiff.dump import FlowInfo
+from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog, ExecMemory
+from featdiff.llama.exec_memory import UNKNOWN, follow_memory
+from featdiff.llama.exec_phases import flow_evals
+from featdiff.phases import Phase
+
+E = -1  # an embedding row (inject)
+CTXS = (ExecContext(0, "target", "qwen3", "T.gguf", True), ExecContext(1, "draft", "dflash", "D.gguf", True))
+
+
+def _request(prompt, first, seq=0, start=0):
+    """One request's decodes: prefill of prompt[start:], its inject, a draft block, its verify."""
+    n = len(prompt)
+    pos = list(range(start, n))
+    return [
+        (0, prompt[start:], pos, [seq] * len(pos)),
+        (1, [E] * len(pos), pos, [seq] * len(pos)),
+        (1, [first, 0, 0], [n, n + 1, n + 2], [seq] * 3),
+        (0, [first, 5, 6], [n, n + 1, n + 2], [seq] * 3),
+    ]
+
+
+def _log(decodes, memory) -> ExecLog:
+    evs = tuple(
+        ExecEval(i, c, tuple(t), tuple(p), tuple(s), (1,) * len(p), 0) for i, (c, t, p, s) in enumerate(decodes)
+    )
+    return ExecLog("libllama.so", CTXS, evs, (), (), 0, memory=tuple(memory))
+
+
+def _follow(log: ExecLog):
+    evals = flow_evals(log)
+    return evals, {s.flow: s for s in follow_memory(log, evals)}
+
+
+A, B = [10, 11, 12, 13], [20, 21, 22, 23, 24]
+
+
+def _save_and_restore(draft_state: str) -> ExecLog:
+    """One slot: request A, then B (the slot saves A's states first), then A again restored from
+    the cache (its last prompt token decoded again at position 3)."""
+    decodes = _request(A, 7) + _request(B, 8) + _request(A, 7, start=3)
+    return _log(
+        decodes,
+        [
+            ExecMemory(0, 3, "state_save", 0, state="tA"),
+            ExecMemory(1, 3, "state_save", 0, state="dA"),
+            ExecMemory(0, 3, "seq_rm", 0),
+            ExecMemory(1, 3, "seq_rm", 0),
+            ExecMemory(0, 7, "state_save", 0, state="tB"),
+            ExecMemory(1, 7, "state_save", 0, state="dB"),
+            ExecMemory(0, 7, "state_restore", 0, state="tA"),
+            ExecMemory(1, 7, "state_restore", 0, state=draft_state),
+            ExecMemory(0, 7, "seq_rm", 0, p0=3),
+            ExecMemory(1, 7, "seq_rm", 0, p0=3),
+        ],
+    )
+
+
+def test_a_restored_ram_cache_entry_brings_back_the_tokens_saved_under_its_name():
+    evals, starts = _follow(_save_and_restore("dA"))
+    assert sorted(starts) == [0, 1, 2]
+    third = starts[2]
+    assert third.n_cached == 3 and third.target == (10, 11, 12) and third.draft == (10, 11, 12)
+    assert not third.unfollowed
+    # a one-token prefill right after a restore starts a new request, not a verify of no drafts
+    assert [e.phase for e in evals if e.flow == 2 and e.role == "target"][0] == Phase.PREFILL
+
+
+def test_a_drafter_restored_from_another_saved_prompt_holds_that_prompts_features():
+    _, starts = _follow(_save_and_restore("dB"))
+    assert starts[2].target == (10, 11, 12) and starts[2].draft == (20, 21, 22)
+
+
+def test_a_shifted_or_unseen_state_leaves_its_positions_unknown_and_says_why():
+    log = _save_and_restore("dA")
+    unseen = replace(
+        log,
+        memory=tuple(
+            replace(m, state="elsewhere") if (m.op, m.state) == ("state_restore", "tA") else m for m in log.memory
+        ),
+    )
+    _, starts = _follow(unseen)
+    assert starts[2].target == (UNKNOWN,) * 3 and "never saw saved" in starts[2].unfollowed
+    shift = (ExecMemory(0, 7, "seq_rm", 0, p0=1, p1=2), ExecMemory(0, 7, "seq_add", 0, p0=2, p1=-1, delta=-1))
+    shifted = replace(log, memory=log.memory + shift)  # a context shift: one row out, the rest moved
+    _, starts = _follow(shifted)
+    assert starts[2].target[0] == 10 and UNKNOWN in starts[2].target and "seq_add" in starts[2].unfollowed
+
+
+def test_a_flow_with_unknown_positions_says_which_and_why_in_one_line():
+    info = FlowInfo(3, 1, (UNKNOWN,) * 82 + (119, 192), 82, unfollowed="the program moved 82 positions")
+    why = info.why_unreplayable()
+    assert why == (
+        "flow 3 (sequence 1) starts with 82 positions (0..81) whose tokens are not known: the program moved 82 positions"
+    )
+    assert FlowInfo(0, 0, (1, 2, 3)).why_unreplayable() == ""
+
+
+def test_a_context_shift_while_a_flow_runs_leaves_that_flow_unfollowed():
+    decodes = _request(A, 7) + [(0, [9], [6], [0])]  # the shift, then the next token at its new position
+    shift = (ExecMemory(0, 3, "seq_rm", 0, p0=1, p1=3), ExecMemory(0, 3, "seq_add", 0, p0=3, p1=-1, delta=-2))
+    _, starts = _follow(_log(decodes, shift))
+    assert "while the flow ran" in starts[0].unfollowed and "seq_add" in starts[0].unfollowed
+    info = FlowInfo(0, 0, tuple(A), unfollowed=starts[0].unfollowed)
+    assert info.why_unreplayable().startswith("flow 0 (sequence 0): the program moved positions of sequence 0")

@@ -1,0 +1,187 @@
+"""Capture on a device backend: the pinned tree built with ggml's Vulkan backend
+(`featdiff.llama.tools.ensure_vulkan`, once per machine into build/llama.cpp-vulkan) runs on Mesa's
+llvmpipe, a Vulkan device that computes on the CPU (`make vulkan` installs it). With layers
+offloaded, ggml's scheduler hands each device consumer of a graph input a copy of it
+(`Vulkan0#inp_target_features#0`); the capture records the input under its own name from that copy,
+so every placement, CPU, partial, whole, and target and drafter apart, gives the CPU build's
+records and compares clean against the reference.
+
+Each capture runs in a process of its own: this one has the pinned CPU libllama loaded, and the
+two builds' libraries share their sonames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from families import FAULT_VAR
+from featdiff.cli import app
+from featdiff.diff import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ToolBuild, ensure_vulkan
+from featdiff.names import BACKEND_HOST
+
+from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
+
+pytestmark = pytest.mark.slow  # builds the Vulkan llama.cpp: not part of `make test-fast`
+RUN_TIMEOUT_S = 600
+DEVICE = "Vulkan0"  # ggml's name of the first Vulkan device
+# label -> llama.cpp run options. The target has 6 layers and the drafter 2 (featdiff.fixtures);
+# llama.cpp offloads the last N of the layers and the output (src/llama-model.cpp: i_gpu_start =
+# n_layer + 1 - N), so -ngl 3 puts the target's layers 4, 5 and its output on the device, -ngld 1
+# the drafter's output only
+PLACEMENTS = {
+    "cpu": ("-ngl", "0", "-ngld", "0"),
+    "device": ("-ngl", "99", "-ngld", "99"),
+    "partial": ("-ngl", "3", "-ngld", "1"),
+    "target-on-device": ("-ngl", "99", "-ngld", "0"),
+    "draft-on-device": ("-ngl", "0", "-ngld", "99"),
+}
+
+
+@pytest.fixture(scope="session")
+def vulkan() -> ToolBuild:
+    return ensure_vulkan()
+
+
+def vulkan_capture(vulkan: ToolBuild, d: Path, out: Path, *options: str, filters: tuple[str, ...] = ()) -> Path:
+    """`featdiff capture` of the fixture pair in `d` on the Vulkan build, on llvmpipe."""
+    flags = [f for g in filters for f in ("--filter", g)]
+    done = subprocess.run([sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--llama-dir",
+                           str(vulkan.root), "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                           "--tokens", DEFAULT_TOKENS, "--rounds", str(DEFAULT_ROUNDS), *flags, "-o", str(out), *options],
+                          capture_output=True, text=True, errors="replace", timeout=RUN_TIMEOUT_S,
+                          env={**os.environ, **SOFTWARE_VULKAN_ENV})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _record_set(dump_path: Path) -> list[tuple]:
+    with read_dump(dump_path) as dump:
+        return sorted((r.eval, r.role, r.phase, r.name, r.occurrence, r.shape) for r in dump.manifest.records)
+
+
+def _backends(dump_path: Path) -> dict[tuple[str, str], set[str | None]]:
+    """(role, name) -> the backends its records came from."""
+    found: dict[tuple[str, str], set[str | None]] = {}
+    with read_dump(dump_path) as dump:
+        for r in dump.manifest.records:
+            found.setdefault((r.role, r.name), set()).add(r.backend)
+    return found
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_every_placement_records_the_cpu_builds_tensors_and_compares_clean(
+    placement, vulkan, fixture_models, captured, tmp_path
+):
+    d = fixture_models("clean")
+    run = vulkan_capture(vulkan, d, tmp_path / "run.npz", *PLACEMENTS[placement])
+    assert _record_set(run) == _record_set(captured("clean"))
+    ref = reference_of(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run)
+    comparison = compare_dumps(ref, run)
+    assert comparison.ok, [f.message for f in comparison.findings]
+    cov = comparison.coverage
+    assert cov.pairs > 0 and not cov.unexpected and cov.run_only == 0, comparison.coverage.skipped_phrase()
+    # judged with the device's bound wherever a record came from it (diff/tolerance.py REL_DEVICE)
+    assert comparison.types["devices"] == ([] if placement == "cpu" else [DEVICE])
+
+
+def test_records_say_which_backend_they_came_from(vulkan, fixture_models, tmp_path):
+    d = fixture_models("clean")
+    on_device = _backends(vulkan_capture(vulkan, d, tmp_path / "device.npz", *PLACEMENTS["device"]))
+    # the drafter's feature input is read from the scheduler's copy on the device, and its layers
+    # computed there; the tapped target layer inputs too; the token lookup stays on the CPU
+    # (llama.cpp keeps the input layer's weights in host memory)
+    assert on_device[("draft", "inp_target_features")] == {DEVICE}
+    assert on_device[("draft", "l_out-0")] == {DEVICE}
+    assert on_device[("target", "l_out-1")] == {DEVICE}
+    assert on_device[("draft", "draft_logits")] == {None}  # read back through the API: no buffer
+    on_cpu = _backends(vulkan_capture(vulkan, d, tmp_path / "cpu.npz", *PLACEMENTS["cpu"]))
+    assert {b for (role, name), found in on_cpu.items() if name != "draft_logits" for b in found} == {BACKEND_HOST}
+
+
+@pytest.fixture(scope="session")
+def every_node_on_cpu(vulkan, fixture_models, tmp_path_factory) -> Path:
+    """The clean pair captured on the Vulkan build's CPU with every named tensor kept."""
+    out = tmp_path_factory.mktemp("vulkan-cpu") / "run.npz"
+    return vulkan_capture(vulkan, fixture_models("clean"), out, *PLACEMENTS["cpu"], filters=("*",))
+
+
+# every named tensor, not only the wiring: a node copied between backends (a layer's output at the
+# boundary of a partial offload, `Vulkan0#l_out-2#0`) is recorded once, as the node; an input
+# under its own name; no source is listed under a copy's name
+@pytest.mark.parametrize("placement", ["device", "partial", "target-on-device"])
+def test_every_tensor_is_recorded_once_under_its_own_name_wherever_it_ran(
+    placement, vulkan, fixture_models, every_node_on_cpu, tmp_path
+):
+    d = fixture_models("clean")
+    run = vulkan_capture(vulkan, d, tmp_path / "run.npz", *PLACEMENTS[placement], filters=("*",))
+    assert _record_set(run) == _record_set(every_node_on_cpu)
+    with read_dump(run) as dump:
+        records = dump.manifest.records
+        names = {r.name for r in records}
+        assert {"inp_target_features", "inp_pos", "inp_tokens"} <= names, sorted(names)
+        assert not [r.name for r in records if "#" in r.name or any("#" in src for src in r.srcs)]
+        assert DEVICE in {r.backend for r in records}
+
+
+def test_the_manifest_says_where_each_model_computed(vulkan, fixture_models, tmp_path):
+    d = fixture_models("clean")
+    run = vulkan_capture(vulkan, d, tmp_path / "run.npz", *PLACEMENTS["target-on-device"])
+    with read_dump(run) as dump:
+        placement = dump.manifest.build["placement"]
+    devices = {dev["name"]: dev for dev in placement["devices"]}
+    assert "llvmpipe" in devices[DEVICE]["description"], json.dumps(placement)
+    assert placement["target"] == {"n_gpu_layers": 99, "devices": [DEVICE]}
+    assert placement["draft"] == {"n_gpu_layers": 0, "devices": []}
+    shown = CliRunner().invoke(app, ["inspect", str(run)])
+    assert shown.exit_code == 0, shown.output
+    assert f"target placement: -ngl 99 -> {DEVICE}; records: " in shown.output
+    assert "draft placement: -ngl 0 -> CPU; records: " in shown.output
+    assert "inp_target_features" in shown.output and f" {DEVICE}\n" in shown.output
+
+
+# the other drafters' graphs on the device: the log-SNR feature input (`dspark_log_snr_feat`,
+# patch 0001) read through its copy, and DSpark's (anchor-first and bonus-anchor) with the rows
+# read back through the API (`draft_logits`, `dspark_conf`)
+@pytest.mark.parametrize("variant", ["log-snr", "dspark", "dspark-bonus"])
+def test_other_drafters_inputs_on_the_device_compare_clean(variant, vulkan, fixture_models, tmp_path):
+    d = fixture_models(variant)
+    on_cpu = vulkan_capture(vulkan, d, tmp_path / "cpu.npz", *PLACEMENTS["cpu"], filters=("*",))
+    run = vulkan_capture(vulkan, d, tmp_path / "run.npz", *PLACEMENTS["device"], filters=("*",))
+    assert _record_set(run) == _record_set(on_cpu)
+    assert not any("#" in name for _, name in _backends(run))
+    ref = reference_of(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run)
+    comparison = compare_dumps(ref, run)
+    assert comparison.ok, [f.message for f in comparison.findings]
+    assert not comparison.coverage.unexpected, comparison.coverage.skipped_phrase()
+
+
+# a device-only fault (patches/llama.cpp/0006-vulkan-device-fault.patch): each upload of the
+# features to the device carries the previous upload's rows. The capture reads the input from the
+# device's copy, what the drafter computed on, so compare names the stale rows; with the drafter
+# on the CPU nothing is uploaded, and the same run compares clean
+@pytest.mark.parametrize("draft_layers, is_caught", [("99", True), ("0", False)])
+def test_features_the_device_got_from_the_batch_before_are_named_stale(
+    draft_layers, is_caught, vulkan, fixture_models, monkeypatch, tmp_path
+):
+    monkeypatch.setenv(FAULT_VAR, "device-features-stale")
+    d = fixture_models("clean")
+    run = vulkan_capture(vulkan, d, tmp_path / "run.npz", "-ngl", "99", "-ngld", draft_layers)
+    ref = reference_of(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run)
+    comparison = compare_dumps(ref, run)
+    errors = [f for f in comparison.findings if f.severity == "error"]
+    if not is_caught:
+        assert comparison.ok, [f.message for f in errors]
+        return
+    assert [(f.kind, f.tensor) for f in errors][:1] == [("stale", "inp_target_features")], [f.message for f in errors]
+    with read_dump(run) as dump:
+        injects = [e.eval for e in dump.manifest.evals if e.phase == "inject"]
+    assert errors[0].fields["source_eval"] == injects[0]  # the second inject got the first's rows
