@@ -235,6 +235,12 @@ class Round:
         )
 
 
+# what a flow's `prompt_tokens` and `draft_cached` hold at a cached position besides a token id
+UNKNOWN_TOKEN = -1  # featdiff could not follow what the cache holds there (FlowInfo.unfollowed says why)
+DRAFT_ROW = -2  # draft_cached: a row of a draft block (a token batch), not a target token's features
+NO_ROW = -3  # draft_cached: the drafter's cache holds nothing there
+
+
 @dataclass(frozen=True)
 class FlowInfo:
     """One flow of a run of several (docs/flow.md "Several flows"): the request one sequence

@@ -83,26 +83,26 @@ def models(fixture_models) -> Path:
 def test_capture_out_of_room_at_any_size_is_exit_2_and_keeps_the_old_dump(tmp_path, models, captured):
     """Below the spool's size the spool's write fails (in the C shim, its errno kept), above it
     the dump's: each is one line naming the output; the spool goes too."""
-    old = tmp_path / "run.npz"
-    shutil.copy(captured(), old)  # the session's capture of the same pair, tokens and rounds
-    before = _files(tmp_path)
-    args = ["capture", "--target", models / "target.gguf", "--model", models / "draft.gguf", "-o", old.name,
+    args = ["capture", "--target", models / "target.gguf", "--model", models / "draft.gguf", "-o", "run.npz",
             "--tokens", DEFAULT_TOKENS, "--rounds", DEFAULT_ROUNDS]  # fmt: skip
-    for limit in _limits(old.stat().st_size):
-        done = _featdiff(args, tmp_path, limit)
-        _assert_out_of_room(done, "run.npz: could not be written")
-        _assert_nothing_lost(tmp_path, before, limit, done)
+    _sweep(tmp_path, captured(), "run.npz", args)  # over the session's capture of the same pair and tokens
 
 
 def test_reference_out_of_room_at_any_size_is_exit_2_and_keeps_the_old_dump(tmp_path, models, referenced):
-    old = tmp_path / "ref.npz"
-    shutil.copy(referenced(), old)
-    before = _files(tmp_path)
-    args = ["reference", "--target", models / "target.gguf", "--model", models / "draft-hf", "-o", old.name,
+    args = ["reference", "--target", models / "target.gguf", "--model", models / "draft-hf", "-o", "ref.npz",
             "--tokens", DEFAULT_TOKENS, "--rounds", DEFAULT_ROUNDS]  # fmt: skip
+    _sweep(tmp_path, referenced(), "ref.npz", args)
+
+
+def _sweep(tmp_path: Path, existing: Path, name: str, args: list) -> None:
+    """`args` writing `name`, where a copy of `existing` already is, under each file-size limit:
+    exit 2 naming it, every file as it was."""
+    old = tmp_path / name
+    shutil.copy(existing, old)
+    before = _files(tmp_path)
     for limit in _limits(old.stat().st_size):
         done = _featdiff(args, tmp_path, limit)
-        _assert_out_of_room(done, "ref.npz: could not be written")
+        _assert_out_of_room(done, f"{name}: could not be written")
         _assert_nothing_lost(tmp_path, before, limit, done)
 
 

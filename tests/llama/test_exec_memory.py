@@ -112,3 +112,28 @@ def test_a_context_shift_while_a_flow_runs_leaves_that_flow_unfollowed():
     assert "while the flow ran" in starts[0].unfollowed and "seq_add" in starts[0].unfollowed
     info = FlowInfo(0, 0, tuple(A), unfollowed=starts[0].unfollowed)
     assert info.why_unreplayable().startswith("flow 0 (sequence 0): the program moved positions of sequence 0")
+
+
+def test_a_drafter_cache_of_another_prompt_is_a_wrong_source_and_the_same_one_is_nothing():
+    from featdiff.diff.detectors import detect_wrong_source_restored
+    from featdiff.dump import Manifest
+
+    swapped = FlowInfo(2, 0, (10, 11, 12, 13, 7), 3, draft_cached=(20, 21, 22))
+    found = detect_wrong_source_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(swapped,)))
+    assert found is not None and found.kind == "wrong_source" and found.fields["source"] == "another_saved_prompt"
+    assert "positions 0..2" in found.message and "flow 2" in found.message
+    same = replace(swapped, draft_cached=(10, 11, 12))
+    assert detect_wrong_source_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(same,))) is None
+    unknown = replace(swapped, draft_cached=None)  # a dump before issue 30: nothing said
+    assert detect_wrong_source_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(unknown,))) is None
+
+
+def test_a_drafter_holding_nothing_where_the_target_holds_a_prefix_is_not_conditioned():
+    from featdiff.diff.detectors import detect_not_conditioned_restored
+    from featdiff.dump import NO_ROW, Manifest
+
+    empty = FlowInfo(1, 0, (10, 11, 12, 13, 7), 3, draft_cached=(10, NO_ROW, NO_ROW))
+    found = detect_not_conditioned_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(empty,)))
+    assert found is not None and found.kind == "not_conditioned" and "positions 1..2" in found.message
+    held = replace(empty, draft_cached=(10, 11, 12))
+    assert detect_not_conditioned_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(held,))) is None

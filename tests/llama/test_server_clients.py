@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -200,3 +201,39 @@ def test_a_context_shift_is_named_as_not_modelled_and_the_other_flows_compare_cl
     errors = [f["message"] for f in result["findings"] if f["severity"] == "error"]
     assert result["ok"] and [f["severity"] for f in notes] == ["info"] and "flow 0" in notes[0]["message"], errors
     assert result["coverage"]["pairs"] > 0 and check.returncode == 0, check.stdout[-2000:]
+
+
+def _slot_file_round_trip(port: int) -> None:
+    """A chat, its slot saved to a file (`/slots`), another chat on the slot, the file restored,
+    and the first chat again: the slot file holds the target's state alone."""
+    client = _client(port)
+    _chat(client, QUESTIONS[0], False)
+    _slots(port, "save")
+    _chat(client, QUESTIONS[1], False)
+    _slots(port, "restore")
+    _chat(client, QUESTIONS[0], False)
+
+
+def _slots(port: int, action: str) -> None:
+    body = json.dumps({"filename": "slot0.bin"}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/slots/0?action={action}", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=WAIT_S) as r:
+        assert r.status == 200, r.read()
+
+
+# llama-server's /slots save and restore write and read the target's state alone
+# (tools/server/server-context.cpp, llama_state_seq_save_file(ctx_tgt, ...)): after the restore the
+# drafter still holds the second chat's features where the target holds the first's
+def test_a_slot_restored_from_its_file_is_followed_and_its_drafter_named(tools, fixture_models, tmp_path):
+    models = fixture_models("clean")
+    options = ["-np", "1", "--cache-ram", "0", "--slot-save-path", str(tmp_path)]
+    run = _capture(tmp_path, models, tools.program("llama-server"), options, traffic=_slot_file_round_trip, n=3)
+    with read_dump(run) as dump:
+        last = dump.manifest.flow_info(2)
+    assert last.n_cached > 0 and not last.why_unreplayable()  # the file's history, followed by its path
+    result, _ = _verdicts(tmp_path, models, run)
+    named = [f for f in result["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["flow"]) for f in named][:1] == [("wrong_source", 2)], named
+    assert named[0]["source"] == "another_saved_prompt" and "restored without the drafter's" in named[0]["message"]

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from featdiff.diff.batches import batches, decoded_alike
 from featdiff.diff.detectors.base import span
-from featdiff.diff.detectors.kvcache import detect_duplicate_rows, detect_stale_cache, detect_wrong_source_restored
+from featdiff.diff.detectors.kvcache import (
+    detect_duplicate_rows,
+    detect_not_conditioned_restored,
+    detect_stale_cache,
+    detect_wrong_source_restored,
+)
 from featdiff.diff.detectors.positions import (
     detect_block_token,
     detect_flow_note,
@@ -30,6 +35,7 @@ def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
         detect_stale_cache(run),
         detect_duplicate_rows(run),
         detect_wrong_source_restored(run),
+        detect_not_conditioned_restored(run),
     ]
     # by the run's eval each is about (`eval` of every kind here); the prompt, which has none, first
     ordered = sorted((f for f in found if f is not None), key=lambda f: f.fields.get("eval", -1))

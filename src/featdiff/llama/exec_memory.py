@@ -21,12 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from featdiff import names
-from featdiff.dump import Eval
+from featdiff.dump import DRAFT_ROW, NO_ROW, UNKNOWN_TOKEN, Eval
 from featdiff.llama.exec_log import ExecLog, ExecMemory
 from featdiff.phases import Phase
 
-UNKNOWN = -1  # a position whose token featdiff cannot name
-DRAFT_ROW = -2  # a drafter row of a draft block (a token batch), not a target token's features
+UNKNOWN = UNKNOWN_TOKEN  # a position whose token featdiff cannot name
 PARTIAL_STATE = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a recurrent or SWA checkpoint, not the positions held
 
 Held = dict[int, int]  # position -> token (target), or the target token whose features the row holds (drafter)
@@ -121,14 +120,27 @@ def _n_cached(evals: tuple[Eval, ...]) -> dict[int, int]:
 
 def _start(mem: _Memory, e: Eval, ctx: int, draft_ctx: int | None, n_cached: int) -> FlowStart:
     seq = e.seq_ids[0] if e.seq_ids else 0
-    target = mem.seq(ctx, seq)
-    draft = mem.seq(draft_ctx, seq) if draft_ctx is not None else None
-    t = tuple(target.get(p, UNKNOWN) for p in range(n_cached))
-    d = tuple(draft.get(p, UNKNOWN) for p in range(n_cached)) if draft is not None else None
-    why = mem.why.get((ctx, seq), "") if UNKNOWN in t else ""
-    if UNKNOWN in t and not why:
-        why = "no decode the capture saw wrote them (the program's cache held them before featdiff attached)"
+    t = tuple(mem.seq(ctx, seq).get(p, UNKNOWN) for p in range(n_cached))
+    why = ""
+    if UNKNOWN in t:
+        why = mem.why.get((ctx, seq)) or (
+            "no decode the capture saw wrote them (the program's cache held them before featdiff attached)"
+        )
+    if draft_ctx is None:
+        return FlowStart(e.flow, seq, n_cached, t, None, why)
+    d = _drafter_rows(mem, draft_ctx, seq, n_cached)
+    if not why and UNKNOWN in d:
+        why = "the drafter's cache: " + mem.why[(draft_ctx, seq)]
     return FlowStart(e.flow, seq, n_cached, t, d, why)
+
+
+def _drafter_rows(mem: _Memory, draft_ctx: int, seq: int, n: int) -> tuple[int, ...]:
+    """The target token whose features each of the drafter's first `n` positions holds: a position
+    nothing wrote holds nothing (NO_ROW), unless a change featdiff cannot follow touched the
+    sequence (UNKNOWN)."""
+    absent = UNKNOWN if (draft_ctx, seq) in mem.why else NO_ROW
+    held = mem.seq(draft_ctx, seq)
+    return tuple(held.get(p, absent) for p in range(n))
 
 
 def _write(

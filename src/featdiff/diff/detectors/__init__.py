@@ -18,7 +18,12 @@ from featdiff.diff.detectors.choices import (
     detect_near_tie,
     detect_wrong_source_of_drafts,
 )
-from featdiff.diff.detectors.kvcache import detect_duplicate_rows, detect_stale_cache, detect_wrong_source_restored
+from featdiff.diff.detectors.kvcache import (
+    detect_duplicate_rows,
+    detect_not_conditioned_restored,
+    detect_stale_cache,
+    detect_wrong_source_restored,
+)
 from featdiff.diff.detectors.numeric import (
     detect_divergence,
     detect_divergence_in_rope,
@@ -85,6 +90,7 @@ __all__ = [
     "detect_scale",
     "detect_scale_per_channel",
     "detect_slot_permutation",
+    "detect_not_conditioned_restored",
     "detect_stale_cache",
     "detect_wrong_source_restored",
     "detect_stale_rows",
