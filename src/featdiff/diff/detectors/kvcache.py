@@ -148,50 +148,53 @@ def _duplicate_finding(rows: list[int], sources: list[int], rnd: int, eval_index
 RESTORED_SOURCE = "another_saved_prompt"  # wrong_source's `source`: the drafter's cache restored from another prompt
 
 
-def _restored_rows(flow: FlowInfo, empty: bool) -> list[int]:
-    """The cached positions whose drafter row is missing (`empty`) or holds another token's features."""
-    cached = flow.prompt_tokens[: flow.n_cached]
-    pairs = enumerate(zip(cached, flow.draft_cached or ()))
-    return [p for p, (t, d) in pairs if t >= 0 and (d == NO_ROW if empty else 0 <= d != t)]
+def _restored_rows(run: Manifest, empty: bool) -> tuple[FlowInfo, list[int]] | None:
+    """The first flow whose cached positions hold, in the drafter's cache, no row (`empty`) or
+    another token's features than the target's, with those positions; None when no flow does."""
+    for flow in run.flows:
+        pairs = enumerate(zip(flow.prompt_tokens[: flow.n_cached], flow.draft_cached or ()))
+        rows = [p for p, (t, d) in pairs if t >= 0 and (d == NO_ROW if empty else 0 <= d != t)]
+        if rows:
+            return flow, rows
+    return None
 
 
 def detect_wrong_source_restored(run: Manifest) -> Finding | None:
     """Hypothesis: the program restored the target's cache of a flow without the drafter's (a
     prompt cache that pairs the two contexts' states wrongly, a slot file holding the target's
-    alone), so the drafter reads another prompt's features at the cached positions. Evidence: the flow's `draft_cached`
-    (the target token whose features each cached drafter row holds, followed through the saved and
-    restored states' bytes by the capture) differs from the target's tokens at those positions."""
-    for flow in run.flows:
-        rows = _restored_rows(flow, empty=False)
-        if rows:
-            detail = (
-                f"the drafter's cache held the features of other tokens than the target's at positions "
-                f"{span(rows)} of the {flow.n_cached} the program restored or kept for flow {flow.flow}"
-            )
-            return Finding.of(
-                WrongSourceFields(source=RESTORED_SOURCE, candidate=""),
-                tensor=KV_TENSOR,
-                message=f"{detail}: the target's state was restored without the drafter's (from another saved "
-                "prompt, or kept from an earlier request); save and restore both contexts' states together",
-            )
-    return None
+    alone), so the drafter reads another prompt's features at the cached positions. Evidence: the
+    flow's `draft_cached` (the target token whose features each cached drafter row holds, followed
+    through the saved and restored states' bytes by the capture) differs from the target's tokens."""
+    found = _restored_rows(run, empty=False)
+    if found is None:
+        return None
+    flow, rows = found
+    detail = (
+        f"the drafter's cache held the features of other tokens than the target's at positions "
+        f"{span(rows)} of the {flow.n_cached} the program restored or kept for flow {flow.flow}"
+    )
+    return Finding.of(
+        WrongSourceFields(source=RESTORED_SOURCE, candidate=""),
+        tensor=KV_TENSOR,
+        message=f"{detail}: the target's state was restored without the drafter's (from another saved "
+        "prompt, or kept from an earlier request); save and restore both contexts' states together",
+    )
 
 
 def detect_not_conditioned_restored(run: Manifest) -> Finding | None:
     """Hypothesis: the program restored or kept a flow's prefix in the target's cache but not in the
-    drafter's (a slot file that saves the target's state alone), so the drafter drafts with no
-    features of that prefix. Evidence: the flow's `draft_cached` holds no row at cached positions."""
-    for flow in run.flows:
-        rows = _restored_rows(flow, empty=True)
-        if rows:
-            detail = (
-                f"the drafter's cache held no features at positions {span(rows)} of the {flow.n_cached} the "
-                f"target held when flow {flow.flow} began"
-            )
-            return Finding.of(
-                NotConditionedFields(detail=detail),
-                tensor=KV_TENSOR,
-                message=f"{detail}: the drafter drafts without them; restore (or re-inject) the drafter's "
-                "state with the target's",
-            )
-    return None
+    drafter's, so the drafter drafts with no features of that prefix. Evidence: the flow's
+    `draft_cached` holds no row at cached positions."""
+    found = _restored_rows(run, empty=True)
+    if found is None:
+        return None
+    flow, rows = found
+    detail = (
+        f"the drafter's cache held no features at positions {span(rows)} of the {flow.n_cached} the "
+        f"target held when flow {flow.flow} began"
+    )
+    return Finding.of(
+        NotConditionedFields(detail=detail),
+        tensor=KV_TENSOR,
+        message=f"{detail}: the drafter drafts without them; restore (or re-inject) the drafter's state with the target's",
+    )
