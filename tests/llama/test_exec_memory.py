@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from featdiff.dump import UNKNOWN_TOKEN as UNKNOWN
 from featdiff.dump import FlowInfo
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog, ExecMemory
-from featdiff.llama.exec_memory import UNKNOWN, follow_memory
+from featdiff.llama.exec_memory import follow_memory
 from featdiff.llama.exec_phases import flow_evals
 from featdiff.phases import Phase
 

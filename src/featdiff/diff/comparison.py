@@ -63,10 +63,8 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
         flows = run_m.flow_ids()
         if len(flows) == 1:
             return _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map)
-        unfollowed = {k: run_dump.manifest.flow_info(k).why_unreplayable() for k in flows}
-        check_flows(
-            ref, run, ref_dump.manifest, run_dump.manifest, frozenset(k for k, why in unfollowed.items() if why)
-        )
+        unfollowed = {k: run_m.flow_info(k).why_unreplayable() for k in flows}
+        check_flows(ref, run, ref_dump.manifest, run_m, frozenset(k for k, why in unfollowed.items() if why))
         ref_index, run_index = index_members(ref_dump), index_members(run_dump)
         first = next((k for k in flows if not unfollowed[k]), None)  # its view holds the run's flow notes
         parts = [
@@ -74,10 +72,10 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
                 ref,
                 run,
                 open_source(ref_dump, flow_view(ref_dump.manifest, k), ref_index),
-                open_source(run_dump, flow_view(run_dump.manifest, k, first), run_index),
+                open_source(run_dump, flow_view(run_m, k, first), run_index),
                 rules,
                 name_map,
-                flow=run_dump.manifest.flow_info(k),
+                flow=run_m.flow_info(k),
             )
             for k in flows
             if not unfollowed[k]
@@ -90,19 +88,18 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
 def _with_unfollowed(c: Comparison, flows: list[tuple[FlowInfo, str]]) -> Comparison:
     """The flows left out because what their sequences held is not modelled, named as
     information with their flow and sequence: no verdict rests on them."""
-    notes = [
-        replace(
-            Finding.of(
-                FlowNoteFields(notes=(why,)),
-                tensor="flows",
-                message=f"{why}; the flow was not compared, and the verdict rests on the other flows",
-                severity="info",
-            ),
-            fields={**FlowNoteFields(notes=(why,)).to_json(), **FlowFields(flow=f.flow, seq_id=f.seq_id).to_json()},
-        )
-        for f, why in flows
-    ]
-    return replace(c, findings=c.findings + tuple(notes)) if notes else c
+    notes = tuple(_unfollowed_note(f, why) for f, why in flows)
+    return replace(c, findings=c.findings + notes) if notes else c
+
+
+def _unfollowed_note(flow: FlowInfo, why: str) -> Finding:
+    note = Finding.of(
+        FlowNoteFields(notes=(why,)),
+        tensor="flows",
+        message=f"{why}; the flow was not compared, and the verdict rests on the other flows",
+        severity="info",
+    )
+    return replace(note, fields={**note.fields, **FlowFields(flow=flow.flow, seq_id=flow.seq_id).to_json()})
 
 
 def check_flows(

@@ -13,7 +13,7 @@ A position's token is known from the decode that wrote it. A saved state is name
 its bytes (or by its file), so a restore brings back the history that was saved under that name,
 whatever the program believes it restored. A shift (`seq_add`, `seq_div`: llama.cpp's context
 shift, `--cache-reuse`) moves rows whose keys and values were computed in another context than
-a replay from position 0 would compute: those positions are not modelled (UNKNOWN).
+a replay from position 0 would compute: those positions are not modelled (UNKNOWN_TOKEN).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from featdiff.dump import DRAFT_ROW, NO_ROW, UNKNOWN_TOKEN, Eval
 from featdiff.llama.exec_log import ExecLog, ExecMemory
 from featdiff.phases import Phase
 
-UNKNOWN = UNKNOWN_TOKEN  # a position whose token featdiff cannot name
 PARTIAL_STATE = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a recurrent or SWA checkpoint, not the positions held
 
 Held = dict[int, int]  # position -> token (target), or the target token whose features the row holds (drafter)
@@ -42,7 +41,7 @@ class FlowStart:
     n_cached: int
     target: tuple[int, ...]
     draft: tuple[int, ...] | None
-    unfollowed: str = ""  # why some of those positions are UNKNOWN ("" when every one is known)
+    unfollowed: str = ""  # why some of those positions are UNKNOWN_TOKEN ("" when every one is known)
 
 
 @dataclass
@@ -51,7 +50,7 @@ class _Memory:
 
     held: dict[tuple[int, int], Held] = field(default_factory=dict)  # (ctx, seq) -> what it holds
     saved: dict[str, Held] = field(default_factory=dict)  # a saved state's name -> what it held
-    why: dict[tuple[int, int], str] = field(default_factory=dict)  # (ctx, seq) -> why some rows are UNKNOWN
+    why: dict[tuple[int, int], str] = field(default_factory=dict)  # (ctx, seq) -> why some rows are UNKNOWN_TOKEN
 
     def seq(self, ctx: int, seq: int) -> Held:
         return self.held.setdefault((ctx, seq), {})
@@ -98,11 +97,15 @@ def _note_midflow(op: ExecMemory, active: dict[int, int], starts: dict[int, Flow
         return
     for seq, flow in active.items():
         if (op.seq_id < 0 or seq == op.seq_id) and flow in starts and flow not in broken:
-            how = f"by {op.delta:+d}" if op.op == "seq_add" else f"divided by {op.delta}"
             broken[flow] = (
-                f"the program moved positions of sequence {seq} from {max(op.p0, 0)} on {how} while the flow ran "
+                f"the program moved positions of sequence {seq} from {max(op.p0, 0)} on {_moved_how(op)} while the flow ran "
                 f"(after eval {op.after_eval}; {op.op}: a context shift), and a replay does not compute the rows it moved"
             )
+
+
+def _moved_how(op: ExecMemory) -> str:
+    """How a seq_add / seq_div moved the positions, for the sentence that names it."""
+    return f"by {op.delta:+d}" if op.op == "seq_add" else f"divided by {op.delta}"
 
 
 def _broken(start: FlowStart, why: str) -> FlowStart:
@@ -120,16 +123,16 @@ def _n_cached(evals: tuple[Eval, ...]) -> dict[int, int]:
 
 def _start(mem: _Memory, e: Eval, ctx: int, draft_ctx: int | None, n_cached: int) -> FlowStart:
     seq = e.seq_ids[0] if e.seq_ids else 0
-    t = tuple(mem.seq(ctx, seq).get(p, UNKNOWN) for p in range(n_cached))
+    t = tuple(mem.seq(ctx, seq).get(p, UNKNOWN_TOKEN) for p in range(n_cached))
     why = ""
-    if UNKNOWN in t:
+    if UNKNOWN_TOKEN in t:
         why = mem.why.get((ctx, seq)) or (
             "no decode the capture saw wrote them (the program's cache held them before featdiff attached)"
         )
     if draft_ctx is None:
         return FlowStart(e.flow, seq, n_cached, t, None, why)
     d = _drafter_rows(mem, draft_ctx, seq, n_cached)
-    if not why and UNKNOWN in d:
+    if not why and UNKNOWN_TOKEN in d:
         why = "the drafter's cache: " + mem.why[(draft_ctx, seq)]
     return FlowStart(e.flow, seq, n_cached, t, d, why)
 
@@ -137,8 +140,8 @@ def _start(mem: _Memory, e: Eval, ctx: int, draft_ctx: int | None, n_cached: int
 def _drafter_rows(mem: _Memory, draft_ctx: int, seq: int, n: int) -> tuple[int, ...]:
     """The target token whose features each of the drafter's first `n` positions holds: a position
     nothing wrote holds nothing (NO_ROW), unless a change featdiff cannot follow touched the
-    sequence (UNKNOWN)."""
-    absent = UNKNOWN if (draft_ctx, seq) in mem.why else NO_ROW
+    sequence (UNKNOWN_TOKEN)."""
+    absent = UNKNOWN_TOKEN if (draft_ctx, seq) in mem.why else NO_ROW
     held = mem.seq(draft_ctx, seq)
     return tuple(held.get(p, absent) for p in range(n))
 
@@ -155,11 +158,11 @@ def _write(
     """A decode's rows into its context: a target row holds its token; a drafter's embd row
     (inject) the features of the target token at its position, a drafter token row a draft block."""
     for i, (pos, seq) in enumerate(zip(positions, seq_ids or (0,) * len(positions))):
-        token = token_ids[i] if i < len(token_ids) else UNKNOWN
+        token = token_ids[i] if i < len(token_ids) else UNKNOWN_TOKEN
         if role == names.ROLE_DRAFT:
             is_embd = token < 0
             target = mem.seq(target_ctx, seq) if target_ctx is not None else {}
-            token = target.get(pos, UNKNOWN) if is_embd else DRAFT_ROW
+            token = target.get(pos, UNKNOWN_TOKEN) if is_embd else DRAFT_ROW
         mem.seq(ctx, seq)[pos] = token
 
 
@@ -195,17 +198,16 @@ def _apply(mem: _Memory, op: ExecMemory) -> None:
 
 def _shift(mem: _Memory, op: ExecMemory, lo: int, hi: float) -> None:
     """seq_add / seq_div: the rows move, but their keys and values were computed in another
-    context than a replay would give them: their positions become UNKNOWN."""
+    context than a replay would give them: their positions become UNKNOWN_TOKEN."""
     for k in mem.seqs(op.ctx, op.seq_id):
         moved = [p for p in mem.held[k] if lo <= p < hi]
         for p in moved:
             new = p + op.delta if op.op == "seq_add" else p // max(op.delta, 1)
             mem.held[k].pop(p)
-            mem.held[k][new] = UNKNOWN
+            mem.held[k][new] = UNKNOWN_TOKEN
         if moved:
-            how = f"by {op.delta:+d}" if op.op == "seq_add" else f"divided by {op.delta}"
             mem.why[k] = (
-                f"the program moved {len(moved)} positions of sequence {k[1]} from {min(moved)} on {how} "
+                f"the program moved {len(moved)} positions of sequence {k[1]} from {min(moved)} on {_moved_how(op)} "
                 f"({op.op}: a context shift or --cache-reuse), and a replay from position 0 does not compute "
                 "the rows it moved"
             )
