@@ -37,7 +37,7 @@ def _time_flow(rt: Runtime, models: tuple[Model, Model], cfg: driver.FlowConfig,
     tags = (spool.tag(0), spool.tag(1)) if spool else (None, None)
     tgt = Context.new(rt, tgt_model, 512, 2, tag=tags[0])
     dft = Context.new(rt, dft_model, 512, 2, tag=tags[1], ctx_other=tgt)
-    cap.enable_dflash(tgt, dft, cfg)
+    driver.enable(tgt, dft, cfg)
     rec = cap.SpoolRecorder(spool) if spool else driver.NullRecorder()
     t0 = time.perf_counter()
     driver.run_flow(tgt, dft, PROMPT, ROUNDS, cfg, rec)

@@ -87,6 +87,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "featdiff.filters",
             "featdiff.modelled",
             "featdiff.pairs",
+            "featdiff.kinds",
         ),
     ),
     (
@@ -112,6 +113,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "featdiff.training",
             "featdiff.fixtures",
             "featdiff.fixtures_dflash2",
+            "featdiff.fixtures_eagle3",
+            "featdiff.fixture_variants",
             "featdiff.converter",
             "featdiff.converter_faults",
             "featdiff.hf_targets",

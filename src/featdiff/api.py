@@ -106,7 +106,7 @@ def reference(
     follow: PathLike | None = o.FOLLOW.default,
 ) -> Path:
     """Compute the reference dump in PyTorch from the same weights and tokens; return its path."""
-    from featdiff.torchref.run import reference as run_reference
+    from featdiff.torchref.kind import reference as run_reference
 
     return run_reference(
         Path(target),

@@ -131,12 +131,12 @@ def fixture(
     list_variants: Annotated[bool, typer.Option("--list", help="List the variants and exit.")] = False,
 ) -> None:
     """Write tiny seeded target + drafter models (GGUF and HF) with one planted wiring bug."""
-    from featdiff import fixtures
+    from featdiff import fixture_variants
 
     if list_variants or outdir is None:
-        typer.echo(fixtures.describe_variants())
+        typer.echo(fixture_variants.describe())
         return
-    typer.echo(fixtures.write_fixture(outdir, fixtures.checked_variant(variant), seed))
+    typer.echo(fixture_variants.write(outdir, variant, seed))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

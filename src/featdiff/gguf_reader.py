@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from featdiff import names
+from featdiff import kinds, names
 from featdiff.errors import InputError
 from featdiff.manifest_fields import GGUF_PY, ModelInfo, dspark_info
 from featdiff.modelled import unmodelled_in
@@ -309,6 +309,7 @@ def model_info(path: Path, with_hash: bool = True, ggml: GgmlLoader | None = Non
     g = read_gguf(path, ggml)
     vocab = meta(g, names.KEY_TOKEN_LIST, [])
     is_draft = g.arch == names.ARCH_DFLASH
+    layer_key = kinds.kind_of(g.arch, g.tensors).layer_key if kinds.is_drafter_arch(g.arch) else names.KEY_TARGET_LAYERS
     log_snr = None
     if is_draft:
         log_snr = {
@@ -324,7 +325,7 @@ def model_info(path: Path, with_hash: bool = True, ggml: GgmlLoader | None = Non
         n_embd=int(meta(g, names.KEY_EMBEDDING_LENGTH, 0)),
         n_vocab=len(vocab),
         weight_types=tuple(sorted({t.ggml_type for t in g.tensors.values() if len(t.ne) == 2})),
-        target_layers=tuple(int(x) for x in meta(g, names.KEY_TARGET_LAYERS, [])),
+        target_layers=tuple(int(x) for x in meta(g, layer_key, [])),
         block_size=int(meta(g, names.KEY_BLOCK_SIZE, 0)),
         mask_token_id=int(meta(g, names.KEY_MASK_TOKEN, -1)),
         log_snr=log_snr,

@@ -32,6 +32,12 @@ KEY_LOG_SNR = "dflash.log_snr_conditioning"
 KEY_MIN_LOG_SNR = "dflash.min_log_snr"
 KEY_MAX_LOG_SNR = "dflash.max_log_snr"
 KEY_MASK_TOKEN = "tokenizer.ggml.mask_token_id"
+# EAGLE3 (upstream src/models/eagle3.cpp, llama_model_eagle3::load_arch_hparams)
+ARCH_EAGLE3 = "eagle3"
+KEY_EAGLE3_TARGET_LAYERS = "eagle3.target_layers"  # exactly 3 layer-input ids, unshifted (the converter)
+KEY_EAGLE3_TARGET_HIDDEN = "eagle3.target_hidden_size"
+KEY_EAGLE3_NORM_BEFORE_RESIDUAL = "eagle3.norm_before_residual"
+KEY_EAGLE3_NORM_BEFORE_FC = "eagle3.norm_before_fc"
 # llama.cpp's RoPE base when `{arch}.rope.freq_base` is absent (HF: `rope_theta` absent)
 ROPE_FREQ_BASE_DEFAULT = 10000.0
 
@@ -69,6 +75,14 @@ L_OUT = "l_out"
 RESULT_NORM = "result_norm"
 RESULT_OUTPUT = "result_output"
 INP_EMBD = "inp_embd"  # the DFlash encoder graph's input
+# EAGLE3's graphs: the encoder (inp_embd -> enc_input_norm -> fc_out, the rows the decoder reads as
+# inp_g_embeddings), the decoder's one layer and the pre-norm state recycled as the next step's g
+EAGLE3_ENC_INPUT_NORM = "enc_input_norm"
+EAGLE3_FC_OUT = "fc_out"
+EAGLE3_EMBD_NORM = "embd_norm"
+EAGLE3_G_NORM = "g_norm"
+EAGLE3_CONCAT = "concat_embd"
+EAGLE3_PRENORM = "eagle3_prenorm"
 TARGET_EMBD = "embd"  # the target's token embeddings: the input of layer 0
 # Records no graph callback names (docs/records.md, "featdiff names"): read back through the API
 API_OP = "API"  # their `op` (native/featdiff_shim.c): one row per output row of the whole call

@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from featdiff import names
+from featdiff import kinds, names
 from featdiff.blocks import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DRAFT_MAX,
@@ -87,20 +87,25 @@ def preflight(
 
 
 def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
-    """Every problem of the drafter `d` (and its fit to the target `t`), each with its severity."""
-    if d.arch != names.ARCH_DFLASH:
+    """Every problem of the drafter `d` (and its fit to the target `t`), each with its severity:
+    the checks of its kind's architecture (featdiff.kinds)."""
+    checks = CHECKS_OF_ARCH.get(d.arch)
+    if checks is None:
         return [
             Problem(
-                f"{names.KEY_ARCH} = {d.arch!r}, expected {names.ARCH_DFLASH!r}; pass the DFlash drafter "
-                "GGUF as the model and its target with --target",
+                f"{names.KEY_ARCH} = {d.arch!r}, expected one of {', '.join(kinds.DRAFTER_ARCHS)}; pass the "
+                "drafter GGUF as the model and its target with --target",
                 FATAL,
             )
         ]
-    return [Problem(text, severity) for check, severity in _CHECKS for text in check(d, t)]
+    return [Problem(text, severity) for check, severity in checks for text in check(d, t)]
 
 
 def _capture_block_rows(d: GgufModel, draft_max: int) -> int:
-    """The rows of the blocks an in-process capture drafts with `draft_max` (featdiff.blocks)."""
+    """The positions a round of an in-process capture reaches with `draft_max` drafts: a DFlash
+    block's rows (featdiff.blocks), EAGLE3's anchor and drafts."""
+    if d.arch == names.ARCH_EAGLE3:
+        return draft_max + 1
     block_size = int_meta(d, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
     first_row = _first_draft_row(d)
     return block_rows(clamped_draft_max(draft_max, block_size, first_row), first_row)
@@ -292,3 +297,65 @@ _CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severit
     (_dspark_key_problems, ADVISORY),  # keys llama.cpp reads otherwise than the checkpoint was trained
     (_unmodelled_problems, UNMODELLED),  # llama.cpp runs them; the reference refuses them (featdiff.modelled)
 )
+
+
+# --- EAGLE3 (upstream src/models/eagle3.cpp, common_speculative_impl_draft_eagle3) ----------------
+
+
+def _eagle3_layer_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """Exactly three layer-input ids, each below the target's layer count. An id equal to it reads
+    the target's nextn state (llama_set_embeddings_nextn), which llama/qwen3 targets never set and
+    featdiff does not model: refused by name, never captured as zeros."""
+    key = names.KEY_EAGLE3_TARGET_LAYERS
+    if not has_meta(d, key):
+        return [f"{key} is missing; llama.cpp refuses to load the EAGLE3 drafter without it"]
+    ids = int_list_meta(d, key)
+    if len(ids) != 3:
+        return [f"{key} = {ids}: EAGLE3 reads exactly 3 target layers; re-convert the drafter"]
+    n_layer = int_meta(t, names.KEY_BLOCK_COUNT) if t is not None and has_meta(t, names.KEY_BLOCK_COUNT) else None
+    if n_layer is not None and n_layer in ids:
+        return [
+            f"{key} = {ids}: id {n_layer} (the target's layer count) reads the target's nextn state, which this "
+            "target does not set and featdiff does not model; convert the drafter with ids below the layer count"
+        ]
+    return layer_id_problems(key, ids, n_layer)
+
+
+def _eagle3_fc_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    fc = d.tensors.get(names.T_FC)
+    if fc is None:
+        return [f"{names.T_FC} is missing; llama.cpp refuses to load the EAGLE3 drafter without it"]
+    n_embd_tgt = _n_embd(t) if t is not None else None
+    if n_embd_tgt is not None and fc.ne[0] != 3 * n_embd_tgt:
+        return [
+            f"{names.T_FC} takes {fc.ne[0]} inputs but the features are 3 x target n_embd {n_embd_tgt} = "
+            f"{3 * n_embd_tgt} wide; pair the drafter with its target"
+        ]
+    return []
+
+
+def _eagle3_d2t_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """`d2t` as llama.cpp's graph reads it: I64 absolute target ids (the converter adds arange to
+    the checkpoint's offsets), one per row of the drafter's head, each inside the target's vocabulary."""
+    d2t = d.tensors.get(names.T_D2T)
+    if d2t is None:
+        return []
+    if d2t.ggml_type != "i64":
+        return [f"{names.T_D2T} is {d2t.ggml_type}; llama.cpp's EAGLE3 graph asserts I64 absolute target ids"]
+    n_vocab = _n_vocab(t) if t is not None else None
+    ids = np.asarray(d.data[names.T_D2T].data).reshape(-1)  # (n_vocab_draft,): I64 read raw
+    if n_vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
+        return [
+            f"{names.T_D2T} holds ids outside the target's vocabulary of {n_vocab} (min {ids.min()}, max "
+            f"{ids.max()}); write absolute ids (offsets + row index), as the converter does"
+        ]
+    return []
+
+
+_EAGLE3_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+    (_eagle3_layer_problems, FATAL),
+    (_eagle3_fc_problems, FATAL),
+    (_eagle3_d2t_problems, FATAL),
+)
+# The checks of each drafter architecture (featdiff.kinds.KINDS)
+CHECKS_OF_ARCH = {names.ARCH_DFLASH: _CHECKS, names.ARCH_EAGLE3: _EAGLE3_CHECKS}

@@ -275,7 +275,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
     """Run the plan's stages with the dumps in `work`; the report is written, the rest returned."""
     from featdiff.diff import compare_dumps
     from featdiff.dump import read_dump
-    from featdiff.torchref.run import reference
+    from featdiff.torchref.kind import reference
 
     run = plan.run if plan.run is not None else _capture(plan, work / RUN_DUMP)
     with read_dump(run) as dump:

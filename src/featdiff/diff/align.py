@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from featdiff import lattice, names
+from featdiff import kinds, lattice, names
 from featdiff.diff.metrics import as_rows
 from featdiff.diff.namemap import NameMap
 from featdiff.diff.result import WARMUP_SKIP, Alignment, Skip, SkipReason, SkipSide
@@ -87,6 +87,7 @@ class Plan:
     skips: tuple[Skip, ...]  # record sets (or rows) not compared, and why
     ref_groups: tuple[GroupKey, ...]
     run_groups: tuple[GroupKey, ...]
+    wiring: tuple[str, ...] = names.WIRING_NAMES  # the drafter kind's wiring names (kinds.wiring_names)
 
     @property
     def skipped(self) -> tuple[str, ...]:
@@ -168,8 +169,14 @@ def _index(manifest: Manifest, rename: Callable[[str], str | None]) -> dict[Reco
         name = rename(r.name)
         if ev is None or name is None or is_unnamed(r.name) or 0 in r.shape:
             continue  # unnamed nodes and empty records (no output rows) never pair
-        out[(group_key(ev), name, r.occurrence)].append((ev, r, i))
+        out[(group_key(ev), in_graph_of(name, ev), r.occurrence)].append((ev, r, i))
     return out
+
+
+def in_graph_of(name: str, ev: Eval) -> str:
+    """The name a record pairs under in the graph of `ev`: an encoder graph's `inp_embd` is the
+    features (`inp_target_features`), a decoder's (EAGLE3) its token rows."""
+    return names.INP_TARGET_FEATURES if name == names.ENC_INP_EMBD and ev.call == names.CALL_ENCODE else name
 
 
 def _empty_keys(manifest: Manifest) -> set[RecordKey]:
@@ -226,7 +233,15 @@ def plan_pairs(ref: Manifest, run: Manifest, name_map: NameMap) -> Plan:
         skips=tuple(sorted(skips, key=lambda s: (phase_order(s.phase, s.round), s.evals[:1], s.reason))),
         ref_groups=ref_groups,
         run_groups=run_groups,
+        wiring=kinds.wiring_names(drafter_arch(run) or drafter_arch(ref)),
     )
+
+
+def drafter_arch(manifest: Manifest) -> str | None:
+    """The architecture of the dump's drafter, where its manifest says."""
+    draft = manifest.models.get(names.ROLE_DRAFT) or {}
+    arch = draft.get("architecture") if isinstance(draft, dict) else None
+    return arch if isinstance(arch, str) else None
 
 
 def _group_skips(
@@ -300,7 +315,7 @@ def _pair(
     if nothing:  # with no row skip to say why: the run's records are not row-wise, or hold nothing
         why = "position" if ref.positions else "empty"
         return None, skips or [_skip(key, why, len(run.records), ref.positions, run, whole=True)]
-    srcs = tuple(name_map.ref_name(s) for s in run.records[0].srcs)
+    srcs = tuple(in_graph_of(name_map.ref_name(s), run.evals[0]) for s in run.records[0].srcs)
     order = (ref_entries[0][0].eval, run_entries[0][2])
     return Pair(group, name, run_name, occurrence, ref, run, alignment, order, srcs), skips
 

@@ -226,7 +226,7 @@ def unpaired_findings(
     rows of another token history too: the reference drafts without it, so its drafts may differ."""
     by_cause: dict[tuple[str, str], list[Skip]] = {}
     for skip in plan.skips:
-        if is_wiring(skip.name) and (not skip.is_expected or skip.reason in INFO_SKIPS):
+        if is_wiring(skip.name, plan.wiring) and (not skip.is_expected or skip.reason in INFO_SKIPS):
             by_cause.setdefault((skip.reason, skip.side), []).append(skip)
     rounds = (_last_round(plan.ref_groups), _last_round(plan.run_groups))
     found = [d.detect_unpaired(tuple(skips), explained, parting, rounds) for skips in by_cause.values()]

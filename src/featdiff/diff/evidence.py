@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from featdiff import names
-from featdiff.diff.align import Pair, Side, pair_arrays, row_contexts, side_rows
+from featdiff import kinds, names
+from featdiff.diff.align import Pair, Side, drafter_arch, pair_arrays, row_contexts, side_rows
 from featdiff.diff.arrays import MemberIndex, index_members, read_array
 from featdiff.diff.detectors.base import Evidence, Rope
 from featdiff.diff.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
@@ -84,6 +84,7 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
         earlier_evals=earlier_evals,
         record=pair.name,
         absent=absent,
+        kind=kinds.of_arch(drafter_arch(run.manifest) or drafter_arch(ref.manifest)),
     )
 
 

@@ -6,6 +6,8 @@ two manifests before any value is compared and lists what they found in the orde
 
 from __future__ import annotations
 
+from featdiff import kinds
+from featdiff.diff.align import drafter_arch
 from featdiff.diff.batches import batches, decoded_alike
 from featdiff.diff.detectors.base import span
 from featdiff.diff.detectors.kvcache import (
@@ -28,15 +30,20 @@ from featdiff.phases import Phase, phase_order
 def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
     """Every token and position finding, in the order the run met it (the prompt first), then the
     run's flow notes."""
-    found = [
-        detect_unpaired_prompt(ref, run),
-        detect_block_token(ref, run),
-        detect_position_offset_of_batch(ref, run),
-        detect_stale_cache(run),
-        detect_duplicate_rows(run),
-        detect_wrong_source_restored(run),
-        detect_not_conditioned_restored(run),
-    ]
+    if not kinds.of_arch(
+        drafter_arch(run) or drafter_arch(ref)
+    ).block_flow:  # another kind's rounds: the reference's batches only
+        found = [detect_unpaired_prompt(ref, run), detect_position_offset_of_batch(ref, run, by_flow=False)]
+    else:
+        found = [
+            detect_unpaired_prompt(ref, run),
+            detect_block_token(ref, run),
+            detect_position_offset_of_batch(ref, run),
+            detect_stale_cache(run),
+            detect_duplicate_rows(run),
+            detect_wrong_source_restored(run),
+            detect_not_conditioned_restored(run),
+        ]
     # by the run's eval each is about (`eval` of every kind here); the prompt, which has none, first
     ordered = sorted((f for f in found if f is not None), key=lambda f: f.fields.get("eval", -1))
     note = detect_flow_note(run)

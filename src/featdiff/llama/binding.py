@@ -114,6 +114,7 @@ int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int3
                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 
@@ -163,6 +164,7 @@ int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id s
 int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
 bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
 bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
+bool llama_batch_ext_set_embd_token(struct llama_batch_ext * batch, int32_t idx, struct llama_embd embd);
 int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
 """,
     BATCH_LEGACY: """

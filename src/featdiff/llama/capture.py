@@ -13,13 +13,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
-from featdiff import names, progress
-from featdiff.blocks import DEFAULT_BLOCK_SIZE, DEFAULT_DRAFT_MAX, clamped_draft_max, first_draft_row, flow_positions
+from featdiff import kinds, progress
+from featdiff.blocks import DEFAULT_DRAFT_MAX, flow_positions
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted, NoRoomError
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
-from featdiff.gguf_reader import model_info
+from featdiff.gguf_reader import model_info, read_gguf
 from featdiff.llama import driver, ggml_dequant, spool
 from featdiff.llama.options import RunOptions
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
@@ -63,51 +64,20 @@ def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int
 
 
 def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0) -> driver.FlowConfig:
-    """The DFlash / DSpark settings the upstream driver reads from the drafter, with `draft_max`
-    drafts per block (`--spec-draft-n-max`) and `p_min` (`--spec-draft-p-min`). Like llama.cpp's
-    automatic type, a drafter GGUF with `markov_w1.weight` runs as draft-dspark."""
-    layers = tuple(draft.target_layer_ids())  # their range against the target: preflight, before loading
-    block_size = int(draft.meta(names.KEY_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
-    dspark = model_info(draft.path, with_hash=False, ggml=ggml_dequant.load).dspark
-    first_row = first_draft_row(dspark is not None, bool(dspark and dspark["sample_from_anchor"]))
-    confidence = bool(dspark and dspark["confidence_head"])
-    if p_min > 0.0 and not confidence:
-        raise InputError(
-            f"{draft.path}: --p-min {p_min} but this drafter has no DSpark confidence head "
-            "(llama.cpp refuses it for DSpark; featdiff's driver implements p_min for that head only): "
-            "pass --p-min 0"
-        )
-    return driver.FlowConfig(
-        layers,
-        _draft_max(draft.path, draft_max, block_size, first_row),
-        int(draft.rt.lib.llama_vocab_mask(draft.vocab)),
-        first_draft_row=first_row,
-        confidence=confidence,
-        p_min=p_min,
-        causal=draft.meta(names.KEY_CAUSAL) == "true",
-        selector_top_k=int(draft.meta(names.KEY_SELECTOR_TOP_K) or 0),
-    )
+    """The settings upstream's driver of the drafter's kind (featdiff.kinds) reads from it, with
+    `draft_max` drafts per round (`--spec-draft-n-max`) and `p_min` (`--spec-draft-p-min`)."""
+    return drafter_kind(draft).driver_module().flow_config(draft, draft_max, p_min)
 
 
-def _draft_max(path: Path, draft_max: int, block_size: int, first_row: int) -> int:
-    """`--draft-max` clamped to what a block drafts (featdiff.blocks) with a warning, as
-    common_speculative_impl_draft_dflash clamps n_max."""
-    if draft_max < 1:
-        raise InputError(
-            f"--draft-max {draft_max}: expected >= 1 draft per block (llama.cpp's "
-            f"--spec-draft-n-max, default {DEFAULT_DRAFT_MAX})"
-        )
-    clamped = clamped_draft_max(draft_max, block_size, first_row)
-    if clamped != draft_max:
-        log.warning(
-            "%s: --draft-max %d exceeds the trained block size (%s = %d); clamping to %d, as llama.cpp does",
-            path,
-            draft_max,
-            names.KEY_BLOCK_SIZE,
-            block_size,
-            clamped,
-        )
-    return clamped
+def drafter_kind(draft: Model) -> kinds.DrafterKind:
+    """The kind of the loaded drafter, as llama.cpp's automatic --spec-type tells it."""
+    g = read_gguf(draft.path, ggml_dequant.load)
+    return kinds.kind_of(g.arch, g.tensors, str(draft.path))
+
+
+def _driver(cfg) -> ModuleType:
+    """The driver module of the kind a flow config belongs to."""
+    return kinds.by_name(cfg.kind).driver_module()
 
 
 def capture(
@@ -146,7 +116,7 @@ def capture(
         try:
             ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
             cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
-            kept = capture_filters(filters, cfg.target_layers)
+            kept = capture_filters(filters, cfg.target_layers, kinds.by_name(cfg.kind).wiring)
             packed = _spooled(rt, models, ids, cfg, rounds, kept, output, options)
         finally:
             for m in models:
@@ -225,7 +195,7 @@ def new_contexts(
     n_ctx = max(CTX_MIN, flow_positions(n_prompt, rounds, cfg.block_rows) + CTX_SLACK, options.n_ctx or 0)
     threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
     ub, fa = n_ubatch(options), options.flash_attn
-    check_ubatch(ub, cfg.block_rows)
+    check_ubatch(ub, cfg.noncausal_rows)
     # n_rs_seq: common.cpp common_context_params_to_llama sets the target's to the draft length
     # (common_params_speculative::need_n_rs_seq), so a hybrid target's recurrent state rolls back
     # the rejected rows; llama.cpp clamps it to 0 where the arch has no recurrent state
@@ -234,7 +204,7 @@ def new_contexts(
     dft = Context.new(
         rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=fa, n_ubatch=ub
     )
-    enable_dflash(tgt, dft, cfg)
+    _driver(cfg).enable(tgt, dft, cfg)
     return tgt, dft
 
 
@@ -266,19 +236,10 @@ def _run(
     tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)), options)
     try:
         with progress.steps(rounds, "rounds") as on_round:
-            driver.run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=on_round)
+            _driver(cfg).run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=on_round)
     finally:
         dft.free()
         tgt.free()
-
-
-def enable_dflash(tgt: Context, dft: Context, cfg: driver.FlowConfig) -> None:
-    """What common_speculative_impl_draft_dflash's constructor switches on."""
-    lib = tgt.rt.lib
-    for layer in cfg.target_layers:
-        lib.fd_set_embeddings_layer_inp(tgt.ptr, layer, True)
-    lib.fd_set_embeddings_nextn(dft.ptr, True, True)
-    lib.llama_set_causal_attn(dft.ptr, cfg.causal)
 
 
 def _header(

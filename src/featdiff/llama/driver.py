@@ -13,18 +13,32 @@ the API and recorded: no graph node holds DSpark's Markov-biased logits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from featdiff import names
-from featdiff.blocks import accepted_length, block_rows, read_drafts
+from featdiff.blocks import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DRAFT_MAX,
+    accepted_length,
+    block_rows,
+    clamped_draft_max,
+    first_draft_row,
+    read_drafts,
+)
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
+from featdiff.gguf_reader import model_info
 from featdiff.lattice import lattice_drafts
-from featdiff.llama.runtime import Context
+from featdiff.llama import ggml_dequant
+from featdiff.llama.runtime import Context, Model
 from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, ROLE_OF, Phase
+
+log = logging.getLogger(__name__)
 
 
 class Recorder(Protocol):
@@ -60,11 +74,80 @@ class FlowConfig:
     p_min: float = 0.0  # --spec-draft-p-min: DSpark stops drafting below this confidence
     causal: bool = False  # dflash.attention.causal: block rows attend causally
     selector_top_k: int = 0  # dflash.selector_top_k: > 0 for DFlash2, whose drafts walk its lattice
+    kind: str = "dflash"  # featdiff.kinds: the kind whose driver runs this flow
 
     @property
     def block_rows(self) -> int:
         """Rows of a draft block (featdiff.blocks.block_rows)."""
         return block_rows(self.draft_max, self.first_draft_row)
+
+    @property
+    def noncausal_rows(self) -> int:
+        """Rows decoded non-causally in one batch (a draft block): they must fit one ubatch."""
+        return self.block_rows
+
+
+def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0) -> FlowConfig:
+    """The DFlash / DSpark settings the upstream driver reads from the drafter, with `draft_max`
+    drafts per block (`--spec-draft-n-max`) and `p_min` (`--spec-draft-p-min`). Like llama.cpp's
+    automatic type, a drafter GGUF with `markov_w1.weight` runs as draft-dspark."""
+    layers = tuple(draft.target_layer_ids())  # their range against the target: preflight, before loading
+    block_size = int(draft.meta(names.KEY_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
+    dspark = model_info(draft.path, with_hash=False, ggml=ggml_dequant.load).dspark
+    first_row = first_draft_row(dspark is not None, bool(dspark and dspark["sample_from_anchor"]))
+    confidence = bool(dspark and dspark["confidence_head"])
+    if p_min > 0.0 and not confidence:
+        raise InputError(
+            f"{draft.path}: --p-min {p_min} but this drafter has no DSpark confidence head "
+            "(llama.cpp refuses it for DSpark; featdiff's driver implements p_min for that head only): "
+            "pass --p-min 0"
+        )
+    return FlowConfig(
+        layers,
+        _draft_max(draft.path, draft_max, block_size, first_row),
+        int(draft.rt.lib.llama_vocab_mask(draft.vocab)),
+        first_draft_row=first_row,
+        confidence=confidence,
+        p_min=p_min,
+        causal=draft.meta(names.KEY_CAUSAL) == "true",
+        selector_top_k=int(draft.meta(names.KEY_SELECTOR_TOP_K) or 0),
+    )
+
+
+def _draft_max(path: Path, draft_max: int, block_size: int, first_row: int) -> int:
+    """`--draft-max` clamped to what a block drafts (featdiff.blocks) with a warning, as
+    common_speculative_impl_draft_dflash clamps n_max."""
+    if draft_max < 1:
+        raise InputError(
+            f"--draft-max {draft_max}: expected >= 1 draft per block (llama.cpp's "
+            f"--spec-draft-n-max, default {DEFAULT_DRAFT_MAX})"
+        )
+    clamped = clamped_draft_max(draft_max, block_size, first_row)
+    if clamped != draft_max:
+        log.warning(
+            "%s: --draft-max %d exceeds the trained block size (%s = %d); clamping to %d, as llama.cpp does",
+            path,
+            draft_max,
+            names.KEY_BLOCK_SIZE,
+            block_size,
+            clamped,
+        )
+    return clamped
+
+
+def enable(tgt: Context, dft: Context, cfg: FlowConfig) -> None:
+    """What common_speculative_impl_draft_dflash's constructor switches on."""
+    lib = tgt.rt.lib
+    for layer in cfg.target_layers:
+        lib.fd_set_embeddings_layer_inp(tgt.ptr, layer, True)
+    lib.fd_set_embeddings_nextn(dft.ptr, True, True)
+    lib.llama_set_causal_attn(dft.ptr, cfg.causal)
+
+
+class EvalCounter(Protocol):
+    """A flow's state as far as numbering its evals goes."""
+
+    n_evals: int
 
 
 @dataclass
@@ -90,8 +173,8 @@ def run_flow(
     return done
 
 
-def _eval(
-    st: _State,
+def open_eval(
+    st: EvalCounter,
     rec: Recorder,
     phase: Phase,
     rnd: int,
@@ -126,7 +209,7 @@ def _decode_target(
     rnd: int,
     outputs: bool,
 ) -> None:
-    _eval(st, rec, phase, rnd, positions, tokens)
+    open_eval(st, rec, phase, rnd, positions, tokens)
     tgt.decode_tokens(tokens, positions, outputs)
 
 
@@ -149,16 +232,16 @@ def _inject(
 
 def _inject_chunk(dft: Context, st: _State, rec: Recorder, rows: np.ndarray, positions: list[int], rnd: int) -> None:
     if dft.inject_encodes_first:  # the older generation: encode (fc, enc norm), then decode its rows
-        _eval(st, rec, Phase.INJECT, rnd, positions, [], call=names.CALL_ENCODE)
+        open_eval(st, rec, Phase.INJECT, rnd, positions, [], call=names.CALL_ENCODE)
         rows = dft.encode_embd(rows)
-    _eval(st, rec, Phase.INJECT, rnd, positions, [])
+    open_eval(st, rec, Phase.INJECT, rnd, positions, [])
     dft.decode_embd(rows, positions)
 
 
 def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfig, rnd: int) -> Round:
     pos0, anchor, B = st.n_past, st.id_last, cfg.block_rows
     block, block_positions = [anchor] + [cfg.mask_token_id] * (B - 1), list(range(pos0, pos0 + B))
-    _eval(st, rec, Phase.DRAFT, rnd, block_positions, block)
+    open_eval(st, rec, Phase.DRAFT, rnd, block_positions, block)
     dft.decode_tokens(block, block_positions, outputs=True)
     drafts = _drafts(dft, rec, cfg, B)
     dft.seq_rm(pos0)  # the draft block leaves the draft KV cache
@@ -170,7 +253,7 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
     accepted = accepted_length(drafts, target_tokens)
     st.n_past = pos0 + accepted + 1
     st.id_last = target_tokens[accepted]
-    _rollback(tgt, st.n_past, len(verify) - (accepted + 1))
+    rollback(tgt, st.n_past, len(verify) - (accepted + 1))
     dft.seq_rm(st.n_past)
     rnd_rec = Round(
         round=rnd,
@@ -184,7 +267,7 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
     return rnd_rec
 
 
-def _rollback(tgt: Context, n_past: int, n_rejected: int) -> None:
+def rollback(tgt: Context, n_past: int, n_rejected: int) -> None:
     """The rejected rows out of the target's memory. A hybrid target's recurrent state rolls
     back through the per-token snapshots its context keeps (n_rs_seq, set to the draft length
     as upstream's common.cpp does; llama-memory-recurrent.cpp seq_rm restores the snapshot

@@ -259,6 +259,56 @@ class Context:
             lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
         self._process(len(positions), keep=rows)
 
+    def decode_tokens_embd(self, tokens: list[int], rows: np.ndarray, positions: list[int], outputs: bool) -> None:
+        """Decode entries that carry both a token id and an embedding row (EAGLE3's decoder: token
+        t+1 with the encoder's row of t; `rows` is (n_tokens, n_embd)), as common_batch::set_embd
+        makes them (llama_batch_ext_set_embd_token after add_token)."""
+        lib, ffi = self.rt.lib, self.rt.ffi
+        if self.legacy:
+            raise InputError(f"{self.model.path}: a batch of token ids with embeddings needs the llama_batch_ext API")
+        rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd)
+        base = ffi.from_buffer("float[]", rows)
+        lib.llama_batch_ext_clear(self.batch)
+        for i, (tok, pos) in enumerate(zip(tokens, positions)):
+            idx = lib.llama_batch_ext_add_token(self.batch, 0, tok)
+            lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
+            embd = ffi.new(
+                "struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]}
+            )
+            if not lib.llama_batch_ext_set_embd_token(self.batch, idx, embd[0]):
+                raise RuntimeError(f"{self.model.path.name}: llama_batch_ext_set_embd_token refused entry {i}")
+            lib.llama_batch_ext_set_output_logits(self.batch, idx, outputs)
+        self._process(len(tokens), keep=rows)
+
+    def process_encode(self, rows: np.ndarray, positions: list[int]) -> np.ndarray:
+        """llama_process(ENCODE) of an embd batch (EAGLE3's encoder: one row per token, every row an
+        output); return the rows the encoder made, read from the nextn embeddings: (n_tokens, n_embd)."""
+        lib, ffi = self.rt.lib, self.rt.ffi
+        rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd_inp)
+        base = ffi.from_buffer("float[]", rows)
+        lib.llama_batch_ext_clear(self.batch)
+        for i, pos in enumerate(positions):
+            embd = ffi.new(
+                "struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]}
+            )
+            idx = lib.llama_batch_ext_add_embd(self.batch, 0, embd[0])
+            lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
+            lib.llama_batch_ext_set_output_logits(self.batch, idx, True)
+        rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_ENCODE, self.batch)
+        if rc != 0:
+            raise RuntimeError(
+                f"llama_process(ENCODE) on {self.model.path.name} failed: rc={rc}, n_tokens={len(positions)}"
+            )
+        return self.nextn_rows(len(positions))
+
+    def nextn_rows(self, n_rows: int) -> np.ndarray:
+        """Every output row's nextn embedding of the last batch: (n_rows, n_embd)."""
+        ptr = self.rt.lib.fd_get_embeddings_nextn(self.ptr)
+        if ptr == self.rt.ffi.NULL:
+            raise RuntimeError(f"{self.model.path.name}: the last batch made no nextn embeddings")
+        flat = np.frombuffer(self.rt.ffi.buffer(ptr, 4 * n_rows * self.model.n_embd), dtype=np.float32)
+        return flat.reshape(n_rows, self.model.n_embd).copy()  # (n_rows, n_embd)
+
     def encode_embd(self, rows: np.ndarray) -> np.ndarray:
         """llama_encode an embd batch (the older generation's DFlash encoder: no positions, no
         sequence ids, as upstream passes it); return the rows it made: (n_tokens, n_embd)."""
@@ -341,6 +391,10 @@ class Context:
         """Drop the cells at positions >= p0; False where the memory refused (a recurrent state
         rolls back only as far as its n_rs_seq snapshots reach, llama-memory-recurrent.cpp seq_rm)."""
         return bool(self.rt.lib.llama_memory_seq_rm(self.rt.lib.llama_get_memory(self.ptr), 0, p0, -1))
+
+    def pos_max(self) -> int:
+        """The last position the sequence holds in memory (-1: none)."""
+        return int(self.rt.lib.llama_memory_seq_pos_max(self.rt.lib.llama_get_memory(self.ptr), 0))
 
     def free(self) -> None:
         if not self.legacy:

@@ -295,16 +295,18 @@ def write_reference(
     output: Path,
     trace: FlowTrace,
     target: Target,
-    draft: Draft,
+    draft: Draft | None,
     numerics: Numerics,
     prompt: tuple[int, ...],
     block_rows: int,
     p_min: float = 0.0,
     followed: Path | None = None,
     flows: tuple[FlowInfo, ...] = (),
+    draft_entry: dict | None = None,
 ) -> Path:
     """Write the flow's records and manifest as a dump v1 with source "reference"; `build` says
-    how it was computed, with the rows of its draft blocks."""
+    how it was computed, with the rows of its draft blocks. `draft_entry`: the drafter's manifest
+    entry where `draft` is another kind's (featdiff.kinds), which describes itself."""
     writer = DumpWriter(output)
     for et in trace.evals:
         e = et.eval
@@ -326,7 +328,7 @@ def write_reference(
         build["follow"] = str(followed)  # the run dump whose decisions this reference replayed
     manifest = Manifest(
         source="reference",
-        models={"target": models_entry(target), "draft": models_entry(draft)},
+        models={"target": models_entry(target), "draft": _draft_entry(draft, draft_entry)},
         build=build,
         evals=tuple(et.eval for et in trace.evals),
         records=(),
@@ -335,3 +337,13 @@ def write_reference(
         flows=flows,
     )
     return writer.close(manifest)
+
+
+def _draft_entry(draft: Draft | None, entry: dict | None) -> dict:
+    """The drafter's manifest entry: the one given (a kind that describes its own drafter), else
+    the DFlash drafter's."""
+    if entry is not None:
+        return entry
+    if draft is None:
+        raise ValueError("write_reference needs the drafter or its manifest entry")
+    return models_entry(draft)

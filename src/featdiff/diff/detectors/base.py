@@ -17,6 +17,7 @@ from featdiff.diff.metrics import relative_error, row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.diff.sketch import LayerMatch
 from featdiff.diff.tolerance import Tolerance
+from featdiff.kinds import KINDS, DrafterKind
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Evidence:
     is_integer: bool = False  # integer data (positions, token ids): compared exactly
     record: str = ""  # the reference's name of the pair (`tensor` is the run's)
     absent: tuple[str, ...] = ()  # ref records of this eval group the run's graph lacks
+    kind: DrafterKind = KINDS[0]  # the drafter's kind (featdiff.kinds): its layer key and rule
 
 
 def same_shape(ev: Evidence) -> bool:

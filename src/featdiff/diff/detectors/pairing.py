@@ -68,16 +68,21 @@ def _unconditioned(run: Manifest, run_inject: list, name_map: NameMap) -> str | 
 # --- records one side's graph lacks --------------------------------------------------------------
 
 
-def is_wiring(name: str) -> bool:
-    """Whether a record name is in the wiring set (names.WIRING_NAMES, globs): never left out unsaid."""
-    return any(fnmatch.fnmatchcase(name, g) for g in names.WIRING_NAMES)
+def is_wiring(name: str, wiring: tuple[str, ...] = names.WIRING_NAMES) -> bool:
+    """Whether a record name is in the wiring set (the drafter kind's, `Plan.wiring`; globs): never
+    left out unsaid."""
+    return any(fnmatch.fnmatchcase(name, g) for g in wiring)
 
 
 def absent_keys(plan: Plan, run: Manifest) -> list[RecordKey]:
     """Wiring records of the reference the run's graph lacks: in an eval group the run has, and
     kept by the run's recorded capture filters, exclusions included (so not merely filtered out)."""
     kept = run.build_info.filters
-    return [k for k in plan.ref_only if is_wiring(k[1]) and k[0] in plan.run_groups and kept.keeps(k[0][0], k[1])]
+    return [
+        k
+        for k in plan.ref_only
+        if is_wiring(k[1], plan.wiring) and k[0] in plan.run_groups and kept.keeps(k[0][0], k[1])
+    ]
 
 
 def _without_log_snr(plan: Plan) -> set[GroupKey]:
@@ -102,7 +107,7 @@ def detect_missing_tensor(plan: Plan, run: Manifest) -> Finding | None:
 def detect_unexpected_tensor(plan: Plan, ref: Manifest) -> Finding | None:
     """Hypothesis: the run computes a wiring tensor where the checkpoint has none. Evidence: a
     run record in the wiring set, in an eval group the ref has, that the ref lacks."""
-    keys = [k for k in plan.run_only if is_wiring(k[1]) and k[0] in plan.ref_groups]
+    keys = [k for k in plan.run_only if is_wiring(k[1], plan.wiring) and k[0] in plan.ref_groups]
     return _one_sided(UnexpectedTensorFields(), keys, "the run has {name} in {where}, the reference has not")
 
 
@@ -124,7 +129,7 @@ def detect_unexpected_tensor_outside_wiring(plan: Plan) -> Finding | None:
     set (a wide capture filter): not a fault, but not compared either. Evidence: the plan's run-only
     names outside names.WIRING_NAMES; one info finding lists them."""
     checked = (names.INP_POS,)  # compared with the reference's eval positions instead
-    run_names = sorted({k[1] for k in plan.run_only if not is_wiring(k[1]) and k[1] not in checked})
+    run_names = sorted({k[1] for k in plan.run_only if not is_wiring(k[1], plan.wiring) and k[1] not in checked})
     if not run_names:
         return None
     shown = ", ".join(run_names[:6]) + (" ..." if len(run_names) > 6 else "")

@@ -147,13 +147,14 @@ def _block_length_finding(block: Batch, ref_block: Batch) -> Finding:
 # --- positions -----------------------------------------------------------------------------------
 
 
-def detect_position_offset_of_batch(ref: Manifest, run: Manifest) -> Finding | None:
+def detect_position_offset_of_batch(ref: Manifest, run: Manifest, by_flow: bool = True) -> Finding | None:
     """Hypothesis: a batch was placed at positions off by a constant (inject rows one position
     late, the draft block late, n_past drifting after an accept). Evidence, in flow order: the
     run batch's positions against the reference's same batch while both sides decoded the same
     tokens so far, and against the flow itself (inject rows at the positions of the target rows
-    they carry; verify at the draft block's start; the first block right after the prefill).
-    A draft block and its verify off by the same k are the target's n_past: named at the verify.
+    they carry; verify at the draft block's start; the first block right after the prefill), unless
+    `by_flow` is False (a drafter kind of other rounds: featdiff.kinds). A draft block and its
+    verify off by the same k are the target's n_past: named at the verify.
     (One record's values computed at offset positions: rows.detect_position_offset_of_record.)"""
     ref_batches, run_batches = batches(ref), batches(run)
     same_history = run.prompt_tokens == ref.prompt_tokens
@@ -161,7 +162,7 @@ def detect_position_offset_of_batch(ref: Manifest, run: Manifest) -> Finding | N
         ref_batch = ref_batches.get(key) if same_history else None
         if ref_batch is not None and not same_token_ids(batch, ref_batch):
             ref_batch = None  # other tokens: where they sit says nothing about positions
-        found = _batch_offset(batch, ref_batch, run_batches) if batch.positions else None
+        found = _batch_offset(batch, ref_batch, run_batches, by_flow) if batch.positions else None
         if found is not None:
             return _at_verify(found, batch, run_batches, ref_batches) or _position_finding(*found)
         same_history = same_history and ref_batch is not None and decoded_alike(batch, ref_batch)
@@ -172,10 +173,12 @@ def detect_position_offset_of_batch(ref: Manifest, run: Manifest) -> Finding | N
 Offset = tuple[Batch, int, str, str]
 
 
-def _batch_offset(batch: Batch, ref_batch: Batch | None, run_batches: dict[GroupKey, Batch]) -> Offset | None:
+def _batch_offset(
+    batch: Batch, ref_batch: Batch | None, run_batches: dict[GroupKey, Batch], by_flow: bool = True
+) -> Offset | None:
     """The batch's offset from the reference's same batch, else from where the flow puts it."""
     from_ref = _offset_from_ref(batch, ref_batch) if ref_batch is not None else None
-    return from_ref or _offset_from_flow(batch, run_batches)
+    return from_ref or (_offset_from_flow(batch, run_batches) if by_flow else None)
 
 
 def _at_verify(

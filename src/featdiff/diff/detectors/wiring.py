@@ -56,8 +56,7 @@ def detect_layer_offset(ev: Evidence) -> Finding | None:
     delta = observed[k] - lm.expected_layers[k]
     same = all(observed[j] - lm.expected_layers[j] == delta for j in range(len(observed)))
     hint = (
-        f" (every slot is off by {delta:+d}: {names.KEY_TARGET_LAYERS} must be the checkpoint's "
-        f"{names.HF_TARGET_LAYER_IDS} + 1)"
+        f" (every slot is off by {delta:+d}: {ev.kind.layer_key} must be the checkpoint's {ev.kind.layer_rule})"
         if same
         else ""
     )

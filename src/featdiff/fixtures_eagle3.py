@@ -1,0 +1,225 @@
+"""A tiny seeded EAGLE3 drafter beside the fixtures' tiny target: `draft-hf/` in the SpecForge
+(`LlamaForCausalLMEagle3`) layout, and both GGUFs made by the pinned converter
+(`conversion/llama.py` LlamaModel, which takes a 1-layer checkpoint with `draft_vocab_size` for
+EAGLE3). The directory is the fixture layout: `target-hf/`, `draft-hf/`, `target.gguf`,
+`draft.gguf`, `VARIANT`.
+
+What `draft.gguf` holds of the HF tensors (a reference reading `draft-hf/` must apply the same):
+* `midlayer.self_attn.{q,k}_proj` -> `blk.0.attn_{q,k}`, rows permuted per head from HF's
+  rotate-half order into ggml's interleaved RoPE pairs (LlamaModel.undo_permute; q by n_head, k by
+  n_head_kv); every other matrix is as in HF, numpy order (out, in).
+* `midlayer.input_layernorm` -> `blk.0.attn_norm` (the token embeddings' norm),
+  `midlayer.hidden_norm` -> `blk.0.attn_norm_2` (the fc output's), `midlayer.post_attention_layernorm`
+  -> `blk.0.ffn_norm`, `norm` -> `output_norm`, `lm_head` -> `output` (draft_vocab_size rows),
+  `input_norm` -> `enc.output_norm` (norm_before_fc), `embed_tokens` -> `token_embd`.
+* `d2t`: HF offsets (target id = d2t[i] + i) -> absolute target ids, I64; `t2d` is dropped.
+* `eagle3.target_layers`: `eagle_aux_hidden_state_layer_ids` as stated (no shift), else
+  [2, n_layer // 2, n_layer - 3]; llama.cpp reads each as the INPUT of that target layer
+  (common/speculative.cpp: llama_get_embeddings_layer_inp; id n_layer: the final hidden state).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from featdiff import names
+from featdiff.converter import (
+    CONVERTER,
+    DRAFT_GGUF,
+    DRAFT_HF,
+    TARGET_GGUF,
+    TARGET_HF,
+    TOKENIZER_MODEL,
+    convert_checkpoint,
+    write_spm_tokenizer,
+)
+from featdiff.errors import InputError
+from featdiff.fixtures import VOCAB_SPM, _hf_config, _write_hf, write_fixture
+from featdiff.outputs import check_output_dir
+from featdiff.pairs import TINY, Shape, _linear, _norm
+
+# config.json fields of an EAGLE3 checkpoint the converter reads (its GGUF keys: names.KEY_EAGLE3_*)
+HF_ARCH = "LlamaForCausalLMEagle3"  # one of the names conversion/llama.py registers for LlamaModel
+HF_AUX_LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
+HF_TARGET_HIDDEN_SIZE = "target_hidden_size"
+HF_NORM_BEFORE_FC = "norm_before_fc"
+HF_NORM_BEFORE_RESIDUAL = "norm_before_residual"
+
+# The converter's names for the checkpoint's tensors (t2d it drops): HF -> GGUF. The q/k rows are
+# permuted on the way (module docstring), `d2t` made absolute; the rest are copied as they are.
+GGUF_FROM_HF = {
+    "fc.weight": "fc.weight",
+    "input_norm.weight": "enc.output_norm.weight",
+    "embed_tokens.weight": "token_embd.weight",
+    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "d2t": "d2t",
+}
+
+DRAFT = Shape(n_layer=1)  # llama.cpp's EAGLE3 graph has exactly one decoder layer
+# HF tensor -> the heads whose rows the converter permutes (LlamaModel.permute: q by n_head, k by n_head_kv)
+ROPE_PERMUTED = {
+    "midlayer.self_attn.q_proj.weight": DRAFT.n_head,
+    "midlayer.self_attn.k_proj.weight": DRAFT.n_head_kv,
+}
+N_EXTRACT = 3  # llama.cpp requires exactly three target layers (low, mid, high)
+N_SPECIAL = 3  # unk, bos, eos (fixtures.SPM_SPECIAL): always in the draft vocabulary
+TARGET_LAYERS = (1, 3, 5)  # layer-input ids of the 6-layer tiny target
+DRAFT_STREAM = 3  # the drafter's weights: rng [seed, 3], apart from the pair's (seed) and DFlash2's ([seed, 2])
+VARIANT_FILE = "VARIANT"
+STAGING_PREFIX = ".eagle3-"  # the pair is built in a scratch directory inside `outdir`, then moved in
+
+
+@dataclass(frozen=True)
+class Eagle3Variant:
+    """One EAGLE3 fixture: the checkpoint's settings, all correct (the converter writes them)."""
+
+    name: str
+    doc: str
+    target_variant: str = "clean"  # fixtures variant whose target this pair uses: "clean" (qwen3), "llama"
+    n_vocab_draft: int = TINY.n_vocab // 2  # rows of lm_head; d2t maps them to target ids
+    target_layers: tuple[int, ...] | None = TARGET_LAYERS  # None: config states none, the converter's default
+    norm_before_fc: bool = False  # RMSNorm (input_norm) on the concatenated target features before fc
+    has_own_embeddings: bool = False  # embed_tokens.weight shipped, else the target's token_embd is borrowed
+
+
+_VARIANTS = (
+    Eagle3Variant(
+        "eagle3", "qwen3 target, EAGLE3 drafter drafting a reduced vocabulary (d2t), target layers [1, 3, 5]"
+    ),
+    Eagle3Variant(
+        "eagle3-full-vocab",
+        "EAGLE3 drafter over the whole target vocabulary (identity d2t)",
+        n_vocab_draft=TINY.n_vocab,
+    ),
+    Eagle3Variant(
+        "eagle3-norm-before-fc", "EAGLE3 drafter normalizing the target features before fc", norm_before_fc=True
+    ),
+    Eagle3Variant("eagle3-llama", "llama-arch target, EAGLE3 drafter", target_variant="llama"),
+    Eagle3Variant(
+        "eagle3-default-layers", "EAGLE3 drafter stating no target layers (converter default)", target_layers=None
+    ),
+    Eagle3Variant("eagle3-own-embd", "EAGLE3 drafter with its own token embeddings", has_own_embeddings=True),
+)
+EAGLE3_SETTINGS: dict[str, Eagle3Variant] = {v.name: v for v in _VARIANTS}
+EAGLE3_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
+
+
+def checked_eagle3_variant(name: str) -> Eagle3Variant:
+    """`name`'s settings, else an InputError listing the known variants."""
+    if name not in EAGLE3_SETTINGS:
+        raise InputError(
+            f"--variant {name!r}: no such EAGLE3 fixture variant; choose one of {', '.join(EAGLE3_VARIANTS)}"
+        )
+    return EAGLE3_SETTINGS[name]
+
+
+def write_eagle3_fixture(outdir: str | Path, variant: str = "eagle3", seed: int = 0) -> Path:
+    """Write `variant`'s pair into `outdir`: the fixtures' target of `seed` and an EAGLE3 drafter
+    (HF directories), and the pinned converter's GGUFs of both; return `outdir`.
+
+    The pair is built in a scratch directory inside `outdir` and moved in whole: each of
+    `target-hf/`, `draft-hf/` and the GGUFs is either the old one or the new one, never a mix
+    (a DFlash `draft-hf/` of an earlier `write_fixture` is replaced entirely)."""
+    v = checked_eagle3_variant(variant)
+    out = check_output_dir(Path(outdir), (), "OUTDIR")
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=STAGING_PREFIX) as scratch:
+        staging = write_fixture(Path(scratch) / "pair", v.target_variant, seed, vocab=VOCAB_SPM)
+        shutil.rmtree(staging / DRAFT_HF)  # write_fixture's DFlash drafter
+        _write_hf(staging / DRAFT_HF, eagle3_hf_config(v), eagle3_weights(variant, seed))
+        _convert(staging)
+        (staging / VARIANT_FILE).write_text(f"{v.name}: {v.doc} (converted by {CONVERTER})\n")
+        for name in (TARGET_HF, DRAFT_HF):
+            _swap_dir(staging / name, out / name, Path(scratch))
+        for name in (TARGET_GGUF, DRAFT_GGUF, VARIANT_FILE):
+            (staging / name).replace(out / name)  # one rename each: old or new, never partly written
+    return out
+
+
+def eagle3_weights(variant: str, seed: int) -> dict[str, np.ndarray]:
+    """`variant`'s drafter as `draft-hf/model.safetensors` holds it: HF names, HF orientation
+    (out, in), `d2t` as offsets (target id = d2t[i] + i), `t2d` a mask over the target vocabulary."""
+    v = checked_eagle3_variant(variant)
+    s, n_embd_tgt = DRAFT, TINY.target.n_embd
+    n_attn_inp = 2 * s.n_embd  # the layer's attention reads [norm(embedding), norm(fc out)]
+    rng = np.random.default_rng([seed, DRAFT_STREAM])
+    w = {
+        "fc.weight": _linear(rng, s.n_embd, N_EXTRACT * n_embd_tgt),  # (n_embd, n_extract * n_embd_tgt)
+        "midlayer.input_layernorm.weight": _norm(rng, s.n_embd),
+        "midlayer.hidden_norm.weight": _norm(rng, s.n_embd),
+        "midlayer.self_attn.q_proj.weight": _linear(rng, s.n_head * s.n_embd_head, n_attn_inp),
+        "midlayer.self_attn.k_proj.weight": _linear(rng, s.n_head_kv * s.n_embd_head, n_attn_inp),
+        "midlayer.self_attn.v_proj.weight": _linear(rng, s.n_head_kv * s.n_embd_head, n_attn_inp),
+        "midlayer.self_attn.o_proj.weight": _linear(rng, s.n_embd, s.n_head * s.n_embd_head),
+        "midlayer.post_attention_layernorm.weight": _norm(rng, s.n_embd),
+        "midlayer.mlp.gate_proj.weight": _linear(rng, s.n_ff, s.n_embd),
+        "midlayer.mlp.up_proj.weight": _linear(rng, s.n_ff, s.n_embd),
+        "midlayer.mlp.down_proj.weight": _linear(rng, s.n_embd, s.n_ff),
+        "norm.weight": _norm(rng, s.n_embd),
+        "lm_head.weight": _linear(rng, v.n_vocab_draft, s.n_embd),  # (n_vocab_draft, n_embd)
+    }
+    ids = _draft_ids(rng, v.n_vocab_draft)
+    w["d2t"] = ids - np.arange(ids.size, dtype=np.int64)  # HF offsets
+    w["t2d"] = np.isin(np.arange(TINY.n_vocab), ids)  # (n_vocab,) bool
+    if v.norm_before_fc:
+        w["input_norm.weight"] = _norm(rng, N_EXTRACT * n_embd_tgt)
+    if v.has_own_embeddings:
+        w["embed_tokens.weight"] = rng.standard_normal((TINY.n_vocab, s.n_embd)).astype(np.float32)
+    return w
+
+
+def _draft_ids(rng: np.random.Generator, n_vocab_draft: int) -> np.ndarray:
+    """The target ids of the draft vocabulary, sorted: the special tokens and a random rest (all
+    of them for a full-size draft vocabulary)."""
+    rest = rng.choice(np.arange(N_SPECIAL, TINY.n_vocab), n_vocab_draft - N_SPECIAL, replace=False)
+    return np.sort(np.concatenate([np.arange(N_SPECIAL), rest])).astype(np.int64)  # (n_vocab_draft,)
+
+
+def eagle3_hf_config(v: Eagle3Variant) -> dict:
+    """`v`'s config.json, as SpecForge lays out a `LlamaForCausalLMEagle3` checkpoint."""
+    config = {
+        "architectures": [HF_ARCH],
+        "model_type": "llama",
+        **_hf_config(DRAFT, TINY.n_vocab),
+        names.HF_DRAFT_VOCAB_SIZE: v.n_vocab_draft,
+        HF_TARGET_HIDDEN_SIZE: TINY.target.n_embd,
+        HF_NORM_BEFORE_FC: v.norm_before_fc,
+        HF_NORM_BEFORE_RESIDUAL: False,
+        "tie_word_embeddings": False,
+    }
+    if v.target_layers is not None:
+        config[HF_AUX_LAYER_IDS] = list(v.target_layers)
+    return config
+
+
+def _convert(pair: Path) -> None:
+    """The converter's `target.gguf` and `draft.gguf` of `pair`'s HF directories (as
+    converter._convert_pair: the target's tokenizer.model first; the drafter reads the target's
+    config.json and vocabulary)."""
+    write_spm_tokenizer(pair / TARGET_HF / TOKENIZER_MODEL, TINY.n_vocab)
+    convert_checkpoint(pair / TARGET_HF, pair / TARGET_GGUF)
+    convert_checkpoint(pair / DRAFT_HF, pair / DRAFT_GGUF, target_dir=pair / TARGET_HF)
+
+
+def _swap_dir(new: Path, dst: Path, trash: Path) -> None:
+    """`new` renamed to `dst`; an existing `dst` is moved into `trash` first (two renames: `dst`
+    is briefly absent, never partly written)."""
+    if dst.exists():
+        dst.rename(trash / f"old-{dst.name}")
+    new.rename(dst)

@@ -1,0 +1,160 @@
+"""The drafter kinds featdiff models, in one registry: what tells a drafter GGUF's kind, and where
+each stage keeps that kind's code (STYLE §10: a kind is one seam, as gguf-py keeps `MODEL_ARCH` ->
+`MODEL_TENSORS` in one table and transformers maps a `model_type` to its classes in one mapping).
+
+A kind names its stage modules by dotted path, resolved when a stage needs them
+(`driver_module`, `reference_module`), so this table sits on the bottom floor and each stage
+imports only its own code. Adding a kind is its own modules plus one `DrafterKind` line here:
+
+* `driver`: a module of `featdiff.llama` with `flow_config(model, draft_max, p_min)` (the settings
+  upstream's driver reads from the drafter), `enable(tgt, dft, cfg)` (what its constructor switches
+  on) and `run_flow(tgt, dft, prompt, rounds, cfg, recorder, on_round)` (the in-process flow);
+* `reference`: a module of `featdiff.torchref` with `reference(target, model, output, ...)`, the
+  `featdiff reference` command for that kind (the options of torchref.run.reference);
+* `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs).
+
+DFlash, DFlash2 and DSpark share the `dflash` graph (llama.cpp runs one arch with the heads a
+file carries), so they share its modules; EAGLE3 is its own arch and flow.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from featdiff import names
+from featdiff.errors import InputError
+
+# EAGLE3's graphs (upstream src/models/eagle3.cpp): the encoder's input is named `inp_embd` as the
+# decoder's token rows are; compare tells them apart by the eval's call (names.CALL_ENCODE)
+EAGLE3_WIRING: tuple[str, ...] = (
+    names.INP_TARGET_FEATURES,  # the reference's name of the encoder's input
+    names.ENC_INP_EMBD,  # the encoder's features; the decoder's token rows
+    names.EAGLE3_ENC_INPUT_NORM,  # only with eagle3.norm_before_fc
+    names.EAGLE3_FC_OUT,
+    # not inp_g_embeddings: the decoder's input itself, which only a norm and an add read (the shim
+    # reads inputs through consumers that cannot overwrite them); g_norm-0 carries it
+    "embd_norm-*",
+    "g_norm-*",
+    "concat_embd-*",
+    "ffn_inp-*",
+    "eagle3_prenorm-*",
+    names.RESULT_NORM,
+    names.RESULT_OUTPUT,
+    names.DRAFT_LOGITS,
+)
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter: how its GGUF is told, how llama.cpp runs it, where featdiff models it."""
+
+    name: str
+    arch: str  # general.architecture of its GGUF
+    spec_type: str  # llama.cpp's --spec-type that runs it
+    marker: str | None  # a tensor whose presence tells this kind from its arch's others; None: the arch's plain kind
+    doc: str
+    driver: str  # module of featdiff.llama: the in-process flow
+    reference: str  # module of featdiff.torchref: weights and the replayed flow
+    wiring: tuple[str, ...]  # the drafter's records (globs)
+    layer_key: str  # GGUF key of its target layer ids (layer inputs)
+    # its rounds are docs/flow.md's block protocol ([anchor, mask x (B-1)] at n_past, inject rows at
+    # their target rows' positions): compare also checks a run's batches against those rules;
+    # otherwise against the reference's batches only
+    block_flow: bool = True
+    # what its layer ids must be, in a sentence after "<layer_key> must be the checkpoint's ..."
+    layer_rule: str = f"{names.HF_TARGET_LAYER_IDS} + 1"
+
+    def driver_module(self) -> ModuleType:
+        return importlib.import_module(f"featdiff.llama.{self.driver}")
+
+    def reference_module(self) -> ModuleType:
+        return importlib.import_module(f"featdiff.torchref.{self.reference}")
+
+
+KINDS: tuple[DrafterKind, ...] = (
+    DrafterKind(
+        "dflash",
+        names.ARCH_DFLASH,
+        "draft-dflash",
+        None,
+        "block diffusion: target features staged into the drafter's KV cache",
+        "driver",
+        "run",
+        names.DRAFT_WIRING,
+        names.KEY_TARGET_LAYERS,
+    ),
+    DrafterKind(
+        "dflash2",
+        names.ARCH_DFLASH,
+        "draft-dflash",
+        "selector_hidden.weight",
+        "DFlash with local convolutions and a candidate lattice",
+        "driver",
+        "run",
+        names.DRAFT_WIRING,
+        names.KEY_TARGET_LAYERS,
+    ),
+    DrafterKind(
+        "dspark",
+        names.ARCH_DFLASH,
+        "draft-dspark",
+        names.T_MARKOV_W1,
+        "DFlash with Markov and confidence heads",
+        "driver",
+        "run",
+        names.DRAFT_WIRING,
+        names.KEY_TARGET_LAYERS,
+    ),
+    DrafterKind(
+        "eagle3",
+        names.ARCH_EAGLE3,
+        "draft-eagle3",
+        None,
+        "three target layers through an fc into one decoder layer, one token per step",
+        "eagle3_driver",
+        "eagle3_run",
+        EAGLE3_WIRING,
+        names.KEY_EAGLE3_TARGET_LAYERS,
+        block_flow=False,
+        layer_rule="eagle_aux_hidden_state_layer_ids as they are (the EAGLE3 converter adds no +1)",
+    ),
+)
+DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(k.arch for k in KINDS))
+# every kind's drafter records: what a capture around a program keeps before it knows the drafter
+ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g in k.wiring))
+
+
+def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> DrafterKind:
+    """The kind of a drafter of architecture `arch` carrying `tensors` (names; anything with `in`);
+    InputError naming `where` when featdiff models no drafter of that architecture."""
+    of_arch = [k for k in KINDS if k.arch == arch]
+    if not of_arch:
+        raise InputError(
+            f"{where}: architecture {arch!r} is no drafter featdiff models; it models "
+            f"{', '.join(k.name for k in KINDS)} ({', '.join(DRAFTER_ARCHS)} GGUFs)"
+        )
+    return next((k for k in of_arch if k.marker is not None and k.marker in tensors), of_arch[0])  # type: ignore[operator]
+
+
+def of_arch(arch: str | None) -> DrafterKind:
+    """The plain kind of a drafter architecture; DFlash's when `arch` is unknown or unsaid (dumps
+    written before the registry)."""
+    return next((k for k in KINDS if k.arch == arch), KINDS[0])
+
+
+def by_name(name: str) -> DrafterKind:
+    return next(k for k in KINDS if k.name == name)
+
+
+def is_drafter_arch(arch: str) -> bool:
+    return arch in DRAFTER_ARCHS
+
+
+def wiring_names(arch: str | None) -> tuple[str, ...]:
+    """The records compare expects on both sides of a run whose drafter has architecture `arch`
+    (names.WIRING_NAMES for the DFlash graph, also when the dump does not say): the kind's drafter
+    wiring and every target layer, without the API read-backs (older dumps lack them)."""
+    wiring = dict.fromkeys(of_arch(arch).wiring + names.TARGET_ALL_LAYERS)
+    return tuple(n for n in wiring if n not in names.READBACK_RECORDS)

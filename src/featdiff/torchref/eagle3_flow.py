@@ -1,0 +1,335 @@
+"""The reference's replay of one EAGLE3 flow, greedy, as `llama-speculative-simple` drives
+`common_speculative_impl_draft_eagle3` (common/speculative.cpp): prefill and process, then per
+round draft (a seed step and one decode per draft), verify, process and accept.
+
+Consumes loaded models and prompt tokens; produces every eval's manifest entry and records, and
+the rounds, in execution order (replay.FlowTrace). `process` runs the encoder over a target
+batch's feature rows (an `encode` call, writing no cache), then the decoder over the pairs
+(token t+1, g t) at position t; the batch's last row stays pending until the next draft's seed
+step pairs it with the target's newest token. `follow` and `guide` are replay.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from featdiff import names, progress
+from featdiff.blocks import accepted_length
+from featdiff.dump import Eval, Round
+from featdiff.errors import InputError
+from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, Phase, inject_after
+from featdiff.torchref.attention import KvCache, truncated
+from featdiff.torchref.eagle3 import Eagle3Draft, check_eagle3_pair, decode, encode
+from featdiff.torchref.numerics import Numerics
+from featdiff.torchref.replay import EvalTrace, FlowTrace, FollowError, _empty, _ids, _note_parting
+from featdiff.torchref.stack import Named
+from featdiff.torchref.target import TargetPass, forward_target
+from featdiff.torchref.weights import Target
+
+SAMPLER_TOP_K = 10  # the drafter's sampler: top_k 10, then dist (common_speculative_impl_draft_eagle3)
+
+
+@dataclass(frozen=True)
+class _State:
+    target_cache: KvCache
+    draft_cache: KvCache
+    n_past: int
+    id_last: int
+    pending_pos: int  # pending_pos_last: the deferred boundary's position (n_past - 1)
+    pending_g: torch.Tensor  # (n_embd,) pending_g_last: its g row
+
+
+@dataclass(frozen=True)
+class _Processed:
+    """What `process` left: the draft cache, the batch's g rows, and its evals."""
+
+    cache: KvCache
+    g: torch.Tensor  # (n_tokens, n_embd)
+    traces: list[EvalTrace]
+
+
+def run_flow(
+    target: Target,
+    draft: Eagle3Draft,
+    prompt: tuple[int, ...],
+    rounds: int,
+    numerics: Numerics,
+    *,
+    draft_max: int,
+    p_min: float = 0.0,
+    follow: tuple[Round, ...] | None = None,
+    guide: tuple[Round, ...] | None = None,
+    cached: int = 0,
+) -> FlowTrace:
+    """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process; a
+    round drafts up to `draft_max` tokens (`--draft-max`) and stops below `p_min` (`--spec-draft-p-min`).
+    `follow`, `guide` and `cached` as replay.run_flow takes them."""
+    check_eagle3_pair(target, draft)
+    if len(prompt) < 2:
+        raise InputError(f"prompt of {len(prompt)} tokens: an EAGLE3 flow needs at least 2 (pairs of token t+1, g t)")
+    if draft_max < 1:
+        raise InputError(f"--draft-max {draft_max}: EAGLE3 drafts at least one token; pass 1 or more")
+    state, evals = _prefill(target, draft, prompt, numerics, cached)
+    done: list[Round] = []
+    with progress.steps(rounds, "rounds") as on_round:
+        for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
+            plan = follow[r - FIRST_ROUND] if follow is not None else _guided(guide, r, state)
+            state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, draft_max, p_min, plan)
+            evals += traces
+            done.append(one_round)
+            if on_round is not None:
+                on_round()
+    return FlowTrace(tuple(evals), tuple(done))
+
+
+def features(tp: TargetPass, draft: Eagle3Draft) -> torch.Tensor:
+    """Feature rows, token-major: slot k = input of target layer `target_layers[k]`, shape
+    `(n_tokens, 3 * n_embd_tgt)` as process() interleaves them into features_buf."""
+    return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, 3 * n_embd_tgt)
+
+
+def top1_probability(row: torch.Tensor) -> float:
+    """The top candidate's probability as the drafter's sampler has it: softmax over the top
+    SAMPLER_TOP_K logits of the row (top_k, then dist's softmax; sorted by p)."""
+    top = torch.topk(row.float(), min(SAMPLER_TOP_K, row.shape[0])).values  # (k,) descending
+    return float(1.0 / torch.exp(top - top[0]).sum())
+
+
+def _guided(guide: tuple[Round, ...] | None, r: int, state: _State) -> Round | None:
+    """The run's round `r` when it starts where the reference stands and drafted, else None
+    (replay._guided)."""
+    plan = next((g for g in guide or () if g.round == r), None)
+    if plan is None or (plan.pos0, plan.anchor) != (state.n_past, state.id_last) or not plan.drafts:
+        return None
+    return plan if 0 <= plan.accepted <= len(plan.drafts) else None
+
+
+def _prefill(
+    target: Target, draft: Eagle3Draft, prompt: tuple[int, ...], numerics: Numerics, cached: int
+) -> tuple[_State, list[EvalTrace]]:
+    """The prompt but its last token through the target, each batch processed: positions
+    0 .. cached-1 as warm-up evals (the run's prompt cache), the rest as the prefill."""
+    n = len(prompt) - 1
+    t_cache, d_cache = _empty(target.hparams, numerics), _empty(draft.hparams, numerics)
+    pending: tuple[int, torch.Tensor] | None = None
+    evals: list[EvalTrace] = []
+    for phase, start, end in ((Phase.WARMUP, 0, min(cached, n)), (Phase.PREFILL, min(cached, n), n)):
+        if end <= start:
+            continue
+        tokens, positions = prompt[start:end], tuple(range(start, end))
+        tp = forward_target(target, _ids(tokens, numerics), _ids(positions, numerics), t_cache, has_outputs=False)
+        evals.append(
+            EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, tokens, PREFILL_ROUND), tp.records)
+        )
+        done = _process(
+            target,
+            draft,
+            tp,
+            tokens,
+            positions,
+            d_cache,
+            pending,
+            len(evals),
+            inject_after(phase),
+            PREFILL_ROUND,
+            numerics,
+        )
+        evals += done.traces
+        t_cache, d_cache, pending = tp.cache, done.cache, (positions[-1], done.g[-1])
+    if pending is None:
+        raise ValueError("a prompt of at least 2 tokens prefills at least one row")
+    return _State(t_cache, d_cache, n, prompt[n], pending[0], pending[1]), evals
+
+
+def _process(
+    target: Target,
+    draft: Eagle3Draft,
+    tp: TargetPass,
+    tokens: tuple[int, ...],
+    positions: tuple[int, ...],
+    cache: KvCache,
+    pending: tuple[int, torch.Tensor] | None,
+    first_eval: int,
+    phase: Phase,
+    r: int,
+    numerics: Numerics,
+) -> _Processed:
+    """process() of one target batch: the encoder eval, then the decoder eval of the rows
+    (token k+1, g k) at position k, after the cross-ubatch bridge row (the first token with the
+    pending g) when the pending position is the one before the batch and no cell holds it."""
+    g, enc_records = encode(draft, features(tp, draft))
+    # the encoder uses no positions: process() numbers its rows on from the draft cache's last one
+    start = int(cache.positions.max()) + 1 if cache.positions.numel() else 0
+    enc_positions = tuple(range(start, start + len(tokens)))
+    traces = [
+        EvalTrace(_eval(first_eval, names.ROLE_DRAFT, phase, enc_positions, (), r, call=names.CALL_ENCODE), enc_records)
+    ]
+    row_tokens, row_positions, row_g = list(tokens[1:]), list(positions[:-1]), [g[:-1]]
+    if pending is not None and pending[0] + 1 == positions[0] and pending[0] >= start:
+        row_tokens, row_positions = [tokens[0], *row_tokens], [pending[0], *row_positions]
+        row_g = [pending[1][None, :], *row_g]
+    if not row_tokens:
+        return _Processed(cache, g, traces)
+    dp = decode(
+        draft,
+        target,
+        _ids(tuple(row_tokens), numerics),
+        torch.cat(row_g),  # (n_rows, n_embd)
+        _ids(tuple(row_positions), numerics),
+        cache,
+    )
+    ev = _eval(first_eval + 1, names.ROLE_DRAFT, phase, tuple(row_positions), tuple(row_tokens), r)
+    return _Processed(dp.cache, g, traces + [EvalTrace(ev, dp.records)])
+
+
+def _round(
+    target: Target,
+    draft: Eagle3Draft,
+    state: _State,
+    r: int,
+    first_eval: int,
+    numerics: Numerics,
+    draft_max: int,
+    p_min: float,
+    plan: Round | None,
+) -> tuple[_State, Round, list[EvalTrace]]:
+    """One round: draft, verify, process, accept (speculative-simple's loop body)."""
+    _check_plan(plan, state, r)
+    own, d_cache, traces = _draft(target, draft, state, r, first_eval, numerics, draft_max, p_min, plan)
+    drafts = own if plan is None else tuple(plan.drafts)
+    verify = (state.id_last,) + drafts
+    positions = tuple(range(state.n_past, state.n_past + len(verify)))
+    tp = forward_target(target, _ids(verify, numerics), _ids(positions, numerics), state.target_cache, True)
+    traces.append(
+        EvalTrace(_eval(first_eval + len(traces), names.ROLE_TARGET, Phase.VERIFY, positions, verify, r), tp.records)
+    )
+    pending = (state.pending_pos, state.pending_g)
+    done = _process(
+        target, draft, tp, verify, positions, d_cache, pending, first_eval + len(traces), Phase.INJECT, r, numerics
+    )
+    traces += done.traces
+    best = tuple(int(t) for t in tp.logits.argmax(-1))
+    own_took = best[: accepted_length(own, best) + 1]
+    accepted = accepted_length(drafts, best) if plan is None else plan.accepted
+    if plan is not None:
+        if len(plan.target_tokens) > accepted:
+            best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1 :]
+        _note_parting(r, own, own_took, drafts, best[: accepted + 1])
+    i_g = min(accepted, len(verify) - 1)  # accept(): the verify row whose g is the new boundary's
+    n_past = state.n_past + accepted + 1
+    after = _State(
+        truncated(tp.cache, n_past),
+        truncated(done.cache, n_past),
+        n_past,
+        best[accepted],
+        state.n_past + i_g,
+        done.g[i_g],
+    )
+    one_round = Round(
+        round=r,
+        pos0=state.n_past,
+        anchor=state.id_last,
+        drafts=drafts,
+        accepted=accepted,
+        target_tokens=best[: accepted + 1],
+    )
+    return after, one_round, traces
+
+
+def _check_plan(plan: Round | None, state: _State, r: int) -> None:
+    """FollowError when the run's round `r` does not start where its earlier rounds lead."""
+    if plan is None:
+        return
+    if (plan.pos0, plan.anchor) != (state.n_past, state.id_last):
+        raise FollowError(
+            f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
+            f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}"
+        )
+    if not 0 <= plan.accepted <= len(plan.drafts):
+        raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
+
+
+def _draft(
+    target: Target,
+    draft: Eagle3Draft,
+    state: _State,
+    r: int,
+    first_eval: int,
+    numerics: Numerics,
+    draft_max: int,
+    p_min: float,
+    plan: Round | None,
+) -> tuple[tuple[int, ...], KvCache, list[EvalTrace]]:
+    """draft(): the seed step (id_last, pending g) at the pending position, then one step per
+    draft (the draft, the row's eagle3_prenorm) at the next position, each its own eval. Returns
+    the reference's own drafts (following a run: its own picks up to where they part from the
+    run's), and the draft cache cut back to positions < n_past, as the loop leaves it."""
+    cache = truncated(state.draft_cache, state.pending_pos)  # seq_rm(pending_pos, -1)
+    token, g, pos = state.id_last, state.pending_g[None, :], state.pending_pos
+    picks: list[tuple[int, bool]] = []  # each row's top candidate, and whether p_min stops at it
+    traces: list[EvalTrace] = []
+    n_steps = _followed_steps(plan, draft_max)
+    while True:
+        dp = decode(draft, target, _ids((token,), numerics), g, _ids((pos,), numerics), cache)
+        cache = dp.cache
+        ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, (pos,), (token,), r)
+        traces.append(EvalTrace(ev, dp.records + (Named(names.DRAFT_LOGITS, dp.logits),)))
+        pick = int(dp.logits[0].argmax())
+        picks.append((pick, top1_probability(dp.logits[0]) < p_min))
+        if plan is None:
+            if picks[-1][1] or len(picks) >= draft_max:
+                break
+            token = pick
+        else:
+            if len(picks) > n_steps:
+                break
+            token = plan.drafts[len(picks) - 1]
+        g, pos = dp.prenorm, pos + 1
+    own = _own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
+    return own, truncated(cache, state.n_past), traces
+
+
+def _own_drafts(picks: list[tuple[int, bool]], run_drafts: tuple[int, ...] | None, draft_max: int) -> tuple[int, ...]:
+    """The drafts the reference makes of its rows' picks: up to p_min's stop or `draft_max`;
+    following a run, up to and with the first pick that parts from the run's drafts."""
+    own: list[int] = []
+    for j, (pick, stop) in enumerate(picks):
+        if stop or len(own) >= draft_max:
+            break
+        own.append(pick)
+        if run_drafts is not None and (j >= len(run_drafts) or pick != run_drafts[j]):
+            break
+    return tuple(own)
+
+
+def _followed_steps(plan: Round | None, draft_max: int) -> int:
+    """The step evals a run made for its drafts: one per draft but the last when it stopped at
+    `draft_max` (the last draft is never decoded), one per draft when p_min stopped it."""
+    if plan is None:
+        return 0
+    n = len(plan.drafts)
+    return n - 1 if n >= draft_max else n
+
+
+def _eval(
+    index: int,
+    role: names.Role,
+    phase: Phase,
+    positions: tuple[int, ...],
+    token_ids: tuple[int, ...],
+    r: int,
+    call: str = names.CALL_DECODE,
+) -> Eval:
+    return Eval(
+        eval=index,
+        role=role,
+        phase=phase,
+        n_tokens=len(positions),
+        positions=positions,
+        token_ids=token_ids,
+        seq_ids=(0,) * len(positions),
+        round=r,
+        call=call,
+    )

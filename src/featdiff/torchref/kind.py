@@ -1,0 +1,37 @@
+"""`featdiff reference` for any drafter kind: the kind of `--model` (featdiff.kinds) chooses the
+module that computes its reference; each takes torchref.run.reference's options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from featdiff import kinds, names
+from featdiff.errors import InputError
+from featdiff.gguf_reader import read_gguf
+from featdiff.llama import ggml_dequant
+from featdiff.torchref.load_hf import read_config
+
+HF_EAGLE3_MARK = (names.HF_DRAFT_VOCAB_SIZE, 1)  # the converter's test: draft_vocab_size and one layer
+
+
+def drafter_kind(model: Path) -> kinds.DrafterKind:
+    """The kind of the drafter at `model`: a GGUF's architecture and tensors, a HF checkpoint's
+    config.json as the pinned converter tells an EAGLE3 checkpoint (conversion/llama.py)."""
+    if model.is_dir():
+        try:
+            config = read_config(model)
+        except InputError:
+            return kinds.KINDS[0]
+        is_eagle3 = HF_EAGLE3_MARK[0] in config and config.get(names.HF_NUM_LAYERS) == HF_EAGLE3_MARK[1]
+        return kinds.by_name("eagle3" if is_eagle3 else "dflash")
+    try:
+        g = read_gguf(model, ggml_dequant.load)
+    except (InputError, OSError):  # no file, not a GGUF: the DFlash path says so as it always has
+        return kinds.KINDS[0]
+    return kinds.kind_of(g.arch, g.tensors, str(model)) if kinds.is_drafter_arch(g.arch) else kinds.KINDS[0]
+
+
+def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
+    """The reference dump of the pair, computed by the module of the drafter's kind."""
+    return drafter_kind(Path(model)).reference_module().reference(target, model, output, **options)

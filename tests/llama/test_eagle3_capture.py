@@ -1,0 +1,108 @@
+"""EAGLE3 end to end on the real library (issue 32): the pinned converter's pair captured by
+featdiff's EAGLE3 driver (common_speculative_impl_draft_eagle3's flow) compares clean against the
+reference with nothing skipped; the DFlash layer convention applied to it is named; an id the
+target's layer count reads a state featdiff does not model and is refused by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from featdiff.diff import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.fixtures_eagle3 import write_eagle3_fixture
+from featdiff.gguf_rewrite import rewrite_gguf
+from featdiff.llama.capture import capture
+from featdiff.torchref.kind import reference
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+
+TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = write_eagle3_fixture(tmp_path_factory.mktemp(variant), variant)
+        return made[variant]
+
+    return get
+
+
+def _run_and_ref(d: Path, model: Path, tmp: Path) -> tuple[Path, Path]:
+    run = capture(d / "target.gguf", model, tmp / "run.npz", tokens=TOKENS, rounds=ROUNDS)
+    ref = reference(
+        d / "target.gguf", d / "draft.gguf", tmp / "ref.npz", prompt=None, tokens=TOKENS, rounds=ROUNDS,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run,
+    )  # fmt: skip
+    return run, ref
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-llama", "eagle3-own-embd"])
+def test_a_correct_pair_compares_clean_with_nothing_skipped(pairs, variant, tmp_path):
+    d = pairs(variant)
+    run, ref = _run_and_ref(d, d / "draft.gguf", tmp_path)
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert not c.skipped
+    with read_dump(run) as dump:
+        m = dump.manifest
+    names = {r.name for r in m.records if r.role == "draft"}
+    assert {"inp_embd", "fc_out", "concat_embd-0", "eagle3_prenorm-0", "result_output", "draft_logits"} <= names
+    assert m.models["draft"]["architecture"] == "eagle3" and len(m.models["draft"]["target_layers"]) == 3
+    # every round drafted, one token an eval (the seed, then the steps), each eval's rows compared
+    assert all(r.drafts for r in m.rounds)
+    drafted = [e for e in m.evals if e.phase == "draft"]
+    assert drafted and all(e.n_tokens == 1 for e in drafted)
+    compared = [p for p in c.pairs if p.phase == "draft" and p.name == "result_output"]
+    assert len(compared) == len(m.rounds)  # each round's steps, joined by position
+
+
+def test_the_dflash_layer_convention_on_an_eagle3_drafter_is_a_layer_offset(pairs, tmp_path):
+    d = pairs("eagle3-default-layers")  # [2, 3, 3] on the 6-layer target: + 1 stays inside it
+    plus1 = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-plus1.gguf", keys={"eagle3.target_layers": [3, 4, 4]})
+    run, ref = _run_and_ref(d, plus1, tmp_path)
+    c = compare_dumps(ref, run)
+    first = next(f for f in c.findings if f.severity == "error")
+    assert first.kind == "layer_offset", first.message
+    assert first.fields["observed_layers"] == [3, 4, 4] and first.fields["expected_layers"] == [2, 3, 3]
+    assert "eagle3.target_layers" in first.message and "dflash" not in first.message
+    assert [f.kind for f in c.findings if f.severity == "error"] == ["layer_offset"]  # fc_out etc. inherit it
+
+
+def test_an_id_equal_to_the_layer_count_is_refused_by_name(pairs, tmp_path):
+    d = pairs("eagle3")
+    bad = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-nextn.gguf", keys={"eagle3.target_layers": [1, 3, 6]})
+    done = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(d / "target.gguf"), "--model", str(bad),
+         "--tokens", TOKENS, "-o", str(tmp_path / "run.npz")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nextn" in lines[0] and "does not model" in lines[0] and str(bad) in lines[0]
+    assert not (tmp_path / "run.npz").exists()
+
+
+def test_the_fixture_command_lists_and_writes_eagle3_pairs(tmp_path):
+    listed = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "fixture", "--list"],
+        capture_output=True,
+        text=True,
+    )
+    assert "eagle3-norm-before-fc" in listed.stdout and "dspark" in listed.stdout
+    done = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "fixture", str(tmp_path / "fx"), "--variant", "eagle3-full-vocab"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "fx" / "draft.gguf").is_file() and "eagle3-full-vocab" in (
+        tmp_path / "fx" / "VARIANT"
+    ).read_text()
