@@ -255,6 +255,14 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: FlowConfi
     st.id_last = target_tokens[accepted]
     rollback(tgt, st.n_past, len(verify) - (accepted + 1))
     dft.seq_rm(st.n_past)
+    return close_round(rec, rnd, pos0, anchor, drafts, accepted, target_tokens)
+
+
+def close_round(
+    rec: Recorder, rnd: int, pos0: int, anchor: int, drafts: list[int], accepted: int, target_tokens: list[int]
+) -> Round:
+    """The round as decided (the target tokens it keeps: up to the first rejected draft's), told
+    to the recorder."""
     rnd_rec = Round(
         round=rnd,
         pos0=pos0,

@@ -27,7 +27,7 @@ from featdiff import names
 from featdiff.blocks import accepted_length
 from featdiff.dump import Round
 from featdiff.errors import InputError
-from featdiff.llama.driver import Recorder, features, open_eval, rollback
+from featdiff.llama.driver import Recorder, close_round, features, open_eval, rollback
 from featdiff.llama.runtime import Context, Model
 from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, Phase
 
@@ -151,16 +151,7 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: Eagle3Con
     st.n_past, st.id_last = pos0 + accepted + 1, target_tokens[accepted]
     rollback(tgt, st.n_past, len(verify) - (accepted + 1))
     dft.seq_rm(st.n_past)
-    rnd_rec = Round(
-        round=rnd,
-        pos0=pos0,
-        anchor=anchor,
-        drafts=tuple(drafts),
-        accepted=accepted,
-        target_tokens=tuple(target_tokens[: accepted + 1]),
-    )
-    rec.end_round(rnd_rec)
-    return rnd_rec
+    return close_round(rec, rnd, pos0, anchor, drafts, accepted, target_tokens)
 
 
 def _draft(dft: Context, st: _State, rec: Recorder, cfg: Eagle3Config, rnd: int) -> list[int]:
