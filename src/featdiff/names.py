@@ -281,6 +281,15 @@ HYP_RECURRENT_KEPT = "recurrent=kept_rejected"
 # between the k-th and (k+1)-th router logit of layer il's MoE (a near-tie where it is small), and
 # the rms of the row's router logits
 HYP_ROUTER_MARGIN = "router_margin"
+# EAGLE3 (torchref/eagle3.py): fc_out@norm=none: fc of the raw features (a checkpoint with
+# eagle3.norm_before_fc run without it); fc_out@norm=unit: fc of the features RMS-normalized with a
+# unit weight (a norm added where the checkpoint has none)
+HYP_NORM_NONE = "norm=none"
+HYP_NORM_UNIT = "norm=unit"
+# result_output@d2t=offsets, draft_logits@d2t=offsets: a reduced head's row i scattered to target id
+# d2t[i] - i (a GGUF d2t holding the HF offsets, not absolute ids); NaN where several rows land on one
+# id (which one ggml_set_rows leaves there is a race between its threads)
+HYP_D2T_OFFSETS = "d2t=offsets"
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

@@ -1,6 +1,8 @@
 """The EAGLE3 reference (torchref/eagle3.py, eagle3_flow.py): the decoder graph's wiring (concat
 order, the residual, the encoder norm, the d2t scatter, the cache), the flow's eval sequence as
-speculative-simple drives common_speculative_impl_draft_eagle3, following a run, and the loader."""
+speculative-simple drives common_speculative_impl_draft_eagle3, following a run, the loader, and
+the reference-only candidates of the export faults (what each computes, and that the d2t one
+explains llama.cpp's scatter through offsets whatever thread wins a shared id)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,24 @@ import torch
 from gguf import GGUFWriter
 
 from featdiff import fixtures, names
+from featdiff.diff.align import comparable_values
+from featdiff.diff.detectors.base import Evidence
+from featdiff.diff.detectors.wiring import detect_wrong_source, detect_wrong_source_of_vocabulary
+from featdiff.diff.tolerance import Tolerance
 from featdiff.dump import Round
 from featdiff.errors import InputError
 from featdiff.phases import Phase
 from featdiff.torchref import eagle3
 from featdiff.torchref.attention import empty_cache
-from featdiff.torchref.eagle3 import Eagle3Draft, check_eagle3_pair, decode, eagle3_from_gguf, encode
+from featdiff.torchref.eagle3 import (
+    Eagle3Draft,
+    check_eagle3_pair,
+    decode,
+    eagle3_from_gguf,
+    encode,
+    encode_candidates,
+    scattered_at_offsets,
+)
 from featdiff.torchref.eagle3_flow import run_flow, top1_probability
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import Numerics, linear, rms_norm
@@ -128,6 +142,111 @@ def test_d2t_scatter_puts_each_head_row_at_its_target_id(target):
     off[d2t] = False
     assert torch.isneginf(dp.logits[:, off]).all()
     assert set(dp.logits.argmax(-1).tolist()) <= set(d2t.tolist())  # a draft is always a mapped id
+
+
+# --- the export faults' candidates ---------------------------------------------------------------
+
+
+def _fc_blocks(fc: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """fc `(n_embd, 3 * n_embd_tgt)` whose column block k holds block order[k]."""
+    return fc.reshape(fc.shape[0], 3, -1)[:, order].reshape(fc.shape)  # (n_embd, 3 * n_embd_tgt)
+
+
+@pytest.mark.parametrize("norm_before_fc", [False, True])
+def test_the_slot_candidates_are_fc_with_its_column_blocks_permuted(target, norm_before_fc):
+    draft = random_draft(target, norm_before_fc=norm_before_fc)
+    features = torch.randn(3, 3 * draft.n_embd_tgt, generator=torch.Generator().manual_seed(2))
+    cand = _records(encode_candidates(draft, features))
+    slots = [k for k in cand if "@slots=" in k]
+    assert len(slots) == 5 and "fc_out@slots=0,1,2" not in cand
+    order = [1, 2, 0]  # the GGUF's block k holds the checkpoint's block order[k]
+    g_run, _ = encode(replace(draft, fc=_fc_blocks(draft.fc, order)), features)
+    inverse = ",".join(str(order.index(k)) for k in range(3))  # candidate slot k carries ref slot perm[k]
+    assert inverse == "2,0,1"
+    assert torch.allclose(cand[f"fc_out@slots={inverse}"], g_run, atol=1e-5)
+    assert not any(torch.allclose(cand[k], g_run, atol=1e-3) for k in slots if k != f"fc_out@slots={inverse}")
+
+
+def test_the_norm_candidates_are_fc_without_or_with_a_unit_norm(target):
+    draft = random_draft(target)
+    features = torch.randn(3, 3 * draft.n_embd_tgt, generator=torch.Generator().manual_seed(2))
+    plain = _records(encode_candidates(draft, features))
+    unit = torch.ones(3 * draft.n_embd_tgt)
+    g_added, _ = encode(replace(draft, norm_before_fc=True, enc_norm=unit), features)
+    assert "fc_out@norm=none" not in plain and torch.equal(plain["fc_out@norm=unit"], g_added)
+    normed = _records(encode_candidates(replace(draft, norm_before_fc=True), features))
+    g_dropped, _ = encode(draft, features)  # the run without the norm
+    assert "fc_out@norm=unit" not in normed and torch.equal(normed["fc_out@norm=none"], g_dropped)
+
+
+def _offsets_draft(target: Target) -> tuple[Eagle3Draft, torch.Tensor]:
+    """A drafter with a reduced head whose d2t holds runs of consecutive ids (rows sharing an offset)."""
+    gen = torch.Generator().manual_seed(5)
+    d2t = torch.cat([torch.arange(3), torch.arange(10, 16), torch.arange(40, 44), torch.tensor([60, 90])])  # (15,)
+    head = torch.randn(d2t.numel(), target.hparams.n_embd, generator=gen) * 0.2  # (15, n_embd)
+    return random_draft(target, d2t=d2t, output=head), d2t
+
+
+def test_the_offsets_candidate_scatters_each_row_to_its_offset(target):
+    draft, d2t = _offsets_draft(target)
+    head = torch.randn(2, d2t.numel(), generator=torch.Generator().manual_seed(6))  # (2, 15)
+    cand = scattered_at_offsets(draft, head)
+    assert cand is not None and cand.shape == (2, target.hparams.n_vocab)
+    offsets = (d2t - torch.arange(d2t.numel())).tolist()  # [0,0,0, 7 x6, 31 x4, 47, 76]
+    shared = {o for o in offsets if offsets.count(o) > 1}
+    assert shared == {0, 7, 31}
+    for i, o in enumerate(offsets):
+        if o not in shared:
+            assert torch.equal(cand[:, o], head[:, i])
+    assert torch.isnan(cand[:, sorted(shared)]).all()  # which row stays is a race in ggml_set_rows
+    hit = torch.zeros(target.hparams.n_vocab, dtype=torch.bool)
+    hit[offsets] = True
+    assert torch.isneginf(cand[:, ~hit]).all()
+    assert scattered_at_offsets(random_draft(target), head) is None  # no d2t
+
+
+def test_decode_records_the_candidates_its_drafter_can_carry(target):
+    draft, _ = _offsets_draft(target)
+    own = replace(draft, token_embd=target.token_embd * 0.5)
+    rec = _records(decode(own, target, _ids(4, 8), _g(own, 2), _ids(0, 1), _cache(own)).records)
+    assert torch.equal(rec["inp_embd@table=target"], target.token_embd[_ids(4, 8)])
+    assert rec["result_output@d2t=offsets"].shape == rec[names.RESULT_OUTPUT].shape
+    plain = _records(decode(random_draft(target), target, _ids(4, 8), _g(draft, 2), _ids(0, 1), _cache(draft)).records)
+    assert not any(names.CANDIDATE_SEP in k for k in plain)  # borrowed table, no d2t: nothing to hypothesize
+
+
+def _race(candidate: np.ndarray, head: np.ndarray, offsets: list[int], rng: np.random.Generator) -> np.ndarray:
+    """What llama.cpp's scatter through `offsets` leaves: the candidate, with each shared id holding
+    one of its rows, which one by chance (the threads' race)."""
+    run = candidate.copy()
+    for o in {o for o in offsets if offsets.count(o) > 1}:
+        rows = [i for i, x in enumerate(offsets) if x == o]
+        run[:, o] = head[:, rows[rng.integers(len(rows))]]
+    return run
+
+
+@pytest.mark.parametrize("record", [names.RESULT_OUTPUT, names.DRAFT_LOGITS])
+def test_the_offsets_candidate_names_a_run_scattered_through_offsets(target, record):
+    draft, d2t = _offsets_draft(target)
+    head = torch.randn(3, d2t.numel(), generator=torch.Generator().manual_seed(6))  # (3, 15)
+    ref = eagle3._scattered(draft, head).numpy()  # (3, n_vocab): the checkpoint's ids
+    cand = scattered_at_offsets(draft, head)
+    assert cand is not None
+    offsets = (d2t - torch.arange(d2t.numel())).tolist()
+    tol = Tolerance(rel=1e-5, sources=("f32",))
+    for seed in range(3):
+        run = _race(cand.numpy(), head.numpy(), offsets, np.random.default_rng(seed))
+        ref_rows, run_rows = comparable_values(record, ref, run)
+        ev = Evidence(tensor=record, ref=ref_rows, run=run_rows, tolerance=tol, record=record,
+                      candidates={f"{record}@d2t=offsets": cand.numpy()})  # fmt: skip
+        found = detect_wrong_source_of_vocabulary(ev)
+        assert found is not None and found.kind == "wrong_source"
+        assert found.fields == {"source": "offsets", "candidate": f"{record}@d2t=offsets"}
+        assert detect_wrong_source(ev) == found  # the chain's wrong_source tries it last
+    same_ref, same_run = comparable_values(record, ref, ref.copy())  # a correct run: no offsets there
+    ev = Evidence(tensor=record, ref=same_ref, run=same_run, tolerance=tol, record=record,
+                  candidates={f"{record}@d2t=offsets": cand.numpy()})  # fmt: skip
+    assert detect_wrong_source_of_vocabulary(ev) is None
 
 
 def test_concat_is_embd_norm_then_g_norm(target):
@@ -256,6 +375,20 @@ def test_flow_evals_follow_speculative_simple(target):
     with_logits = [ev.eval.phase == Phase.DRAFT for ev in trace.evals]
     assert [names.DRAFT_LOGITS in r for r in rec] == with_logits
     assert tuple(int(rec[i][names.DRAFT_LOGITS].argmax()) for i in (3, 4, 5)) == d
+
+
+def test_the_flow_records_the_candidates_beside_their_records(target):
+    draft, _ = _offsets_draft(target)
+    trace = run_flow(target, draft, PROMPT, 1, F32, draft_max=2)
+    for ev in trace.evals:
+        rec = _records(ev.records)
+        if ev.eval.call == names.CALL_ENCODE:
+            assert {"fc_out@slots=1,0,2", "fc_out@norm=unit"} <= set(rec)
+        elif ev.eval.role == names.ROLE_DRAFT:
+            assert "result_output@d2t=offsets" in rec
+        if ev.eval.phase == Phase.DRAFT:
+            same = rec["draft_logits@d2t=offsets"], rec["result_output@d2t=offsets"]
+            torch.testing.assert_close(*same, rtol=0, atol=0, equal_nan=True)
 
 
 def test_inject_features_are_the_tapped_layer_inputs(target):

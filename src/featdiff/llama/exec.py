@@ -19,8 +19,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from featdiff import kinds, names
 from featdiff.errors import InputError, Interrupted
 from featdiff.filters import capture_filters
+from featdiff.gguf_reader import read_gguf
 from featdiff.llama import server, spool
 from featdiff.llama.exec_pack import UNKNOWN_VERSION, pack_exec, read_flow, remove_spool, save_build
 from featdiff.llama.exec_phases import prompt_from_evals
@@ -53,6 +55,22 @@ def command_files(command: list[str]) -> tuple[Path, ...]:
     """The existing files a command line names, as `-m T.gguf` or `--model=T.gguf`: its inputs."""
     named = [a for arg in command for a in (arg, arg.partition("=")[2]) if a]
     return tuple(f for f in map(existing_file, named) if f is not None)
+
+
+def drafter_wiring(command: list[str]) -> tuple[str, ...]:
+    """The wiring of the drafter kind the command's GGUFs hold (featdiff.kinds); the DFlash
+    graph's when they name none, or drafters of several kinds."""
+    found = set()
+    for f in command_files(command):
+        if f.suffix != ".gguf":
+            continue
+        try:
+            arch = read_gguf(f).arch
+        except (InputError, OSError):
+            continue
+        if kinds.is_drafter_arch(arch):
+            found.add(kinds.of_arch(arch).name)
+    return kinds.by_name(found.pop()).wiring if len(found) == 1 else names.DRAFT_WIRING
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
@@ -105,7 +123,7 @@ def capture_exec(
     program = program_path(command)
     server.check_traffic(command, n_requests, prompt is not None or tokens is not None, os.environ)
     output = check_output(Path(output), (program, *command_files(command)), "-o")
-    kept = capture_filters(filters)
+    kept = capture_filters(filters, wiring=drafter_wiring(command))
     with output_lock(output):
         prefix = spool.prefix_for(output)
         spool.set_aside(prefix, output)

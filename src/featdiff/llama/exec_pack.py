@@ -30,6 +30,7 @@ from featdiff.llama.exec_phases import (
     flow_notes,
     memory_ops,
     next_decodes,
+    one_token_steps,
     whole_calls,
 )
 from featdiff.llama.preload import PRELOAD_VAR
@@ -106,7 +107,7 @@ def read_flow(prefix: Path) -> ExecFlow:
         greedy = greedy_tokens(log_, data, own)
         found = derive_rounds(merged, greedy)
         rounds += [replace(r, flow=k) for r in found]
-        notes_of.setdefault(k, []).extend(flow_notes(merged, found, greedy))
+        notes_of.setdefault(k, []).extend(flow_notes(merged, found, greedy, one_token_steps(log_)))
         flows.append(flow_info(k, own, starts.get(k)))
     # a flow whose sequence was changed in a way featdiff does not follow (`unfollowed`: a context
     # shift, a state never seen saved) is named by compare as information: its own notes are moot

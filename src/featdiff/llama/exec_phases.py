@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from featdiff import names
+from featdiff import kinds, names
 from featdiff.blocks import accepted_length
 from featdiff.dump import Eval, FlowInfo, MemoryOp, Round
 from featdiff.llama.exec_log import ExecEval, ExecLog
@@ -80,7 +80,9 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     """
     roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
     warm = warmup_evals(log)
-    encoded = _encoded_positions(log.evals)
+    steps = one_token_steps(log)
+    features = _features_rows(log.evals, roles, warm) if steps else {}
+    encoded = _encoded_positions(log.evals) | {k: pos for k, (pos, _) in features.items()}
     walks: dict[int, _Walk] = {}  # per sequence (a decode of several, kept whole: -1)
     last_part: dict[int, tuple[int, str, int]] = {}  # per sequence: (call, role, seq) of its last decode
     calls: list[tuple[int, int]] = []  # (call, sequence) of each eval
@@ -89,6 +91,8 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     out: list[Eval] = []
     for ev in log.evals:
         ev = replace(ev, positions=encoded.get(ev.eval, ev.positions))
+        if ev.eval in features:  # an EAGLE3 encoder call: the sequences of the rows it encodes
+            ev = replace(ev, seq_ids=features[ev.eval][1])
         role: names.Role = roles.get(ev.ctx, names.ROLE_TARGET)
         seq = ev.seq_ids[0] if len(set(ev.seq_ids)) == 1 else -1
         while restores and restores[0][0] < ev.eval:  # a restored state: the sequence's next request
@@ -101,7 +105,7 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
         elif out and (ev.call_id, role, seq) == last_part.get(seq):  # another graph of the same call
             phase = _phase_of(out, seq)
         else:
-            phase, walk = _step(walk, role, ev)
+            phase, walk = _step(walk, role, ev, steps)
         walks[seq] = walk
         last_part[seq] = (ev.call_id, role, seq)
         flow = 0 if phase == Phase.WARMUP else flow_of.setdefault((seq, walk.request), len(flow_of))
@@ -157,15 +161,47 @@ def _phase_of(out: list[Eval], seq: int) -> Phase:
     return next(e.phase for e in reversed(out) if (e.seq_ids[0] if len(set(e.seq_ids)) == 1 else -1) == seq)
 
 
-def _step(walk: _Walk, role: names.Role, ev: ExecEval) -> tuple[Phase, _Walk]:
+def one_token_steps(log: ExecLog) -> bool:
+    """Whether the run's drafter drafts one token a decode (EAGLE3, featdiff.kinds): its round's
+    draft is several decodes, and its inject an encoder call then a decode of token rows."""
+    return any(c.role == names.ROLE_DRAFT and not kinds.of_arch(c.arch).block_flow for c in log.contexts if c.ok)
+
+
+def _features_rows(
+    evals: tuple[ExecEval, ...], roles: dict[int, names.Role], warm: frozenset[int]
+) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The positions and sequences of EAGLE3's encoder evals: the rows of the target call before
+    them whose features they encode, in order (the encoder runs in chunks of the drafter's
+    n_ubatch, every row in sequence 0 at placeholder positions upstream makes up: it reads none)."""
+    out: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    rows: list[tuple[int, int]] = []  # (position, sequence) of the last target call's rows
+    last_call = -1
+    for ev in evals:
+        if ev.eval in warm:
+            continue
+        if roles.get(ev.ctx) == names.ROLE_TARGET:
+            rows = (rows if ev.call_id == last_call else []) + list(zip(ev.positions, ev.seq_ids))
+            last_call = ev.call_id
+        elif ev.call == names.CALL_ENCODE and ev.is_embd:
+            took, rows = rows[: len(ev.positions)], rows[len(ev.positions) :]
+            if len(took) == len(ev.positions):
+                out[ev.eval] = (tuple(p for p, _ in took), tuple(q for _, q in took))
+    return out
+
+
+def _step(walk: _Walk, role: names.Role, ev: ExecEval, steps: bool = False) -> tuple[Phase, _Walk]:
     """The phase of one real eval of a sequence, and the walk after it. Once a sequence has
     drafted, a target decode with no draft before it starts the sequence's next request when it
     is no verify of no drafts (one token, the anchor, past the last decode's first position): a
-    new prompt from position 0, or from a prefix the program kept cached (docs/flow.md)."""
+    new prompt from position 0, or from a prefix the program kept cached (docs/flow.md). With
+    one-token `steps` (EAGLE3) a drafter decode of token rows is its inject when it outputs
+    nothing (the decoder batch after the encoder), else a draft step, and the first step after a
+    target decode opens the round."""
     if role == names.ROLE_DRAFT:
-        if ev.is_embd:
+        if ev.is_embd or (steps and not any(ev.outputs)):
             return Phase.INJECT, walk
-        return Phase.DRAFT, replace(walk, round=walk.round + 1, drafted=True, speculating=True)
+        opens = not (steps and walk.drafted)
+        return Phase.DRAFT, replace(walk, round=walk.round + opens, drafted=True, speculating=True)
     pos0 = ev.positions[0] if ev.positions else walk.last_pos0 + 1
     if walk.restored:  # a prompt cache restored it: a new request, whatever it decodes
         return Phase.PREFILL, _Walk(request=walk.request + 1, last_pos0=pos0)
@@ -289,13 +325,14 @@ def memory_ops(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[MemoryOp, ...]:
 
 
 def flow_notes(
-    evals: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]]
+    evals: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]], steps: bool = False
 ) -> tuple[str, ...]:
     """Where the phases and rounds above rest on a convention the run broke: one sentence each.
 
     docs/flow.md: a round's verify starts where its draft block starts, and the next target
     decode starts inside the verified block at pos0 + accepted + 1, where `accepted` is what the
-    target's greedy tokens (`greedy`: verify eval -> argmax rows) took of the drafts."""
+    target's greedy tokens (`greedy`: verify eval -> argmax rows) took of the drafts. With one-token
+    `steps` (EAGLE3) a round's first draft decode is its seed, at pos0 - 1: no block to place."""
     real = tuple(e for e in evals if e.phase != Phase.WARMUP)
     n_drafts = sum(e.phase == Phase.DRAFT for e in real)
     unrounded = (
@@ -309,7 +346,7 @@ def flow_notes(
     return (
         *unrounded,
         *_refused_notes(real),
-        *_misplaced_block_notes(real),
+        *(_misplaced_block_notes(real) if not steps else ()),  # EAGLE3's seed sits before its verify
         *_continuation_notes(evals, real, rounds, greedy),
     )
 

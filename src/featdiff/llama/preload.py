@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from featdiff import names
+from featdiff import kinds, names
 from featdiff.cache_dir import cache_root
 from featdiff.errors import InputError
 from featdiff.filters import FilterSet, capture_filters
@@ -149,7 +149,7 @@ def preload(prefix: Path, filters: FilterSet | None = None, llama_dir: Path | No
             (ENV_SPOOL, str(prefix)),
             (ENV_FILTERS, lines),
             (ENV_ARCH_KEY, names.KEY_ARCH),
-            (ENV_DRAFT_ARCH, names.ARCH_DFLASH),
+            (ENV_DRAFT_ARCH, ",".join(kinds.DRAFTER_ARCHS)),
         ),
     )
 

@@ -28,7 +28,7 @@ from featdiff.errors import InputError
 from featdiff.filters import FilterSet, RoleFilter
 from featdiff.llama.spool_index import RecordEvent, n_dims, read_index_lines
 from featdiff.llama.ubatch import split_ubatches
-from featdiff.names import ROLES, Role
+from featdiff.names import API_OP, ROLES, Role
 from featdiff.outputs import check_output
 from featdiff.phases import Phase
 
@@ -80,10 +80,11 @@ def read_index(index_path: Path) -> SpoolEvents:
 
 def dims_by_name(records: tuple[RecordEvent, ...], n_tokens: dict[int, int]) -> dict[str, int]:
     """Dimension count of each name in multi-token evals: a one-token eval's token dimension is 1
-    and would otherwise vanish, turning (1, n_embd) into (n_embd,)."""
+    and would otherwise vanish, turning (1, n_embd) into (n_embd,). API read-backs (their rows are
+    output rows, not tokens) keep two dimensions on their own."""
     dims: dict[str, int] = {}
     for e in records:
-        if n_tokens.get(e.eval, 0) > 1:
+        if n_tokens.get(e.eval, 0) > 1 and e.op != API_OP:
             dims[e.name] = max(dims.get(e.name, 1), n_dims(e.ne))
     return dims
 
@@ -129,7 +130,9 @@ def write_records(writer: DumpWriter, records: tuple[RecordEvent, ...], evals: t
     with open(data, "rb") as f:
         for event in records:
             n = n_dims(event.ne)
-            if n_tokens.get(event.eval) == 1:
+            if event.op == API_OP:  # read back through the API: (output rows, values), one row or many
+                n = max(n, 2)
+            elif n_tokens.get(event.eval) == 1:
                 n = min(max(n, dims.get(event.name, n + 1)), 4)  # keep the token dimension
             record = record_from_event(event, phases.get(event.eval, Phase.WARMUP), n)
             array, why = read_record_array(f, event, record)

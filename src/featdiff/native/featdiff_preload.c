@@ -28,8 +28,8 @@
  * llama_batch ones (llama_decode, llama_encode), which both generations have, are.
  * Phases are decided in Python from these facts (featdiff/llama/exec.py), not here.
  * Environment: FEATDIFF_SPOOL (spool prefix), FEATDIFF_FILTERS (lines "<role>\t<glob>", role 0
- * target, 1 draft), FEATDIFF_ARCH_KEY and FEATDIFF_DRAFT_ARCH (a model whose architecture
- * metadata equals this is a drafter), FEATDIFF_PARENT_PID (featdiff's pid: on Linux every
+ * target, 1 draft), FEATDIFF_ARCH_KEY and FEATDIFF_DRAFT_ARCH (comma-separated: a model whose
+ * architecture metadata is one of these is a drafter), FEATDIFF_PARENT_PID (featdiff's pid: on Linux every
  * process the library loads into dies with its parent, so the program never outlives featdiff).
  * Nothing here aborts: on a failure the preload says so once on stderr, stops capturing, and the
  * program runs on untouched.
@@ -377,10 +377,22 @@ static void init(void) { pthread_once(&G_once, init_once); }
 
 /* ---------------------------------------------------------------- contexts */
 
+/* Whether `arch` is one of the comma-separated drafter architectures of FEATDIFF_DRAFT_ARCH. */
+static int is_draft_arch(const char * arch) {
+    const size_t n = strlen(arch);
+    for (const char * p = G.draft_arch; n && *p;) {
+        const char * end = strchr(p, ',');
+        const size_t len = end ? (size_t) (end - p) : strlen(p);
+        if (len == n && strncmp(p, arch, n) == 0) return 1;
+        p += len + (end ? 1 : 0);
+    }
+    return 0;
+}
+
 static int role_of(const struct llama_model * model) {
     char arch[FDP_META_MAX] = "";
     if (!G.arch_key[0] || llama_model_meta_val_str(model, G.arch_key, arch, sizeof(arch)) < 0) return FD_ROLE_TARGET;
-    return G.draft_arch[0] && strcmp(arch, G.draft_arch) == 0 ? FD_ROLE_DRAFT : FD_ROLE_TARGET;
+    return is_draft_arch(arch) ? FD_ROLE_DRAFT : FD_ROLE_TARGET;
 }
 
 static struct fdp_ctx * find_ctx(const struct llama_context * ctx) {

@@ -8,11 +8,15 @@
   `eagle3_prenorm-0` (the next draft step's g) -> final norm -> logits (scattered to the target
   vocabulary through `d2t`).
 
-The flow that drives them is eagle3_flow.py.
+Besides the graphs' names they record reference-only candidates (`<record>@<hypothesis>`, as
+drafter.py does for DFlash): `fc_out@slots=<perm>` and `fc_out@norm=...` (encode_candidates),
+`inp_embd@table=target` and `result_output@d2t=offsets` (decode). The flow that drives them is
+eagle3_flow.py.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -112,6 +116,7 @@ class DecodePass:
     prenorm: torch.Tensor  # (n_tokens, n_embd): eagle3_prenorm-0, the next step's g
     records: tuple[Named, ...]
     cache: KvCache
+    offsets_logits: torch.Tensor | None = None  # (n_tokens, n_vocab): result_output@d2t=offsets, if any
 
 
 def encode(draft: Eagle3Draft, features: torch.Tensor) -> tuple[torch.Tensor, tuple[Named, ...]]:
@@ -128,6 +133,36 @@ def encode(draft: Eagle3Draft, features: torch.Tensor) -> tuple[torch.Tensor, tu
     return g, tuple(records)
 
 
+def encode_candidates(draft: Eagle3Draft, features: torch.Tensor) -> tuple[Named, ...]:
+    """What `fc_out` of the features `(n_tokens, 3 * n_embd_tgt)` would be under each export fault
+    the encoder can carry (reference-only: docs/records.md):
+
+    * `fc_out@slots=<perm>`, every non-identity order: fc of its input (the features, normalized
+      with `norm_before_fc`) whose slot k carries reference slot perm[k]. A GGUF whose fc column
+      block perm[k] holds the checkpoint's block k computes exactly this (the features match);
+    * `fc_out@norm=none` with `norm_before_fc`: fc of the raw features (the norm dropped);
+    * `fc_out@norm=unit` without it: fc of the features RMS-normalized with a unit weight (a norm
+      the checkpoint does not have)."""
+    fc_out = names.EAGLE3_FC_OUT
+    if draft.norm_before_fc and draft.enc_norm is not None:
+        fc_input = rms_norm(features, draft.enc_norm, draft.hparams.rms_eps)
+        norm = Named(names.candidate_name(fc_out, names.HYP_NORM_NONE), linear(features, draft.fc))
+    else:
+        fc_input = features
+        unit = torch.ones(features.shape[1], dtype=features.dtype, device=features.device)  # (3 * n_embd_tgt,)
+        unit_normed = rms_norm(features, unit, draft.hparams.rms_eps)
+        norm = Named(names.candidate_name(fc_out, names.HYP_NORM_UNIT), linear(unit_normed, draft.fc))
+    n_tokens = features.shape[0]
+    slots = fc_input.reshape(n_tokens, N_TARGET_LAYERS, draft.n_embd_tgt)  # (n_tokens, 3, n_embd_tgt)
+    permuted = []
+    for perm in itertools.permutations(range(N_TARGET_LAYERS)):
+        if perm != tuple(range(N_TARGET_LAYERS)):
+            staged = slots[:, list(perm), :].reshape(n_tokens, -1)  # (n_tokens, 3 * n_embd_tgt)
+            name = names.candidate_name(fc_out, names.slots_hypothesis(perm))
+            permuted.append(Named(name, linear(staged, draft.fc)))
+    return (*permuted, norm)
+
+
 def decode(
     draft: Eagle3Draft,
     target: Target,
@@ -141,6 +176,10 @@ def decode(
     hp, layer = draft.hparams, draft.layer
     table = draft.token_embd if draft.token_embd is not None else target.token_embd
     embd = table[tokens]  # (n_tokens, n_embd)
+    candidates = []
+    if draft.token_embd is not None and draft.token_embd.shape == target.token_embd.shape:
+        borrowed = target.token_embd[tokens]  # (n_tokens, n_embd): the own table dropped, the target's read
+        candidates.append(Named(names.candidate_name(names.INP_EMBD, names.HYP_TABLE_TARGET), borrowed))
     embd_norm = rms_norm(embd, layer.attn_norm, hp.rms_eps)
     g_norm = rms_norm(g, draft.attn_norm_2, hp.rms_eps)
     concat = torch.cat([embd_norm, g_norm], dim=1)  # (n_tokens, 2 * n_embd): ggml_concat(embd_norm, g_norm, 0)
@@ -150,7 +189,11 @@ def decode(
     ffn_out = ffn(post, layer)
     prenorm = ffn_out + ffn_inp
     norm = rms_norm(prenorm, draft.output_norm, hp.rms_eps)
-    logits = _scattered(draft, linear(norm, draft.output if draft.output is not None else target.output))
+    head = linear(norm, draft.output if draft.output is not None else target.output)  # (n_tokens, n_vocab_draft)
+    logits = _scattered(draft, head)
+    offsets = scattered_at_offsets(draft, head)
+    if offsets is not None:
+        candidates.append(Named(names.candidate_name(names.RESULT_OUTPUT, names.HYP_D2T_OFFSETS), offsets))
     records = (
         Named(names.INP_EMBD, embd),
         Named(names.INP_G_EMBEDDINGS, g),
@@ -164,8 +207,9 @@ def decode(
         Named(names.layer_name(names.EAGLE3_PRENORM, 0), prenorm),
         Named(names.RESULT_NORM, norm),
         Named(names.RESULT_OUTPUT, logits),
+        *candidates,
     )
-    return DecodePass(logits, prenorm, records, attn.cache)
+    return DecodePass(logits, prenorm, records, attn.cache, offsets)
 
 
 @dataclass(frozen=True)
@@ -211,6 +255,26 @@ def _scattered(draft: Eagle3Draft, logits: torch.Tensor) -> torch.Tensor:
     )  # (n_tokens, n_vocab)
     full[:, draft.d2t] = logits
     return full
+
+
+def scattered_at_offsets(draft: Eagle3Draft, head: torch.Tensor) -> torch.Tensor | None:
+    """The head's rows `(n_tokens, n_vocab_draft)` scattered as llama.cpp scatters them through a
+    GGUF d2t that holds the HF offsets (`d2t[i] - i`) instead of absolute ids: row i at target id
+    d2t[i] - i, -inf where no row lands, NaN where several do (ggml_set_rows writes them from
+    several threads, so which one wins is a race: the hypothesis leaves that value open). None
+    without d2t, or when an offset leaves the vocabulary (llama.cpp would assert: such a GGUF is
+    refused before it runs)."""
+    if draft.d2t is None:
+        return None
+    offsets = draft.d2t.cpu().numpy() - np.arange(draft.d2t.shape[0])  # (n_vocab_draft,)
+    n_vocab = draft.hparams.n_vocab
+    if offsets.size == 0 or offsets.min() < 0 or offsets.max() >= n_vocab:
+        return None
+    ids, counts = np.unique(offsets, return_counts=True)
+    full = torch.full((head.shape[0], n_vocab), float("-inf"), dtype=head.dtype, device=head.device)
+    full[:, torch.from_numpy(offsets).to(head.device)] = head
+    full[:, torch.from_numpy(ids[counts > 1]).to(head.device)] = float("nan")
+    return full  # (n_tokens, n_vocab)
 
 
 def check_eagle3_pair(target: Target, draft: Eagle3Draft) -> None:

@@ -6,11 +6,14 @@ Consumes loaded models and prompt tokens; produces every eval's manifest entry a
 the rounds, in execution order (replay.FlowTrace). `process` runs the encoder over a target
 batch's feature rows (an `encode` call, writing no cache), then the decoder over the pairs
 (token t+1, g t) at position t; the batch's last row stays pending until the next draft's seed
-step pairs it with the target's newest token. `follow` and `guide` are replay.py's.
+step pairs it with the target's newest token. `follow` and `guide` are replay.py's. Each encoder
+eval also records eagle3.encode_candidates, each draft step `draft_logits@d2t=offsets` beside
+`draft_logits` (a drafter with d2t).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +24,7 @@ from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
 from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, Phase, inject_after
 from featdiff.torchref.attention import KvCache, truncated
-from featdiff.torchref.eagle3 import Eagle3Draft, check_eagle3_pair, decode, encode
+from featdiff.torchref.eagle3 import DecodePass, Eagle3Draft, check_eagle3_pair, decode, encode, encode_candidates
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.replay import EvalTrace, FlowTrace, FollowError, _empty, _ids, _note_parting
 from featdiff.torchref.stack import Named
@@ -62,10 +65,14 @@ def run_flow(
     follow: tuple[Round, ...] | None = None,
     guide: tuple[Round, ...] | None = None,
     cached: int = 0,
+    draft_steps: Mapping[int, tuple[int, ...]] | None = None,
 ) -> FlowTrace:
     """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process; a
     round drafts up to `draft_max` tokens (`--draft-max`) and stops below `p_min` (`--spec-draft-p-min`).
-    `follow`, `guide` and `cached` as replay.run_flow takes them."""
+    `follow`, `guide` and `cached` as replay.run_flow takes them. `draft_steps` (round -> the token
+    ids of the run's draft decodes, the seed's first): a followed or guided round decodes exactly
+    those, as many as the run made (its driver drafts up to its configured n_max, and the loop
+    cuts the drafts to its budget after: common_speculative_draft), none where the run made none."""
     check_eagle3_pair(target, draft)
     if len(prompt) < 2:
         raise InputError(f"prompt of {len(prompt)} tokens: an EAGLE3 flow needs at least 2 (pairs of token t+1, g t)")
@@ -76,7 +83,10 @@ def run_flow(
     with progress.steps(rounds, "rounds") as on_round:
         for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
             plan = follow[r - FIRST_ROUND] if follow is not None else _guided(guide, r, state)
-            state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, draft_max, p_min, plan)
+            steps = draft_steps.get(r) if draft_steps is not None and plan is not None else None
+            state, one_round, traces = _round(
+                target, draft, state, r, len(evals), numerics, draft_max, p_min, plan, steps
+            )
             evals += traces
             done.append(one_round)
             if on_round is not None:
@@ -159,7 +169,9 @@ def _process(
     """process() of one target batch: the encoder eval, then the decoder eval of the rows
     (token k+1, g k) at position k, after the cross-ubatch bridge row (the first token with the
     pending g) when the pending position is the one before the batch and no cell holds it."""
-    g, enc_records = encode(draft, features(tp, draft))
+    rows = features(tp, draft)  # (n_tokens, 3 * n_embd_tgt)
+    g, enc_records = encode(draft, rows)
+    enc_records += encode_candidates(draft, rows)
     # the encoder uses no positions: process() numbers its rows on from the draft cache's last one
     start = int(cache.positions.max()) + 1 if cache.positions.numel() else 0
     enc_positions = tuple(range(start, start + len(tokens)))
@@ -194,10 +206,11 @@ def _round(
     draft_max: int,
     p_min: float,
     plan: Round | None,
+    steps: tuple[int, ...] | None = None,
 ) -> tuple[_State, Round, list[EvalTrace]]:
     """One round: draft, verify, process, accept (speculative-simple's loop body)."""
     _check_plan(plan, state, r)
-    own, d_cache, traces = _draft(target, draft, state, r, first_eval, numerics, draft_max, p_min, plan)
+    own, d_cache, traces = _draft(target, draft, state, r, first_eval, numerics, draft_max, p_min, plan, steps)
     drafts = own if plan is None else tuple(plan.drafts)
     verify = (state.id_last,) + drafts
     positions = tuple(range(state.n_past, state.n_past + len(verify)))
@@ -261,11 +274,14 @@ def _draft(
     draft_max: int,
     p_min: float,
     plan: Round | None,
+    steps: tuple[int, ...] | None = None,
 ) -> tuple[tuple[int, ...], KvCache, list[EvalTrace]]:
     """draft(): the seed step (id_last, pending g) at the pending position, then one step per
     draft (the draft, the row's eagle3_prenorm) at the next position, each its own eval. Returns
     the reference's own drafts (following a run: its own picks up to where they part from the
     run's), and the draft cache cut back to positions < n_past, as the loop leaves it."""
+    if steps is not None and not steps:  # the run drafted nothing this round (no budget left)
+        return (), truncated(state.draft_cache, state.n_past), []
     cache = truncated(state.draft_cache, state.pending_pos)  # seq_rm(pending_pos, -1)
     token, g, pos = state.id_last, state.pending_g[None, :], state.pending_pos
     picks: list[tuple[int, bool]] = []  # each row's top candidate, and whether p_min stops at it
@@ -275,13 +291,17 @@ def _draft(
         dp = decode(draft, target, _ids((token,), numerics), g, _ids((pos,), numerics), cache)
         cache = dp.cache
         ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, (pos,), (token,), r)
-        traces.append(EvalTrace(ev, dp.records + (Named(names.DRAFT_LOGITS, dp.logits),)))
+        traces.append(EvalTrace(ev, dp.records + _draft_logits(dp)))
         pick = int(dp.logits[0].argmax())
         picks.append((pick, top1_probability(dp.logits[0]) < p_min))
         if plan is None:
             if picks[-1][1] or len(picks) >= draft_max:
                 break
             token = pick
+        elif steps is not None:  # the run's own decodes, past the drafts its loop kept too
+            if len(picks) >= len(steps):
+                break
+            token = steps[len(picks)]
         else:
             if len(picks) > n_steps:
                 break
@@ -289,6 +309,15 @@ def _draft(
         g, pos = dp.prenorm, pos + 1
     own = _own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
     return own, truncated(cache, state.n_past), traces
+
+
+def _draft_logits(dp: DecodePass) -> tuple[Named, ...]:
+    """The step's `draft_logits` (the sampler's read-back), and its `draft_logits@d2t=offsets`
+    candidate beside `result_output`'s when the drafter has d2t."""
+    logits = (Named(names.DRAFT_LOGITS, dp.logits),)
+    if dp.offsets_logits is None:
+        return logits
+    return logits + (Named(names.candidate_name(names.DRAFT_LOGITS, names.HYP_D2T_OFFSETS), dp.offsets_logits),)
 
 
 def _own_drafts(picks: list[tuple[int, bool]], run_drafts: tuple[int, ...] | None, draft_max: int) -> tuple[int, ...]:

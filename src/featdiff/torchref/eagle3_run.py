@@ -15,6 +15,7 @@ from featdiff.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
 from featdiff.dump import read_dump
 from featdiff.errors import InputError
 from featdiff.outputs import check_output, output_lock
+from featdiff.phases import Phase
 from featdiff.tokens import check_prompt
 from featdiff.torchref import run as dflash_run
 from featdiff.torchref.eagle3 import eagle3_from_gguf, eagle3_models_entry
@@ -71,6 +72,7 @@ def reference(
             draft_max,
         )
         guide = dflash_run.guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None
+        steps = run_draft_steps(Path(run)) if run is not None else None
         with torch.no_grad():
             try:
                 trace = run_flow(
@@ -83,12 +85,25 @@ def reference(
                     p_min=p_min,
                     follow=plan.rounds if plan is not None else None,
                     guide=guide,
+                    draft_steps=steps,
                 )
             except FollowError as e:
                 raise InputError(
                     f"{follow}: --follow cannot replay this run: {e}; compare it without --follow"
                 ) from None
         return _write(output, trace, tgt, dft, numerics, prompt_ids, draft_max, p_min, follow)
+
+
+def run_draft_steps(run: Path) -> dict[int, tuple[int, ...]]:
+    """Round -> the token ids of the run's draft decodes in order (the seed's first), for every
+    round the run verified: the reference decodes what the run decoded (eagle3_flow.run_flow)."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    steps: dict[int, list[int]] = {r.round: [] for r in m.rounds}
+    for e in m.evals:
+        if e.phase == Phase.DRAFT and e.round in steps and not e.rc:
+            steps[e.round] += e.token_ids
+    return {r: tuple(t) for r, t in steps.items()}
 
 
 def _draft_max(block: int | None, run: Path | None) -> int:

@@ -61,6 +61,7 @@ from featdiff.diff.detectors.wiring import (
     detect_missing_term,
     detect_slot_permutation,
     detect_wrong_source,
+    detect_wrong_source_of_vocabulary,
 )
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "detect_unpaired_prompt",
     "detect_wrong_source",
     "detect_wrong_source_of_drafts",
+    "detect_wrong_source_of_vocabulary",
     "detect_zeros",
     "explains",
     "rotate",

@@ -72,8 +72,10 @@ def detect_zeros(ev: Evidence) -> Finding | None:
 def detect_stale_rows(ev: Evidence) -> Finding | None:
     """Hypothesis: rows hold data of an earlier eval (a buffer not refreshed). Evidence: every
     divergent run row equals, within tolerance, a ref row of this record from an earlier eval.
-    (The draft KV cache's stale rows: kvcache.detect_stale_cache.)"""
-    if ev.earlier is None or not len(ev.earlier) or not same_shape(ev):
+    (The draft KV cache's stale rows: kvcache.detect_stale_cache.) Not on token rows (EAGLE3's
+    decoder `inp_embd`): the same token embeds alike in every round, and token ids are compared
+    exactly (diff/positions.py)."""
+    if ev.earlier is None or not len(ev.earlier) or not same_shape(ev) or ev.record == names.ENC_INP_EMBD:
         return None
     bad = row_relative_error(ev.ref, ev.run) > ev.tolerance.row_rel
     best, err = _nearest_rows(ev.run[bad], ev.earlier)

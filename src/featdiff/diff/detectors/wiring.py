@@ -29,6 +29,7 @@ MAX_PERMUTATION_SLOTS = 8  # exhaustive assignment up to 8! orders; greedy beyon
 LAYER_MATCH_SLACK = 2.0
 # Candidate hypotheses another detector owns; every other `<record>@<key>=<value>` names a source.
 OTHER_HYPOTHESES = (names.HYP_SLOTS, names.HYP_NO_LOG_SNR.partition("=")[0])
+HYP_D2T = names.HYP_D2T_OFFSETS.partition("=")[0]  # logits scattered through another d2t: their infinities differ
 
 
 # --- feature slots -------------------------------------------------------------------------------
@@ -79,7 +80,10 @@ def detect_slot_permutation(ev: Evidence) -> Finding | None:
     """Hypothesis: the slots of a concatenated feature row are reordered. Evidence: run slot k
     equals ref slot perm[k] (assignment over slot x slot errors), or the layer matrix maps the
     slots onto a reordering of target_layers, or run matches a ref candidate `<record>@slots=<perm>`."""
-    perm = _slot_assignment(ev) or _layer_permutation(ev) or _candidate_permutation(ev)
+    perm = _slot_assignment(ev) or _layer_permutation(ev)
+    if perm is None and ev.record == names.EAGLE3_FC_OUT:
+        return _fc_columns_permuted(ev)
+    perm = perm or _candidate_permutation(ev)
     if perm is None:
         return None
     return error_finding(
@@ -112,6 +116,24 @@ def _layer_permutation(ev: Evidence) -> list[int] | None:
     if observed == list(lm.expected_layers) or sorted(observed) != sorted(lm.expected_layers):
         return None
     return [list(lm.expected_layers).index(o) for o in observed]
+
+
+def _fc_columns_permuted(ev: Evidence) -> Finding | None:
+    """EAGLE3's `fc_out` matching `fc_out@slots=<perm>` while its input matched: fc's column
+    blocks, not the features, are out of order."""
+    perm = _candidate_permutation(ev)
+    if perm is None:
+        return None
+    moved = ", ".join(f"block {p} holds the checkpoint's block {k}" for k, p in enumerate(perm) if p != k)
+    return error_finding(
+        ev,
+        f"{ev.tensor} is fc applied to the feature slots in order {perm} instead of {list(range(len(perm)))} "
+        f"(it matches the reference's {names.candidate_name(ev.record, names.slots_hypothesis(tuple(perm)))}) "
+        f"while fc's input matches: the GGUF's {names.T_FC} has its column blocks permuted ({moved}); "
+        f"write its {len(perm)} blocks of target_hidden_size columns in the checkpoint's order (block k "
+        f"multiplies the slot of {names.KEY_EAGLE3_TARGET_LAYERS}[k])",
+        SlotPermutationFields(permutation=tuple(perm)),
+    )
 
 
 def _candidate_permutation(ev: Evidence) -> list[int] | None:
@@ -211,13 +233,46 @@ def detect_extra_term(ev: Evidence) -> Finding | None:
 
 def detect_wrong_source(ev: Evidence) -> Finding | None:
     """Hypothesis: values come from another table or tensor than the checkpoint's. Evidence: run
-    matches a ref candidate `<record>@<key>=<source>` (e.g. `inp_noise_embd@table=target`)."""
+    matches a ref candidate `<record>@<key>=<source>` (e.g. `inp_noise_embd@table=target`), or a
+    reduced head's logits match `<logits>@d2t=offsets` (detect_wrong_source_of_vocabulary)."""
     for name, key, value, arr in _hypotheses(ev):
-        if key not in OTHER_HYPOTHESES and explains(arr, ev.run, ev.tolerance):
+        if key == HYP_D2T or key in OTHER_HYPOTHESES or not explains(arr, ev.run, ev.tolerance):
+            continue
+        return error_finding(
+            ev, _source_message(ev.tensor, key, value, name), WrongSourceFields(source=value, candidate=name)
+        )
+    return detect_wrong_source_of_vocabulary(ev)
+
+
+def detect_wrong_source_of_vocabulary(ev: Evidence) -> Finding | None:
+    """Hypothesis: a reduced head's rows land on other target ids than the checkpoint's (an EAGLE3
+    GGUF whose d2t holds the HF offsets). Evidence: run matches a ref candidate
+    `<logits>@d2t=<how>` (`result_output@d2t=offsets`): its values where the candidate puts one
+    row, -inf (or blanked with the ref's) where it puts none. The run's -inf where the checkpoint
+    has a logit is this fault's signature: in the chain it belongs before detect_nonfinite, which
+    otherwise claims `result_output` (detect_wrong_source reaches it only where nonfinite does
+    not, e.g. `draft_logits`, whose -inf compare blanks)."""
+    for name, key, value, arr in _hypotheses(ev):
+        if key == HYP_D2T and _explains_scattered(arr, ev):
             return error_finding(
                 ev, _source_message(ev.tensor, key, value, name), WrongSourceFields(source=value, candidate=name)
             )
     return None
+
+
+def _explains_scattered(expected: np.ndarray, ev: Evidence) -> bool:
+    """The run's logits are `expected`: where it is -inf (no head row lands there) the run holds
+    -inf, or the 0 compare writes on both sides where both were -inf (align.comparable_values);
+    where it is NaN (several rows land there, which one stays is a race) the run holds a value;
+    everywhere else the run equals it within tolerance."""
+    if expected.shape != ev.run.shape or ev.ref.shape != ev.run.shape:
+        return False
+    off, open_ = np.isneginf(expected), np.isnan(expected)  # (R, D) each
+    blank = np.isneginf(ev.run) | ((ev.run == 0) & (ev.ref == 0))  # (R, D)
+    if not off.any() or not blank[off].all() or not np.isfinite(ev.run[open_]).all():
+        return False
+    fixed = off | open_
+    return explains(np.where(fixed, 0.0, expected), np.where(fixed, 0.0, ev.run), ev.tolerance)
 
 
 def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
@@ -253,7 +308,30 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
             f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
             f"max_log_snr and every mask row at min_log_snr"
         )
+    if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
+        return _eagle3_export_message(tensor, f"{key}={value}", candidate)
     return (
         f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
         f"uses its own: ship it in the GGUF or fix which {key} the run reads"
+    )
+
+
+def _eagle3_export_message(tensor: str, hypothesis: str, candidate: str) -> str:
+    """The fix of an EAGLE3 export fault a candidate names: the encoder norm, d2t."""
+    if hypothesis == names.HYP_NORM_NONE:
+        return (
+            f"{tensor} is fc applied to the raw target features (it matches the reference's {candidate}) where the "
+            f"checkpoint normalizes them first ({names.EAGLE3_ENC_INPUT_NORM}): set {names.KEY_EAGLE3_NORM_BEFORE_FC} "
+            f"= true and ship {names.T_ENC_NORM} (the checkpoint's input_norm) in the drafter's GGUF"
+        )
+    if hypothesis == names.HYP_NORM_UNIT:
+        return (
+            f"{tensor} is fc applied to RMS-normalized target features (it matches the reference's {candidate}, "
+            f"the norm with a unit weight) where the checkpoint applies fc to the raw features: drop "
+            f"{names.KEY_EAGLE3_NORM_BEFORE_FC} and {names.T_ENC_NORM} from the drafter's GGUF"
+        )
+    return (
+        f"{tensor} puts the drafter's head row i at target id offset[i], the checkpoint's d2t offset, instead of "
+        f"offset[i] + i (it matches the reference's {candidate}): the GGUF's {names.T_D2T} holds the HF offsets; "
+        "it must hold absolute target ids, offset + row index, as the pinned converter writes them"
     )

@@ -1,0 +1,156 @@
+"""EAGLE3 around unmodified upstream programs (issue 32): llama-speculative-simple and
+llama-server with `--spec-type draft-eagle3` under the preload. The drafter context is told by its
+arch (featdiff.kinds), its encoder calls placed at the rows they encode, the decoder batch that
+outputs nothing taken as the inject and the seed and steps as one round's draft; the dump compares
+clean against the reference that follows it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from featdiff.diff import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.fixtures_eagle3 import write_eagle3_fixture
+from featdiff.llama import exec as exec_capture
+from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
+from featdiff.llama.exec_phases import flow_evals, prompt_from_evals
+from featdiff.torchref.kind import reference
+
+TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+SPEC_ARGS = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+RUN_TIMEOUT_S = 120
+
+
+def test_eagle3_phases_from_the_preloads_notes():
+    """Prefill, the encoder at placeholder positions in sequence 0, the decoder batch that outputs
+    nothing, the seed and two steps, the verify, and the next process."""
+    e = -1  # an embedding row
+    ctxs = (ExecContext(0, "target", "qwen3", "T.gguf", True), ExecContext(1, "draft", "eagle3", "D.gguf", True))
+    calls = [
+        (0, [5, 6, 7], [0, 1, 2], 2, [0, 0, 0], "decode"),  # prefill of sequence 2
+        (1, [e, e, e], [0, 1, 2], 0, [1, 1, 1], "encode"),  # encoder: placeholders, sequence 0
+        (1, [6, 7], [0, 1], 2, [0, 0], "decode"),  # decoder: (t+1, g t), no output
+        (1, [8], [2], 2, [1], "decode"),  # seed: id_last at the pending position
+        (1, [9], [3], 2, [1], "decode"),  # step 1
+        (1, [10], [4], 2, [1], "decode"),  # step 2
+        (0, [8, 9, 10, 11], [3, 4, 5, 6], 2, [1, 1, 1, 1], "decode"),  # verify
+        (1, [e, e, e, e], [3, 4, 5, 6], 0, [1, 1, 1, 1], "encode"),
+        (1, [9, 10, 11], [3, 4, 5], 2, [0, 0, 0], "decode"),
+    ]
+    evs = tuple(
+        ExecEval(i, c, tuple(t), tuple(p), (s,) * len(p), tuple(o), 0, call)
+        for i, (c, t, p, s, o, call) in enumerate(calls)
+    )
+    got = flow_evals(ExecLog("libllama.so", ctxs, evs, (), (), 0))
+    assert [(ev.phase, ev.round) for ev in got] == [
+        ("prefill", 0),
+        ("inject", 0),
+        ("inject", 0),
+        ("draft", 1),
+        ("draft", 1),  # a step: the round stays open until its verify
+        ("draft", 1),
+        ("verify", 1),
+        ("inject", 1),
+        ("inject", 1),
+    ]
+    assert got[1].positions == (0, 1, 2) and got[1].seq_ids == (2, 2, 2)  # the rows it encodes
+    assert got[7].positions == (3, 4, 5, 6) and got[7].call == "encode"
+    assert {ev.flow for ev in got} == {0}
+    assert prompt_from_evals(got) == (5, 6, 7, 8)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    return write_eagle3_fixture(tmp_path_factory.mktemp("eagle3-exec"), "eagle3")
+
+
+def _command(tools, program: str, d: Path) -> list[str]:
+    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SPEC_ARGS]
+    if program == "llama-speculative-simple":
+        cmd += ["-p", "The quick brown fox", "-n", "16", "--temp", "0"]
+    return cmd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
+def test_eagle3_around_the_program_compares_clean(tools, pair, program, tmp_path):
+    tokens = TOKENS if program == "llama-server" else None
+    run = exec_capture.capture_exec(
+        _command(tools, program, pair), tmp_path / "run.npz", tokens=tokens, timeout_s=RUN_TIMEOUT_S
+    )
+    with read_dump(run) as dump:
+        m = dump.manifest
+    assert m.models["draft"]["architecture"] == "eagle3"
+    assert m.rounds and any(r.drafts for r in m.rounds)
+    assert {e.phase for e in m.evals} >= {"prefill", "inject", "draft", "verify"}
+    assert any(r.name == "fc_out" for r in m.records) and any(r.name == "eagle3_prenorm-0" for r in m.records)
+    ref = reference(
+        pair / "target.gguf", pair / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    expected = ("warmup", "output no rows")  # llama-server samples its prefill's last row; the reference outputs none
+    unexpected = [s for s in c.skipped if not any(e in s for e in expected)]
+    assert not unexpected, unexpected
+
+
+@pytest.fixture(scope="module")
+def planted(tools, pair, tmp_path_factory):
+    """FEATDIFF_FAULT -> a dump around llama-speculative-simple of the patched build (None: none)."""
+    made: dict[str | None, Path] = {}
+
+    def get(fault: str | None, variant_dir: Path | None = None) -> Path:
+        d = variant_dir or pair
+        key = (fault, str(d))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"eagle3-{fault or 'none'}") / "run.npz"
+            with pytest.MonkeyPatch.context() as mp:
+                if fault:
+                    mp.setenv("FEATDIFF_FAULT", fault)
+                else:
+                    mp.delenv("FEATDIFF_FAULT", raising=False)
+                made[key] = exec_capture.capture_exec(
+                    _command(tools, "llama-speculative-simple", d), out, timeout_s=RUN_TIMEOUT_S
+                )
+        return made[key]
+
+    return get
+
+
+def _first_error(ref: Path, run: Path):
+    c = compare_dumps(ref, run)
+    return next(f for f in c.findings if f.severity == "error")
+
+
+def _user_reference(planted, d: Path, tmp_path: Path, variant_dir: Path | None = None) -> Path:
+    """The reference of the unplanted run: its prompt, rounds and drafts, followed."""
+    clean = planted(None, variant_dir)
+    return reference(
+        d / "target.gguf", d / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=clean,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_eagle3_token_paired_with_its_own_row_is_a_row_shift(planted, pair, tmp_path):
+    first = _first_error(_user_reference(planted, pair, tmp_path), planted("eagle3-no-shift"))
+    assert (first.kind, first.tensor) == ("row_shift", "inp_embd"), first.message
+    assert first.fields["shift"] == -1
+
+
+@pytest.mark.slow
+def test_eagle3_slots_staged_in_reverse_are_a_slot_permutation(planted, pair, tmp_path):
+    first = _first_error(_user_reference(planted, pair, tmp_path), planted("slots-reversed"))
+    assert first.kind == "slot_permutation", first.message
+    assert first.fields["permutation"] == [2, 1, 0]
+
+
+@pytest.mark.slow
+def test_eagle3_layers_tapped_one_deeper_are_a_layer_offset(planted, tmp_path_factory, tmp_path):
+    d = write_eagle3_fixture(tmp_path_factory.mktemp("eagle3-default"), "eagle3-default-layers")  # [2, 3, 3]
+    first = _first_error(_user_reference(planted, d, tmp_path, d), planted("layers-plus1", d))
+    assert first.kind == "layer_offset", first.message
+    assert first.fields["observed_layers"] == [3, 4, 4] and "eagle3.target_layers" in first.message
