@@ -1,10 +1,12 @@
 """The EAGLE3 fixture pairs (featdiff.fixtures_eagle3): the checkpoint each variant writes, the
 pinned converter's GGUF of it (keys, tensors and shapes as src/models/eagle3.cpp loads them,
-values as the checkpoint's), and llama.cpp loading and running the pair as the checkpoint says."""
+values as the checkpoint's), llama.cpp loading and running the pair as the checkpoint says, and
+the trained pair's target, drafter and held-out prompts (its accept: tests/training/test_eagle3_training.py)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from gguf import GGUFReader
 from featdiff import names
 from featdiff.converter import CONVERTER
 from featdiff.errors import InputError
-from featdiff.fixtures import _permute_qk_for_ggml, write_fixture
+from featdiff.fixtures import HELD_OUT_PROMPTS, PROMPTS_FILE, _permute_qk_for_ggml, write_fixture
 from featdiff.fixtures_eagle3 import (
     DRAFT,
     EAGLE3_SETTINGS,
@@ -25,6 +27,7 @@ from featdiff.fixtures_eagle3 import (
     N_EXTRACT,
     N_SPECIAL,
     ROPE_PERMUTED,
+    TRAINED_N_VOCAB,
     Eagle3Variant,
     eagle3_weights,
     write_eagle3_fixture,
@@ -32,6 +35,8 @@ from featdiff.fixtures_eagle3 import (
 from featdiff.pairs import RMS_EPS, TINY
 
 N_TGT = TINY.target.n_embd
+UNTRAINED = [name for name, v in EAGLE3_SETTINGS.items() if not v.is_trained]  # drawn, not trained: fast
+TRAINED = "trained-eagle3"
 N_CTX, N_THREADS = 16, 2
 PROBE_TOKEN = 5  # any token: with one row at position 0 attention is that row's V, q/k play no part
 # llama.cpp's logits against the numpy drafter's: the KV cache holds V in f16 (~1e-3 relative)
@@ -81,7 +86,7 @@ def _expected_shapes(v: Eagle3Variant) -> dict[str, tuple[int, ...]]:
     if v.norm_before_fc:
         shapes["enc.output_norm.weight"] = (n_inp,)
     if v.has_own_embeddings:
-        shapes["token_embd.weight"] = (TINY.n_vocab, s.n_embd)
+        shapes["token_embd.weight"] = (v.n_vocab, s.n_embd)
     return shapes
 
 
@@ -108,9 +113,21 @@ def test_the_variant_table_and_its_settings_agree():
     assert {"eagle3", "eagle3-full-vocab", "eagle3-norm-before-fc", "eagle3-llama", "eagle3-default-layers"} <= set(
         EAGLE3_VARIANTS
     )
+    assert [name for name, v in EAGLE3_SETTINGS.items() if v.is_trained] == [TRAINED]
 
 
-@pytest.mark.parametrize("variant", EAGLE3_VARIANTS)
+def test_the_trained_variant_is_the_trained_pairs_shape():
+    """What the table states of the trained pair (without importing torch) is what training makes."""
+    from featdiff.training import TRAINED_SIZES
+    from featdiff.training.eagle3 import eagle3_layers
+
+    v = EAGLE3_SETTINGS[TRAINED]
+    assert v.n_vocab == v.n_vocab_draft == TRAINED_N_VOCAB == TRAINED_SIZES.n_vocab
+    assert v.target_layers == eagle3_layers(TRAINED_SIZES) and v.target_variant == "clean"
+    assert (v.norm_before_fc, v.has_own_embeddings) == (False, False)
+
+
+@pytest.mark.parametrize("variant", UNTRAINED)
 def test_draft_vocabulary_is_sorted_target_ids_holding_the_special_tokens(variant):
     v, w = EAGLE3_SETTINGS[variant], eagle3_weights(variant, seed=0)
     ids = w["d2t"] + np.arange(w["d2t"].size)  # HF offsets -> target ids
@@ -122,7 +139,7 @@ def test_draft_vocabulary_is_sorted_target_ids_holding_the_special_tokens(varian
         assert not w["d2t"].any()  # identity: all offsets zero
 
 
-@pytest.mark.parametrize("variant", EAGLE3_VARIANTS)
+@pytest.mark.parametrize("variant", UNTRAINED)
 def test_weights_are_seeded_and_hold_the_variants_tensors(variant):
     v, w = EAGLE3_SETTINGS[variant], eagle3_weights(variant, seed=0)
     again, other = eagle3_weights(variant, seed=0), eagle3_weights(variant, seed=1)
@@ -239,7 +256,7 @@ def test_llama_cpp_runs_the_pair_as_the_checkpoint_says(pair, runtime, variant):
         for handle in (ctx_dft, ctx_tgt, dft, tgt):
             handle.free()
     table = w["embed_tokens.weight"] if v.has_own_embeddings else _target_table(d)
-    want = _decoder_logits(w, table[PROBE_TOKEN], g[0])
+    want = _decoder_logits(w, table[PROBE_TOKEN], g[0], v.n_vocab)
     assert np.array_equal(np.isfinite(logits), np.isfinite(want))  # -inf off the draft vocabulary
     finite = np.isfinite(want)
     assert np.allclose(logits[finite], want[finite], rtol=KV_F16_TOL, atol=KV_F16_TOL)
@@ -261,7 +278,7 @@ def _fc(w: dict, features: np.ndarray) -> np.ndarray:
     return features @ w["fc.weight"].T  # (n_tokens, n_embd)
 
 
-def _decoder_logits(w: dict, embd: np.ndarray, g: np.ndarray) -> np.ndarray:
+def _decoder_logits(w: dict, embd: np.ndarray, g: np.ndarray, n_vocab: int) -> np.ndarray:
     """The EAGLE3 layer on one row at position 0 from the HF weights: attention over that row
     alone is its V (each head reading its KV head), so q/k and RoPE drop out; logits over the
     target vocabulary, -inf off the draft one."""
@@ -277,6 +294,42 @@ def _decoder_logits(w: dict, embd: np.ndarray, g: np.ndarray) -> np.ndarray:
     gate, up = w[m + "mlp.gate_proj.weight"] @ y, w[m + "mlp.up_proj.weight"] @ y
     h = h + w[m + "mlp.down_proj.weight"] @ (gate / (1 + np.exp(-gate)) * up)
     draft = w["lm_head.weight"] @ _rms(h, w["norm.weight"])  # (n_vocab_draft,)
-    logits = np.full(TINY.n_vocab, -np.inf, dtype=np.float32)
+    logits = np.full(n_vocab, -np.inf, dtype=np.float32)
     logits[w["d2t"] + np.arange(w["d2t"].size)] = draft
     return logits
+
+
+# --- the trained pair ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_trained_pair_is_the_trained_target_drafter_and_held_out_prompts(pair):
+    from safetensors.numpy import load_file
+
+    from featdiff.probe import read_prompts
+    from featdiff.training import TRAINED_SIZES, held_out_prompts
+    from featdiff.training.eagle3 import target_weights, trained_eagle3
+
+    d = pair(TRAINED)
+    target = load_file(str(d / "target-hf" / "model.safetensors"))
+    assert np.array_equal(target["model.embed_tokens.weight"], target_weights(0)["token_embd"])
+    assert np.array_equal(target["lm_head.weight"], target_weights(0)["output"])
+    drafter = load_file(str(d / "draft-hf" / "model.safetensors"))
+    assert drafter.keys() == trained_eagle3(0).draft.keys()
+    assert all(np.array_equal(drafter[k], a) for k, a in trained_eagle3(0).draft.items())
+    config = json.loads((d / "draft-hf" / "config.json").read_text())
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (TRAINED_N_VOCAB, TRAINED_N_VOCAB)
+    prompts = tuple(p.tokens for p in read_prompts(d / PROMPTS_FILE))
+    assert prompts == held_out_prompts(0, HELD_OUT_PROMPTS, TRAINED_SIZES)
+    keys, tensors = _contents(d / "target.gguf")
+    assert len(keys["tokenizer.ggml.tokens"]) == TRAINED_N_VOCAB == tensors["token_embd.weight"][1].shape[0]
+
+
+@pytest.mark.slow
+def test_an_untrained_pair_over_a_trained_one_drops_its_prompts(pair, tmp_path):
+    d = tmp_path / "fx"
+    shutil.copytree(pair(TRAINED), d)
+    assert (d / PROMPTS_FILE).is_file()
+    write_eagle3_fixture(d, "eagle3")
+    assert not (d / PROMPTS_FILE).exists()
+    assert sorted(p.name for p in d.iterdir()) == ["VARIANT", "draft-hf", "draft.gguf", "target-hf", "target.gguf"]

@@ -2,7 +2,9 @@
 (`LlamaForCausalLMEagle3`) layout, and both GGUFs made by the pinned converter
 (`conversion/llama.py` LlamaModel, which takes a 1-layer checkpoint with `draft_vocab_size` for
 EAGLE3). The directory is the fixture layout: `target-hf/`, `draft-hf/`, `target.gguf`,
-`draft.gguf`, `VARIANT`.
+`draft.gguf`, `VARIANT`. The `trained-eagle3` pair is the trained pair's target with an EAGLE3
+drafter trained on it (featdiff.training.eagle3, cached per machine), and `prompts.txt`: held-out
+prompts for `featdiff probe`, as fixtures.write_fixture writes them for the trained DFlash pairs.
 
 What `draft.gguf` holds of the HF tensors (a reference reading `draft-hf/` must apply the same):
 * `midlayer.self_attn.{q,k}_proj` -> `blk.0.attn_{q,k}`, rows permuted per head from HF's
@@ -39,7 +41,15 @@ from featdiff.converter import (
     write_spm_tokenizer,
 )
 from featdiff.errors import InputError
-from featdiff.fixtures import VOCAB_SPM, _hf_config, _write_hf, write_fixture
+from featdiff.fixtures import (
+    PROMPTS_FILE,
+    VOCAB_SPM,
+    _hf_config,
+    _write_held_out_prompts,
+    _write_hf,
+    _write_target_hf,
+    write_fixture,
+)
 from featdiff.outputs import check_output_dir
 from featdiff.pairs import TINY, Shape, _linear, _norm
 
@@ -80,6 +90,10 @@ ROPE_PERMUTED = {
 N_EXTRACT = 3  # llama.cpp requires exactly three target layers (low, mid, high)
 N_SPECIAL = 3  # unk, bos, eos (fixtures.SPM_SPECIAL): always in the draft vocabulary
 TARGET_LAYERS = (1, 3, 5)  # layer-input ids of the 6-layer tiny target
+# training.TRAINED_SIZES.n_vocab (not imported here: featdiff.training imports torch). The trained
+# drafter drafts the whole vocabulary; the converter keeps the first 256 pieces of the tiny pair's
+# SentencePiece vocabulary (unk, bos, eos and bytes 0x00-0xFC), which no trained token needs as text
+TRAINED_N_VOCAB = 256
 DRAFT_STREAM = 3  # the drafter's weights: rng [seed, 3], apart from the pair's (seed) and DFlash2's ([seed, 2])
 VARIANT_FILE = "VARIANT"
 STAGING_PREFIX = ".eagle3-"  # the pair is built in a scratch directory inside `outdir`, then moved in
@@ -92,10 +106,12 @@ class Eagle3Variant:
     name: str
     doc: str
     target_variant: str = "clean"  # fixtures variant whose target this pair uses: "clean" (qwen3), "llama"
+    n_vocab: int = TINY.n_vocab  # the target's vocabulary
     n_vocab_draft: int = TINY.n_vocab // 2  # rows of lm_head; d2t maps them to target ids
     target_layers: tuple[int, ...] | None = TARGET_LAYERS  # None: config states none, the converter's default
     norm_before_fc: bool = False  # RMSNorm (input_norm) on the concatenated target features before fc
     has_own_embeddings: bool = False  # embed_tokens.weight shipped, else the target's token_embd is borrowed
+    is_trained: bool = False  # the trained pair (featdiff.training.eagle3), with held-out prompts.txt
 
 
 _VARIANTS = (
@@ -115,6 +131,13 @@ _VARIANTS = (
         "eagle3-default-layers", "EAGLE3 drafter stating no target layers (converter default)", target_layers=None
     ),
     Eagle3Variant("eagle3-own-embd", "EAGLE3 drafter with its own token embeddings", has_own_embeddings=True),
+    Eagle3Variant(
+        "trained-eagle3",
+        "EAGLE3 drafter trained on the trained target (full vocabulary): accept rate means something",
+        n_vocab=TRAINED_N_VOCAB,
+        n_vocab_draft=TRAINED_N_VOCAB,
+        is_trained=True,
+    ),
 )
 EAGLE3_SETTINGS: dict[str, Eagle3Variant] = {v.name: v for v in _VARIANTS}
 EAGLE3_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
@@ -130,8 +153,9 @@ def checked_eagle3_variant(name: str) -> Eagle3Variant:
 
 
 def write_eagle3_fixture(outdir: str | Path, variant: str = "eagle3", seed: int = 0) -> Path:
-    """Write `variant`'s pair into `outdir`: the fixtures' target of `seed` and an EAGLE3 drafter
-    (HF directories), and the pinned converter's GGUFs of both; return `outdir`.
+    """Write `variant`'s pair into `outdir`: the fixtures' target of `seed` (the trained pair's,
+    for a trained variant) and an EAGLE3 drafter (HF directories), and the pinned converter's GGUFs
+    of both; return `outdir`. A trained variant adds `prompts.txt`; any other removes an earlier one.
 
     The pair is built in a scratch directory inside `outdir` and moved in whole: each of
     `target-hf/`, `draft-hf/` and the GGUFs is either the old one or the new one, never a mix
@@ -139,23 +163,45 @@ def write_eagle3_fixture(outdir: str | Path, variant: str = "eagle3", seed: int 
     v = checked_eagle3_variant(variant)
     out = check_output_dir(Path(outdir), (), "OUTDIR")
     out.mkdir(parents=True, exist_ok=True)
+    files = (TARGET_GGUF, DRAFT_GGUF, VARIANT_FILE) + ((PROMPTS_FILE,) if v.is_trained else ())
     with tempfile.TemporaryDirectory(dir=out, prefix=STAGING_PREFIX) as scratch:
-        staging = write_fixture(Path(scratch) / "pair", v.target_variant, seed, vocab=VOCAB_SPM)
-        shutil.rmtree(staging / DRAFT_HF)  # write_fixture's DFlash drafter
+        staging = _write_target(Path(scratch) / "pair", v, seed)
         _write_hf(staging / DRAFT_HF, eagle3_hf_config(v), eagle3_weights(variant, seed))
         _convert(staging)
         (staging / VARIANT_FILE).write_text(f"{v.name}: {v.doc} (converted by {CONVERTER})\n")
         for name in (TARGET_HF, DRAFT_HF):
             _swap_dir(staging / name, out / name, Path(scratch))
-        for name in (TARGET_GGUF, DRAFT_GGUF, VARIANT_FILE):
+        for name in files:
             (staging / name).replace(out / name)  # one rename each: old or new, never partly written
+    if not v.is_trained:
+        (out / PROMPTS_FILE).unlink(missing_ok=True)  # another pair's held-out prompts
     return out
+
+
+def _write_target(pair: Path, v: Eagle3Variant, seed: int) -> Path:
+    """`pair` holding `v`'s target checkpoint `target-hf/` (and a trained variant's `prompts.txt`),
+    written by the fixtures' writers; return `pair`."""
+    if not v.is_trained:
+        staging = write_fixture(pair, v.target_variant, seed, vocab=VOCAB_SPM)
+        shutil.rmtree(staging / DRAFT_HF)  # write_fixture's DFlash drafter
+        return staging
+    from featdiff.training import TRAINED_SIZES, eagle3  # torch, and a first training, only when asked for
+
+    pair.mkdir()
+    _write_target_hf(pair / TARGET_HF, eagle3.target_weights(seed), names.ARCH_QWEN3, TRAINED_SIZES)
+    _write_held_out_prompts(pair / PROMPTS_FILE, seed, TRAINED_SIZES)
+    return pair
 
 
 def eagle3_weights(variant: str, seed: int) -> dict[str, np.ndarray]:
     """`variant`'s drafter as `draft-hf/model.safetensors` holds it: HF names, HF orientation
-    (out, in), `d2t` as offsets (target id = d2t[i] + i), `t2d` a mask over the target vocabulary."""
+    (out, in), `d2t` as offsets (target id = d2t[i] + i), `t2d` a mask over the target vocabulary.
+    A trained variant's is the trained drafter of `seed` (trained once per machine, then cached)."""
     v = checked_eagle3_variant(variant)
+    if v.is_trained:
+        from featdiff.training import eagle3
+
+        return dict(eagle3.trained_eagle3(seed).draft)
     s, n_embd_tgt = DRAFT, TINY.target.n_embd
     n_attn_inp = 2 * s.n_embd  # the layer's attention reads [norm(embedding), norm(fc out)]
     rng = np.random.default_rng([seed, DRAFT_STREAM])
@@ -196,7 +242,7 @@ def eagle3_hf_config(v: Eagle3Variant) -> dict:
     config = {
         "architectures": [HF_ARCH],
         "model_type": "llama",
-        **_hf_config(DRAFT, TINY.n_vocab),
+        **_hf_config(DRAFT, v.n_vocab),
         names.HF_DRAFT_VOCAB_SIZE: v.n_vocab_draft,
         HF_TARGET_HIDDEN_SIZE: TINY.target.n_embd,
         HF_NORM_BEFORE_FC: v.norm_before_fc,
@@ -210,7 +256,8 @@ def eagle3_hf_config(v: Eagle3Variant) -> dict:
 
 def _convert(pair: Path) -> None:
     """The converter's `target.gguf` and `draft.gguf` of `pair`'s HF directories (as
-    converter._convert_pair: the target's tokenizer.model first; the drafter reads the target's
+    converter._convert_pair: the target's tokenizer.model first, of the tiny pair's vocabulary,
+    which a trained pair's config.json cuts to TRAINED_N_VOCAB; the drafter reads the target's
     config.json and vocabulary)."""
     write_spm_tokenizer(pair / TARGET_HF / TOKENIZER_MODEL, TINY.n_vocab)
     convert_checkpoint(pair / TARGET_HF, pair / TARGET_GGUF)

@@ -290,6 +290,8 @@ HYP_NORM_UNIT = "norm=unit"
 # d2t[i] - i (a GGUF d2t holding the HF offsets, not absolute ids); NaN where several rows land on one
 # id (which one ggml_set_rows leaves there is a race between its threads)
 HYP_D2T_OFFSETS = "d2t=offsets"
+# g_norm-0@g=after_norm: an EAGLE3 draft step fed the previous step's result_norm, not its eagle3_prenorm
+HYP_G_AFTER_NORM = "g=after_norm"
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

@@ -106,3 +106,30 @@ def test_the_fixture_command_lists_and_writes_eagle3_pairs(tmp_path):
     assert (tmp_path / "fx" / "draft.gguf").is_file() and "eagle3-full-vocab" in (
         tmp_path / "fx" / "VARIANT"
     ).read_text()
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind", "tensor", "source"),
+    [
+        ("eagle3-concat-swapped", "slot_permutation", "concat_embd-0", None),
+        ("eagle3-prenorm-after-norm", "wrong_source", "g_norm-0", "after_norm"),
+    ],
+)
+def test_an_eagle3_graph_fault_of_the_patched_library_is_named(
+    pairs, fault, kind, tensor, source, tmp_path, monkeypatch
+):
+    """0007-eagle3-graph-faults.patch plants them in libllama's eagle3 graph (FEATDIFF_FAULT, read
+    when the graph is built): the in-process driver runs them, the reference of the correct pair
+    names them at the record where they first differ."""
+    d = pairs("eagle3")
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    _, ref = _run_and_ref(d, d / "draft.gguf", clean)
+    monkeypatch.setenv("FEATDIFF_FAULT", fault)
+    run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=ROUNDS)
+    first = next(f for f in compare_dumps(ref, run).findings if f.severity == "error")
+    assert (first.kind, first.tensor) == (kind, tensor), first.message
+    if source is not None:
+        assert first.fields["source"] == source
+    else:
+        assert list(first.fields["permutation"]) == [1, 0]

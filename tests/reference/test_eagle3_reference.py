@@ -212,7 +212,9 @@ def test_decode_records_the_candidates_its_drafter_can_carry(target):
     assert torch.equal(rec["inp_embd@table=target"], target.token_embd[_ids(4, 8)])
     assert rec["result_output@d2t=offsets"].shape == rec[names.RESULT_OUTPUT].shape
     plain = _records(decode(random_draft(target), target, _ids(4, 8), _g(draft, 2), _ids(0, 1), _cache(draft)).records)
-    assert not any(names.CANDIDATE_SEP in k for k in plain)  # borrowed table, no d2t: nothing to hypothesize
+    # borrowed table, no d2t: only the concat order is hypothesized, [g_norm, embd_norm]
+    assert [k for k in plain if names.CANDIDATE_SEP in k] == ["concat_embd-0@slots=1,0"]
+    assert torch.equal(plain["concat_embd-0@slots=1,0"], torch.cat([plain["g_norm-0"], plain["embd_norm-0"]], dim=1))
 
 
 def _race(candidate: np.ndarray, head: np.ndarray, offsets: list[int], rng: np.random.Generator) -> np.ndarray:

@@ -183,6 +183,10 @@ def decode(
     embd_norm = rms_norm(embd, layer.attn_norm, hp.rms_eps)
     g_norm = rms_norm(g, draft.attn_norm_2, hp.rms_eps)
     concat = torch.cat([embd_norm, g_norm], dim=1)  # (n_tokens, 2 * n_embd): ggml_concat(embd_norm, g_norm, 0)
+    swapped = torch.cat([g_norm, embd_norm], dim=1)  # (n_tokens, 2 * n_embd): the halves the other way
+    candidates.append(
+        Named(names.candidate_name(names.layer_name(names.EAGLE3_CONCAT, 0), names.slots_hypothesis((1, 0))), swapped)
+    )
     attn = _attention(hp, layer, concat, positions, cache)
     ffn_inp = linear(attn.kqv_out, layer.wo) + (g_norm if draft.norm_before_residual else g)  # (n_tokens, n_embd)
     post = rms_norm(ffn_inp, layer.ffn_norm, hp.rms_eps)

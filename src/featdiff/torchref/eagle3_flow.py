@@ -287,11 +287,13 @@ def _draft(
     picks: list[tuple[int, bool]] = []  # each row's top candidate, and whether p_min stops at it
     traces: list[EvalTrace] = []
     n_steps = _followed_steps(plan, draft_max)
+    hyp: DecodePass | None = None  # the same steps recycling result_norm (g=after_norm), from the seed on
     while True:
         dp = decode(draft, target, _ids((token,), numerics), g, _ids((pos,), numerics), cache)
         cache = dp.cache
+        hyp = _after_norm_step(draft, target, token, pos, numerics, dp, hyp)
         ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, (pos,), (token,), r)
-        traces.append(EvalTrace(ev, dp.records + _draft_logits(dp)))
+        traces.append(EvalTrace(ev, dp.records + _draft_logits(dp) + _after_norm_records(hyp)))
         pick = int(dp.logits[0].argmax())
         picks.append((pick, top1_probability(dp.logits[0]) < p_min))
         if plan is None:
@@ -309,6 +311,29 @@ def _draft(
         g, pos = dp.prenorm, pos + 1
     own = _own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
     return own, truncated(cache, state.n_past), traces
+
+
+def _after_norm_step(
+    draft: Eagle3Draft, target: Target, token: int, pos: int, numerics: Numerics, dp: DecodePass, hyp: DecodePass | None
+) -> DecodePass:
+    """One step of the round's chain under the hypothesis that the driver recycles each step's
+    result_norm, not its eagle3_prenorm: the seed as decoded (it reads the pending encoder row
+    either way), then each step fed the chain's previous result_norm, through the chain's own
+    cache (its rows of earlier steps differ too)."""
+    if hyp is None:
+        return dp
+    norm = next(n.array for n in hyp.records if n.name == names.RESULT_NORM)  # (1, n_embd)
+    return decode(draft, target, _ids((token,), numerics), norm, _ids((pos,), numerics), hyp.cache)
+
+
+def _after_norm_records(hyp: DecodePass) -> tuple[Named, ...]:
+    """`g_norm-0@g=after_norm`: the step's g norm in the chain of _after_norm_step."""
+    g_norm = names.layer_name(names.EAGLE3_G_NORM, 0)
+    return (
+        Named(
+            names.candidate_name(g_norm, names.HYP_G_AFTER_NORM), next(n.array for n in hyp.records if n.name == g_norm)
+        ),
+    )
 
 
 def _draft_logits(dp: DecodePass) -> tuple[Named, ...]:

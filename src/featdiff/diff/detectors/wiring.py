@@ -86,6 +86,14 @@ def detect_slot_permutation(ev: Evidence) -> Finding | None:
     perm = perm or _candidate_permutation(ev)
     if perm is None:
         return None
+    if ev.record == names.layer_name(names.EAGLE3_CONCAT, 0):
+        return error_finding(
+            ev,
+            f"{ev.tensor} holds [g_norm, embd_norm] (it matches the reference's {ev.record}@slots=1,0): the "
+            "decoder's attention reads its two halves the other way round from the checkpoint's "
+            "[embd_norm, g_norm]; concatenate the normalized token embedding first",
+            SlotPermutationFields(permutation=tuple(perm)),
+        )
     return error_finding(
         ev,
         f"the slots of {ev.tensor} arrive in order {perm} instead of "
@@ -276,6 +284,12 @@ def _explains_scattered(expected: np.ndarray, ev: Evidence) -> bool:
 
 
 def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
+    if f"{key}={value}" == names.HYP_G_AFTER_NORM:
+        return (
+            f"{tensor} of this draft step normalizes the previous step's result_norm (it matches the reference's "
+            f"{candidate}): the state handed from step to step must be eagle3_prenorm, before the output norm "
+            "(upstream eagle3.cpp sets t_h_nextn before build_norm); hand on the pre-norm state"
+        )
     if f"{key}={value}" == names.HYP_TERM_AFTER_NORM:
         return (
             f"{tensor} is the first layer's attention norm plus the log-SNR term (it matches the reference's "
