@@ -10,7 +10,9 @@ imports only its own code. Adding a kind is its own modules plus one `DrafterKin
   upstream's driver reads from the drafter), `enable(tgt, dft, cfg)` (what its constructor switches
   on) and `run_flow(tgt, dft, prompt, rounds, cfg, recorder, on_round)` (the in-process flow);
 * `reference`: a module of `featdiff.torchref` with `reference(target, model, output, ...)`, the
-  `featdiff reference` command for that kind (the options of torchref.run.reference);
+  `featdiff reference` command for that kind (the options of torchref.run.reference), and the
+  accept probe's `load_pair_draft(target, model, numerics)` and `probe_round(target, draft,
+  prompt, numerics, block_rows)` (one round after a prompt);
 * `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs).
 
 DFlash, DFlash2 and DSpark share the `dflash` graph (llama.cpp runs one arch with the heads a

@@ -181,6 +181,7 @@ def run_in_process(
 
 
 def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int, cfg) -> RunTrace:
+    from featdiff import kinds
     from featdiff.llama import driver
     from featdiff.llama.capture import new_contexts, prompt_ids
 
@@ -188,7 +189,8 @@ def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int, cfg) -> R
     ids = prompt_ids(tgt_model, prompt.text, tokens)
     tgt, dft = new_contexts(rt, (tgt_model, dft_model), len(ids), rounds, cfg)
     try:
-        done = driver.run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
+        flow = kinds.by_name(cfg.kind).driver_module()  # the drafter kind's in-process flow
+        done = flow.run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
     finally:
         dft.free()
         tgt.free()
@@ -253,12 +255,14 @@ def history(trace: RunTrace) -> tuple[int, ...]:
     return tuple(out)
 
 
-def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[RoundPair, ...]:
-    """Per run round: the reference drafter's block at the same position, after the same tokens."""
+def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics, flow=None) -> tuple[RoundPair, ...]:
+    """Per run round: the reference drafter's block at the same position, after the same tokens
+    (`flow`: the reference module of the drafter's kind, featdiff.kinds; default DFlash's)."""
     import torch
 
-    from featdiff.torchref.replay import run_flow
+    from featdiff.torchref import run as dflash_reference
 
+    flow = flow or dflash_reference
     tokens = history(trace)
     out = []
     with torch.no_grad():
@@ -266,9 +270,7 @@ def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics) -> tuple[
             if not r.drafts:  # a verify of no drafts: nothing to draft on either side
                 out.append(RoundPair(r.pos0, (), (), 0, 0))
                 continue
-            ref = run_flow(
-                ref_target, ref_draft, tokens[: r.pos0 + 1], 1, numerics, block_rows=_block_rows(trace)
-            ).rounds[0]
+            ref = flow.probe_round(ref_target, ref_draft, tokens[: r.pos0 + 1], numerics, _block_rows(trace))
             n = len(r.drafts)  # the same budget: upstream truncates a draft to what fits
             out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, min(ref.accepted, n)))
     return tuple(out)
@@ -319,20 +321,20 @@ def probe_traces(
     traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path, dtype: str = "float32", kv_dtype: str = "f16"
 ) -> Probe:
     """The probe of runs already made: each trace's rounds beside the reference drafter's."""
-    from featdiff.torchref.load import load_draft, load_target
+    from featdiff.torchref.kind import drafter_kind
+    from featdiff.torchref.load import load_target
     from featdiff.torchref.run import numerics_from_options
-    from featdiff.torchref.weights import check_pair
 
     numerics = numerics_from_options(dtype, "cpu", kv_dtype)
+    flow = drafter_kind(Path(ref_model)).reference_module()
     ref_t = load_target(ref_target, numerics.dtype, numerics.device)
-    ref_d = load_draft(ref_model, numerics.dtype, numerics.device)
-    check_pair(ref_t, ref_d)
+    ref_d = flow.load_pair_draft(ref_t, ref_model, numerics)
     return Probe(
         tuple(
             PromptProbe(
                 t.label,
                 t.prompt_tokens,
-                reference_rounds(t, ref_t, ref_d, numerics),
+                reference_rounds(t, ref_t, ref_d, numerics, flow),
                 t.server_draft_n,
                 t.server_draft_n_accepted,
             )

@@ -133,3 +133,27 @@ def test_an_eagle3_graph_fault_of_the_patched_library_is_named(
         assert first.fields["source"] == source
     else:
         assert list(first.fields["permutation"]) == [1, 0]
+
+
+def _check(d: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "check", "--target", str(d / "target.gguf"),
+         "--model", str(d / "draft.gguf"), "--prompts", str(d / "prompts.txt")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(pairs):
+    """`featdiff check` on the trained pair: the wiring compares clean and the run accepts as the
+    reference does (about 3.9 tokens per block of 3 drafts); with the recycled state taken after
+    the norm (0007) the same command fails and names it."""
+    import os
+
+    d = pairs("trained-eagle3")
+    env = {k: v for k, v in os.environ.items() if k != "FEATDIFF_FAULT"}
+    done = _check(d, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout and "agree" in done.stdout
+    faulty = _check(d, {**env, "FEATDIFF_FAULT": "eagle3-prenorm-after-norm"})
+    assert faulty.returncode == 1, faulty.stdout + faulty.stderr
+    assert "wrong_source" in faulty.stdout and "g_norm-0" in faulty.stdout

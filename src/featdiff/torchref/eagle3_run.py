@@ -12,16 +12,18 @@ from pathlib import Path
 import torch
 
 from featdiff.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
-from featdiff.dump import read_dump
+from featdiff.dump import Round, read_dump
 from featdiff.errors import InputError
 from featdiff.outputs import check_output, output_lock
 from featdiff.phases import Phase
 from featdiff.tokens import check_prompt
 from featdiff.torchref import run as dflash_run
-from featdiff.torchref.eagle3 import eagle3_from_gguf, eagle3_models_entry
+from featdiff.torchref.eagle3 import Eagle3Draft, check_eagle3_pair, eagle3_from_gguf, eagle3_models_entry
 from featdiff.torchref.eagle3_flow import run_flow
 from featdiff.torchref.load import load_target
+from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.replay import FlowTrace, FollowError
+from featdiff.torchref.weights import Target
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +141,23 @@ def _write(output, trace: FlowTrace, tgt, dft, numerics, prompt_ids, draft_max: 
         followed,
         draft_entry=eagle3_models_entry(dft),
     )
+
+
+# --- the accept probe's side of the EAGLE3 kind (featdiff.probe, through featdiff.kinds) --------
+
+
+def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> Eagle3Draft:
+    """The EAGLE3 drafter GGUF at `model`, checked against `target`."""
+    if Path(model).is_dir():
+        raise InputError(f"{model}: the EAGLE3 reference reads the drafter's GGUF; pass the converted draft.gguf")
+    draft = eagle3_from_gguf(Path(model), numerics.dtype, numerics.device)
+    check_eagle3_pair(target, draft)
+    return draft
+
+
+def probe_round(
+    target: Target, draft: Eagle3Draft, prompt: tuple[int, ...], numerics: Numerics, block_rows: int
+) -> Round:
+    """The reference's one round after `prompt`: up to `block_rows` - 1 drafts (a round verifies
+    the anchor and its drafts), verified."""
+    return run_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]

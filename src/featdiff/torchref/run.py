@@ -347,3 +347,18 @@ def _draft_entry(draft: Draft | None, entry: dict | None) -> dict:
     if draft is None:
         raise ValueError("write_reference needs the drafter or its manifest entry")
     return models_entry(draft)
+
+
+# --- the accept probe's side of the DFlash kind (featdiff.probe, through featdiff.kinds) ---------
+
+
+def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> Draft:
+    """The drafter at `model` (GGUF or HF directory), checked against `target`."""
+    draft = load_draft(Path(model), numerics.dtype, numerics.device)
+    check_pair(target, draft)
+    return draft
+
+
+def probe_round(target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Numerics, block_rows: int) -> Round:
+    """The reference's one round after `prompt`: its draft block of `block_rows` rows, verified."""
+    return run_flow(target, draft, prompt, 1, numerics, block_rows=block_rows).rounds[0]
