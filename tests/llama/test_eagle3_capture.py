@@ -157,3 +157,19 @@ def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(
     faulty = _check(d, {**env, "FEATDIFF_FAULT": "eagle3-prenorm-after-norm"})
     assert faulty.returncode == 1, faulty.stdout + faulty.stderr
     assert "wrong_source" in faulty.stdout and "g_norm-0" in faulty.stdout
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-default-layers"])
+def test_the_reference_from_the_hf_checkpoints_compares_clean(pairs, variant, tmp_path):
+    """The trained checkpoint as the user has it (target-hf/, draft-hf/: rotate-half q/k, d2t
+    offsets, the converter's default layers where the config states none) is the reference."""
+    d = pairs(variant)
+    run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=ROUNDS)
+    ref = reference(
+        d / "target-hf", d / "draft-hf", tmp_path / "ref.npz", prompt=None, tokens=TOKENS, rounds=ROUNDS,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok and not c.skipped, [f.message for f in c.findings if f.severity == "error"]
+    with read_dump(ref) as dump:
+        assert dump.manifest.models["draft"]["sha256"]  # the checkpoint's files, hashed

@@ -42,7 +42,7 @@ from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.load_gguf import _draft_n_vocab, _hparams
 from featdiff.torchref.numerics import ffn, linear, rms_norm, rope
 from featdiff.torchref.stack import Named
-from featdiff.torchref.weights import Hparams, Layer, Source, Target, layer_from_tensors
+from featdiff.torchref.weights import Hparams, Layer, Source, Target, hf_sha256, layer_from_tensors
 
 # --- the eagle3 arch's names featdiff.names lacks (src/llama-arch.cpp, src/models/eagle3.cpp) -----
 N_TARGET_LAYERS = 3  # load_arch_hparams: "EAGLE3 requires exactly 3 entries in 'extract_layers'"
@@ -320,11 +320,12 @@ def eagle3_models_entry(draft: Eagle3Draft) -> dict[str, Any]:
     its target layers and own embeddings as the eagle3 keys and tensors say."""
     if draft.source.is_gguf:
         info = replace(model_info(draft.source.path), dequantized_by=draft.source.dequantized_by)
-    else:  # built in memory (tests): what the record itself says
+    else:  # a HF checkpoint (its files' hash), or built in memory (tests): what the record says
         hp = draft.hparams
+        is_dir = Path(draft.source.path).is_dir()
         info = ModelInfo(
             path=str(draft.source.path),
-            sha256="",
+            sha256=hf_sha256(Path(draft.source.path)) if is_dir else "",
             architecture=names.ARCH_EAGLE3,
             n_layer=hp.n_layer,
             n_embd=hp.n_embd,

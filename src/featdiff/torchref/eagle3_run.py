@@ -19,6 +19,7 @@ from featdiff.phases import Phase
 from featdiff.tokens import check_prompt
 from featdiff.torchref import run as dflash_run
 from featdiff.torchref.eagle3 import Eagle3Draft, check_eagle3_pair, eagle3_from_gguf, eagle3_models_entry
+from featdiff.torchref.eagle3_hf import eagle3_from_hf
 from featdiff.torchref.eagle3_flow import run_flow
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import Numerics
@@ -47,8 +48,6 @@ def reference(
 ) -> Path:
     """Compute the EAGLE3 reference dump; return its path (torchref.run.reference's contract)."""
     output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
-    if Path(model).is_dir():
-        raise InputError(f"{model}: the EAGLE3 reference reads the drafter's GGUF; pass the converted draft.gguf")
     with output_lock(output):
         numerics = dflash_run.numerics_from_options(dtype, device, kv_dtype)
         plan = dflash_run.followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
@@ -61,11 +60,11 @@ def reference(
             else dflash_run.prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
         )
         rounds = len(plan.rounds) if plan is not None else rounds
-        dft = eagle3_from_gguf(Path(model), numerics.dtype, numerics.device, llama_dir)
         check_rounds_fit(
             rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(prompt_ids)
         )
         tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
+        dft = load_eagle3(Path(model), tgt, numerics, llama_dir)
         check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
         log.info(
             "reference: %d prompt tokens, %d rounds, up to %d drafts a round (EAGLE3)",
@@ -146,11 +145,17 @@ def _write(output, trace: FlowTrace, tgt, dft, numerics, prompt_ids, draft_max: 
 # --- the accept probe's side of the EAGLE3 kind (featdiff.probe, through featdiff.kinds) --------
 
 
-def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> Eagle3Draft:
-    """The EAGLE3 drafter GGUF at `model`, checked against `target`."""
+def load_eagle3(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> Eagle3Draft:
+    """The EAGLE3 drafter at `model`: its GGUF, or its HF checkpoint directory (eagle3_hf.py),
+    which needs the target (its layer count sets the converter's default layers)."""
     if Path(model).is_dir():
-        raise InputError(f"{model}: the EAGLE3 reference reads the drafter's GGUF; pass the converted draft.gguf")
-    draft = eagle3_from_gguf(Path(model), numerics.dtype, numerics.device)
+        return eagle3_from_hf(Path(model), target, numerics.dtype, numerics.device)
+    return eagle3_from_gguf(Path(model), numerics.dtype, numerics.device, llama_dir)
+
+
+def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> Eagle3Draft:
+    """The EAGLE3 drafter at `model` (GGUF or HF checkpoint), checked against `target`."""
+    draft = load_eagle3(Path(model), target, numerics)
     check_eagle3_pair(target, draft)
     return draft
 

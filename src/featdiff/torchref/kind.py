@@ -6,13 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from featdiff import kinds, names
+from featdiff import kinds
 from featdiff.errors import InputError
 from featdiff.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
+from featdiff.torchref.eagle3_hf import is_eagle3_config
 from featdiff.torchref.load_hf import read_config
-
-HF_EAGLE3_MARK = (names.HF_DRAFT_VOCAB_SIZE, 1)  # the converter's test: draft_vocab_size and one layer
 
 
 def drafter_kind(model: Path) -> kinds.DrafterKind:
@@ -23,8 +22,7 @@ def drafter_kind(model: Path) -> kinds.DrafterKind:
             config = read_config(model)
         except InputError:
             return kinds.KINDS[0]
-        is_eagle3 = HF_EAGLE3_MARK[0] in config and config.get(names.HF_NUM_LAYERS) == HF_EAGLE3_MARK[1]
-        return kinds.by_name("eagle3" if is_eagle3 else "dflash")
+        return kinds.by_name("eagle3" if is_eagle3_config(config) else "dflash")
     try:
         g = read_gguf(model, ggml_dequant.load)
     except (InputError, OSError):  # no file, not a GGUF: the DFlash path says so as it always has
