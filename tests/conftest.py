@@ -61,6 +61,21 @@ def findings_json_follows_the_schema(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def eagle3_pairs(tmp_path_factory):
+    """EAGLE3 variant -> its pair made by the pinned converter (featdiff.fixtures_eagle3), once."""
+    from featdiff.fixtures_eagle3 import write_eagle3_fixture
+
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = write_eagle3_fixture(tmp_path_factory.mktemp(variant), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def fixture_models(tmp_path_factory):
     """variant name -> directory with target.gguf, draft.gguf, target-hf/, draft-hf/."""
     made: dict[str, Path] = {}

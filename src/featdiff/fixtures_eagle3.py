@@ -112,6 +112,10 @@ class Eagle3Variant:
     norm_before_fc: bool = False  # RMSNorm (input_norm) on the concatenated target features before fc
     has_own_embeddings: bool = False  # embed_tokens.weight shipped, else the target's token_embd is borrowed
     is_trained: bool = False  # the trained pair (featdiff.training.eagle3), with held-out prompts.txt
+    # a target family run through transformers (featdiff.hf_targets): its target-hf/ and the
+    # converter's target.gguf replace the qwen3 target the drafter converts against (the drafter
+    # reads only the target's sizes and vocabulary there, which the tiny families share)
+    target_family: str = ""
 
 
 _VARIANTS = (
@@ -131,6 +135,11 @@ _VARIANTS = (
         "eagle3-default-layers", "EAGLE3 drafter stating no target layers (converter default)", target_layers=None
     ),
     Eagle3Variant("eagle3-own-embd", "EAGLE3 drafter with its own token embeddings", has_own_embeddings=True),
+    Eagle3Variant(
+        "eagle3-qwen3moe",
+        "Qwen3-MoE target through transformers (reference from target-hf/), EAGLE3 drafter",
+        target_family="qwen3moe",
+    ),
     Eagle3Variant(
         "trained-eagle3",
         "EAGLE3 drafter trained on the trained target (full vocabulary): accept rate means something",
@@ -168,6 +177,8 @@ def write_eagle3_fixture(outdir: str | Path, variant: str = "eagle3", seed: int 
         staging = _write_target(Path(scratch) / "pair", v, seed)
         _write_hf(staging / DRAFT_HF, eagle3_hf_config(v), eagle3_weights(variant, seed))
         _convert(staging)
+        if v.target_family:
+            _family_target(staging, Path(scratch), v.target_family, seed)
         (staging / VARIANT_FILE).write_text(f"{v.name}: {v.doc} (converted by {CONVERTER})\n")
         for name in (TARGET_HF, DRAFT_HF):
             _swap_dir(staging / name, out / name, Path(scratch))
@@ -262,6 +273,17 @@ def _convert(pair: Path) -> None:
     write_spm_tokenizer(pair / TARGET_HF / TOKENIZER_MODEL, TINY.n_vocab)
     convert_checkpoint(pair / TARGET_HF, pair / TARGET_GGUF)
     convert_checkpoint(pair / DRAFT_HF, pair / DRAFT_GGUF, target_dir=pair / TARGET_HF)
+
+
+def _family_target(pair: Path, scratch: Path, family: str, seed: int) -> None:
+    """`pair`'s target replaced by `family`'s (featdiff.hf_targets: its HF checkpoint and the
+    converter's GGUF of it), the drafter already converted against the qwen3 target of the same sizes."""
+    from featdiff.hf_targets import write_family_fixture
+
+    fam = write_family_fixture(scratch / "family", family, seed)
+    shutil.rmtree(pair / TARGET_HF)
+    (fam / TARGET_HF).replace(pair / TARGET_HF)
+    (fam / TARGET_GGUF).replace(pair / TARGET_GGUF)
 
 
 def _swap_dir(new: Path, dst: Path, trash: Path) -> None:

@@ -13,36 +13,22 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
-from featdiff.fixtures_eagle3 import write_eagle3_fixture
 from featdiff.gguf_rewrite import rewrite_gguf
 from featdiff.llama.capture import capture
 from featdiff.torchref.kind import reference
 
+from eagle3_real import ROUNDS, TOKENS, run_and_ref
+
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
-TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-ROUNDS = 3
 
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            made[variant] = write_eagle3_fixture(tmp_path_factory.mktemp(variant), variant)
-        return made[variant]
-
-    return get
+@pytest.fixture
+def pairs(eagle3_pairs):
+    return eagle3_pairs
 
 
 def _run_and_ref(d: Path, model: Path, tmp: Path) -> tuple[Path, Path]:
-    run = capture(d / "target.gguf", model, tmp / "run.npz", tokens=TOKENS, rounds=ROUNDS)
-    ref = reference(
-        d / "target.gguf", d / "draft.gguf", tmp / "ref.npz", prompt=None, tokens=TOKENS, rounds=ROUNDS,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run,
-    )  # fmt: skip
-    return run, ref
+    return run_and_ref(d, model, tmp)
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-llama", "eagle3-own-embd"])
@@ -159,7 +145,7 @@ def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(
     assert "wrong_source" in faulty.stdout and "g_norm-0" in faulty.stdout
 
 
-@pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-default-layers"])
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-default-layers", "eagle3-qwen3moe"])
 def test_the_reference_from_the_hf_checkpoints_compares_clean(pairs, variant, tmp_path):
     """The trained checkpoint as the user has it (target-hf/, draft-hf/: rotate-half q/k, d2t
     offsets, the converter's default layers where the config states none) is the reference."""

@@ -16,36 +16,20 @@ from featdiff.diff import compare_dumps
 from featdiff.diff.comparison import UNEXPLAINING
 from featdiff.diff.result import Finding
 from featdiff.dump import read_dump
-from featdiff.fixtures_eagle3 import write_eagle3_fixture
 from featdiff.gguf_rewrite import DROP, rewrite_gguf
-from featdiff.llama.capture import capture
-from featdiff.torchref.kind import reference
+
+from eagle3_real import run_and_ref
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
-TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-ROUNDS = 3
 
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            made[variant] = write_eagle3_fixture(tmp_path_factory.mktemp(variant), variant)
-        return made[variant]
-
-    return get
+@pytest.fixture
+def pairs(eagle3_pairs):
+    return eagle3_pairs
 
 
 def _run_and_ref(d: Path, model: Path, tmp: Path) -> tuple[Path, Path]:
-    run = capture(d / "target.gguf", model, tmp / "run.npz", tokens=TOKENS, rounds=ROUNDS)
-    ref = reference(
-        d / "target.gguf", d / "draft.gguf", tmp / "ref.npz", prompt=None, tokens=TOKENS, rounds=ROUNDS,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run,
-    )  # fmt: skip
-    return run, ref
+    return run_and_ref(d, model, tmp)
 
 
 def _errors(d: Path, model: Path, tmp: Path) -> list[Finding]:

@@ -608,19 +608,10 @@ def test_loader_refuses_another_architecture(tmp_path):
 LLAMA_TOL = 1e-4  # llama.cpp's eagle3 decoder against the reference, both on an f16 KV cache (seen: ~1e-6)
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """variant -> its fixture directory (converted once per module)."""
-    from featdiff.fixtures_eagle3 import write_eagle3_fixture
-
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            made[variant] = write_eagle3_fixture(tmp_path_factory.mktemp(variant), variant)
-        return made[variant]
-
-    return get
+@pytest.fixture
+def converted(eagle3_pairs):
+    """variant -> its fixture directory (converted once per session: tests/conftest.py)."""
+    return eagle3_pairs
 
 
 def _eagle3_variants() -> list[str]:
@@ -633,7 +624,9 @@ def _eagle3_variants() -> list[str]:
 @pytest.mark.parametrize("variant", _eagle3_variants())
 def test_converted_drafter_loads_and_runs_two_rounds(converted, variant):
     d = converted(variant)
-    tgt = load_target(d / "target.gguf", torch.float32, torch.device("cpu"))
+    # a target family through transformers is read from its HF checkpoint (torchref.load.load_target)
+    target = d / ("target-hf" if variant.endswith("qwen3moe") else "target.gguf")
+    tgt = load_target(target, torch.float32, torch.device("cpu"))
     draft = eagle3_from_gguf(d / "draft.gguf", torch.float32, torch.device("cpu"))
     check_eagle3_pair(tgt, draft)
     assert draft.hparams.rope_type == "normal" and draft.n_embd_tgt == tgt.hparams.n_embd

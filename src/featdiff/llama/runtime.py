@@ -244,20 +244,28 @@ class Context:
 
     def decode_embd(self, rows: np.ndarray, positions: list[int]) -> None:
         """Decode an embd batch: `rows` is (n_tokens, n_embd_inp), one row per position."""
-        lib, ffi = self.rt.lib, self.rt.ffi
         rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd_inp)
         if self.legacy:
             self._decode_legacy(positions, rows=rows)
             return
+        self._embd_batch(rows, positions, outputs=False)
+        self._process(len(positions), keep=rows)
+
+    def _embd_batch(self, rows: np.ndarray, positions: list[int], outputs: bool) -> None:
+        """The context's llama_batch_ext filled with one embedding row per position (`rows`
+        contiguous float32, kept alive by the caller until the batch is processed)."""
+        lib, ffi = self.rt.lib, self.rt.ffi
         base = ffi.from_buffer("float[]", rows)
         lib.llama_batch_ext_clear(self.batch)
         for i, pos in enumerate(positions):
-            embd = ffi.new(
-                "struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]}
-            )
-            idx = lib.llama_batch_ext_add_embd(self.batch, 0, embd[0])
+            idx = lib.llama_batch_ext_add_embd(self.batch, 0, self._embd(base, i, rows.shape[1])[0])
             lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
-        self._process(len(positions), keep=rows)
+            if outputs:
+                lib.llama_batch_ext_set_output_logits(self.batch, idx, True)
+
+    def _embd(self, base: Any, i: int, width: int) -> Any:
+        """A `struct llama_embd *` viewing row `i` of the rows at `base`, `width` floats each."""
+        return self.rt.ffi.new("struct llama_embd *", {"data": base + i * width, "n_rows": 1, "n_embd": width})
 
     def decode_tokens_embd(self, tokens: list[int], rows: np.ndarray, positions: list[int], outputs: bool) -> None:
         """Decode entries that carry both a token id and an embedding row (EAGLE3's decoder: token
@@ -272,10 +280,7 @@ class Context:
         for i, (tok, pos) in enumerate(zip(tokens, positions)):
             idx = lib.llama_batch_ext_add_token(self.batch, 0, tok)
             lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
-            embd = ffi.new(
-                "struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]}
-            )
-            if not lib.llama_batch_ext_set_embd_token(self.batch, idx, embd[0]):
+            if not lib.llama_batch_ext_set_embd_token(self.batch, idx, self._embd(base, i, rows.shape[1])[0]):
                 raise RuntimeError(f"{self.model.path.name}: llama_batch_ext_set_embd_token refused entry {i}")
             lib.llama_batch_ext_set_output_logits(self.batch, idx, outputs)
         self._process(len(tokens), keep=rows)
@@ -283,17 +288,9 @@ class Context:
     def process_encode(self, rows: np.ndarray, positions: list[int]) -> np.ndarray:
         """llama_process(ENCODE) of an embd batch (EAGLE3's encoder: one row per token, every row an
         output); return the rows the encoder made, read from the nextn embeddings: (n_tokens, n_embd)."""
-        lib, ffi = self.rt.lib, self.rt.ffi
+        lib = self.rt.lib
         rows = np.ascontiguousarray(rows, dtype=np.float32)  # (n_tokens, n_embd_inp)
-        base = ffi.from_buffer("float[]", rows)
-        lib.llama_batch_ext_clear(self.batch)
-        for i, pos in enumerate(positions):
-            embd = ffi.new(
-                "struct llama_embd *", {"data": base + i * rows.shape[1], "n_rows": 1, "n_embd": rows.shape[1]}
-            )
-            idx = lib.llama_batch_ext_add_embd(self.batch, 0, embd[0])
-            lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
-            lib.llama_batch_ext_set_output_logits(self.batch, idx, True)
+        self._embd_batch(rows, positions, outputs=True)
         rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_ENCODE, self.batch)
         if rc != 0:
             raise RuntimeError(
