@@ -88,6 +88,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "featdiff.modelled",
             "featdiff.pairs",
             "featdiff.kinds",
+            "featdiff.modelled_eagle3",
         ),
     ),
     (

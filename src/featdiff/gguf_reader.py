@@ -31,6 +31,7 @@ from featdiff import kinds, names
 from featdiff.errors import InputError
 from featdiff.manifest_fields import GGUF_PY, ModelInfo, dspark_info
 from featdiff.modelled import unmodelled_in
+from featdiff.modelled_eagle3 import unmodelled_eagle3
 
 log = logging.getLogger(__name__)
 _MISSING = object()
@@ -333,12 +334,15 @@ def model_info(path: Path, with_hash: bool = True, ggml: GgmlLoader | None = Non
         has_log_snr_tensors=any(n in g.tensors for n in names.LOG_SNR_TENSORS),
         rope_freq_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)),
         dspark=_gguf_dspark(g, len(vocab)) if is_draft else None,
-        unmodelled=gguf_unmodelled(g) if is_draft else (),
+        unmodelled=gguf_unmodelled(g) if kinds.is_drafter_arch(g.arch) else (),
     )
 
 
 def gguf_unmodelled(model: GgufModel) -> tuple[str, ...]:
-    """The drafter GGUF's `dflash.*` keys and tensors the reference does not model (featdiff.modelled)."""
+    """The drafter GGUF's keys and tensors the reference does not model: an EAGLE3 drafter's
+    (featdiff.modelled_eagle3), else its `dflash.*` ones (featdiff.modelled)."""
+    if model.arch == names.ARCH_EAGLE3:
+        return unmodelled_eagle3(model.reader.fields, model.tensors)
     fields = model.reader.fields
     keys = {k: f.contents() for k, f in fields.items() if k.startswith(f"{names.ARCH_DFLASH}.")}
     return unmodelled_in(keys, model.tensors)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from featdiff import names
+from featdiff import modelled_eagle3, names
 from featdiff.phases import Phase
 
 Kind = Literal["key", "tensor", "file"]
@@ -476,4 +476,17 @@ def render_markdown() -> str:
         hf = ", ".join(f"`{h}`" for h in e.hf)
         inert = ", ".join(f"`{v!r}`" for v in e.inert)
         lines.append(f"| `{e.name}` | {e.kind} | {status} | {e.how} | {hf} | {inert} |")
+    lines += [
+        "",
+        "## EAGLE3 drafters (`eagle3` arch)",
+        "",
+        "From `src/featdiff/modelled_eagle3.py`: the keys and tensors the pinned `src/models/eagle3.cpp` and",
+        "its loader read, which the reference computes as they do. Any other `eagle3.*` key or tensor is",
+        "refused as above.",
+        "",
+        "| name | kind |",
+        "|---|---|",
+        *(f"| `{k}` | key |" for k in sorted(modelled_eagle3.MODELLED_KEYS)),
+        *(f"| `{t}` | tensor |" for t in sorted(modelled_eagle3.MODELLED_TENSORS)),
+    ]
     return "\n".join(lines) + "\n"

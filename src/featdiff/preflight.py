@@ -356,6 +356,7 @@ _EAGLE3_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], 
     (_eagle3_layer_problems, FATAL),
     (_eagle3_fc_problems, FATAL),
     (_eagle3_d2t_problems, FATAL),
+    (_unmodelled_problems, UNMODELLED),  # featdiff.modelled_eagle3
 )
 # The checks of each drafter architecture (featdiff.kinds.KINDS)
 CHECKS_OF_ARCH = {names.ARCH_DFLASH: _CHECKS, names.ARCH_EAGLE3: _EAGLE3_CHECKS}

@@ -13,6 +13,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
+from featdiff.errors import InputError
 from featdiff.gguf_rewrite import rewrite_gguf
 from featdiff.llama.capture import capture
 from featdiff.torchref.kind import reference
@@ -159,3 +160,28 @@ def test_the_reference_from_the_hf_checkpoints_compares_clean(pairs, variant, tm
     assert c.ok and not c.skipped, [f.message for f in c.findings if f.severity == "error"]
     with read_dump(ref) as dump:
         assert dump.manifest.models["draft"]["sha256"]  # the checkpoint's files, hashed
+
+
+def test_an_eagle3_key_the_reference_does_not_model_is_listed_recorded_and_refused(pairs, tmp_path):
+    """featdiff.modelled_eagle3: lint lists it (unmodelled), a capture runs and records it in the
+    manifest, the reference refuses the drafter by name (exit 2)."""
+    d = pairs("eagle3")
+    odd = rewrite_gguf(
+        d / "draft.gguf", tmp_path / "draft-yarn.gguf", keys={"eagle3.rope.scaling.yarn_ext_factor": 0.5}
+    )
+    lint = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "lint", str(odd), "--target", str(d / "target.gguf")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert (
+        "eagle3.rope.scaling.yarn_ext_factor" in lint.stdout + lint.stderr
+        and "not modelled" in lint.stdout + lint.stderr
+    )
+    run = capture(d / "target.gguf", odd, tmp_path / "run.npz", tokens=TOKENS, rounds=1)
+    with read_dump(run) as dump:
+        assert dump.manifest.models["draft"]["unmodelled"] == ["eagle3.rope.scaling.yarn_ext_factor"]
+    with pytest.raises(InputError, match="does not model"):
+        reference(
+            d / "target.gguf", odd, tmp_path / "ref.npz", prompt=None, tokens=TOKENS, rounds=1,
+            dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None,
+        )  # fmt: skip

@@ -38,6 +38,7 @@ from featdiff.gguf_reader import (
 )
 from featdiff.llama import ggml_dequant
 from featdiff.manifest_fields import ModelInfo
+from featdiff.modelled_eagle3 import LAYER_TENSORS, T_ATTN_NORM_2, unmodelled_eagle3
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.load_gguf import _draft_n_vocab, _hparams
 from featdiff.torchref.numerics import ffn, linear, rms_norm, rope
@@ -47,40 +48,10 @@ from featdiff.torchref.weights import Hparams, Layer, Source, Target, hf_sha256,
 # --- the eagle3 arch's names featdiff.names lacks (src/llama-arch.cpp, src/models/eagle3.cpp) -----
 N_TARGET_LAYERS = 3  # load_arch_hparams: "EAGLE3 requires exactly 3 entries in 'extract_layers'"
 KEY_VALUE_LENGTH = "{arch}.attention.value_length"  # the graph asserts it equals the key length
-T_ATTN_NORM_2 = "attn_norm_2"  # blk.0.attn_norm_2.weight: HF `hidden_norm`, on g
-LAYER_TENSORS = (  # blk.0's, in load_arch_tensors' order
-    *("attn_norm", T_ATTN_NORM_2, "attn_q", "attn_k", "attn_v", "attn_output"),
-    *("ffn_norm", "ffn_gate", "ffn_up", "ffn_down"),
-)
 # the decoder's callback names besides names.EAGLE3_*
 QCUR_ROPE = "Qcur_rope"
 KCUR_ROPE = "Kcur_rope"
 POST_ATTN_NORM = "post_attn_norm"
-# The `eagle3.*` keys the reference reads as llama.cpp does (llama_model_base::load_hparams, then
-# llama_model_eagle3::load_arch_hparams); any other one is refused. The yarn_* keys are left out:
-# the llama-family loader may read them, and the reference does not.
-MODELLED_KEYS = frozenset(
-    f"{names.ARCH_EAGLE3}.{k}"
-    for k in (
-        "context_length embedding_length block_count feed_forward_length vocab_size attention.head_count "
-        "attention.head_count_kv attention.key_length attention.value_length attention.layer_norm_rms_epsilon "
-        "rope.freq_base rope.dimension_count rope.scaling.type rope.scaling.factor rope.scale_linear "
-        "rope.scaling.attn_factor rope.scaling.original_context_length rope.scaling.finetuned "
-        "target_layers target_hidden_size norm_before_residual norm_before_fc"
-    ).split()
-)
-MODELLED_TENSORS = frozenset(
-    {
-        names.T_TOKEN_EMBD,
-        names.T_OUTPUT,
-        names.T_OUTPUT_NORM,
-        names.T_FC,
-        names.T_ENC_NORM,
-        names.T_D2T,
-        names.T_ROPE_FREQS,
-        *(f"{names.GGUF_LAYER_PREFIX.format(il=0)}{k}.weight" for k in LAYER_TENSORS),
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -375,12 +346,11 @@ def _check_file(g: GgufModel) -> None:
     reference does not model."""
     if g.arch != names.ARCH_EAGLE3:
         raise InputError(f"{g.path}: architecture {g.arch!r}, expected {names.ARCH_EAGLE3!r}; pass the EAGLE3 drafter")
-    keys = [k for k in g.reader.fields if k.startswith(f"{names.ARCH_EAGLE3}.") and k not in MODELLED_KEYS]
-    tensors = [t for t in g.tensors if t not in MODELLED_TENSORS]
-    if keys or tensors:
+    found = unmodelled_eagle3(g.reader.fields, g.tensors)
+    if found:
         raise InputError(
-            f"{g.path}: carries {', '.join(keys + tensors)}, which featdiff's EAGLE3 reference does not model; "
-            "compare a drafter without it, or add it to featdiff (src/featdiff/torchref/eagle3.py)"
+            f"{g.path}: carries {', '.join(found)}, which featdiff's EAGLE3 reference does not model; "
+            "compare a drafter without it, or add it to featdiff (src/featdiff/modelled_eagle3.py)"
         )
     layer_ids = int_list_meta(g, names.KEY_EAGLE3_TARGET_LAYERS)
     if len(layer_ids) != N_TARGET_LAYERS:
