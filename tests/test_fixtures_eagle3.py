@@ -44,17 +44,10 @@ KV_F16_TOL = 1e-2
 FC_TOL = 1e-5  # the encoder: one f32 matmul (and an RMSNorm) each side
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """variant -> its fixture directory (converted once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            made[variant] = write_eagle3_fixture(tmp_path_factory.mktemp(variant), variant)
-        return made[variant]
-
-    return get
+@pytest.fixture
+def pair(eagle3_pairs):
+    """variant -> its fixture directory (converted once per session: tests/conftest.py)."""
+    return eagle3_pairs
 
 
 def _contents(path: Path) -> tuple[dict, dict]:

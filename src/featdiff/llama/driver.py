@@ -14,6 +14,7 @@ the API and recorded: no graph node holds DSpark's Markov-biased logits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -165,9 +166,17 @@ def run_flow(
     positions = list(range(st.n_past))
     _decode_target(tgt, st, rec, prompt[:-1], positions, Phase.PREFILL, PREFILL_ROUND, outputs=False)
     _inject(tgt, dft, st, rec, cfg, positions, PREFILL_ROUND)
+    return each_round(rounds, lambda r: _round(tgt, dft, st, rec, cfg, r), on_round)
+
+
+def each_round(
+    rounds: int, one_round: Callable[[int], Round], on_round: Callable[[], None] | None = None
+) -> list[Round]:
+    """`rounds` speculative rounds, numbered from FIRST_ROUND, each run by `one_round(r)`; `on_round`
+    told after each (progress)."""
     done = []
     for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
-        done.append(_round(tgt, dft, st, rec, cfg, r))
+        done.append(one_round(r))
         if on_round is not None:
             on_round()
     return done

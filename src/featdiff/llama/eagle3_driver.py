@@ -27,9 +27,9 @@ from featdiff import names
 from featdiff.blocks import accepted_length
 from featdiff.dump import Round
 from featdiff.errors import InputError
-from featdiff.llama.driver import Recorder, close_round, features, open_eval, rollback
+from featdiff.llama.driver import Recorder, close_round, each_round, features, open_eval, rollback
 from featdiff.llama.runtime import Context, Model
-from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, Phase
+from featdiff.phases import PREFILL_ROUND, Phase
 
 N_TARGET_LAYERS = 3  # llama_model_eagle3::load_arch_hparams: exactly three
 SAMPLER_TOP_K = 10  # common_speculative_impl_draft_eagle3's sampler: top-k 10, then the top-1
@@ -99,12 +99,7 @@ def run_flow(
     open_eval(st, rec, Phase.PREFILL, PREFILL_ROUND, positions, prompt[:-1])
     tgt.decode_tokens(prompt[:-1], positions, outputs=False)
     _process(tgt, dft, st, rec, cfg, prompt[:-1], positions, PREFILL_ROUND)
-    done = []
-    for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
-        done.append(_round(tgt, dft, st, rec, cfg, r))
-        if on_round is not None:
-            on_round()
-    return done
+    return each_round(rounds, lambda r: _round(tgt, dft, st, rec, cfg, r), on_round)
 
 
 def _process(
