@@ -1,25 +1,42 @@
 """Every fixture pair `featdiff fixture --variant NAME` writes, one list: the DFlash / DSpark pairs
-of featdiff.pairs (fixtures.py) and the EAGLE3 pairs the pinned converter makes (fixtures_eagle3.py)."""
+of featdiff.pairs (fixtures.py), the DFlash2 pair (fixtures_dflash2.py), the target families run
+through transformers with the clean drafter (hf_targets.py) and the EAGLE3 pairs the pinned
+converter makes (fixtures_eagle3.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from featdiff import fixtures, fixtures_eagle3
+from featdiff import fixtures, fixtures_dflash2, fixtures_eagle3, hf_targets
 from featdiff.errors import InputError
+
+DFLASH2 = "dflash2"
+DFLASH2_DOC = "DFlash2 drafter (local convolutions, candidate lattice) on the qwen3 target"
+
+
+def _others() -> dict[str, str]:
+    """The variants beside featdiff.pairs': name -> one line."""
+    families = {
+        name: f"{f.doc} through transformers, with the clean drafter (converted)"
+        for name, f in hf_targets.FAMILIES.items()
+    }
+    return {DFLASH2: DFLASH2_DOC, **families, **fixtures_eagle3.EAGLE3_VARIANTS}
 
 
 def describe() -> str:
     """One line per variant: its name and what it is."""
-    eagle3 = "\n".join(f"{name:22s} {doc}" for name, doc in fixtures_eagle3.EAGLE3_VARIANTS.items())
-    return fixtures.describe_variants() + "\n" + eagle3
+    return fixtures.describe_variants() + "\n" + "\n".join(f"{name:22s} {doc}" for name, doc in _others().items())
 
 
 def write(outdir: Path, variant: str, seed: int = 0) -> Path:
     """Write `variant`'s pair into `outdir`; InputError naming every variant for an unknown one."""
     if variant in fixtures_eagle3.EAGLE3_VARIANTS:
         return fixtures_eagle3.write_eagle3_fixture(outdir, variant, seed)
+    if variant == DFLASH2:
+        return fixtures_dflash2.write_dflash2_fixture(outdir, seed)
+    if variant in hf_targets.FAMILIES:
+        return hf_targets.write_family_fixture(outdir, variant, seed)
     if variant not in fixtures.VARIANTS:
-        known = [*fixtures.VARIANTS, *fixtures_eagle3.EAGLE3_VARIANTS]
+        known = [*fixtures.VARIANTS, *_others()]
         raise InputError(f"--variant {variant!r}: no such fixture variant; choose one of {', '.join(known)}")
     return fixtures.write_fixture(outdir, variant, seed)

@@ -84,7 +84,12 @@ def test_the_fixture_command_lists_and_writes_eagle3_pairs(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert "eagle3-norm-before-fc" in listed.stdout and "dspark" in listed.stdout
+    assert all(f"\n{v} " in listed.stdout for v in ("eagle3-norm-before-fc", "dspark", "dflash2", "qwen3moe"))
+    d2 = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "fixture", str(tmp_path / "d2"), "--variant", "dflash2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert d2.returncode == 0 and (tmp_path / "d2" / "draft.gguf").is_file(), d2.stderr
     done = subprocess.run(
         [sys.executable, "-c", "from featdiff.cli import main; main()", "fixture", str(tmp_path / "fx"), "--variant", "eagle3-full-vocab"],
         capture_output=True, text=True, timeout=300,
