@@ -181,16 +181,14 @@ def run_in_process(
 
 
 def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int, cfg) -> RunTrace:
-    from featdiff import kinds
     from featdiff.llama import driver
-    from featdiff.llama.capture import new_contexts, prompt_ids
+    from featdiff.llama.capture import driver_of, new_contexts, prompt_ids
 
     tokens = ",".join(map(str, prompt.tokens)) if prompt.tokens is not None else None
     ids = prompt_ids(tgt_model, prompt.text, tokens)
     tgt, dft = new_contexts(rt, (tgt_model, dft_model), len(ids), rounds, cfg)
     try:
-        flow = kinds.by_name(cfg.kind).driver_module()  # the drafter kind's in-process flow
-        done = flow.run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
+        done = driver_of(cfg).run_flow(tgt, dft, ids, rounds, cfg, driver.NullRecorder())
     finally:
         dft.free()
         tgt.free()

@@ -23,19 +23,10 @@ from eagle3_real import ROUNDS, TOKENS, run_and_ref
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
 
-@pytest.fixture
-def pairs(eagle3_pairs):
-    return eagle3_pairs
-
-
-def _run_and_ref(d: Path, model: Path, tmp: Path) -> tuple[Path, Path]:
-    return run_and_ref(d, model, tmp)
-
-
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-llama", "eagle3-own-embd"])
-def test_a_correct_pair_compares_clean_with_nothing_skipped(pairs, variant, tmp_path):
-    d = pairs(variant)
-    run, ref = _run_and_ref(d, d / "draft.gguf", tmp_path)
+def test_a_correct_pair_compares_clean_with_nothing_skipped(eagle3_pairs, variant, tmp_path):
+    d = eagle3_pairs(variant)
+    run, ref = run_and_ref(d, d / "draft.gguf", tmp_path)
     c = compare_dumps(ref, run)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
     assert not c.skipped
@@ -52,10 +43,10 @@ def test_a_correct_pair_compares_clean_with_nothing_skipped(pairs, variant, tmp_
     assert len(compared) == len(m.rounds)  # each round's steps, joined by position
 
 
-def test_the_dflash_layer_convention_on_an_eagle3_drafter_is_a_layer_offset(pairs, tmp_path):
-    d = pairs("eagle3-default-layers")  # [2, 3, 3] on the 6-layer target: + 1 stays inside it
+def test_the_dflash_layer_convention_on_an_eagle3_drafter_is_a_layer_offset(eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3-default-layers")  # [2, 3, 3] on the 6-layer target: + 1 stays inside it
     plus1 = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-plus1.gguf", keys={"eagle3.target_layers": [3, 4, 4]})
-    run, ref = _run_and_ref(d, plus1, tmp_path)
+    run, ref = run_and_ref(d, plus1, tmp_path)
     c = compare_dumps(ref, run)
     first = next(f for f in c.findings if f.severity == "error")
     assert first.kind == "layer_offset", first.message
@@ -64,8 +55,8 @@ def test_the_dflash_layer_convention_on_an_eagle3_drafter_is_a_layer_offset(pair
     assert [f.kind for f in c.findings if f.severity == "error"] == ["layer_offset"]  # fc_out etc. inherit it
 
 
-def test_an_id_equal_to_the_layer_count_is_refused_by_name(pairs, tmp_path):
-    d = pairs("eagle3")
+def test_an_id_equal_to_the_layer_count_is_refused_by_name(eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3")
     bad = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-nextn.gguf", keys={"eagle3.target_layers": [1, 3, 6]})
     done = subprocess.run(
         [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(d / "target.gguf"), "--model", str(bad),
@@ -108,15 +99,15 @@ def test_the_fixture_command_lists_and_writes_eagle3_pairs(tmp_path):
     ],
 )
 def test_an_eagle3_graph_fault_of_the_patched_library_is_named(
-    pairs, fault, kind, tensor, source, tmp_path, monkeypatch
+    eagle3_pairs, fault, kind, tensor, source, tmp_path, monkeypatch
 ):
     """0007-eagle3-graph-faults.patch plants them in libllama's eagle3 graph (FEATDIFF_FAULT, read
     when the graph is built): the in-process driver runs them, the reference of the correct pair
     names them at the record where they first differ."""
-    d = pairs("eagle3")
+    d = eagle3_pairs("eagle3")
     clean = tmp_path / "clean"
     clean.mkdir()
-    _, ref = _run_and_ref(d, d / "draft.gguf", clean)
+    _, ref = run_and_ref(d, d / "draft.gguf", clean)
     monkeypatch.setenv("FEATDIFF_FAULT", fault)
     run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=ROUNDS)
     first = next(f for f in compare_dumps(ref, run).findings if f.severity == "error")
@@ -135,13 +126,13 @@ def _check(d: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(pairs):
+def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(eagle3_pairs):
     """`featdiff check` on the trained pair: the wiring compares clean and the run accepts as the
     reference does (about 3.9 tokens per block of 3 drafts); with the recycled state taken after
     the norm (0007) the same command fails and names it."""
     import os
 
-    d = pairs("trained-eagle3")
+    d = eagle3_pairs("trained-eagle3")
     env = {k: v for k, v in os.environ.items() if k != "FEATDIFF_FAULT"}
     done = _check(d, env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -152,10 +143,10 @@ def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-default-layers", "eagle3-qwen3moe"])
-def test_the_reference_from_the_hf_checkpoints_compares_clean(pairs, variant, tmp_path):
+def test_the_reference_from_the_hf_checkpoints_compares_clean(eagle3_pairs, variant, tmp_path):
     """The trained checkpoint as the user has it (target-hf/, draft-hf/: rotate-half q/k, d2t
     offsets, the converter's default layers where the config states none) is the reference."""
-    d = pairs(variant)
+    d = eagle3_pairs(variant)
     run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=ROUNDS)
     ref = reference(
         d / "target-hf", d / "draft-hf", tmp_path / "ref.npz", prompt=None, tokens=TOKENS, rounds=ROUNDS,
@@ -167,10 +158,10 @@ def test_the_reference_from_the_hf_checkpoints_compares_clean(pairs, variant, tm
         assert dump.manifest.models["draft"]["sha256"]  # the checkpoint's files, hashed
 
 
-def test_an_eagle3_key_the_reference_does_not_model_is_listed_recorded_and_refused(pairs, tmp_path):
+def test_an_eagle3_key_the_reference_does_not_model_is_listed_recorded_and_refused(eagle3_pairs, tmp_path):
     """featdiff.modelled_eagle3: lint lists it (unmodelled), a capture runs and records it in the
     manifest, the reference refuses the drafter by name (exit 2)."""
-    d = pairs("eagle3")
+    d = eagle3_pairs("eagle3")
     odd = rewrite_gguf(
         d / "draft.gguf", tmp_path / "draft-yarn.gguf", keys={"eagle3.rope.scaling.yarn_ext_factor": 0.5}
     )

@@ -12,7 +12,6 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
-from featdiff.fixtures_eagle3 import write_eagle3_fixture
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
 from featdiff.llama.exec_phases import flow_evals, prompt_from_evals
@@ -62,8 +61,8 @@ def test_eagle3_phases_from_the_preloads_notes():
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> Path:
-    return write_eagle3_fixture(tmp_path_factory.mktemp("eagle3-exec"), "eagle3")
+def pair(eagle3_pairs) -> Path:
+    return eagle3_pairs("eagle3")
 
 
 def _command(tools, program: str, d: Path) -> list[str]:
@@ -149,8 +148,8 @@ def test_eagle3_slots_staged_in_reverse_are_a_slot_permutation(planted, pair, tm
 
 
 @pytest.mark.slow
-def test_eagle3_layers_tapped_one_deeper_are_a_layer_offset(planted, tmp_path_factory, tmp_path):
-    d = write_eagle3_fixture(tmp_path_factory.mktemp("eagle3-default"), "eagle3-default-layers")  # [2, 3, 3]
+def test_eagle3_layers_tapped_one_deeper_are_a_layer_offset(planted, eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3-default-layers")  # [2, 3, 3]
     first = _first_error(_user_reference(planted, d, tmp_path, d), planted("layers-plus1", d))
     assert first.kind == "layer_offset", first.message
     assert first.fields["observed_layers"] == [3, 4, 4] and "eagle3.target_layers" in first.message

@@ -23,17 +23,8 @@ from eagle3_real import run_and_ref
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
 
-@pytest.fixture
-def pairs(eagle3_pairs):
-    return eagle3_pairs
-
-
-def _run_and_ref(d: Path, model: Path, tmp: Path) -> tuple[Path, Path]:
-    return run_and_ref(d, model, tmp)
-
-
 def _errors(d: Path, model: Path, tmp: Path) -> list[Finding]:
-    run, ref = _run_and_ref(d, model, tmp)
+    run, ref = run_and_ref(d, model, tmp)
     return [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
 
 
@@ -81,9 +72,9 @@ def _with_d2t(src: Path, dst: Path, d2t: np.ndarray) -> Path:
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc", "eagle3-own-embd"])
-def test_a_correct_pair_compares_clean_beside_its_candidates(pairs, variant, tmp_path):
-    d = pairs(variant)
-    run, ref = _run_and_ref(d, d / "draft.gguf", tmp_path)
+def test_a_correct_pair_compares_clean_beside_its_candidates(eagle3_pairs, variant, tmp_path):
+    d = eagle3_pairs(variant)
+    run, ref = run_and_ref(d, d / "draft.gguf", tmp_path)
     c = compare_dumps(ref, run)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
     assert not c.skipped
@@ -104,8 +95,8 @@ def test_a_correct_pair_compares_clean_beside_its_candidates(pairs, variant, tmp
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3-norm-before-fc"])
-def test_reordered_target_layers_are_a_slot_permutation_of_the_features(pairs, variant, tmp_path):
-    d = pairs(variant)
+def test_reordered_target_layers_are_a_slot_permutation_of_the_features(eagle3_pairs, variant, tmp_path):
+    d = eagle3_pairs(variant)
     bad = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-531.gguf", keys={names.KEY_EAGLE3_TARGET_LAYERS: [5, 3, 1]})
     errors = _errors(d, bad, tmp_path)
     first = errors[0]
@@ -119,8 +110,10 @@ def test_reordered_target_layers_are_a_slot_permutation_of_the_features(pairs, v
     [("eagle3", [1, 0, 2], [1, 0, 2]), ("eagle3-norm-before-fc", [1, 2, 0], [2, 0, 1])],
     ids=["swap", "cycle-after-the-norm"],
 )
-def test_permuted_fc_column_blocks_are_a_slot_permutation_at_fc_out(pairs, variant, order, permutation, tmp_path):
-    d = pairs(variant)
+def test_permuted_fc_column_blocks_are_a_slot_permutation_at_fc_out(
+    eagle3_pairs, variant, order, permutation, tmp_path
+):
+    d = eagle3_pairs(variant)
     fc = _fc_with_blocks(d / "draft.gguf", order)
     bad = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-fc.gguf", tensors={names.T_FC: fc})
     errors = _errors(d, bad, tmp_path)
@@ -136,8 +129,8 @@ def test_permuted_fc_column_blocks_are_a_slot_permutation_at_fc_out(pairs, varia
 # --- 2. the encoder norm: dropped, or added ----------------------------------------------------
 
 
-def test_a_dropped_encoder_norm_is_named_at_fc_out(pairs, tmp_path):
-    d = pairs("eagle3-norm-before-fc")
+def test_a_dropped_encoder_norm_is_named_at_fc_out(eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3-norm-before-fc")
     bad = rewrite_gguf(
         d / "draft.gguf", tmp_path / "draft-no-norm.gguf",
         keys={names.KEY_EAGLE3_NORM_BEFORE_FC: False}, tensors={names.T_ENC_NORM: DROP},
@@ -154,8 +147,8 @@ def test_a_dropped_encoder_norm_is_named_at_fc_out(pairs, tmp_path):
     assert names.KEY_EAGLE3_NORM_BEFORE_FC in cause.message and names.T_ENC_NORM in cause.message
 
 
-def test_an_added_encoder_norm_is_named_at_fc_out(pairs, tmp_path):
-    d = pairs("eagle3")
+def test_an_added_encoder_norm_is_named_at_fc_out(eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3")
     width = _tensor(d / "draft.gguf", names.T_FC).shape[1]  # 3 * n_embd_tgt
     bad = rewrite_gguf(
         d / "draft.gguf", tmp_path / "draft-norm.gguf",
@@ -174,8 +167,8 @@ def test_an_added_encoder_norm_is_named_at_fc_out(pairs, tmp_path):
 # --- 3. d2t written as the checkpoint's offsets ----------------------------------------------
 
 
-def test_d2t_written_as_offsets_is_a_wrong_source_of_result_output(pairs, tmp_path):
-    d = pairs("eagle3")
+def test_d2t_written_as_offsets_is_a_wrong_source_of_result_output(eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3")
     ids = _tensor(d / "draft.gguf", names.T_D2T).reshape(-1)  # (n_vocab_draft,) absolute, as converted
     offsets = ids - np.arange(ids.size)  # the checkpoint's d2t: sorted ids, so in 0 .. n_vocab - 1
     assert np.unique(offsets).size < offsets.size  # consecutive ids share an offset: several rows race for it
@@ -191,8 +184,8 @@ def test_d2t_written_as_offsets_is_a_wrong_source_of_result_output(pairs, tmp_pa
 # --- 4. own embeddings dropped -----------------------------------------------------------------
 
 
-def test_dropped_own_embeddings_read_the_targets_table(pairs, tmp_path):
-    d = pairs("eagle3-own-embd")
+def test_dropped_own_embeddings_read_the_targets_table(eagle3_pairs, tmp_path):
+    d = eagle3_pairs("eagle3-own-embd")
     bad = rewrite_gguf(d / "draft.gguf", tmp_path / "draft-no-embd.gguf", tensors={names.T_TOKEN_EMBD: DROP})
     errors = _errors(d, bad, tmp_path)
     first = errors[0]

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from featdiff import kinds, progress
+from featdiff import kinds, names, progress
 from featdiff.blocks import DEFAULT_DRAFT_MAX, flow_positions
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted, NoRoomError
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
-from featdiff.gguf_reader import model_info, read_gguf
+from featdiff.gguf_reader import model_info
 from featdiff.llama import driver, ggml_dequant, spool
 from featdiff.llama.options import RunOptions
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
@@ -66,16 +66,11 @@ def prompt_ids(model: Model, prompt: str | None, tokens: str | None) -> list[int
 def flow_config(draft: Model, draft_max: int = DEFAULT_DRAFT_MAX, p_min: float = 0.0) -> driver.FlowConfig:
     """The settings upstream's driver of the drafter's kind (featdiff.kinds) reads from it, with
     `draft_max` drafts per round (`--spec-draft-n-max`) and `p_min` (`--spec-draft-p-min`)."""
-    return drafter_kind(draft).driver_module().flow_config(draft, draft_max, p_min)
+    arch = draft.meta(names.KEY_ARCH) or ""  # the kinds of one arch share its driver (featdiff.kinds)
+    return kinds.kind_of(arch, (), str(draft.path)).driver_module().flow_config(draft, draft_max, p_min)
 
 
-def drafter_kind(draft: Model) -> kinds.DrafterKind:
-    """The kind of the loaded drafter, as llama.cpp's automatic --spec-type tells it."""
-    g = read_gguf(draft.path, ggml_dequant.load)
-    return kinds.kind_of(g.arch, g.tensors, str(draft.path))
-
-
-def _driver(cfg) -> ModuleType:
+def driver_of(cfg) -> ModuleType:
     """The driver module of the kind a flow config belongs to."""
     return kinds.by_name(cfg.kind).driver_module()
 
@@ -204,7 +199,7 @@ def new_contexts(
     dft = Context.new(
         rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=fa, n_ubatch=ub
     )
-    _driver(cfg).enable(tgt, dft, cfg)
+    driver_of(cfg).enable(tgt, dft, cfg)
     return tgt, dft
 
 
@@ -236,7 +231,7 @@ def _run(
     tgt, dft = new_contexts(rt, models, len(ids), rounds, cfg, (sp.tag(0), sp.tag(1)), options)
     try:
         with progress.steps(rounds, "rounds") as on_round:
-            _driver(cfg).run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=on_round)
+            driver_of(cfg).run_flow(tgt, dft, ids, rounds, cfg, SpoolRecorder(sp), on_round=on_round)
     finally:
         dft.free()
         tgt.free()

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from featdiff import names, progress
+from featdiff import names
 from featdiff.blocks import accepted_length
-from featdiff.dump import Eval, Round
+from featdiff.dump import Round
 from featdiff.errors import InputError
-from featdiff.phases import FIRST_ROUND, PREFILL_ROUND, Phase, inject_after
+from featdiff.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.torchref.attention import KvCache, truncated
 from featdiff.torchref.eagle3 import DecodePass, Eagle3Draft, check_eagle3_pair, decode, encode, encode_candidates
 from featdiff.torchref.numerics import Numerics
-from featdiff.torchref.replay import EvalTrace, FlowTrace, FollowError, _empty, _ids, _note_parting
+from featdiff.torchref.replay import EvalTrace, FlowTrace, _empty, _eval, _ids, _note_parting, check_plan, play_rounds
 from featdiff.torchref.stack import Named
 from featdiff.torchref.target import TargetPass, forward_target
 from featdiff.torchref.weights import Target
@@ -79,19 +79,12 @@ def run_flow(
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: EAGLE3 drafts at least one token; pass 1 or more")
     state, evals = _prefill(target, draft, prompt, numerics, cached)
-    done: list[Round] = []
-    with progress.steps(rounds, "rounds") as on_round:
-        for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
-            plan = follow[r - FIRST_ROUND] if follow is not None else _guided(guide, r, state)
-            steps = draft_steps.get(r) if draft_steps is not None and plan is not None else None
-            state, one_round, traces = _round(
-                target, draft, state, r, len(evals), numerics, draft_max, p_min, plan, steps
-            )
-            evals += traces
-            done.append(one_round)
-            if on_round is not None:
-                on_round()
-    return FlowTrace(tuple(evals), tuple(done))
+
+    def one_round(state: _State, r: int, first_eval: int, plan: Round | None) -> tuple[_State, Round, list[EvalTrace]]:
+        steps = draft_steps.get(r) if draft_steps is not None and plan is not None else None
+        return _round(target, draft, state, r, first_eval, numerics, draft_max, p_min, plan, steps)
+
+    return play_rounds(state, evals, rounds, follow, guide, one_round)
 
 
 def features(tp: TargetPass, draft: Eagle3Draft) -> torch.Tensor:
@@ -105,15 +98,6 @@ def top1_probability(row: torch.Tensor) -> float:
     SAMPLER_TOP_K logits of the row (top_k, then dist's softmax; sorted by p)."""
     top = torch.topk(row.float(), min(SAMPLER_TOP_K, row.shape[0])).values  # (k,) descending
     return float(1.0 / torch.exp(top - top[0]).sum())
-
-
-def _guided(guide: tuple[Round, ...] | None, r: int, state: _State) -> Round | None:
-    """The run's round `r` when it starts where the reference stands and drafted, else None
-    (replay._guided)."""
-    plan = next((g for g in guide or () if g.round == r), None)
-    if plan is None or (plan.pos0, plan.anchor) != (state.n_past, state.id_last) or not plan.drafts:
-        return None
-    return plan if 0 <= plan.accepted <= len(plan.drafts) else None
 
 
 def _prefill(
@@ -209,7 +193,7 @@ def _round(
     steps: tuple[int, ...] | None = None,
 ) -> tuple[_State, Round, list[EvalTrace]]:
     """One round: draft, verify, process, accept (speculative-simple's loop body)."""
-    _check_plan(plan, state, r)
+    check_plan(plan, state, r)
     own, d_cache, traces = _draft(target, draft, state, r, first_eval, numerics, draft_max, p_min, plan, steps)
     drafts = own if plan is None else tuple(plan.drafts)
     verify = (state.id_last,) + drafts
@@ -249,19 +233,6 @@ def _round(
         target_tokens=best[: accepted + 1],
     )
     return after, one_round, traces
-
-
-def _check_plan(plan: Round | None, state: _State, r: int) -> None:
-    """FollowError when the run's round `r` does not start where its earlier rounds lead."""
-    if plan is None:
-        return
-    if (plan.pos0, plan.anchor) != (state.n_past, state.id_last):
-        raise FollowError(
-            f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
-            f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}"
-        )
-    if not 0 <= plan.accepted <= len(plan.drafts):
-        raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
 
 
 def _draft(
@@ -365,25 +336,3 @@ def _followed_steps(plan: Round | None, draft_max: int) -> int:
         return 0
     n = len(plan.drafts)
     return n - 1 if n >= draft_max else n
-
-
-def _eval(
-    index: int,
-    role: names.Role,
-    phase: Phase,
-    positions: tuple[int, ...],
-    token_ids: tuple[int, ...],
-    r: int,
-    call: str = names.CALL_DECODE,
-) -> Eval:
-    return Eval(
-        eval=index,
-        role=role,
-        phase=phase,
-        n_tokens=len(positions),
-        positions=positions,
-        token_ids=token_ids,
-        seq_ids=(0,) * len(positions),
-        round=r,
-        call=call,
-    )

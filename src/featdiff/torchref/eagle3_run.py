@@ -23,7 +23,7 @@ from featdiff.torchref.eagle3_hf import eagle3_from_hf
 from featdiff.torchref.eagle3_flow import run_flow
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import Numerics
-from featdiff.torchref.replay import FlowTrace, FollowError
+from featdiff.torchref.replay import FlowTrace
 from featdiff.torchref.weights import Target
 
 log = logging.getLogger(__name__)
@@ -74,24 +74,19 @@ def reference(
         )
         guide = dflash_run.guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None
         steps = run_draft_steps(Path(run)) if run is not None else None
-        with torch.no_grad():
-            try:
-                trace = run_flow(
-                    tgt,
-                    dft,
-                    prompt_ids,
-                    rounds,
-                    numerics,
-                    draft_max=draft_max,
-                    p_min=p_min,
-                    follow=plan.rounds if plan is not None else None,
-                    guide=guide,
-                    draft_steps=steps,
-                )
-            except FollowError as e:
-                raise InputError(
-                    f"{follow}: --follow cannot replay this run: {e}; compare it without --follow"
-                ) from None
+        with torch.no_grad(), dflash_run.followed_errors(follow):
+            trace = run_flow(
+                tgt,
+                dft,
+                prompt_ids,
+                rounds,
+                numerics,
+                draft_max=draft_max,
+                p_min=p_min,
+                follow=plan.rounds if plan is not None else None,
+                guide=guide,
+                draft_steps=steps,
+            )
         return _write(output, trace, tgt, dft, numerics, prompt_ids, draft_max, p_min, follow)
 
 

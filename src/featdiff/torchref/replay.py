@@ -16,7 +16,9 @@ rounds after it still pair with the run's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -91,25 +93,70 @@ def run_flow(
     are decoded as warm-up evals before the prefill: a run that found them in its prompt cache
     (docs/flow.md "Several flows") decoded them in an earlier flow."""
     state, evals = _prefill(target, draft, prompt, numerics, cached)
+
+    def one_round(state: _State, r: int, first_eval: int, plan: Round | None) -> tuple[_State, Round, list[EvalTrace]]:
+        return _round(target, draft, state, r, first_eval, numerics, block_rows, p_min, plan)
+
+    return play_rounds(state, evals, rounds, follow, guide, one_round)
+
+
+class FlowState(Protocol):
+    """Where a replayed flow stands between rounds: what a run's round must start from."""
+
+    @property
+    def n_past(self) -> int: ...
+
+    @property
+    def id_last(self) -> int: ...
+
+
+S = TypeVar("S", bound=FlowState)
+
+
+def play_rounds(
+    state: S,
+    evals: list[EvalTrace],
+    rounds: int,
+    follow: tuple[Round, ...] | None,
+    guide: tuple[Round, ...] | None,
+    one_round: Callable[[S, int, int, Round | None], tuple[S, Round, list[EvalTrace]]],
+) -> FlowTrace:
+    """`rounds` rounds after the prefill's `evals`, each by `one_round(state, r, first eval, plan)`:
+    the plan is the followed run's round, else the guiding run's round that chains onto `state`
+    (guided_round), else None (the reference decides). One progress step a round."""
     done: list[Round] = []
     with progress.steps(rounds, "rounds") as on_round:
         for r in range(FIRST_ROUND, FIRST_ROUND + rounds):
-            plan = follow[r - FIRST_ROUND] if follow is not None else _guided(guide, r, state)
-            state, one_round, traces = _round(target, draft, state, r, len(evals), numerics, block_rows, p_min, plan)
+            plan = follow[r - FIRST_ROUND] if follow is not None else guided_round(guide, r, state)
+            state, played, traces = one_round(state, r, len(evals), plan)
             evals += traces
-            done.append(one_round)
+            done.append(played)
             if on_round is not None:
                 on_round()
     return FlowTrace(tuple(evals), tuple(done))
 
 
-def _guided(guide: tuple[Round, ...] | None, r: int, state: _State) -> Round | None:
+def guided_round(guide: tuple[Round, ...] | None, r: int, state: FlowState) -> Round | None:
     """The run's round `r` when it starts where the reference stands and drafted (a round the
     reference can decode as the run did), else None: the reference decides that round itself."""
     plan = next((g for g in guide or () if g.round == r), None)
     if plan is None or (plan.pos0, plan.anchor) != (state.n_past, state.id_last) or not plan.drafts:
         return None
     return plan if 0 <= plan.accepted <= len(plan.drafts) else None
+
+
+def check_plan(plan: Round | None, state: FlowState, r: int) -> None:
+    """FollowError when the run's round `r` does not start where its earlier rounds lead, or
+    accepts more drafts than it has."""
+    if plan is None:
+        return
+    if (plan.pos0, plan.anchor) != (state.n_past, state.id_last):
+        raise FollowError(
+            f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
+            f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}"
+        )
+    if not 0 <= plan.accepted <= len(plan.drafts):
+        raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
 
 
 def _prefill(
@@ -149,13 +196,7 @@ def _round(
     p_min: float,
     plan: Round | None = None,
 ) -> tuple[_State, Round, list[EvalTrace]]:
-    if plan is not None and (plan.pos0, plan.anchor) != (state.n_past, state.id_last):
-        raise FollowError(
-            f"round {r} of the run starts at position {plan.pos0} from token {plan.anchor}, but "
-            f"following its earlier rounds leads to position {state.n_past}, token {state.id_last}"
-        )
-    if plan is not None and not 0 <= plan.accepted <= len(plan.drafts):
-        raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
+    check_plan(plan, state, r)
     traces: list[EvalTrace] = []
     own: tuple[int, ...] = ()
     if plan is None or plan.drafts:  # a followed round of no drafts (llama-server's last) decodes no block
@@ -251,8 +292,15 @@ def _empty(hp: Hparams, numerics: Numerics) -> KvCache:
 
 
 def _eval(
-    index: int, role: names.Role, phase: Phase, positions: torch.Tensor, token_ids: tuple[int, ...], r: int
+    index: int,
+    role: names.Role,
+    phase: Phase,
+    positions: Iterable[int] | torch.Tensor,
+    token_ids: tuple[int, ...],
+    r: int,
+    call: str = names.CALL_DECODE,
 ) -> Eval:
+    """A replayed eval's manifest entry: one sequence, at `positions` (a tensor or ints)."""
     pos = tuple(int(p) for p in positions)
     return Eval(
         eval=index,
@@ -263,4 +311,5 @@ def _eval(
         token_ids=tuple(token_ids),
         seq_ids=(0,) * len(pos),
         round=r,
+        call=call,
     )

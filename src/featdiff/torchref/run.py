@@ -16,6 +16,8 @@ and compare judges the parting from this reference's own logits (diff/partings.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,26 +93,21 @@ def reference(
             rows.origin,
             dft.block_size,
         )
-        with torch.no_grad():
-            try:
-                if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
-                    trace = flows_trace(tgt, dft, flows, numerics, rows.rows, p_min, follow is not None)
-                else:
-                    trace = run_flow(
-                        tgt,
-                        dft,
-                        prompt_ids,
-                        rounds,
-                        numerics,
-                        block_rows=rows.rows,
-                        p_min=p_min,
-                        follow=plan.rounds if plan is not None else None,
-                        guide=guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None,
-                    )
-            except FollowError as e:
-                raise InputError(
-                    f"{follow}: --follow cannot replay this run: {e}; compare it without --follow"
-                ) from None
+        with torch.no_grad(), followed_errors(follow):
+            if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
+                trace = flows_trace(tgt, dft, flows, numerics, rows.rows, p_min, follow is not None)
+            else:
+                trace = run_flow(
+                    tgt,
+                    dft,
+                    prompt_ids,
+                    rounds,
+                    numerics,
+                    block_rows=rows.rows,
+                    p_min=p_min,
+                    follow=plan.rounds if plan is not None else None,
+                    guide=guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None,
+                )
         return write_reference(
             output,
             trace,
@@ -123,6 +120,15 @@ def reference(
             followed=Path(follow) if follow is not None else None,
             flows=tuple(f.info for f in flows) if len(flows) > 1 else (),
         )
+
+
+@contextmanager
+def followed_errors(follow: Path | None) -> Iterator[None]:
+    """A run `--follow` cannot replay (replay.FollowError) as the one-line InputError naming it."""
+    try:
+        yield
+    except FollowError as e:
+        raise InputError(f"{follow}: --follow cannot replay this run: {e}; compare it without --follow") from None
 
 
 @dataclass(frozen=True)
