@@ -19,14 +19,23 @@ from dataclasses import dataclass
 import torch
 
 from featdiff import names
-from featdiff.blocks import accepted_length
 from featdiff.dump import Round
 from featdiff.errors import InputError
 from featdiff.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.torchref.attention import KvCache, truncated
 from featdiff.torchref.eagle3 import DecodePass, Eagle3Draft, check_eagle3_pair, decode, encode, encode_candidates
 from featdiff.torchref.numerics import Numerics
-from featdiff.torchref.replay import EvalTrace, FlowTrace, _empty, _eval, _ids, _note_parting, check_plan, play_rounds
+from featdiff.torchref.replay import (
+    EvalTrace,
+    FlowTrace,
+    _empty,
+    _eval,
+    _ids,
+    accept,
+    check_plan,
+    play_rounds,
+    played_round,
+)
 from featdiff.torchref.stack import Named
 from featdiff.torchref.target import TargetPass, forward_target
 from featdiff.torchref.weights import Target
@@ -207,13 +216,7 @@ def _round(
         target, draft, tp, verify, positions, d_cache, pending, first_eval + len(traces), Phase.INJECT, r, numerics
     )
     traces += done.traces
-    best = tuple(int(t) for t in tp.logits.argmax(-1))
-    own_took = best[: accepted_length(own, best) + 1]
-    accepted = accepted_length(drafts, best) if plan is None else plan.accepted
-    if plan is not None:
-        if len(plan.target_tokens) > accepted:
-            best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1 :]
-        _note_parting(r, own, own_took, drafts, best[: accepted + 1])
+    accepted, best = accept(r, plan, own, drafts, tp.logits)
     i_g = min(accepted, len(verify) - 1)  # accept(): the verify row whose g is the new boundary's
     n_past = state.n_past + accepted + 1
     after = _State(
@@ -224,15 +227,7 @@ def _round(
         state.n_past + i_g,
         done.g[i_g],
     )
-    one_round = Round(
-        round=r,
-        pos0=state.n_past,
-        anchor=state.id_last,
-        drafts=drafts,
-        accepted=accepted,
-        target_tokens=best[: accepted + 1],
-    )
-    return after, one_round, traces
+    return after, played_round(r, state, drafts, accepted, best), traces
 
 
 def _draft(

@@ -217,16 +217,7 @@ def _round(
     if state.kept_rejected is not None and isinstance(target, HfTarget):
         kept = kept_rejected_candidates(target, _ids(verify, numerics), positions, state.kept_rejected)
     ip = inject(draft, features(tp, draft), positions, state.draft_cache)
-    best = tuple(int(t) for t in tp.logits.argmax(-1))
-    own_best, own_accepted = best, accepted_length(drafts, best)  # the reference's own choice
-    if plan is None:
-        accepted = accepted_length(drafts, best)
-    else:  # the run's accept, and its next anchor where the run dump holds it
-        accepted = plan.accepted
-        if len(plan.target_tokens) > accepted:
-            best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1 :]
-    if plan is not None:
-        _note_parting(r, own, own_best[: own_accepted + 1], drafts, best[: accepted + 1])
+    accepted, best = accept(r, plan, own, drafts, tp.logits)
     n_past = state.n_past + accepted + 1
     kept_state = kept_rejected_state(target, tp.cache, n_past) if isinstance(target, HfTarget) else None
     after = _State(truncated(tp.cache, n_past), truncated(ip.cache, n_past), n_past, best[accepted], kept_state)
@@ -235,7 +226,29 @@ def _round(
         EvalTrace(_eval(n, names.ROLE_TARGET, Phase.VERIFY, positions, verify, r), tp.records + kept),
         EvalTrace(_eval(n + 1, names.ROLE_DRAFT, Phase.INJECT, positions, (), r), ip.records),
     ]
-    one_round = Round(
+    return after, played_round(r, state, drafts, accepted, best), traces
+
+
+def accept(
+    r: int, plan: Round | None, own: tuple[int, ...], drafts: tuple[int, ...], logits: torch.Tensor
+) -> tuple[int, tuple[int, ...]]:
+    """A verify's accepted drafts and the target's greedy token of each row (`logits`): the
+    reference's own, or following a run (`plan`) the run's accept and next anchor where its dump
+    holds it, with where the reference's own choice parts from the run's logged."""
+    best = tuple(int(t) for t in logits.argmax(-1))
+    if plan is None:
+        return accepted_length(drafts, best), best
+    own_took = best[: accepted_length(drafts, best) + 1]  # the reference's own choice
+    accepted = plan.accepted
+    if len(plan.target_tokens) > accepted:
+        best = tuple(plan.target_tokens[: accepted + 1]) + best[accepted + 1 :]
+    _note_parting(r, own, own_took, drafts, best[: accepted + 1])
+    return accepted, best
+
+
+def played_round(r: int, state: FlowState, drafts: tuple[int, ...], accepted: int, best: tuple[int, ...]) -> Round:
+    """Round `r` as played from `state`: its drafts, how many the target accepted and its tokens."""
+    return Round(
         round=r,
         pos0=state.n_past,
         anchor=state.id_last,
@@ -243,7 +256,6 @@ def _round(
         accepted=accepted,
         target_tokens=best[: accepted + 1],
     )
-    return after, one_round, traces
 
 
 def _note_parting(
