@@ -76,6 +76,21 @@ def eagle3_pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mtp_pairs(tmp_path_factory):
+    """MTP variant -> its Qwen3.5 target and head made by the pinned converter (featdiff.fixtures_mtp), once."""
+    from featdiff.fixtures_mtp import write_mtp_fixture
+
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = write_mtp_fixture(tmp_path_factory.mktemp(variant), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def fixture_models(tmp_path_factory):
     """variant name -> directory with target.gguf, draft.gguf, target-hf/, draft-hf/."""
     made: dict[str, Path] = {}

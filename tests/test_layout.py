@@ -115,6 +115,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "featdiff.fixtures",
             "featdiff.fixtures_dflash2",
             "featdiff.fixtures_eagle3",
+            "featdiff.fixtures_mtp",
             "featdiff.fixture_variants",
             "featdiff.converter",
             "featdiff.converter_faults",

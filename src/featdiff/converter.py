@@ -52,6 +52,12 @@ TARGET_HF, DRAFT_HF = "target-hf", "draft-hf"
 TARGET_GGUF, DRAFT_GGUF = "target.gguf", "draft.gguf"
 WRITER_PREFIX = "writer-"  # featdiff's own GGUFs of a converted feature fixture, kept beside the converter's
 ERROR_TAIL_LINES = 3
+# The converter's MTP switches (convert_hf_to_gguf.py argparse; mutually exclusive there): `--no-mtp`
+# leaves a checkpoint's MTP head out, `--mtp` writes the head alone (with the embedding, output
+# norm and LM head it reads). Given an output file, `--mtp` writes that file (the `mtp-` prefix is
+# added only to a name it makes up for an output directory). Each is part of the cache key.
+NO_MTP_FLAG, MTP_ONLY_FLAG = "--no-mtp", "--mtp"
+_KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # A converter class that reads a BPE tokenizer.json (`_set_vocab_gpt2`: Qwen3-MoE, ...) refuses the
 # fixtures' 512-token vocabulary (its pre-tokenizer hash is in no upstream list), so a transformers
 # family fixture (featdiff.hf_targets) converts through a bootstrap: the pinned converter run with
@@ -217,22 +223,25 @@ def convert_checkpoint(
     tree: Path | None = None,
     bootstrap: str | None = None,
     no_mtp: bool = False,
+    mtp_only: bool = False,
 ) -> Path:
     """`hf_dir` converted to the GGUF `out` by the pinned tree's converter (`--target-model-dir
     target_dir` for a drafter; `bootstrap`: a BOOTSTRAPS key; `no_mtp`: `--no-mtp`, which a
-    Qwen3.5 checkpoint without MTP layers needs: conversion/qwen.py asserts MTP tensors otherwise),
-    from the per-machine cache when the same inputs were converted by the same converter before;
-    return `out`."""
+    Qwen3.5 checkpoint without MTP layers needs: conversion/qwen.py asserts MTP tensors otherwise,
+    and which leaves a checkpoint's MTP head out; `mtp_only`: `--mtp`, the MTP head alone, as a
+    separate draft GGUF), from the per-machine cache when the same inputs were converted by the
+    same converter before; return `out`."""
     tree = tree or project_tree()
     if not (tree / CONVERTER).is_file():
         raise InputError(f"{tree / CONVERTER}: no such file; the pinned llama.cpp tree is unpacked by `make setup`")
     route = f"-{bootstrap}-{hashlib.sha256(BOOTSTRAPS[bootstrap].encode()).hexdigest()[:8]}" if bootstrap else ""
-    key = conversion_key(hf_dir, target_dir, tree) + route + ("-nomtp" if no_mtp else "")
+    flags = tuple(flag for flag, on in ((NO_MTP_FLAG, no_mtp), (MTP_ONLY_FLAG, mtp_only)) if on)
+    key = conversion_key(hf_dir, target_dir, tree) + route + "".join(_KEY_OF_FLAG[f] for f in flags)
     cached = cache_root() / CACHE_SUBDIR / f"{key}.gguf"
     if not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with replaced(cached) as tmp:
-            _run_converter(tree, hf_dir, tmp, target_dir, bootstrap, no_mtp)
+            _run_converter(tree, hf_dir, tmp, target_dir, bootstrap, flags)
     with replaced(Path(out)) as tmp:
         shutil.copyfile(cached, tmp)
     return Path(out)
@@ -263,7 +272,12 @@ def _converter_files(tree: Path) -> list[Path]:
 
 
 def _run_converter(
-    tree: Path, hf_dir: Path, out: Path, target_dir: Path | None, bootstrap: str | None = None, no_mtp: bool = False
+    tree: Path,
+    hf_dir: Path,
+    out: Path,
+    target_dir: Path | None,
+    bootstrap: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> None:
     script = tree / CONVERTER
     missing = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
@@ -273,8 +287,7 @@ def _run_converter(
     argv = [sys.executable, *runner, str(script), str(hf_dir), "--outfile", str(out), "--outtype", OUTTYPE]
     if target_dir is not None:
         argv += ["--target-model-dir", str(target_dir)]
-    if no_mtp:
-        argv.append("--no-mtp")
+    argv += flags
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the tree's own gguf-py
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})  # a local directory: never the hub
     log.info("converting %s with %s", hf_dir, script)

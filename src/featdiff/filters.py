@@ -137,24 +137,31 @@ def _split_role(spec: str) -> tuple[Role | None, str]:
     return None, spec
 
 
-def default_specs(tapped: tuple[int, ...] | None = None, wiring: tuple[str, ...] = names.DRAFT_WIRING) -> list[str]:
+def default_specs(
+    tapped: tuple[int, ...] | None = None,
+    wiring: tuple[str, ...] = names.DRAFT_WIRING,
+    target_wiring: tuple[str, ...] | None = None,
+) -> list[str]:
     """The wiring a capture keeps unless told otherwise: the drafter's wiring names (`wiring`, its
-    kind's: featdiff.kinds), and on the target the inputs of the `tapped` layers and the logits;
-    when the layers are unknown (around a program), every target layer and the positions as the
-    graphs saw them."""
+    kind's: featdiff.kinds), and on the target the inputs of the `tapped` layers and what the kind
+    reads of it besides (`target_wiring`: the logits; an MTP head's hidden rows); when neither is
+    known (around a program), every target layer and the positions as the graphs saw them."""
     draft = [f"draft{ROLE_SEP}{g}" for g in wiring]
-    if tapped:
-        target = [names.tapped_layer_name(L) for L in tapped] + list(names.TARGET_WIRING)
+    if tapped or target_wiring is not None:
+        target = [names.tapped_layer_name(L) for L in tapped or ()] + list(target_wiring or names.TARGET_WIRING)
         return draft + [f"target{ROLE_SEP}{g}" for g in target]
     return draft + [f"target{ROLE_SEP}{g}" for g in names.TARGET_ALL_LAYERS] + [names.INP_POS]
 
 
 def capture_filters(
-    specs: Iterable[str] | None, tapped: tuple[int, ...] | None = None, wiring: tuple[str, ...] = names.DRAFT_WIRING
+    specs: Iterable[str] | None,
+    tapped: tuple[int, ...] | None = None,
+    wiring: tuple[str, ...] = names.DRAFT_WIRING,
+    target_wiring: tuple[str, ...] | None = None,
 ) -> FilterSet:
-    """What a capture keeps: the `--filter` specs, else `default_specs(tapped, wiring)`; ggml's
-    derived names ("x (view)") are excluded unless a spec names "("."""
-    chosen = list(specs or ()) or default_specs(tapped, wiring)
+    """What a capture keeps: the `--filter` specs, else `default_specs(tapped, wiring,
+    target_wiring)`; ggml's derived names ("x (view)") are excluded unless a spec names "("."""
+    chosen = list(specs or ()) or default_specs(tapped, wiring, target_wiring)
     if not any(DERIVED_MARK in s for s in chosen):
         chosen.append(names.EXCLUDE_DERIVED)
     return parse_filters(chosen)

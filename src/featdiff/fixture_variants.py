@@ -1,13 +1,13 @@
 """Every fixture pair `featdiff fixture --variant NAME` writes, one list: the DFlash / DSpark pairs
 of featdiff.pairs (fixtures.py), the DFlash2 pair (fixtures_dflash2.py), the target families run
-through transformers with the clean drafter (hf_targets.py) and the EAGLE3 pairs the pinned
-converter makes (fixtures_eagle3.py)."""
+through transformers with the clean drafter (hf_targets.py), the EAGLE3 pairs the pinned
+converter makes (fixtures_eagle3.py) and the Qwen3.5 targets with an MTP head (fixtures_mtp.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from featdiff import fixtures, fixtures_dflash2, fixtures_eagle3, hf_targets
+from featdiff import fixtures, fixtures_dflash2, fixtures_eagle3, fixtures_mtp, hf_targets
 from featdiff.errors import InputError
 
 DFLASH2 = "dflash2"
@@ -20,7 +20,7 @@ def _others() -> dict[str, str]:
         name: f"{f.doc} through transformers, with the clean drafter (converted)"
         for name, f in hf_targets.FAMILIES.items()
     }
-    return {DFLASH2: DFLASH2_DOC, **families, **fixtures_eagle3.EAGLE3_VARIANTS}
+    return {DFLASH2: DFLASH2_DOC, **families, **fixtures_eagle3.EAGLE3_VARIANTS, **fixtures_mtp.MTP_VARIANTS}
 
 
 def describe() -> str:
@@ -32,6 +32,8 @@ def write(outdir: Path, variant: str, seed: int = 0) -> Path:
     """Write `variant`'s pair into `outdir`; InputError naming every variant for an unknown one."""
     if variant in fixtures_eagle3.EAGLE3_VARIANTS:
         return fixtures_eagle3.write_eagle3_fixture(outdir, variant, seed)
+    if variant in fixtures_mtp.MTP_VARIANTS:
+        return fixtures_mtp.write_mtp_fixture(outdir, variant, seed)
     if variant == DFLASH2:
         return fixtures_dflash2.write_dflash2_fixture(outdir, seed)
     if variant in hf_targets.FAMILIES:

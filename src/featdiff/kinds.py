@@ -47,6 +47,30 @@ EAGLE3_WIRING: tuple[str, ...] = (
     names.DRAFT_LOGITS,
 )
 
+# An MTP head's graph (upstream src/models/qwen35.cpp graph_mtp): its token rows, its norms and
+# their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
+# mtp_h_input, the hidden rows it is handed: only a norm reads them (the shim reads inputs through
+# consumers that cannot overwrite them); mtp_hnorm-<il> carries them, and the in-process driver
+# records the rows it stages under that name (a read-back)
+MTP_WIRING: tuple[str, ...] = (
+    "mtp_tok_embd-*",
+    "mtp_hnorm-*",
+    "mtp_enorm-*",
+    "mtp_concat-*",
+    "mtp_eh_proj-*",
+    "mtp_attn_residual-*",
+    "mtp_post_ffn-*",
+    names.H_NEXTN,
+    names.RESULT_OUTPUT,
+    names.DRAFT_LOGITS,
+    names.MTP_H_INPUT,  # a read-back in-process (above)
+)
+# what an MTP head reads of its target: the post-final-norm hidden of every row (llama.cpp's
+# llama_set_embeddings_nextn, unmasked), and the verify logits
+MTP_TARGET_WIRING: tuple[str, ...] = (names.H_NEXTN, names.RESULT_OUTPUT)
+
+MTP = "mtp"  # the MTP kind's name: its drafter runs in an MTP context (LLAMA_CONTEXT_TYPE_MTP)
+
 
 @dataclass(frozen=True)
 class DrafterKind:
@@ -67,6 +91,11 @@ class DrafterKind:
     block_flow: bool = True
     # what its layer ids must be, in a sentence after "<layer_key> must be the checkpoint's ..."
     layer_rule: str = f"{names.HF_TARGET_LAYER_IDS} + 1"
+    # what a capture keeps of the target besides the tapped layers' inputs
+    target_wiring: tuple[str, ...] = names.TARGET_WIRING
+    # its GGUF is a drafter only (dflash, eagle3); False: a target's own arch whose file carries
+    # the heads (MTP), a drafter only where a run drafts with it
+    standalone: bool = True
 
     def driver_module(self) -> ModuleType:
         return importlib.import_module(f"featdiff.llama.{self.driver}")
@@ -122,8 +151,27 @@ KINDS: tuple[DrafterKind, ...] = (
         block_flow=False,
         layer_rule="eagle_aux_hidden_state_layer_ids as they are (the EAGLE3 converter adds no +1)",
     ),
+    DrafterKind(
+        MTP,
+        names.ARCH_QWEN35,
+        "draft-mtp",
+        None,
+        "the target's own next-token-prediction block: its final hidden state and the next token",
+        "mtp_driver",
+        "mtp_run",
+        MTP_WIRING,
+        names.KEY_NEXTN_LAYERS,
+        block_flow=False,
+        layer_rule="the checkpoint's mtp_num_hidden_layers",
+        target_wiring=MTP_TARGET_WIRING,
+        standalone=False,
+    ),
 )
-DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(k.arch for k in KINDS))
+# the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
+# heads, a drafter only where the run drafts with it)
+DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(k.arch for k in KINDS if k.standalone))
+# every architecture a drafter of some kind has
+ALL_DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(k.arch for k in KINDS))
 # every kind's drafter records: what a capture around a program keeps before it knows the drafter
 ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g in k.wiring))
 
@@ -135,7 +183,7 @@ def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> Draf
     if not of_arch:
         raise InputError(
             f"{where}: architecture {arch!r} is no drafter featdiff models; it models "
-            f"{', '.join(k.name for k in KINDS)} ({', '.join(DRAFTER_ARCHS)} GGUFs)"
+            f"{', '.join(k.name for k in KINDS)} ({', '.join(ALL_DRAFTER_ARCHS)} GGUFs)"
         )
     return next((k for k in of_arch if k.marker is not None and k.marker in tensors), of_arch[0])  # type: ignore[operator]
 

@@ -38,6 +38,13 @@ KEY_EAGLE3_TARGET_LAYERS = "eagle3.target_layers"  # exactly 3 layer-input ids, 
 KEY_EAGLE3_TARGET_HIDDEN = "eagle3.target_hidden_size"
 KEY_EAGLE3_NORM_BEFORE_RESIDUAL = "eagle3.norm_before_residual"
 KEY_EAGLE3_NORM_BEFORE_FC = "eagle3.norm_before_fc"
+# MTP heads (upstream src/models/qwen35.cpp graph_mtp, common/speculative.cpp draft-mtp): the
+# target's own next-token-prediction blocks, stored after its trunk as blk.<n_layer + i>, or alone
+# in an `mtp-*.gguf` (convert_hf_to_gguf.py --mtp); block_count counts them
+ARCH_QWEN35 = "qwen35"
+KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
+T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
+NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)
 # llama.cpp's RoPE base when `{arch}.rope.freq_base` is absent (HF: `rope_theta` absent)
 ROPE_FREQ_BASE_DEFAULT = 10000.0
 
@@ -84,6 +91,21 @@ EAGLE3_G_NORM = "g_norm"
 EAGLE3_CONCAT = "concat_embd"
 EAGLE3_PRENORM = "eagle3_prenorm"
 TARGET_EMBD = "embd"  # the target's token embeddings: the input of layer 0
+# An MTP head's graph (qwen35.cpp graph_mtp; <il> is the head's block index): the hidden rows it
+# is handed (`mtp_h_input`, a leaf), its token rows, both norms, their concat [e, h] and eh_proj,
+# one decoder layer, the head norm (`h_nextn`: also the next step's recycled hidden) and the logits.
+# The target's graph names its post-final-norm hidden `h_nextn` too: what the head is handed.
+MTP_H_INPUT = "mtp_h_input"
+MTP_TOK_EMBD = "mtp_tok_embd"
+MTP_HNORM = "mtp_hnorm"
+MTP_ENORM = "mtp_enorm"
+MTP_CONCAT = "mtp_concat"
+MTP_EH_PROJ = "mtp_eh_proj"
+MTP_ATTN_RESIDUAL = "mtp_attn_residual"
+MTP_POST_FFN = "mtp_post_ffn"
+H_NEXTN = "h_nextn"
+MTP_SHARED_HEAD_NORM = "mtp_shared_head_norm"
+
 # Records no graph callback names (docs/records.md, "featdiff names"): read back through the API
 API_OP = "API"  # their `op` (native/featdiff_shim.c): one row per output row of the whole call
 DRAFT_LOGITS = "draft_logits"  # each draft row's logits as the sampler reads them (llama_get_logits_ith)
@@ -292,6 +314,12 @@ HYP_NORM_UNIT = "norm=unit"
 HYP_D2T_OFFSETS = "d2t=offsets"
 # g_norm-0@g=after_norm: an EAGLE3 draft step fed the previous step's result_norm, not its eagle3_prenorm
 HYP_G_AFTER_NORM = "g=after_norm"
+# MTP (torchref/mtp.py): mtp_h_input@h=prenorm, mtp_hnorm-<il>@h=prenorm: the head handed the
+# target's hidden before its final norm;
+# ...@h=chain_prenorm: a draft step handed the previous step's state before the head norm;
+# mtp_concat-<il>@slots=1,0 as EAGLE3's concat: [h, e]
+HYP_H_PRENORM = "h=prenorm"
+HYP_CHAIN_PRENORM = "h=chain_prenorm"
 
 
 def candidate_name(record: str, hypothesis: str) -> str:
@@ -310,7 +338,7 @@ UNNAMED_NODE_PREFIX = "node_"  # ggml's name for a node nobody named: `node_<n>`
 # `missing_tensor` / `unexpected_tensor` error; any other one-sided name is only reported as info.
 # (inp_pos is left out: the reference does not record positions, the run's eval entries carry them.)
 # The API readbacks are left out: dumps captured before featdiff read them back lack them.
-READBACK_RECORDS = (DRAFT_LOGITS, DSPARK_CONF)
+READBACK_RECORDS = (DRAFT_LOGITS, DSPARK_CONF, MTP_H_INPUT)
 # Readbacks that may hold only a sampler's top-k candidates (-inf elsewhere): `--exec` with
 # llama.cpp's backend draft sampling, its default
 TRUNCATED_READBACKS = (DRAFT_LOGITS,)

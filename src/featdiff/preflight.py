@@ -93,7 +93,7 @@ def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
     if checks is None:
         return [
             Problem(
-                f"{names.KEY_ARCH} = {d.arch!r}, expected one of {', '.join(kinds.DRAFTER_ARCHS)}; pass the "
+                f"{names.KEY_ARCH} = {d.arch!r}, expected one of {', '.join(kinds.ALL_DRAFTER_ARCHS)}; pass the "
                 "drafter GGUF as the model and its target with --target",
                 FATAL,
             )
@@ -104,7 +104,7 @@ def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
 def _capture_block_rows(d: GgufModel, draft_max: int) -> int:
     """The positions a round of an in-process capture reaches with `draft_max` drafts: a DFlash
     block's rows (featdiff.blocks), EAGLE3's anchor and drafts."""
-    if d.arch == names.ARCH_EAGLE3:
+    if not kinds.kind_of(d.arch, d.tensors).block_flow:  # EAGLE3, MTP: the anchor and its drafts
         return draft_max + 1
     block_size = int_meta(d, names.KEY_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
     first_row = _first_draft_row(d)
@@ -358,5 +358,42 @@ _EAGLE3_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], 
     (_eagle3_d2t_problems, FATAL),
     (_unmodelled_problems, UNMODELLED),  # featdiff.modelled_eagle3
 )
+
+
+# --- MTP (upstream src/models/qwen35.cpp graph_mtp, common_speculative_impl_draft_mtp) -------------
+
+
+def mtp_head_block(d: GgufModel) -> int | None:
+    """The block index of the GGUF's MTP head (its trunk's layer count: block_count counts the
+    heads), None when the file declares none."""
+    n_heads = int_meta(d, names.KEY_NEXTN_LAYERS, 0)
+    return int_meta(d, names.KEY_BLOCK_COUNT) - n_heads if n_heads > 0 and has_meta(d, names.KEY_BLOCK_COUNT) else None
+
+
+def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """One trained head, declared and present: a GGUF converted with `--no-mtp` (or a plain
+    target) run with `--spec-type draft-mtp` has none, and llama.cpp aborts on its MTP graph."""
+    key = names.KEY_NEXTN_LAYERS.format(arch=d.arch)
+    n_heads = int_meta(d, names.KEY_NEXTN_LAYERS, 0)
+    if n_heads == 0:
+        return [
+            f"{key} is missing or 0: this GGUF carries no MTP head (converted with --no-mtp?); "
+            "re-convert the checkpoint without --no-mtp, or with --mtp for a separate head GGUF"
+        ]
+    if n_heads != 1:
+        return [f"{key} = {n_heads}: the pinned {d.arch} graph runs a single MTP head; featdiff models that one"]
+    il = mtp_head_block(d)
+    need = names.T_NEXTN.format(il=il, name=names.NEXTN_EH_PROJ)
+    if need not in d.tensors:
+        return [f"{need} is missing; {key} = 1 declares a head at block {il}: re-convert without --no-mtp"]
+    n_embd_tgt = _n_embd(t) if t is not None else None
+    if n_embd_tgt is not None and n_embd_tgt != _n_embd(d):
+        return [f"the head is {_n_embd(d)} wide, the target {n_embd_tgt}: pair the MTP GGUF with its own target"]
+    return []
+
+
+_MTP_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+    (_mtp_head_problems, FATAL),
+)
 # The checks of each drafter architecture (featdiff.kinds.KINDS)
-CHECKS_OF_ARCH = {names.ARCH_DFLASH: _CHECKS, names.ARCH_EAGLE3: _EAGLE3_CHECKS}
+CHECKS_OF_ARCH = {names.ARCH_DFLASH: _CHECKS, names.ARCH_EAGLE3: _EAGLE3_CHECKS, names.ARCH_QWEN35: _MTP_CHECKS}

@@ -61,6 +61,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0005-vulkan-older-headers.patch",
         "0006-vulkan-device-fault.patch",
         "0007-eagle3-graph-faults.patch",
+        "0008-mtp-graph-faults.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -71,6 +72,7 @@ def test_the_project_patches_name_the_files_they_change():
     assert not touched["0001-dflash-log-snr.patch"] & touched["0002-driver-faults.patch"]
     assert touched["0004-recurrent-rollback-fault.patch"] == {"src/llama-memory-recurrent.cpp"}
     assert touched["0007-eagle3-graph-faults.patch"] == {"src/models/eagle3.cpp"}
+    assert touched["0008-mtp-graph-faults.patch"] == {"src/models/qwen35.cpp"}
     # the Vulkan backend's file only, which the CPU builds never compile
     vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
     assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan

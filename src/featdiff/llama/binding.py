@@ -208,6 +208,12 @@ class LlamaBuild:
         return f"uint32_t {RS_SEQ_FIELD};" in header.read_text(errors="replace")
 
     @property
+    def has_mtp(self) -> bool:
+        """This build's llama.h has MTP contexts (llama_context_type, load_mtp)."""
+        header = next(d / "llama.h" for d in self.include_dirs if (d / "llama.h").is_file())
+        return MTP_MARKER in header.read_text(errors="replace")
+
+    @property
     def libllama(self) -> Path:
         return next(d / LIBLLAMA for d in self.lib_dirs if (d / LIBLLAMA).exists())
 
@@ -324,11 +330,28 @@ RS_SEQ_FIELD = "n_rs_seq"
 CONTEXT_PARAMS_HEAD = "uint32_t n_ctx; uint32_t n_batch; uint32_t n_ubatch; uint32_t n_seq_max;"
 
 
+# MTP heads (llama.h: llama_model_params.load_mtp, llama_context_params.ctx_type of enum
+# llama_context_type, llama_model_n_layer_nextn): a build without them runs no MTP drafter, and
+# cffi fails to compile a field a struct lacks, so they are declared only where the header has them
+MTP_MARKER = "LLAMA_CONTEXT_TYPE_MTP"
+MODEL_PARAMS_HEAD = "struct llama_model_params { int32_t n_gpu_layers; bool vocab_only;"
+CDEF_MTP = """
+enum llama_context_type { LLAMA_CONTEXT_TYPE_DEFAULT, LLAMA_CONTEXT_TYPE_MTP, ... };
+int32_t llama_model_n_layer_nextn(const struct llama_model * model);
+"""
+CONTEXT_PARAMS_DECL = "struct llama_context_params {"
+
+
 def cdef(build: LlamaBuild) -> str:
-    """The declarations the binding compiles for `build`: the common ones and its batch API's."""
+    """The declarations the binding compiles for `build`: the common ones, its batch API's and,
+    where its header has them, n_rs_seq and the MTP context type."""
     common = CDEF
     if build.has_rs_seq:
-        common = CDEF.replace(CONTEXT_PARAMS_HEAD, f"{CONTEXT_PARAMS_HEAD} uint32_t {RS_SEQ_FIELD};")
+        common = common.replace(CONTEXT_PARAMS_HEAD, f"{CONTEXT_PARAMS_HEAD} uint32_t {RS_SEQ_FIELD};")
+    if build.has_mtp:
+        common = common.replace(MODEL_PARAMS_HEAD, f"{MODEL_PARAMS_HEAD} bool load_mtp;")
+        common = common.replace(CONTEXT_PARAMS_HEAD, f"{CONTEXT_PARAMS_HEAD} enum llama_context_type ctx_type;")
+        common = common.replace(CONTEXT_PARAMS_DECL, CDEF_MTP + CONTEXT_PARAMS_DECL, 1)
     return common + CDEF_BATCH[build.batch_api]
 
 

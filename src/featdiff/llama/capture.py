@@ -20,7 +20,7 @@ from featdiff.blocks import DEFAULT_DRAFT_MAX, flow_positions
 from featdiff.dump import Eval, Round
 from featdiff.errors import InputError, Interrupted, NoRoomError
 from featdiff.filters import ROLE_IDS, FilterSet, capture_filters
-from featdiff.gguf_reader import model_info
+from featdiff.gguf_reader import model_info, read_gguf
 from featdiff.llama import driver, ggml_dequant, spool
 from featdiff.llama.options import RunOptions
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
@@ -104,21 +104,41 @@ def capture(
             ggml=ggml_dequant.load,
         )
         rt = Runtime.load(llama_dir)
-        models = (
-            Model.load(rt, Path(target), n_gpu_layers=options.n_gpu_layers),
-            Model.load(rt, Path(model), n_gpu_layers=options.n_gpu_layers_draft),
-        )
+        models = load_models(rt, Path(target), Path(model), options)
         try:
             ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
             cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
-            kept = capture_filters(filters, cfg.target_layers, kinds.by_name(cfg.kind).wiring)
+            kind = kinds.by_name(cfg.kind)
+            kept = capture_filters(filters, cfg.target_layers, kind.wiring, kind.target_wiring)
             packed = _spooled(rt, models, ids, cfg, rounds, kept, output, options)
         finally:
-            for m in models:
-                m.free()
+            free_models(models)
     if filters:
         spool.warn_unmatched_filters(kept, packed)
     return packed.path
+
+
+def load_models(rt: Runtime, target: Path, model: Path, options: RunOptions) -> tuple[Model, Model]:
+    """The target and the drafter, as upstream loads them for the drafter's kind: an MTP head
+    inside the target's GGUF runs on the target's own model (one load, its MTP layers included:
+    common_speculative_init_result), a separate one loads with its MTP layers."""
+    mtp = kinds.kind_of(read_gguf(model, ggml_dequant.load).arch, (), str(model)).name == kinds.MTP
+    if mtp and target.resolve() == model.resolve():
+        both = Model.load(rt, target, n_gpu_layers=options.n_gpu_layers, load_mtp=True)
+        return both, both
+    tgt = Model.load(rt, target, n_gpu_layers=options.n_gpu_layers)
+    try:
+        return tgt, Model.load(rt, model, n_gpu_layers=options.n_gpu_layers_draft, load_mtp=mtp)
+    except BaseException:
+        tgt.free()
+        raise
+
+
+def free_models(models: tuple[Model, Model]) -> None:
+    """Free each model once (an MTP head inside the target shares its model)."""
+    models[0].free()
+    if models[1] is not models[0]:
+        models[1].free()
 
 
 def _spooled(
@@ -197,7 +217,16 @@ def new_contexts(
     kv, rs = options.kv["target"], cfg.draft_max
     tgt = Context.new(rt, models[0], n_ctx, threads, tag=tags[0], kv=kv, flash_attn=fa, n_ubatch=ub, n_rs_seq=rs)
     dft = Context.new(
-        rt, models[1], n_ctx, threads, tag=tags[1], ctx_other=tgt, kv=options.kv["draft"], flash_attn=fa, n_ubatch=ub
+        rt,
+        models[1],
+        n_ctx,
+        threads,
+        tag=tags[1],
+        ctx_other=tgt,
+        kv=options.kv["draft"],
+        flash_attn=fa,
+        n_ubatch=ub,
+        mtp=cfg.kind == kinds.MTP,
     )
     driver_of(cfg).enable(tgt, dft, cfg)
     return tgt, dft

@@ -108,12 +108,23 @@ class Model:
     path: Path
 
     @staticmethod
-    def load(rt: Runtime, path: Path, vocab_only: bool = False, n_gpu_layers: int | None = None) -> "Model":
-        """Load a GGUF; `n_gpu_layers` as llama.cpp's -ngl (None: the library's default)."""
+    def load(
+        rt: Runtime, path: Path, vocab_only: bool = False, n_gpu_layers: int | None = None, load_mtp: bool = False
+    ) -> "Model":
+        """Load a GGUF; `n_gpu_layers` as llama.cpp's -ngl (None: the library's default); `load_mtp`:
+        its MTP (nextn) layers too, which llama.cpp skips unless a run drafts with them
+        (common.cpp sets it for `--spec-type draft-mtp`)."""
         params = rt.lib.llama_model_default_params()
         params.vocab_only = vocab_only
         if n_gpu_layers is not None:
             params.n_gpu_layers = n_gpu_layers
+        if load_mtp:
+            if not rt.build.has_mtp:
+                raise InputError(
+                    f"{rt.build.root}: this llama.cpp build has no MTP contexts (llama_context_type); "
+                    "build a tree with `--spec-type draft-mtp` to run an MTP drafter"
+                )
+            params.load_mtp = True
         ptr = rt.lib.llama_model_load_from_file(str(path).encode(), params)
         if ptr == rt.ffi.NULL:
             raise InputError(
@@ -184,6 +195,7 @@ class Context:
         flash_attn: str = "auto",
         n_ubatch: int | None = None,
         n_rs_seq: int = 0,
+        mtp: bool = False,
     ) -> "Context":
         """A context with llama.cpp's defaults but for the size, threads, callback, `kv` cache
         types (default f16), `flash_attn` (on / off / auto) and `n_ubatch` (None: one graph per
@@ -203,6 +215,8 @@ class Context:
             p.cb_eval_user_data = tag
         if ctx_other is not None:
             p.ctx_other = ctx_other.ptr
+        if mtp:  # the MTP graph of the model's nextn layers (LLAMA_CONTEXT_TYPE_MTP), as common_speculative makes it
+            p.ctx_type = rt.lib.LLAMA_CONTEXT_TYPE_MTP
         ptr = rt.lib.llama_init_from_model(model.ptr, p)
         if ptr == rt.ffi.NULL:
             told = (

@@ -1,140 +1,24 @@
-"""`featdiff reference` of an EAGLE3 drafter (featdiff.kinds): load the target and the drafter
-GGUF, replay the EAGLE3 flow (eagle3_flow.py) on the same token ids, write a dump v1 with
-`source: "reference"`. The options are torchref.run.reference's; a round drafts `--block` - 1
-tokens, else the run's own (its build's `draft_max`), else llama.cpp's `--spec-draft-n-max` default.
-"""
+"""`featdiff reference` of an EAGLE3 drafter (featdiff.kinds), through the one-token-per-step
+reference command (step_run.py) with the EAGLE3 flow (eagle3_flow.py), and the accept probe's side
+of the kind."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from featdiff.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
-from featdiff.dump import Round, read_dump
-from featdiff.errors import InputError
-from featdiff.outputs import check_output, output_lock
-from featdiff.phases import Phase
-from featdiff.tokens import check_prompt
-from featdiff.torchref import run as dflash_run
+from featdiff.dump import Round
 from featdiff.torchref.eagle3 import Eagle3Draft, check_eagle3_pair, eagle3_from_gguf, eagle3_models_entry
-from featdiff.torchref.eagle3_hf import eagle3_from_hf
 from featdiff.torchref.eagle3_flow import run_flow
-from featdiff.torchref.load import load_target
+from featdiff.torchref.eagle3_hf import eagle3_from_hf
 from featdiff.torchref.numerics import Numerics
-from featdiff.torchref.replay import FlowTrace
+from featdiff.torchref.step_run import StepKind, step_reference
 from featdiff.torchref.weights import Target
 
-log = logging.getLogger(__name__)
 
-
-def reference(
-    target: Path,
-    model: Path,
-    output: Path,
-    *,
-    prompt: str | None,
-    tokens: str | None,
-    rounds: int,
-    dtype: str,
-    device: str,
-    kv_dtype: str,
-    llama_dir: Path | None,
-    block: int | None = None,
-    run: Path | None = None,
-    p_min: float | None = None,
-    follow: Path | None = None,
-) -> Path:
+def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
     """Compute the EAGLE3 reference dump; return its path (torchref.run.reference's contract)."""
-    output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
-    with output_lock(output):
-        numerics = dflash_run.numerics_from_options(dtype, device, kv_dtype)
-        plan = dflash_run.followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
-        run = Path(follow) if follow is not None else run
-        draft_max = _draft_max(block, Path(run) if run is not None else None)
-        p_min = p_min if p_min is not None else dflash_run.run_p_min(Path(run) if run is not None else None)
-        prompt_ids = (
-            plan.prompt
-            if plan is not None
-            else dflash_run.prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-        )
-        rounds = len(plan.rounds) if plan is not None else rounds
-        check_rounds_fit(
-            rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(prompt_ids)
-        )
-        tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
-        dft = load_eagle3(Path(model), tgt, numerics, llama_dir)
-        check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
-        log.info(
-            "reference: %d prompt tokens, %d rounds, up to %d drafts a round (EAGLE3)",
-            len(prompt_ids),
-            rounds,
-            draft_max,
-        )
-        guide = dflash_run.guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None
-        steps = run_draft_steps(Path(run)) if run is not None else None
-        with torch.no_grad(), dflash_run.followed_errors(follow):
-            trace = run_flow(
-                tgt,
-                dft,
-                prompt_ids,
-                rounds,
-                numerics,
-                draft_max=draft_max,
-                p_min=p_min,
-                follow=plan.rounds if plan is not None else None,
-                guide=guide,
-                draft_steps=steps,
-            )
-        return _write(output, trace, tgt, dft, numerics, prompt_ids, draft_max, p_min, follow)
-
-
-def run_draft_steps(run: Path) -> dict[int, tuple[int, ...]]:
-    """Round -> the token ids of the run's draft decodes in order (the seed's first), for every
-    round the run verified: the reference decodes what the run decoded (eagle3_flow.run_flow)."""
-    with read_dump(run) as dump:
-        m = dump.manifest
-    steps: dict[int, list[int]] = {r.round: [] for r in m.rounds}
-    for e in m.evals:
-        if e.phase == Phase.DRAFT and e.round in steps and not e.rc:
-            steps[e.round] += e.token_ids
-    return {r: tuple(t) for r, t in steps.items()}
-
-
-def _draft_max(block: int | None, run: Path | None) -> int:
-    """Drafts per round: `--block` - 1 (a round's verify is the anchor and its drafts), else the
-    run's, else llama.cpp's default."""
-    if block is not None:
-        if block < 2:
-            raise InputError(
-                f"--block {block}: an EAGLE3 round verifies the anchor and at least one draft; pass 2 or more"
-            )
-        return block - 1
-    if run is not None:
-        with read_dump(run) as dump:
-            n = dump.manifest.build.get("draft_max")
-        if isinstance(n, int) and n >= 1:
-            return n
-    return DEFAULT_DRAFT_MAX
-
-
-def _write(output, trace: FlowTrace, tgt, dft, numerics, prompt_ids, draft_max: int, p_min: float, follow) -> Path:
-    """The dump, written as torchref.run writes a DFlash reference, with the drafter's own entry;
-    `build.draft_max` says how many drafts a round made at most."""
-    followed = Path(follow) if follow is not None else None
-    return dflash_run.write_reference(
-        output,
-        trace,
-        tgt,
-        None,
-        numerics,
-        prompt_ids,
-        draft_max + 1,
-        p_min,
-        followed,
-        draft_entry=eagle3_models_entry(dft),
-    )
+    return step_reference(EAGLE3, target, model, output, **options)
 
 
 # --- the accept probe's side of the EAGLE3 kind (featdiff.probe, through featdiff.kinds) --------
@@ -161,3 +45,6 @@ def probe_round(
     """The reference's one round after `prompt`: up to `block_rows` - 1 drafts (a round verifies
     the anchor and its drafts), verified."""
     return run_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]
+
+
+EAGLE3 = StepKind("EAGLE3", load_eagle3, run_flow, eagle3_models_entry)

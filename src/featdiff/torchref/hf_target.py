@@ -313,6 +313,11 @@ def _mixerless_layers(model: Any) -> frozenset[int]:
     return frozenset(il for il, t in enumerate(types) if t in MIXERLESS)
 
 
+def final_norm(target: HfTarget) -> Any:
+    """The target's final norm module (what its graph's `h_nextn` is the output of)."""
+    return _final_norm(target.model.get_decoder())
+
+
 def _final_norm(text: Any) -> Any:
     """The decoder's final norm: `norm`, Nemotron-H's `norm_f`."""
     return text.norm if hasattr(text, "norm") else text.norm_f

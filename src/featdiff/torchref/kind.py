@@ -12,22 +12,26 @@ from featdiff.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
 from featdiff.torchref.eagle3_hf import is_eagle3_config
 from featdiff.torchref.load_hf import read_config
+from featdiff.torchref.mtp import is_mtp_checkpoint
 
 
 def drafter_kind(model: Path) -> kinds.DrafterKind:
     """The kind of the drafter at `model`: a GGUF's architecture and tensors, a HF checkpoint's
-    config.json as the pinned converter tells an EAGLE3 checkpoint (conversion/llama.py)."""
+    config.json as the pinned converter tells an EAGLE3 checkpoint (conversion/llama.py) or a
+    Qwen3.5 one with MTP layers (conversion/qwen.py)."""
     if model.is_dir():
         try:
             config = read_config(model)
         except InputError:
             return kinds.KINDS[0]
+        if is_mtp_checkpoint(config):  # a Qwen3.5 checkpoint with its MTP head: the head is the drafter
+            return kinds.by_name(kinds.MTP)
         return kinds.by_name("eagle3" if is_eagle3_config(config) else "dflash")
     try:
         g = read_gguf(model, ggml_dequant.load)
     except (InputError, OSError):  # no file, not a GGUF: the DFlash path says so as it always has
         return kinds.KINDS[0]
-    return kinds.kind_of(g.arch, g.tensors, str(model)) if kinds.is_drafter_arch(g.arch) else kinds.KINDS[0]
+    return kinds.kind_of(g.arch, g.tensors, str(model)) if g.arch in kinds.ALL_DRAFTER_ARCHS else kinds.KINDS[0]
 
 
 def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:

@@ -94,6 +94,14 @@ def detect_slot_permutation(ev: Evidence) -> Finding | None:
             "[embd_norm, g_norm]; concatenate the normalized token embedding first",
             SlotPermutationFields(permutation=tuple(perm)),
         )
+    if ev.record.startswith(f"{names.MTP_CONCAT}-"):
+        return error_finding(
+            ev,
+            f"{ev.tensor} holds [h_norm, e_norm] (it matches the reference's {ev.record}@slots=1,0): the MTP "
+            "head's eh_proj reads its two halves the other way round from the checkpoint's [e_norm, h_norm]; "
+            "concatenate the normalized token embedding first (ml-explore/mlx-lm#1469)",
+            SlotPermutationFields(permutation=tuple(perm)),
+        )
     return error_finding(
         ev,
         f"the slots of {ev.tensor} arrive in order {perm} instead of "
@@ -324,6 +332,8 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
         )
     if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
         return _eagle3_export_message(tensor, f"{key}={value}", candidate)
+    if f"{key}={value}" in (names.HYP_H_PRENORM, names.HYP_CHAIN_PRENORM):
+        return _mtp_prenorm_message(tensor, f"{key}={value}", candidate)
     return (
         f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
         f"uses its own: ship it in the GGUF or fix which {key} the run reads"
@@ -348,4 +358,21 @@ def _eagle3_export_message(tensor: str, hypothesis: str, candidate: str) -> str:
         f"{tensor} puts the drafter's head row i at target id offset[i], the checkpoint's d2t offset, instead of "
         f"offset[i] + i (it matches the reference's {candidate}): the GGUF's {names.T_D2T} holds the HF offsets; "
         "it must hold absolute target ids, offset + row index, as the pinned converter writes them"
+    )
+
+
+def _mtp_prenorm_message(tensor: str, hypothesis: str, candidate: str) -> str:
+    """The fix when an MTP head is handed a hidden state before its norm: by the target
+    (HYP_H_PRENORM: the rows process() pairs and the first draft step's) or by the previous
+    draft step (HYP_CHAIN_PRENORM)."""
+    if hypothesis == names.HYP_H_PRENORM:
+        return (
+            f"{tensor} is the target's trunk output before the final norm (it matches the reference's {candidate}); "
+            "the MTP head was trained on the post-norm state: hand over the output of the final norm (the qwen35 "
+            "graph sets t_h_nextn after build_norm; ggml-org/llama.cpp#24025)"
+        )
+    return (
+        f"{tensor} of this draft step comes from the previous step's state before the head norm (it matches the "
+        f"reference's {candidate}): each step after the first must be handed the previous step's h_nextn, after "
+        "the head norm, not mtp_post_ffn (vllm-project/vllm#47448); recycle the post-norm state"
     )

@@ -1,0 +1,158 @@
+"""Tiny Qwen3.5 targets with a multi-token-prediction (MTP, "nextn") head, for llama.cpp's
+`--spec-type draft-mtp`: the qwen35 family's target (featdiff.hf_targets, the same weights for
+the same seed) with a seeded MTP block added to its checkpoint as Qwen3.5 checkpoints ship it,
+and the pinned converter's GGUFs of it. The directory is the fixture layout: `target-hf/`,
+`target.gguf`, `VARIANT`, and for `mtp-separate` `draft.gguf`; there is no `draft-hf/` (the head
+lives in the target's checkpoint, and the converter's `--mtp` cuts the draft GGUF out of it).
+
+What the converter (conversion/qwen.py _QwenMtpMixin) writes of the head (GGUF_FROM_HF names each
+tensor): block n_layer (6), one past the trunk, a full-attention Qwen3.5 layer (`mtp.layers.0.*`)
+with the nextn tensors: `eh_proj` from `mtp.fc` (n_embd, 2 n_embd), whose input is
+[enorm(embed(token)), hnorm(h)], embedding first (qwen35.cpp graph_mtp), and the `enorm`, `hnorm`
+and `shared_head_norm` norms. Every norm is written as 1 + its HF weight (Qwen3.5's RMSNorm scales
+by 1 + w; Qwen3NextModel.modify_tensors), matrices as they are. `qwen35.block_count` counts the
+head (n_layer + 1) and `qwen35.nextn_predict_layers` is 1; `--no-mtp` drops the block and both.
+`--mtp` keeps the block and the tensors it reads of the trunk: token_embd, output_norm, output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from featdiff import names, pairs
+from featdiff.converter import (
+    CONVERTER,
+    DRAFT_GGUF,
+    TARGET_GGUF,
+    TARGET_HF,
+    TOKENIZER_MODEL,
+    convert_checkpoint,
+    write_spm_tokenizer,
+)
+from featdiff.errors import InputError
+from featdiff.hf_targets import BOOTSTRAP_OF, FAMILIES, TOKENIZER_SPM, write_hf_target
+from featdiff.outputs import check_output_dir, replaced
+from featdiff.pairs import _linear, _norm
+
+FAMILY = "qwen35"  # the hf_targets family whose target carries the head
+HF_N_MTP = "mtp_num_hidden_layers"  # config.json: how many MTP blocks (the converter's nextn count)
+N_MTP = 1  # llama.cpp's qwen35 MTP graph runs exactly one block (graph_mtp asserts it)
+HF_LAYER_PREFIX = "model.layers."  # where transformers saves the trunk's layers
+HF_FULL_ATTENTION = "full_attention"  # the layer kind (config.json layer_types) the MTP block copies
+HF_SAFETENSORS = "model.safetensors"  # write_hf_target saves one file (no index at the tiny size)
+SAFETENSORS_META = {"format": "pt"}  # what save_pretrained writes: transformers reads the file as torch's
+# The head's own tensors beside its decoder layer: the fc over [embedding, hidden] and three norms
+HF_FC = "mtp.fc.weight"
+HF_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
+# What the converter writes of the head's tensors (conversion/qwen.py _QwenMtpMixin.filter_tensors
+# and the qwen35 tensor map): HF -> GGUF, the block one past the trunk's layers
+_IL = pairs.TINY.target.n_layer
+_BLK = f"blk.{_IL}."
+_LAYER = "mtp.layers.0."
+GGUF_FROM_HF = {
+    HF_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
+    HF_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
+    HF_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
+    HF_NORMS[2]: names.T_NEXTN.format(il=_IL, name="shared_head_norm"),
+    _LAYER + "input_layernorm.weight": _BLK + "attn_norm.weight",
+    _LAYER + "self_attn.q_proj.weight": _BLK + "attn_q.weight",  # query and output gate, per head
+    _LAYER + "self_attn.k_proj.weight": _BLK + "attn_k.weight",
+    _LAYER + "self_attn.v_proj.weight": _BLK + "attn_v.weight",
+    _LAYER + "self_attn.o_proj.weight": _BLK + "attn_output.weight",
+    _LAYER + "self_attn.q_norm.weight": _BLK + "attn_q_norm.weight",
+    _LAYER + "self_attn.k_norm.weight": _BLK + "attn_k_norm.weight",
+    _LAYER + "post_attention_layernorm.weight": _BLK + "post_attention_norm.weight",
+    _LAYER + "mlp.gate_proj.weight": _BLK + "ffn_gate.weight",
+    _LAYER + "mlp.up_proj.weight": _BLK + "ffn_up.weight",
+    _LAYER + "mlp.down_proj.weight": _BLK + "ffn_down.weight",
+}
+# the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
+# and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
+MTP_STREAM = 4
+VARIANT_FILE = "VARIANT"
+
+
+@dataclass(frozen=True)
+class MtpVariant:
+    """One MTP fixture: the same checkpoint, converted with the head inside the target or apart."""
+
+    name: str
+    doc: str
+    has_separate_head: bool  # target.gguf converted --no-mtp, draft.gguf the --mtp head alone
+
+
+_VARIANTS = (
+    MtpVariant(
+        "mtp",
+        "Qwen3.5 target with its MTP head inside target.gguf, no draft.gguf (target.gguf is --target and "
+        "--model; --spec-type draft-mtp)",
+        has_separate_head=False,
+    ),
+    MtpVariant(
+        "mtp-separate",
+        "Qwen3.5 target (--no-mtp) and its MTP head alone as draft.gguf (--mtp; --spec-type draft-mtp)",
+        has_separate_head=True,
+    ),
+)
+MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
+MTP_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
+
+
+def checked_mtp_variant(name: str) -> MtpVariant:
+    """`name`'s settings, else an InputError listing the known variants."""
+    if name not in MTP_SETTINGS:
+        raise InputError(f"--variant {name!r}: no such MTP fixture variant; choose one of {', '.join(MTP_VARIANTS)}")
+    return MTP_SETTINGS[name]
+
+
+def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -> Path:
+    """Write `variant`'s fixture into `outdir`: the qwen35 family's target of `seed` with an MTP
+    head of `seed` in `target-hf/`, and the pinned converter's GGUFs of it; return `outdir`. The
+    `mtp` variant has no drafter, so an earlier fixture's `draft.gguf` is removed."""
+    v = checked_mtp_variant(variant)
+    out = check_output_dir(Path(outdir), (), "OUTDIR")
+    hf = write_hf_target(out / TARGET_HF, FAMILIES[FAMILY], seed)
+    write_spm_tokenizer(hf / TOKENIZER_MODEL, pairs.TINY.n_vocab)
+    add_mtp_head(hf, seed)
+    bootstrap = BOOTSTRAP_OF[TOKENIZER_SPM]
+    convert_checkpoint(hf, out / TARGET_GGUF, bootstrap=bootstrap, no_mtp=v.has_separate_head)
+    if v.has_separate_head:
+        convert_checkpoint(hf, out / DRAFT_GGUF, bootstrap=bootstrap, mtp_only=True)
+    else:
+        (out / DRAFT_GGUF).unlink(missing_ok=True)  # another fixture's drafter
+    with replaced(out / VARIANT_FILE) as tmp:
+        tmp.write_text(f"{v.name}: {v.doc} (converted by {CONVERTER})\n")
+    return out
+
+
+def add_mtp_head(hf: Path, seed: int) -> None:
+    """The checkpoint `hf` (a Qwen3.5 target as write_hf_target saves it) given an MTP head:
+    `mtp_num_hidden_layers` in its config.json and `mtp_weights` in its safetensors file."""
+    from safetensors.numpy import load_file, save_file
+
+    config_path = hf / names.HF_CONFIG
+    config = json.loads(config_path.read_text())
+    tensors = load_file(str(hf / HF_SAFETENSORS))
+    tensors.update(mtp_weights(config, tensors, seed))
+    with replaced(hf / HF_SAFETENSORS) as tmp:
+        save_file(tensors, str(tmp), metadata=SAFETENSORS_META)
+    with replaced(config_path) as tmp:
+        tmp.write_text(json.dumps({**config, HF_N_MTP: N_MTP}, indent=2, sort_keys=True) + "\n")
+
+
+def mtp_weights(config: dict, target: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """The MTP head of `seed` for the checkpoint `target` (HF names, HF orientation (out, in)):
+    its decoder layer `mtp.layers.0.*` shaped as the target's first full-attention layer, `fc`
+    from [embedding, hidden] to n_embd, and its norms; matrices N(0, 1/n_in), vectors
+    1 + N(0, 0.1), as hf_targets._seeded draws the target."""
+    il = config["layer_types"].index(HF_FULL_ATTENTION)
+    layer = f"{HF_LAYER_PREFIX}{il}."
+    n_embd = config["hidden_size"]
+    shapes = {_LAYER + k[len(layer) :]: a.shape for k, a in target.items() if k.startswith(layer)}
+    shapes |= {HF_FC: (n_embd, 2 * n_embd)} | dict.fromkeys(HF_NORMS, (n_embd,))  # fc: (n_embd, 2 n_embd)
+    rng = np.random.default_rng([seed, MTP_STREAM])
+    return {k: _linear(rng, *s) if len(s) == 2 else _norm(rng, s[0]) for k, s in sorted(shapes.items())}

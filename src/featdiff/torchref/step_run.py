@@ -1,0 +1,134 @@
+"""`featdiff reference` of the kinds that draft one token per decode (featdiff.kinds: EAGLE3,
+MTP): load the target and the drafter, replay the kind's flow on the same token ids, write a dump
+v1 with `source: "reference"`. The options are torchref.run.reference's; a round drafts `--block`
+- 1 tokens, else the run's own (its build's `draft_max`), else llama.cpp's `--spec-draft-n-max`
+default. Each kind gives a `StepKind`: how it loads its drafter, replays its flow and describes
+its drafter in the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featdiff.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
+from featdiff.dump import read_dump
+from featdiff.errors import InputError
+from featdiff.outputs import check_output, output_lock
+from featdiff.phases import Phase
+from featdiff.tokens import check_prompt
+from featdiff.torchref import run as dflash_run
+from featdiff.torchref.load import load_target
+from featdiff.torchref.numerics import Numerics
+from featdiff.torchref.replay import FlowTrace
+from featdiff.torchref.weights import Target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What the shared reference command needs of a one-token-per-step kind."""
+
+    name: str  # for the log line
+    load: Callable[[Path, Target, Numerics, Path | None], Any]  # (model, target, numerics, llama_dir) -> drafter
+    run_flow: Callable[..., FlowTrace]  # eagle3_flow.run_flow's signature
+    entry: Callable[[Any], dict]  # the drafter's manifest entry
+
+
+def step_reference(
+    kind: StepKind,
+    target: Path,
+    model: Path,
+    output: Path,
+    *,
+    prompt: str | None,
+    tokens: str | None,
+    rounds: int,
+    dtype: str,
+    device: str,
+    kv_dtype: str,
+    llama_dir: Path | None,
+    block: int | None = None,
+    run: Path | None = None,
+    p_min: float | None = None,
+    follow: Path | None = None,
+) -> Path:
+    """Compute the reference dump of a `kind` drafter; return its path (torchref.run.reference's contract)."""
+    output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
+    with output_lock(output):
+        numerics = dflash_run.numerics_from_options(dtype, device, kv_dtype)
+        plan = dflash_run.followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
+        run = Path(follow) if follow is not None else run
+        draft_max = _draft_max(block, Path(run) if run is not None else None)
+        p_min = p_min if p_min is not None else dflash_run.run_p_min(Path(run) if run is not None else None)
+        prompt_ids = (
+            plan.prompt
+            if plan is not None
+            else dflash_run.prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+        )
+        rounds = len(plan.rounds) if plan is not None else rounds
+        check_rounds_fit(
+            rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(prompt_ids)
+        )
+        tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
+        dft = kind.load(Path(model), tgt, numerics, llama_dir)
+        check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
+        log.info(
+            "reference: %d prompt tokens, %d rounds, up to %d drafts a round (%s)",
+            len(prompt_ids),
+            rounds,
+            draft_max,
+            kind.name,
+        )
+        guide = dflash_run.guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None
+        steps = run_draft_steps(Path(run)) if run is not None else None
+        with torch.no_grad(), dflash_run.followed_errors(follow):
+            trace = kind.run_flow(
+                tgt,
+                dft,
+                prompt_ids,
+                rounds,
+                numerics,
+                draft_max=draft_max,
+                p_min=p_min,
+                follow=plan.rounds if plan is not None else None,
+                guide=guide,
+                draft_steps=steps,
+            )
+        followed = Path(follow) if follow is not None else None
+        return dflash_run.write_reference(
+            output, trace, tgt, None, numerics, prompt_ids, draft_max + 1, p_min, followed, draft_entry=kind.entry(dft)
+        )
+
+
+def run_draft_steps(run: Path) -> dict[int, tuple[int, ...]]:
+    """Round -> the token ids of the run's draft decodes in order (the first step's first), for
+    every round the run verified: the reference decodes what the run decoded."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    steps: dict[int, list[int]] = {r.round: [] for r in m.rounds}
+    for e in m.evals:
+        if e.phase == Phase.DRAFT and e.round in steps and not e.rc:
+            steps[e.round] += e.token_ids
+    return {r: tuple(t) for r, t in steps.items()}
+
+
+def _draft_max(block: int | None, run: Path | None) -> int:
+    """Drafts per round: `--block` - 1 (a round's verify is the anchor and its drafts), else the
+    run's, else llama.cpp's default."""
+    if block is not None:
+        if block < 2:
+            raise InputError(f"--block {block}: a round verifies the anchor and at least one draft; pass 2 or more")
+        return block - 1
+    if run is not None:
+        with read_dump(run) as dump:
+            n = dump.manifest.build.get("draft_max")
+        if isinstance(n, int) and n >= 1:
+            return n
+    return DEFAULT_DRAFT_MAX

@@ -1,0 +1,95 @@
+"""MTP heads end to end on the real library (issue 33): a Qwen3.5 target whose MTP head the pinned
+converter kept (inside its GGUF, or as a separate `--mtp` GGUF) captured by featdiff's MTP driver
+(common_speculative_impl_draft_mtp's flow) compares clean against the reference, from the GGUF's
+head and from the checkpoint's; the graph faults of 0008-mtp-graph-faults.patch are named; a GGUF
+without a head is refused by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from featdiff.diff import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.llama.capture import capture
+from featdiff.torchref.kind import reference
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+
+TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+ROUNDS = 3
+
+
+def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = False) -> tuple[Path, Path]:
+    """An in-process capture of the head `model` on `d`'s target, and the reference of the head
+    at `head` (a GGUF or the checkpoint) on the target's checkpoint, guided by (or following) the run."""
+    run = capture(d / "target.gguf", model, tmp / "run.npz", tokens=TOKENS, rounds=ROUNDS)
+    given = {"follow": run} if follow else {"tokens": TOKENS, "run": run}
+    ref = reference(
+        d / "target-hf", head, tmp / "ref.npz", prompt=None, rounds=ROUNDS, dtype="float32", device="cpu",
+        kv_dtype="f16", llama_dir=None, **{"tokens": None, **given},
+    )  # fmt: skip
+    return run, ref
+
+
+@pytest.mark.parametrize(
+    "variant, model, head",
+    [
+        ("mtp", "target.gguf", "target.gguf"),  # the heads inside the target GGUF, run on the target's own model
+        ("mtp", "target.gguf", "target-hf"),  # the reference from the checkpoint's mtp.* tensors
+        ("mtp-separate", "draft.gguf", "draft.gguf"),  # a separate `--mtp` head GGUF
+    ],
+)
+def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, model, head, tmp_path):
+    d = mtp_pairs(variant)
+    run, ref = _run_and_ref(d, d / model, d / head, tmp_path)
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert not c.skipped
+    with read_dump(run) as dump:
+        m = dump.manifest
+    draft = {r.name for r in m.records if r.role == "draft"}
+    assert {"mtp_h_input", "mtp_hnorm-6", "mtp_enorm-6", "mtp_concat-6", "mtp_eh_proj-6", "h_nextn"} <= draft
+    assert {r.name for r in m.records if r.role == "target"} >= {"h_nextn", "result_output"}
+    assert m.models["draft"]["architecture"] == "qwen35"
+    assert all(r.drafts for r in m.rounds)
+    assert all(e.n_tokens == 1 for e in m.evals if e.phase == "draft")
+    # what the head is handed is compared on every catch-up batch and every draft step
+    handed = {p.phase for p in c.pairs if p.name == "mtp_h_input"}
+    assert handed == {"inject", "draft"}
+
+
+@pytest.mark.parametrize(
+    "fault, kind, tensor, words",
+    [
+        ("mtp-hidden-prenorm", "wrong_source", "mtp_h_input", "before the final norm"),
+        ("mtp-concat-swapped", "slot_permutation", "mtp_concat-6", "[h_norm, e_norm]"),
+        ("mtp-recycle-prenorm", "wrong_source", "mtp_h_input", "previous step's state before the head norm"),
+    ],
+)
+def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, fault, kind, tensor, words):
+    d = mtp_pairs("mtp")
+    monkeypatch.setenv("FEATDIFF_FAULT", fault)  # 0008-mtp-graph-faults.patch, read by libllama's graph
+    run, ref = _run_and_ref(d, d / "target.gguf", d / "target.gguf", tmp_path, follow=True)
+    c = compare_dumps(ref, run)
+    errors = [f for f in c.findings if f.severity == "error"]
+    assert [(f.kind, f.tensor) for f in errors] == [(kind, tensor)], [f.message for f in errors]
+    assert words in errors[0].message
+    phases = {"mtp-recycle-prenorm": "draft"}  # the first step reads the target's row: the second one differs
+    assert c.first_divergence is not None and c.pairs[c.first_divergence].phase == phases.get(fault, "inject")
+
+
+def test_a_gguf_without_a_head_is_refused_by_name(mtp_pairs, tmp_path):
+    d = mtp_pairs("mtp-separate")  # its target.gguf was converted with --no-mtp
+    done = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(d / "target.gguf"),
+         "--model", str(d / "target.gguf"), "--tokens", TOKENS, "-o", str(tmp_path / "run.npz")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nextn_predict_layers" in lines[0] and "--no-mtp" in lines[0], lines
+    assert not (tmp_path / "run.npz").exists()

@@ -1,0 +1,56 @@
+"""The MTP head's reference (torchref/mtp.py): the head as the converter writes it into the GGUF
+and as the checkpoint holds it are one head; the graph's concat order and norms are what the
+candidates say; which drafter kind a path is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from featdiff import kinds, names
+from featdiff.errors import InputError
+from featdiff.torchref.attention import empty_cache
+from featdiff.torchref.kind import drafter_kind
+from featdiff.torchref.mtp import decode, mtp_from_gguf, mtp_from_hf
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+
+F32, CPU = torch.float32, torch.device("cpu")
+
+
+def test_the_gguf_head_and_the_checkpoint_head_are_one_head(mtp_pairs):
+    d = mtp_pairs("mtp")
+    g, h = mtp_from_gguf(d / "target.gguf", F32, CPU), mtp_from_hf(d / "target-hf", F32, CPU)
+    assert g.il == h.il == 6 and g.hparams.n_rot == h.hparams.n_rot == 8
+    for field in ("eh_proj", "enorm", "hnorm", "head_norm", "token_embd", "output"):
+        assert torch.equal(getattr(g, field), getattr(h, field)), field
+    assert g.block.keys() == h.block.keys()
+    assert all(torch.equal(g.block[k], h.block[k]) for k in g.block)
+    separate = mtp_from_gguf(mtp_pairs("mtp-separate") / "draft.gguf", F32, CPU)
+    assert torch.equal(separate.eh_proj, g.eh_proj) and torch.equal(separate.output, g.output)
+
+
+def test_one_decode_records_the_graph_names_and_the_swapped_concat(mtp_pairs):
+    head = mtp_from_gguf(mtp_pairs("mtp") / "target.gguf", F32, CPU)
+    n = 3
+    h = torch.randn(n, head.hparams.n_embd, generator=torch.Generator().manual_seed(0))  # (3, n_embd)
+    cache = empty_cache(1, head.hparams.n_head_kv, head.hparams.n_embd_head, "f32", CPU)
+    mp = decode(head, torch.tensor([5, 6, 7]), h, torch.arange(n), cache, {names.HYP_H_PRENORM: 2 * h})
+    got = {r.name: r.array for r in mp.records}
+    concat, swapped = got["mtp_concat-6"], got["mtp_concat-6@slots=1,0"]
+    assert torch.equal(concat[:, :64], got["mtp_enorm-6"]) and torch.equal(concat[:, 64:], got["mtp_hnorm-6"])
+    assert torch.equal(swapped[:, :64], got["mtp_hnorm-6"])
+    assert torch.equal(got["mtp_h_input@h=prenorm"], 2 * h)
+    assert got["result_output"].shape == (n, head.hparams.n_vocab) and mp.cache.positions.tolist() == [0, 1, 2]
+    quiet = decode(head, torch.tensor([5, 6, 7]), h, torch.arange(n), cache, outputs=False)
+    assert quiet.logits.shape == (0, head.hparams.n_vocab)  # process()'s catch-up decode outputs nothing
+
+
+def test_the_kind_of_a_head_is_mtp_wherever_it_lives(mtp_pairs):
+    d, s = mtp_pairs("mtp"), mtp_pairs("mtp-separate")
+    for path in (d / "target.gguf", d / "target-hf", s / "draft.gguf"):
+        assert drafter_kind(path).name == kinds.MTP, path
+    assert kinds.of_arch(names.ARCH_QWEN35).name == kinds.MTP
+    assert not kinds.is_drafter_arch(names.ARCH_QWEN35)  # a qwen35 GGUF is a target first
+    with pytest.raises(InputError, match="no MTP head"):
+        mtp_from_gguf(s / "target.gguf", F32, CPU)  # converted --no-mtp

@@ -1,0 +1,209 @@
+"""The Qwen3.5 MTP fixtures (featdiff.fixtures_mtp): the head the checkpoint gains, the pinned
+converter's GGUFs of it (the head inside the target, or cut out as draft.gguf: keys, tensors and
+shapes as src/models/qwen35.cpp load_block_mtp creates them, values the checkpoint's), the target
+left as the qwen35 family's, the `featdiff fixture` command, and llama.cpp drafting with the head."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from featdiff import names
+from featdiff.cli import app
+from featdiff.converter import CONVERTER
+from featdiff.errors import InputError
+from featdiff.fixtures_mtp import (
+    GGUF_FROM_HF,
+    HF_N_MTP,
+    HF_SAFETENSORS,
+    MTP_SETTINGS,
+    MTP_VARIANTS,
+    N_MTP,
+    mtp_weights,
+    write_mtp_fixture,
+)
+from featdiff.gguf_reader import array_from_tensor, has_meta, int_meta, read_gguf
+from featdiff.pairs import TINY
+
+S = TINY.target
+KEY_BLOCK_COUNT = names.KEY_BLOCK_COUNT.format(arch=names.ARCH_QWEN35)
+KEY_NEXTN = names.KEY_NEXTN_LAYERS.format(arch=names.ARCH_QWEN35)
+MTP_BLOCK = f"blk.{S.n_layer}."
+# the trunk's tensors outside any block, which the converter's --mtp output keeps for the head
+SHARED = {"token_embd.weight", "output.weight", "output_norm.weight"}
+SPEC_PROMPT, SPEC_N_PREDICT, SPEC_N_DRAFT, SPEC_N_CTX, N_THREADS = "hello world", 8, 3, 256, 2
+RUN_TIMEOUT_S = 120  # one run takes ~0.1 s
+
+
+def _expected_block() -> dict[str, tuple[int, ...]]:
+    """The MTP block as llama_model_qwen35::load_arch_tensors' load_block_mtp creates it (ggml ne;
+    the optional nextn.embed_tokens and nextn.shared_head_head left out, as Qwen3.5 ships them)."""
+    q_gated = S.n_embd_head * S.n_head * 2  # query and its output gate, per head
+    kv = S.n_embd_head * S.n_head_kv
+    ne = {
+        "attn_norm": (S.n_embd,),
+        "post_attention_norm": (S.n_embd,),
+        "attn_q": (S.n_embd, q_gated),
+        "attn_k": (S.n_embd, kv),
+        "attn_v": (S.n_embd, kv),
+        "attn_output": (S.n_embd_head * S.n_head, S.n_embd),
+        "attn_q_norm": (S.n_embd_head,),
+        "attn_k_norm": (S.n_embd_head,),
+        "ffn_gate": (S.n_embd, S.n_ff),
+        "ffn_up": (S.n_embd, S.n_ff),
+        "ffn_down": (S.n_ff, S.n_embd),
+        "nextn.eh_proj": (2 * S.n_embd, S.n_embd),
+        "nextn.enorm": (S.n_embd,),
+        "nextn.hnorm": (S.n_embd,),
+        "nextn.shared_head_norm": (S.n_embd,),
+    }
+    return {f"{MTP_BLOCK}{name}.weight": shape for name, shape in ne.items()}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """variant -> its fixture directory (seed 0), written once."""
+    return {v: write_mtp_fixture(tmp_path_factory.mktemp(v), v) for v in MTP_VARIANTS}
+
+
+def _hf(d: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(d / "target-hf" / HF_SAFETENSORS))
+
+
+def _block(path: Path) -> dict[str, tuple[int, ...]]:
+    """The GGUF's tensors of the MTP block: name -> ne."""
+    return {name: t.ne for name, t in read_gguf(path).tensors.items() if name.startswith(MTP_BLOCK)}
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["fixture", "{out}", "--variant", "mtp-sideways"], ["fixture", "--list"]])
+def test_the_fixture_command_lists_the_variants_and_refuses_an_unknown_one(tmp_path, args):
+    result = CliRunner().invoke(app, [a.format(out=tmp_path / "out") for a in args])
+    if "--list" in args:
+        assert result.exit_code == 0 and all(f"\n{name} " in result.output for name in MTP_VARIANTS)
+    else:
+        assert result.exit_code == 2 and "no such fixture variant" in result.output
+        assert all(name in result.output for name in MTP_VARIANTS)
+        assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_mtp_variant_is_refused_in_one_line_naming_the_choices(tmp_path):
+    with pytest.raises(InputError) as e:
+        write_mtp_fixture(tmp_path / "out", "mtp-sideways")
+    assert "\n" not in str(e.value) and all(name in str(e.value) for name in MTP_VARIANTS)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_variant_table_and_its_settings_agree():
+    assert MTP_VARIANTS == {name: v.doc for name, v in MTP_SETTINGS.items()}
+    assert {name: v.has_separate_head for name, v in MTP_SETTINGS.items()} == {"mtp": False, "mtp-separate": True}
+    assert set(GGUF_FROM_HF.values()) == set(_expected_block())
+
+
+# --- the checkpoint ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_checkpoint_is_the_qwen35_target_with_a_seeded_head(made, tmp_path):
+    """The target's tensors are the qwen35 family's of the same seed, bit for bit; the head adds
+    exactly GGUF_FROM_HF's HF names, its decoder layer shaped as the target's full-attention layer 2."""
+    from featdiff.hf_targets import FAMILIES, write_hf_target
+
+    w = _hf(made["mtp"])
+    write_hf_target(tmp_path / "plain" / "target-hf", FAMILIES["qwen35"], 0)
+    plain = _hf(tmp_path / "plain")
+    assert set(w) - set(plain) == set(GGUF_FROM_HF)
+    assert all(np.array_equal(w[k], a) for k, a in plain.items())
+    for hf in GGUF_FROM_HF:
+        if hf.startswith("mtp.layers.0."):
+            assert w[hf].shape == plain[hf.replace("mtp.layers.0.", "model.layers.2.")].shape, hf
+    assert w["mtp.fc.weight"].shape == (S.n_embd, 2 * S.n_embd)
+    config = json.loads((made["mtp"] / "target-hf" / names.HF_CONFIG).read_text())
+    assert config[HF_N_MTP] == N_MTP
+    assert all(np.array_equal(_hf(made["mtp-separate"])[k], a) for k, a in w.items())  # one checkpoint
+    again, other = mtp_weights(config, plain, 0), mtp_weights(config, plain, 1)
+    assert all(np.array_equal(w[k], a) for k, a in again.items())
+    assert not np.array_equal(w["mtp.fc.weight"], other["mtp.fc.weight"])
+
+
+# --- the converter's GGUFs -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_mtp_target_holds_the_head_as_qwen35_cpp_loads_it(made):
+    d = made["mtp"]
+    m = read_gguf(d / "target.gguf")
+    assert m.arch == names.ARCH_QWEN35
+    assert int_meta(m, KEY_BLOCK_COUNT) == S.n_layer + N_MTP and int_meta(m, KEY_NEXTN) == N_MTP
+    assert _block(d / "target.gguf") == _expected_block()
+    assert not (d / "draft.gguf").exists()
+    assert (d / "VARIANT").read_text() == f"mtp: {MTP_VARIANTS['mtp']} (converted by {CONVERTER})\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, gguf", [("mtp", "target.gguf"), ("mtp-separate", "draft.gguf")])
+def test_the_heads_values_are_the_checkpoints_norms_plus_one(made, variant, gguf):
+    """The converter copies the head's matrices as they are (eh_proj: fc over [embedding, hidden])
+    and writes each norm as 1 + w (Qwen3.5's RMSNorm scales by 1 + w)."""
+    w, m = _hf(made[variant]), read_gguf(made[variant] / gguf)
+    for hf, name in GGUF_FROM_HF.items():
+        want = w[hf] + 1 if name.endswith("norm.weight") else w[hf]  # enorm, hnorm, ...: every norm
+        assert np.array_equal(array_from_tensor(m, name), want), hf
+
+
+@pytest.mark.slow
+def test_the_separate_target_is_the_trunk_and_the_draft_the_head_alone(made):
+    d = made["mtp-separate"]
+    target, draft = read_gguf(d / "target.gguf"), read_gguf(d / "draft.gguf")
+    assert target.arch == draft.arch == names.ARCH_QWEN35
+    assert int_meta(target, KEY_BLOCK_COUNT) == S.n_layer and not has_meta(target, KEY_NEXTN)
+    assert not _block(d / "target.gguf") and not any("nextn" in name for name in target.tensors)
+    assert int_meta(draft, KEY_BLOCK_COUNT) == S.n_layer + N_MTP and int_meta(draft, KEY_NEXTN) == N_MTP
+    assert set(draft.tensors) == set(_expected_block()) | SHARED
+    assert _block(d / "draft.gguf") == _expected_block()
+    mtp = read_gguf(made["mtp"] / "target.gguf")  # the same trunk and head, cut apart
+    for name in target.tensors:
+        assert np.array_equal(array_from_tensor(target, name), array_from_tensor(mtp, name)), name
+    assert set(mtp.tensors) == set(target.tensors) | set(_expected_block())
+
+
+@pytest.mark.slow
+def test_the_fixture_command_writes_what_the_library_does(made, tmp_path):
+    result = CliRunner().invoke(app, ["fixture", str(tmp_path / "fx"), "--variant", "mtp-separate"])
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "fx") == _files(made["mtp-separate"])
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", MTP_VARIANTS)
+def test_llama_cpp_drafts_with_the_head(made, tools, variant):
+    """llama-speculative-simple runs `--spec-type draft-mtp` on each fixture (the head from
+    target.gguf itself, or from draft.gguf) and drafts every round; the random head's drafts are
+    not expected to be accepted."""
+    d = made[variant]
+    draft = ["-md", str(d / "draft.gguf")] if MTP_SETTINGS[variant].has_separate_head else []
+    argv = [str(tools.program("llama-speculative-simple")), "-m", str(d / "target.gguf"), *draft]
+    argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(SPEC_N_DRAFT), "-c", str(SPEC_N_CTX)]
+    argv += ["-p", SPEC_PROMPT, "-n", str(SPEC_N_PREDICT), "--temp", "0", "-t", str(N_THREADS)]
+    done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=RUN_TIMEOUT_S, check=False)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-2000:]
+    counts = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", log))
+    assert int(counts["n_drafted"]) > 0 and "n_accept" in counts, log[-2000:]
