@@ -144,13 +144,16 @@ def default_specs(
 ) -> list[str]:
     """The wiring a capture keeps unless told otherwise: the drafter's wiring names (`wiring`, its
     kind's: featdiff.kinds), and on the target the inputs of the `tapped` layers and what the kind
-    reads of it besides (`target_wiring`: the logits; an MTP head's hidden rows); when neither is
-    known (around a program), every target layer and the positions as the graphs saw them."""
+    reads of it besides (`target_wiring`, default the logits; an MTP head's hidden rows too); when
+    the tapped layers are unknown (None: around a program), every target layer, what the kind reads
+    and the positions as the graphs saw them."""
     draft = [f"draft{ROLE_SEP}{g}" for g in wiring]
-    if tapped or target_wiring is not None:
-        target = [names.tapped_layer_name(L) for L in tapped or ()] + list(target_wiring or names.TARGET_WIRING)
+    extra = tuple(target_wiring or names.TARGET_WIRING)
+    if tapped is not None:
+        target = [names.tapped_layer_name(L) for L in tapped] + list(extra)
         return draft + [f"target{ROLE_SEP}{g}" for g in target]
-    return draft + [f"target{ROLE_SEP}{g}" for g in names.TARGET_ALL_LAYERS] + [names.INP_POS]
+    every = dict.fromkeys(names.TARGET_ALL_LAYERS + extra)
+    return draft + [f"target{ROLE_SEP}{g}" for g in every] + [names.INP_POS]
 
 
 def capture_filters(

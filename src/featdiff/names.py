@@ -320,6 +320,9 @@ HYP_G_AFTER_NORM = "g=after_norm"
 # mtp_concat-<il>@slots=1,0 as EAGLE3's concat: [h, e]
 HYP_H_PRENORM = "h=prenorm"
 HYP_CHAIN_PRENORM = "h=chain_prenorm"
+# ...@h=batch_last: a target batch's first token paired with that batch's last hidden (a later
+# position's) instead of the pending row the batch before left
+HYP_H_BATCH_LAST = "h=batch_last"
 
 
 def candidate_name(record: str, hypothesis: str) -> str:

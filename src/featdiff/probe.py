@@ -165,19 +165,18 @@ def run_in_process(
     """Each prompt through the in-process DFlash driver, `rounds` rounds of `draft_max` drafts
     (clamped as llama.cpp clamps them), nothing captured."""
     from featdiff.llama import ggml_dequant
-    from featdiff.llama.capture import flow_config
-    from featdiff.llama.runtime import Model, Runtime
+    from featdiff.llama.capture import DEFAULT_OPTIONS, flow_config, free_models, load_models
+    from featdiff.llama.runtime import Runtime
     from featdiff.preflight import preflight
 
     preflight(Path(model), Path(target), rounds=rounds, draft_max=draft_max, ggml=ggml_dequant.load)
     rt = Runtime.load(llama_dir)
-    tgt_model, dft_model = Model.load(rt, Path(target)), Model.load(rt, Path(model))
+    tgt_model, dft_model = models = load_models(rt, Path(target), Path(model), DEFAULT_OPTIONS)
     try:
         cfg = flow_config(dft_model, draft_max)
         return tuple(_run_prompt(rt, tgt_model, dft_model, p, rounds, cfg) for p in prompts)
     finally:
-        dft_model.free()
-        tgt_model.free()
+        free_models(models)
 
 
 def _run_prompt(rt, tgt_model, dft_model, prompt: Prompt, rounds: int, cfg) -> RunTrace:

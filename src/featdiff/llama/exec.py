@@ -21,7 +21,7 @@ from typing import Any
 
 from featdiff import kinds, names
 from featdiff.errors import InputError, Interrupted
-from featdiff.filters import capture_filters
+from featdiff.filters import FilterSet, capture_filters
 from featdiff.gguf_reader import read_gguf
 from featdiff.llama import server, spool
 from featdiff.llama.exec_pack import UNKNOWN_VERSION, pack_exec, read_flow, remove_spool, save_build
@@ -35,6 +35,7 @@ __all__ = ["capture_exec", "command_files", "program_path", "prompt_from_evals",
 
 # Upstream programs print their llama.cpp version for --version and exit (common/arg.cpp).
 UPSTREAM_PREFIX = "llama-"
+SPEC_TYPE_FLAG = "--spec-type"  # common/arg.cpp: the speculative types, comma-separated
 VERSION_FLAG = "--version"
 VERSION_TIMEOUT_S = 10
 
@@ -57,9 +58,25 @@ def command_files(command: list[str]) -> tuple[Path, ...]:
     return tuple(f for f in map(existing_file, named) if f is not None)
 
 
-def drafter_wiring(command: list[str]) -> tuple[str, ...]:
-    """The wiring of the drafter kind the command's GGUFs hold (featdiff.kinds); the DFlash
-    graph's when they name none, or drafters of several kinds."""
+def spec_types(command: list[str]) -> tuple[str, ...]:
+    """The speculative types a llama.cpp command line asks for (`--spec-type a,b` or
+    `--spec-type=a`, common/arg.cpp; repeatable)."""
+    found: list[str] = []
+    for i, arg in enumerate(command):
+        flag, eq, value = arg.partition("=")
+        if flag == SPEC_TYPE_FLAG:
+            given = value if eq else (command[i + 1] if i + 1 < len(command) else "")
+            found += [t.strip() for t in given.split(",") if t.strip()]
+    return tuple(found)
+
+
+def drafter_kind(command: list[str]) -> kinds.DrafterKind | None:
+    """The drafter kind the command runs (featdiff.kinds): MTP where it asks for `draft-mtp` (its
+    head is the target's own, or a GGUF of the target's architecture), else the kind of the
+    drafter GGUFs it names; None when they name none, or drafters of several kinds."""
+    mtp = kinds.by_name(kinds.MTP)
+    if mtp.spec_type in spec_types(command):
+        return mtp
     found = set()
     for f in command_files(command):
         if f.suffix != ".gguf":
@@ -70,7 +87,17 @@ def drafter_wiring(command: list[str]) -> tuple[str, ...]:
             continue
         if kinds.is_drafter_arch(arch):
             found.add(kinds.of_arch(arch).name)
-    return kinds.by_name(found.pop()).wiring if len(found) == 1 else names.DRAFT_WIRING
+    return kinds.by_name(found.pop()) if len(found) == 1 else None
+
+
+def command_filters(filters: list[str] | None, command: list[str]) -> FilterSet:
+    """What a capture around `command` keeps: `--filter`, else its drafter kind's wiring (the
+    DFlash graph's when the command says no kind) and, on the target, every layer, the positions
+    and what the kind reads of it."""
+    kind = drafter_kind(command)
+    if kind is None:
+        return capture_filters(filters, wiring=names.DRAFT_WIRING)
+    return capture_filters(filters, None, kind.wiring, kind.target_wiring)
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
@@ -123,7 +150,7 @@ def capture_exec(
     program = program_path(command)
     server.check_traffic(command, n_requests, prompt is not None or tokens is not None, os.environ)
     output = check_output(Path(output), (program, *command_files(command)), "-o")
-    kept = capture_filters(filters, wiring=drafter_wiring(command))
+    kept = command_filters(filters, command)
     with output_lock(output):
         prefix = spool.prefix_for(output)
         spool.set_aside(prefix, output)

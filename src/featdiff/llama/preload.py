@@ -180,7 +180,8 @@ def _compile_preload(build: binding.LlamaBuild, path: Path) -> None:
     sources = [str(binding.NATIVE_DIR / s) for s in PRELOAD_SOURCES]
     # which batch API generation's hooks to compile in (native/featdiff_preload.c), from the headers
     api = f"-DFDP_BATCH_EXT={int(build.batch_api == binding.BATCH_EXT)}"
-    cmd = [_compiler(), "-O2", "-fPIC", "-std=c11", api, *includes, *sources, "-o", str(tmp), *LINK_FLAGS]
+    mtp = f"-DFDP_MTP={int(build.has_mtp)}"  # whether the context params carry ctx_type (an MTP context)
+    cmd = [_compiler(), "-O2", "-fPIC", "-std=c11", api, mtp, *includes, *sources, "-o", str(tmp), *LINK_FLAGS]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise InputError(

@@ -25,7 +25,8 @@
  *
  * Both generations of llama.h's batch API are served: FDP_BATCH_EXT (set by featdiff from the
  * build's header) compiles the llama_batch_ext / llama_process hooks in; without it only the plain
- * llama_batch ones (llama_decode, llama_encode), which both generations have, are.
+ * llama_batch ones (llama_decode, llama_encode), which both generations have, are. FDP_MTP (set
+ * where the header has LLAMA_CONTEXT_TYPE_MTP) makes an MTP context a drafter's, whatever its model.
  * Phases are decided in Python from these facts (featdiff/llama/exec.py), not here.
  * Environment: FEATDIFF_SPOOL (spool prefix), FEATDIFF_FILTERS (lines "<role>\t<glob>", role 0
  * target, 1 draft), FEATDIFF_ARCH_KEY and FEATDIFF_DRAFT_ARCH (comma-separated: a model whose
@@ -389,7 +390,15 @@ static int is_draft_arch(const char * arch) {
     return 0;
 }
 
-static int role_of(const struct llama_model * model) {
+/* A context's role: a drafter's architecture (FEATDIFF_DRAFT_ARCH), or an MTP context
+ * (LLAMA_CONTEXT_TYPE_MTP: the head runs on the target's own model, or on a separate head GGUF
+ * of the target's architecture) is the draft; anything else the target. */
+static int role_of(const struct llama_model * model, const struct llama_context_params * params) {
+#if FDP_MTP
+    if (params->ctx_type == LLAMA_CONTEXT_TYPE_MTP) return FD_ROLE_DRAFT;
+#else
+    (void) params;
+#endif
     char arch[FDP_META_MAX] = "";
     if (!G.arch_key[0] || llama_model_meta_val_str(model, G.arch_key, arch, sizeof(arch)) < 0) return FD_ROLE_TARGET;
     return is_draft_arch(arch) ? FD_ROLE_DRAFT : FD_ROLE_TARGET;
@@ -434,7 +443,7 @@ static void note_context(const struct fdp_ctx * c, const struct llama_model * mo
 static struct fdp_ctx * new_ctx(const struct llama_model * model, struct llama_context_params * params) {
     struct fdp_ctx * c = (struct fdp_ctx *) calloc(1, sizeof(*c));
     if (!c) return NULL;
-    c->role = role_of(model);
+    c->role = role_of(model, params);
     c->tag = fd_tag_new(G.cap, c->role);
     if (!c->tag) { free(c); return NULL; }
     c->user_cb = params->cb_eval;

@@ -148,10 +148,12 @@ def _process(
     numerics: Numerics,
 ) -> tuple[KvCache, EvalTrace]:
     """process() of one target batch: (token k, hidden k-1) at position k, the first token with
-    the pending row."""
+    the pending row; the candidates of the pre-norm hand-over and of the first token paired with
+    the batch's last hidden."""
     post = torch.cat([pending.post, hidden.post[:-1]])  # (n_tokens, n_embd)
     pre = torch.cat([pending.pre, hidden.pre[:-1]])  # (n_tokens, n_embd)
-    alternatives = {names.HYP_H_PRENORM: pre}
+    batch_last = torch.cat([hidden.post[-1:], hidden.post[:-1]])  # (n_tokens, n_embd): row 0 a later position's
+    alternatives = {names.HYP_H_PRENORM: pre, names.HYP_H_BATCH_LAST: batch_last}
     mp = decode(head, _ids(tokens, numerics), post, _ids(positions, numerics), cache, alternatives, outputs=False)
     return mp.cache, EvalTrace(_eval(index, names.ROLE_DRAFT, phase, positions, tokens, r), mp.records)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from featdiff import names
 from featdiff.diff.detectors.base import (
     Evidence,
     at_positions,
@@ -43,13 +44,20 @@ def detect_row_shift(ev: Evidence) -> Finding | None:
             continue
         run_j, ref_i = (list(x) for x in zip(*pairs))
         if explains(ev.ref_all[ref_i], ev.run[run_j], ev.tolerance):
-            return error_finding(
-                ev,
-                f"{ev.tensor} rows are shifted by {s:+d}: the run's row at position p "
-                f"holds the reference's row at p{s:+d}; check the anchor row and the block offset",
-                RowShiftFields(shift=s),
-            )
+            return error_finding(ev, _shift_message(ev, s), RowShiftFields(shift=s))
     return None
+
+
+def _shift_message(ev: Evidence, s: int) -> str:
+    """What a shift of `s` rows means where it is: the pairing of an MTP head's hidden rows (token
+    p with the target's hidden of p - 1), else a drafter's anchor and block."""
+    said = f"{ev.tensor} rows are shifted by {s:+d}: the run's row at position p holds the reference's row at p{s:+d}"
+    if ev.record == names.MTP_H_INPUT or ev.record.startswith(f"{names.MTP_HNORM}-"):
+        return (
+            f"{said}; an MTP head pairs token p with the target's hidden of position p - 1 (the first token of a "
+            "sequence with zeros): stage the hidden rows one position behind their tokens"
+        )
+    return f"{said}; check the anchor row and the block offset"
 
 
 def detect_misplaced_rows(ev: Evidence) -> Finding | None:

@@ -334,6 +334,12 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
         return _eagle3_export_message(tensor, f"{key}={value}", candidate)
     if f"{key}={value}" in (names.HYP_H_PRENORM, names.HYP_CHAIN_PRENORM):
         return _mtp_prenorm_message(tensor, f"{key}={value}", candidate)
+    if f"{key}={value}" == names.HYP_H_BATCH_LAST:
+        return (
+            f"{tensor} pairs the first token of this target batch with the batch's last hidden state, a later "
+            f"position's (it matches the reference's {candidate}): a batch's first token takes the pending row the "
+            "batch before left (zeros before the first batch; ikawrakow/ik_llama.cpp#2222)"
+        )
     return (
         f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
         f"uses its own: ship it in the GGUF or fix which {key} the run reads"

@@ -1,0 +1,94 @@
+"""MTP heads around unmodified upstream programs (issue 33): llama-speculative-simple and
+llama-server with `--spec-type draft-mtp` under the preload, the head inside the target GGUF (the
+MTP context runs on the target's own model: the preload tells it by its context type) or as a
+separate `-md` head GGUF. Each dump compares clean against the reference that follows it; the MTP
+driver faults of 0002-driver-faults.patch are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from featdiff.diff import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.llama import exec as exec_capture
+from featdiff.torchref.kind import reference
+
+TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+RUN_TIMEOUT_S = 120
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+
+
+def test_the_command_line_names_the_mtp_kind():
+    cmd = ["llama-server", "-m", "T.gguf", "--spec-type=ngram-simple,draft-mtp"]
+    assert exec_capture.spec_types(cmd) == ("ngram-simple", "draft-mtp")
+    assert exec_capture.drafter_kind(cmd).name == "mtp"
+    kept = exec_capture.command_filters(None, cmd)
+    assert kept.keeps("target", "h_nextn") and kept.keeps("target", "l_out-3") and kept.keeps("draft", "mtp_concat-6")
+    assert exec_capture.drafter_kind(["llama-server", "-m", "T.gguf"]) is None
+
+
+def _command(tools, program: str, d: Path, separate: bool) -> list[str]:
+    head = ["-md", str(d / "draft.gguf")] if separate else []
+    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *head, *SPEC_ARGS]
+    if program == "llama-speculative-simple":
+        # a prompt whose positions stay clear of the qwen35 reference's rare noisier rows (up to 0.4%
+        # relative at a target row the transformers gated delta-net fallback computes), which the head's
+        # chain of drafts carries on: "The quick brown fox" meets one at position 32 (NMSE 3e-5 there)
+        cmd += ["-p", "hello world", "-n", "16", "--temp", "0"]
+    return cmd
+
+
+def _follow(d: Path, head: Path, run: Path, tmp: Path) -> Path:
+    return reference(
+        d / "target-hf", head, tmp / "ref.npz", prompt=None, tokens=None, rounds=0, dtype="float32", device="cpu",
+        kv_dtype="f16", llama_dir=None, follow=run,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "program, variant",
+    [("llama-speculative-simple", "mtp"), ("llama-speculative-simple", "mtp-separate"), ("llama-server", "mtp")],
+)
+def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, variant, tmp_path):
+    d, separate = mtp_pairs(variant), variant == "mtp-separate"
+    tokens = TOKENS if program == "llama-server" else None
+    run = exec_capture.capture_exec(
+        _command(tools, program, d, separate), tmp_path / "run.npz", tokens=tokens, timeout_s=RUN_TIMEOUT_S
+    )
+    with read_dump(run) as dump:
+        m = dump.manifest
+    assert m.models["draft"]["architecture"] == "qwen35"
+    assert m.models["draft"]["path"].endswith("draft.gguf" if separate else "target.gguf")
+    assert m.rounds and any(r.drafts for r in m.rounds)
+    assert {e.phase for e in m.evals} >= {"prefill", "inject", "draft", "verify"}
+    assert {(r.role, r.name) for r in m.records} >= {("target", "h_nextn"), ("draft", "mtp_concat-6")}
+    ref = _follow(d, d / ("draft.gguf" if separate else "target.gguf"), run, tmp_path)
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    expected = ("warmup", "output no rows")  # llama-server samples its prefill's last row; the reference outputs none
+    unexpected = [s for s in c.skipped if not any(e in s for e in expected)]
+    assert not unexpected, unexpected
+
+
+@pytest.mark.parametrize(
+    "fault, kind, tensor",
+    [
+        ("mtp-no-shift", "row_shift", "mtp_hnorm-6"),  # token p with the hidden of p: rows one later
+        ("mtp-boundary-future", "wrong_source", "mtp_hnorm-6"),  # a batch's first row reads that batch's last
+    ],
+)
+def test_the_mtp_driver_faults_are_named(tools, mtp_pairs, monkeypatch, fault, kind, tensor, tmp_path):
+    d = mtp_pairs("mtp")
+    monkeypatch.setenv("FEATDIFF_FAULT", fault)  # 0002-driver-faults.patch, read by common/speculative.cpp
+    run = exec_capture.capture_exec(
+        _command(tools, "llama-speculative-simple", d, False), tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S
+    )
+    c = compare_dumps(_follow(d, d / "target.gguf", run, tmp_path), run)
+    errors = [f for f in c.findings if f.severity == "error"]
+    assert errors and (errors[0].kind, errors[0].tensor) == (kind, tensor), [f.message for f in errors]
+    first = c.pairs[c.first_divergence]
+    assert first.phase in ("warmup", "prefill", "inject")  # the catch-up decode after a target batch
