@@ -78,6 +78,7 @@ def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, fau
     errors = [f for f in c.findings if f.severity == "error"]
     assert [(f.kind, f.tensor) for f in errors] == [(kind, tensor)], [f.message for f in errors]
     assert words in errors[0].message
+    assert not [f for f in c.findings if f.kind == "flow_note"]  # the faulty graph keeps upstream's node order
     phases = {"mtp-recycle-prenorm": "draft"}  # the first step reads the target's row: the second one differs
     assert c.first_divergence is not None and c.pairs[c.first_divergence].phase == phases.get(fault, "inject")
 
