@@ -33,7 +33,8 @@ from featdiff.torchref.eagle3 import (
     encode_candidates,
     scattered_at_offsets,
 )
-from featdiff.torchref.eagle3_flow import run_flow, top1_probability
+from featdiff.torchref.eagle3_flow import run_flow
+from featdiff.torchref.steps import top1_probability
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import Numerics, linear, rms_norm
 from featdiff.torchref.replay import FollowError

@@ -319,3 +319,57 @@ def _drafts(dft: Context, rec: Recorder, cfg: FlowConfig, n_rows: int) -> list[i
         cfg.first_draft_row,
         cfg.p_min,
     )
+
+
+# --- the kinds that draft one token per decode (EAGLE3, MTP) --------------------------------------
+SAMPLER_TOP_K = 10  # their drafters' samplers (common/speculative.cpp): top-k 10, then the top-1
+
+
+class StepConfig(Protocol):
+    """What the draft steps read of a kind's flow config."""
+
+    @property
+    def p_min(self) -> float: ...
+
+    @property
+    def draft_max(self) -> int: ...
+
+
+def step_drafts(
+    dft: Context,
+    st: EvalCounter,
+    rec: Recorder,
+    cfg: StepConfig,
+    rnd: int,
+    token: int,
+    row: np.ndarray,
+    pos: int,
+    staged: str | None = None,
+) -> list[int]:
+    """A round's draft steps of a one-token-per-decode drafter (EAGLE3's, MTP's draft()): `token`
+    with the state `row` (n_embd,) at `pos`, then one decode per draft, each with the previous
+    step's nextn row at the next position; top-1 of the sampler's top 10, stopping below `p_min`
+    or at `draft_max`. Each step's logits are recorded as `draft_logits`, and the row it was
+    handed as `staged` when named (a graph input the shim cannot read)."""
+    drafts: list[int] = []
+    while True:
+        open_eval(st, rec, Phase.DRAFT, rnd, [pos], [token])
+        if staged is not None:
+            rec.readback(staged, row[None, :])  # (1, n_embd)
+        dft.decode_tokens_embd([token], row[None, :], [pos], outputs=True)
+        logits = dft.logits(0)
+        rec.readback(names.DRAFT_LOGITS, logits[None, :])  # (1, n_vocab)
+        token, p = top1(logits)
+        if p < cfg.p_min:
+            return drafts
+        drafts.append(token)
+        if len(drafts) >= cfg.draft_max:
+            return drafts
+        row, pos = dft.nextn_row(0), pos + 1
+
+
+def top1(logits: np.ndarray) -> tuple[int, float]:
+    """The sampler's pick and its probability: the largest logit, softmax over the top 10."""
+    top = np.sort(logits.astype(np.float64))[-SAMPLER_TOP_K:]
+    p = np.exp(top - top[-1])
+    return int(np.argmax(logits)), float(1.0 / p.sum())

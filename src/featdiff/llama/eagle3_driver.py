@@ -27,12 +27,11 @@ from featdiff import names
 from featdiff.blocks import accepted_length
 from featdiff.dump import Round
 from featdiff.errors import InputError
-from featdiff.llama.driver import Recorder, close_round, each_round, features, open_eval, rollback
+from featdiff.llama.driver import Recorder, close_round, each_round, features, open_eval, rollback, step_drafts
 from featdiff.llama.runtime import Context, Model
 from featdiff.phases import PREFILL_ROUND, Phase
 
 N_TARGET_LAYERS = 3  # llama_model_eagle3::load_arch_hparams: exactly three
-SAMPLER_TOP_K = 10  # common_speculative_impl_draft_eagle3's sampler: top-k 10, then the top-1
 
 
 @dataclass(frozen=True)
@@ -151,27 +150,6 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: Eagle3Con
 
 def _draft(dft: Context, st: _State, rec: Recorder, cfg: Eagle3Config, rnd: int) -> list[int]:
     """draft(): the seed (the freshest target token with the pending row, at the pending
-    position), then one decode per draft with the previous step's pre-norm row; each step's
-    logits are recorded as its `draft_logits`."""
+    position), then one decode per draft with the previous step's pre-norm row (driver.step_drafts)."""
     dft.seq_rm(st.pending_pos)
-    token, row, pos = st.id_last, st.pending_g, st.pending_pos
-    drafts: list[int] = []
-    while True:
-        open_eval(st, rec, Phase.DRAFT, rnd, [pos], [token])
-        dft.decode_tokens_embd([token], row[None, :], [pos], outputs=True)
-        logits = dft.logits(0)
-        rec.readback(names.DRAFT_LOGITS, logits[None, :])  # (1, n_vocab)
-        token, p = top1(logits)
-        if p < cfg.p_min:
-            return drafts
-        drafts.append(token)
-        if len(drafts) >= cfg.draft_max:
-            return drafts
-        row, pos = dft.nextn_row(0), pos + 1
-
-
-def top1(logits: np.ndarray) -> tuple[int, float]:
-    """The sampler's pick and its probability: the largest logit, softmax over the top 10."""
-    top = np.sort(logits.astype(np.float64))[-SAMPLER_TOP_K:]
-    p = np.exp(top - top[-1])
-    return int(np.argmax(logits)), float(1.0 / p.sum())
+    return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_g, st.pending_pos)

@@ -30,8 +30,7 @@ from featdiff import names
 from featdiff.blocks import accepted_length
 from featdiff.dump import Round
 from featdiff.errors import InputError
-from featdiff.llama.driver import Recorder, close_round, each_round, open_eval, rollback
-from featdiff.llama.eagle3_driver import top1
+from featdiff.llama.driver import Recorder, close_round, each_round, open_eval, rollback, step_drafts
 from featdiff.llama.runtime import Context, Model
 from featdiff.phases import PREFILL_ROUND, Phase
 
@@ -145,19 +144,6 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig
 
 def _draft(dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int) -> list[int]:
     """draft(): the freshest target token with the pending row at n_past, then one decode per
-    draft with the previous step's h_nextn; each step's logits are recorded as `draft_logits`."""
-    token, row, pos = st.id_last, st.pending_h, st.n_past
-    drafts: list[int] = []
-    while True:
-        open_eval(st, rec, Phase.DRAFT, rnd, [pos], [token])
-        rec.readback(names.MTP_H_INPUT, row[None, :])  # (1, n_embd)
-        dft.decode_tokens_embd([token], row[None, :], [pos], outputs=True)
-        logits = dft.logits(0)
-        rec.readback(names.DRAFT_LOGITS, logits[None, :])  # (1, n_vocab)
-        token, p = top1(logits)
-        if p < cfg.p_min:
-            return drafts
-        drafts.append(token)
-        if len(drafts) >= cfg.draft_max:
-            return drafts
-        row, pos = dft.nextn_row(0), pos + 1
+    draft with the previous step's h_nextn (driver.step_drafts); the rows handed over are recorded
+    as `mtp_h_input`."""
+    return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past, staged=names.MTP_H_INPUT)

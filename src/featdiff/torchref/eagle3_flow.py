@@ -37,10 +37,9 @@ from featdiff.torchref.replay import (
     played_round,
 )
 from featdiff.torchref.stack import Named
+from featdiff.torchref.steps import next_token, own_drafts, top1_probability
 from featdiff.torchref.target import TargetPass, forward_target
 from featdiff.torchref.weights import Target
-
-SAMPLER_TOP_K = 10  # the drafter's sampler: top_k 10, then dist (common_speculative_impl_draft_eagle3)
 
 
 @dataclass(frozen=True)
@@ -100,13 +99,6 @@ def features(tp: TargetPass, draft: Eagle3Draft) -> torch.Tensor:
     """Feature rows, token-major: slot k = input of target layer `target_layers[k]`, shape
     `(n_tokens, 3 * n_embd_tgt)` as process() interleaves them into features_buf."""
     return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, 3 * n_embd_tgt)
-
-
-def top1_probability(row: torch.Tensor) -> float:
-    """The top candidate's probability as the drafter's sampler has it: softmax over the top
-    SAMPLER_TOP_K logits of the row (top_k, then dist's softmax; sorted by p)."""
-    top = torch.topk(row.float(), min(SAMPLER_TOP_K, row.shape[0])).values  # (k,) descending
-    return float(1.0 / torch.exp(top - top[0]).sum())
 
 
 def _prefill(
@@ -252,7 +244,6 @@ def _draft(
     token, g, pos = state.id_last, state.pending_g[None, :], state.pending_pos
     picks: list[tuple[int, bool]] = []  # each row's top candidate, and whether p_min stops at it
     traces: list[EvalTrace] = []
-    n_steps = _followed_steps(plan, draft_max)
     hyp: DecodePass | None = None  # the same steps recycling result_norm (g=after_norm), from the seed on
     while True:
         dp = decode(draft, target, _ids((token,), numerics), g, _ids((pos,), numerics), cache)
@@ -260,22 +251,12 @@ def _draft(
         hyp = _after_norm_step(draft, target, token, pos, numerics, dp, hyp)
         ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, (pos,), (token,), r)
         traces.append(EvalTrace(ev, dp.records + _draft_logits(dp) + _after_norm_records(hyp)))
-        pick = int(dp.logits[0].argmax())
-        picks.append((pick, top1_probability(dp.logits[0]) < p_min))
-        if plan is None:
-            if picks[-1][1] or len(picks) >= draft_max:
-                break
-            token = pick
-        elif steps is not None:  # the run's own decodes, past the drafts its loop kept too
-            if len(picks) >= len(steps):
-                break
-            token = steps[len(picks)]
-        else:
-            if len(picks) > n_steps:
-                break
-            token = plan.drafts[len(picks) - 1]
-        g, pos = dp.prenorm, pos + 1
-    own = _own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
+        picks.append((int(dp.logits[0].argmax()), top1_probability(dp.logits[0]) < p_min))
+        following = next_token(picks, plan, steps, draft_max)
+        if following is None:
+            break
+        token, g, pos = following, dp.prenorm, pos + 1
+    own = own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
     return own, truncated(cache, state.n_past), traces
 
 
@@ -309,25 +290,3 @@ def _draft_logits(dp: DecodePass) -> tuple[Named, ...]:
     if dp.offsets_logits is None:
         return logits
     return logits + (Named(names.candidate_name(names.DRAFT_LOGITS, names.HYP_D2T_OFFSETS), dp.offsets_logits),)
-
-
-def _own_drafts(picks: list[tuple[int, bool]], run_drafts: tuple[int, ...] | None, draft_max: int) -> tuple[int, ...]:
-    """The drafts the reference makes of its rows' picks: up to p_min's stop or `draft_max`;
-    following a run, up to and with the first pick that parts from the run's drafts."""
-    own: list[int] = []
-    for j, (pick, stop) in enumerate(picks):
-        if stop or len(own) >= draft_max:
-            break
-        own.append(pick)
-        if run_drafts is not None and (j >= len(run_drafts) or pick != run_drafts[j]):
-            break
-    return tuple(own)
-
-
-def _followed_steps(plan: Round | None, draft_max: int) -> int:
-    """The step evals a run made for its drafts: one per draft but the last when it stopped at
-    `draft_max` (the last draft is never decoded), one per draft when p_min stopped it."""
-    if plan is None:
-        return 0
-    n = len(plan.drafts)
-    return n - 1 if n >= draft_max else n

@@ -23,7 +23,6 @@ from featdiff.dump import Round
 from featdiff.errors import InputError
 from featdiff.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.torchref.attention import KvCache, truncated
-from featdiff.torchref.eagle3_flow import _followed_steps, _own_drafts, top1_probability
 from featdiff.torchref.hf_target import HfTarget, final_norm
 from featdiff.torchref.mtp import MtpHead, MtpPass, check_mtp_pair, decode
 from featdiff.torchref.numerics import Numerics, rms_norm
@@ -39,6 +38,7 @@ from featdiff.torchref.replay import (
     played_round,
 )
 from featdiff.torchref.stack import Named
+from featdiff.torchref.steps import next_token, own_drafts, top1_probability
 from featdiff.torchref.target import TargetPass, forward_target
 from featdiff.torchref.weights import Target
 
@@ -218,7 +218,6 @@ def _draft(
     token, row, pos = state.id_last, state.pending.post, state.n_past
     picks: list[tuple[int, bool]] = []  # each step's top candidate, and whether p_min stops at it
     traces: list[EvalTrace] = []
-    n_steps = _followed_steps(plan, draft_max)
     chain: MtpPass | None = None  # the same steps each handed the previous one's mtp_post_ffn (h=chain_prenorm)
     while True:
         ids, at = _ids((token,), numerics), _ids((pos,), numerics)
@@ -227,22 +226,12 @@ def _draft(
         chain = mp if chain is None else decode(head, ids, chain.post_ffn, at, chain.cache)
         ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, (pos,), (token,), r)
         traces.append(EvalTrace(ev, (*mp.records, Named(names.DRAFT_LOGITS, mp.logits), *_chain_records(head, chain))))
-        pick = int(mp.logits[0].argmax())
-        picks.append((pick, top1_probability(mp.logits[0]) < p_min))
-        if plan is None:
-            if picks[-1][1] or len(picks) >= draft_max:
-                break
-            token = pick
-        elif steps is not None:  # the run's own decodes, past the drafts its loop kept too
-            if len(picks) >= len(steps):
-                break
-            token = steps[len(picks)]
-        else:
-            if len(picks) > n_steps:
-                break
-            token = plan.drafts[len(picks) - 1]
-        row, pos = mp.h_nextn, pos + 1  # the chain recycles h_nextn
-    own = _own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
+        picks.append((int(mp.logits[0].argmax()), top1_probability(mp.logits[0]) < p_min))
+        following = next_token(picks, plan, steps, draft_max)
+        if following is None:
+            break
+        token, row, pos = following, mp.h_nextn, pos + 1  # the chain recycles h_nextn
+    own = own_drafts(picks, plan.drafts if plan is not None else None, draft_max)
     return own, truncated(cache, state.n_past), traces
 
 
