@@ -106,7 +106,11 @@ def test_an_unknown_mtp_variant_is_refused_in_one_line_naming_the_choices(tmp_pa
 
 def test_the_variant_table_and_its_settings_agree():
     assert MTP_VARIANTS == {name: v.doc for name, v in MTP_SETTINGS.items()}
-    assert {name: v.has_separate_head for name, v in MTP_SETTINGS.items()} == {"mtp": False, "mtp-separate": True}
+    assert {name: v.has_separate_head for name, v in MTP_SETTINGS.items()} == {
+        "mtp": False,
+        "mtp-separate": True,
+        "trained-mtp": False,
+    }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
 
 

@@ -3,7 +3,10 @@
 the same seed) with a seeded MTP block added to its checkpoint as Qwen3.5 checkpoints ship it,
 and the pinned converter's GGUFs of it. The directory is the fixture layout: `target-hf/`,
 `target.gguf`, `VARIANT`, and for `mtp-separate` `draft.gguf`; there is no `draft-hf/` (the head
-lives in the target's checkpoint, and the converter's `--mtp` cuts the draft GGUF out of it).
+lives in the target's checkpoint, and the converter's `--mtp` cuts the draft GGUF out of it). The
+`trained-mtp` variant is the family's target with a faint trunk (TRUNK_GAIN) and a head trained on
+its greedy text (featdiff.training.mtp, cached per machine), and `prompts.txt`: held-out prompts
+for `featdiff probe`, as fixtures.write_fixture writes them for the trained DFlash pairs.
 
 What the converter (conversion/qwen.py _QwenMtpMixin) writes of the head (GGUF_FROM_HF names each
 tensor): block n_layer (6), one past the trunk, a full-attention Qwen3.5 layer (`mtp.layers.0.*`)
@@ -34,6 +37,7 @@ from featdiff.converter import (
     write_spm_tokenizer,
 )
 from featdiff.errors import InputError
+from featdiff.fixtures import PROMPTS_FILE, _write_held_out_prompts
 from featdiff.hf_targets import BOOTSTRAP_OF, FAMILIES, TOKENIZER_SPM, write_hf_target
 from featdiff.outputs import check_output_dir, replaced
 from featdiff.pairs import _linear, _norm
@@ -74,6 +78,14 @@ GGUF_FROM_HF = {
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
 MTP_STREAM = 4
 VARIANT_FILE = "VARIANT"
+# The trained variant's target: the family's, every trunk layer writing TRUNK_GAIN of what it wrote
+# to the residual stream (its mixer's and its FFN's output projections). At full gain the random
+# Qwen3.5 is chaotic, its next token a function of the whole context (seed 0: a token's most
+# frequent greedy successor follows it 9% of the time), and a trained one-layer head predicts
+# 2.5% of held-out tokens; at 0.05 the embedding leads (90%), the faint layers keep some context,
+# and the trained head accepts about 2 of 3 drafts (training.mtp)
+TRUNK_GAIN = 0.05
+TRUNK_WRITES = ("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class MtpVariant:
     name: str
     doc: str
     has_separate_head: bool  # target.gguf converted --no-mtp, draft.gguf the --mtp head alone
+    is_trained: bool = False  # the faint-trunk target and its trained head (training.mtp), with prompts.txt
 
 
 _VARIANTS = (
@@ -96,6 +109,13 @@ _VARIANTS = (
         "mtp-separate",
         "Qwen3.5 target (--no-mtp) and its MTP head alone as draft.gguf (--mtp; --spec-type draft-mtp)",
         has_separate_head=True,
+    ),
+    MtpVariant(
+        "trained-mtp",
+        "Qwen3.5 target with a faint trunk and its MTP head trained on its greedy text, inside target.gguf "
+        "(as `mtp`): accept rate means something",
+        has_separate_head=False,
+        is_trained=True,
     ),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
@@ -111,13 +131,22 @@ def checked_mtp_variant(name: str) -> MtpVariant:
 
 def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -> Path:
     """Write `variant`'s fixture into `outdir`: the qwen35 family's target of `seed` with an MTP
-    head of `seed` in `target-hf/`, and the pinned converter's GGUFs of it; return `outdir`. The
-    `mtp` variant has no drafter, so an earlier fixture's `draft.gguf` is removed."""
+    head of `seed` in `target-hf/` (a trained variant: its faint-trunk target and the head trained
+    on it, and `prompts.txt`), and the pinned converter's GGUFs of it; return `outdir`. An
+    earlier fixture's `draft.gguf` is removed where the variant has none (the head inside
+    target.gguf), and its `prompts.txt` where the variant is untrained."""
     v = checked_mtp_variant(variant)
     out = check_output_dir(Path(outdir), (), "OUTDIR")
     hf = write_hf_target(out / TARGET_HF, FAMILIES[FAMILY], seed)
     write_spm_tokenizer(hf / TOKENIZER_MODEL, pairs.TINY.n_vocab)
+    if v.is_trained:
+        faint_trunk(hf)
     add_mtp_head(hf, seed)
+    if v.is_trained:
+        _update_tensors(hf, _trained_head(hf, seed))
+        _write_held_out_prompts(out / PROMPTS_FILE, seed, pairs.TINY)
+    else:
+        (out / PROMPTS_FILE).unlink(missing_ok=True)  # a trained fixture's held-out prompts
     bootstrap = BOOTSTRAP_OF[TOKENIZER_SPM]
     convert_checkpoint(hf, out / TARGET_GGUF, bootstrap=bootstrap, no_mtp=v.has_separate_head)
     if v.has_separate_head:
@@ -132,16 +161,39 @@ def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -
 def add_mtp_head(hf: Path, seed: int) -> None:
     """The checkpoint `hf` (a Qwen3.5 target as write_hf_target saves it) given an MTP head:
     `mtp_num_hidden_layers` in its config.json and `mtp_weights` in its safetensors file."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     config_path = hf / names.HF_CONFIG
     config = json.loads(config_path.read_text())
-    tensors = load_file(str(hf / HF_SAFETENSORS))
-    tensors.update(mtp_weights(config, tensors, seed))
-    with replaced(hf / HF_SAFETENSORS) as tmp:
-        save_file(tensors, str(tmp), metadata=SAFETENSORS_META)
+    _update_tensors(hf, mtp_weights(config, load_file(str(hf / HF_SAFETENSORS)), seed))
     with replaced(config_path) as tmp:
         tmp.write_text(json.dumps({**config, HF_N_MTP: N_MTP}, indent=2, sort_keys=True) + "\n")
+
+
+def faint_trunk(hf: Path) -> None:
+    """The checkpoint `hf`'s trunk layers writing TRUNK_GAIN of what they wrote to the residual
+    stream: the trained variant's target."""
+    from safetensors.numpy import load_file
+
+    held = load_file(str(hf / HF_SAFETENSORS))
+    writes = {k for k in held if k.startswith(HF_LAYER_PREFIX) and k.endswith(TRUNK_WRITES)}
+    _update_tensors(hf, {k: held[k] * np.float32(TRUNK_GAIN) for k in writes})
+
+
+def _trained_head(hf: Path, seed: int) -> dict[str, np.ndarray]:
+    """The `mtp.*` tensors of `hf`'s head trained on its target (trained once per machine, then cached)."""
+    from featdiff.training import mtp  # torch, and a first training, only when asked for
+
+    return mtp.trained_mtp(hf, seed).head
+
+
+def _update_tensors(hf: Path, tensors: dict[str, np.ndarray]) -> None:
+    """The checkpoint's safetensors file with `tensors` added, or in place of those it holds."""
+    from safetensors.numpy import load_file, save_file
+
+    held = load_file(str(hf / HF_SAFETENSORS))
+    with replaced(hf / HF_SAFETENSORS) as tmp:
+        save_file({**held, **tensors}, str(tmp), metadata=SAFETENSORS_META)
 
 
 def mtp_weights(config: dict, target: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:

@@ -94,3 +94,27 @@ def test_a_gguf_without_a_head_is_refused_by_name(mtp_pairs, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "nextn_predict_layers" in lines[0] and "--no-mtp" in lines[0], lines
     assert not (tmp_path / "run.npz").exists()
+
+
+def _check(d: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "check", "--target", str(d / "target.gguf"),
+         "--model", str(d / "target.gguf"), "--ref-target", str(d / "target-hf"), "--prompts", str(d / "prompts.txt")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+def test_check_passes_the_trained_head_and_fails_it_with_a_planted_fault(mtp_pairs):
+    """`featdiff check` on the trained head (the target's reference from its checkpoint: a Qwen3.5
+    target runs through transformers): the wiring compares clean and the run accepts as the
+    reference does; with the concat swapped (0008) the same command fails, naming it."""
+    import os
+
+    d = mtp_pairs("trained-mtp")
+    env = {k: v for k, v in os.environ.items() if k != "FEATDIFF_FAULT"}
+    done = _check(d, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout and "agree" in done.stdout
+    faulty = _check(d, {**env, "FEATDIFF_FAULT": "mtp-concat-swapped"})
+    assert faulty.returncode == 1, faulty.stdout + faulty.stderr
+    assert "slot_permutation" in faulty.stdout and "mtp_concat-6" in faulty.stdout

@@ -63,10 +63,6 @@ DRAFT_MAX = 3  # llama.cpp's --spec-draft-n-max default: drafts a held-out round
 F32_KV = Numerics(torch.float32, CPU, "f32")  # how accept is measured: training emulates no f16 cache
 CACHE_PREFIX = "mtp-"  # its cache entries, beside the trained pairs' (training.cache)
 HEAD_FILE = "head.safetensors"
-# MtpHead's field of each nextn tensor (torchref.mtp.NEXTN_TENSORS' keys)
-NEXTN_FIELDS = {names.NEXTN_EH_PROJ: "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "head_norm"}
-# what the head is handed at a sequence's first row, which has no hidden before it (mtp_flow's first pending row)
-NO_HIDDEN_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,7 @@ class MtpConfig:
     held_out_rounds: int = 8  # rounds of DRAFT_MAX drafts per held-out prompt
     steps: int = 300
     seqs_per_step: int = 8
-    anchors_per_seq: int = 8  # rows of a sequence the recycled steps start from
+    anchors_per_seq: int = 2  # rows of a sequence the recycled steps start from (each a decode per step)
     ttt_steps: int = DRAFT_MAX  # step one and the recycled steps: one per draft of a round
     ttt_decay: float = 0.8  # step k's loss weighs ttt_decay^(k-1) (SpecForge's 0.8, as eagle3.py)
     lr: float = 1e-2
@@ -144,7 +140,7 @@ def train_mtp(hf: Path, seed: int, config: MtpConfig = DEFAULT_CONFIG) -> Traine
         train_seconds = time.perf_counter() - start
         held_out = held_out_prompts(seed, config.n_held_out, pairs.TINY)
         accepted = {
-            name: held_out_accepted(target, head_with(base, _tensors(w)), held_out, config.held_out_rounds)
+            name: held_out_accepted(target, head_with(base, as_tensors(w)), held_out, config.held_out_rounds)
             for name, w in (("trained", head), ("untrained", init))
         }
     meta = {
@@ -161,7 +157,7 @@ def train_head(
 ) -> dict[str, np.ndarray]:
     """The head's `mtp.*` tensors trained from `init` on the corpus; `base` gives the rest of the
     head (its sizes and the target's tables)."""
-    w = _tensors(init, trainable=True)
+    w = as_tensors(init, trainable=True)
     _fit([(list(w.values()), config.lr)], config.steps, _losses(base, w, corpus, config, rng))
     return {k: t.detach().numpy().copy() for k, t in w.items()}
 
@@ -179,11 +175,20 @@ def head_with(base: MtpHead, w: dict[str, torch.Tensor]) -> MtpHead:
     """`base` with its own tensors taken from `w` (the checkpoint's names and convention), every
     norm plus one as mtp_from_hf loads it: autograd reaches `w` through the head."""
     block = {k: _loaded(w[f"{HF_MTP_LAYER}{v}.weight"], k.endswith(HF_NORM_SUFFIX)) for k, v in BLOCK_TENSORS.items()}
-    nextn = {
-        NEXTN_FIELDS[k]: _loaded(w[f"{HF_MTP_PREFIX}{v}.weight"], k != names.NEXTN_EH_PROJ)
-        for k, v in NEXTN_TENSORS.items()
-    }
-    return replace(base, block=block, **nextn)
+    nextn = {k: _loaded(w[f"{HF_MTP_PREFIX}{v}.weight"], k != names.NEXTN_EH_PROJ) for k, v in NEXTN_TENSORS.items()}
+    return replace(
+        base,
+        eh_proj=nextn[names.NEXTN_EH_PROJ],
+        enorm=nextn["enorm"],
+        hnorm=nextn["hnorm"],
+        block=block,
+        head_norm=nextn["shared_head_norm"],
+    )
+
+
+def as_tensors(w: dict[str, np.ndarray], trainable: bool = False) -> dict[str, torch.Tensor]:
+    """float32 torch copies of `w`; with `trainable`, autograd leaves."""
+    return {k: torch.tensor(a, dtype=torch.float32, requires_grad=trainable) for k, a in w.items()}
 
 
 def make_corpus(target: Target, hf: Path, chosen: tuple[tuple[int, ...], ...], n_tokens: int) -> Corpus:
@@ -241,8 +246,8 @@ def step_one(head: MtpHead, tokens: torch.Tensor, hidden: torch.Tensor) -> MtpPa
     """decode over one sequence's rows (token q, hidden q - 1) at positions 0 .. n_tokens-1, as
     process() runs them; tokens `(n_tokens,)`, hidden `(n_tokens, n_embd)`."""
     hp = head.hparams
-    no_hidden = torch.zeros((NO_HIDDEN_ROWS, hp.n_embd), dtype=hidden.dtype)
-    h = torch.cat([no_hidden, hidden[:-1]])  # (n_tokens, n_embd): row q is handed hidden q - 1
+    first = torch.zeros((1, hp.n_embd), dtype=hidden.dtype)  # no hidden before row 0: mtp_flow's first pending row
+    h = torch.cat([first, hidden[:-1]])  # (n_tokens, n_embd): row q is handed hidden q - 1
     cache = empty_cache(1, hp.n_head_kv, hp.n_embd_head, "f32", CPU)
     return decode(head, tokens, h, torch.arange(tokens.shape[0]), cache)
 
@@ -277,8 +282,12 @@ def mtp_loss(
         for q in row_anchors.tolist():
             for k, logits in enumerate(recycled_steps(head, one, tokens, q, n_steps), start=1):
                 per_step[k].append(cross_entropy(logits, tokens[q + k + 1 : q + k + 2], reduction="none"))
-    total = sum(decay**k * torch.cat(ce).mean() for k, ce in enumerate(per_step) if ce)
-    return total / sum(decay**k for k, ce in enumerate(per_step) if ce)
+    total, weight = torch.zeros(()), 0.0
+    for k, ce in enumerate(per_step):
+        if ce:  # no anchors: step one alone
+            total = total + decay**k * torch.cat(ce).mean()
+            weight += decay**k
+    return total / weight
 
 
 def held_out_accepted(
@@ -303,16 +312,15 @@ def _losses(
         seqs = torch.from_numpy(rng.choice(len(corpus.tokens), config.seqs_per_step, replace=False))
         anchors = np.stack(
             [
-                rng.choice(np.arange(int(corpus.first_anchor[s]), n_tokens - config.ttt_steps), config.anchors_per_seq)
+                rng.choice(
+                    np.arange(int(corpus.first_anchor[s]), n_tokens - config.ttt_steps),
+                    config.anchors_per_seq,
+                    replace=False,
+                )
                 for s in seqs.tolist()
             ]
         )  # (seqs_per_step, anchors_per_seq): the last step's label q + ttt_steps stays inside the sequence
         yield mtp_loss(head_with(base, w), corpus, seqs, anchors, config.ttt_steps, config.ttt_decay)
-
-
-def _tensors(w: dict[str, np.ndarray], trainable: bool = False) -> dict[str, torch.Tensor]:
-    """float32 torch copies of `w`; with `trainable`, autograd leaves."""
-    return {k: torch.tensor(a, dtype=torch.float32, requires_grad=trainable) for k, a in w.items()}
 
 
 def _loaded(t: torch.Tensor, is_norm: bool) -> torch.Tensor:
