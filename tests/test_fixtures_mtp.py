@@ -1,7 +1,9 @@
 """The Qwen3.5 MTP fixtures (featdiff.fixtures_mtp): the head the checkpoint gains, the pinned
 converter's GGUFs of it (the head inside the target, or cut out as draft.gguf: keys, tensors and
 shapes as src/models/qwen35.cpp load_block_mtp creates them, values the checkpoint's), the target
-left as the qwen35 family's, the `featdiff fixture` command, and llama.cpp drafting with the head."""
+left as the qwen35 family's, the Qwen3.5-MoE variant (its head an MoE layer, as
+src/models/qwen35moe.cpp loads it), the `featdiff fixture` command, and llama.cpp drafting with
+the head."""
 
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ from featdiff.cli import app
 from featdiff.converter import CONVERTER
 from featdiff.errors import InputError
 from featdiff.fixtures_mtp import (
+    ARCH_QWEN35MOE,
     GGUF_FROM_HF,
+    GGUF_FROM_HF_MOE,
     HF_N_MTP,
     HF_SAFETENSORS,
+    MOE_TARGET,
     MTP_SETTINGS,
     MTP_VARIANTS,
     N_MTP,
@@ -29,12 +34,14 @@ from featdiff.fixtures_mtp import (
     write_mtp_fixture,
 )
 from featdiff.gguf_reader import array_from_tensor, has_meta, int_meta, read_gguf
+from featdiff.hf_targets import N_EXPERT, N_EXPERT_USED, N_FF_EXPERT
 from featdiff.pairs import TINY
 
 S = TINY.target
 KEY_BLOCK_COUNT = names.KEY_BLOCK_COUNT.format(arch=names.ARCH_QWEN35)
 KEY_NEXTN = names.KEY_NEXTN_LAYERS.format(arch=names.ARCH_QWEN35)
 MTP_BLOCK = f"blk.{S.n_layer}."
+MOE = "mtp-qwen35moe"
 # the trunk's tensors outside any block, which the converter's --mtp output keeps for the head
 SHARED = {"token_embd.weight", "output.weight", "output_norm.weight"}
 SPEC_PROMPT, SPEC_N_PREDICT, SPEC_N_DRAFT, SPEC_N_CTX, N_THREADS = "hello world", 8, 3, 256, 2
@@ -64,6 +71,24 @@ def _expected_block() -> dict[str, tuple[int, ...]]:
         "nextn.shared_head_norm": (S.n_embd,),
     }
     return {f"{MTP_BLOCK}{name}.weight": shape for name, shape in ne.items()}
+
+
+def _expected_moe_block() -> dict[str, tuple[int, ...]]:
+    """The MoE variant's MTP block as llama_model_qwen35moe::load_arch_tensors' load_block_mtp
+    creates it: the dense block's attention and nextn tensors, and an MoE FFN (router, experts
+    stacked on ne[2], shared expert, the shared expert's gate: ne (n_embd, 1), its HF (1, n_embd))."""
+    dense = {k: v for k, v in _expected_block().items() if not k.startswith(MTP_BLOCK + "ffn_")}
+    ne = {
+        "ffn_gate_inp": (S.n_embd, N_EXPERT),
+        "ffn_gate_exps": (S.n_embd, N_FF_EXPERT, N_EXPERT),
+        "ffn_up_exps": (S.n_embd, N_FF_EXPERT, N_EXPERT),
+        "ffn_down_exps": (N_FF_EXPERT, S.n_embd, N_EXPERT),
+        "ffn_gate_shexp": (S.n_embd, N_FF_EXPERT),
+        "ffn_up_shexp": (S.n_embd, N_FF_EXPERT),
+        "ffn_down_shexp": (N_FF_EXPERT, S.n_embd),
+        "ffn_gate_inp_shexp": (S.n_embd, 1),
+    }
+    return dense | {f"{MTP_BLOCK}{name}.weight": shape for name, shape in ne.items()}
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +135,18 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp": False,
         "mtp-separate": True,
         "trained-mtp": False,
+        MOE: False,
+    }
+    assert {name for name, v in MTP_SETTINGS.items() if v.is_moe} == {MOE}
+    assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
+        "mtp": names.ARCH_QWEN35,
+        "mtp-separate": names.ARCH_QWEN35,
+        "trained-mtp": names.ARCH_QWEN35,
+        MOE: ARCH_QWEN35MOE,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
+    assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())
+    assert MTP_SETTINGS[MOE].gguf_from_hf is GGUF_FROM_HF_MOE and MTP_SETTINGS["mtp"].gguf_from_hf is GGUF_FROM_HF
 
 
 # --- the checkpoint ------------------------------------------------------------------------------
@@ -140,29 +175,73 @@ def test_the_checkpoint_is_the_qwen35_target_with_a_seeded_head(made, tmp_path):
     assert not np.array_equal(w["mtp.fc.weight"], other["mtp.fc.weight"])
 
 
+@pytest.mark.slow
+def test_the_moe_checkpoint_is_its_target_with_a_seeded_moe_head(made, tmp_path):
+    """The MoE variant's target is MOE_TARGET's of the same seed, bit for bit; its head adds exactly
+    GGUF_FROM_HF_MOE's HF names: the full-attention layer 2's shapes, router, every expert, the
+    shared expert and its gate."""
+    from featdiff.hf_targets import write_hf_target
+
+    w = _hf(made[MOE])
+    write_hf_target(tmp_path / "plain" / "target-hf", MOE_TARGET, 0)
+    plain = _hf(tmp_path / "plain")
+    assert set(w) - set(plain) == set(GGUF_FROM_HF_MOE)
+    assert all(np.array_equal(w[k], a) for k, a in plain.items())
+    for hf in GGUF_FROM_HF_MOE:
+        if hf.startswith("mtp.layers.0."):
+            assert w[hf].shape == plain[hf.replace("mtp.layers.0.", "model.layers.2.")].shape, hf
+    assert w["mtp.layers.0.mlp.gate.weight"].shape == (N_EXPERT, S.n_embd)
+    assert w["mtp.layers.0.mlp.shared_expert_gate.weight"].shape == (1, S.n_embd)
+    config = json.loads((made[MOE] / "target-hf" / names.HF_CONFIG).read_text())
+    assert config[HF_N_MTP] == N_MTP and config["num_experts"] == N_EXPERT
+
+
 # --- the converter's GGUFs -----------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_the_mtp_target_holds_the_head_as_qwen35_cpp_loads_it(made):
-    d = made["mtp"]
+@pytest.mark.parametrize("variant", ["mtp", MOE])
+def test_the_mtp_target_holds_the_head_as_llama_cpp_loads_it(made, variant):
+    """qwen35.cpp's block, or qwen35moe.cpp's (the MoE variant), keyed by the variant's arch."""
+    d, arch = made[variant], MTP_SETTINGS[variant].arch
     m = read_gguf(d / "target.gguf")
-    assert m.arch == names.ARCH_QWEN35
-    assert int_meta(m, KEY_BLOCK_COUNT) == S.n_layer + N_MTP and int_meta(m, KEY_NEXTN) == N_MTP
-    assert _block(d / "target.gguf") == _expected_block()
+    assert m.arch == arch
+    assert int_meta(m, names.KEY_BLOCK_COUNT.format(arch=arch)) == S.n_layer + N_MTP
+    assert int_meta(m, names.KEY_NEXTN_LAYERS.format(arch=arch)) == N_MTP
+    assert _block(d / "target.gguf") == (_expected_moe_block() if variant == MOE else _expected_block())
     assert not (d / "draft.gguf").exists()
-    assert (d / "VARIANT").read_text() == f"mtp: {MTP_VARIANTS['mtp']} (converted by {CONVERTER})\n"
+    assert (d / "VARIANT").read_text() == f"{variant}: {MTP_VARIANTS[variant]} (converted by {CONVERTER})\n"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, gguf", [("mtp", "target.gguf"), ("mtp-separate", "draft.gguf")])
+def test_the_moe_target_carries_its_expert_keys(made):
+    m = read_gguf(made[MOE] / "target.gguf")
+    keys = {
+        "expert_count": N_EXPERT,
+        "expert_used_count": N_EXPERT_USED,
+        "expert_feed_forward_length": N_FF_EXPERT,
+        "expert_shared_feed_forward_length": N_FF_EXPERT,
+    }
+    assert {k: int_meta(m, f"{ARCH_QWEN35MOE}.{k}") for k in keys} == keys
+    trunk = {n: t.ne for n, t in m.tensors.items() if n.startswith("blk.5.ffn")}
+    assert trunk == {k.replace(MTP_BLOCK, "blk.5."): v for k, v in _expected_moe_block().items() if "ffn_" in k}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant, gguf", [("mtp", "target.gguf"), ("mtp-separate", "draft.gguf"), (MOE, "target.gguf")]
+)
 def test_the_heads_values_are_the_checkpoints_norms_plus_one(made, variant, gguf):
-    """The converter copies the head's matrices as they are (eh_proj: fc over [embedding, hidden])
-    and writes each norm as 1 + w (Qwen3.5's RMSNorm scales by 1 + w)."""
+    """The converter copies the head's matrices as they are (eh_proj: fc over [embedding, hidden];
+    expert x: slice x of the stacked experts) and writes each norm as 1 + w (Qwen3.5's RMSNorm
+    scales by 1 + w)."""
     w, m = _hf(made[variant]), read_gguf(made[variant] / gguf)
-    for hf, name in GGUF_FROM_HF.items():
+    for hf, name in MTP_SETTINGS[variant].gguf_from_hf.items():
         want = w[hf] + 1 if name.endswith("norm.weight") else w[hf]  # enorm, hnorm, ...: every norm
-        assert np.array_equal(array_from_tensor(m, name), want), hf
+        got = array_from_tensor(m, name)
+        if expert := re.search(r"\.experts\.(\d+)\.", hf):
+            got = got[int(expert.group(1))]
+        assert np.array_equal(got, want), hf
 
 
 @pytest.mark.slow

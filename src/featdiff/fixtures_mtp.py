@@ -16,6 +16,12 @@ and `shared_head_norm` norms. Every norm is written as 1 + its HF weight (Qwen3.
 by 1 + w; Qwen3NextModel.modify_tensors), matrices as they are. `qwen35.block_count` counts the
 head (n_layer + 1) and `qwen35.nextn_predict_layers` is 1; `--no-mtp` drops the block and both.
 `--mtp` keeps the block and the tensors it reads of the trunk: token_embd, output_norm, output.
+
+The `mtp-qwen35moe` variant is the same on a tiny Qwen3.5-MoE target (hf_targets._qwen35moe_config,
+llama.cpp's `qwen35moe`): every layer's dense MLP a sparse MoE block (router `mlp.gate`, per-expert
+`mlp.experts.{x}.{gate,up,down}_proj` as transformers saves them, a shared expert and its sigmoid
+gate), and so the head's decoder layer (GGUF_FROM_HF_MOE: the converter stacks the experts into
+`ffn_{gate,up,down}_exps`).
 """
 
 from __future__ import annotations
@@ -38,11 +44,28 @@ from featdiff.converter import (
 )
 from featdiff.errors import InputError
 from featdiff.fixtures import PROMPTS_FILE, _write_held_out_prompts
-from featdiff.hf_targets import BOOTSTRAP_OF, FAMILIES, TOKENIZER_SPM, write_hf_target
+from featdiff.hf_targets import (
+    BOOTSTRAP_OF,
+    FAMILIES,
+    N_EXPERT,
+    N_EXPERT_USED,
+    TOKENIZER_SPM,
+    Family,
+    _qwen35moe_config,
+    write_hf_target,
+)
 from featdiff.outputs import check_output_dir, replaced
 from featdiff.pairs import _linear, _norm
 
 FAMILY = "qwen35"  # the hf_targets family whose target carries the head
+ARCH_QWEN35MOE = "qwen35moe"  # llama.cpp's Qwen3.5-MoE (the converter's Qwen3_5MoeTextModel)
+# the MoE variant's target: Qwen3.5's tiny layers with MoE FFNs, seeded as a family's (not one of
+# hf_targets.FAMILIES: it has no DFlash fixture of its own)
+MOE_TARGET = Family(
+    ARCH_QWEN35MOE,
+    f"Qwen3.5-MoE target: Qwen3.5's layers, {N_EXPERT} experts, top-{N_EXPERT_USED}, and a shared expert",
+    _qwen35moe_config,
+)
 HF_N_MTP = "mtp_num_hidden_layers"  # config.json: how many MTP blocks (the converter's nextn count)
 N_MTP = 1  # llama.cpp's qwen35 MTP graph runs exactly one block (graph_mtp asserts it)
 HF_LAYER_PREFIX = "model.layers."  # where transformers saves the trunk's layers
@@ -57,7 +80,7 @@ HF_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
 _IL = pairs.TINY.target.n_layer
 _BLK = f"blk.{_IL}."
 _LAYER = "mtp.layers.0."
-GGUF_FROM_HF = {
+_HEAD_AND_ATTENTION = {
     HF_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
     HF_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
     HF_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
@@ -70,9 +93,30 @@ GGUF_FROM_HF = {
     _LAYER + "self_attn.q_norm.weight": _BLK + "attn_q_norm.weight",
     _LAYER + "self_attn.k_norm.weight": _BLK + "attn_k_norm.weight",
     _LAYER + "post_attention_layernorm.weight": _BLK + "post_attention_norm.weight",
+}
+GGUF_FROM_HF = {
+    **_HEAD_AND_ATTENTION,
     _LAYER + "mlp.gate_proj.weight": _BLK + "ffn_gate.weight",
     _LAYER + "mlp.up_proj.weight": _BLK + "ffn_up.weight",
     _LAYER + "mlp.down_proj.weight": _BLK + "ffn_down.weight",
+}
+# The MoE variant's head (qwen35moe.cpp load_block_mtp): its layer's MoE block in place of the
+# dense MLP. Expert x's matrix is slice x (ggml's slowest axis, ne[2]) of the GGUF's stacked
+# `ffn_*_exps` (Qwen2MoeModel.modify_tensors); the shared expert's gate (1, n_embd) is
+# `ffn_gate_inp_shexp`, its ne (n_embd, 1)
+HF_EXPERT = _LAYER + "mlp.experts.{x}.{proj}_proj.weight"
+GGUF_FROM_HF_MOE = {
+    **_HEAD_AND_ATTENTION,
+    _LAYER + "mlp.gate.weight": _BLK + "ffn_gate_inp.weight",
+    _LAYER + "mlp.shared_expert.gate_proj.weight": _BLK + "ffn_gate_shexp.weight",
+    _LAYER + "mlp.shared_expert.up_proj.weight": _BLK + "ffn_up_shexp.weight",
+    _LAYER + "mlp.shared_expert.down_proj.weight": _BLK + "ffn_down_shexp.weight",
+    _LAYER + "mlp.shared_expert_gate.weight": _BLK + "ffn_gate_inp_shexp.weight",
+    **{
+        HF_EXPERT.format(x=x, proj=proj): f"{_BLK}ffn_{proj}_exps.weight"
+        for proj in ("gate", "up", "down")
+        for x in range(N_EXPERT)
+    },
 }
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
@@ -96,6 +140,17 @@ class MtpVariant:
     doc: str
     has_separate_head: bool  # target.gguf converted --no-mtp, draft.gguf the --mtp head alone
     is_trained: bool = False  # the faint-trunk target and its trained head (training.mtp), with prompts.txt
+    is_moe: bool = False  # the Qwen3.5-MoE target (MOE_TARGET), not the qwen35 family's
+
+    @property
+    def arch(self) -> str:
+        """llama.cpp's architecture of the converted GGUFs."""
+        return ARCH_QWEN35MOE if self.is_moe else names.ARCH_QWEN35
+
+    @property
+    def gguf_from_hf(self) -> dict[str, str]:
+        """The head's tensors: HF name -> the GGUF tensor the converter writes it into."""
+        return GGUF_FROM_HF_MOE if self.is_moe else GGUF_FROM_HF
 
 
 _VARIANTS = (
@@ -117,6 +172,13 @@ _VARIANTS = (
         has_separate_head=False,
         is_trained=True,
     ),
+    MtpVariant(
+        "mtp-qwen35moe",
+        f"Qwen3.5-MoE target ({N_EXPERT} experts, top-{N_EXPERT_USED}, a shared expert) with its MTP head, an MoE "
+        "layer, inside target.gguf (as `mtp`; llama.cpp's qwen35moe)",
+        has_separate_head=False,
+        is_moe=True,
+    ),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
 MTP_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
@@ -130,14 +192,14 @@ def checked_mtp_variant(name: str) -> MtpVariant:
 
 
 def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -> Path:
-    """Write `variant`'s fixture into `outdir`: the qwen35 family's target of `seed` with an MTP
-    head of `seed` in `target-hf/` (a trained variant: its faint-trunk target and the head trained
-    on it, and `prompts.txt`), and the pinned converter's GGUFs of it; return `outdir`. An
-    earlier fixture's `draft.gguf` is removed where the variant has none (the head inside
-    target.gguf), and its `prompts.txt` where the variant is untrained."""
+    """Write `variant`'s fixture into `outdir`: the qwen35 family's target of `seed` (the MoE
+    variant: MOE_TARGET's) with an MTP head of `seed` in `target-hf/` (a trained variant: its
+    faint-trunk target and the head trained on it, and `prompts.txt`), and the pinned converter's
+    GGUFs of it; return `outdir`. An earlier fixture's `draft.gguf` is removed where the variant
+    has none (the head inside target.gguf), and its `prompts.txt` where the variant is untrained."""
     v = checked_mtp_variant(variant)
     out = check_output_dir(Path(outdir), (), "OUTDIR")
-    hf = write_hf_target(out / TARGET_HF, FAMILIES[FAMILY], seed)
+    hf = write_hf_target(out / TARGET_HF, MOE_TARGET if v.is_moe else FAMILIES[FAMILY], seed)
     write_spm_tokenizer(hf / TOKENIZER_MODEL, pairs.TINY.n_vocab)
     if v.is_trained:
         faint_trunk(hf)
@@ -159,7 +221,7 @@ def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -
 
 
 def add_mtp_head(hf: Path, seed: int) -> None:
-    """The checkpoint `hf` (a Qwen3.5 target as write_hf_target saves it) given an MTP head:
+    """The checkpoint `hf` (a Qwen3.5 or Qwen3.5-MoE target as write_hf_target saves it) given an MTP head:
     `mtp_num_hidden_layers` in its config.json and `mtp_weights` in its safetensors file."""
     from safetensors.numpy import load_file
 
@@ -198,7 +260,8 @@ def _update_tensors(hf: Path, tensors: dict[str, np.ndarray]) -> None:
 
 def mtp_weights(config: dict, target: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
     """The MTP head of `seed` for the checkpoint `target` (HF names, HF orientation (out, in)):
-    its decoder layer `mtp.layers.0.*` shaped as the target's first full-attention layer, `fc`
+    its decoder layer `mtp.layers.0.*` shaped as the target's first full-attention layer (in an
+    MoE target: its router, experts, shared expert and shared-expert gate too), `fc`
     from [embedding, hidden] to n_embd, and its norms; matrices N(0, 1/n_in), vectors
     1 + N(0, 0.1), as hf_targets._seeded draws the target."""
     il = config["layer_types"].index(HF_FULL_ATTENTION)

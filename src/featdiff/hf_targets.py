@@ -185,6 +185,11 @@ def _qwen35_config(sz: pairs.Sizes) -> object:
     which on text positions is plain RoPE on the rotated quarter)."""
     from transformers import Qwen3_5TextConfig
 
+    return Qwen3_5TextConfig(**_qwen35_fields(sz), intermediate_size=sz.target.n_ff)
+
+
+def _qwen35_fields(sz: pairs.Sizes) -> dict[str, Any]:
+    """The config fields Qwen3.5 and Qwen3.5-MoE share at the tiny sizes: all but the FFN's."""
     s = sz.target
     fields: dict[str, Any] = {
         **_tiny_fields(sz),
@@ -200,7 +205,27 @@ def _qwen35_config(sz: pairs.Sizes) -> object:
         "rope_parameters": dict(QWEN35_ROPE),
         "tie_word_embeddings": False,
     }
-    return Qwen3_5TextConfig(**fields)
+    del fields["intermediate_size"]  # the dense MLP's width: Qwen3.5's alone
+    return fields
+
+
+def _qwen35moe_config(sz: pairs.Sizes) -> object:
+    """Qwen3.5-MoE's text model at the tiny sizes: Qwen3.5's layers (_qwen35_fields) with a sparse
+    MoE block in place of each dense MLP: N_EXPERT experts of width N_FF_EXPERT (fused
+    `experts.gate_up_proj`), top-N_EXPERT_USED with the chosen weights renormalized (transformers'
+    router always does, as llama.cpp's qwen35moe graph does), and one shared expert of width
+    N_FF_EXPERT behind a sigmoid gate (`shared_expert_gate`). Not a registered family: the MTP
+    fixtures (featdiff.fixtures_mtp) use it."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    fields: dict[str, Any] = {
+        **_qwen35_fields(sz),
+        "moe_intermediate_size": N_FF_EXPERT,
+        "shared_expert_intermediate_size": N_FF_EXPERT,
+        "num_experts": N_EXPERT,
+        "num_experts_per_tok": N_EXPERT_USED,
+    }
+    return Qwen3_5MoeTextConfig(**fields)
 
 
 # Gemma 4 (llama.cpp's gemma4) as its dense 31B is built: sliding-window layers with a full-attention

@@ -96,6 +96,11 @@ class DrafterKind:
     # its GGUF is a drafter only (dflash, eagle3); False: a target's own arch whose file carries
     # the heads (MTP), a drafter only where a run drafts with it
     standalone: bool = True
+    more_archs: tuple[str, ...] = ()  # other GGUF archs of this kind (MTP: each target arch with heads)
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return (self.arch, *self.more_archs)
 
     def driver_module(self) -> ModuleType:
         return importlib.import_module(f"featdiff.llama.{self.driver}")
@@ -165,13 +170,14 @@ KINDS: tuple[DrafterKind, ...] = (
         layer_rule="the checkpoint's mtp_num_hidden_layers",
         target_wiring=MTP_TARGET_WIRING,
         standalone=False,
+        more_archs=(names.ARCH_QWEN35MOE,),
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
 # heads, a drafter only where the run drafts with it)
-DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(k.arch for k in KINDS if k.standalone))
+DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS if k.standalone for a in k.archs))
 # every architecture a drafter of some kind has
-ALL_DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(k.arch for k in KINDS))
+ALL_DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS for a in k.archs))
 # every kind's drafter records: what a capture around a program keeps before it knows the drafter
 ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g in k.wiring))
 
@@ -179,7 +185,7 @@ ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g i
 def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> DrafterKind:
     """The kind of a drafter of architecture `arch` carrying `tensors` (names; anything with `in`);
     InputError naming `where` when featdiff models no drafter of that architecture."""
-    of_arch = [k for k in KINDS if k.arch == arch]
+    of_arch = [k for k in KINDS if arch in k.archs]
     if not of_arch:
         raise InputError(
             f"{where}: architecture {arch!r} is no drafter featdiff models; it models "
@@ -191,7 +197,7 @@ def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> Draf
 def of_arch(arch: str | None) -> DrafterKind:
     """The plain kind of a drafter architecture; DFlash's when `arch` is unknown or unsaid (dumps
     written before the registry)."""
-    return next((k for k in KINDS if k.arch == arch), KINDS[0])
+    return next((k for k in KINDS if arch in k.archs), KINDS[0])
 
 
 def by_name(name: str) -> DrafterKind:

@@ -42,6 +42,7 @@ KEY_EAGLE3_NORM_BEFORE_FC = "eagle3.norm_before_fc"
 # target's own next-token-prediction blocks, stored after its trunk as blk.<n_layer + i>, or alone
 # in an `mtp-*.gguf` (convert_hf_to_gguf.py --mtp); block_count counts them
 ARCH_QWEN35 = "qwen35"
+ARCH_QWEN35MOE = "qwen35moe"  # the same head with a MoE FFN (qwen35moe.cpp graph_mtp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
 NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)

@@ -396,4 +396,9 @@ _MTP_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Sev
     (_mtp_head_problems, FATAL),
 )
 # The checks of each drafter architecture (featdiff.kinds.KINDS)
-CHECKS_OF_ARCH = {names.ARCH_DFLASH: _CHECKS, names.ARCH_EAGLE3: _EAGLE3_CHECKS, names.ARCH_QWEN35: _MTP_CHECKS}
+CHECKS_OF_ARCH = {
+    names.ARCH_DFLASH: _CHECKS,
+    names.ARCH_EAGLE3: _EAGLE3_CHECKS,
+    names.ARCH_QWEN35: _MTP_CHECKS,
+    names.ARCH_QWEN35MOE: _MTP_CHECKS,
+}

@@ -41,6 +41,7 @@ def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = Fal
         ("mtp", "target.gguf", "target.gguf"),  # the heads inside the target GGUF, run on the target's own model
         ("mtp", "target.gguf", "target-hf"),  # the reference from the checkpoint's mtp.* tensors
         ("mtp-separate", "draft.gguf", "draft.gguf"),  # a separate `--mtp` head GGUF
+        ("mtp-qwen35moe", "target.gguf", "target.gguf"),  # Qwen3.5-MoE: the head's FFN routed over experts
     ],
 )
 def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, model, head, tmp_path):
@@ -54,7 +55,7 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
     draft = {r.name for r in m.records if r.role == "draft"}
     assert {"mtp_h_input", "mtp_hnorm-6", "mtp_enorm-6", "mtp_concat-6", "mtp_eh_proj-6", "h_nextn"} <= draft
     assert {r.name for r in m.records if r.role == "target"} >= {"h_nextn", "result_output"}
-    assert m.models["draft"]["architecture"] == "qwen35"
+    assert m.models["draft"]["architecture"] == ("qwen35moe" if variant == "mtp-qwen35moe" else "qwen35")
     assert all(r.drafts for r in m.rounds)
     assert all(e.n_tokens == 1 for e in m.evals if e.phase == "draft")
     # what the head is handed is compared on every catch-up batch and every draft step

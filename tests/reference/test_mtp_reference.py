@@ -54,3 +54,17 @@ def test_the_kind_of_a_head_is_mtp_wherever_it_lives(mtp_pairs):
     assert not kinds.is_drafter_arch(names.ARCH_QWEN35)  # a qwen35 GGUF is a target first
     with pytest.raises(InputError, match="no MTP head"):
         mtp_from_gguf(s / "target.gguf", F32, CPU)  # converted --no-mtp
+
+
+def test_a_moe_head_routes_its_experts_and_is_read_from_its_gguf(mtp_pairs):
+    d = mtp_pairs("mtp-qwen35moe")
+    head = mtp_from_gguf(d / "target.gguf", F32, CPU)
+    assert head.hparams.arch == "qwen35moe" and head.n_expert_used == 2
+    assert head.block["ffn_gate_exps"].shape == (4, 32, 64) and "ffn_gate" not in head.block
+    assert drafter_kind(d / "target.gguf").name == kinds.MTP
+    h = torch.randn(2, head.hparams.n_embd, generator=torch.Generator().manual_seed(1))  # (2, n_embd)
+    cache = empty_cache(1, head.hparams.n_head_kv, head.hparams.n_embd_head, "f32", CPU)
+    routed = decode(head, torch.tensor([3, 4]), h, torch.arange(2), cache)
+    assert torch.isfinite(routed.logits).all()
+    with pytest.raises(InputError, match="from the converted GGUF"):
+        mtp_from_hf(d / "target-hf", F32, CPU)

@@ -52,6 +52,8 @@ HF_ARCHS = {
     "gpt_oss": "gpt-oss",
     "qwen3_5_text": "qwen35",
     "qwen3_5": "qwen35",  # the published checkpoints' layout (image-text-to-text): its text model runs
+    "qwen3_5_moe_text": "qwen35moe",  # Qwen3.5-MoE: the same trunk with a routed and a shared expert per layer
+    "qwen3_5_moe": "qwen35moe",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",  # published (image-text-to-text): Gemma4ForConditionalGeneration, run on text ids
     "nemotron_h": "nemotron_h",
@@ -65,12 +67,12 @@ GGUF_ARCHS = frozenset(HF_ARCHS.values()) | {"nemotron_h_moe"}
 # only before the final norm (src/models/openai-moe.cpp, qwen35.cpp, gemma4.cpp: the last layer's
 # get_rows only under embeddings_nextn_masked, which a target context never sets): their last
 # `l_out` has all rows. The others select before the last layer's FFN, as target.py says.
-ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "gemma4", "nemotron_h"})
+ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "qwen35moe", "gemma4", "nemotron_h"})
 # The graph callback name of layer 0's input where an arch renames llama-graph.cpp's `embd`:
 # qwen35.cpp `cb(inpL, "model.input_embed", -1)`; gemma4.cpp scales the looked-up rows by
 # sqrt(n_embd) into `inp_scaled` (its `embd` is the unscaled lookup, which transformers' scaled
 # embedding never holds). The reference records the rows under the name the capture writes.
-EMBD_NAMES = {"qwen35": "model.input_embed", "gemma4": "inp_scaled"}
+EMBD_NAMES = {"qwen35": "model.input_embed", "qwen35moe": "model.input_embed", "gemma4": "inp_scaled"}
 # The callback name of a layer's output where an arch's graph gives `l_out` to something else:
 # nemotron-h.cpp names the FFN block's output (before the residual) `l_out` and the layer's output
 # `nemotron_h_block_out`. The reference records the layer's output under the latter.
@@ -171,7 +173,7 @@ def _hparams(config: Any, arch: str) -> Hparams:
         n_head=n_head,
         n_head_kv=raw.get("num_key_value_heads") or n_head,
         n_embd_head=raw.get("head_dim") or raw["hidden_size"] // n_head,
-        n_ff=raw["intermediate_size"],
+        n_ff=raw.get("intermediate_size") or raw.get("moe_intermediate_size") or 0,  # Qwen3.5-MoE has experts only
         n_vocab=raw["vocab_size"],
         rms_eps=raw["rms_norm_eps"] if "rms_norm_eps" in raw else raw["layer_norm_epsilon"],  # Nemotron-H's name
         rope_base=float(rope.get("rope_theta", raw.get("rope_theta", 0.0)) or 0.0),

@@ -38,7 +38,7 @@ from featdiff.gguf_reader import GgufModel, array_from_tensor, int_meta, meta, r
 from featdiff.llama import ggml_dequant
 from featdiff.preflight import mtp_head_block
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
-from featdiff.torchref.load_gguf import _hparams
+from featdiff.torchref.load_gguf import _rope_scaling
 from featdiff.torchref.numerics import linear, rms_norm, rope
 from featdiff.torchref.stack import Named
 from featdiff.torchref.weights import Hparams, Source, Target
@@ -59,6 +59,16 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+# qwen35moe's head (qwen35moe.cpp graph_mtp): a routed MoE (softmax over the experts, the top
+# n_expert_used renormalized: build_moe_ffn's norm_w) and a shared expert gated by a sigmoid
+MOE_ROUTER = "ffn_gate_inp"  # numpy (n_expert, n_embd)
+MOE_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # (n_expert, n_ff, n_embd) x2, (n_expert, n_embd, n_ff)
+MOE_GATE_UP = "ffn_gate_up_exps"  # the fused form: (n_expert, 2 * n_ff, n_embd), gate rows first
+MOE_SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+KEY_EXPERT_USED = "{arch}.expert_used_count"
+KEY_EXPERT_SCALE = "{arch}.expert_weights_scale"
+WEIGHTS_SUM_MIN = 6.103515625e-5  # build_moe_ffn clamps the top-k weights' sum to the smallest f16 normal
 # nextn tensors (blk.<il>.nextn.<name>.weight) and their HF names (mtp.<hf>.weight)
 NEXTN_TENSORS = {
     names.NEXTN_EH_PROJ: "fc",
@@ -73,7 +83,9 @@ HF_MTP_LAYERS = "mtp_num_hidden_layers"
 # norms a Qwen3.5 checkpoint stores zero-centred (x * (1 + w)); the converter adds one
 # (conversion/qwen.py Qwen3NextModel.modify_tensors: every `norm.weight` but the linear attention's)
 HF_NORM_SUFFIX = "norm"
-MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")  # their head's MoE block is read from the GGUF
+MTP_ARCHS = (names.ARCH_QWEN35, names.ARCH_QWEN35MOE)  # the graph_mtp heads modelled here
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,8 @@ class MtpHead:
     head_norm: torch.Tensor  # (n_embd,): nextn.shared_head_norm, else the model's output_norm
     token_embd: torch.Tensor  # (n_vocab, n_embd): nextn.embed_tokens, else the model's table
     output: torch.Tensor  # (n_vocab, n_embd): nextn.shared_head_head, else the model's head
+    n_expert_used: int = 0  # a MoE block's (block holds MOE_ROUTER): experts per token
+    expert_scale: float = 0.0  # {arch}.expert_weights_scale: scales the routed weights unless 0 or 1
 
 
 @dataclass(frozen=True)
@@ -125,8 +139,8 @@ def decode(
     attn_out, cache_after = _attention(hp, b, rms_norm(x, b["attn_norm"], hp.rms_eps), positions, cache)
     residual = attn_out + x
     post = rms_norm(residual, b["post_attention_norm"], hp.rms_eps)
-    gate = linear(post, b["ffn_gate"])
-    post_ffn = linear(gate / (1.0 + torch.exp(-gate)) * linear(post, b["ffn_up"]), b["ffn_down"]) + residual
+    ffn = _moe_ffn(head, post) if MOE_ROUTER in b else _swiglu(post, b["ffn_gate"], b["ffn_up"], b["ffn_down"])
+    post_ffn = ffn + residual
     h_nextn = rms_norm(post_ffn, head.head_norm, hp.rms_eps)
     logits = linear(h_nextn if outputs else h_nextn[:0], head.output)  # (n_outputs, n_vocab)
     layer = lambda base: names.layer_name(base, il)  # noqa: E731
@@ -151,6 +165,39 @@ def decode(
         *candidates,
     )
     return MtpPass(logits, h_nextn, post_ffn, records, cache_after)
+
+
+def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`down(silu(gate x) * up x)` (LLM_FFN_SILU, LLM_FFN_PAR)."""
+    g = linear(x, gate)
+    return linear(g / (1.0 + torch.exp(-g)) * linear(x, up), down)
+
+
+def _moe_ffn(head: MtpHead, x: torch.Tensor) -> torch.Tensor:
+    """qwen35moe's FFN (llm_graph_context::build_moe_ffn, softmax gating, norm_w): softmax over the
+    router's logits, the top n_expert_used experts weighted by their probabilities renormalized
+    to sum 1 (and scaled by expert_weights_scale unless 0 or 1), each a SwiGLU; plus the shared
+    expert's SwiGLU gated by sigmoid of its own router row."""
+    b = head.block
+    probs = torch.softmax(linear(x, b[MOE_ROUTER]), dim=-1)  # (n_tokens, n_expert)
+    weights, chosen = torch.topk(probs, head.n_expert_used, dim=-1)  # (n_tokens, n_expert_used) each
+    weights = weights / weights.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
+    if head.expert_scale not in (0.0, 1.0):
+        weights = weights * head.expert_scale
+    out = torch.zeros_like(x)  # (n_tokens, n_embd)
+    for t in range(x.shape[0]):
+        row = x[t : t + 1]  # (1, n_embd)
+        for k in range(head.n_expert_used):
+            e = int(chosen[t, k])
+            expert = _swiglu(row, b["ffn_gate_exps"][e], b["ffn_up_exps"][e], b["ffn_down_exps"][e])
+            out[t] += weights[t, k] * expert[0]
+    if "ffn_up_shexp" in b:
+        shared = _swiglu(x, b["ffn_gate_shexp"], b["ffn_up_shexp"], b["ffn_down_shexp"])  # (n_tokens, n_embd)
+        gate = x @ b["ffn_gate_inp_shexp"].reshape(
+            -1
+        )  # (n_tokens,): one logit per token (stored (1, n_embd) or (n_embd,))
+        out = out + shared * torch.sigmoid(gate)[:, None]
+    return out
 
 
 def _attention(
@@ -188,8 +235,10 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         )
     if int_meta(g, names.KEY_NEXTN_LAYERS) != 1:
         raise InputError(f"{path}: {int_meta(g, names.KEY_NEXTN_LAYERS)} MTP blocks; featdiff models a single head")
-    if g.arch != names.ARCH_QWEN35:
-        raise InputError(f"{path}: an MTP head of architecture {g.arch!r}; featdiff models {names.ARCH_QWEN35!r}'s")
+    if g.arch not in MTP_ARCHS:
+        raise InputError(
+            f"{path}: an MTP head of architecture {g.arch!r}; featdiff models {' and '.join(map(repr, MTP_ARCHS))}'s"
+        )
 
     def tensor(name: str) -> torch.Tensor:
         if name not in g.tensors:
@@ -200,7 +249,13 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         full = names.T_NEXTN.format(il=il, name=name)
         return tensor(full) if full in g.tensors else None
 
-    block = {k: tensor(f"{names.GGUF_LAYER_PREFIX.format(il=il)}{k}.weight") for k in BLOCK_TENSORS}
+    prefix = names.GGUF_LAYER_PREFIX.format(il=il)
+    in_block = {t[len(prefix) :].removesuffix(".weight") for t in g.tensors if t.startswith(prefix)}
+    attention = [k for k in BLOCK_TENSORS if k not in DENSE_FFN]
+    ffn = _moe_tensors(in_block) if MOE_ROUTER in in_block else list(DENSE_FFN)
+    block = {k: tensor(f"{prefix}{k}.weight") for k in (*attention, *ffn)}
+    if MOE_GATE_UP in block:  # the fused experts: gate rows first (build_moe_ffn's views)
+        block["ffn_gate_exps"], block["ffn_up_exps"] = block.pop(MOE_GATE_UP).chunk(2, dim=1)
     required = {k: nextn(k) for k in (names.NEXTN_EH_PROJ, "enorm", "hnorm")}
     missing = [k for k, t in required.items() if t is None]
     if missing:
@@ -221,15 +276,40 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         output=head_w
         if head_w is not None
         else tensor(names.T_OUTPUT if names.T_OUTPUT in g.tensors else names.T_TOKEN_EMBD),
+        n_expert_used=int_meta(g, KEY_EXPERT_USED) if MOE_ROUTER in block else 0,
+        expert_scale=float(meta(g, KEY_EXPERT_SCALE, 0.0)),
     )
+
+
+def _moe_tensors(in_block: set[str]) -> list[str]:
+    """A MoE block's FFN tensors as the file has them: the router, the experts (separate or fused
+    gate and up), and the shared expert where there is one."""
+    experts = [MOE_GATE_UP, MOE_EXPERTS[2]] if MOE_GATE_UP in in_block else list(MOE_EXPERTS)
+    return [MOE_ROUTER, *experts, *(MOE_SHARED if MOE_SHARED[0] in in_block else ())]
 
 
 def _block_hparams(g: GgufModel) -> Hparams:
     """The block's dims as the qwen35 graph reads them: the model's heads and RoPE (NeoX-style
     pairs on the first rope.dimension_count dims: M-RoPE with every section at the same text
     position), one layer."""
-    hp = _hparams(g, "neox", int(g.tensors[names.T_TOKEN_EMBD].ne[1]))
-    return Hparams(**{**hp.__dict__, "n_layer": 1, "n_ff": int(meta(g, names.KEY_FEED_FORWARD_LENGTH))})
+    n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), int(meta(g, names.KEY_HEAD_COUNT))
+    n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
+    n_rot = int(meta(g, names.KEY_ROPE_DIMS, n_embd_head))
+    return Hparams(
+        arch=g.arch,
+        n_layer=1,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
+        n_embd_head=n_embd_head,
+        n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH, 0)),  # a MoE model writes its experts' widths instead
+        n_vocab=int(g.tensors[names.T_TOKEN_EMBD].ne[1]),
+        rms_eps=float(meta(g, names.KEY_RMS_EPS)),
+        rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)),
+        rope_type="neox",
+        rope_scaling=_rope_scaling(g, n_rot),
+        n_rot=n_rot,
+    )
 
 
 # --- from the Hugging Face checkpoint -----------------------------------------------------------
@@ -251,6 +331,11 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
     if not is_mtp_checkpoint(config):
         raise InputError(
             f"{path}: config.json declares no MTP layers ({HF_MTP_LAYERS}); pass a checkpoint with its MTP head"
+        )
+    if text.get(names.HF_MODEL_TYPE) in MOE_MODEL_TYPES:
+        raise InputError(
+            f"{path}: the reference reads a Qwen3.5-MoE head (its routed experts) from the converted GGUF; pass "
+            "--model the GGUF that carries the head, with --target this checkpoint"
         )
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob(names.HF_WEIGHTS_GLOB)):
