@@ -51,7 +51,12 @@ def _follow(d: Path, head: Path, run: Path, tmp: Path) -> Path:
 
 @pytest.mark.parametrize(
     "program, variant",
-    [("llama-speculative-simple", "mtp"), ("llama-speculative-simple", "mtp-separate"), ("llama-server", "mtp")],
+    [
+        ("llama-speculative-simple", "mtp"),
+        ("llama-speculative-simple", "mtp-separate"),
+        ("llama-server", "mtp"),
+        ("llama-server", "mtp-separate"),
+    ],
 )
 def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, variant, tmp_path):
     d, separate = mtp_pairs(variant), variant == "mtp-separate"

@@ -102,7 +102,7 @@ def run_flow(
     """Prefill, then `rounds` x (draft, verify, process); return the rounds."""
     n_embd = tgt.model.n_embd
     st = _State(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=n_embd)
-    st.pending_h = np.zeros(n_embd, dtype=np.float32)  # pending_h starts as zeros: the first row's
+    st.pending_h = np.zeros(n_embd, dtype=np.float32)  # the first token of a sequence is paired with zeros
     positions = list(range(st.n_past))
     open_eval(st, rec, Phase.PREFILL, PREFILL_ROUND, positions, prompt[:-1])
     tgt.decode_tokens(prompt[:-1], positions, outputs=False)

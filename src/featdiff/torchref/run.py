@@ -16,7 +16,7 @@ and compare judges the parting from this reference's own logits (diff/partings.p
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -95,7 +95,14 @@ def reference(
         )
         with torch.no_grad(), followed_errors(follow):
             if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
-                trace = flows_trace(tgt, dft, flows, numerics, rows.rows, p_min, follow is not None)
+
+                def replay(f: RunFlow, n: int, rounds: tuple[Round, ...] | None, guide: tuple[Round, ...] | None):
+                    return run_flow(
+                        tgt, dft, f.info.prompt_tokens, n, numerics, block_rows=rows.rows, p_min=p_min,
+                        follow=rounds, guide=guide, cached=f.info.n_cached,
+                    )  # fmt: skip
+
+                trace = flows_trace(flows, follow is not None, replay)
             else:
                 trace = run_flow(
                     tgt,
@@ -160,11 +167,14 @@ def replayed_prompt(flows: tuple[RunFlow, ...]) -> tuple[int, ...]:
 
 
 def flows_trace(
-    tgt: Target, dft: Draft, flows: tuple[RunFlow, ...], numerics: Numerics, block_rows: int, p_min: float, follow: bool
+    flows: tuple[RunFlow, ...],
+    follow: bool,
+    replay: Callable[[RunFlow, int, tuple[Round, ...] | None, tuple[Round, ...] | None], FlowTrace],
 ) -> FlowTrace:
-    """Each flow of the run replayed from a fresh state (its cached prompt positions as warm-up
-    evals), following its rounds (`follow`) or guided by them (`--run`), as one trace: evals
-    numbered on, each with its flow."""
+    """Each flow of the run replayed from a fresh state by its kind's flow, `replay(flow, rounds,
+    followed rounds, guiding rounds)` (its cached prompt positions as warm-up evals), following
+    its rounds (`follow`) or guided by them (`--run`), as one trace: evals numbered on, each with
+    its flow."""
     evals: list[EvalTrace] = []
     rounds: list[Round] = []
     why = [f.info.why_unreplayable() for f in flows]  # replayed_prompt refused a run with none
@@ -172,18 +182,8 @@ def flows_trace(
         if unreplayable:  # compare names it (information) and compares the other flows
             log.warning("%s; the reference leaves it out", unreplayable)
             continue
-        trace = run_flow(
-            tgt,
-            dft,
-            f.info.prompt_tokens,
-            len(f.rounds) if follow else sum(1 for r in f.rounds if r.drafts),
-            numerics,
-            block_rows=block_rows,
-            p_min=p_min,
-            follow=f.rounds if follow else None,
-            guide=None if follow else f.rounds,
-            cached=f.info.n_cached,
-        )
+        n_rounds = len(f.rounds) if follow else sum(1 for r in f.rounds if r.drafts)
+        trace = replay(f, n_rounds, f.rounds if follow else None, None if follow else f.rounds)
         evals += [
             EvalTrace(replace(et.eval, eval=len(evals) + i, flow=f.info.flow), et.records)
             for i, et in enumerate(trace.evals)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from featdiff.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
-from featdiff.dump import read_dump
+from featdiff.dump import Round, read_dump
 from featdiff.errors import InputError
 from featdiff.outputs import check_output, output_lock
 from featdiff.phases import Phase
@@ -67,11 +67,15 @@ def step_reference(
         run = Path(follow) if follow is not None else run
         draft_max = _draft_max(block, Path(run) if run is not None else None)
         p_min = p_min if p_min is not None else dflash_run.run_p_min(Path(run) if run is not None else None)
-        prompt_ids = (
-            plan.prompt
-            if plan is not None
-            else dflash_run.prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-        )
+        flows = dflash_run.run_flows(Path(run)) if run is not None else ()
+        if len(flows) > 1 and prompt is None and tokens is None:  # each flow's own prompt (flows_trace)
+            prompt_ids = dflash_run.replayed_prompt(flows)
+        else:
+            prompt_ids = (
+                plan.prompt
+                if plan is not None
+                else dflash_run.prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
+            )
         rounds = len(plan.rounds) if plan is not None else rounds
         check_rounds_fit(
             rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(prompt_ids)
@@ -87,36 +91,49 @@ def step_reference(
             kind.name,
         )
         guide = dflash_run.guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None
-        steps = run_draft_steps(Path(run)) if run is not None else None
+        steps = run_draft_steps(Path(run)) if run is not None else {}
+
+        def replay(
+            prompt_of: tuple[int, ...],
+            n: int,
+            follows: tuple[Round, ...] | None,
+            guides: tuple[Round, ...] | None,
+            flow: int = 0,
+            cached: int = 0,
+        ) -> FlowTrace:
+            return kind.run_flow(
+                tgt, dft, prompt_of, n, numerics, draft_max=draft_max, p_min=p_min, follow=follows, guide=guides,
+                cached=cached, draft_steps=steps.get(flow) if run is not None else None,
+            )  # fmt: skip
+
         with torch.no_grad(), dflash_run.followed_errors(follow):
-            trace = kind.run_flow(
-                tgt,
-                dft,
-                prompt_ids,
-                rounds,
-                numerics,
-                draft_max=draft_max,
-                p_min=p_min,
-                follow=plan.rounds if plan is not None else None,
-                guide=guide,
-                draft_steps=steps,
-            )
+            if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
+                trace = dflash_run.flows_trace(
+                    flows,
+                    follow is not None,
+                    lambda f, n, fol, gui: replay(f.info.prompt_tokens, n, fol, gui, f.info.flow, f.info.n_cached),
+                )
+            else:
+                trace = replay(prompt_ids, rounds, plan.rounds if plan is not None else None, guide)
         followed = Path(follow) if follow is not None else None
         return dflash_run.write_reference(
-            output, trace, tgt, None, numerics, prompt_ids, draft_max + 1, p_min, followed, draft_entry=kind.entry(dft)
-        )
+            output, trace, tgt, None, numerics, prompt_ids, draft_max + 1, p_min, followed,
+            flows=tuple(f.info for f in flows) if len(flows) > 1 else (), draft_entry=kind.entry(dft),
+        )  # fmt: skip
 
 
-def run_draft_steps(run: Path) -> dict[int, tuple[int, ...]]:
-    """Round -> the token ids of the run's draft decodes in order (the first step's first), for
-    every round the run verified: the reference decodes what the run decoded."""
+def run_draft_steps(run: Path) -> dict[int, dict[int, tuple[int, ...]]]:
+    """Flow -> round -> the token ids of the run's draft decodes in order (the first step's first),
+    for every round the run verified: the reference decodes what the run decoded."""
     with read_dump(run) as dump:
         m = dump.manifest
-    steps: dict[int, list[int]] = {r.round: [] for r in m.rounds}
+    steps: dict[int, dict[int, list[int]]] = {}
+    for r in m.rounds:
+        steps.setdefault(r.flow, {})[r.round] = []
     for e in m.evals:
-        if e.phase == Phase.DRAFT and e.round in steps and not e.rc:
-            steps[e.round] += e.token_ids
-    return {r: tuple(t) for r, t in steps.items()}
+        if e.phase == Phase.DRAFT and e.round in steps.get(e.flow, {}) and not e.rc:
+            steps[e.flow][e.round] += e.token_ids
+    return {f: {r: tuple(t) for r, t in rounds.items()} for f, rounds in steps.items()}
 
 
 def _draft_max(block: int | None, run: Path | None) -> int:
