@@ -65,6 +65,20 @@ def test_zeros_silent_when_the_other_rows_also_differ():
     assert d.detect_zeros(evidence(rows(), run)) is None
 
 
+def test_a_zero_first_row_holding_a_state_is_a_stale_pending_row():
+    """An MTP head's first row of a sequence is handed zeros; a driver that kept a pending row from
+    an earlier request hands a state there (ref zeros, run not), every other row right."""
+    ref = rows(4, N)
+    ref[0] = 0.0
+    run = noisy(ref)
+    run[0] = rows(1, N, seed=5)[0]
+    f = d.detect_wrong_source_of_zero_rows(evidence(ref, run, tensor="mtp_hnorm-6", record="mtp_hnorm-6"))
+    assert f.kind == "wrong_source" and f.fields["source"] == "stale_pending" and "reset the pending" in f.message
+    assert d.detect_wrong_source_of_zero_rows(evidence(ref, run, tensor="l_out-2", record="l_out-2")) is None
+    run[1] += 1.0  # another row differs too: not this fault
+    assert d.detect_wrong_source_of_zero_rows(evidence(ref, run, tensor="mtp_hnorm-6", record="mtp_hnorm-6")) is None
+
+
 def test_stale_found_when_rows_repeat_an_earlier_eval():
     ref, earlier = rows(4), rows(4, seed=9)
     f = d.detect_stale_rows(evidence(ref, noisy(earlier), earlier=earlier, earlier_evals=(4,) * 4))

@@ -97,3 +97,41 @@ def test_the_mtp_driver_faults_are_named(tools, mtp_pairs, monkeypatch, fault, k
     assert errors and (errors[0].kind, errors[0].tensor) == (kind, tensor), [f.message for f in errors]
     first = c.pairs[c.first_divergence]
     assert first.phase in ("warmup", "prefill", "inject")  # the catch-up decode after a target batch
+
+
+def _two_requests_on_one_slot(port: int) -> None:
+    """Two completions one after the other; the second's prompt starts at position 0 of the slot."""
+    import json
+    import urllib.request
+
+    for prompt in ("hello world", "The quick brown fox"):
+        body = json.dumps({"prompt": prompt, "n_predict": 10, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=RUN_TIMEOUT_S) as r:
+            r.read()
+
+
+def test_a_pending_row_kept_from_the_slots_last_request_is_named(tools, mtp_pairs, tmp_path):
+    """Upstream's MTP driver keeps each sequence's pending hidden across requests (begin() does not
+    reset it): the second request's first token is paired with the first request's last hidden
+    where the head takes zeros. The first flow compares clean; the second is named at its first row."""
+    import featdiff_process
+    from featdiff.llama.server import free_port
+
+    d = mtp_pairs("mtp")
+    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
+    command = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS, "-np", "1"]
+    proc = featdiff_process.start(
+        ["capture", "--exec", "-o", out, "--requests", 2, "--", *command, "--port", port], err
+    )
+    featdiff_process.wait_listening(proc, err, RUN_TIMEOUT_S)
+    _two_requests_on_one_slot(port)
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, err.read_text()[-3000:]
+    c = compare_dumps(_follow(d, d / "target.gguf", out, tmp_path), out)
+    errors = [f for f in c.findings if f.severity == "error"]
+    assert errors and (errors[0].kind, errors[0].tensor, errors[0].fields["source"]) == (
+        "wrong_source",
+        "mtp_hnorm-6",
+        "stale_pending",
+    ), [f.message for f in errors]
+    assert errors[0].message.startswith("flow 1") and not any(f.message.startswith("flow 0") for f in errors)

@@ -32,6 +32,7 @@ from featdiff.diff.detectors.numeric import (
     detect_scale,
     detect_scale_per_channel,
     detect_stale_rows,
+    detect_wrong_source_of_zero_rows,
     detect_zeros,
 )
 from featdiff.diff.detectors.pairing import (
@@ -101,6 +102,7 @@ __all__ = [
     "detect_unpaired",
     "detect_unpaired_prompt",
     "detect_wrong_source",
+    "detect_wrong_source_of_zero_rows",
     "detect_wrong_source_of_drafts",
     "detect_wrong_source_of_vocabulary",
     "detect_zeros",

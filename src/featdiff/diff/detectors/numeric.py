@@ -25,6 +25,7 @@ from featdiff.diff.fields import (
     NumericNoiseFields,
     ScaleFields,
     StaleFields,
+    WrongSourceFields,
     ZerosFields,
 )
 from featdiff.diff.metrics import relative_error, row_relative_error
@@ -66,6 +67,26 @@ def detect_zeros(ev: Evidence) -> Finding | None:
         f"{ev.tensor} is all zeros at {at_positions(rows)}; the rows were never written: "
         f"check that the buffer is filled before this eval",
         ZerosFields(rows=rows),
+    )
+
+
+def detect_wrong_source_of_zero_rows(ev: Evidence) -> Finding | None:
+    """Hypothesis: rows the convention leaves zero hold a state: an MTP head's first row of a
+    sequence (no hidden before it) handed a pending row a driver kept from an earlier request.
+    Evidence: all-zero ref rows where the run's are not, at an MTP head's hidden input, and every
+    other row within tolerance."""
+    if ev.record != names.MTP_H_INPUT and not ev.record.startswith(f"{names.MTP_HNORM}-") or not same_shape(ev):
+        return None
+    zero = ~np.any(ev.ref, axis=1) & np.any(ev.run, axis=1)
+    rest_ok = not (~zero).any() or explains(ev.ref[~zero], ev.run[~zero], ev.tolerance)
+    if not zero.any() or not rest_ok:
+        return None
+    return error_finding(
+        ev,
+        f"{ev.tensor} at {at_positions(labels(ev, zero))} pairs the first token of a sequence with a hidden state "
+        "where the head takes zeros (no position before it): the driver kept a pending row from an earlier request "
+        "or sequence; reset the pending hidden when a sequence starts",
+        WrongSourceFields(source="stale_pending", candidate=f"{ev.record} (zeros)"),
     )
 
 
