@@ -34,6 +34,7 @@ from featdiff.torchref.replay import (
     accept,
     check_plan,
     play_rounds,
+    prefill_batches,
     played_round,
 )
 from featdiff.torchref.stack import Named
@@ -110,10 +111,7 @@ def _prefill(
     t_cache, d_cache = _empty(target.hparams, numerics), _empty(draft.hparams, numerics)
     pending: tuple[int, torch.Tensor] | None = None
     evals: list[EvalTrace] = []
-    for phase, start, end in ((Phase.WARMUP, 0, min(cached, n)), (Phase.PREFILL, min(cached, n), n)):
-        if end <= start:
-            continue
-        tokens, positions = prompt[start:end], tuple(range(start, end))
+    for phase, tokens, positions in prefill_batches(prompt, cached):
         tp = forward_target(target, _ids(tokens, numerics), _ids(positions, numerics), t_cache, has_outputs=False)
         evals.append(
             EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, tokens, PREFILL_ROUND), tp.records)

@@ -24,7 +24,7 @@ checkpoint's zero-centred norms plus one, as the converter writes them).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,11 +343,10 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
             for k in st.keys():  # noqa: SIM118 (safe_open is no mapping)
                 tensors[k] = st.get_tensor(k)
 
-    def hf(name: str, norm: bool = False) -> torch.Tensor:
+    def hf(name: str) -> torch.Tensor:
         if name not in tensors:
             raise InputError(f"{path}: tensor {name} is missing; the checkpoint's MTP head is incomplete")
-        t = tensors[name].to(dtype=dtype, device=device)
-        return t + 1.0 if norm else t
+        return tensors[name].to(dtype=dtype, device=device)
 
     def model_tensor(suffix: str) -> torch.Tensor:
         name = next((k for k in tensors if k.endswith(suffix) and not k.startswith(HF_MTP_PREFIX)), suffix)
@@ -371,22 +370,38 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
         rope_type="neox",
         n_rot=int(head_dim * float(rope.get("partial_rotary_factor", 0.25))),
     )
-    block = {k: hf(f"{HF_MTP_LAYER}{v}.weight", norm=k.endswith(HF_NORM_SUFFIX)) for k, v in BLOCK_TENSORS.items()}
-    nextn = {k: hf(f"{HF_MTP_PREFIX}{v}.weight", norm=k != names.NEXTN_EH_PROJ) for k, v in NEXTN_TENSORS.items()}
     tied = bool(text.get(names.HF_TIE_EMBEDDINGS, config.get(names.HF_TIE_EMBEDDINGS, False)))
     embd = model_tensor(names.HF_EMBED_TOKENS)
     return MtpHead(
         source=Source(path, is_gguf=False),
         hparams=hp,
         il=int(text[names.HF_NUM_LAYERS]),
-        eh_proj=nextn[names.NEXTN_EH_PROJ],
-        enorm=nextn["enorm"],
-        hnorm=nextn["hnorm"],
-        block=block,
-        head_norm=nextn["shared_head_norm"],
+        **hf_head_tensors(hf),
         token_embd=embd,
         output=embd if tied else model_tensor(names.HF_LM_HEAD),
     )
+
+
+def hf_head_tensors(hf: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+    """The head's own fields (eh_proj, the norms, the block) from a checkpoint's `mtp.*` tensors,
+    `hf(name)` each, as the converter writes them: `mtp.fc` -> eh_proj, `pre_fc_norm_embedding` /
+    `_hidden` -> enorm / hnorm, `mtp.norm` -> the head norm, `mtp.layers.0.*` -> the block, every
+    norm plus one (a Qwen3.5 checkpoint's norms are zero-centred)."""
+    block = {
+        k: _plus_one(hf(f"{HF_MTP_LAYER}{v}.weight"), k.endswith(HF_NORM_SUFFIX)) for k, v in BLOCK_TENSORS.items()
+    }
+    nextn = {k: _plus_one(hf(f"{HF_MTP_PREFIX}{v}.weight"), k != names.NEXTN_EH_PROJ) for k, v in NEXTN_TENSORS.items()}
+    return {
+        "eh_proj": nextn[names.NEXTN_EH_PROJ],
+        "enorm": nextn["enorm"],
+        "hnorm": nextn["hnorm"],
+        "block": block,
+        "head_norm": nextn["shared_head_norm"],
+    }
+
+
+def _plus_one(t: torch.Tensor, is_norm: bool) -> torch.Tensor:
+    return t + 1.0 if is_norm else t
 
 
 def check_mtp_pair(target: Target, head: MtpHead) -> None:

@@ -35,6 +35,7 @@ from featdiff.torchref.replay import (
     accept,
     check_plan,
     play_rounds,
+    prefill_batches,
     played_round,
 )
 from featdiff.torchref.stack import Named
@@ -121,10 +122,7 @@ def _prefill(
     zeros = torch.zeros((1, head.hparams.n_embd), dtype=numerics.dtype, device=numerics.device)
     pending = _Hidden(zeros, zeros)
     evals: list[EvalTrace] = []
-    for phase, start, end in ((Phase.WARMUP, 0, min(cached, n)), (Phase.PREFILL, min(cached, n), n)):
-        if end <= start:
-            continue
-        tokens, positions = prompt[start:end], tuple(range(start, end))
+    for phase, tokens, positions in prefill_batches(prompt, cached):
         tp, hidden, records = _target_eval(target, tokens, positions, t_cache, False, numerics)
         evals.append(EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, tokens, PREFILL_ROUND), records))
         d_cache, trace = _process(

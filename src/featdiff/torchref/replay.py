@@ -159,6 +159,15 @@ def check_plan(plan: Round | None, state: FlowState, r: int) -> None:
         raise FollowError(f"round {r} of the run accepts {plan.accepted} of {len(plan.drafts)} drafts")
 
 
+def prefill_batches(prompt: tuple[int, ...], cached: int) -> list[tuple[Phase, tuple[int, ...], tuple[int, ...]]]:
+    """The target batches that prefill `prompt` but its last token, each as (phase, tokens,
+    positions): positions 0 .. cached-1 as a warm-up (the run's prompt cache), the rest as the
+    prefill; an empty part is left out."""
+    n = len(prompt) - 1
+    parts = ((Phase.WARMUP, 0, min(cached, n)), (Phase.PREFILL, min(cached, n), n))
+    return [(phase, prompt[start:end], tuple(range(start, end))) for phase, start, end in parts if end > start]
+
+
 def _prefill(
     target: Target, draft: Draft, prompt: tuple[int, ...], numerics: Numerics, cached: int = 0
 ) -> tuple[_State, list[EvalTrace]]:
@@ -167,16 +176,12 @@ def _prefill(
     n = len(prompt) - 1
     caches = (_empty(target.hparams, numerics), _empty(draft.hparams, numerics))
     evals: list[EvalTrace] = []
-    for phase, start, end in ((Phase.WARMUP, 0, min(cached, n)), (Phase.PREFILL, min(cached, n), n)):
-        if end <= start:
-            continue
-        tokens, positions = _ids(prompt[start:end], numerics), _ids(tuple(range(start, end)), numerics)
+    for phase, batch, at in prefill_batches(prompt, cached):
+        tokens, positions = _ids(batch, numerics), _ids(at, numerics)
         tp = forward_target(target, tokens, positions, caches[0], has_outputs=False)
         ip = inject(draft, features(tp, draft), positions, caches[1])
         evals += [
-            EvalTrace(
-                _eval(len(evals), names.ROLE_TARGET, phase, positions, prompt[start:end], PREFILL_ROUND), tp.records
-            ),
+            EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, batch, PREFILL_ROUND), tp.records),
             EvalTrace(
                 _eval(len(evals) + 1, names.ROLE_DRAFT, inject_after(phase), positions, (), PREFILL_ROUND), ip.records
             ),

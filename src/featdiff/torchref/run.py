@@ -71,12 +71,7 @@ def reference(
         asked = asked_block_rows(block, Path(run) if run is not None else None)
         p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
         flows = run_flows(Path(run)) if run is not None else ()
-        if len(flows) > 1 and prompt is None and tokens is None:  # each flow's own prompt (flows_trace)
-            prompt_ids = replayed_prompt(flows)
-        else:
-            prompt_ids = (
-                plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-            )
+        prompt_ids = reference_prompt(flows, plan, target, model, prompt, tokens, llama_dir)
         rounds = len(plan.rounds) if plan is not None else rounds
         dft = load_draft(Path(model), numerics.dtype, numerics.device, llama_dir)
         rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
@@ -154,6 +149,22 @@ def run_flows(run: Path) -> tuple[RunFlow, ...]:
     if len(ids) < 2:
         return ()
     return tuple(RunFlow(m.flow_info(k), tuple(r for r in m.rounds if r.flow == k)) for k in ids)
+
+
+def reference_prompt(
+    flows: tuple[RunFlow, ...],
+    plan: FollowedRun | None,
+    target: Path,
+    model: Path,
+    prompt: str | None,
+    tokens: str | None,
+    llama_dir: Path | None,
+) -> tuple[int, ...]:
+    """The prompt a reference replays: a run of several flows' longest replayable one (each flow
+    is replayed with its own, flows_trace), else the followed run's, else `--prompt`/`--tokens`."""
+    if len(flows) > 1 and prompt is None and tokens is None:
+        return replayed_prompt(flows)
+    return plan.prompt if plan is not None else prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
 
 
 def replayed_prompt(flows: tuple[RunFlow, ...]) -> tuple[int, ...]:

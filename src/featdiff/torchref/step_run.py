@@ -68,14 +68,7 @@ def step_reference(
         draft_max = _draft_max(block, Path(run) if run is not None else None)
         p_min = p_min if p_min is not None else dflash_run.run_p_min(Path(run) if run is not None else None)
         flows = dflash_run.run_flows(Path(run)) if run is not None else ()
-        if len(flows) > 1 and prompt is None and tokens is None:  # each flow's own prompt (flows_trace)
-            prompt_ids = dflash_run.replayed_prompt(flows)
-        else:
-            prompt_ids = (
-                plan.prompt
-                if plan is not None
-                else dflash_run.prompt_tokens(Path(target), Path(model), prompt, tokens, llama_dir)
-            )
+        prompt_ids = dflash_run.reference_prompt(flows, plan, target, model, prompt, tokens, llama_dir)
         rounds = len(plan.rounds) if plan is not None else rounds
         check_rounds_fit(
             rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(prompt_ids)
@@ -103,7 +96,7 @@ def step_reference(
         ) -> FlowTrace:
             return kind.run_flow(
                 tgt, dft, prompt_of, n, numerics, draft_max=draft_max, p_min=p_min, follow=follows, guide=guides,
-                cached=cached, draft_steps=steps.get(flow) if run is not None else None,
+                cached=cached, draft_steps=steps.get(flow),
             )  # fmt: skip
 
         with torch.no_grad(), dflash_run.followed_errors(follow):

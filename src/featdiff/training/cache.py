@@ -73,12 +73,17 @@ def _code_digest() -> str:
 
 
 def _store(pair: TrainedPair, path: Path) -> None:
-    """Write into a private directory, then rename it into place; a concurrent writer may win."""
+    store(path, {f"{name}.safetensors": _flat(getattr(pair, name)) for name in CHECKPOINTS}, pair.meta)
+
+
+def store(path: Path, files: dict[str, dict[str, np.ndarray]], meta: dict) -> None:
+    """A trained model's weight files (file name -> its tensors) and META_FILE at `path`: written
+    into a private directory, then renamed into place; a concurrent writer may win."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    for name in CHECKPOINTS:
-        save_file(_flat(getattr(pair, name)), str(tmp / f"{name}.safetensors"))
-    (tmp / META_FILE).write_text(json.dumps(pair.meta, indent=1, sort_keys=True))
+    for name, tensors in files.items():
+        save_file(tensors, str(tmp / name))
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
     try:
         tmp.rename(path)
     except OSError:  # the same key was stored meanwhile: keep that one (same seed, same weights)

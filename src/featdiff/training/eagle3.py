@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 from torch.nn.functional import cross_entropy
 
 from featdiff import names, pairs
@@ -379,12 +377,4 @@ def _with_vocabulary(w: dict[str, np.ndarray], n_vocab: int) -> dict[str, np.nda
 
 
 def _store(trained: TrainedEagle3, path: Path) -> None:
-    """Write into a private directory, then rename it into place (training.cache's way)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(trained.draft, str(tmp / DRAFT_FILE))
-    (tmp / cache.META_FILE).write_text(json.dumps(trained.meta, indent=1, sort_keys=True))
-    try:
-        tmp.rename(path)
-    except OSError:  # the same key was stored meanwhile: keep that one
-        shutil.rmtree(tmp)
+    cache.store(path, {DRAFT_FILE: trained.draft}, trained.meta)

@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -31,27 +29,24 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 from torch.nn.functional import cross_entropy
 
 from featdiff import names, pairs
 from featdiff.torchref.attention import empty_cache, truncated
 from featdiff.torchref.load import load_target
 from featdiff.torchref.mtp import (
-    BLOCK_TENSORS,
-    HF_MTP_LAYER,
     HF_MTP_PREFIX,
-    HF_NORM_SUFFIX,
-    NEXTN_TENSORS,
     MtpHead,
     MtpPass,
     decode,
+    hf_head_tensors,
     mtp_from_hf,
 )
 from featdiff.torchref.mtp_flow import run_flow, target_hidden
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.target import forward_target
-from featdiff.torchref.weights import Target
+from featdiff.torchref.weights import Target, hf_sha256
 from featdiff.training import cache
 from featdiff.training.corpus import CPU, Corpus, f32_cache, held_out_prompts, prompts
 from featdiff.training.train import _fit, _torch_threads
@@ -118,7 +113,7 @@ def cache_key(hf: Path, seed: int, config: MtpConfig) -> str:
 
     spec = {
         "code": cache._code_digest(),
-        "checkpoint": _checkpoint_digest(hf),
+        "checkpoint": hf_sha256(Path(hf)),
         "seed": seed,
         "config": asdict(config),
         "torch": torch.__version__,
@@ -174,16 +169,7 @@ def checkpoint_head(hf: Path) -> dict[str, np.ndarray]:
 def head_with(base: MtpHead, w: dict[str, torch.Tensor]) -> MtpHead:
     """`base` with its own tensors taken from `w` (the checkpoint's names and convention), every
     norm plus one as mtp_from_hf loads it: autograd reaches `w` through the head."""
-    block = {k: _loaded(w[f"{HF_MTP_LAYER}{v}.weight"], k.endswith(HF_NORM_SUFFIX)) for k, v in BLOCK_TENSORS.items()}
-    nextn = {k: _loaded(w[f"{HF_MTP_PREFIX}{v}.weight"], k != names.NEXTN_EH_PROJ) for k, v in NEXTN_TENSORS.items()}
-    return replace(
-        base,
-        eh_proj=nextn[names.NEXTN_EH_PROJ],
-        enorm=nextn["enorm"],
-        hnorm=nextn["hnorm"],
-        block=block,
-        head_norm=nextn["shared_head_norm"],
-    )
+    return replace(base, **hf_head_tensors(w.__getitem__))
 
 
 def as_tensors(w: dict[str, np.ndarray], trainable: bool = False) -> dict[str, torch.Tensor]:
@@ -323,27 +309,5 @@ def _losses(
         yield mtp_loss(head_with(base, w), corpus, seqs, anchors, config.ttt_steps, config.ttt_decay)
 
 
-def _loaded(t: torch.Tensor, is_norm: bool) -> torch.Tensor:
-    """A checkpoint tensor as mtp_from_hf holds it: a zero-centred norm plus one (the converter's)."""
-    return t + 1.0 if is_norm else t
-
-
-def _checkpoint_digest(hf: Path) -> str:
-    """sha256 over the checkpoint's config.json and weight files."""
-    h = hashlib.sha256()
-    for f in [Path(hf) / names.HF_CONFIG, *sorted(Path(hf).glob(names.HF_WEIGHTS_GLOB))]:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def _store(trained: TrainedMtp, path: Path) -> None:
-    """Write into a private directory, then rename it into place (training.cache's way)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(trained.head, str(tmp / HEAD_FILE))
-    (tmp / cache.META_FILE).write_text(json.dumps(trained.meta, indent=1, sort_keys=True))
-    try:
-        tmp.rename(path)
-    except OSError:  # the same key was stored meanwhile: keep that one
-        shutil.rmtree(tmp)
+    cache.store(path, {HEAD_FILE: trained.head}, trained.meta)
