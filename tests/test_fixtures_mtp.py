@@ -2,14 +2,16 @@
 converter's GGUFs of it (the head inside the target, or cut out as draft.gguf: keys, tensors and
 shapes as src/models/qwen35.cpp load_block_mtp creates them, values the checkpoint's), the target
 left as the qwen35 family's, the Qwen3.5-MoE variant (its head an MoE layer, as
-src/models/qwen35moe.cpp loads it), the `featdiff fixture` command, and llama.cpp drafting with
-the head."""
+src/models/qwen35moe.cpp loads it), the GLM-4.5 variant (its head one more decoder layer of the
+checkpoint, as src/models/glm4-moe.cpp loads it), the `featdiff fixture` command, and llama.cpp
+drafting with the head."""
 
 from __future__ import annotations
 
 import json
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,13 @@ from featdiff.errors import InputError
 from featdiff.fixtures_mtp import (
     ARCH_QWEN35MOE,
     GGUF_FROM_HF,
+    GGUF_FROM_HF_GLM,
     GGUF_FROM_HF_MOE,
+    GLM4MOE_MTP,
+    GLM4MOE_TARGET,
+    HF_GLM_FC,
+    HF_GLM_N_MTP,
+    HF_GLM_NORMS,
     HF_N_MTP,
     HF_SAFETENSORS,
     MOE_TARGET,
@@ -33,8 +41,8 @@ from featdiff.fixtures_mtp import (
     mtp_weights,
     write_mtp_fixture,
 )
-from featdiff.gguf_reader import array_from_tensor, has_meta, int_meta, read_gguf
-from featdiff.hf_targets import N_EXPERT, N_EXPERT_USED, N_FF_EXPERT
+from featdiff.gguf_reader import array_from_tensor, has_meta, int_meta, meta, read_gguf
+from featdiff.hf_targets import CHOICE_BIAS_GAIN, GLM4MOE_ROUTED_SCALE, N_EXPERT, N_EXPERT_USED, N_FF_EXPERT
 from featdiff.pairs import TINY
 
 S = TINY.target
@@ -42,6 +50,8 @@ KEY_BLOCK_COUNT = names.KEY_BLOCK_COUNT.format(arch=names.ARCH_QWEN35)
 KEY_NEXTN = names.KEY_NEXTN_LAYERS.format(arch=names.ARCH_QWEN35)
 MTP_BLOCK = f"blk.{S.n_layer}."
 MOE = "mtp-qwen35moe"
+GLM = "mtp-glm4moe"
+GLM_HF_LAYER = f"model.layers.{S.n_layer}."  # GLM-4.5's head: one more decoder layer of the checkpoint
 # the trunk's tensors outside any block, which the converter's --mtp output keeps for the head
 SHARED = {"token_embd.weight", "output.weight", "output_norm.weight"}
 SPEC_PROMPT, SPEC_N_PREDICT, SPEC_N_DRAFT, SPEC_N_CTX, N_THREADS = "hello world", 8, 3, 256, 2
@@ -91,6 +101,41 @@ def _expected_moe_block() -> dict[str, tuple[int, ...]]:
     return dense | {f"{MTP_BLOCK}{name}.weight": shape for name, shape in ne.items()}
 
 
+def _expected_glm_block() -> dict[str, tuple[int, ...]]:
+    """The GLM variant's MTP block as llama_model_glm4_moe::load_arch_tensors creates it: attention
+    with q/k/v biases (create_tensor_qkv) and no q/k norms (GLM-4.5-Air's), an MoE FFN (router,
+    its choice bias exp_probs_b, experts stacked on ne[2], an ungated shared expert) and the nextn
+    tensors (no embed_tokens or shared_head_head, as GLM-4.5 ships it)."""
+    q, kv = S.n_embd_head * S.n_head, S.n_embd_head * S.n_head_kv
+    ne = {
+        "attn_norm.weight": (S.n_embd,),
+        "post_attention_norm.weight": (S.n_embd,),
+        "attn_q.weight": (S.n_embd, q),
+        "attn_k.weight": (S.n_embd, kv),
+        "attn_v.weight": (S.n_embd, kv),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,),
+        "attn_output.weight": (q, S.n_embd),
+        "ffn_gate_inp.weight": (S.n_embd, N_EXPERT),
+        "exp_probs_b.bias": (N_EXPERT,),
+        "ffn_gate_exps.weight": (S.n_embd, N_FF_EXPERT, N_EXPERT),
+        "ffn_up_exps.weight": (S.n_embd, N_FF_EXPERT, N_EXPERT),
+        "ffn_down_exps.weight": (N_FF_EXPERT, S.n_embd, N_EXPERT),
+        "ffn_gate_shexp.weight": (S.n_embd, N_FF_EXPERT),
+        "ffn_up_shexp.weight": (S.n_embd, N_FF_EXPERT),
+        "ffn_down_shexp.weight": (N_FF_EXPERT, S.n_embd),
+        "nextn.eh_proj.weight": (2 * S.n_embd, S.n_embd),
+        "nextn.enorm.weight": (S.n_embd,),
+        "nextn.hnorm.weight": (S.n_embd,),
+        "nextn.shared_head_norm.weight": (S.n_embd,),
+    }
+    return {f"{MTP_BLOCK}{name}": shape for name, shape in ne.items()}
+
+
+EXPECTED_BLOCK = {"mtp": _expected_block, MOE: _expected_moe_block, GLM: _expected_glm_block}
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """variant -> its fixture directory (seed 0), written once."""
@@ -136,17 +181,20 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-separate": True,
         "trained-mtp": False,
         MOE: False,
+        GLM: False,
     }
-    assert {name for name, v in MTP_SETTINGS.items() if v.is_moe} == {MOE}
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
         "mtp-separate": names.ARCH_QWEN35,
         "trained-mtp": names.ARCH_QWEN35,
         MOE: ARCH_QWEN35MOE,
+        GLM: names.ARCH_GLM4MOE,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())
+    assert set(GGUF_FROM_HF_GLM.values()) == set(_expected_glm_block())
     assert MTP_SETTINGS[MOE].gguf_from_hf is GGUF_FROM_HF_MOE and MTP_SETTINGS["mtp"].gguf_from_hf is GGUF_FROM_HF
+    assert MTP_SETTINGS[GLM].gguf_from_hf is GGUF_FROM_HF_GLM
 
 
 # --- the checkpoint ------------------------------------------------------------------------------
@@ -196,19 +244,49 @@ def test_the_moe_checkpoint_is_its_target_with_a_seeded_moe_head(made, tmp_path)
     assert config[HF_N_MTP] == N_MTP and config["num_experts"] == N_EXPERT
 
 
+@pytest.mark.slow
+def test_the_glm_checkpoint_is_its_target_with_a_seeded_head_as_glm_ships_it(made, tmp_path):
+    """The GLM variant's target is GLM4MOE_TARGET's of the same seed, bit for bit; its head adds
+    exactly GGUF_FROM_HF_GLM's HF names: one more decoder layer `model.layers.<n_layer>.*` shaped as
+    the trunk's last (MoE) layer, with eh_proj, enorm, hnorm and shared_head.norm inside it, counted
+    by `num_nextn_predict_layers`; the routers' choice biases drawn CHOICE_BIAS_GAIN times as wide."""
+    from featdiff.hf_targets import write_hf_target
+
+    w = _hf(made[GLM])
+    write_hf_target(tmp_path / "plain" / "target-hf", GLM4MOE_TARGET, 0)
+    plain = _hf(tmp_path / "plain")
+    assert set(w) - set(plain) == set(GGUF_FROM_HF_GLM)
+    assert all(np.array_equal(w[k], a) for k, a in plain.items())
+    last = f"model.layers.{S.n_layer - 1}."
+    for hf in set(GGUF_FROM_HF_GLM) - {HF_GLM_FC, *HF_GLM_NORMS}:
+        assert w[hf].shape == plain[hf.replace(GLM_HF_LAYER, last)].shape, hf
+    assert w[HF_GLM_FC].shape == (S.n_embd, 2 * S.n_embd)
+    config = json.loads((made[GLM] / "target-hf" / names.HF_CONFIG).read_text())
+    assert config[HF_GLM_N_MTP] == N_MTP and config["n_routed_experts"] == N_EXPERT
+    assert config["first_k_dense_replace"] == 1
+    ungained = replace(GLM4MOE_TARGET, gains=())
+    write_hf_target(tmp_path / "ungained" / "target-hf", ungained, 0)
+    bias = "mlp.gate.e_score_correction_bias"
+    assert np.allclose(plain[last + bias] - 1, CHOICE_BIAS_GAIN * (_hf(tmp_path / "ungained")[last + bias] - 1))
+    head = mtp_weights(config, plain, 0, replace(GLM4MOE_MTP, family=ungained))
+    assert np.allclose(w[GLM_HF_LAYER + bias] - 1, CHOICE_BIAS_GAIN * (head[GLM_HF_LAYER + bias] - 1))
+    assert all(np.array_equal(w[k], a) for k, a in head.items() if not k.endswith(bias))
+
+
 # --- the converter's GGUFs -----------------------------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["mtp", MOE])
+@pytest.mark.parametrize("variant", ["mtp", MOE, GLM])
 def test_the_mtp_target_holds_the_head_as_llama_cpp_loads_it(made, variant):
-    """qwen35.cpp's block, or qwen35moe.cpp's (the MoE variant), keyed by the variant's arch."""
+    """qwen35.cpp's block, qwen35moe.cpp's (the MoE variant) or glm4-moe.cpp's (the GLM variant),
+    keyed by the variant's arch."""
     d, arch = made[variant], MTP_SETTINGS[variant].arch
     m = read_gguf(d / "target.gguf")
     assert m.arch == arch
     assert int_meta(m, names.KEY_BLOCK_COUNT.format(arch=arch)) == S.n_layer + N_MTP
     assert int_meta(m, names.KEY_NEXTN_LAYERS.format(arch=arch)) == N_MTP
-    assert _block(d / "target.gguf") == (_expected_moe_block() if variant == MOE else _expected_block())
+    assert _block(d / "target.gguf") == EXPECTED_BLOCK[variant]()
     assert not (d / "draft.gguf").exists()
     assert (d / "VARIANT").read_text() == f"{variant}: {MTP_VARIANTS[variant]} (converted by {CONVERTER})\n"
 
@@ -228,16 +306,37 @@ def test_the_moe_target_carries_its_expert_keys(made):
 
 
 @pytest.mark.slow
+def test_the_glm_target_carries_its_routing_keys(made):
+    """What glm4-moe.cpp reads of the routing: sigmoid gating, the scale, the renormalization, the
+    dense first layer; RoPE on half the head."""
+    m, arch = read_gguf(made[GLM] / "target.gguf"), names.ARCH_GLM4MOE
+    keys = {
+        "expert_count": N_EXPERT,
+        "expert_used_count": N_EXPERT_USED,
+        "expert_feed_forward_length": N_FF_EXPERT,
+        "expert_shared_count": 1,
+        "expert_gating_func": 2,  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        "leading_dense_block_count": 1,
+        "rope.dimension_count": S.n_embd_head // 2,
+    }
+    assert {k: int_meta(m, f"{arch}.{k}") for k in keys} == keys
+    assert meta(m, f"{arch}.expert_weights_scale") == GLM4MOE_ROUTED_SCALE and meta(m, f"{arch}.expert_weights_norm")
+    assert "blk.0.ffn_gate.weight" in m.tensors and "blk.1.ffn_gate_exps.weight" in m.tensors
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "variant, gguf", [("mtp", "target.gguf"), ("mtp-separate", "draft.gguf"), (MOE, "target.gguf")]
+    "variant, gguf",
+    [("mtp", "target.gguf"), ("mtp-separate", "draft.gguf"), (MOE, "target.gguf"), (GLM, "target.gguf")],
 )
-def test_the_heads_values_are_the_checkpoints_norms_plus_one(made, variant, gguf):
-    """The converter copies the head's matrices as they are (eh_proj: fc over [embedding, hidden];
-    expert x: slice x of the stacked experts) and writes each norm as 1 + w (Qwen3.5's RMSNorm
-    scales by 1 + w)."""
+def test_the_heads_values_are_the_checkpoints_with_the_converters_norm_offset(made, variant, gguf):
+    """The converter copies the head's matrices and biases as they are (eh_proj: fc over
+    [embedding, hidden]; expert x: slice x of the stacked experts) and writes each norm as
+    offset + w: 1 + w for Qwen3.5 (its RMSNorm scales by 1 + w), w for GLM-4.5."""
     w, m = _hf(made[variant]), read_gguf(made[variant] / gguf)
+    offset = np.float32(MTP_SETTINGS[variant].target.norm_offset)
     for hf, name in MTP_SETTINGS[variant].gguf_from_hf.items():
-        want = w[hf] + 1 if name.endswith("norm.weight") else w[hf]  # enorm, hnorm, ...: every norm
+        want = w[hf] + offset if name.endswith("norm.weight") else w[hf]  # enorm, hnorm, ...: every norm
         got = array_from_tensor(m, name)
         if expert := re.search(r"\.experts\.(\d+)\.", hf):
             got = got[int(expert.group(1))]

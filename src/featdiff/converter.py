@@ -64,7 +64,9 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # one vocabulary method replaced. "spm": `_set_vocab_gpt2` read as `_set_vocab_sentencepiece` (the
 # fixtures' tokenizer.model); "pre": for a class with its own BPE set_vocab (Nemotron-H), an
 # unrecognized pre-tokenizer hash named "default" (llama.cpp's default BPE pre-tokenizer) instead
-# of raising. Only the vocabulary's route changes; hparams and tensors are upstream's.
+# of raising; "glm": for GLM-4.5 (Glm4MoeModel.set_vocab reads GLM's own special tokens,
+# `_set_vocab_glm`), the fixtures' tokenizer.model read as `_set_vocab_sentencepiece`. Only the
+# vocabulary's route changes; hparams and tensors are upstream's.
 # argv: [-c, bootstrap, script, args...]
 _BOOTSTRAP_HEAD = (
     "import runpy, sys\nfrom pathlib import Path\ntree = Path(sys.argv[1]).parent\n"
@@ -80,6 +82,7 @@ BOOTSTRAPS = {
     + "    except NotImplementedError:\n        return 'default'\n"
     + "TextModel.get_vocab_base_pre = pre\n"
     + _BOOTSTRAP_RUN,
+    "glm": _BOOTSTRAP_HEAD + "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n" + _BOOTSTRAP_RUN,
 }
 
 # A DSpark checkpoint's config.json schemas (conversion/qwen.py DSparkModel.__init__): "nested" as

@@ -22,11 +22,18 @@ llama.cpp's `qwen35moe`): every layer's dense MLP a sparse MoE block (router `ml
 `mlp.experts.{x}.{gate,up,down}_proj` as transformers saves them, a shared expert and its sigmoid
 gate), and so the head's decoder layer (GGUF_FROM_HF_MOE: the converter stacks the experts into
 `ffn_{gate,up,down}_exps`).
+
+The `mtp-glm4moe` variant is a tiny GLM-4.5 target (hf_targets._glm4moe_config, llama.cpp's
+`glm4moe`) with its head as GLM-4.5 ships it: one more decoder layer `model.layers.<n_layer>.*`
+(an MoE layer: sigmoid router with its choice bias, experts, shared expert) holding `eh_proj`,
+`enorm`, `hnorm` and `shared_head.norm`, and `num_nextn_predict_layers` 1 (GGUF_FROM_HF_GLM: the
+converter's Glm4MoeModel keeps the layer as block n_layer, its norms as they are).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,13 +52,17 @@ from featdiff.converter import (
 from featdiff.errors import InputError
 from featdiff.fixtures import PROMPTS_FILE, _write_held_out_prompts
 from featdiff.hf_targets import (
+    BOOTSTRAP_GLM,
     BOOTSTRAP_OF,
+    CHOICE_BIAS_GAIN,
     FAMILIES,
     N_EXPERT,
     N_EXPERT_USED,
     TOKENIZER_SPM,
     Family,
+    _glm4moe_config,
     _qwen35moe_config,
+    gain_of,
     write_hf_target,
 )
 from featdiff.outputs import check_output_dir, replaced
@@ -118,6 +129,93 @@ GGUF_FROM_HF_MOE = {
         for x in range(N_EXPERT)
     },
 }
+# The GLM variant's target: GLM-4.5's layers (hf_targets._glm4moe_config), llama.cpp's glm4moe
+# (not one of hf_targets.FAMILIES: it has no DFlash fixture of its own)
+GLM4MOE_TARGET = Family(
+    names.ARCH_GLM4MOE,
+    f"GLM-4.5 target: attention biases, half-head RoPE, a dense first layer, then {N_EXPERT} experts, "
+    f"top-{N_EXPERT_USED} by sigmoid + a choice bias, and a shared expert",
+    _glm4moe_config,
+    gains=(("e_score_correction_bias", CHOICE_BIAS_GAIN),),
+    buffers=("e_score_correction_bias",),  # the router's choice bias, which llama.cpp adds (exp_probs_b)
+)
+# GLM-4.5 ships its head as one more decoder layer, model.layers.<n_layer> (config.json
+# `num_nextn_predict_layers`), with the nextn tensors inside it: `eh_proj` over [enorm(embed(token)),
+# hnorm(h)] and the head norm `shared_head.norm` (GLM-4.5 ships no `embed_tokens` or
+# `shared_head.head` copy: the head reads the model's). The converter's Glm4MoeModel keeps the layer
+# as block n_layer and maps the nextn names as they are (gguf-py tensor_mapping NEXTN_*); its norms
+# are plain RMSNorm weights, written as they are.
+HF_GLM_N_MTP = "num_nextn_predict_layers"
+_GLM_LAYER = f"{HF_LAYER_PREFIX}{_IL}."
+HF_GLM_FC = _GLM_LAYER + "eh_proj.weight"
+HF_GLM_NORMS = tuple(_GLM_LAYER + f"{n}.weight" for n in ("enorm", "hnorm", "shared_head.norm"))
+_GLM_ATTENTION = {
+    **{f"{_GLM_LAYER}self_attn.{p}_proj.{w}": f"{_BLK}attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
+    _GLM_LAYER + "self_attn.o_proj.weight": _BLK + "attn_output.weight",
+    _GLM_LAYER + "input_layernorm.weight": _BLK + "attn_norm.weight",
+    _GLM_LAYER + "post_attention_layernorm.weight": _BLK + "post_attention_norm.weight",
+}
+GGUF_FROM_HF_GLM = {
+    HF_GLM_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
+    HF_GLM_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
+    HF_GLM_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
+    HF_GLM_NORMS[2]: names.T_NEXTN.format(il=_IL, name="shared_head_norm"),
+    **_GLM_ATTENTION,
+    _GLM_LAYER + "mlp.gate.weight": _BLK + "ffn_gate_inp.weight",
+    _GLM_LAYER + "mlp.gate.e_score_correction_bias": _BLK + "exp_probs_b.bias",
+    **{
+        f"{_GLM_LAYER}mlp.shared_experts.{p}_proj.weight": f"{_BLK}ffn_{p}_shexp.weight" for p in ("gate", "up", "down")
+    },
+    **{
+        f"{_GLM_LAYER}mlp.experts.{x}.{proj}_proj.weight": f"{_BLK}ffn_{proj}_exps.weight"
+        for proj in ("gate", "up", "down")
+        for x in range(N_EXPERT)
+    },
+}
+
+
+def _first_full_attention(config: dict) -> int:
+    """Qwen3.5's MTP layer is a full-attention layer: the first of the trunk's."""
+    return config["layer_types"].index(HF_FULL_ATTENTION)
+
+
+def _last_layer(config: dict) -> int:
+    """GLM-4.5's MTP layer is an MoE decoder layer, as the trunk's last."""
+    return int(config["num_hidden_layers"]) - 1
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where a family's checkpoints keep an MTP head, and which trunk layer its decoder layer is shaped as."""
+
+    n_mtp_key: str  # config.json: how many MTP blocks
+    layer: str  # the prefix of the head's decoder layer
+    fc: str  # over [embedding, hidden]: (n_embd, 2 n_embd)
+    norms: tuple[str, ...]  # enorm, hnorm, the head norm: (n_embd,) each
+    shaped_as: Callable[[dict], int]  # config.json -> the trunk layer the head's decoder layer copies
+
+
+QWEN35_HEAD = HeadLayout(HF_N_MTP, _LAYER, HF_FC, HF_NORMS, _first_full_attention)
+GLM4MOE_HEAD = HeadLayout(HF_GLM_N_MTP, _GLM_LAYER, HF_GLM_FC, HF_GLM_NORMS, _last_layer)
+
+
+@dataclass(frozen=True)
+class MtpTarget:
+    """One target family with an MTP head: its model, where its checkpoint keeps the head, what the
+    converter writes of the head and how (bootstrap: a converter.BOOTSTRAPS key; norm_offset: what
+    the converter adds to a norm weight)."""
+
+    family: Family
+    head: HeadLayout
+    gguf_from_hf: dict[str, str]
+    bootstrap: str | None
+    norm_offset: float = 0.0
+
+
+_SPM = BOOTSTRAP_OF[TOKENIZER_SPM]
+QWEN35_MTP = MtpTarget(FAMILIES[FAMILY], QWEN35_HEAD, GGUF_FROM_HF, _SPM, norm_offset=1.0)
+QWEN35MOE_MTP = MtpTarget(MOE_TARGET, QWEN35_HEAD, GGUF_FROM_HF_MOE, _SPM, norm_offset=1.0)
+GLM4MOE_MTP = MtpTarget(GLM4MOE_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_GLM, BOOTSTRAP_GLM)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
 MTP_STREAM = 4
@@ -140,17 +238,17 @@ class MtpVariant:
     doc: str
     has_separate_head: bool  # target.gguf converted --no-mtp, draft.gguf the --mtp head alone
     is_trained: bool = False  # the faint-trunk target and its trained head (training.mtp), with prompts.txt
-    is_moe: bool = False  # the Qwen3.5-MoE target (MOE_TARGET), not the qwen35 family's
+    target: MtpTarget = QWEN35_MTP  # the target family and its head
 
     @property
     def arch(self) -> str:
         """llama.cpp's architecture of the converted GGUFs."""
-        return ARCH_QWEN35MOE if self.is_moe else names.ARCH_QWEN35
+        return self.target.family.name
 
     @property
     def gguf_from_hf(self) -> dict[str, str]:
         """The head's tensors: HF name -> the GGUF tensor the converter writes it into."""
-        return GGUF_FROM_HF_MOE if self.is_moe else GGUF_FROM_HF
+        return self.target.gguf_from_hf
 
 
 _VARIANTS = (
@@ -177,7 +275,15 @@ _VARIANTS = (
         f"Qwen3.5-MoE target ({N_EXPERT} experts, top-{N_EXPERT_USED}, a shared expert) with its MTP head, an MoE "
         "layer, inside target.gguf (as `mtp`; llama.cpp's qwen35moe)",
         has_separate_head=False,
-        is_moe=True,
+        target=QWEN35MOE_MTP,
+    ),
+    MtpVariant(
+        "mtp-glm4moe",
+        f"GLM-4.5 target (attention biases, a dense first layer, {N_EXPERT} experts top-{N_EXPERT_USED} by sigmoid "
+        "+ a choice bias, a shared expert) with its MTP head, an MoE layer, inside target.gguf (as `mtp`; "
+        "llama.cpp's glm4moe)",
+        has_separate_head=False,
+        target=GLM4MOE_MTP,
     ),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
@@ -199,17 +305,17 @@ def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -
     has none (the head inside target.gguf), and its `prompts.txt` where the variant is untrained."""
     v = checked_mtp_variant(variant)
     out = check_output_dir(Path(outdir), (), "OUTDIR")
-    hf = write_hf_target(out / TARGET_HF, MOE_TARGET if v.is_moe else FAMILIES[FAMILY], seed)
+    hf = write_hf_target(out / TARGET_HF, v.target.family, seed)
     write_spm_tokenizer(hf / TOKENIZER_MODEL, pairs.TINY.n_vocab)
     if v.is_trained:
         faint_trunk(hf)
-    add_mtp_head(hf, seed)
+    add_mtp_head(hf, seed, v.target)
     if v.is_trained:
         _update_tensors(hf, _trained_head(hf, seed))
         _write_held_out_prompts(out / PROMPTS_FILE, seed, pairs.TINY)
     else:
         (out / PROMPTS_FILE).unlink(missing_ok=True)  # a trained fixture's held-out prompts
-    bootstrap = BOOTSTRAP_OF[TOKENIZER_SPM]
+    bootstrap = v.target.bootstrap
     convert_checkpoint(hf, out / TARGET_GGUF, bootstrap=bootstrap, no_mtp=v.has_separate_head)
     if v.has_separate_head:
         convert_checkpoint(hf, out / DRAFT_GGUF, bootstrap=bootstrap, mtp_only=True)
@@ -220,16 +326,17 @@ def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -
     return out
 
 
-def add_mtp_head(hf: Path, seed: int) -> None:
-    """The checkpoint `hf` (a Qwen3.5 or Qwen3.5-MoE target as write_hf_target saves it) given an MTP head:
-    `mtp_num_hidden_layers` in its config.json and `mtp_weights` in its safetensors file."""
+def add_mtp_head(hf: Path, seed: int, mtp: MtpTarget = QWEN35_MTP) -> None:
+    """The checkpoint `hf` (`mtp`'s target as write_hf_target saves it) given an MTP head laid out
+    as its family ships it: the count (`mtp_num_hidden_layers`, GLM's `num_nextn_predict_layers`)
+    in its config.json and `mtp_weights` in its safetensors file."""
     from safetensors.numpy import load_file
 
     config_path = hf / names.HF_CONFIG
     config = json.loads(config_path.read_text())
-    _update_tensors(hf, mtp_weights(config, load_file(str(hf / HF_SAFETENSORS)), seed))
+    _update_tensors(hf, mtp_weights(config, load_file(str(hf / HF_SAFETENSORS)), seed, mtp))
     with replaced(config_path) as tmp:
-        tmp.write_text(json.dumps({**config, HF_N_MTP: N_MTP}, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps({**config, mtp.head.n_mtp_key: N_MTP}, indent=2, sort_keys=True) + "\n")
 
 
 def faint_trunk(hf: Path) -> None:
@@ -258,16 +365,28 @@ def _update_tensors(hf: Path, tensors: dict[str, np.ndarray]) -> None:
         save_file({**held, **tensors}, str(tmp), metadata=SAFETENSORS_META)
 
 
-def mtp_weights(config: dict, target: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
-    """The MTP head of `seed` for the checkpoint `target` (HF names, HF orientation (out, in)):
-    its decoder layer `mtp.layers.0.*` shaped as the target's first full-attention layer (in an
-    MoE target: its router, experts, shared expert and shared-expert gate too), `fc`
-    from [embedding, hidden] to n_embd, and its norms; matrices N(0, 1/n_in), vectors
-    1 + N(0, 0.1), as hf_targets._seeded draws the target."""
-    il = config["layer_types"].index(HF_FULL_ATTENTION)
-    layer = f"{HF_LAYER_PREFIX}{il}."
+def mtp_weights(
+    config: dict, target: dict[str, np.ndarray], seed: int, mtp: MtpTarget = QWEN35_MTP
+) -> dict[str, np.ndarray]:
+    """The MTP head of `seed` for the checkpoint `target` (HF names, HF orientation (out, in)),
+    laid out as `mtp.head` says: its decoder layer shaped as the target's layer `head.shaped_as`
+    (Qwen3.5: the first full-attention layer; in an MoE target its router, experts and shared
+    expert too, and GLM's router bias), the fc from [embedding, hidden] to n_embd, and its norms;
+    matrices N(0, 1/n_in), vectors 1 + N(0, 0.1), each draw times the family's gain, as
+    hf_targets._seeded draws the target."""
+    head, gains = mtp.head, dict(mtp.family.gains)
+    layer = f"{HF_LAYER_PREFIX}{head.shaped_as(config)}."
     n_embd = config["hidden_size"]
-    shapes = {_LAYER + k[len(layer) :]: a.shape for k, a in target.items() if k.startswith(layer)}
-    shapes |= {HF_FC: (n_embd, 2 * n_embd)} | dict.fromkeys(HF_NORMS, (n_embd,))  # fc: (n_embd, 2 n_embd)
+    shapes = {head.layer + k[len(layer) :]: a.shape for k, a in target.items() if k.startswith(layer)}
+    shapes |= {head.fc: (n_embd, 2 * n_embd)} | dict.fromkeys(head.norms, (n_embd,))  # fc: (n_embd, 2 n_embd)
     rng = np.random.default_rng([seed, MTP_STREAM])
-    return {k: _linear(rng, *s) if len(s) == 2 else _norm(rng, s[0]) for k, s in sorted(shapes.items())}
+    drawn = {k: _linear(rng, *s) if len(s) == 2 else _norm(rng, s[0]) for k, s in sorted(shapes.items())}
+    return {k: _gained(a, gain_of(k, gains)) for k, a in drawn.items()}
+
+
+def _gained(a: np.ndarray, gain: float) -> np.ndarray:
+    """A draw of pairs._linear or pairs._norm made `gain` times as wide: a matrix scaled, a vector's
+    spread around 1 scaled (unchanged at gain 1)."""
+    if gain == 1.0:
+        return a
+    return (a * gain if a.ndim == 2 else 1.0 + gain * (a - 1.0)).astype(np.float32)

@@ -63,6 +63,9 @@ GPT_OSS_ROPE: dict[str, Any] = {
 TOKENIZER_SPM, TOKENIZER_BPE, TOKENIZER_BYTE_BPE = "spm", "bpe", "byte-bpe"
 # each tokenizer's converter bootstrap (converter.BOOTSTRAPS), None: the converter's own route
 BOOTSTRAP_OF: dict[str, str | None] = {TOKENIZER_SPM: "spm", TOKENIZER_BPE: None, TOKENIZER_BYTE_BPE: "pre"}
+# GLM-4.5's converter class reads GLM's own special tokens (`_set_vocab_glm`): its fixtures'
+# tokenizer.model converts through this bootstrap instead (converter.BOOTSTRAPS)
+BOOTSTRAP_GLM = "glm"
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Family:
     name: str  # llama.cpp's architecture name (the converted GGUF's general.architecture), or its -variant
     doc: str
     config: Callable[[pairs.Sizes], object]
-    gains: tuple[tuple[str, float], ...] = ()  # (parameter name suffix, factor on its seeded draw)
+    gains: tuple[tuple[str, float], ...] = ()  # (parameter or buffer name suffix, factor on its seeded draw)
     # converted with --no-mtp: a Qwen3.5 checkpoint without MTP layers (conversion/qwen.py
     # Qwen3NextModel.__init__ asserts MTP tensors unless told there are none)
     no_mtp: bool = False
@@ -226,6 +229,49 @@ def _qwen35moe_config(sz: pairs.Sizes) -> object:
         "num_experts_per_tok": N_EXPERT_USED,
     }
     return Qwen3_5MoeTextConfig(**fields)
+
+
+# GLM-4.5 (llama.cpp's glm4moe) as GLM-4.5-Air is built: attention with q/k/v biases and no q/k
+# norms, NeoX RoPE on half the head (the converter writes rope.dimension_count = head_dim x
+# partial_rotary_factor), a dense first layer then MoE layers routed by sigmoid: experts chosen by
+# sigmoid(logit) + the router's `e_score_correction_bias` (one group: n_group = topk_group = 1),
+# weighted by their sigmoids renormalized and times `routed_scaling_factor`, plus one shared expert
+GLM4MOE_ROUTED_SCALE = 2.5  # GLM-4.5's routed_scaling_factor: a scale llama.cpp applies (not 0 or 1)
+# the router's choice bias drawn this much wider than a norm (1 + N(0, 0.3)): at 1 its spread is
+# small beside the sigmoids' and, measured on the MTP head in the tests' flow (38 rows through it,
+# tests/llama/test_mtp_capture.py), decides no row's experts; at 3 it decides 3 rows' experts, so the
+# fixture runs choices the bias makes
+CHOICE_BIAS_GAIN = 3.0
+GLM4MOE_ROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": pairs.ROPE_BASE, "partial_rotary_factor": 0.5}
+
+
+def _glm4moe_config(sz: pairs.Sizes) -> object:
+    """GLM-4.5's model at the tiny sizes (GLM4MOE_ROPE, first_k_dense_replace 1: layer 0 dense,
+    the others N_EXPERT experts of width N_FF_EXPERT, top-N_EXPERT_USED, one shared expert), no
+    MTP layers (`num_nextn_predict_layers` 0: fixtures_mtp adds the head). Not a registered
+    family: the MTP fixtures use it."""
+    from transformers import Glm4MoeConfig
+
+    fields: dict[str, Any] = {
+        **_tiny_fields(sz),
+        "moe_intermediate_size": N_FF_EXPERT,
+        "n_routed_experts": N_EXPERT,
+        "num_experts_per_tok": N_EXPERT_USED,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": GLM4MOE_ROUTED_SCALE,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "num_nextn_predict_layers": 0,
+        "max_position_embeddings": pairs.N_POS_TRAIN,
+        "rms_norm_eps": pairs.RMS_EPS,
+        "rope_parameters": dict(GLM4MOE_ROPE),
+        "tie_word_embeddings": False,
+    }
+    return Glm4MoeConfig(**fields)
 
 
 # Gemma 4 (llama.cpp's gemma4) as its dense 31B is built: sliding-window layers with a full-attention
@@ -444,9 +490,9 @@ def write_hf_target(path: Path, fam: Family, seed: int) -> Path:
 
 
 def _seeded(model: object, seed: int, gains: dict[str, float], buffers: tuple[str, ...] = ()) -> None:
-    """Every parameter drawn from `seed`: matrices N(0, 1/n_in) as pairs._linear (times the
-    family's gain for a parameter named in `gains`), vectors (norms, biases, sinks) and the
-    buffers named in `buffers` 1 + N(0, NORM_SPREAD), the embedding table N(0, EMBD_STD);
+    """Every parameter drawn from `seed`: matrices N(0, 1/n_in) as pairs._linear, vectors (norms,
+    biases, sinks) and the buffers named in `buffers` 1 + N(0, NORM_SPREAD), each draw times the
+    family's gain for a tensor named in `gains`, the embedding table N(0, EMBD_STD);
     transformers' own init is too small for a random model to route, attend or decode distinctly."""
     import torch
 
@@ -454,8 +500,7 @@ def _seeded(model: object, seed: int, gains: dict[str, float], buffers: tuple[st
     embed = model.get_input_embeddings().weight  # type: ignore[attr-defined]
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):  # type: ignore[attr-defined]
-            draw = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            draw *= next((f for suffix, f in gains.items() if name.endswith(suffix)), 1.0)
+            draw = torch.randn(p.shape, generator=g, dtype=torch.float32) * gain_of(name, gains)
             if p is embed:
                 p.copy_(draw * EMBD_STD)
             elif p.ndim == 1:
@@ -464,4 +509,10 @@ def _seeded(model: object, seed: int, gains: dict[str, float], buffers: tuple[st
                 p.copy_(draw / math.sqrt(p.shape[-1]))
         for name, b in sorted(model.named_buffers()):  # type: ignore[attr-defined]
             if name.rsplit(".", 1)[-1] in buffers:
-                b.copy_(1.0 + NORM_SPREAD * torch.randn(b.shape, generator=g, dtype=torch.float32))
+                draw = torch.randn(b.shape, generator=g, dtype=torch.float32) * gain_of(name, gains)
+                b.copy_(1.0 + NORM_SPREAD * draw)
+
+
+def gain_of(name: str, gains: dict[str, float]) -> float:
+    """The factor on the seeded draw of the tensor `name`: the family's gain of its suffix, else 1."""
+    return next((f for suffix, f in gains.items() if name.endswith(suffix)), 1.0)

@@ -47,8 +47,8 @@ EAGLE3_WIRING: tuple[str, ...] = (
     names.DRAFT_LOGITS,
 )
 
-# An MTP head's graph (upstream src/models/qwen35.cpp graph_mtp): its token rows, its norms and
-# their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
+# An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, glm4-moe.cpp graph_mtp): its
+# token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
 # mtp_h_input, the hidden rows it is handed: only a norm reads them (the shim reads inputs through
 # consumers that cannot overwrite them); mtp_hnorm-<il> carries them, and the in-process driver
 # records the rows it stages under that name (a read-back)
@@ -59,6 +59,7 @@ MTP_WIRING: tuple[str, ...] = (
     "mtp_concat-*",
     "mtp_eh_proj-*",
     "mtp_attn_residual-*",
+    "mtp_ffn_inp-*",  # glm4-moe.cpp's name of mtp_attn_residual
     "mtp_post_ffn-*",
     names.H_NEXTN,
     names.RESULT_OUTPUT,
@@ -167,10 +168,10 @@ KINDS: tuple[DrafterKind, ...] = (
         MTP_WIRING,
         names.KEY_NEXTN_LAYERS,
         block_flow=False,
-        layer_rule="the checkpoint's mtp_num_hidden_layers",
+        layer_rule="the checkpoint's mtp_num_hidden_layers (GLM-4.5's num_nextn_predict_layers)",
         target_wiring=MTP_TARGET_WIRING,
         standalone=False,
-        more_archs=(names.ARCH_QWEN35MOE,),
+        more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE),
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP

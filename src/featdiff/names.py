@@ -43,6 +43,7 @@ KEY_EAGLE3_NORM_BEFORE_FC = "eagle3.norm_before_fc"
 # in an `mtp-*.gguf` (convert_hf_to_gguf.py --mtp); block_count counts them
 ARCH_QWEN35 = "qwen35"
 ARCH_QWEN35MOE = "qwen35moe"  # the same head with a MoE FFN (qwen35moe.cpp graph_mtp)
+ARCH_GLM4MOE = "glm4moe"  # GLM-4.5's head: biased attention, sigmoid-routed MoE (glm4-moe.cpp graph_mtp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
 NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)
@@ -103,6 +104,7 @@ MTP_ENORM = "mtp_enorm"
 MTP_CONCAT = "mtp_concat"
 MTP_EH_PROJ = "mtp_eh_proj"
 MTP_ATTN_RESIDUAL = "mtp_attn_residual"
+MTP_FFN_INP = "mtp_ffn_inp"  # glm4-moe.cpp's name of the same sum (attention's output + its input)
 MTP_POST_FFN = "mtp_post_ffn"
 H_NEXTN = "h_nextn"
 MTP_SHARED_HEAD_NORM = "mtp_shared_head_norm"

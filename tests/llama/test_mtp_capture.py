@@ -1,5 +1,5 @@
-"""MTP heads end to end on the real library (issue 33): a Qwen3.5 target whose MTP head the pinned
-converter kept (inside its GGUF, or as a separate `--mtp` GGUF) captured by featdiff's MTP driver
+"""MTP heads end to end on the real library (issue 33): a Qwen3.5, Qwen3.5-MoE or GLM-4.5 target whose
+MTP head the pinned converter kept (inside its GGUF, or as a separate `--mtp` GGUF) captured by featdiff's MTP driver
 (common_speculative_impl_draft_mtp's flow) compares clean against the reference, from the GGUF's
 head and from the checkpoint's; the graph faults of 0008-mtp-graph-faults.patch are named; a GGUF
 without a head is refused by name."""
@@ -14,6 +14,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
+from featdiff.fixtures_mtp import MTP_SETTINGS
 from featdiff.llama.capture import capture
 from featdiff.torchref.kind import reference
 
@@ -42,6 +43,8 @@ def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = Fal
         ("mtp", "target.gguf", "target-hf"),  # the reference from the checkpoint's mtp.* tensors
         ("mtp-separate", "draft.gguf", "draft.gguf"),  # a separate `--mtp` head GGUF
         ("mtp-qwen35moe", "target.gguf", "target.gguf"),  # Qwen3.5-MoE: the head's FFN routed over experts
+        ("mtp-glm4moe", "target.gguf", "target.gguf"),  # GLM-4.5: biased attention, sigmoid routing, choice bias
+        ("mtp-glm4moe", "target.gguf", "target-hf"),  # its head from the checkpoint's decoder layer n_layer
     ],
 )
 def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, model, head, tmp_path):
@@ -55,7 +58,9 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
     draft = {r.name for r in m.records if r.role == "draft"}
     assert {"mtp_h_input", "mtp_hnorm-6", "mtp_enorm-6", "mtp_concat-6", "mtp_eh_proj-6", "h_nextn"} <= draft
     assert {r.name for r in m.records if r.role == "target"} >= {"h_nextn", "result_output"}
-    assert m.models["draft"]["architecture"] == ("qwen35moe" if variant == "mtp-qwen35moe" else "qwen35")
+    assert m.models["draft"]["architecture"] == MTP_SETTINGS[variant].arch
+    residual = "mtp_ffn_inp-6" if variant == "mtp-glm4moe" else "mtp_attn_residual-6"  # glm4-moe.cpp's name
+    assert residual in draft and residual in {p.name for p in c.pairs}
     assert all(r.drafts for r in m.rounds)
     assert all(e.n_tokens == 1 for e in m.evals if e.phase == "draft")
     # what the head is handed is compared on every catch-up batch and every draft step
@@ -63,6 +68,8 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
     assert handed == {"inject", "draft"}
 
 
+# each fault planted in the qwen35 graphs and in glm4-moe's (0008-mtp-graph-faults.patch)
+@pytest.mark.parametrize("variant", ["mtp", "mtp-glm4moe"])
 @pytest.mark.parametrize(
     "fault, kind, tensor, words",
     [
@@ -71,8 +78,8 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
         ("mtp-recycle-prenorm", "wrong_source", "mtp_h_input", "previous step's state before the head norm"),
     ],
 )
-def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, fault, kind, tensor, words):
-    d = mtp_pairs("mtp")
+def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, variant, fault, kind, tensor, words):
+    d = mtp_pairs(variant)
     monkeypatch.setenv("FEATDIFF_FAULT", fault)  # 0008-mtp-graph-faults.patch, read by libllama's graph
     run, ref = _run_and_ref(d, d / "target.gguf", d / "target.gguf", tmp_path, follow=True)
     c = compare_dumps(ref, run)

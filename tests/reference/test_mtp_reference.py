@@ -11,7 +11,9 @@ from featdiff import kinds, names
 from featdiff.errors import InputError
 from featdiff.torchref.attention import empty_cache
 from featdiff.torchref.kind import drafter_kind
-from featdiff.torchref.mtp import decode, mtp_from_gguf, mtp_from_hf
+from featdiff.torchref.mtp import decode, mtp_from_gguf
+from featdiff.torchref.mtp_hf import mtp_from_hf
+from featdiff.torchref.mtp_layer import MOE_CHOICE_BIAS, MoeRouting, moe_ffn
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
@@ -59,7 +61,7 @@ def test_the_kind_of_a_head_is_mtp_wherever_it_lives(mtp_pairs):
 def test_a_moe_head_routes_its_experts_and_is_read_from_its_gguf(mtp_pairs):
     d = mtp_pairs("mtp-qwen35moe")
     head = mtp_from_gguf(d / "target.gguf", F32, CPU)
-    assert head.hparams.arch == "qwen35moe" and head.n_expert_used == 2
+    assert head.hparams.arch == "qwen35moe" and head.routing == MoeRouting(2)  # softmax, renormalized
     assert head.block["ffn_gate_exps"].shape == (4, 32, 64) and "ffn_gate" not in head.block
     assert drafter_kind(d / "target.gguf").name == kinds.MTP
     h = torch.randn(2, head.hparams.n_embd, generator=torch.Generator().manual_seed(1))  # (2, n_embd)
@@ -68,3 +70,41 @@ def test_a_moe_head_routes_its_experts_and_is_read_from_its_gguf(mtp_pairs):
     assert torch.isfinite(routed.logits).all()
     with pytest.raises(InputError, match="from the converted GGUF"):
         mtp_from_hf(d / "target-hf", F32, CPU)
+
+
+def test_a_glm_head_routes_by_sigmoid_and_its_choice_bias(mtp_pairs):
+    """GLM-4.5's head (glm4-moe.cpp graph_mtp) from its GGUF: attention with q/k/v biases and RoPE on
+    half the head, experts chosen by sigmoid + exp_probs_b, weighted by the sigmoids renormalized
+    and scaled, an ungated shared expert; its residual named as glm4-moe.cpp names it. The choice
+    bias decides some rows' experts."""
+    d = mtp_pairs("mtp-glm4moe")
+    head = mtp_from_gguf(d / "target.gguf", F32, CPU)
+    assert head.hparams.arch == "glm4moe" and head.hparams.n_rot == 8 and head.il == 6
+    assert head.routing == MoeRouting(2, 2.5, has_sigmoid_gating=True, has_weights_norm=True)
+    assert {"attn_q.bias", "attn_k.bias", "attn_v.bias", MOE_CHOICE_BIAS, "ffn_up_shexp"} <= head.block.keys()
+    assert not {"attn_q_norm", "ffn_gate_inp_shexp"} & head.block.keys()
+    for path in (d / "target.gguf", d / "target-hf"):
+        assert drafter_kind(path).name == kinds.MTP, path
+    n = 16
+    h = torch.randn(n, head.hparams.n_embd, generator=torch.Generator().manual_seed(2))  # (16, n_embd)
+    cache = empty_cache(1, head.hparams.n_head_kv, head.hparams.n_embd_head, "f32", CPU)
+    routed = decode(head, torch.arange(10, 10 + n), h, torch.arange(n), cache)
+    assert {"mtp_ffn_inp-6", "mtp_concat-6@slots=1,0"} <= {r.name for r in routed.records}
+    assert "mtp_attn_residual-6" not in {r.name for r in routed.records}
+    unbiased = {k: w for k, w in head.block.items() if k != MOE_CHOICE_BIAS}
+    assert head.routing is not None
+    moved = (moe_ffn(unbiased, h, head.routing) - moe_ffn(head.block, h, head.routing)).abs().amax(dim=1)  # (16,)
+    assert 0 < int((moved > 0).sum()) < n  # the bias moves some rows to other experts, not every row
+
+
+def test_the_glm_gguf_head_and_the_checkpoint_head_are_one_head(mtp_pairs):
+    """GLM-4.5's head read from its checkpoint's decoder layer n_layer (experts stacked, norms as
+    they are, routing from config.json) is the head the converter wrote into the GGUF."""
+    d = mtp_pairs("mtp-glm4moe")
+    g, h = mtp_from_gguf(d / "target.gguf", F32, CPU), mtp_from_hf(d / "target-hf", F32, CPU)
+    assert g.il == h.il == 6 and g.hparams.n_rot == h.hparams.n_rot == 8 and h.hparams.arch == "glm4moe"
+    assert g.routing == h.routing
+    for field in ("eh_proj", "enorm", "hnorm", "head_norm", "token_embd", "output"):
+        assert torch.equal(getattr(g, field), getattr(h, field)), field
+    assert g.block.keys() == h.block.keys()
+    assert all(torch.equal(g.block[k], h.block[k]) for k in g.block)

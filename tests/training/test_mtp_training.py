@@ -20,7 +20,8 @@ from featdiff.hf_targets import FAMILIES, write_hf_target
 from featdiff.pairs import TINY
 from featdiff.phases import Phase
 from featdiff.torchref.load import load_target
-from featdiff.torchref.mtp import mtp_from_gguf, mtp_from_hf
+from featdiff.torchref.mtp import mtp_from_gguf
+from featdiff.torchref.mtp_hf import mtp_from_hf
 from featdiff.torchref.mtp_flow import run_flow, target_hidden
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.target import forward_target

@@ -1,5 +1,5 @@
 """A target run by transformers' own model code, for the architectures featdiff does not write
-again in torch (issue 24): Qwen3-MoE, gpt-oss, Qwen3.5, Gemma 4, Nemotron-H (HF_ARCHS).
+again in torch (issue 24): Qwen3-MoE, gpt-oss, Qwen3.5, Gemma 4, Nemotron-H, GLM-4.5 (HF_ARCHS).
 Consumes a Hugging Face directory (config and safetensors); produces, per batch, the records the
 native target writes (target.py): `embd`, `layer_inp-<L>`, `l_out-<il>` (under the arch's graph
 names where they differ: EMBD_NAMES, L_OUT_NAMES) and `result_norm` / `result_output`; on a MoE
@@ -57,6 +57,7 @@ HF_ARCHS = {
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",  # published (image-text-to-text): Gemma4ForConditionalGeneration, run on text ids
     "nemotron_h": "nemotron_h",
+    "glm4_moe": "glm4moe",  # GLM-4.5: biased attention, sigmoid-routed experts (its MTP layer is left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
 }

@@ -12,7 +12,7 @@ from featdiff.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
 from featdiff.torchref.eagle3_hf import is_eagle3_config
 from featdiff.torchref.load_hf import read_config
-from featdiff.torchref.mtp import is_mtp_checkpoint
+from featdiff.torchref.mtp_hf import is_mtp_checkpoint
 
 
 def drafter_kind(model: Path) -> kinds.DrafterKind:

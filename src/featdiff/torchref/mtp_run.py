@@ -2,7 +2,8 @@
 command (step_run.py) with the MTP flow (mtp_flow.py), and the accept probe's side of the kind.
 
 `--model` is where the head is: the target's own GGUF (heads inside), a separate `mtp-*.gguf`,
-or the Qwen3.5 checkpoint directory whose `mtp.*` tensors hold it (the target's `target-hf/`).
+or the checkpoint directory that holds it (the target's `target-hf/`: a Qwen3.5 checkpoint's
+`mtp.*` tensors, a GLM-4.5 one's extra decoder layer; torchref/mtp_hf.py).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from featdiff import names
 from featdiff.dump import Round
 from featdiff.gguf_reader import model_info
 from featdiff.manifest_fields import ModelInfo
-from featdiff.torchref.mtp import MtpHead, check_mtp_pair, mtp_from_gguf, mtp_from_hf
+from featdiff.torchref.mtp import MtpHead, check_mtp_pair, mtp_from_gguf
+from featdiff.torchref.mtp_hf import mtp_from_hf
 from featdiff.torchref.mtp_flow import run_flow
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.step_run import StepKind, step_reference
@@ -28,7 +29,7 @@ def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
 
 
 def load_head(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> MtpHead:
-    """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5 checkpoint directory)."""
+    """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5 or GLM-4.5 checkpoint directory)."""
     if Path(model).is_dir():
         return mtp_from_hf(Path(model), numerics.dtype, numerics.device)
     return mtp_from_gguf(Path(model), numerics.dtype, numerics.device, llama_dir)
@@ -42,7 +43,7 @@ def mtp_models_entry(head: MtpHead) -> dict[str, Any]:
     return ModelInfo(
         path=str(head.source.path),
         sha256=hf_sha256(Path(head.source.path)),
-        architecture=names.ARCH_QWEN35,
+        architecture=hp.arch,
         n_layer=head.il + 1,
         n_embd=hp.n_embd,
         n_vocab=hp.n_vocab,

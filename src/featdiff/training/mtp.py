@@ -35,14 +35,8 @@ from torch.nn.functional import cross_entropy
 from featdiff import names, pairs
 from featdiff.torchref.attention import empty_cache, truncated
 from featdiff.torchref.load import load_target
-from featdiff.torchref.mtp import (
-    HF_MTP_PREFIX,
-    MtpHead,
-    MtpPass,
-    decode,
-    hf_head_tensors,
-    mtp_from_hf,
-)
+from featdiff.torchref.mtp import MtpHead, MtpPass, decode
+from featdiff.torchref.mtp_hf import HF_MTP_PREFIX, hf_head_tensors, mtp_from_hf
 from featdiff.torchref.mtp_flow import run_flow, target_hidden
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.target import forward_target

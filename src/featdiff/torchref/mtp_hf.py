@@ -1,0 +1,242 @@
+"""An MTP head read from its Hugging Face checkpoint, held as the pinned converter writes it into
+the GGUF (torchref/mtp.py's MtpHead): a Qwen3.5 checkpoint's `mtp.*` tensors (conversion/qwen.py
+_QwenMtpMixin: every norm plus one), or a GLM-4.5 one's extra decoder layer `model.layers.<n_layer>.*`
+(conversion/glm.py Glm4MoeModel: norms as they are, the experts stacked). A Qwen3.5-MoE head is read
+from its GGUF only (GGUF_ONLY_HEADS).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from featdiff import names
+from featdiff.errors import InputError
+from featdiff.torchref.mtp import MtpHead
+from featdiff.torchref.mtp_layer import MOE_CHOICE_BIAS, MOE_EXPERTS, MOE_ROUTER, MoeRouting
+from featdiff.torchref.weights import Hparams, Source
+
+# the MTP block's decoder tensors (blk.<il>.<name>.weight) and the HF names the converter maps
+# them from (mtp.layers.0.<hf>.weight); a Qwen3.5 block's post-attention norm is
+# `post_attention_norm` in GGUF (LLM_TENSOR_ATTN_POST_NORM)
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",  # (2 * n_head * head_dim, n_embd): per head [q, gate]
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# nextn tensors (blk.<il>.nextn.<name>.weight) and their HF names (mtp.<hf>.weight)
+NEXTN_TENSORS = {
+    names.NEXTN_EH_PROJ: "fc",
+    "enorm": "pre_fc_norm_embedding",
+    "hnorm": "pre_fc_norm_hidden",
+    "shared_head_norm": "norm",
+}
+HF_MTP_PREFIX = "mtp."
+HF_MTP_LAYER = "mtp.layers.0."
+HF_MTP_LAYERS = "mtp_num_hidden_layers"
+# norms a Qwen3.5 checkpoint stores zero-centred (x * (1 + w)); the converter adds one
+# (conversion/qwen.py Qwen3NextModel.modify_tensors: every `norm.weight` but the linear attention's)
+HF_NORM_SUFFIX = "norm"
+HF_GLM_MTP_LAYERS = "num_nextn_predict_layers"
+# HF model_type -> the config.json key that counts its MTP blocks (GLM-4.5's ship as that many more
+# decoder layers)
+MTP_LAYERS_KEY = {
+    "qwen3_5_text": HF_MTP_LAYERS,
+    "qwen3_5": HF_MTP_LAYERS,
+    "qwen3_5_moe_text": HF_MTP_LAYERS,
+    "qwen3_5_moe": HF_MTP_LAYERS,
+    "glm4_moe": HF_GLM_MTP_LAYERS,
+}
+# model_type -> the family whose head (its routed experts) the reference reads from the GGUF only
+GGUF_ONLY_HEADS = {"qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE"}
+# GLM-4.5's head layer (HF names after `model.layers.<n_layer>.`) -> the block's GGUF keys, as the
+# converter maps them (gguf-py tensor_mapping: attention with biases, the sigmoid router and its
+# choice bias, the ungated shared expert); its q/k norms where config.json says `use_qk_norm`
+GLM_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    **{f"attn_{p}{s}": f"self_attn.{p}_proj.{w}" for p in "qkv" for s, w in (("", "weight"), (".bias", "bias"))},
+    "attn_output": "self_attn.o_proj.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
+    MOE_ROUTER: "mlp.gate.weight",
+    MOE_CHOICE_BIAS: "mlp.gate.e_score_correction_bias",
+    **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+GLM_QK_NORMS = {"attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight"}
+GLM_EXPERT = "mlp.experts.{x}.{proj}_proj.weight"  # stacked on dim 0 into ffn_<proj>_exps (modify_tensors)
+GLM_NEXTN = {names.NEXTN_EH_PROJ: "eh_proj.weight", "enorm": "enorm.weight", "hnorm": "hnorm.weight"}
+GLM_HEAD_NORM = "shared_head.norm.weight"
+
+
+@dataclass(frozen=True)
+class _HfHead:
+    """Where one family's checkpoint keeps its head and how the converter writes it."""
+
+    arch: str  # llama.cpp's architecture of the converted GGUF
+    rotary_default: float  # partial_rotary_factor where config.json says none (the converter's default)
+    prefix: Callable[[dict[str, Any]], str]  # the text config -> the prefix of the head's tensors
+    fields: Callable[[Callable[[str], torch.Tensor], dict[str, Any], str], dict[str, Any]]  # MtpHead's own fields
+
+
+def is_mtp_checkpoint(config: dict[str, Any]) -> bool:
+    """A checkpoint that declares MTP layers (config.json `mtp_num_hidden_layers`, GLM-4.5's
+    `num_nextn_predict_layers`: MTP_LAYERS_KEY)."""
+    text = config.get("text_config", config)
+    key = MTP_LAYERS_KEY.get(text.get(names.HF_MODEL_TYPE))
+    return key is not None and int(text.get(key, 0) or 0) > 0
+
+
+def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead:
+    """The head of a Qwen3.5 checkpoint (`mtp.*` tensors) or a GLM-4.5 one (decoder layer
+    n_layer), held as the converter writes it (HF_HEADS)."""
+    path = Path(path)
+    config = json.loads((path / names.HF_CONFIG).read_text())
+    text = config.get("text_config", config)
+    if not is_mtp_checkpoint(config):
+        raise InputError(
+            f"{path}: config.json declares no MTP layers ({', '.join(sorted(set(MTP_LAYERS_KEY.values())))}); "
+            "pass a checkpoint with its MTP head"
+        )
+    family = GGUF_ONLY_HEADS.get(text.get(names.HF_MODEL_TYPE))
+    if family is not None:
+        raise InputError(
+            f"{path}: the reference reads a {family} head (its routed experts) from the converted GGUF; pass "
+            "--model the GGUF that carries the head, with --target this checkpoint"
+        )
+    kind = HF_HEADS[text[names.HF_MODEL_TYPE]]
+    tensors = _checkpoint_tensors(path)
+
+    def hf(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise InputError(f"{path}: tensor {name} is missing; the checkpoint's MTP head is incomplete")
+        return tensors[name].to(dtype=dtype, device=device)
+
+    prefix = kind.prefix(text)
+
+    def model_tensor(suffix: str) -> torch.Tensor:
+        name = next((k for k in tensors if k.endswith(suffix) and not k.startswith(prefix)), suffix)
+        return hf(name)
+
+    tied = bool(text.get(names.HF_TIE_EMBEDDINGS, config.get(names.HF_TIE_EMBEDDINGS, False)))
+    embd = model_tensor(names.HF_EMBED_TOKENS)
+    return MtpHead(
+        source=Source(path, is_gguf=False),
+        hparams=_hf_hparams(text, kind),
+        il=int(text[names.HF_NUM_LAYERS]),
+        **kind.fields(hf, text, prefix),
+        token_embd=embd,
+        output=embd if tied else model_tensor(names.HF_LM_HEAD),
+    )
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob(names.HF_WEIGHTS_GLOB)):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is no mapping)
+                tensors[k] = st.get_tensor(k)
+    return tensors
+
+
+def _hf_hparams(text: dict[str, Any], kind: _HfHead) -> Hparams:
+    """The block's dims as the converter writes them: the model's heads, NeoX RoPE on the first
+    head_dim x partial_rotary_factor dims, one layer."""
+    n_embd, n_head = int(text[names.HF_HIDDEN_SIZE]), int(text[names.HF_NUM_HEADS])
+    head_dim = int(text.get(names.HF_HEAD_DIM) or n_embd // n_head)
+    rope = text.get("rope_parameters") or {}
+    return Hparams(
+        arch=kind.arch,
+        n_layer=1,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(text.get(names.HF_NUM_KV_HEADS, n_head)),
+        n_embd_head=head_dim,
+        n_ff=int(text[names.HF_INTERMEDIATE_SIZE]),
+        n_vocab=int(text[names.HF_VOCAB_SIZE]),
+        rms_eps=float(text[names.HF_RMS_EPS]),
+        rope_base=float(rope.get(names.HF_ROPE_THETA, text.get(names.HF_ROPE_THETA, names.ROPE_FREQ_BASE_DEFAULT))),
+        rope_type="neox",
+        n_rot=int(head_dim * float(rope.get("partial_rotary_factor", kind.rotary_default))),
+    )
+
+
+def hf_head_tensors(hf: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+    """The head's own fields (eh_proj, the norms, the block) from a checkpoint's `mtp.*` tensors,
+    `hf(name)` each, as the converter writes them: `mtp.fc` -> eh_proj, `pre_fc_norm_embedding` /
+    `_hidden` -> enorm / hnorm, `mtp.norm` -> the head norm, `mtp.layers.0.*` -> the block, every
+    norm plus one (a Qwen3.5 checkpoint's norms are zero-centred)."""
+    block = {
+        k: _plus_one(hf(f"{HF_MTP_LAYER}{v}.weight"), k.endswith(HF_NORM_SUFFIX)) for k, v in BLOCK_TENSORS.items()
+    }
+    nextn = {k: _plus_one(hf(f"{HF_MTP_PREFIX}{v}.weight"), k != names.NEXTN_EH_PROJ) for k, v in NEXTN_TENSORS.items()}
+    return {
+        "eh_proj": nextn[names.NEXTN_EH_PROJ],
+        "enorm": nextn["enorm"],
+        "hnorm": nextn["hnorm"],
+        "block": block,
+        "head_norm": nextn["shared_head_norm"],
+    }
+
+
+def _plus_one(t: torch.Tensor, is_norm: bool) -> torch.Tensor:
+    return t + 1.0 if is_norm else t
+
+
+def _qwen35_fields(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return hf_head_tensors(hf)
+
+
+def glm_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """GLM-4.5's head fields from its decoder layer `prefix` (`model.layers.<n_layer>.`), `hf(name)`
+    each, as Glm4MoeModel writes them: eh_proj, enorm, hnorm and `shared_head.norm` -> the head
+    norm, the layer -> the block (GLM_BLOCK_TENSORS, each expert's matrices stacked
+    `(n_expert, ...)`), norms as they are; its routing from config.json (sigmoid, as the converter
+    writes `expert_gating_func`; norm_topk_prob; routed_scaling_factor)."""
+    block = {k: hf(prefix + v) for k, v in GLM_BLOCK_TENSORS.items()}
+    if text.get("use_qk_norm"):
+        block |= {k: hf(prefix + v) for k, v in GLM_QK_NORMS.items()}
+    n_expert = int(text["n_routed_experts"])
+    for stacked, proj in zip(MOE_EXPERTS, ("gate", "up", "down"), strict=True):
+        experts = [hf(prefix + GLM_EXPERT.format(x=x, proj=proj)) for x in range(n_expert)]
+        block[stacked] = torch.stack(experts)  # (n_expert, n_ff, n_embd) or (n_expert, n_embd, n_ff)
+    routing = MoeRouting(
+        int(text["num_experts_per_tok"]),
+        float(text.get("routed_scaling_factor") or 0.0),
+        has_sigmoid_gating=True,
+        has_weights_norm=bool(text.get("norm_topk_prob", False)),
+    )
+    nextn = {k: hf(prefix + v) for k, v in GLM_NEXTN.items()}
+    return {**nextn, "block": block, "head_norm": hf(prefix + GLM_HEAD_NORM), "routing": routing}
+
+
+def _mtp_layer(text: dict[str, Any]) -> str:
+    """Qwen3.5 keeps its head under `mtp.`."""
+    return HF_MTP_PREFIX
+
+
+def _extra_layer(text: dict[str, Any]) -> str:
+    """GLM-4.5 keeps its head as the decoder layer after the trunk's."""
+    return names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX.format(il=int(text[names.HF_NUM_LAYERS]))
+
+
+_QWEN35 = _HfHead(names.ARCH_QWEN35, 0.25, _mtp_layer, _qwen35_fields)
+# model_type -> where its head is and how the converter writes it (GGUF_ONLY_HEADS' are refused)
+HF_HEADS = {
+    "qwen3_5_text": _QWEN35,
+    "qwen3_5": _QWEN35,
+    "glm4_moe": _HfHead(names.ARCH_GLM4MOE, 0.5, _extra_layer, glm_head_tensors),
+}
