@@ -31,14 +31,11 @@ browser:
 	  else echo "chromium missing: install Debian's chromium package (sudo apt-get install chromium)"; exit 1; fi; }
 
 # Debian's Vulkan headers, loader, glslc and SPIRV-Headers build the pinned tree with ggml's Vulkan
-# backend, and Mesa's llvmpipe (a Vulkan device that computes on the CPU) runs it, for the tests
-# that capture on a device backend (tests/llama/test_vulkan.py; root installs them once).
-VULKAN_PACKAGES := libvulkan-dev glslc spirv-headers mesa-vulkan-drivers
+# backend, and Mesa's llvmpipe (a Vulkan device that computes on the CPU), at Mesa 25 or later
+# (Debian 12: bookworm-backports), runs it, for the tests that capture on a device backend
+# (tests/llama/test_vulkan*.py; root installs them once; scripts/vulkan-packages.sh says why 25).
 vulkan:
-	@{ command -v glslc >/dev/null 2>&1 && test -f /usr/include/vulkan/vulkan.h && test -d /usr/share/cmake/SPIRV-Headers \
-	   && ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1; } || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(VULKAN_PACKAGES) >/dev/null; \
-	  else echo "Vulkan build packages missing: install Debian's $(VULKAN_PACKAGES) (sudo apt-get install ...)"; exit 1; fi; }
+	@bash scripts/vulkan-packages.sh
 
 demo: setup tools
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh

@@ -366,12 +366,11 @@ def ensure_release(
 # same either way.
 VULKAN_DIR = "llama.cpp-vulkan"
 VULKAN_STAMP = "featdiff-vulkan.json"
-# the library only: the tests capture on the device in-process. On llvmpipe (Mesa 22.3) the pinned
-# tree's programs built with Vulkan crash inside the driver (SIGSEGV in a libvulkan_lvp.so worker
-# thread), without featdiff too: every run of llama-speculative-simple -ngl 99 -ngld 99 with its
-# default flash attention, and 2 of 10 with `-fa off --no-spec-draft-backend-sampling` and
-# GGML_VK_DISABLE_ASYNC=1 (measured here); no test can rest on them, so no program is built
-VULKAN_TARGETS = ("llama",)
+# the library, for the in-process captures, and the programs `capture --exec` runs on the device
+# (tests/llama/test_vulkan_exec.py). They need Mesa 25 or later (`make vulkan`): on Debian 12's
+# Mesa 22.3 every run of llama-speculative-simple -ngl 99 crashed inside llvmpipe's queue thread,
+# without featdiff too (measured here, scripts/vulkan-packages.sh)
+VULKAN_TARGETS = ("llama", "llama-speculative-simple", "llama-server")
 VULKAN_OPTIONS = (
     *(o for o in CMAKE_OPTIONS if not o.startswith("-DGGML_VULKAN=")),
     "-DGGML_VULKAN=ON",

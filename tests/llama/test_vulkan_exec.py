@@ -1,0 +1,140 @@
+"""Capture around upstream programs built with ggml's Vulkan backend: llama-speculative-simple
+and llama-server of featdiff's Vulkan build (`featdiff.llama.tools.ensure_vulkan`), run on Mesa's
+llvmpipe (25 or later, `make vulkan`) under the preload, as a user runs them on a GPU build. Each
+placement, the whole pair on the device, part of the target, the target or the drafter alone,
+records what the same program records with every layer on the CPU and compares clean against the
+reference; a fault planted in the driver and the fault only a device run can have are named.
+
+The preload is compiled against the Vulkan build's headers (`exec.build_of_program`); this process
+loads no libllama for it, so the captures run here, not in processes of their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from families import FAULT_VAR
+from featdiff.diff import compare_dumps
+from featdiff.dump import read_dump
+from featdiff.llama import exec as exec_capture
+from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ToolBuild, ensure_vulkan
+
+from real_flow import reference_of
+from test_exec import SPEC_ARGS, TOKENS
+from test_vulkan import DEVICE, PLACEMENTS
+
+pytestmark = pytest.mark.slow  # builds the Vulkan llama.cpp: not part of `make test-fast`
+# the first program on a machine waits for llvmpipe to compile the shaders it uses (measured here:
+# 51 s for llama-speculative-simple, about 2 minutes for llama-server with the preload's own
+# compile; Mesa caches them under ~/.cache, so the next run takes 2 to 4 s)
+RUN_TIMEOUT_S = 600
+PROMPT = "The quick brown fox"
+PROGRAMS = ("llama-speculative-simple", "llama-server")
+
+
+@pytest.fixture(scope="session")
+def vulkan() -> ToolBuild:
+    return ensure_vulkan()
+
+
+@pytest.fixture(autouse=True)
+def _software_vulkan(monkeypatch):
+    """The programs started inside see llvmpipe (ggml skips a CPU-type device unless named)."""
+    for name, value in SOFTWARE_VULKAN_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+def _capture(vulkan: ToolBuild, program: str, d: Path, out: Path, placement: str) -> Path:
+    """`capture --exec` around the Vulkan build's `program` on the pair in `d`, layers placed as
+    PLACEMENTS[placement] says; llama-server is asked the tests' one greedy completion."""
+    cmd = [str(vulkan.program(program)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SPEC_ARGS,
+           *PLACEMENTS[placement]]  # fmt: skip
+    if program == "llama-server":
+        return exec_capture.capture_exec(cmd, out, tokens=TOKENS, timeout_s=RUN_TIMEOUT_S)
+    return exec_capture.capture_exec([*cmd, "-p", PROMPT, "-n", "16", "--temp", "0"], out, timeout_s=RUN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def on_device(vulkan, fixture_models, tmp_path_factory):
+    """(program, placement) -> a dump captured around it on the clean pair (made once; called
+    inside a test, where _software_vulkan has set the environment)."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(program: str, placement: str) -> Path:
+        if (program, placement) not in made:
+            out = tmp_path_factory.mktemp(f"vulkan-{program}-{placement}") / "run.npz"
+            made[(program, placement)] = _capture(vulkan, program, fixture_models("clean"), out, placement)
+        return made[(program, placement)]
+
+    return get
+
+
+def _record_set(dump_path: Path) -> list[tuple]:
+    with read_dump(dump_path) as dump:
+        return sorted((r.eval, r.role, r.phase, r.name, r.occurrence, r.shape) for r in dump.manifest.records)
+
+
+def _compare(fixture_models, run: Path, tmp_path: Path):
+    d = fixture_models("clean")
+    return compare_dumps(reference_of(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run), run)
+
+
+# placement -> whether the target's and the drafter's layers computed on the device (None: not said)
+LAYERS_ON_DEVICE = {"device": (True, True), "partial": (True, None), "target-on-device": (True, False),
+                    "draft-on-device": (False, True)}  # fmt: skip
+CASES = [(p, placement) for p in PROGRAMS for placement in PLACEMENTS if placement != "cpu"]
+
+
+@pytest.mark.parametrize("program, placement", CASES)
+def test_every_placement_records_what_the_cpu_run_records_and_compares_clean(
+    program, placement, on_device, fixture_models, tmp_path
+):
+    run = on_device(program, placement)
+    assert _record_set(run) == _record_set(on_device(program, "cpu"))
+    comparison = _compare(fixture_models, run, tmp_path)
+    assert comparison.ok, [f.message for f in comparison.findings]
+    cov = comparison.coverage
+    assert cov.pairs > 0 and not cov.unexpected, cov.skipped_phrase()
+    assert comparison.types["devices"] == [DEVICE]  # judged with the device's bound (diff/tolerance.py)
+    # where each model's layers computed (partial: the target's last layers; the drafter's output
+    # layer only, whose residual the scheduler may place either side)
+    with read_dump(run) as dump:
+        layers = {(r.role, r.backend) for r in dump.manifest.records if r.name.startswith("l_out-")}
+    target_there, draft_there = LAYERS_ON_DEVICE[placement]
+    assert (("target", DEVICE) in layers) == target_there
+    assert draft_there is None or (("draft", DEVICE) in layers) == draft_there
+
+
+# a fault planted in the driver (patches/llama.cpp/0002-driver-faults.patch) named on the device
+# run as on the CPU (tests/llama/test_driver_faults.py): the block's anchor replaced by the mask token
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_driver_fault_is_named_on_the_device(program, vulkan, on_device, fixture_models, monkeypatch, tmp_path):
+    monkeypatch.setenv(FAULT_VAR, "anchor-mask")
+    run = _capture(vulkan, program, fixture_models("clean"), tmp_path / "run.npz", "device")
+    # the reference on the user's prompt: the unplanted run's tokens and rounds (a faulty run's
+    # rounds cannot be followed)
+    with read_dump(on_device(program, "device")) as dump:
+        tokens = ",".join(map(str, dump.manifest.prompt_tokens))
+        rounds = sum(1 for r in dump.manifest.rounds if r.drafts)
+    d = fixture_models("clean")
+    ref = reference_of(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", tokens=tokens, rounds=rounds)
+    errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
+    assert [(f.kind, f.fields.get("round")) for f in errors][:1] == [("block_token", 1)], [f.message for f in errors]
+
+
+# the device-only fault (patches/llama.cpp/0006-vulkan-device-fault.patch, tests/llama/test_vulkan.py):
+# each upload of the features carries the previous upload's rows; with the drafter on the CPU
+# nothing is uploaded, and the same program compares clean
+@pytest.mark.parametrize("placement, is_caught", [("device", True), ("target-on-device", False)])
+def test_features_the_device_got_from_the_batch_before_are_named_stale_around_the_program(
+    placement, is_caught, vulkan, fixture_models, monkeypatch, tmp_path
+):
+    monkeypatch.setenv(FAULT_VAR, "device-features-stale")
+    run = _capture(vulkan, "llama-speculative-simple", fixture_models("clean"), tmp_path / "run.npz", placement)
+    comparison = _compare(fixture_models, run, tmp_path)
+    errors = [f for f in comparison.findings if f.severity == "error"]
+    if not is_caught:
+        assert comparison.ok, [f.message for f in errors]
+        return
+    assert [(f.kind, f.tensor) for f in errors][:1] == [("stale", "inp_target_features")], [f.message for f in errors]
