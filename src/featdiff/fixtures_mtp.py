@@ -91,11 +91,19 @@ HF_NORMS = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
 _IL = pairs.TINY.target.n_layer
 _BLK = f"blk.{_IL}."
 _LAYER = "mtp.layers.0."
+NEXTN_NORMS = ("enorm", "hnorm", "shared_head_norm")  # the GGUF's names of the embedding's, the hidden's, the head's
+
+
+def _nextn_head(fc: str, norms: tuple[str, ...]) -> dict[str, str]:
+    """A checkpoint's head fc and its three norms (NEXTN_NORMS' order) -> their GGUF nextn names."""
+    return {
+        fc: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
+        **{hf: names.T_NEXTN.format(il=_IL, name=name) for hf, name in zip(norms, NEXTN_NORMS, strict=True)},
+    }
+
+
 _HEAD_AND_ATTENTION = {
-    HF_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
-    HF_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
-    HF_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
-    HF_NORMS[2]: names.T_NEXTN.format(il=_IL, name="shared_head_norm"),
+    **_nextn_head(HF_FC, HF_NORMS),
     _LAYER + "input_layernorm.weight": _BLK + "attn_norm.weight",
     _LAYER + "self_attn.q_proj.weight": _BLK + "attn_q.weight",  # query and output gate, per head
     _LAYER + "self_attn.k_proj.weight": _BLK + "attn_k.weight",
@@ -156,10 +164,7 @@ _GLM_ATTENTION = {
     _GLM_LAYER + "post_attention_layernorm.weight": _BLK + "post_attention_norm.weight",
 }
 GGUF_FROM_HF_GLM = {
-    HF_GLM_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
-    HF_GLM_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
-    HF_GLM_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
-    HF_GLM_NORMS[2]: names.T_NEXTN.format(il=_IL, name="shared_head_norm"),
+    **_nextn_head(HF_GLM_FC, HF_GLM_NORMS),
     **_GLM_ATTENTION,
     _GLM_LAYER + "mlp.gate.weight": _BLK + "ffn_gate_inp.weight",
     _GLM_LAYER + "mlp.gate.e_score_correction_bias": _BLK + "exp_probs_b.bias",

@@ -43,6 +43,7 @@ def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = Fal
         ("mtp", "target.gguf", "target-hf"),  # the reference from the checkpoint's mtp.* tensors
         ("mtp-separate", "draft.gguf", "draft.gguf"),  # a separate `--mtp` head GGUF
         ("mtp-qwen35moe", "target.gguf", "target.gguf"),  # Qwen3.5-MoE: the head's FFN routed over experts
+        ("mtp-qwen35moe", "target.gguf", "target-hf"),  # its head from the checkpoint's per-expert tensors
         ("mtp-glm4moe", "target.gguf", "target.gguf"),  # GLM-4.5: biased attention, sigmoid routing, choice bias
         ("mtp-glm4moe", "target.gguf", "target-hf"),  # its head from the checkpoint's decoder layer n_layer
     ],

@@ -1,15 +1,19 @@
-"""Capture around upstream programs built with ggml's Vulkan backend: llama-speculative-simple
-and llama-server of featdiff's Vulkan build (`featdiff.llama.tools.ensure_vulkan`), run on Mesa's
-llvmpipe (25 or later, `make vulkan`) under the preload, as a user runs them on a GPU build. Each
+"""Capture around upstream programs on ggml's Vulkan backend: llama-speculative-simple and
+llama-server run against featdiff's Vulkan build of libllama and ggml (`featdiff.llama.tools.
+ensure_vulkan`, `vulkan_program_env`: the tools build's programs, whose code has no backend-specific
+line, with the Vulkan build's libraries), on Mesa's llvmpipe (25 or later, `make vulkan`), under
+the preload, as a user runs them on a GPU build. Each
 placement, the whole pair on the device, part of the target, the target or the drafter alone,
 records what the same program records with every layer on the CPU and compares clean against the
 reference; a fault planted in the driver and the fault only a device run can have are named.
 
-The preload is compiled against the Vulkan build's headers (`exec.build_of_program`); this process
-loads no libllama for it, so the captures run here, not in processes of their own."""
+The preload is compiled against the build whose libllama the program loads (`preload.
+build_of_program`, through `ldd`: the Vulkan build's); this process loads no libllama for it, so
+the captures run here, not in processes of their own."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,7 @@ from families import FAULT_VAR
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
-from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ToolBuild, ensure_vulkan
+from featdiff.llama.tools import ToolBuild, ensure_vulkan, vulkan_program_env
 
 from real_flow import reference_of
 from test_exec import SPEC_ARGS, TOKENS
@@ -39,16 +43,18 @@ def vulkan() -> ToolBuild:
 
 
 @pytest.fixture(autouse=True)
-def _software_vulkan(monkeypatch):
-    """The programs started inside see llvmpipe (ggml skips a CPU-type device unless named)."""
-    for name, value in SOFTWARE_VULKAN_ENV.items():
-        monkeypatch.setenv(name, value)
+def _on_vulkan(monkeypatch, vulkan):
+    """The programs started inside load the Vulkan build's libraries and see llvmpipe (ggml skips
+    a CPU-type device unless named)."""
+    for name, value in vulkan_program_env(vulkan, os.environ).items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
 
 
-def _capture(vulkan: ToolBuild, program: str, d: Path, out: Path, placement: str) -> Path:
-    """`capture --exec` around the Vulkan build's `program` on the pair in `d`, layers placed as
-    PLACEMENTS[placement] says; llama-server is asked the tests' one greedy completion."""
-    cmd = [str(vulkan.program(program)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SPEC_ARGS,
+def _capture(tools: ToolBuild, program: str, d: Path, out: Path, placement: str) -> Path:
+    """`capture --exec` around `program` on the pair in `d`, layers placed as PLACEMENTS[placement]
+    says; llama-server is asked the tests' one greedy completion."""
+    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SPEC_ARGS,
            *PLACEMENTS[placement]]  # fmt: skip
     if program == "llama-server":
         return exec_capture.capture_exec(cmd, out, tokens=TOKENS, timeout_s=RUN_TIMEOUT_S)
@@ -56,15 +62,15 @@ def _capture(vulkan: ToolBuild, program: str, d: Path, out: Path, placement: str
 
 
 @pytest.fixture(scope="session")
-def on_device(vulkan, fixture_models, tmp_path_factory):
+def on_device(tools, fixture_models, tmp_path_factory):
     """(program, placement) -> a dump captured around it on the clean pair (made once; called
-    inside a test, where _software_vulkan has set the environment)."""
+    inside a test, where _on_vulkan has set the environment)."""
     made: dict[tuple[str, str], Path] = {}
 
     def get(program: str, placement: str) -> Path:
         if (program, placement) not in made:
             out = tmp_path_factory.mktemp(f"vulkan-{program}-{placement}") / "run.npz"
-            made[(program, placement)] = _capture(vulkan, program, fixture_models("clean"), out, placement)
+            made[(program, placement)] = _capture(tools, program, fixture_models("clean"), out, placement)
         return made[(program, placement)]
 
     return get
@@ -109,9 +115,9 @@ def test_every_placement_records_what_the_cpu_run_records_and_compares_clean(
 # a fault planted in the driver (patches/llama.cpp/0002-driver-faults.patch) named on the device
 # run as on the CPU (tests/llama/test_driver_faults.py): the block's anchor replaced by the mask token
 @pytest.mark.parametrize("program", PROGRAMS)
-def test_a_driver_fault_is_named_on_the_device(program, vulkan, on_device, fixture_models, monkeypatch, tmp_path):
+def test_a_driver_fault_is_named_on_the_device(program, tools, on_device, fixture_models, monkeypatch, tmp_path):
     monkeypatch.setenv(FAULT_VAR, "anchor-mask")
-    run = _capture(vulkan, program, fixture_models("clean"), tmp_path / "run.npz", "device")
+    run = _capture(tools, program, fixture_models("clean"), tmp_path / "run.npz", "device")
     # the reference on the user's prompt: the unplanted run's tokens and rounds (a faulty run's
     # rounds cannot be followed)
     with read_dump(on_device(program, "device")) as dump:
@@ -128,10 +134,10 @@ def test_a_driver_fault_is_named_on_the_device(program, vulkan, on_device, fixtu
 # nothing is uploaded, and the same program compares clean
 @pytest.mark.parametrize("placement, is_caught", [("device", True), ("target-on-device", False)])
 def test_features_the_device_got_from_the_batch_before_are_named_stale_around_the_program(
-    placement, is_caught, vulkan, fixture_models, monkeypatch, tmp_path
+    placement, is_caught, tools, fixture_models, monkeypatch, tmp_path
 ):
     monkeypatch.setenv(FAULT_VAR, "device-features-stale")
-    run = _capture(vulkan, "llama-speculative-simple", fixture_models("clean"), tmp_path / "run.npz", placement)
+    run = _capture(tools, "llama-speculative-simple", fixture_models("clean"), tmp_path / "run.npz", placement)
     comparison = _compare(fixture_models, run, tmp_path)
     errors = [f for f in comparison.findings if f.severity == "error"]
     if not is_caught:

@@ -27,6 +27,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,11 +367,14 @@ def ensure_release(
 # same either way.
 VULKAN_DIR = "llama.cpp-vulkan"
 VULKAN_STAMP = "featdiff-vulkan.json"
-# the library, for the in-process captures, and the programs `capture --exec` runs on the device
-# (tests/llama/test_vulkan_exec.py). They need Mesa 25 or later (`make vulkan`): on Debian 12's
-# Mesa 22.3 every run of llama-speculative-simple -ngl 99 crashed inside llvmpipe's queue thread,
-# without featdiff too (measured here, scripts/vulkan-packages.sh)
-VULKAN_TARGETS = ("llama", "llama-speculative-simple", "llama-server")
+# the library only. The programs `capture --exec` runs on the device (tests/llama/test_vulkan_exec.py)
+# are the tools build's, run against this build's libraries (vulkan_program_env): they link
+# libllama and ggml dynamically, and neither common/, tools/server nor speculative-simple holds a
+# backend-specific line (no GGML_USE_*), so they run what a Vulkan build of them runs, without
+# compiling them twice (about 9 minutes on 2 cores at -O0). They need Mesa 25 or later (`make
+# vulkan`): on Debian 12's Mesa 22.3 every run of llama-speculative-simple -ngl 99 crashed inside
+# llvmpipe's queue thread, without featdiff too (measured here, scripts/vulkan-packages.sh)
+VULKAN_TARGETS = ("llama",)
 VULKAN_OPTIONS = (
     *(o for o in CMAKE_OPTIONS if not o.startswith("-DGGML_VULKAN=")),
     "-DGGML_VULKAN=ON",
@@ -381,6 +385,14 @@ VULKAN_PACKAGES = ("libvulkan-dev", "glslc", "spirv-headers", "mesa-vulkan-drive
 # (ggml-vulkan.cpp ggml_vk_instance_init): the environment a capture on llvmpipe needs.
 SOFTWARE_VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
 VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
+
+
+def vulkan_program_env(vulkan: ToolBuild, env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a tools-build program run on the Vulkan build `vulkan` (llvmpipe visible): the
+    dynamic linker takes libllama and ggml from the Vulkan build first (the programs' RUNPATH
+    yields to LD_LIBRARY_PATH), the rest (libllama-common, the server's) from the tools build."""
+    paths = [str(vulkan.bin_dir), *filter(None, env.get("LD_LIBRARY_PATH", "").split(os.pathsep))]
+    return {**env, **SOFTWARE_VULKAN_ENV, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
 
 
 def ensure_vulkan(root: Path | None = None, targets: tuple[str, ...] = VULKAN_TARGETS) -> ToolBuild:

@@ -1,8 +1,8 @@
 """An MTP head read from its Hugging Face checkpoint, held as the pinned converter writes it into
-the GGUF (torchref/mtp.py's MtpHead): a Qwen3.5 checkpoint's `mtp.*` tensors (conversion/qwen.py
-_QwenMtpMixin: every norm plus one), or a GLM-4.5 one's extra decoder layer `model.layers.<n_layer>.*`
-(conversion/glm.py Glm4MoeModel: norms as they are, the experts stacked). A Qwen3.5-MoE head is read
-from its GGUF only (GGUF_ONLY_HEADS).
+the GGUF (torchref/mtp.py's MtpHead): a Qwen3.5 or Qwen3.5-MoE checkpoint's `mtp.*` tensors
+(conversion/qwen.py _QwenMtpMixin: every norm plus one, a MoE head's experts stacked), or a GLM-4.5
+one's extra decoder layer `model.layers.<n_layer>.*` (conversion/glm.py Glm4MoeModel: norms as they
+are, the experts stacked).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from featdiff.torchref.weights import Hparams, Source
 # the MTP block's decoder tensors (blk.<il>.<name>.weight) and the HF names the converter maps
 # them from (mtp.layers.0.<hf>.weight); a Qwen3.5 block's post-attention norm is
 # `post_attention_norm` in GGUF (LLM_TENSOR_ATTN_POST_NORM)
-BLOCK_TENSORS = {
+ATTENTION_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",  # (2 * n_head * head_dim, n_embd): per head [q, gate]
     "attn_k": "self_attn.k_proj",
@@ -34,10 +34,20 @@ BLOCK_TENSORS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
+DENSE_FFN_TENSORS = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# a Qwen3.5-MoE head's FFN (Qwen2MoeModel's map): the router, the shared expert and its sigmoid
+# gate (HF (1, n_embd)); the experts' matrices stacked (EXPERT)
+MOE_FFN_TENSORS = {
+    MOE_ROUTER: "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# expert x's matrix in a Qwen3.5-MoE or GLM-4.5 checkpoint (after the layer's prefix); the converter
+# stacks them on dim 0 into ffn_<proj>_exps (modify_tensors)
+EXPERT = "mlp.experts.{x}.{proj}_proj.weight"
 # nextn tensors (blk.<il>.nextn.<name>.weight) and their HF names (mtp.<hf>.weight)
 NEXTN_TENSORS = {
     names.NEXTN_EH_PROJ: "fc",
@@ -52,6 +62,7 @@ HF_MTP_LAYERS = "mtp_num_hidden_layers"
 # (conversion/qwen.py Qwen3NextModel.modify_tensors: every `norm.weight` but the linear attention's)
 HF_NORM_SUFFIX = "norm"
 HF_GLM_MTP_LAYERS = "num_nextn_predict_layers"
+HF_MOE_INTERMEDIATE_SIZE = "moe_intermediate_size"  # a MoE config's expert width (it may say no intermediate_size)
 # HF model_type -> the config.json key that counts its MTP blocks (GLM-4.5's ship as that many more
 # decoder layers)
 MTP_LAYERS_KEY = {
@@ -61,8 +72,6 @@ MTP_LAYERS_KEY = {
     "qwen3_5_moe": HF_MTP_LAYERS,
     "glm4_moe": HF_GLM_MTP_LAYERS,
 }
-# model_type -> the family whose head (its routed experts) the reference reads from the GGUF only
-GGUF_ONLY_HEADS = {"qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE"}
 # GLM-4.5's head layer (HF names after `model.layers.<n_layer>.`) -> the block's GGUF keys, as the
 # converter maps them (gguf-py tensor_mapping: attention with biases, the sigmoid router and its
 # choice bias, the ungated shared expert); its q/k norms where config.json says `use_qk_norm`
@@ -76,7 +85,6 @@ GLM_BLOCK_TENSORS = {
     **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
 }
 GLM_QK_NORMS = {"attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight"}
-GLM_EXPERT = "mlp.experts.{x}.{proj}_proj.weight"  # stacked on dim 0 into ffn_<proj>_exps (modify_tensors)
 GLM_NEXTN = {names.NEXTN_EH_PROJ: "eh_proj.weight", "enorm": "enorm.weight", "hnorm": "hnorm.weight"}
 GLM_HEAD_NORM = "shared_head.norm.weight"
 
@@ -109,12 +117,6 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
         raise InputError(
             f"{path}: config.json declares no MTP layers ({', '.join(sorted(set(MTP_LAYERS_KEY.values())))}); "
             "pass a checkpoint with its MTP head"
-        )
-    family = GGUF_ONLY_HEADS.get(text.get(names.HF_MODEL_TYPE))
-    if family is not None:
-        raise InputError(
-            f"{path}: the reference reads a {family} head (its routed experts) from the converted GGUF; pass "
-            "--model the GGUF that carries the head, with --target this checkpoint"
         )
     kind = HF_HEADS[text[names.HF_MODEL_TYPE]]
     tensors = _checkpoint_tensors(path)
@@ -165,7 +167,7 @@ def _hf_hparams(text: dict[str, Any], kind: _HfHead) -> Hparams:
         n_head=n_head,
         n_head_kv=int(text.get(names.HF_NUM_KV_HEADS, n_head)),
         n_embd_head=head_dim,
-        n_ff=int(text[names.HF_INTERMEDIATE_SIZE]),
+        n_ff=int(text.get(names.HF_INTERMEDIATE_SIZE) or text.get(HF_MOE_INTERMEDIATE_SIZE) or 0),
         n_vocab=int(text[names.HF_VOCAB_SIZE]),
         rms_eps=float(text[names.HF_RMS_EPS]),
         rope_base=float(rope.get(names.HF_ROPE_THETA, text.get(names.HF_ROPE_THETA, names.ROPE_FREQ_BASE_DEFAULT))),
@@ -174,14 +176,18 @@ def _hf_hparams(text: dict[str, Any], kind: _HfHead) -> Hparams:
     )
 
 
-def hf_head_tensors(hf: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+def hf_head_tensors(hf: Callable[[str], torch.Tensor], n_expert: int = 0) -> dict[str, Any]:
     """The head's own fields (eh_proj, the norms, the block) from a checkpoint's `mtp.*` tensors,
     `hf(name)` each, as the converter writes them: `mtp.fc` -> eh_proj, `pre_fc_norm_embedding` /
     `_hidden` -> enorm / hnorm, `mtp.norm` -> the head norm, `mtp.layers.0.*` -> the block, every
-    norm plus one (a Qwen3.5 checkpoint's norms are zero-centred)."""
+    norm plus one (a Qwen3.5 checkpoint's norms are zero-centred); with `n_expert`, a MoE FFN's
+    tensors (Qwen3.5-MoE) in place of the dense one's."""
+    ffn = MOE_FFN_TENSORS if n_expert else DENSE_FFN_TENSORS
     block = {
-        k: _plus_one(hf(f"{HF_MTP_LAYER}{v}.weight"), k.endswith(HF_NORM_SUFFIX)) for k, v in BLOCK_TENSORS.items()
+        k: _plus_one(hf(f"{HF_MTP_LAYER}{v}.weight"), k.endswith(HF_NORM_SUFFIX))
+        for k, v in (ATTENTION_TENSORS | ffn).items()
     }
+    block |= _stacked_experts(hf, HF_MTP_LAYER, n_expert)
     nextn = {k: _plus_one(hf(f"{HF_MTP_PREFIX}{v}.weight"), k != names.NEXTN_EH_PROJ) for k, v in NEXTN_TENSORS.items()}
     return {
         "eh_proj": nextn[names.NEXTN_EH_PROJ],
@@ -189,6 +195,17 @@ def hf_head_tensors(hf: Callable[[str], torch.Tensor]) -> dict[str, Any]:
         "hnorm": nextn["hnorm"],
         "block": block,
         "head_norm": nextn["shared_head_norm"],
+    }
+
+
+def _stacked_experts(hf: Callable[[str], torch.Tensor], prefix: str, n_expert: int) -> dict[str, torch.Tensor]:
+    """The layer `prefix`'s experts, each projection's matrices stacked as the converter stacks
+    them: ffn_gate_exps and ffn_up_exps (n_expert, n_ff, n_embd), ffn_down_exps (n_expert, n_embd, n_ff)."""
+    if not n_expert:
+        return {}
+    return {
+        stacked: torch.stack([hf(prefix + EXPERT.format(x=x, proj=proj)) for x in range(n_expert)])
+        for stacked, proj in zip(MOE_EXPERTS, ("gate", "up", "down"), strict=True)
     }
 
 
@@ -200,6 +217,13 @@ def _qwen35_fields(hf: Callable[[str], torch.Tensor], text: dict[str, Any], pref
     return hf_head_tensors(hf)
 
 
+def _qwen35moe_fields(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A Qwen3.5-MoE head: its MoE FFN routed as qwen35moe.cpp routes (softmax, the top-k
+    renormalized, unscaled: llama.cpp's literals, whatever config.json says)."""
+    n_expert = int(text["num_experts"])
+    return {**hf_head_tensors(hf, n_expert), "routing": MoeRouting(int(text["num_experts_per_tok"]))}
+
+
 def glm_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
     """GLM-4.5's head fields from its decoder layer `prefix` (`model.layers.<n_layer>.`), `hf(name)`
     each, as Glm4MoeModel writes them: eh_proj, enorm, hnorm and `shared_head.norm` -> the head
@@ -209,10 +233,7 @@ def glm_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], pr
     block = {k: hf(prefix + v) for k, v in GLM_BLOCK_TENSORS.items()}
     if text.get("use_qk_norm"):
         block |= {k: hf(prefix + v) for k, v in GLM_QK_NORMS.items()}
-    n_expert = int(text["n_routed_experts"])
-    for stacked, proj in zip(MOE_EXPERTS, ("gate", "up", "down"), strict=True):
-        experts = [hf(prefix + GLM_EXPERT.format(x=x, proj=proj)) for x in range(n_expert)]
-        block[stacked] = torch.stack(experts)  # (n_expert, n_ff, n_embd) or (n_expert, n_embd, n_ff)
+    block |= _stacked_experts(hf, prefix, int(text["n_routed_experts"]))
     routing = MoeRouting(
         int(text["num_experts_per_tok"]),
         float(text.get("routed_scaling_factor") or 0.0),
@@ -234,9 +255,12 @@ def _extra_layer(text: dict[str, Any]) -> str:
 
 
 _QWEN35 = _HfHead(names.ARCH_QWEN35, 0.25, _mtp_layer, _qwen35_fields)
-# model_type -> where its head is and how the converter writes it (GGUF_ONLY_HEADS' are refused)
+_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, 0.25, _mtp_layer, _qwen35moe_fields)
+# model_type -> where its head is and how the converter writes it
 HF_HEADS = {
     "qwen3_5_text": _QWEN35,
     "qwen3_5": _QWEN35,
+    "qwen3_5_moe_text": _QWEN35MOE,
+    "qwen3_5_moe": _QWEN35MOE,
     "glm4_moe": _HfHead(names.ARCH_GLM4MOE, 0.5, _extra_layer, glm_head_tensors),
 }
