@@ -25,7 +25,8 @@ from families import FAULT_VAR
 from featdiff.cli import app
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
-from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ToolBuild, ensure_vulkan
+from featdiff.fixtures import PROMPTS_FILE
+from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ToolBuild, ensure_vulkan, vulkan_program_env
 from featdiff.names import BACKEND_HOST
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
@@ -185,3 +186,31 @@ def test_features_the_device_got_from_the_batch_before_are_named_stale(
     with read_dump(run) as dump:
         injects = [e.eval for e in dump.manifest.evals if e.phase == "inject"]
     assert errors[0].fields["source_eval"] == injects[0]  # the second inject got the first's rows
+
+
+# `featdiff check` on the Vulkan build: the trained pair with llama.cpp's default placement (every
+# layer on the device, n_gpu_layers -1), in-process and around llama-server on the device (the
+# tools build's program on the Vulkan build's libraries, tools.vulkan_program_env): the wiring
+# compares clean and the accept rate holds, as on the CPU (tests/test_check.py)
+@pytest.mark.parametrize("mode", ["in-process", "llama-server"])
+def test_check_passes_the_trained_pair_on_the_device(mode, vulkan, tools, fixture_models, tmp_path):
+    d = fixture_models("trained")  # the trained pair and its held-out prompts (tests/test_check.py)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join((d / PROMPTS_FILE).read_text().splitlines()[:2]) + "\n")
+    args = ["check", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"), "--ref-model",
+            str(d / "draft-hf"), "--prompts", str(prompts), "--rounds", "2", "--json", str(tmp_path / "check.json")]  # fmt: skip
+    env = {**os.environ, **SOFTWARE_VULKAN_ENV}
+    if mode == "in-process":
+        args += ["--llama-dir", str(vulkan.root)]
+    else:
+        server = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"),
+                  "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2",
+                  "-ngl", "99", "-ngld", "99"]  # fmt: skip
+        args += ["--exec", "--", *server]
+        env = vulkan_program_env(vulkan, os.environ)
+    done = subprocess.run([sys.executable, "-c", "from featdiff.cli import main; main()", *args], capture_output=True,
+                          text=True, errors="replace", timeout=RUN_TIMEOUT_S, env=env)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    verdict = json.loads((tmp_path / "check.json").read_text())
+    assert verdict["verdict"] == "pass" and verdict["accept"]["matches"], json.dumps(verdict)[:2000]
+    assert verdict["comparison"]["types"]["devices"] == [DEVICE]  # the run computed on the device
