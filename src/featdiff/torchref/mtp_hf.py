@@ -63,15 +63,6 @@ HF_MTP_LAYERS = "mtp_num_hidden_layers"
 HF_NORM_SUFFIX = "norm"
 HF_GLM_MTP_LAYERS = "num_nextn_predict_layers"
 HF_MOE_INTERMEDIATE_SIZE = "moe_intermediate_size"  # a MoE config's expert width (it may say no intermediate_size)
-# HF model_type -> the config.json key that counts its MTP blocks (GLM-4.5's ship as that many more
-# decoder layers)
-MTP_LAYERS_KEY = {
-    "qwen3_5_text": HF_MTP_LAYERS,
-    "qwen3_5": HF_MTP_LAYERS,
-    "qwen3_5_moe_text": HF_MTP_LAYERS,
-    "qwen3_5_moe": HF_MTP_LAYERS,
-    "glm4_moe": HF_GLM_MTP_LAYERS,
-}
 # GLM-4.5's head layer (HF names after `model.layers.<n_layer>.`) -> the block's GGUF keys, as the
 # converter maps them (gguf-py tensor_mapping: attention with biases, the sigmoid router and its
 # choice bias, the ungated shared expert); its q/k norms where config.json says `use_qk_norm`
@@ -94,6 +85,7 @@ class _HfHead:
     """Where one family's checkpoint keeps its head and how the converter writes it."""
 
     arch: str  # llama.cpp's architecture of the converted GGUF
+    layers_key: str  # the config.json key that counts its MTP blocks (GLM-4.5's ship as that many more decoder layers)
     rotary_default: float  # partial_rotary_factor where config.json says none (the converter's default)
     prefix: Callable[[dict[str, Any]], str]  # the text config -> the prefix of the head's tensors
     fields: Callable[[Callable[[str], torch.Tensor], dict[str, Any], str], dict[str, Any]]  # MtpHead's own fields
@@ -101,10 +93,10 @@ class _HfHead:
 
 def is_mtp_checkpoint(config: dict[str, Any]) -> bool:
     """A checkpoint that declares MTP layers (config.json `mtp_num_hidden_layers`, GLM-4.5's
-    `num_nextn_predict_layers`: MTP_LAYERS_KEY)."""
+    `num_nextn_predict_layers`: HF_HEADS' layers_key)."""
     text = config.get("text_config", config)
-    key = MTP_LAYERS_KEY.get(text.get(names.HF_MODEL_TYPE))
-    return key is not None and int(text.get(key, 0) or 0) > 0
+    kind = HF_HEADS.get(text.get(names.HF_MODEL_TYPE))
+    return kind is not None and int(text.get(kind.layers_key, 0) or 0) > 0
 
 
 def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead:
@@ -115,7 +107,7 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
     text = config.get("text_config", config)
     if not is_mtp_checkpoint(config):
         raise InputError(
-            f"{path}: config.json declares no MTP layers ({', '.join(sorted(set(MTP_LAYERS_KEY.values())))}); "
+            f"{path}: config.json declares no MTP layers ({', '.join(sorted({k.layers_key for k in HF_HEADS.values()}))}); "
             "pass a checkpoint with its MTP head"
         )
     kind = HF_HEADS[text[names.HF_MODEL_TYPE]]
@@ -254,13 +246,13 @@ def _extra_layer(text: dict[str, Any]) -> str:
     return names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX.format(il=int(text[names.HF_NUM_LAYERS]))
 
 
-_QWEN35 = _HfHead(names.ARCH_QWEN35, 0.25, _mtp_layer, _qwen35_fields)
-_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, 0.25, _mtp_layer, _qwen35moe_fields)
+_QWEN35 = _HfHead(names.ARCH_QWEN35, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35_fields)
+_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35moe_fields)
 # model_type -> where its head is and how the converter writes it
 HF_HEADS = {
     "qwen3_5_text": _QWEN35,
     "qwen3_5": _QWEN35,
     "qwen3_5_moe_text": _QWEN35MOE,
     "qwen3_5_moe": _QWEN35MOE,
-    "glm4_moe": _HfHead(names.ARCH_GLM4MOE, 0.5, _extra_layer, glm_head_tensors),
+    "glm4_moe": _HfHead(names.ARCH_GLM4MOE, HF_GLM_MTP_LAYERS, 0.5, _extra_layer, glm_head_tensors),
 }
