@@ -3,7 +3,8 @@ converter's GGUFs of it (the head inside the target, or cut out as draft.gguf: k
 shapes as src/models/qwen35.cpp load_block_mtp creates them, values the checkpoint's), the target
 left as the qwen35 family's, the Qwen3.5-MoE variant (its head an MoE layer, as
 src/models/qwen35moe.cpp loads it), the GLM-4.5 variant (its head one more decoder layer of the
-checkpoint, as src/models/glm4-moe.cpp loads it), the `featdiff fixture` command, and llama.cpp
+checkpoint, as src/models/glm4-moe.cpp loads it), the MiMo-V2 variant (one head of the three MiMo
+ships, converted as src/models/mimo2.cpp loads it), the `featdiff fixture` command, and llama.cpp
 drafting with the head."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from featdiff.fixtures_mtp import (
     ARCH_QWEN35MOE,
     GGUF_FROM_HF,
     GGUF_FROM_HF_GLM,
+    GGUF_FROM_HF_MIMO2,
     GGUF_FROM_HF_MOE,
     GLM4MOE_MTP,
     GLM4MOE_TARGET,
@@ -34,6 +36,7 @@ from featdiff.fixtures_mtp import (
     HF_GLM_NORMS,
     HF_N_MTP,
     HF_SAFETENSORS,
+    MIMO2_TARGET,
     MOE_TARGET,
     MTP_SETTINGS,
     MTP_VARIANTS,
@@ -42,7 +45,16 @@ from featdiff.fixtures_mtp import (
     write_mtp_fixture,
 )
 from featdiff.gguf_reader import array_from_tensor, has_meta, int_meta, meta, read_gguf
-from featdiff.hf_targets import CHOICE_BIAS_GAIN, GLM4MOE_ROUTED_SCALE, N_EXPERT, N_EXPERT_USED, N_FF_EXPERT
+from featdiff.hf_targets import (
+    CHOICE_BIAS_GAIN,
+    GLM4MOE_ROUTED_SCALE,
+    MIMO2_V_HEAD_DIM,
+    MIMO2_VALUE_SCALE,
+    N_EXPERT,
+    N_EXPERT_USED,
+    N_FF_EXPERT,
+    SLIDING_WINDOW,
+)
 from featdiff.pairs import TINY
 
 S = TINY.target
@@ -52,6 +64,8 @@ MTP_BLOCK = f"blk.{S.n_layer}."
 MOE = "mtp-qwen35moe"
 GLM = "mtp-glm4moe"
 GLM_HF_LAYER = f"model.layers.{S.n_layer}."  # GLM-4.5's head: one more decoder layer of the checkpoint
+MIMO = "mtp-mimo2"
+MIMO_SWA_KV = 2 * 1  # the tiny MiMo's full layers have 1 KV head, its sliding ones (and its head) twice as many
 # the trunk's tensors outside any block, which the converter's --mtp output keeps for the head
 SHARED = {"token_embd.weight", "output.weight", "output_norm.weight"}
 SPEC_PROMPT, SPEC_N_PREDICT, SPEC_N_DRAFT, SPEC_N_CTX, N_THREADS = "hello world", 8, 3, 256, 2
@@ -133,7 +147,35 @@ def _expected_glm_block() -> dict[str, tuple[int, ...]]:
     return {f"{MTP_BLOCK}{name}": shape for name, shape in ne.items()}
 
 
-EXPECTED_BLOCK = {"mtp": _expected_block, MOE: _expected_moe_block, GLM: _expected_glm_block}
+def _expected_mimo_block() -> dict[str, tuple[int, ...]]:
+    """The MiMo variant's MTP block as llama_model_mimo2::load_arch_tensors creates it: a sliding
+    layer's fused attn_qkv (create_tensor_qkv: keys n_embd_head_k wide, values n_embd_head_v),
+    attn_output from the value heads, sinks, a dense FFN, the nextn tensors and layer_output_norm
+    (MiMo's final_layernorm: the head norm graph_mtp falls back on)."""
+    q, kv, v = S.n_embd_head * S.n_head, S.n_embd_head * MIMO_SWA_KV, MIMO2_V_HEAD_DIM * MIMO_SWA_KV
+    ne = {
+        "attn_norm": (S.n_embd,),
+        "attn_qkv": (S.n_embd, q + kv + v),
+        "attn_output": (MIMO2_V_HEAD_DIM * S.n_head, S.n_embd),
+        "attn_sinks": (S.n_head,),
+        "ffn_norm": (S.n_embd,),
+        "ffn_gate": (S.n_embd, S.n_ff),
+        "ffn_up": (S.n_embd, S.n_ff),
+        "ffn_down": (S.n_ff, S.n_embd),
+        "nextn.eh_proj": (2 * S.n_embd, S.n_embd),
+        "nextn.enorm": (S.n_embd,),
+        "nextn.hnorm": (S.n_embd,),
+        "layer_output_norm": (S.n_embd,),
+    }
+    return {f"{MTP_BLOCK}{name}.weight": shape for name, shape in ne.items()}
+
+
+EXPECTED_BLOCK = {
+    "mtp": _expected_block,
+    MOE: _expected_moe_block,
+    GLM: _expected_glm_block,
+    MIMO: _expected_mimo_block,
+}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +224,7 @@ def test_the_variant_table_and_its_settings_agree():
         "trained-mtp": False,
         MOE: False,
         GLM: False,
+        MIMO: False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -189,12 +232,15 @@ def test_the_variant_table_and_its_settings_agree():
         "trained-mtp": names.ARCH_QWEN35,
         MOE: ARCH_QWEN35MOE,
         GLM: names.ARCH_GLM4MOE,
+        MIMO: names.ARCH_MIMO2,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())
     assert set(GGUF_FROM_HF_GLM.values()) == set(_expected_glm_block())
     assert MTP_SETTINGS[MOE].gguf_from_hf is GGUF_FROM_HF_MOE and MTP_SETTINGS["mtp"].gguf_from_hf is GGUF_FROM_HF
     assert MTP_SETTINGS[GLM].gguf_from_hf is GGUF_FROM_HF_GLM
+    assert set(GGUF_FROM_HF_MIMO2.values()) == set(_expected_mimo_block())
+    assert MTP_SETTINGS[MIMO].gguf_from_hf is GGUF_FROM_HF_MIMO2
 
 
 # --- the checkpoint ------------------------------------------------------------------------------
@@ -273,11 +319,34 @@ def test_the_glm_checkpoint_is_its_target_with_a_seeded_head_as_glm_ships_it(mad
     assert all(np.array_equal(w[k], a) for k, a in head.items() if not k.endswith(bias))
 
 
+@pytest.mark.slow
+def test_the_mimo_checkpoint_is_its_target_with_one_seeded_head_as_mimo_ships_it(made, tmp_path):
+    """The MiMo variant's target is MIMO2_TARGET's of the same seed, bit for bit; its head adds
+    exactly GGUF_FROM_HF_MIMO2's HF names under `model.mtp.layers.0.`: a sliding layer's attention
+    with q/k/v fused (rows [q, k, v]) and its sinks, the first (dense) layer's FFN; its config.json
+    keeps the keys the converter reads and says no head count (MiMo's does not)."""
+    from featdiff.hf_targets import write_hf_target
+
+    w = _hf(made[MIMO])
+    write_hf_target(tmp_path / "plain" / "target-hf", MIMO2_TARGET, 0)
+    plain = _hf(tmp_path / "plain")
+    assert set(w) - set(plain) == set(GGUF_FROM_HF_MIMO2)
+    assert all(np.array_equal(w[k], a) for k, a in plain.items())
+    sliding, head = "model.layers.1.self_attn.", "model.mtp.layers.0."
+    qkv = sum(plain[f"{sliding}{p}_proj.weight"].shape[0] for p in "qkv")
+    assert w[head + "self_attn.qkv_proj.weight"].shape == (qkv, S.n_embd)
+    assert w[head + "self_attn.attention_sink_bias"].shape == plain[sliding + "attention_sink_bias"].shape
+    assert w[head + "mlp.up_proj.weight"].shape == plain["model.layers.0.mlp.up_proj.weight"].shape
+    config = json.loads((made[MIMO] / "target-hf" / names.HF_CONFIG).read_text())
+    assert config["hybrid_layer_pattern"] == [0, 1, 1, 1, 1, 0] and config["swa_num_key_value_heads"] == MIMO_SWA_KV
+    assert not {HF_N_MTP, HF_GLM_N_MTP} & set(config)
+
+
 # --- the converter's GGUFs -----------------------------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["mtp", MOE, GLM])
+@pytest.mark.parametrize("variant", ["mtp", MOE, GLM, MIMO])
 def test_the_mtp_target_holds_the_head_as_llama_cpp_loads_it(made, variant):
     """qwen35.cpp's block, qwen35moe.cpp's (the MoE variant) or glm4-moe.cpp's (the GLM variant),
     keyed by the variant's arch."""
@@ -325,9 +394,36 @@ def test_the_glm_target_carries_its_routing_keys(made):
 
 
 @pytest.mark.slow
+def test_the_mimo_target_carries_one_sliding_head(made):
+    """The converter's bootstrap (converter.MIMO_N_NEXTN) counts one head, not MimoV2Model's 3:
+    block_count n_layer + 1, the sliding-window pattern extended by one sliding entry, the head's KV
+    heads the sliding layers'; and what mimo2.cpp reads of the attention: the window, the value
+    heads' width, the value scale, RoPE on half the head with a sliding base of its own."""
+    m, arch = read_gguf(made[MIMO] / "target.gguf"), names.ARCH_MIMO2
+    assert meta(m, f"{arch}.attention.sliding_window_pattern") == [0, 1, 1, 1, 1, 0, 1]
+    assert meta(m, f"{arch}.attention.head_count_kv") == [1, MIMO_SWA_KV, MIMO_SWA_KV, MIMO_SWA_KV, MIMO_SWA_KV, 1, 2]
+    keys = {
+        "attention.sliding_window": SLIDING_WINDOW,
+        "attention.key_length": S.n_embd_head,
+        "attention.value_length": MIMO2_V_HEAD_DIM,
+        "rope.dimension_count": S.n_embd_head // 2,
+    }
+    assert {k: int_meta(m, f"{arch}.{k}") for k in keys} == keys
+    assert meta(m, f"{arch}.attention.value_scale") == MIMO2_VALUE_SCALE
+    assert meta(m, f"{arch}.rope.freq_base_swa") != meta(m, f"{arch}.rope.freq_base")
+    assert not any(name.startswith(f"blk.{S.n_layer + 1}.") for name in m.tensors)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant, gguf",
-    [("mtp", "target.gguf"), ("mtp-separate", "draft.gguf"), (MOE, "target.gguf"), (GLM, "target.gguf")],
+    [
+        ("mtp", "target.gguf"),
+        ("mtp-separate", "draft.gguf"),
+        (MOE, "target.gguf"),
+        (GLM, "target.gguf"),
+        (MIMO, "target.gguf"),
+    ],
 )
 def test_the_heads_values_are_the_checkpoints_with_the_converters_norm_offset(made, variant, gguf):
     """The converter copies the head's matrices and biases as they are (eh_proj: fc over

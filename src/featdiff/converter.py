@@ -66,7 +66,14 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # unrecognized pre-tokenizer hash named "default" (llama.cpp's default BPE pre-tokenizer) instead
 # of raising; "glm": for GLM-4.5 (Glm4MoeModel.set_vocab reads GLM's own special tokens,
 # `_set_vocab_glm`), the fixtures' tokenizer.model read as `_set_vocab_sentencepiece`. Only the
-# vocabulary's route changes; hparams and tensors are upstream's.
+# vocabulary's route changes; hparams and tensors are upstream's. "mimo" (MiMo-V2, as "spm") is
+# the one that changes more: MiMo ships 3 chained MTP heads (model.mtp.layers.{0,1,2}) and its
+# converter class hardcodes that count (MimoV2Model._n_nextn: the config does not say it), so a
+# checkpoint with one head would convert to nextn_predict_layers 3 and blocks llama.cpp then misses
+# at load. featdiff models a single head (common/speculative.cpp's chained heads are not
+# modelled, and preflight refuses a file with more), so the tiny MiMo fixture carries one and
+# converts with the count set to it.
+MIMO_N_NEXTN = 1
 # argv: [-c, bootstrap, script, args...]
 _BOOTSTRAP_HEAD = (
     "import runpy, sys\nfrom pathlib import Path\ntree = Path(sys.argv[1]).parent\n"
@@ -83,6 +90,11 @@ BOOTSTRAPS = {
     + "TextModel.get_vocab_base_pre = pre\n"
     + _BOOTSTRAP_RUN,
     "glm": _BOOTSTRAP_HEAD + "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n" + _BOOTSTRAP_RUN,
+    "mimo": _BOOTSTRAP_HEAD
+    + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
+    + "from conversion.mimo import MimoV2Model\n"
+    + f"MimoV2Model._n_nextn = {MIMO_N_NEXTN}\n"
+    + _BOOTSTRAP_RUN,
 }
 
 # A DSpark checkpoint's config.json schemas (conversion/qwen.py DSparkModel.__init__): "nested" as

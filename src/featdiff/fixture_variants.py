@@ -1,8 +1,8 @@
 """Every fixture pair `featdiff fixture --variant NAME` writes, one list: the DFlash / DSpark pairs
 of featdiff.pairs (fixtures.py), the DFlash2 pair (fixtures_dflash2.py), the target families run
 through transformers with the clean drafter (hf_targets.py), the EAGLE3 pairs the pinned
-converter makes (fixtures_eagle3.py) and the Qwen3.5, Qwen3.5-MoE and GLM-4.5 targets with an MTP head
-(fixtures_mtp.py)."""
+converter makes (fixtures_eagle3.py) and the Qwen3.5, Qwen3.5-MoE, GLM-4.5 and MiMo-V2 targets with an
+MTP head (fixtures_mtp.py)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,7 @@ from featdiff.errors import InputError
 from featdiff.fixtures import PROMPTS_FILE, _write_held_out_prompts
 from featdiff.hf_targets import (
     BOOTSTRAP_GLM,
+    BOOTSTRAP_MIMO,
     BOOTSTRAP_OF,
     CHOICE_BIAS_GAIN,
     FAMILIES,
@@ -61,8 +63,10 @@ from featdiff.hf_targets import (
     TOKENIZER_SPM,
     Family,
     _glm4moe_config,
+    _mimo2_config,
     _qwen35moe_config,
     gain_of,
+    mimo2_layer_types,
     write_hf_target,
 )
 from featdiff.outputs import check_output_dir, replaced
@@ -177,6 +181,38 @@ GGUF_FROM_HF_GLM = {
         for x in range(N_EXPERT)
     },
 }
+# MiMo-V2's target (hf_targets._mimo2_config), llama.cpp's mimo2 (not one of hf_targets.FAMILIES)
+MIMO2_TARGET = Family(
+    names.ARCH_MIMO2,
+    f"MiMo-V2-Flash target: sliding-window layers with sinks between full-attention ones, value heads narrower "
+    f"than query/key heads, a dense first layer, then {N_EXPERT} experts, top-{N_EXPERT_USED} by sigmoid + a "
+    "choice bias",
+    _mimo2_config,
+    gains=(("e_score_correction_bias", CHOICE_BIAS_GAIN),),
+    buffers=("e_score_correction_bias",),
+)
+# MiMo-V2 ships its heads as `model.mtp.layers.{i}.*` (3 chained heads; the fixture one, see
+# converter.MIMO_N_NEXTN), a count its config.json does not say. Each is a sliding-window layer
+# (the converter extends hybrid_layer_pattern with 1s for them) with q/k/v fused in `qkv_proj`
+# (mimo2.cpp graph_mtp requires attn_qkv), sinks and a dense FFN, holding `eh_proj` over
+# [enorm(embed(token)), hnorm(h)] and the head norm `final_layernorm` (the GGUF's
+# layer_output_norm, which graph_mtp reads when there is no shared_head_norm). The converter's
+# MimoV2Model moves the layer to block n_layer; norms are written as they are.
+_MIMO_LAYER = "model.mtp.layers.0."
+HF_MIMO_FC = _MIMO_LAYER + "eh_proj.weight"
+HF_MIMO_NORMS = tuple(_MIMO_LAYER + f"{n}.weight" for n in ("enorm", "hnorm", "final_layernorm"))
+GGUF_FROM_HF_MIMO2 = {
+    HF_MIMO_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
+    HF_MIMO_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
+    HF_MIMO_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
+    HF_MIMO_NORMS[2]: _BLK + "layer_output_norm.weight",
+    _MIMO_LAYER + "input_layernorm.weight": _BLK + "attn_norm.weight",
+    _MIMO_LAYER + "self_attn.qkv_proj.weight": _BLK + "attn_qkv.weight",  # rows [q, k, v]
+    _MIMO_LAYER + "self_attn.o_proj.weight": _BLK + "attn_output.weight",
+    _MIMO_LAYER + "self_attn.attention_sink_bias": _BLK + "attn_sinks.weight",
+    _MIMO_LAYER + "post_attention_layernorm.weight": _BLK + "ffn_norm.weight",
+    **{f"{_MIMO_LAYER}mlp.{p}_proj.weight": f"{_BLK}ffn_{p}.weight" for p in ("gate", "up", "down")},
+}
 
 
 def _first_full_attention(config: dict) -> int:
@@ -189,19 +225,47 @@ def _last_layer(config: dict) -> int:
     return int(config["num_hidden_layers"]) - 1
 
 
+def _copied_layer(
+    shaped_as: Callable[[dict], int], config: dict, target: dict[str, np.ndarray], head_layer: str
+) -> dict[str, tuple[int, ...]]:
+    """The head's decoder layer (under `head_layer`) shaped as the target's layer `shaped_as(config)`."""
+    layer = f"{HF_LAYER_PREFIX}{shaped_as(config)}."
+    return {head_layer + k[len(layer) :]: a.shape for k, a in target.items() if k.startswith(layer)}
+
+
+def _mimo2_layer(config: dict, target: dict[str, np.ndarray], head_layer: str) -> dict[str, tuple[int, ...]]:
+    """MiMo-V2's head layer: a sliding layer's attention (its KV heads, sinks) with q, k and v fused
+    in qkv_proj, rows [q, k, v] `(n_head d_k + n_head_kv (d_k + d_v), n_embd)`, and a dense FFN as
+    the first layer's."""
+    sliding = mimo2_layer_types(int(config["num_hidden_layers"])).index("sliding_attention")
+    attn = f"{HF_LAYER_PREFIX}{sliding}.self_attn."
+    q, k, v = (target[f"{attn}{p}_proj.weight"].shape for p in "qkv")  # (n_out, n_embd) each
+    dense = f"{HF_LAYER_PREFIX}0."
+    return {
+        head_layer + "input_layernorm.weight": (config["hidden_size"],),
+        head_layer + "post_attention_layernorm.weight": (config["hidden_size"],),
+        head_layer + "self_attn.qkv_proj.weight": (q[0] + k[0] + v[0], q[1]),
+        head_layer + "self_attn.o_proj.weight": target[f"{attn}o_proj.weight"].shape,
+        head_layer + "self_attn.attention_sink_bias": target[f"{attn}attention_sink_bias"].shape,
+        **{head_layer + n[len(dense) :]: a.shape for n, a in target.items() if n.startswith(dense + "mlp.")},
+    }
+
+
 @dataclass(frozen=True)
 class HeadLayout:
-    """Where a family's checkpoints keep an MTP head, and which trunk layer its decoder layer is shaped as."""
+    """Where a family's checkpoints keep an MTP head, and how its decoder layer is shaped."""
 
-    n_mtp_key: str  # config.json: how many MTP blocks
+    n_mtp_key: str | None  # config.json: how many MTP blocks (None: MiMo's does not say)
     layer: str  # the prefix of the head's decoder layer
     fc: str  # over [embedding, hidden]: (n_embd, 2 n_embd)
     norms: tuple[str, ...]  # enorm, hnorm, the head norm: (n_embd,) each
-    shaped_as: Callable[[dict], int]  # config.json -> the trunk layer the head's decoder layer copies
+    # (config.json, the target's tensors, `layer`) -> the shapes of the head's decoder layer's tensors
+    block_shapes: Callable[[dict, dict[str, np.ndarray], str], dict[str, tuple[int, ...]]]
 
 
-QWEN35_HEAD = HeadLayout(HF_N_MTP, _LAYER, HF_FC, HF_NORMS, _first_full_attention)
-GLM4MOE_HEAD = HeadLayout(HF_GLM_N_MTP, _GLM_LAYER, HF_GLM_FC, HF_GLM_NORMS, _last_layer)
+QWEN35_HEAD = HeadLayout(HF_N_MTP, _LAYER, HF_FC, HF_NORMS, partial(_copied_layer, _first_full_attention))
+GLM4MOE_HEAD = HeadLayout(HF_GLM_N_MTP, _GLM_LAYER, HF_GLM_FC, HF_GLM_NORMS, partial(_copied_layer, _last_layer))
+MIMO2_HEAD = HeadLayout(None, _MIMO_LAYER, HF_MIMO_FC, HF_MIMO_NORMS, _mimo2_layer)
 
 
 @dataclass(frozen=True)
@@ -221,6 +285,7 @@ _SPM = BOOTSTRAP_OF[TOKENIZER_SPM]
 QWEN35_MTP = MtpTarget(FAMILIES[FAMILY], QWEN35_HEAD, GGUF_FROM_HF, _SPM, norm_offset=1.0)
 QWEN35MOE_MTP = MtpTarget(MOE_TARGET, QWEN35_HEAD, GGUF_FROM_HF_MOE, _SPM, norm_offset=1.0)
 GLM4MOE_MTP = MtpTarget(GLM4MOE_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_GLM, BOOTSTRAP_GLM)
+MIMO2_MTP = MtpTarget(MIMO2_TARGET, MIMO2_HEAD, GGUF_FROM_HF_MIMO2, BOOTSTRAP_MIMO)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
 MTP_STREAM = 4
@@ -290,6 +355,14 @@ _VARIANTS = (
         has_separate_head=False,
         target=GLM4MOE_MTP,
     ),
+    MtpVariant(
+        "mtp-mimo2",
+        "MiMo-V2-Flash target (sliding-window layers with sinks, narrower value heads, a value scale, sigmoid-routed "
+        "experts) with one MTP head, a sliding-window layer with fused q/k/v and a dense FFN handed the trunk's "
+        "output before the final norm, inside target.gguf (as `mtp`; llama.cpp's mimo2)",
+        has_separate_head=False,
+        target=MIMO2_MTP,
+    ),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
 MTP_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
@@ -340,6 +413,8 @@ def add_mtp_head(hf: Path, seed: int, mtp: MtpTarget = QWEN35_MTP) -> None:
     config_path = hf / names.HF_CONFIG
     config = json.loads(config_path.read_text())
     _update_tensors(hf, mtp_weights(config, load_file(str(hf / HF_SAFETENSORS)), seed, mtp))
+    if mtp.head.n_mtp_key is None:  # MiMo's config.json does not count its heads
+        return
     with replaced(config_path) as tmp:
         tmp.write_text(json.dumps({**config, mtp.head.n_mtp_key: N_MTP}, indent=2, sort_keys=True) + "\n")
 
@@ -374,15 +449,15 @@ def mtp_weights(
     config: dict, target: dict[str, np.ndarray], seed: int, mtp: MtpTarget = QWEN35_MTP
 ) -> dict[str, np.ndarray]:
     """The MTP head of `seed` for the checkpoint `target` (HF names, HF orientation (out, in)),
-    laid out as `mtp.head` says: its decoder layer shaped as the target's layer `head.shaped_as`
-    (Qwen3.5: the first full-attention layer; in an MoE target its router, experts and shared
-    expert too, and GLM's router bias), the fc from [embedding, hidden] to n_embd, and its norms;
+    laid out as `mtp.head` says: its decoder layer shaped as `head.block_shapes` says
+    (Qwen3.5: as the first full-attention layer; in an MoE target its router, experts and shared
+    expert too, and GLM's router bias; MiMo-V2: a sliding layer's attention, fused, and a dense
+    FFN), the fc from [embedding, hidden] to n_embd, and its norms;
     matrices N(0, 1/n_in), vectors 1 + N(0, 0.1), each draw times the family's gain, as
     hf_targets._seeded draws the target."""
     head, gains = mtp.head, dict(mtp.family.gains)
-    layer = f"{HF_LAYER_PREFIX}{head.shaped_as(config)}."
     n_embd = config["hidden_size"]
-    shapes = {head.layer + k[len(layer) :]: a.shape for k, a in target.items() if k.startswith(layer)}
+    shapes = head.block_shapes(config, target, head.layer)
     shapes |= {head.fc: (n_embd, 2 * n_embd)} | dict.fromkeys(head.norms, (n_embd,))  # fc: (n_embd, 2 n_embd)
     rng = np.random.default_rng([seed, MTP_STREAM])
     drawn = {k: _linear(rng, *s) if len(s) == 2 else _norm(rng, s[0]) for k, s in sorted(shapes.items())}

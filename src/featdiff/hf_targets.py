@@ -66,6 +66,8 @@ BOOTSTRAP_OF: dict[str, str | None] = {TOKENIZER_SPM: "spm", TOKENIZER_BPE: None
 # GLM-4.5's converter class reads GLM's own special tokens (`_set_vocab_glm`): its fixtures'
 # tokenizer.model converts through this bootstrap instead (converter.BOOTSTRAPS)
 BOOTSTRAP_GLM = "glm"
+# MiMo-V2's converter class writes three chained MTP heads; its fixture converts one (converter.BOOTSTRAPS)
+BOOTSTRAP_MIMO = "mimo"
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,72 @@ def _glm4moe_config(sz: pairs.Sizes) -> object:
         "tie_word_embeddings": False,
     }
     return Glm4MoeConfig(**fields)
+
+
+# MiMo-V2-Flash (llama.cpp's mimo2) as XiaomiMiMo/MiMo-V2-Flash is built: hybrid attention (full
+# attention on the first and last layers, sliding windows between, as its `hybrid_layer_pattern`
+# starts and ends), twice the KV heads and attention sinks on the sliding layers, query/key heads
+# wider than value heads (head_dim vs v_head_dim), values scaled by `attention_value_scale`, NeoX
+# RoPE on part of each head with a base per layer kind; a dense first layer, then experts routed
+# by sigmoid + a choice bias (one group), renormalized, unscaled (routed_scaling_factor 1). The
+# value scale is 0.5 here (MiMo's is 0.707): transformers scales V before its cache, llama.cpp the
+# attention's output after wo (mimo2.cpp), and a power of two keeps the f16 cache's rows the same.
+MIMO2_V_HEAD_DIM = 8  # (n_embd_head_v; the tiny target's n_embd_head 16 is n_embd_head_k)
+MIMO2_VALUE_SCALE = 0.5
+MIMO2_ROTARY = 0.5  # partial_rotary_factor: RoPE on 8 of the 16 dims (MiMo's 0.334 of 192)
+MIMO2_ROPE_SWA = 1000.0  # the sliding layers' rope base (MiMo's 10000 beside its full layers' 5e6)
+
+
+def mimo2_layer_types(n_layer: int) -> list[str]:
+    """MiMo-V2's layer kinds: full attention on the first and last layers, sliding between."""
+    return ["full_attention" if il in (0, n_layer - 1) else "sliding_attention" for il in range(n_layer)]
+
+
+def _mimo2_config(sz: pairs.Sizes) -> object:
+    """MiMo-V2-Flash's model at the tiny sizes, and the keys of MiMo's own config.json that the
+    pinned converter reads (conversion/mimo.py MimoV2Model: hybrid_layer_pattern, the sliding
+    layers' dims under swa_*, topk_method, layernorm_epsilon, partial_rotary_factor at the top of
+    rope_parameters), which transformers keeps as they are. Not a registered family: the MTP
+    fixtures use it."""
+    from transformers import MiMoV2FlashConfig
+
+    s = sz.target
+    kinds = mimo2_layer_types(s.n_layer)
+    n_kv = 1  # the full layers'; transformers gives the sliding layers twice as many
+    rope = {"rope_type": "default", "partial_rotary_factor": MIMO2_ROTARY}
+    fields: dict[str, Any] = {
+        **_tiny_fields(sz),
+        "num_key_value_heads": n_kv,
+        "v_head_dim": MIMO2_V_HEAD_DIM,
+        "layer_types": kinds,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (s.n_layer - 1),
+        "sliding_window": SLIDING_WINDOW,
+        "attention_value_scale": MIMO2_VALUE_SCALE,
+        "moe_intermediate_size": N_FF_EXPERT,
+        "n_routed_experts": N_EXPERT,
+        "num_experts_per_tok": N_EXPERT_USED,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "max_position_embeddings": pairs.N_POS_TRAIN,
+        "rms_norm_eps": pairs.RMS_EPS,
+        "rope_parameters": {
+            "full_attention": {**rope, "rope_theta": pairs.ROPE_BASE},
+            "sliding_attention": {**rope, "rope_theta": MIMO2_ROPE_SWA},
+            "partial_rotary_factor": MIMO2_ROTARY,
+        },
+        "tie_word_embeddings": False,
+        # MiMo's config.json keys, read by the converter
+        "hybrid_layer_pattern": [int(k == "sliding_attention") for k in kinds],
+        "swa_head_dim": s.n_embd_head,
+        "swa_v_head_dim": MIMO2_V_HEAD_DIM,
+        "swa_num_attention_heads": s.n_head,
+        "swa_num_key_value_heads": 2 * n_kv,
+        "topk_method": "noaux_tc",
+        "layernorm_epsilon": pairs.RMS_EPS,
+    }
+    return MiMoV2FlashConfig(**fields)
 
 
 # Gemma 4 (llama.cpp's gemma4) as its dense 31B is built: sliding-window layers with a full-attention

@@ -47,7 +47,7 @@ EAGLE3_WIRING: tuple[str, ...] = (
     names.DRAFT_LOGITS,
 )
 
-# An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, glm4-moe.cpp graph_mtp): its
+# An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
 # token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
 # mtp_h_input, the hidden rows it is handed: only a norm reads them (the shim reads inputs through
 # consumers that cannot overwrite them); mtp_hnorm-<il> carries them, and the in-process driver
@@ -59,14 +59,14 @@ MTP_WIRING: tuple[str, ...] = (
     "mtp_concat-*",
     "mtp_eh_proj-*",
     "mtp_attn_residual-*",
-    "mtp_ffn_inp-*",  # glm4-moe.cpp's name of mtp_attn_residual
+    "mtp_ffn_inp-*",  # glm4-moe.cpp's and mimo2.cpp's name of mtp_attn_residual
     "mtp_post_ffn-*",
     names.H_NEXTN,
     names.RESULT_OUTPUT,
     names.DRAFT_LOGITS,
     names.MTP_H_INPUT,  # a read-back in-process (above)
 )
-# what an MTP head reads of its target: the post-final-norm hidden of every row (llama.cpp's
+# what an MTP head reads of its target: the post-final-norm hidden of every row (mimo2's: before the final norm; llama.cpp's
 # llama_set_embeddings_nextn, unmasked), and the verify logits
 MTP_TARGET_WIRING: tuple[str, ...] = (names.H_NEXTN, names.RESULT_OUTPUT)
 
@@ -168,10 +168,10 @@ KINDS: tuple[DrafterKind, ...] = (
         MTP_WIRING,
         names.KEY_NEXTN_LAYERS,
         block_flow=False,
-        layer_rule="the checkpoint's mtp_num_hidden_layers (GLM-4.5's num_nextn_predict_layers)",
+        layer_rule="the checkpoint's mtp_num_hidden_layers (GLM-4.5's num_nextn_predict_layers; MiMo-V2's first head)",
         target_wiring=MTP_TARGET_WIRING,
         standalone=False,
-        more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE),
+        more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE, names.ARCH_MIMO2),
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP

@@ -44,6 +44,7 @@ KEY_EAGLE3_NORM_BEFORE_FC = "eagle3.norm_before_fc"
 ARCH_QWEN35 = "qwen35"
 ARCH_QWEN35MOE = "qwen35moe"  # the same head with a MoE FFN (qwen35moe.cpp graph_mtp)
 ARCH_GLM4MOE = "glm4moe"  # GLM-4.5's head: biased attention, sigmoid-routed MoE (glm4-moe.cpp graph_mtp)
+ARCH_MIMO2 = "mimo2"  # MiMo-V2's head: handed the pre-norm hidden, recycles its pre-norm state (mimo2.cpp graph_mtp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
 NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)
@@ -222,6 +223,10 @@ KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
 KEY_KEY_LENGTH = "{arch}.attention.key_length"
 KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
 KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # the sliding-window layers' base (absent: freq_base)
+KEY_SLIDING_WINDOW_ARCH = "{arch}.attention.sliding_window"
+KEY_SLIDING_WINDOW_PATTERN_ARCH = "{arch}.attention.sliding_window_pattern"  # per block: attends within the window
+KEY_VALUE_SCALE_ARCH = "{arch}.attention.value_scale"  # multiplies attention's output (mimo2's f_attn_value_scale)
 KEY_ROPE_DIMS = "{arch}.rope.dimension_count"  # dims RoPE rotates (partial rotary: fewer than the head's)
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"  # none / linear / yarn / longrope; absent: linear
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
@@ -320,9 +325,13 @@ HYP_G_AFTER_NORM = "g=after_norm"
 # MTP (torchref/mtp.py): mtp_h_input@h=prenorm, mtp_hnorm-<il>@h=prenorm: the head handed the
 # target's hidden before its final norm;
 # ...@h=chain_prenorm: a draft step handed the previous step's state before the head norm;
+# and the reverse for a head trained on the pre-norm state (mimo2): ...@h=postnorm, the target's
+# hidden after its final norm; ...@h=chain_postnorm, the previous step's state after the head norm;
 # mtp_concat-<il>@slots=1,0 as EAGLE3's concat: [h, e]
 HYP_H_PRENORM = "h=prenorm"
 HYP_CHAIN_PRENORM = "h=chain_prenorm"
+HYP_H_POSTNORM = "h=postnorm"
+HYP_CHAIN_POSTNORM = "h=chain_postnorm"
 # ...@h=batch_last: a target batch's first token paired with that batch's last hidden (a later
 # position's) instead of the pending row the batch before left
 HYP_H_BATCH_LAST = "h=batch_last"

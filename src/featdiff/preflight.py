@@ -381,7 +381,10 @@ def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
             "re-convert the checkpoint without --no-mtp, or with --mtp for a separate head GGUF"
         ]
     if n_heads != 1:
-        return [f"{key} = {n_heads}: the pinned {d.arch} graph runs a single MTP head; featdiff models that one"]
+        return [
+            f"{key} = {n_heads}: featdiff models a single MTP head (not the chained heads common/speculative.cpp "
+            "runs one after another, as MiMo-V2's 3); convert the checkpoint with its first head only"
+        ]
     il = mtp_head_block(d)
     need = names.T_NEXTN.format(il=il, name=names.NEXTN_EH_PROJ)
     if need not in d.tensors:
@@ -402,4 +405,5 @@ CHECKS_OF_ARCH = {
     names.ARCH_QWEN35: _MTP_CHECKS,
     names.ARCH_QWEN35MOE: _MTP_CHECKS,
     names.ARCH_GLM4MOE: _MTP_CHECKS,
+    names.ARCH_MIMO2: _MTP_CHECKS,
 }

@@ -1,4 +1,4 @@
-"""MTP heads end to end on the real library (issue 33): a Qwen3.5, Qwen3.5-MoE or GLM-4.5 target whose
+"""MTP heads end to end on the real library (issue 33): a Qwen3.5, Qwen3.5-MoE, GLM-4.5 or MiMo-V2 target whose
 MTP head the pinned converter kept (inside its GGUF, or as a separate `--mtp` GGUF) captured by featdiff's MTP driver
 (common_speculative_impl_draft_mtp's flow) compares clean against the reference, from the GGUF's
 head and from the checkpoint's; the graph faults of 0008-mtp-graph-faults.patch are named; a GGUF
@@ -46,6 +46,8 @@ def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = Fal
         ("mtp-qwen35moe", "target.gguf", "target-hf"),  # its head from the checkpoint's per-expert tensors
         ("mtp-glm4moe", "target.gguf", "target.gguf"),  # GLM-4.5: biased attention, sigmoid routing, choice bias
         ("mtp-glm4moe", "target.gguf", "target-hf"),  # its head from the checkpoint's decoder layer n_layer
+        ("mtp-mimo2", "target.gguf", "target.gguf"),  # MiMo-V2: handed the pre-norm hidden, a sliding-window head
+        ("mtp-mimo2", "target.gguf", "target-hf"),  # its head from the checkpoint's model.mtp.layers.0
     ],
 )
 def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, model, head, tmp_path):
@@ -60,7 +62,9 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
     assert {"mtp_h_input", "mtp_hnorm-6", "mtp_enorm-6", "mtp_concat-6", "mtp_eh_proj-6", "h_nextn"} <= draft
     assert {r.name for r in m.records if r.role == "target"} >= {"h_nextn", "result_output"}
     assert m.models["draft"]["architecture"] == MTP_SETTINGS[variant].arch
-    residual = "mtp_ffn_inp-6" if variant == "mtp-glm4moe" else "mtp_attn_residual-6"  # glm4-moe.cpp's name
+    residual = (
+        "mtp_ffn_inp-6" if variant in ("mtp-glm4moe", "mtp-mimo2") else "mtp_attn_residual-6"
+    )  # their graphs' name
     assert residual in draft and residual in {p.name for p in c.pairs}
     assert all(r.drafts for r in m.rounds)
     assert all(e.n_tokens == 1 for e in m.evals if e.phase == "draft")
@@ -69,16 +73,24 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
     assert handed == {"inject", "draft"}
 
 
-# each fault planted in the qwen35 graphs and in glm4-moe's (0008-mtp-graph-faults.patch)
-@pytest.mark.parametrize("variant", ["mtp", "mtp-glm4moe"])
-@pytest.mark.parametrize(
-    "fault, kind, tensor, words",
-    [
-        ("mtp-hidden-prenorm", "wrong_source", "mtp_h_input", "before the final norm"),
-        ("mtp-concat-swapped", "slot_permutation", "mtp_concat-6", "[h_norm, e_norm]"),
-        ("mtp-recycle-prenorm", "wrong_source", "mtp_h_input", "previous step's state before the head norm"),
-    ],
-)
+# each fault planted in the qwen35 graphs, in glm4-moe's and in mimo2's (0008-mtp-graph-faults.patch):
+# MiMo-V2's head is trained on the pre-norm state, so its norm faults are the reverse ones
+CONCAT_SWAPPED = ("mtp-concat-swapped", "slot_permutation", "mtp_concat-6", "[h_norm, e_norm]")
+POSTNORM_TRAINED_FAULTS = [
+    ("mtp-hidden-prenorm", "wrong_source", "mtp_h_input", "before the final norm"),
+    CONCAT_SWAPPED,
+    ("mtp-recycle-prenorm", "wrong_source", "mtp_h_input", "previous step's state before the head norm"),
+]
+PRENORM_TRAINED_FAULTS = [
+    ("mtp-hidden-postnorm", "wrong_source", "mtp_h_input", "after the final norm"),
+    CONCAT_SWAPPED,
+    ("mtp-recycle-postnorm", "wrong_source", "mtp_h_input", "previous step's state after the head norm"),
+]
+PLANTED = [(v, *f) for v in ("mtp", "mtp-glm4moe") for f in POSTNORM_TRAINED_FAULTS]
+PLANTED += [("mtp-mimo2", *f) for f in PRENORM_TRAINED_FAULTS]
+
+
+@pytest.mark.parametrize("variant, fault, kind, tensor, words", PLANTED)
 def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, variant, fault, kind, tensor, words):
     d = mtp_pairs(variant)
     monkeypatch.setenv("FEATDIFF_FAULT", fault)  # 0008-mtp-graph-faults.patch, read by libllama's graph
@@ -88,7 +100,7 @@ def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, var
     assert [(f.kind, f.tensor) for f in errors] == [(kind, tensor)], [f.message for f in errors]
     assert words in errors[0].message
     assert not [f for f in c.findings if f.kind == "flow_note"]  # the faulty graph keeps upstream's node order
-    phases = {"mtp-recycle-prenorm": "draft"}  # the first step reads the target's row: the second one differs
+    phases = {"mtp-recycle-prenorm": "draft", "mtp-recycle-postnorm": "draft"}  # step 1 reads the target's row
     assert c.first_divergence is not None and c.pairs[c.first_divergence].phase == phases.get(fault, "inject")
 
 
@@ -127,3 +139,33 @@ def test_check_passes_the_trained_head_and_fails_it_with_a_planted_fault(mtp_pai
     faulty = _check(d, {**env, "FEATDIFF_FAULT": "mtp-concat-swapped"})
     assert faulty.returncode == 1, faulty.stdout + faulty.stderr
     assert "slot_permutation" in faulty.stdout and "mtp_concat-6" in faulty.stdout
+
+
+def test_a_gguf_with_chained_heads_is_refused_by_name(mtp_pairs, tmp_path):
+    """MiMo-V2 ships 3 chained heads and its converter class writes them all (the fixture converts
+    one, converter.MIMO_N_NEXTN): the fixture's checkpoint given three heads and converted with the
+    converter's own count is refused in one line naming the key, exit 2, before a run."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from featdiff.converter import convert_checkpoint
+    from featdiff.fixtures_mtp import HF_SAFETENSORS, SAFETENSORS_META
+
+    hf = shutil.copytree(mtp_pairs("mtp-mimo2") / "target-hf", tmp_path / "target-hf")
+    held = load_file(str(hf / HF_SAFETENSORS))
+    first = "model.mtp.layers.0."
+    more = {
+        k.replace(first, f"model.mtp.layers.{i}."): a for k, a in held.items() if k.startswith(first) for i in (1, 2)
+    }
+    save_file({**held, **more}, str(hf / HF_SAFETENSORS), metadata=SAFETENSORS_META)
+    gguf = convert_checkpoint(hf, tmp_path / "three.gguf", bootstrap="spm")  # the vocabulary's route only
+    done = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(gguf),
+         "--model", str(gguf), "--tokens", TOKENS, "-o", str(tmp_path / "run.npz")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mimo2.nextn_predict_layers = 3" in lines[0] and "single MTP head" in lines[0], lines
+    assert not (tmp_path / "run.npz").exists()

@@ -12,6 +12,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
+from featdiff.fixtures_mtp import MTP_SETTINGS
 from featdiff.llama import exec as exec_capture
 from featdiff.torchref.kind import reference
 
@@ -56,6 +57,8 @@ def _follow(d: Path, head: Path, run: Path, tmp: Path) -> Path:
         ("llama-speculative-simple", "mtp-separate"),
         ("llama-server", "mtp"),
         ("llama-server", "mtp-separate"),
+        ("llama-speculative-simple", "mtp-mimo2"),  # MiMo-V2: the head handed the pre-norm hidden
+        ("llama-server", "mtp-mimo2"),
     ],
 )
 def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, variant, tmp_path):
@@ -66,7 +69,7 @@ def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, varian
     )
     with read_dump(run) as dump:
         m = dump.manifest
-    assert m.models["draft"]["architecture"] == "qwen35"
+    assert m.models["draft"]["architecture"] == MTP_SETTINGS[variant].arch
     assert m.models["draft"]["path"].endswith("draft.gguf" if separate else "target.gguf")
     assert m.rounds and any(r.drafts for r in m.rounds)
     assert {e.phase for e in m.evals} >= {"prefill", "inject", "draft", "verify"}

@@ -72,7 +72,11 @@ def test_the_project_patches_name_the_files_they_change():
     assert not touched["0001-dflash-log-snr.patch"] & touched["0002-driver-faults.patch"]
     assert touched["0004-recurrent-rollback-fault.patch"] == {"src/llama-memory-recurrent.cpp"}
     assert touched["0007-eagle3-graph-faults.patch"] == {"src/models/eagle3.cpp"}
-    assert touched["0008-mtp-graph-faults.patch"] == {"src/models/qwen35.cpp", "src/models/glm4-moe.cpp"}
+    assert touched["0008-mtp-graph-faults.patch"] == {
+        "src/models/qwen35.cpp",
+        "src/models/glm4-moe.cpp",
+        "src/models/mimo2.cpp",
+    }
     # the Vulkan backend's file only, which the CPU builds never compile
     vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
     assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan

@@ -4,6 +4,8 @@ candidates say; which drafter kind a path is."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from featdiff.torchref.attention import empty_cache
 from featdiff.torchref.kind import drafter_kind
 from featdiff.torchref.mtp import decode, mtp_from_gguf
 from featdiff.torchref.mtp_hf import mtp_from_hf
-from featdiff.torchref.mtp_layer import MOE_CHOICE_BIAS, MoeRouting, moe_ffn
+from featdiff.torchref.mtp_layer import MIMO2_ATTENTION, MOE_CHOICE_BIAS, MoeRouting, moe_ffn
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
@@ -108,3 +110,39 @@ def test_a_moe_gguf_head_and_its_checkpoint_head_are_one_head(mtp_pairs, variant
         assert torch.equal(getattr(g, field), getattr(h, field)), field
     assert g.block.keys() == h.block.keys()
     assert all(torch.equal(g.block[k], h.block[k]) for k in g.block)
+
+
+def test_a_mimo2_head_is_a_sliding_layer_that_keeps_the_prenorm_state(mtp_pairs):
+    """MiMo-V2's head (mimo2.cpp graph_mtp) from its GGUF and from its checkpoint's
+    `model.mtp.layers.0`: one head, a sliding-window layer (the sliding layers' KV heads and RoPE
+    base, the window, the value scale) with fused q/k/v, sinks and a dense FFN, its head norm the
+    checkpoint's final_layernorm. A decode recycles mtp_post_ffn, the state before the head norm,
+    as h_nextn (the output rows only), and its wrong-norm candidate is `@h=postnorm`; the window
+    hides the oldest rows from the last one."""
+    d = mtp_pairs("mtp-mimo2")
+    g, h = mtp_from_gguf(d / "target.gguf", F32, CPU), mtp_from_hf(d / "target-hf", F32, CPU)
+    assert g.hparams == replace(h.hparams, rope_scaling=g.hparams.rope_scaling, rms_eps=g.hparams.rms_eps)
+    assert g.hparams.rms_eps == float(torch.tensor(h.hparams.rms_eps, dtype=F32))  # the GGUF's f32 of it
+    assert (g.il, g.hparams.arch, g.hparams.n_head_kv, g.hparams.n_rot) == (6, "mimo2", 2, 8)
+    assert (g.hparams.n_swa, g.hparams.swa_layers, g.hparams.rope_base, g.hparams.attn_value_scale) == (
+        8, (True,), 1000.0, 0.5,
+    )  # fmt: skip
+    assert g.block.keys() == h.block.keys() == {*MIMO2_ATTENTION, "attn_sinks", "ffn_gate", "ffn_up", "ffn_down"}
+    assert all(torch.equal(g.block[k], h.block[k]) for k in g.block)
+    for field in ("eh_proj", "enorm", "hnorm", "head_norm", "token_embd", "output"):
+        assert torch.equal(getattr(g, field), getattr(h, field)), field
+    assert g.block["attn_qkv"].shape == (4 * 16 + 2 * 16 + 2 * 8, 64)  # rows [q, k, v]: v heads 8 wide
+    for path in (d / "target.gguf", d / "target-hf"):
+        assert drafter_kind(path).name == kinds.MTP, path
+    n = 12
+    x = torch.randn(n, g.hparams.n_embd, generator=torch.Generator().manual_seed(3))  # (12, n_embd)
+    cache = empty_cache(1, g.hparams.n_head_kv, g.hparams.n_embd_head, "f32", CPU)
+    mp = decode(g, torch.arange(20, 20 + n), x, torch.arange(n), cache, {names.HYP_H_POSTNORM: 2 * x})
+    got = {r.name: r.array for r in mp.records}
+    assert torch.equal(got["h_nextn"], got["mtp_post_ffn-6"]) and torch.equal(mp.h_nextn, got["mtp_post_ffn-6"])
+    assert torch.equal(got["mtp_h_input@h=postnorm"], 2 * x) and "mtp_ffn_inp-6" in got
+    quiet = decode(g, torch.arange(20, 20 + n), x, torch.arange(n), cache, outputs=False)
+    assert {r.name: r.array for r in quiet.records}["h_nextn"].shape == (0, 64)  # mimo2.cpp: get_rows first
+    unwindowed = replace(g, hparams=replace(g.hparams, n_swa=0, swa_layers=()))
+    full = decode(unwindowed, torch.arange(20, 20 + n), x, torch.arange(n), cache)
+    assert torch.equal(full.logits[:8], mp.logits[:8]) and not torch.allclose(full.logits[8:], mp.logits[8:])

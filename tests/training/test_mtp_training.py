@@ -90,7 +90,7 @@ def test_the_corpus_is_the_targets_greedy_text_and_the_hidden_the_flow_hands(sma
         assert tuple(corpus.tokens[i].tolist()) == greedy_continuation(target, p, N_TOKENS)
         assert int(corpus.first_anchor[i]) == len(p) - 1
     tp = forward_target(target, corpus.tokens[0], torch.arange(N_TOKENS), f32_cache(target.hparams), True)
-    assert torch.equal(corpus.features[0], target_hidden(target, tp).post)
+    assert torch.equal(corpus.features[0], target_hidden(target, tp, is_prenorm=False).handed)
 
 
 def test_step_one_and_the_recycled_steps_are_the_flows_draft_steps(small):

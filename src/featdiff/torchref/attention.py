@@ -46,8 +46,10 @@ def cache_with(cache: KvCache, positions: torch.Tensor, k: list[torch.Tensor], v
 def layer_kv(cache: KvCache, il: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `il`'s cached K/V with this batch's rows stored (rounded to the cache type) after them."""
     store = cache.k[il].dtype
+    if not cache.k[il].shape[0]:  # no cells yet: the first rows decide the widths (MiMo-V2's narrower V)
+        return k.to(store), v.to(store)
     k_all = torch.cat([cache.k[il], k.to(store)])  # (n_cells + n_tokens, n_head_kv, n_embd_head)
-    v_all = torch.cat([cache.v[il], v.to(store)])  # (n_cells + n_tokens, n_head_kv, n_embd_head)
+    v_all = torch.cat([cache.v[il], v.to(store)])  # (n_cells + n_tokens, n_head_kv, n_embd_head_v)
     return k_all, v_all
 
 
@@ -69,7 +71,8 @@ def attend(
     visible: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of `(n_tokens, n_head, d)` queries over the cache's cells, `(n_tokens, n_head * d)`.
+    """Attention of `(n_tokens, n_head, d)` queries over the cache's cells, `(n_tokens, n_head * d_v)`
+    (values `(n_cells, n_head_kv, d_v)` may be narrower than keys: MiMo-V2's n_embd_head_v).
 
     Causal: a query sees the cells at positions <= its own; otherwise every cell of the
     sequence. An explicit `visible` mask `(n_tokens, n_cells)` replaces both (training packs
@@ -94,7 +97,7 @@ def attend(
         out = _flash_f16(q, k, v, visible, scale, sink)
     else:
         out = _softmax_attention(q, k.to(q.dtype), v.to(q.dtype), visible, scale, sink)
-    return out.to(q.dtype).reshape(n_tokens, n_head * d)  # (n_tokens, n_head * d)
+    return out.to(q.dtype).reshape(n_tokens, n_head * v.shape[-1])  # (n_tokens, n_head * d_v)
 
 
 def _softmax_attention(
@@ -131,7 +134,7 @@ def _flash_f16(
     scores = products.float() * torch.tensor(scale, dtype=torch.float32)  # scale rounded to f32 first
     m = torch.full((n_tokens, n_head), float("-inf"), device=q.device)
     s_sum = torch.zeros((n_tokens, n_head), device=q.device)
-    acc = torch.zeros((n_tokens, n_head, d), dtype=torch.float16, device=q.device)
+    acc = torch.zeros((n_tokens, n_head, v.shape[-1]), dtype=torch.float16, device=q.device)  # d_v wide
     for c in range(k.shape[0]):
         live = visible[:, c][:, None].expand(n_tokens, n_head)  # (n_tokens, n_head)
         s = scores[:, :, c]

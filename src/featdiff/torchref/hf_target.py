@@ -1,5 +1,6 @@
 """A target run by transformers' own model code, for the architectures featdiff does not write
-again in torch (issue 24): Qwen3-MoE, gpt-oss, Qwen3.5, Gemma 4, Nemotron-H, GLM-4.5 (HF_ARCHS).
+again in torch (issue 24): Qwen3-MoE, gpt-oss, Qwen3.5, Gemma 4, Nemotron-H, GLM-4.5, MiMo-V2-Flash
+(HF_ARCHS).
 Consumes a Hugging Face directory (config and safetensors); produces, per batch, the records the
 native target writes (target.py): `embd`, `layer_inp-<L>`, `l_out-<il>` (under the arch's graph
 names where they differ: EMBD_NAMES, L_OUT_NAMES) and `result_norm` / `result_output`; on a MoE
@@ -58,6 +59,7 @@ HF_ARCHS = {
     "gemma4": "gemma4",  # published (image-text-to-text): Gemma4ForConditionalGeneration, run on text ids
     "nemotron_h": "nemotron_h",
     "glm4_moe": "glm4moe",  # GLM-4.5: biased attention, sigmoid-routed experts (its MTP layer is left unloaded)
+    "mimo_v2_flash": "mimo2",  # MiMo-V2-Flash: sinks, narrower value heads (its model.mtp.* layers are left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
 }
@@ -495,8 +497,8 @@ def ggml_attention(
     visible = _visible(attention_mask, n_tokens, k.shape[0], query.device)
     cells = torch.zeros(k.shape[0], dtype=torch.int64, device=query.device)  # unused: `visible` decides
     sink = None if sinks is None else sinks.detach()  # (n_head,)
-    out = attend(q, cells[:n_tokens], k, v, cells, causal=True, visible=visible, sinks=sink)  # (n_tokens, n_head * d)
-    return out.reshape(1, n_tokens, n_head, d), None  # (1, n_tokens, n_head, d)
+    out = attend(q, cells[:n_tokens], k, v, cells, causal=True, visible=visible, sinks=sink)  # (n_tokens, n_head * d_v)
+    return out.reshape(1, n_tokens, n_head, v.shape[-1]), None  # (1, n_tokens, n_head, d_v)
 
 
 def _visible(mask: torch.Tensor | None, n_tokens: int, n_cells: int, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """An MTP head (multi-token prediction, llama.cpp's "nextn" block) as the pinned graphs compute
-it (upstream `src/models/qwen35.cpp`, `qwen35moe.cpp` and `glm4-moe.cpp` graph_mtp), and its GGUF
-loader (the checkpoint's is torchref/mtp_hf.py):
+it (upstream `src/models/qwen35.cpp`, `qwen35moe.cpp`, `glm4-moe.cpp` and `mimo2.cpp` graph_mtp),
+and its GGUF loader (the checkpoint's is torchref/mtp_hf.py):
 
     e = embed(token)                      mtp_tok_embd-<il>   (the head's own table, else the model's)
     [e_norm, h_norm] = [enorm(e), hnorm(h)]  mtp_enorm / mtp_hnorm / mtp_concat-<il>: embedding first
@@ -21,7 +21,11 @@ target's hidden before its final norm) or `@h=chain_prenorm` (a step handed the 
 What differs by architecture is in mtp_layer.GRAPHS: glm4moe's decoder layer is GLM-4.5's (q/k/v
 with biases, no output gate, RoPE on the first n_rot dims), its residual is named
 `mtp_ffn_inp-<il>`, and its MoE FFN (as qwen35moe's, a routed one in place of the SwiGLU) chooses
-its experts by sigmoid plus a choice bias.
+its experts by sigmoid plus a choice bias. mimo2's (MiMo-V2) is a sliding-window layer with fused
+q/k/v, sinks and a value scale, its head norm `layer_output_norm`, and it keeps the hidden state
+before the norms: `h` is the target's trunk output before its final norm, and `h_nextn` (the
+output rows only) is mtp_post_ffn, the head norm applied after it for the logits; its wrong-norm
+candidates are `@h=postnorm` and `@h=chain_postnorm`.
 
 Weights are held in the GGUF's convention (norm weights as llama.cpp multiplies them: a Qwen3.5
 checkpoint's zero-centred norms plus one, as the converter writes them).
@@ -73,7 +77,7 @@ class MtpHead:
     enorm: torch.Tensor  # (n_embd,)
     hnorm: torch.Tensor  # (n_embd,)
     block: dict[str, torch.Tensor]  # the block's GGUF names (`<key>` of `<key>.weight`, or a `.bias` key) -> weights
-    head_norm: torch.Tensor  # (n_embd,): nextn.shared_head_norm, else the model's output_norm
+    head_norm: torch.Tensor  # (n_embd,): nextn.shared_head_norm, else (mimo2) layer_output_norm, else output_norm
     token_embd: torch.Tensor  # (n_vocab, n_embd): nextn.embed_tokens, else the model's table
     output: torch.Tensor  # (n_vocab, n_embd): nextn.shared_head_head, else the model's head
     routing: MoeRouting | None = None  # a MoE block's (block holds MOE_ROUTER); None: a dense FFN
@@ -84,8 +88,8 @@ class MtpPass:
     """One decode of the head: its logits and h_nextn rows, the records, the cache after it."""
 
     logits: torch.Tensor  # (n_outputs, n_vocab)
-    h_nextn: torch.Tensor  # (n_tokens, n_embd): the next step's hidden
-    post_ffn: torch.Tensor  # (n_tokens, n_embd): the block's output before the head norm
+    h_nextn: torch.Tensor  # (n_tokens, n_embd): the next step's hidden, as the arch's graph recycles it
+    other_norm: torch.Tensor  # (n_tokens, n_embd): the state the other convention would recycle (MtpGraph.is_prenorm)
     records: tuple[Named, ...]
     cache: KvCache
 
@@ -112,11 +116,14 @@ def decode(
     graph = GRAPHS[hp.arch]
     attn_out, cache_after = graph.attention(hp, b, rms_norm(x, b["attn_norm"], hp.rms_eps), positions, cache)
     residual = attn_out + x
-    post = rms_norm(residual, b["post_attention_norm"], hp.rms_eps)
+    post = rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)
     ffn = moe_ffn(b, post, head.routing) if head.routing else swiglu(post, b["ffn_gate"], b["ffn_up"], b["ffn_down"])
     post_ffn = ffn + residual
-    h_nextn = rms_norm(post_ffn, head.head_norm, hp.rms_eps)
-    logits = linear(h_nextn if outputs else h_nextn[:0], head.output)  # (n_outputs, n_vocab)
+    normed = rms_norm(post_ffn, head.head_norm, hp.rms_eps)
+    logits = linear(normed if outputs else normed[:0], head.output)  # (n_outputs, n_vocab)
+    # mimo2.cpp takes the output rows before naming h_nextn; the post-norm graphs name all rows
+    h_nextn, other = (post_ffn, normed) if graph.is_prenorm else (normed, post_ffn)
+    h_nextn_rows = h_nextn if outputs or not graph.is_prenorm else h_nextn[:0]  # (n_outputs or n_tokens, n_embd)
     layer = lambda base: names.layer_name(base, il)  # noqa: E731
     candidates = [Named(names.candidate_name(layer(names.MTP_CONCAT), names.slots_hypothesis((1, 0))),
                         torch.cat([h_norm, e_norm], dim=1))]  # fmt: skip
@@ -134,11 +141,11 @@ def decode(
         Named(layer(names.MTP_EH_PROJ), x),
         Named(layer(graph.residual), residual),
         Named(layer(names.MTP_POST_FFN), post_ffn),
-        Named(names.H_NEXTN, h_nextn),
+        Named(names.H_NEXTN, h_nextn_rows),
         Named(names.RESULT_OUTPUT, logits),
         *candidates,
     )
-    return MtpPass(logits, h_nextn, post_ffn, records, cache_after)
+    return MtpPass(logits, h_nextn, other, records, cache_after)
 
 
 # --- from the GGUF ----------------------------------------------------------------------------
@@ -186,9 +193,12 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
             f"{path}: tensor {names.T_NEXTN.format(il=il, name=missing[0])} is missing; re-convert the head"
         )
     head_norm, embd, head_w = nextn("shared_head_norm"), nextn("embed_tokens"), nextn("shared_head_head")
+    out_norm = _block_tensor(prefix, graph.head_norm_fallback) if graph.head_norm_fallback else None
+    if head_norm is None and out_norm in g.tensors:  # mimo2.cpp: a converted checkpoint's layer_out_norm
+        head_norm = tensor(out_norm)
     return MtpHead(
         source=Source(Path(path), is_gguf=True, dequantized_by=g.dequantized_by),
-        hparams=_block_hparams(g),
+        hparams=_block_hparams(g, il),
         il=il,
         eh_proj=required[names.NEXTN_EH_PROJ],  # type: ignore[arg-type]
         enorm=required["enorm"],  # type: ignore[arg-type]
@@ -217,28 +227,41 @@ def _moe_tensors(in_block: set[str]) -> list[str]:
     return [MOE_ROUTER, *experts, *optional]
 
 
-def _block_hparams(g: GgufModel) -> Hparams:
-    """The block's dims as the graphs read them: the model's heads and RoPE (NeoX-style pairs on
-    the first rope.dimension_count dims: qwen35's M-RoPE with every section at the same text
-    position, glm4moe's plain NeoX RoPE), one layer."""
+def _block_hparams(g: GgufModel, il: int) -> Hparams:
+    """The block's dims as the graphs read them: the model's heads (block `il`'s where the file
+    counts KV heads per block) and RoPE (NeoX-style pairs on the first rope.dimension_count dims:
+    qwen35's M-RoPE with every section at the same text position, glm4moe's plain NeoX RoPE), one
+    layer; a block the sliding-window pattern marks (mimo2's) attends within the window, with the
+    sliding layers' RoPE base (llama_model::get_rope_freq_base), and mimo2's value scale."""
     n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), int(meta(g, names.KEY_HEAD_COUNT))
     n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
     n_rot = int(meta(g, names.KEY_ROPE_DIMS, n_embd_head))
+    pattern = meta(g, names.KEY_SLIDING_WINDOW_PATTERN_ARCH, None)
+    is_swa = isinstance(pattern, list) and il < len(pattern) and bool(pattern[il])
+    base = float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT))
     return Hparams(
         arch=g.arch,
         n_layer=1,
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=int(meta(g, names.KEY_HEAD_COUNT_KV, n_head)),
+        n_head_kv=_of_block(meta(g, names.KEY_HEAD_COUNT_KV, n_head), il),
         n_embd_head=n_embd_head,
         n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH, 0)),  # a MoE model writes its experts' widths instead
         n_vocab=int(g.tensors[names.T_TOKEN_EMBD].ne[1]),
         rms_eps=float(meta(g, names.KEY_RMS_EPS)),
-        rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE, names.ROPE_FREQ_BASE_DEFAULT)),
+        rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE_SWA, base)) if is_swa else base,
         rope_type="neox",
         rope_scaling=_rope_scaling(g, n_rot),
         n_rot=n_rot,
+        attn_value_scale=float(meta(g, names.KEY_VALUE_SCALE_ARCH, 0.0)),
+        n_swa=int(meta(g, names.KEY_SLIDING_WINDOW_ARCH, 0)) if is_swa else 0,
+        swa_layers=(True,) if is_swa else (),
     )
+
+
+def _of_block(value: int | list[int], il: int) -> int:
+    """A per-block hparam (an array, one per block) or one for every block, at block `il`."""
+    return int(value[il]) if isinstance(value, list) else int(value)
 
 
 def check_mtp_pair(target: Target, head: MtpHead) -> None:

@@ -4,10 +4,13 @@ process, then per round draft (one decode per step), verify, process and accept.
 
 Consumes the loaded target and head and the prompt tokens; produces every eval's manifest entry
 and records, and the rounds, in execution order (replay.FlowTrace). `process` decodes a target
-batch's tokens into the head's cache, token k with the target's post-norm hidden of row k - 1 and
-the first with the pending row (zeros before the first batch); the batch's last hidden row stays
-pending, and after a verify the row at the accepted length does. Each target eval records its
-`h_nextn` (every row, as llama.cpp hands them over unmasked). `follow`, `guide` and `draft_steps`
+batch's tokens into the head's cache, token k with the target's hidden of row k - 1 and the
+first with the pending row (zeros before the first batch); the batch's last hidden row stays
+pending, and after a verify the row at the accepted length does. Which hidden is the
+architecture's (mtp_layer.MtpGraph.is_prenorm): the target's post-norm one (qwen35, glm4moe) or
+its trunk output before the final norm (mimo2); the other is each row's wrong-norm candidate
+(`@h=prenorm`, mimo2's `@h=postnorm`). Each target eval records its `h_nextn` (every row, as
+llama.cpp hands them over unmasked). `follow`, `guide` and `draft_steps`
 are eagle3_flow's.
 """
 
@@ -23,8 +26,9 @@ from featdiff.dump import Round
 from featdiff.errors import InputError
 from featdiff.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.torchref.attention import KvCache, truncated
-from featdiff.torchref.hf_target import HfTarget, final_norm
+from featdiff.torchref.hf_target import HfTarget, final_norm, layer_out_name
 from featdiff.torchref.mtp import MtpHead, MtpPass, check_mtp_pair, decode
+from featdiff.torchref.mtp_layer import GRAPHS
 from featdiff.torchref.numerics import Numerics, rms_norm
 from featdiff.torchref.replay import (
     EvalTrace,
@@ -44,12 +48,20 @@ from featdiff.torchref.target import TargetPass, forward_target
 from featdiff.torchref.weights import Target
 
 
+# the wrong-norm hypotheses of an arch's convention (MtpGraph.is_prenorm): what the target would
+# hand the head, and what a draft step would recycle, under the other norm
+WRONG_NORM = {
+    False: (names.HYP_H_PRENORM, names.HYP_CHAIN_PRENORM),
+    True: (names.HYP_H_POSTNORM, names.HYP_CHAIN_POSTNORM),
+}
+
+
 @dataclass(frozen=True)
 class _Hidden:
-    """A row the head is handed, and the one the pre-norm hypothesis would hand in its place."""
+    """A row the head is handed, and the one the wrong-norm hypothesis would hand in its place."""
 
-    post: torch.Tensor  # (n, n_embd)
-    pre: torch.Tensor  # (n, n_embd)
+    handed: torch.Tensor  # (n, n_embd): as the arch's target graph hands it (its h_nextn)
+    other: torch.Tensor  # (n, n_embd): on the other side of the final norm
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,7 @@ class _State:
     draft_cache: KvCache
     n_past: int
     id_last: int
-    pending: _Hidden  # (1, n_embd) each: pending_h, and its pre-norm twin
+    pending: _Hidden  # (1, n_embd) each: pending_h, and its wrong-norm twin
 
 
 def run_flow(
@@ -90,13 +102,15 @@ def run_flow(
     return play_rounds(state, evals, rounds, follow, guide, one_round)
 
 
-def target_hidden(target: Target, tp: TargetPass) -> _Hidden:
+def target_hidden(target: Target, tp: TargetPass, is_prenorm: bool) -> _Hidden:
     """Every row's hidden as the target's graph hands it to the head (`h_nextn`: after the final
-    norm), and before that norm (the final norm's input)."""
+    norm, or before it where `is_prenorm`), and on the other side of that norm."""
     pre = tp.layer_inputs[target.hparams.n_layer]  # (n_tokens, n_embd): the final norm's input
     if isinstance(target, HfTarget):
-        return _Hidden(final_norm(target)(pre), pre)
-    return _Hidden(rms_norm(pre, target.output_norm, target.hparams.rms_eps), pre)
+        post = final_norm(target)(pre)
+    else:
+        post = rms_norm(pre, target.output_norm, target.hparams.rms_eps)
+    return _Hidden(pre, post) if is_prenorm else _Hidden(post, pre)
 
 
 def _target_eval(
@@ -106,10 +120,15 @@ def _target_eval(
     cache: KvCache,
     outputs: bool,
     numerics: Numerics,
+    is_prenorm: bool,
 ) -> tuple[TargetPass, _Hidden, tuple[Named, ...]]:
     tp = forward_target(target, _ids(tokens, numerics), _ids(positions, numerics), cache, has_outputs=outputs)
-    hidden = target_hidden(target, tp)
-    return tp, hidden, (*tp.records, Named(names.H_NEXTN, hidden.post))
+    hidden = target_hidden(target, tp, is_prenorm)
+    # a graph that hands over the trunk output names that very tensor h_nextn (mimo2.cpp's cb on the
+    # last layer's output): its l_out-<n_layer - 1> is no node of its own
+    renamed = layer_out_name(target.hparams.arch, target.hparams.n_layer - 1) if is_prenorm else None
+    records = tuple(r for r in tp.records if r.name != renamed)
+    return tp, hidden, (*records, Named(names.H_NEXTN, hidden.handed))
 
 
 def _prefill(
@@ -123,13 +142,13 @@ def _prefill(
     pending = _Hidden(zeros, zeros)
     evals: list[EvalTrace] = []
     for phase, tokens, positions in prefill_batches(prompt, cached):
-        tp, hidden, records = _target_eval(target, tokens, positions, t_cache, False, numerics)
+        tp, hidden, records = _target_eval(target, tokens, positions, t_cache, False, numerics, _is_prenorm(head))
         evals.append(EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, tokens, PREFILL_ROUND), records))
         d_cache, trace = _process(
             head, tokens, positions, hidden, pending, d_cache, len(evals), inject_after(phase), PREFILL_ROUND, numerics
         )
         evals.append(trace)
-        t_cache, pending = tp.cache, _Hidden(hidden.post[-1:], hidden.pre[-1:])
+        t_cache, pending = tp.cache, _Hidden(hidden.handed[-1:], hidden.other[-1:])
     return _State(t_cache, d_cache, n, prompt[n], pending), evals
 
 
@@ -146,13 +165,13 @@ def _process(
     numerics: Numerics,
 ) -> tuple[KvCache, EvalTrace]:
     """process() of one target batch: (token k, hidden k-1) at position k, the first token with
-    the pending row; the candidates of the pre-norm hand-over and of the first token paired with
-    the batch's last hidden."""
-    post = torch.cat([pending.post, hidden.post[:-1]])  # (n_tokens, n_embd)
-    pre = torch.cat([pending.pre, hidden.pre[:-1]])  # (n_tokens, n_embd)
-    batch_last = torch.cat([hidden.post[-1:], hidden.post[:-1]])  # (n_tokens, n_embd): row 0 a later position's
-    alternatives = {names.HYP_H_PRENORM: pre, names.HYP_H_BATCH_LAST: batch_last}
-    mp = decode(head, _ids(tokens, numerics), post, _ids(positions, numerics), cache, alternatives, outputs=False)
+    the pending row; the candidates of the wrong-norm hand-over and of the first token paired
+    with the batch's last hidden."""
+    handed = torch.cat([pending.handed, hidden.handed[:-1]])  # (n_tokens, n_embd)
+    other = torch.cat([pending.other, hidden.other[:-1]])  # (n_tokens, n_embd)
+    batch_last = torch.cat([hidden.handed[-1:], hidden.handed[:-1]])  # (n_tokens, n_embd): row 0 a later position's
+    alternatives = {WRONG_NORM[_is_prenorm(head)][0]: other, names.HYP_H_BATCH_LAST: batch_last}
+    mp = decode(head, _ids(tokens, numerics), handed, _ids(positions, numerics), cache, alternatives, outputs=False)
     return mp.cache, EvalTrace(_eval(index, names.ROLE_DRAFT, phase, positions, tokens, r), mp.records)
 
 
@@ -174,7 +193,7 @@ def _round(
     drafts = own if plan is None else tuple(plan.drafts)
     verify = (state.id_last,) + drafts
     positions = tuple(range(state.n_past, state.n_past + len(verify)))
-    tp, hidden, records = _target_eval(target, verify, positions, state.target_cache, True, numerics)
+    tp, hidden, records = _target_eval(target, verify, positions, state.target_cache, True, numerics, _is_prenorm(head))
     traces.append(
         EvalTrace(_eval(first_eval + len(traces), names.ROLE_TARGET, Phase.VERIFY, positions, verify, r), records)
     )
@@ -190,7 +209,7 @@ def _round(
         truncated(d_cache, n_past),
         n_past,
         best[accepted],
-        _Hidden(hidden.post[i_h : i_h + 1], hidden.pre[i_h : i_h + 1]),
+        _Hidden(hidden.handed[i_h : i_h + 1], hidden.other[i_h : i_h + 1]),
     )
     return after, played_round(r, state, drafts, accepted, best), traces
 
@@ -213,15 +232,15 @@ def _draft(
     if steps is not None and not steps:  # the run drafted nothing this round (no budget left)
         return (), truncated(state.draft_cache, state.n_past), []
     cache = state.draft_cache
-    token, row, pos = state.id_last, state.pending.post, state.n_past
+    token, row, pos = state.id_last, state.pending.handed, state.n_past
     picks: list[tuple[int, bool]] = []  # each step's top candidate, and whether p_min stops at it
     traces: list[EvalTrace] = []
-    chain: MtpPass | None = None  # the same steps each handed the previous one's mtp_post_ffn (h=chain_prenorm)
+    chain: MtpPass | None = None  # the same steps each handed the previous one's state under the other norm
     while True:
         ids, at = _ids((token,), numerics), _ids((pos,), numerics)
         mp = decode(head, ids, row, at, cache)
         cache = mp.cache
-        chain = mp if chain is None else decode(head, ids, chain.post_ffn, at, chain.cache)
+        chain = mp if chain is None else decode(head, ids, chain.other_norm, at, chain.cache)
         ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, (pos,), (token,), r)
         traces.append(EvalTrace(ev, (*mp.records, Named(names.DRAFT_LOGITS, mp.logits), *_chain_records(head, chain))))
         picks.append((int(mp.logits[0].argmax()), top1_probability(mp.logits[0]) < p_min))
@@ -234,10 +253,15 @@ def _draft(
 
 
 def _chain_records(head: MtpHead, chain: MtpPass) -> tuple[Named, ...]:
-    """`mtp_h_input@h=chain_prenorm` and `mtp_hnorm-<il>@h=chain_prenorm`: the step's input and
-    its norm in the chain of draft steps each handed the previous step's state before the head
-    norm (the first step reads the pending row either way), through the chain's own cache."""
+    """`mtp_h_input@h=chain_prenorm` and `mtp_hnorm-<il>@h=chain_prenorm` (mimo2's
+    `@h=chain_postnorm`): the step's input and its norm in the chain of draft steps each handed
+    the previous step's state on the other side of the head norm (the first step reads the
+    pending row either way), through the chain's own cache."""
     wanted = (names.MTP_H_INPUT, names.layer_name(names.MTP_HNORM, head.il))
-    return tuple(
-        Named(names.candidate_name(n.name, names.HYP_CHAIN_PRENORM), n.array) for n in chain.records if n.name in wanted
-    )
+    hypothesis = WRONG_NORM[_is_prenorm(head)][1]
+    return tuple(Named(names.candidate_name(n.name, hypothesis), n.array) for n in chain.records if n.name in wanted)
+
+
+def _is_prenorm(head: MtpHead) -> bool:
+    """The head's architecture hands and recycles the hidden state before the norms (mtp_layer.GRAPHS)."""
+    return GRAPHS[head.hparams.arch].is_prenorm

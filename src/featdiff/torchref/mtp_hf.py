@@ -1,15 +1,16 @@
 """An MTP head read from its Hugging Face checkpoint, held as the pinned converter writes it into
 the GGUF (torchref/mtp.py's MtpHead): a Qwen3.5 or Qwen3.5-MoE checkpoint's `mtp.*` tensors
-(conversion/qwen.py _QwenMtpMixin: every norm plus one, a MoE head's experts stacked), or a GLM-4.5
+(conversion/qwen.py _QwenMtpMixin: every norm plus one, a MoE head's experts stacked), a GLM-4.5
 one's extra decoder layer `model.layers.<n_layer>.*` (conversion/glm.py Glm4MoeModel: norms as they
-are, the experts stacked).
+are, the experts stacked), or a MiMo-V2 one's first `model.mtp.layers.0.*` (conversion/mimo.py
+MimoV2Model: a sliding-window layer, norms as they are).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,21 @@ GLM_BLOCK_TENSORS = {
 GLM_QK_NORMS = {"attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight"}
 GLM_NEXTN = {names.NEXTN_EH_PROJ: "eh_proj.weight", "enorm": "enorm.weight", "hnorm": "hnorm.weight"}
 GLM_HEAD_NORM = "shared_head.norm.weight"
+# MiMo-V2's head layer (HF names after `model.mtp.layers.0.`) -> the GGUF's, as MimoV2Model maps
+# them: q/k/v fused, the sinks (the converter adds `.weight`), the FFN norm (ffn_norm: MiMo's
+# post_attention_layernorm), a dense FFN; the head norm is its final_layernorm (layer_output_norm)
+MIMO_HEAD_LAYER = "model.mtp.layers.0."
+MIMO_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "attn_qkv": "self_attn.qkv_proj.weight",  # (n_head d_k + n_head_kv (d_k + d_v), n_embd): rows [q, k, v]
+    "attn_output": "self_attn.o_proj.weight",
+    "attn_sinks": "self_attn.attention_sink_bias",
+    "ffn_norm": "post_attention_layernorm.weight",
+    **{f"ffn_{p}": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+MIMO_NEXTN = GLM_NEXTN  # eh_proj, enorm, hnorm inside the head's layer, as GLM-4.5's
+MIMO_HEAD_NORM = "final_layernorm.weight"
+MIMO_RMS_EPS_DEFAULT = 1e-5  # conversion/mimo.py: layernorm_epsilon, else this (not rms_norm_eps)
 
 
 @dataclass(frozen=True)
@@ -85,10 +101,14 @@ class _HfHead:
     """Where one family's checkpoint keeps its head and how the converter writes it."""
 
     arch: str  # llama.cpp's architecture of the converted GGUF
-    layers_key: str  # the config.json key that counts its MTP blocks (GLM-4.5's ship as that many more decoder layers)
+    # the config.json key that counts its MTP blocks (GLM-4.5's ship as that many more decoder
+    # layers); None: the config does not say, and every checkpoint of the type ships its heads
+    # (MiMo-V2's 3: conversion/mimo.py hardcodes the count)
+    layers_key: str | None
     rotary_default: float  # partial_rotary_factor where config.json says none (the converter's default)
     prefix: Callable[[dict[str, Any]], str]  # the text config -> the prefix of the head's tensors
     fields: Callable[[Callable[[str], torch.Tensor], dict[str, Any], str], dict[str, Any]]  # MtpHead's own fields
+    hparams: Callable[[dict[str, Any], _HfHead], Hparams]  # the text config -> the block's dims
 
 
 def is_mtp_checkpoint(config: dict[str, Any]) -> bool:
@@ -96,18 +116,20 @@ def is_mtp_checkpoint(config: dict[str, Any]) -> bool:
     `num_nextn_predict_layers`: HF_HEADS' layers_key)."""
     text = config.get("text_config", config)
     kind = HF_HEADS.get(text.get(names.HF_MODEL_TYPE))
-    return kind is not None and int(text.get(kind.layers_key, 0) or 0) > 0
+    if kind is None:
+        return False
+    return kind.layers_key is None or int(text.get(kind.layers_key, 0) or 0) > 0
 
 
 def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead:
-    """The head of a Qwen3.5 checkpoint (`mtp.*` tensors) or a GLM-4.5 one (decoder layer
-    n_layer), held as the converter writes it (HF_HEADS)."""
+    """The head of a Qwen3.5 checkpoint (`mtp.*` tensors), a GLM-4.5 one (decoder layer n_layer)
+    or a MiMo-V2 one (`model.mtp.layers.0`), held as the converter writes it (HF_HEADS)."""
     path = Path(path)
     config = json.loads((path / names.HF_CONFIG).read_text())
     text = config.get("text_config", config)
     if not is_mtp_checkpoint(config):
         raise InputError(
-            f"{path}: config.json declares no MTP layers ({', '.join(sorted({k.layers_key for k in HF_HEADS.values()}))}); "
+            f"{path}: config.json declares no MTP layers ({', '.join(sorted({k.layers_key for k in HF_HEADS.values() if k.layers_key}))}); "
             "pass a checkpoint with its MTP head"
         )
     kind = HF_HEADS[text[names.HF_MODEL_TYPE]]
@@ -128,7 +150,7 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
     embd = model_tensor(names.HF_EMBED_TOKENS)
     return MtpHead(
         source=Source(path, is_gguf=False),
-        hparams=_hf_hparams(text, kind),
+        hparams=kind.hparams(text, kind),
         il=int(text[names.HF_NUM_LAYERS]),
         **kind.fields(hf, text, prefix),
         token_embd=embd,
@@ -236,9 +258,41 @@ def glm_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], pr
     return {**nextn, "block": block, "head_norm": hf(prefix + GLM_HEAD_NORM), "routing": routing}
 
 
+def mimo_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """MiMo-V2's head fields from its first MTP layer `prefix`, `hf(name)` each, as MimoV2Model
+    writes them (MIMO_BLOCK_TENSORS, MIMO_NEXTN, the head norm final_layernorm), norms as they are."""
+    return {
+        **{k: hf(prefix + v) for k, v in MIMO_NEXTN.items()},
+        "block": {k: hf(prefix + v) for k, v in MIMO_BLOCK_TENSORS.items()},
+        "head_norm": hf(prefix + MIMO_HEAD_NORM),
+    }
+
+
+def _mimo_hparams(text: dict[str, Any], kind: _HfHead) -> Hparams:
+    """MiMo-V2's head block as the converter writes it: a sliding-window layer (the pattern it
+    extends with 1s), so the sliding layers' KV heads and RoPE base, RoPE on head_dim x the top
+    partial_rotary_factor dims, the value scale, its layernorm_epsilon."""
+    rope = text["rope_parameters"]
+    sliding = {**rope["sliding_attention"], "partial_rotary_factor": rope["partial_rotary_factor"]}
+    hp = _hf_hparams({**text, "rope_parameters": sliding}, kind)
+    return replace(
+        hp,
+        n_head_kv=int(text["swa_num_key_value_heads"]),
+        rms_eps=float(text.get("layernorm_epsilon", MIMO_RMS_EPS_DEFAULT)),
+        attn_value_scale=float(text.get("attention_value_scale") or 0.0),
+        n_swa=int(text["sliding_window"]),
+        swa_layers=(True,),
+    )
+
+
 def _mtp_layer(text: dict[str, Any]) -> str:
     """Qwen3.5 keeps its head under `mtp.`."""
     return HF_MTP_PREFIX
+
+
+def _mimo_mtp_layer(text: dict[str, Any]) -> str:
+    """MiMo-V2 keeps its heads under `model.mtp.layers.<i>.`; featdiff models the first."""
+    return MIMO_HEAD_LAYER
 
 
 def _extra_layer(text: dict[str, Any]) -> str:
@@ -246,13 +300,14 @@ def _extra_layer(text: dict[str, Any]) -> str:
     return names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX.format(il=int(text[names.HF_NUM_LAYERS]))
 
 
-_QWEN35 = _HfHead(names.ARCH_QWEN35, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35_fields)
-_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35moe_fields)
+_QWEN35 = _HfHead(names.ARCH_QWEN35, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35_fields, _hf_hparams)
+_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams)
 # model_type -> where its head is and how the converter writes it
 HF_HEADS = {
     "qwen3_5_text": _QWEN35,
     "qwen3_5": _QWEN35,
     "qwen3_5_moe_text": _QWEN35MOE,
     "qwen3_5_moe": _QWEN35MOE,
-    "glm4_moe": _HfHead(names.ARCH_GLM4MOE, HF_GLM_MTP_LAYERS, 0.5, _extra_layer, glm_head_tensors),
+    "glm4_moe": _HfHead(names.ARCH_GLM4MOE, HF_GLM_MTP_LAYERS, 0.5, _extra_layer, glm_head_tensors, _hf_hparams),
+    "mimo_v2_flash": _HfHead(names.ARCH_MIMO2, None, 1.0, _mimo_mtp_layer, mimo_head_tensors, _mimo_hparams),
 }

@@ -1,7 +1,9 @@
 """An MTP head's decoder layer as each architecture's graph_mtp computes it (upstream
-`src/models/qwen35.cpp`, `qwen35moe.cpp`, `glm4-moe.cpp`), for torchref/mtp.py's decode: the
-attention (Qwen3.5's gated one, GLM-4.5's with q/k/v biases), the dense or MoE FFN (routed as
-llm_graph_context::build_moe_ffn routes), and GRAPHS, what each architecture does its own way.
+`src/models/qwen35.cpp`, `qwen35moe.cpp`, `glm4-moe.cpp`, `mimo2.cpp`), for torchref/mtp.py's
+decode: the attention (Qwen3.5's gated one, GLM-4.5's with q/k/v biases, MiMo-V2's fused one with
+sinks in a sliding window), the dense or MoE FFN (routed as llm_graph_context::build_moe_ffn
+routes), and GRAPHS, what each architecture does its own way: which hidden state the head is
+handed and recycles (after the norm, or MiMo-V2's before it) among them.
 
 Consumes the block's weights (GGUF names without `blk.<il>.`, `<key>.weight` or a `.bias` key)
 and rows `(n_tokens, n_embd)`; produces the layer's outputs and the cache after an attention.
@@ -19,6 +21,7 @@ from featdiff.errors import InputError
 from featdiff.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.numerics import linear, rms_norm, rope
+from featdiff.torchref.stack import scaled_output, windowed
 from featdiff.torchref.weights import Hparams
 
 DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
@@ -36,7 +39,10 @@ QWEN35_ATTENTION = (
 # glm4-moe.cpp's layer (load_arch_tensors): q/k/v and their biases (create_tensor_qkv), no output
 # gate; its q/k norms (GLM-4.5 355B's) and the biases are read where the file has them
 GLM4MOE_ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm")
-ATTENTION_OPTIONAL = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm")
+# mimo2.cpp's layer (graph_mtp asserts the fused attn_qkv): rows [q, k, v], and its FFN norm is
+# ffn_norm; its attention sinks (attn_sinks) where the file has them
+MIMO2_ATTENTION = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm")
+ATTENTION_OPTIONAL = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm", "attn_sinks")
 BIAS_SUFFIX = ".bias"  # a block key naming a bias tensor (`blk.<il>.<key>`); the others name `<key>.weight`
 # A MoE block (qwen35moe.cpp, glm4-moe.cpp graph_mtp): the router, the experts, the choice bias
 # (glm4moe's `exp_probs_b`) and the shared expert, gated by a sigmoid of its own router row
@@ -135,6 +141,30 @@ def _biased_attention(
     return linear(kqv, b["attn_output"]), cache_after
 
 
+def _fused_sink_attention(
+    hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+) -> tuple[torch.Tensor, KvCache]:
+    """MiMo-V2's attention (mimo2.cpp graph_mtp): q, k and v as views of one attn_qkv product
+    (keys as wide as queries, n_embd_head_k; values n_embd_head_v, attn_output's columns per
+    head), RoPE on q and k, attention with the block's sinks where it has them, within the
+    sliding window where the layer has one (build_attn_inp_kv_iswa), attn_output, then times
+    f_attn_value_scale where the file sets one. Returns the output `(n_tokens, n_embd)` and the
+    cache with this eval's K/V."""
+    n_tokens, d_k = x.shape[0], hp.n_embd_head
+    d_v = b["attn_output"].shape[1] // hp.n_head
+    qkv = linear(x, b["attn_qkv"])  # (n_tokens, n_head d_k + n_head_kv (d_k + d_v))
+    q_end, k_end = hp.n_head * d_k, (hp.n_head + hp.n_head_kv) * d_k
+    q = qkv[:, :q_end].reshape(n_tokens, hp.n_head, d_k)
+    k = qkv[:, q_end:k_end].reshape(n_tokens, hp.n_head_kv, d_k)
+    v = qkv[:, k_end:].reshape(n_tokens, hp.n_head_kv, d_v)
+    q, k = rope(q, positions, hp), rope(k, positions, hp)
+    k_all, v_all = layer_kv(cache, 0, k, v)
+    kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
+    visible = windowed(positions, kv_pos, hp.n_swa, True, None) if hp.is_swa(0) else None  # (n_tokens, n_cells)
+    kqv = attend(q, positions, k_all, v_all, kv_pos, causal=True, visible=visible, sinks=b.get("attn_sinks"))
+    return scaled_output(hp, linear(kqv, b["attn_output"])), cache_with(cache, positions, [k_all], [v_all])
+
+
 def _projected(x: torch.Tensor, b: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """`name`'s projection of `x`, plus its bias where the block has one."""
     y = linear(x, b[name])
@@ -157,6 +187,11 @@ def _attend_cached(
 def _softmax_renormalized(g: GgufModel) -> MoeRouting:
     """qwen35moe.cpp's routing: build_moe_ffn given softmax gating and norm_w as literals."""
     return MoeRouting(int_meta(g, KEY_EXPERT_USED), float(meta(g, KEY_EXPERT_SCALE, 0.0)))
+
+
+def _no_routing(g: GgufModel) -> MoeRouting:
+    """mimo2.cpp's head has a dense FFN (graph_mtp asserts ffn_gate, ffn_up, ffn_down)."""
+    raise InputError(f"{g.path}: the {g.arch} MTP block has a router; its graph runs a dense FFN only")
 
 
 def _routing_of_file(g: GgufModel) -> MoeRouting:
@@ -189,6 +224,13 @@ class MtpGraph:
     attention_tensors: tuple[str, ...]  # the block's attention tensors it requires (ATTENTION_OPTIONAL: where present)
     residual: str  # the callback name of the attention's output plus its input
     routing: Callable[[GgufModel], MoeRouting]  # a MoE block's routing, from the file
+    # The hidden state's convention: the target hands the head its trunk output before the final
+    # norm and each draft step recycles the block's output before the head norm (mimo2.cpp: the
+    # target's h_nextn is set before output_norm, graph_mtp's is mtp_post_ffn), or both after
+    # their norms (qwen35.cpp, glm4-moe.cpp)
+    is_prenorm: bool = False
+    ffn_norm: str = "post_attention_norm"  # the block's norm before its FFN
+    head_norm_fallback: str | None = None  # the block's tensor read as the head norm where nextn has none
 
 
 QWEN35_GRAPH = MtpGraph(_gated_attention, QWEN35_ATTENTION, names.MTP_ATTN_RESIDUAL, _softmax_renormalized)
@@ -196,5 +238,14 @@ GRAPHS = {
     names.ARCH_QWEN35: QWEN35_GRAPH,
     names.ARCH_QWEN35MOE: QWEN35_GRAPH,
     names.ARCH_GLM4MOE: MtpGraph(_biased_attention, GLM4MOE_ATTENTION, names.MTP_FFN_INP, _routing_of_file),
+    names.ARCH_MIMO2: MtpGraph(
+        _fused_sink_attention,
+        MIMO2_ATTENTION,
+        names.MTP_FFN_INP,
+        _no_routing,
+        is_prenorm=True,
+        ffn_norm="ffn_norm",
+        head_norm_fallback="layer_output_norm",
+    ),
 }
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here

@@ -3,7 +3,8 @@ command (step_run.py) with the MTP flow (mtp_flow.py), and the accept probe's si
 
 `--model` is where the head is: the target's own GGUF (heads inside), a separate `mtp-*.gguf`,
 or the checkpoint directory that holds it (the target's `target-hf/`: a Qwen3.5 checkpoint's
-`mtp.*` tensors, a GLM-4.5 one's extra decoder layer; torchref/mtp_hf.py).
+`mtp.*` tensors, a GLM-4.5 one's extra decoder layer, a MiMo-V2 one's first `model.mtp.layers`
+head; torchref/mtp_hf.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
 
 
 def load_head(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> MtpHead:
-    """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5 or GLM-4.5 checkpoint directory)."""
+    """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5, GLM-4.5 or MiMo-V2 checkpoint directory)."""
     if Path(model).is_dir():
         return mtp_from_hf(Path(model), numerics.dtype, numerics.device)
     return mtp_from_gguf(Path(model), numerics.dtype, numerics.device, llama_dir)

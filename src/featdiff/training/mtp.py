@@ -217,7 +217,7 @@ def greedy_sequence(target: Target, guess: torch.Tensor, n_prompt: int) -> tuple
         tp = forward_target(target, seq, torch.arange(n_tokens), f32_cache(target.hparams), has_outputs=True)
         greedy = torch.cat([seq[:n_prompt], tp.logits[n_prompt - 1 : -1].argmax(-1)])  # (n_tokens,)
         if torch.equal(greedy, seq):
-            return seq, target_hidden(target, tp).post
+            return seq, target_hidden(target, tp, is_prenorm=False).handed  # Qwen3.5: the post-norm hidden
         seq = greedy
     raise ValueError(f"the greedy continuation of {guess[:n_prompt].tolist()} did not settle")
 

@@ -332,8 +332,8 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
         )
     if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
         return _eagle3_export_message(tensor, f"{key}={value}", candidate)
-    if f"{key}={value}" in (names.HYP_H_PRENORM, names.HYP_CHAIN_PRENORM):
-        return _mtp_prenorm_message(tensor, f"{key}={value}", candidate)
+    if f"{key}={value}" in _MTP_WRONG_NORM:
+        return _mtp_wrong_norm_message(tensor, f"{key}={value}", candidate)
     if f"{key}={value}" == names.HYP_H_BATCH_LAST:
         return (
             f"{tensor} pairs the first token of this target batch with the batch's last hidden state, a later "
@@ -367,15 +367,31 @@ def _eagle3_export_message(tensor: str, hypothesis: str, candidate: str) -> str:
     )
 
 
-def _mtp_prenorm_message(tensor: str, hypothesis: str, candidate: str) -> str:
-    """The fix when an MTP head is handed a hidden state before its norm: by the target
-    (HYP_H_PRENORM: the rows process() pairs and the first draft step's) or by the previous
-    draft step (HYP_CHAIN_PRENORM)."""
+# the MTP wrong-norm hypotheses (torchref/mtp_flow.WRONG_NORM)
+_MTP_WRONG_NORM = (names.HYP_H_PRENORM, names.HYP_CHAIN_PRENORM, names.HYP_H_POSTNORM, names.HYP_CHAIN_POSTNORM)
+
+
+def _mtp_wrong_norm_message(tensor: str, hypothesis: str, candidate: str) -> str:
+    """The fix when an MTP head is handed a hidden state on the wrong side of a norm: by the
+    target (HYP_H_PRENORM, or HYP_H_POSTNORM for a head trained on the pre-norm state: the rows
+    process() pairs and the first draft step's) or by the previous draft step (HYP_CHAIN_*)."""
     if hypothesis == names.HYP_H_PRENORM:
         return (
             f"{tensor} is the target's trunk output before the final norm (it matches the reference's {candidate}); "
             "the MTP head was trained on the post-norm state: hand over the output of the final norm (the qwen35 "
             "graph sets t_h_nextn after build_norm; ggml-org/llama.cpp#24025)"
+        )
+    if hypothesis == names.HYP_H_POSTNORM:
+        return (
+            f"{tensor} is the target's trunk output after the final norm (it matches the reference's {candidate}); "
+            "this MTP head was trained on the pre-norm state: hand over the final norm's input (the mimo2 graph "
+            "sets t_h_nextn before output_norm), the head applies its own hnorm"
+        )
+    if hypothesis == names.HYP_CHAIN_POSTNORM:
+        return (
+            f"{tensor} of this draft step comes from the previous step's state after the head norm (it matches the "
+            f"reference's {candidate}): this head recycles mtp_post_ffn, the state before the head norm (the mimo2 "
+            "graph sets t_h_nextn before mtp_shared_head_norm); recycle the pre-norm state"
         )
     return (
         f"{tensor} of this draft step comes from the previous step's state before the head norm (it matches the "
