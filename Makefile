@@ -33,7 +33,7 @@ browser:
 # Debian's Vulkan headers, loader, glslc and SPIRV-Headers build the pinned tree with ggml's Vulkan
 # backend, and Mesa's llvmpipe (a Vulkan device that computes on the CPU), at Mesa 25 or later
 # (Debian 12: bookworm-backports), runs it, for the tests that capture on a device backend
-# (tests/llama/test_vulkan*.py; root installs them once; scripts/vulkan-packages.sh says why 25).
+# (tests/llama/test_device*.py; root installs them once; scripts/vulkan-packages.sh says why 25).
 vulkan:
 	@bash scripts/vulkan-packages.sh
 
@@ -53,16 +53,19 @@ lint: setup
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
+# The 20 slowest tests printed at the end: where a fresh clone's time goes.
 test: setup lint browser vulkan tools
-	$(BIN)/python -m pytest -q -m "not cuda"
+	$(BIN)/python -m pytest -q -m "not cuda" --durations=20
 
 # Everything that needs neither the tools build nor a browser (markers in pyproject.toml,
 # tests/conftest.py) and nothing `slow`: measured 133 s (880 tests) on 2 idle cores after set-up, caches warm.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not cuda and not tools and not browser and not slow"
 
-# On a machine with an NVIDIA GPU and a CUDA build of llama.cpp (FEATDIFF_CUDA_LLAMA_DIR=DIR).
-test-cuda: setup
+# The device tests (tests/llama/test_device*.py) on CUDA, on a machine with an NVIDIA GPU: the
+# pinned tree built once with -DGGML_CUDA=ON into build/llama.cpp-cuda (nvcc and cuBLAS needed), or
+# a build of your own (FEATDIFF_CUDA_LLAMA_DIR=<its CMake build dir>). Without a GPU they skip.
+test-cuda: setup tools
 	$(BIN)/python -m pytest -q -m cuda -rs
 
 # Speed goals, each a ratio measured side by side in one run (not part of `make test`).

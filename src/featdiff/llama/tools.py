@@ -357,69 +357,133 @@ def ensure_release(
     return ToolBuild(root, source, build_dir / "bin", seconds)
 
 
-# The pinned tree with ggml's Vulkan backend, for the tests that capture on a device backend
-# (tests/llama/test_vulkan.py): built once per machine from the project's patched tree (patch
-# 0005 lets ggml-vulkan.cpp compile against Debian 12's Vulkan 1.3.239 headers) into a build
-# directory of its own beside the CPU build, `--llama-dir build/llama.cpp-vulkan`. It needs
-# Debian's libvulkan-dev, glslc and spirv-headers to build and mesa-vulkan-drivers (llvmpipe, a
-# Vulkan 1.3 device that computes on the CPU) to run (`make vulkan`, as root). Unoptimized like
-# the other test-only builds: the CPU backend's code at -O0; the shaders glslc compiles are the
-# same either way.
-VULKAN_DIR = "llama.cpp-vulkan"
-VULKAN_STAMP = "featdiff-vulkan.json"
-# the library only. The programs `capture --exec` runs on the device (tests/llama/test_vulkan_exec.py)
-# are the tools build's, run against this build's libraries (vulkan_program_env): they link
-# libllama and ggml dynamically, and neither common/, tools/server nor speculative-simple holds a
-# backend-specific line (no GGML_USE_*), so they run what a Vulkan build of them runs, without
-# compiling them twice (about 9 minutes on 2 cores at -O0). They need Mesa 25 or later (`make
-# vulkan`): on Debian 12's Mesa 22.3 every run of llama-speculative-simple -ngl 99 crashed inside
-# llvmpipe's queue thread, without featdiff too (measured here, scripts/vulkan-packages.sh)
-VULKAN_TARGETS = ("llama",)
-VULKAN_OPTIONS = (
-    *(o for o in CMAKE_OPTIONS if not o.startswith("-DGGML_VULKAN=")),
-    "-DGGML_VULKAN=ON",
-    *TEST_BUILD_FLAGS,
-)
+# The pinned tree with a GPU backend of ggml, for the tests that capture on a device
+# (tests/llama/test_device.py, test_device_exec.py): each built once per machine from the project's
+# patched tree into a build directory of its own beside the CPU build (`--llama-dir
+# build/llama.cpp-vulkan`). Unoptimized like the other test-only builds: the CPU backend's code at
+# -O0; the device code (the shaders glslc compiles, CUDA's kernels) is the same either way. The
+# library only: the programs `capture --exec` runs on the device are the tools build's, run against
+# the device build's libraries (device_program_env). They link libllama and ggml dynamically, and
+# neither common/, tools/server nor speculative-simple holds a backend-specific line (no
+# GGML_USE_*), so they run what a device build of them runs, without compiling them twice (about 9
+# minutes on 2 cores at -O0).
+DEVICE_TARGETS = ("llama",)
+DEVICE_STAMP = "featdiff-{name}.json"  # in the build directory
+
+
+@dataclass(frozen=True)
+class DeviceBackend:
+    """A GPU backend of ggml the device tests run on: how its build is made and how a run sees it."""
+
+    name: str  # "vulkan", "cuda"
+    device: str  # ggml's name of its first device (the manifest's placement, a record's backend)
+    cmake_option: str  # the option that builds it into ggml
+    build_dir: str  # beside the CPU build, under build/
+    env: Mapping[str, str]  # what a run (in-process or a program) needs to see the device
+    packages: str  # what building it needs, and how to get it (the error's fix)
+    user_build_env: str = ""  # names a build of the user's own instead (CUDA: a CMake build dir)
+    more_options: tuple[str, ...] = ()
+
+    def options(self) -> tuple[str, ...]:
+        flag = self.cmake_option.split("=")[0]
+        kept = (o for o in CMAKE_OPTIONS if not o.startswith(flag + "="))
+        return (*kept, self.cmake_option, *self.more_options, *TEST_BUILD_FLAGS)
+
+
 VULKAN_PACKAGES = ("libvulkan-dev", "glslc", "spirv-headers", "mesa-vulkan-drivers")
-# ggml skips Vulkan devices of the CPU type (llvmpipe) unless they are named visible
-# (ggml-vulkan.cpp ggml_vk_instance_init): the environment a capture on llvmpipe needs.
-SOFTWARE_VULKAN_ENV = {"GGML_VK_VISIBLE_DEVICES": "0"}
 VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
+# What a run on Mesa's llvmpipe (a Vulkan device that computes on the CPU) needs, and two settings
+# that only change how fast its first run compiles. ggml skips Vulkan devices of the CPU type unless
+# named visible (ggml-vulkan.cpp ggml_vk_instance_init). llvmpipe compiles each of ggml's pipelines
+# with LLVM the first time a process on the machine uses it (Mesa caches them in
+# ~/.cache/mesa_shader_cache), the biggest part of the device tests on a fresh clone. Measured on
+# 2 idle cores, cold caches, the clean pair wholly on the device (tests/llama/test_device.py): 179 s
+# as ggml and Mesa default; 56 s without ggml-vulkan's fused kernels (GGML_VK_DISABLE_FUSION: the
+# same ops, one kernel each, and fewer, smaller pipelines); 39 s also without LLVM's optimization
+# passes (GALLIVM_PERF=nopt). A warm run takes 2 s either way. The device tests keep one run with
+# fusion on (test_a_run_with_fused_kernels_records_the_same_and_compares_clean); the numerics were
+# calibrated with these settings (diff/tolerance.py REL_DEVICE).
+LLVMPIPE_VISIBLE = {"GGML_VK_VISIBLE_DEVICES": "0"}
+VULKAN_UNFUSED = "GGML_VK_DISABLE_FUSION"
+SOFTWARE_VULKAN_ENV = {**LLVMPIPE_VISIBLE, VULKAN_UNFUSED: "1", "GALLIVM_PERF": "nopt"}
+VULKAN = DeviceBackend(
+    name="vulkan",
+    device="Vulkan0",
+    cmake_option="-DGGML_VULKAN=ON",
+    build_dir="llama.cpp-vulkan",
+    env=SOFTWARE_VULKAN_ENV,
+    # patch 0005 lets ggml-vulkan.cpp compile against Debian 12's Vulkan 1.3.239 headers; Mesa 25 or
+    # later runs the programs (on Debian 12's 22.3 every run of llama-speculative-simple -ngl 99
+    # crashed inside llvmpipe's queue thread, without featdiff too: scripts/vulkan-packages.sh)
+    packages=f"`make vulkan` (as root), or apt-get install {' '.join(VULKAN_PACKAGES)}",
+)
+CUDA = DeviceBackend(
+    name="cuda",
+    device="CUDA0",
+    cmake_option="-DGGML_CUDA=ON",
+    build_dir="llama.cpp-cuda",
+    env={},
+    packages="the CUDA toolkit (nvcc and cuBLAS) on PATH",
+    user_build_env="FEATDIFF_CUDA_LLAMA_DIR",
+    # the kernels for the GPU present only, not ggml's list of every architecture
+    more_options=("-DCMAKE_CUDA_ARCHITECTURES=native",),
+)
+DEVICE_BACKENDS = {b.name: b for b in (VULKAN, CUDA)}
+
+
+def device_program_env(build: ToolBuild, backend: DeviceBackend, env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a tools-build program run on the device build `build`: the dynamic linker takes
+    libllama and ggml from the device build first (the programs' RUNPATH yields to
+    LD_LIBRARY_PATH), the rest (libllama-common, the server's) from the tools build."""
+    paths = [str(build.bin_dir), *filter(None, env.get("LD_LIBRARY_PATH", "").split(os.pathsep))]
+    return {**env, **backend.env, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
 
 
 def vulkan_program_env(vulkan: ToolBuild, env: Mapping[str, str]) -> dict[str, str]:
-    """`env` for a tools-build program run on the Vulkan build `vulkan` (llvmpipe visible): the
-    dynamic linker takes libllama and ggml from the Vulkan build first (the programs' RUNPATH
-    yields to LD_LIBRARY_PATH), the rest (libllama-common, the server's) from the tools build."""
-    paths = [str(vulkan.bin_dir), *filter(None, env.get("LD_LIBRARY_PATH", "").split(os.pathsep))]
-    return {**env, **SOFTWARE_VULKAN_ENV, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
+    """device_program_env on the Vulkan build, llvmpipe visible."""
+    return device_program_env(vulkan, VULKAN, env)
 
 
-def ensure_vulkan(root: Path | None = None, targets: tuple[str, ...] = VULKAN_TARGETS) -> ToolBuild:
-    """The project's patched tree built with -DGGML_VULKAN=ON into `root` (default
-    build/llama.cpp-vulkan), once per source, patches and options; `ToolBuild.root` is the
-    `--llama-dir` (a CMake build directory whose CMakeCache.txt names the tree)."""
+def ensure_device(backend: DeviceBackend, root: Path | None = None) -> ToolBuild:
+    """The project's patched tree built with `backend` into `root` (default build/<backend.build_dir>),
+    once per source, patches and options; `ToolBuild.root` is the `--llama-dir` (a CMake build
+    directory whose CMakeCache.txt names the tree). Where $<backend.user_build_env> names a build
+    of the user's own, that one, as it is."""
+    user = os.environ.get(backend.user_build_env) if backend.user_build_env else None
+    if user:
+        build_dir = Path(user)
+        if not (build_dir / "bin" / LIBLLAMA).exists():
+            raise InputError(f"{build_dir}: ${backend.user_build_env} names no CMake build dir with bin/{LIBLLAMA}")
+        return ToolBuild(build_dir, build_dir, build_dir / "bin", 0.0)
     source = source_tree(tools_dir())
-    root = Path(root or tools_dir().parent / VULKAN_DIR)
-    want = {"key": build_key(source), "targets": list(targets), "options": list(VULKAN_OPTIONS)}
-    stamp = root / VULKAN_STAMP
+    root = Path(root or tools_dir().parent / backend.build_dir)
+    want = {"key": build_key(source), "targets": list(DEVICE_TARGETS), "options": list(backend.options())}
+    stamp = root / DEVICE_STAMP.format(name=backend.name)
     built = json.loads(stamp.read_text()) if stamp.is_file() else {}
     if built.get("want") == want and (root / "bin" / LIBLLAMA).exists():
         return ToolBuild(root, source, root / "bin", float(built["seconds"]))
-    _require_vulkan_sdk()
-    seconds = _build(source, root, targets, VULKAN_OPTIONS)
+    _require_sdk(backend)
+    seconds = _build(source, root, DEVICE_TARGETS, backend.options())
     stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
-    log.info("built the Vulkan %s in %.0f s", ", ".join(targets), seconds)
+    log.info("built the %s %s in %.0f s", backend.name, ", ".join(DEVICE_TARGETS), seconds)
     return ToolBuild(root, source, root / "bin", seconds)
 
 
-def _require_vulkan_sdk() -> None:
-    """What building ggml's Vulkan backend needs first: the headers and glslc (a missing
-    SPIRV-Headers, CMake's configure step names)."""
-    if shutil.which("glslc") is None or not VULKAN_HEADER.is_file():
+def ensure_vulkan(root: Path | None = None) -> ToolBuild:
+    """ensure_device(VULKAN)."""
+    return ensure_device(VULKAN, root)
+
+
+def _require_sdk(backend: DeviceBackend) -> None:
+    """What building the backend needs first (Vulkan: the headers and glslc, a missing
+    SPIRV-Headers CMake's configure step names; CUDA: nvcc, cuBLAS CMake's names)."""
+    missing = {
+        "vulkan": shutil.which("glslc") is None or not VULKAN_HEADER.is_file(),
+        "cuda": shutil.which("nvcc") is None,
+    }[backend.name]
+    if missing:
         raise InputError(
-            f"{VULKAN_HEADER}: the Vulkan headers or glslc are missing; building llama.cpp with -DGGML_VULKAN=ON "
-            f"needs them: `make vulkan` (as root), or apt-get install {' '.join(VULKAN_PACKAGES)}"
+            f"building llama.cpp with {backend.cmake_option} needs {backend.packages}; it is not installed here"
         )
 
 

@@ -1,14 +1,15 @@
-"""Capture around upstream programs on ggml's Vulkan backend: llama-speculative-simple and
-llama-server run against featdiff's Vulkan build of libllama and ggml (`featdiff.llama.tools.
-ensure_vulkan`, `vulkan_program_env`: the tools build's programs, whose code has no backend-specific
-line, with the Vulkan build's libraries), on Mesa's llvmpipe (25 or later, `make vulkan`), under
-the preload, as a user runs them on a GPU build. Each
+"""Capture around upstream programs on a device backend of ggml (tests/llama/conftest.py
+`device`: Vulkan on Mesa's llvmpipe, 25 or later, `make vulkan`; CUDA in `make test-cuda`):
+llama-speculative-simple and llama-server run against featdiff's device build of libllama and ggml
+(`featdiff.llama.tools.ensure_device`, `device_program_env`: the tools build's programs, whose code
+has no backend-specific line, with the device build's libraries), under the preload, as a user
+runs them on a GPU build. Each
 placement, the whole pair on the device, part of the target, the target or the drafter alone,
 records what the same program records with every layer on the CPU and compares clean against the
 reference; a fault planted in the driver and the fault only a device run can have are named.
 
 The preload is compiled against the build whose libllama the program loads (`preload.
-build_of_program`, through `ldd`: the Vulkan build's); this process loads no libllama for it, so
+build_of_program`, through `ldd`: the device build's); this process loads no libllama for it, so
 the captures run here, not in processes of their own."""
 
 from __future__ import annotations
@@ -22,33 +23,35 @@ from families import FAULT_VAR
 from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
-from featdiff.llama.tools import ToolBuild, ensure_vulkan, vulkan_program_env
+from featdiff.llama.tools import ToolBuild, device_program_env
 
+from devices import PLACEMENTS, RUN_TIMEOUT_S, Device
 from real_flow import reference_of
 from test_exec import SPEC_ARGS, TOKENS
-from test_vulkan import DEVICE, PLACEMENTS
 
-pytestmark = pytest.mark.slow  # builds the Vulkan llama.cpp: not part of `make test-fast`
-# the first program on a machine waits for llvmpipe to compile the shaders it uses (measured here:
-# 51 s for llama-speculative-simple, about 2 minutes for llama-server with the preload's own
-# compile; Mesa caches them under ~/.cache, so the next run takes 2 to 4 s)
-RUN_TIMEOUT_S = 600
+pytestmark = pytest.mark.slow  # builds the device llama.cpp: not part of `make test-fast`
 PROMPT = "The quick brown fox"
 PROGRAMS = ("llama-speculative-simple", "llama-server")
 
 
-@pytest.fixture(scope="session")
-def vulkan() -> ToolBuild:
-    return ensure_vulkan()
-
-
-@pytest.fixture(autouse=True)
-def _on_vulkan(monkeypatch, vulkan):
-    """The programs started inside load the Vulkan build's libraries and see llvmpipe (ggml skips
-    a CPU-type device unless named)."""
-    for name, value in vulkan_program_env(vulkan, os.environ).items():
+def _on(device: Device, monkeypatch) -> None:
+    """The programs started inside load the device build's libraries and see the device (llvmpipe:
+    ggml skips a CPU-type device unless named)."""
+    for name, value in device_program_env(device.build, device.backend, os.environ).items():
         if os.environ.get(name) != value:
             monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def on_device_env(device, monkeypatch) -> Device:
+    _on(device, monkeypatch)
+    return device
+
+
+@pytest.fixture
+def on_vulkan_env(vulkan, monkeypatch) -> Device:
+    _on(vulkan, monkeypatch)
+    return vulkan
 
 
 def _capture(tools: ToolBuild, program: str, d: Path, out: Path, placement: str) -> Path:
@@ -63,15 +66,16 @@ def _capture(tools: ToolBuild, program: str, d: Path, out: Path, placement: str)
 
 @pytest.fixture(scope="session")
 def on_device(tools, fixture_models, tmp_path_factory):
-    """(program, placement) -> a dump captured around it on the clean pair (made once; called
-    inside a test, where _on_vulkan has set the environment)."""
-    made: dict[tuple[str, str], Path] = {}
+    """(device, program, placement) -> a dump captured around it on the clean pair (made once;
+    called inside a test, where on_device_env has set the environment)."""
+    made: dict[tuple[str, str, str], Path] = {}
 
-    def get(program: str, placement: str) -> Path:
-        if (program, placement) not in made:
-            out = tmp_path_factory.mktemp(f"vulkan-{program}-{placement}") / "run.npz"
-            made[(program, placement)] = _capture(tools, program, fixture_models("clean"), out, placement)
-        return made[(program, placement)]
+    def get(device: Device, program: str, placement: str) -> Path:
+        key = (device.backend.name, program, placement)
+        if key not in made:
+            out = tmp_path_factory.mktemp("-".join(key)) / "run.npz"
+            made[key] = _capture(tools, program, fixture_models("clean"), out, placement)
+        return made[key]
 
     return get
 
@@ -94,33 +98,36 @@ CASES = [(p, placement) for p in PROGRAMS for placement in PLACEMENTS if placeme
 
 @pytest.mark.parametrize("program, placement", CASES)
 def test_every_placement_records_what_the_cpu_run_records_and_compares_clean(
-    program, placement, on_device, fixture_models, tmp_path
+    program, placement, on_device_env, on_device, fixture_models, tmp_path
 ):
-    run = on_device(program, placement)
-    assert _record_set(run) == _record_set(on_device(program, "cpu"))
+    device = on_device_env
+    run = on_device(device, program, placement)
+    assert _record_set(run) == _record_set(on_device(device, program, "cpu"))
     comparison = _compare(fixture_models, run, tmp_path)
     assert comparison.ok, [f.message for f in comparison.findings]
     cov = comparison.coverage
     assert cov.pairs > 0 and not cov.unexpected, cov.skipped_phrase()
-    assert comparison.types["devices"] == [DEVICE]  # judged with the device's bound (diff/tolerance.py)
+    assert comparison.types["devices"] == [device.name]  # judged with the device's bound (diff/tolerance.py)
     # where each model's layers computed (partial: the target's last layers; the drafter's output
     # layer only, whose residual the scheduler may place either side)
     with read_dump(run) as dump:
         layers = {(r.role, r.backend) for r in dump.manifest.records if r.name.startswith("l_out-")}
     target_there, draft_there = LAYERS_ON_DEVICE[placement]
-    assert (("target", DEVICE) in layers) == target_there
-    assert draft_there is None or (("draft", DEVICE) in layers) == draft_there
+    assert (("target", device.name) in layers) == target_there
+    assert draft_there is None or (("draft", device.name) in layers) == draft_there
 
 
 # a fault planted in the driver (patches/llama.cpp/0002-driver-faults.patch) named on the device
 # run as on the CPU (tests/llama/test_driver_faults.py): the block's anchor replaced by the mask token
 @pytest.mark.parametrize("program", PROGRAMS)
-def test_a_driver_fault_is_named_on_the_device(program, tools, on_device, fixture_models, monkeypatch, tmp_path):
+def test_a_driver_fault_is_named_on_the_device(
+    program, tools, on_device_env, on_device, fixture_models, monkeypatch, tmp_path
+):
     monkeypatch.setenv(FAULT_VAR, "anchor-mask")
     run = _capture(tools, program, fixture_models("clean"), tmp_path / "run.npz", "device")
     # the reference on the user's prompt: the unplanted run's tokens and rounds (a faulty run's
     # rounds cannot be followed)
-    with read_dump(on_device(program, "device")) as dump:
+    with read_dump(on_device(on_device_env, program, "device")) as dump:
         tokens = ",".join(map(str, dump.manifest.prompt_tokens))
         rounds = sum(1 for r in dump.manifest.rounds if r.drafts)
     d = fixture_models("clean")
@@ -129,12 +136,12 @@ def test_a_driver_fault_is_named_on_the_device(program, tools, on_device, fixtur
     assert [(f.kind, f.fields.get("round")) for f in errors][:1] == [("block_token", 1)], [f.message for f in errors]
 
 
-# the device-only fault (patches/llama.cpp/0006-vulkan-device-fault.patch, tests/llama/test_vulkan.py):
+# the device-only fault (patches/llama.cpp/0006-vulkan-device-fault.patch, tests/llama/test_device.py):
 # each upload of the features carries the previous upload's rows; with the drafter on the CPU
-# nothing is uploaded, and the same program compares clean
+# nothing is uploaded, and the same program compares clean. Vulkan's alone (ggml-vulkan.cpp)
 @pytest.mark.parametrize("placement, is_caught", [("device", True), ("target-on-device", False)])
 def test_features_the_device_got_from_the_batch_before_are_named_stale_around_the_program(
-    placement, is_caught, tools, fixture_models, monkeypatch, tmp_path
+    placement, is_caught, tools, on_vulkan_env, fixture_models, monkeypatch, tmp_path
 ):
     monkeypatch.setenv(FAULT_VAR, "device-features-stale")
     run = _capture(tools, "llama-speculative-simple", fixture_models("clean"), tmp_path / "run.npz", placement)
