@@ -138,3 +138,42 @@ def test_a_pending_row_kept_from_the_slots_last_request_is_named(tools, mtp_pair
         "stale_pending",
     ), [f.message for f in errors]
     assert errors[0].message.startswith("flow 1") and not any(f.message.startswith("flow 0") for f in errors)
+
+
+def test_two_slots_served_at_once_are_refused_by_name(tools, mtp_pairs, tmp_path):
+    """Two requests at once on two slots: llama-server decodes both sequences' rows in one batch,
+    and its MTP draft steps batch the slots together, a shape featdiff does not split. The capture
+    exits 2 naming it, and writes no dump."""
+    import json
+    import threading
+    import urllib.request
+
+    import featdiff_process
+    from featdiff.llama.server import free_port
+
+    d = mtp_pairs("mtp")
+    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
+    command = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS, "-np", "2"]
+    proc = featdiff_process.start(
+        ["capture", "--exec", "-o", out, "--requests", 2, "--", *command, "--port", port], err
+    )
+    featdiff_process.wait_listening(proc, err, RUN_TIMEOUT_S)
+
+    both = threading.Barrier(2)  # the two requests sent together; each long enough to overlap the other
+
+    def ask(prompt: str) -> None:
+        body = json.dumps({"prompt": prompt, "n_predict": 64, "temperature": 0}).encode()
+        both.wait()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=RUN_TIMEOUT_S) as r:
+            r.read()
+
+    clients = [threading.Thread(target=ask, args=(p,)) for p in ("hello world and more words", "The quick brown fox")]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 2, err.read_text()[-3000:]
+    said = [line for line in err.read_text().splitlines() if line.startswith("featdiff: error:")]
+    assert len(said) == 1 and "sequences [0, 1] at once" in said[0] and "-np 1" in said[0], said
+    assert not out.exists() and not list(tmp_path.glob("run*.npz"))

@@ -199,6 +199,12 @@ def _plan(ev: ExecEval, records: list[RecordEvent], split: Split) -> _Plan:
     return _Plan(tuple(parts))
 
 
+def first_shared_decode(log: ExecLog) -> ExecEval | None:
+    """The first decode llama.cpp took whose rows belong to more than one sequence (a server
+    serving several slots in one batch), or None."""
+    return next((ev for ev in log.evals if ev.rc == 0 and len(set(ev.seq_ids)) > 1), None)
+
+
 def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:
     """One decode per graph and sequence (module docstring); `splits` per context index."""
     by_eval: dict[int, list[RecordEvent]] = {}
