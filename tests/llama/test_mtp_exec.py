@@ -102,6 +102,21 @@ def test_the_mtp_driver_faults_are_named(tools, mtp_pairs, monkeypatch, fault, k
     assert first.phase in ("warmup", "prefill", "inject")  # the catch-up decode after a target batch
 
 
+def _server_capture(tools, d: Path, tmp_path: Path, n_slots: int):
+    """`capture --exec` of llama-server with `n_slots` slots on the pair in `d`, for two requests,
+    listening: (the featdiff process, its -o, its stderr file, the server's port)."""
+    import featdiff_process
+    from featdiff.llama.server import free_port
+
+    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
+    command = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS, "-np", str(n_slots)]
+    proc = featdiff_process.start(
+        ["capture", "--exec", "-o", out, "--requests", 2, "--", *command, "--port", port], err
+    )
+    featdiff_process.wait_listening(proc, err, RUN_TIMEOUT_S)
+    return proc, out, err, port
+
+
 def _two_requests_on_one_slot(port: int) -> None:
     """Two completions one after the other; the second's prompt starts at position 0 of the slot."""
     import json
@@ -118,16 +133,8 @@ def test_a_pending_row_kept_from_the_slots_last_request_is_named(tools, mtp_pair
     """Upstream's MTP driver keeps each sequence's pending hidden across requests (begin() does not
     reset it): the second request's first token is paired with the first request's last hidden
     where the head takes zeros. The first flow compares clean; the second is named at its first row."""
-    import featdiff_process
-    from featdiff.llama.server import free_port
-
     d = mtp_pairs("mtp")
-    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
-    command = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS, "-np", "1"]
-    proc = featdiff_process.start(
-        ["capture", "--exec", "-o", out, "--requests", 2, "--", *command, "--port", port], err
-    )
-    featdiff_process.wait_listening(proc, err, RUN_TIMEOUT_S)
+    proc, out, err, port = _server_capture(tools, d, tmp_path, n_slots=1)
     _two_requests_on_one_slot(port)
     assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, err.read_text()[-3000:]
     c = compare_dumps(_follow(d, d / "target.gguf", out, tmp_path), out)
@@ -148,16 +155,8 @@ def test_two_slots_served_at_once_are_refused_by_name(tools, mtp_pairs, tmp_path
     import threading
     import urllib.request
 
-    import featdiff_process
-    from featdiff.llama.server import free_port
-
     d = mtp_pairs("mtp")
-    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
-    command = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS, "-np", "2"]
-    proc = featdiff_process.start(
-        ["capture", "--exec", "-o", out, "--requests", 2, "--", *command, "--port", port], err
-    )
-    featdiff_process.wait_listening(proc, err, RUN_TIMEOUT_S)
+    proc, out, err, port = _server_capture(tools, d, tmp_path, n_slots=2)
 
     both = threading.Barrier(2)  # the two requests sent together; each long enough to overlap the other
 
