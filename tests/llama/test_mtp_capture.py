@@ -106,15 +106,23 @@ def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, var
 
 def test_a_gguf_without_a_head_is_refused_by_name(mtp_pairs, tmp_path):
     d = mtp_pairs("mtp-separate")  # its target.gguf was converted with --no-mtp
+    line = _refused_capture(d / "target.gguf", tmp_path)
+    assert "nextn_predict_layers" in line and "--no-mtp" in line, line
+
+
+def _refused_capture(gguf: Path, tmp_path: Path) -> str:
+    """The one line `featdiff capture` of `gguf` as target and head says, refusing it with exit 2
+    and writing no dump."""
+    out = tmp_path / "run.npz"
     done = subprocess.run(
-        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(d / "target.gguf"),
-         "--model", str(d / "target.gguf"), "--tokens", TOKENS, "-o", str(tmp_path / "run.npz")],
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(gguf),
+         "--model", str(gguf), "--tokens", TOKENS, "-o", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "nextn_predict_layers" in lines[0] and "--no-mtp" in lines[0], lines
-    assert not (tmp_path / "run.npz").exists()
+    assert len(lines) == 1 and not out.exists(), lines
+    return lines[0]
 
 
 def _check(d: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -160,12 +168,5 @@ def test_a_gguf_with_chained_heads_is_refused_by_name(mtp_pairs, tmp_path):
     }
     save_file({**held, **more}, str(hf / HF_SAFETENSORS), metadata=SAFETENSORS_META)
     gguf = convert_checkpoint(hf, tmp_path / "three.gguf", bootstrap="spm")  # the vocabulary's route only
-    done = subprocess.run(
-        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(gguf),
-         "--model", str(gguf), "--tokens", TOKENS, "-o", str(tmp_path / "run.npz")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "mimo2.nextn_predict_layers = 3" in lines[0] and "single MTP head" in lines[0], lines
-    assert not (tmp_path / "run.npz").exists()
+    line = _refused_capture(gguf, tmp_path)
+    assert "mimo2.nextn_predict_layers = 3" in line and "single MTP head" in line, line
