@@ -439,11 +439,6 @@ def device_program_env(build: ToolBuild, backend: DeviceBackend, env: Mapping[st
     return {**env, **backend.env, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
 
 
-def vulkan_program_env(vulkan: ToolBuild, env: Mapping[str, str]) -> dict[str, str]:
-    """device_program_env on the Vulkan build, llvmpipe visible."""
-    return device_program_env(vulkan, VULKAN, env)
-
-
 def ensure_device(backend: DeviceBackend, root: Path | None = None) -> ToolBuild:
     """The project's patched tree built with `backend` into `root` (default build/<backend.build_dir>),
     once per source, patches and options; `ToolBuild.root` is the `--llama-dir` (a CMake build
