@@ -20,7 +20,7 @@ from pathlib import Path
 from featdiff import names
 from featdiff.dump import Eval, read_dump
 from featdiff.errors import InputError
-from featdiff.phases import ROUND_OPENER
+from featdiff.phases import ROUND_OPENER, Phase
 from featdiff.tokens import MIN_PROMPT_TOKENS
 
 DEFAULT_DRAFT_MAX = 3  # llama.cpp's `--spec-draft-n-max` default (common/common.h, speculative.draft.n_max)
@@ -111,12 +111,17 @@ def asked_block_rows(block: int | None, run: Path | None) -> BlockRows | None:
     return BlockRows(rows, str(run))
 
 
-def run_block_rows(evals: tuple[Eval, ...], source: str) -> int | None:
+def run_block_rows(evals: tuple[Eval, ...], source: str, steps: bool = False) -> int | None:
     """The one length (`n_tokens`) of a run's draft blocks; None when it has no draft eval.
 
     Failed decodes (`rc != 0`) drafted nothing and warm-up decodes are outside the flow: neither
-    counts. Blocks of several lengths are refused, naming `source`.
+    counts. Blocks of several lengths are refused, naming `source`. A drafter of one-token
+    `steps` (EAGLE3, MTP) decodes no block: its block is the longest verify it made (the anchor
+    and every draft of a round that drafted its whole budget).
     """
+    if steps:
+        verified = [e.n_tokens for e in evals if (e.role, e.phase) == (names.ROLE_TARGET, Phase.VERIFY) and e.rc == 0]
+        return max((n for n in verified if n > 1), default=None)
     evals_by_rows: dict[int, list[int]] = {}
     for e in evals:
         if (e.role, e.phase) == ROUND_OPENER and e.rc == 0:

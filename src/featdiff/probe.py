@@ -200,6 +200,7 @@ def run_through_server(
     """Each prompt as one greedy request to llama-server under the preload; rounds from its decodes."""
     from featdiff.llama import exec as exec_capture
     from featdiff.llama import server
+    from featdiff.llama.exec_phases import one_token_steps
     from featdiff.llama.preload import build_of_program, preload
 
     exec_capture.program_path(command)
@@ -220,7 +221,7 @@ def run_through_server(
         raise InputError(
             f"{command[0]}: {len(prompts)} requests but {len(parts)} prompts decoded from position 0; is the prompt cache on?"
         )
-    block_rows = run_block_rows(flow.evals, command[0])  # what --spec-draft-n-max made of the block
+    block_rows = run_block_rows(flow.evals, command[0], one_token_steps(flow.log))  # what --spec-draft-n-max made of it
     return tuple(_trace_of(p, part, flow.rounds, a, block_rows) for p, part, a in zip(prompts, parts, answers))
 
 

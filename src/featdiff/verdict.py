@@ -356,18 +356,21 @@ def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:
 def _probe_of_flows(manifest: Manifest, program: str, ref_target: Path, ref_model: Path) -> Probe:
     """The probe of a capture: each flow's rounds (one per request and sequence: docs/flow.md),
     and the reference drafter's at the same places."""
+    from featdiff import kinds
     from featdiff.blocks import run_block_rows
+    from featdiff.diff.align import drafter_arch
     from featdiff.dump import flow_view
     from featdiff.probe import RunTrace, probe_traces
 
     flows = manifest.flow_ids()
+    steps = not kinds.of_arch(drafter_arch(manifest)).block_flow  # EAGLE3, MTP: one decode per draft
     traces = []
     for k in flows:
         if manifest.flow_info(k).why_unreplayable():  # compare named it: no accept rate rests on it
             continue
         view = flow_view(manifest, k)
         label = Path(program).name if len(flows) == 1 else f"flow {k} (sequence {view.flow_info(k).seq_id})"
-        traces.append(RunTrace(label, view.prompt_tokens, view.rounds, run_block_rows(view.evals, program)))
+        traces.append(RunTrace(label, view.prompt_tokens, view.rounds, run_block_rows(view.evals, program, steps)))
     return probe_traces(tuple(traces), ref_target, ref_model)
 
 

@@ -289,6 +289,20 @@ def test_run_block_length_ignores_failed_and_warmup_decodes():
     assert run_block_rows((_draft(0, 1, phase="warmup"),), "run.npz") is None
 
 
+def test_a_one_token_step_drafters_block_is_its_longest_verify():
+    """EAGLE3 and MTP draft a decode per token: the block `check --run` probes with is the anchor
+    and the drafts of the run's fullest round, not a draft decode's one row."""
+    from dataclasses import replace
+
+    steps = tuple(_draft(i, 1) for i in range(3))
+    verifies = (
+        replace(_draft(3, 4), role="target", phase="verify"),
+        replace(_draft(4, 2), role="target", phase="verify"),
+    )
+    assert run_block_rows(steps + verifies, "run.npz", steps=True) == 4
+    assert run_block_rows(steps, "run.npz", steps=True) is None
+
+
 def _one_line(result) -> str:
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("featdiff: error: "), result.output
