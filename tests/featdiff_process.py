@@ -28,3 +28,50 @@ def wait_listening(proc: subprocess.Popen, stderr: Path, wait_s: float) -> None:
             proc.kill()
             pytest.fail(f"featdiff never said it listens (rc {proc.poll()}): {stderr.read_text()[-2000:]}")
         time.sleep(0.05)
+
+
+def capture_server(
+    command: list, tmp_path: Path, n_requests: int, wait_s: float
+) -> tuple[subprocess.Popen, Path, Path, int]:
+    """`featdiff capture --exec` of the llama-server `command` (without --port) until it served
+    `n_requests`, listening: (the featdiff process, its -o, its stderr file, the server's port)."""
+    from featdiff.llama.server import free_port
+
+    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
+    proc = start(["capture", "--exec", "-o", out, "--requests", n_requests, "--", *command, "--port", port], err)
+    wait_listening(proc, err, wait_s)
+    return proc, out, err, port
+
+
+def complete_together(port: int, prompts: list[str], n_predict: int, timeout_s: float) -> list[str]:
+    """One llama-server /completion per prompt, sent at once from threads (greedy), so that the
+    server serves them on its slots together; their texts, in order."""
+    import json
+    import threading
+    import urllib.request
+
+    both = threading.Barrier(len(prompts))
+    texts = [""] * len(prompts)
+
+    def ask(i: int) -> None:
+        body = json.dumps({"prompt": prompts[i], "n_predict": n_predict, "temperature": 0}).encode()
+        both.wait()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout_s) as r:
+            texts[i] = json.loads(r.read())["content"]
+
+    clients = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    return texts
+
+
+def served_together(evals) -> bool:
+    """Whether a dump's flows ran at once: an eval of one flow between two of another."""
+    seen: list[int] = []
+    for e in evals:
+        if not seen or seen[-1] != e.flow:
+            seen.append(e.flow)
+    return len(seen) > len(set(seen))

@@ -4,6 +4,7 @@ silent on a neighbouring fault or on noise."""
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -488,3 +489,31 @@ def test_every_finding_is_made_from_its_kinds_record():
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Finding"
     ]
     assert [m for m in makers if not m.startswith("diff/result.py:")] == []
+
+
+# --- the logits a drafter's sampler read ---------------------------------------------------------
+
+
+def _top_k(logits: np.ndarray, k: int = 3) -> np.ndarray:
+    """What llama.cpp's backend top-k sampler reads back: each row's k largest, -inf elsewhere."""
+    out = np.full_like(logits, -np.inf)
+    top = np.argsort(logits, axis=1)[:, -k:]
+    np.put_along_axis(out, top, np.take_along_axis(logits, top, axis=1), axis=1)
+    return out
+
+
+def test_a_sampler_reading_another_rows_logits_is_named_a_wrong_source():
+    """Two sequences' draft step: the graph's rows are right, and the sampler read row 1's top-k
+    for row 0 as well (llama-server's EAGLE3 drafts with backend sampling, two slots at once)."""
+    from featdiff import kinds
+
+    graph = rows(2, 32, seed=3)
+    read = _top_k(graph[[1, 1]])
+    ev = evidence(_top_k(graph), read, tensor="draft_logits", sampled=(read, graph), kind=kinds.by_name("eagle3"))
+    f = d.detect_wrong_source_of_sampled_logits(ev)
+    assert f is not None and f.fields == {"source": "another_output_row", "candidate": "result_output"}
+    assert "positions 10 (" in f.message and "--no-spec-draft-backend-sampling" in f.message
+    own = _top_k(graph)  # the sampler read each row's own logits: nothing to say
+    assert d.detect_wrong_source_of_sampled_logits(replace(ev, sampled=(own, graph))) is None
+    # a block drafter's sampler reads logits its own heads change (DSpark's Markov bias): not judged
+    assert d.detect_wrong_source_of_sampled_logits(replace(ev, kind=kinds.by_name("dspark"))) is None

@@ -6,6 +6,7 @@ clean against the reference that follows it."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from featdiff.diff import compare_dumps
 from featdiff.dump import read_dump
 from featdiff.llama import exec as exec_capture
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.exec_phases import flow_evals, prompt_from_evals
+from featdiff.llama.exec_phases import flow_evals, prompt_from_evals, with_encoder_rows
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
@@ -42,7 +43,7 @@ def test_eagle3_phases_from_the_preloads_notes():
         ExecEval(i, c, tuple(t), tuple(p), (s,) * len(p), tuple(o), 0, call)
         for i, (c, t, p, s, o, call) in enumerate(calls)
     )
-    got = flow_evals(ExecLog("libllama.so", ctxs, evs, (), (), 0))
+    got = flow_evals(with_encoder_rows(ExecLog("libllama.so", ctxs, evs, (), (), 0)))
     assert [(ev.phase, ev.round) for ev in got] == [
         ("prefill", 0),
         ("inject", 0),
@@ -153,3 +154,42 @@ def test_eagle3_layers_tapped_one_deeper_are_a_layer_offset(planted, eagle3_pair
     first = _first_error(_user_reference(planted, d, tmp_path, d), planted("layers-plus1", d))
     assert first.kind == "layer_offset", first.message
     assert first.fields["observed_layers"] == [3, 4, 4] and "eagle3.target_layers" in first.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend_sampling", [True, False])
+def test_two_slots_at_once_and_the_backend_samplers_read_back(tools, pair, backend_sampling, tmp_path):
+    """Two requests at once on two slots: each decode is split per sequence, the encoder's rows
+    with them. With the draft's backend sampling (llama.cpp's default) the pinned build samples
+    both slots' draft steps from one slot's candidates, though its graph computed each row right:
+    named at draft_logits of the other flow, the flow it read from clean. Sampling on the CPU, both
+    flows compare clean."""
+    import featdiff_process
+
+    command = [*_command(tools, "llama-server", pair), "-np", "2"]
+    command += [] if backend_sampling else ["--no-spec-draft-backend-sampling"]
+    proc, out, err, port = featdiff_process.capture_server(command, tmp_path, 2, RUN_TIMEOUT_S)
+    featdiff_process.complete_together(port, ["hello world and more words", "The quick brown fox"], 24, RUN_TIMEOUT_S)
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, err.read_text()[-3000:]
+    with read_dump(out) as dump:
+        m = dump.manifest
+    assert sorted(f.seq_id for f in m.flows) == [0, 1] and featdiff_process.served_together(m.evals)
+    assert not m.flow_notes, m.flow_notes
+    ref = reference(
+        pair / "target.gguf", pair / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=out,
+    )  # fmt: skip
+    c = compare_dumps(ref, out)
+    errors = [f for f in c.findings if f.severity == "error"]
+    check = subprocess.run(
+        [*featdiff_process.FEATDIFF, "check", "--target", pair / "target.gguf", "--model", pair / "draft.gguf", "--run", out],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert check.returncode == (1 if backend_sampling else 0), check.stdout[-3000:] + check.stderr[-2000:]
+    if not backend_sampling:
+        assert not errors, [f.message for f in errors]
+        return
+    assert len(errors) == 1, [f.message for f in errors]
+    (e,) = errors
+    assert (e.kind, e.tensor, e.fields["source"]) == ("wrong_source", "draft_logits", "another_output_row"), e.message
+    assert e.message.startswith("flow ")  # one flow's drafts read the other's; that flow compares clean

@@ -6,6 +6,7 @@ driver faults of 0002-driver-faults.patch are named."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -103,18 +104,11 @@ def test_the_mtp_driver_faults_are_named(tools, mtp_pairs, monkeypatch, fault, k
 
 
 def _server_capture(tools, d: Path, tmp_path: Path, n_slots: int):
-    """`capture --exec` of llama-server with `n_slots` slots on the pair in `d`, for two requests,
-    listening: (the featdiff process, its -o, its stderr file, the server's port)."""
+    """`capture --exec` of llama-server with `n_slots` slots on the pair in `d`, for two requests."""
     import featdiff_process
-    from featdiff.llama.server import free_port
 
-    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
     command = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS, "-np", str(n_slots)]
-    proc = featdiff_process.start(
-        ["capture", "--exec", "-o", out, "--requests", 2, "--", *command, "--port", port], err
-    )
-    featdiff_process.wait_listening(proc, err, RUN_TIMEOUT_S)
-    return proc, out, err, port
+    return featdiff_process.capture_server(command, tmp_path, 2, RUN_TIMEOUT_S)
 
 
 def _two_requests_on_one_slot(port: int) -> None:
@@ -147,32 +141,34 @@ def test_a_pending_row_kept_from_the_slots_last_request_is_named(tools, mtp_pair
     assert errors[0].message.startswith("flow 1") and not any(f.message.startswith("flow 0") for f in errors)
 
 
-def test_two_slots_served_at_once_are_refused_by_name(tools, mtp_pairs, tmp_path):
-    """Two requests at once on two slots: llama-server decodes both sequences' rows in one batch,
-    and its MTP draft steps batch the slots together, a shape featdiff does not split. The capture
-    exits 2 naming it, and writes no dump."""
-    import json
-    import threading
-    import urllib.request
+@pytest.mark.parametrize(
+    "variant, prompts",
+    [
+        ("mtp-glm4moe", ["hello world and more words", "The quick brown fox"]),
+        # a hybrid target: llama.cpp splits a batch of both slots as split_equal with rollback tails
+        ("mtp", ["hello world and more words", "hello there my old friend"]),
+    ],
+)
+def test_two_slots_served_at_once_compare_clean_flow_by_flow(tools, mtp_pairs, variant, prompts, tmp_path):
+    """Two requests at once on two slots: llama-server decodes both sequences' rows in one batch
+    (its target verifies, the head's catch-up decodes and draft steps alike); each decode is split
+    per sequence as llama.cpp computed it, and each request compares clean as a flow of its own."""
+    import featdiff_process
 
-    d = mtp_pairs("mtp")
+    d = mtp_pairs(variant)
     proc, out, err, port = _server_capture(tools, d, tmp_path, n_slots=2)
-
-    both = threading.Barrier(2)  # the two requests sent together; each long enough to overlap the other
-
-    def ask(prompt: str) -> None:
-        body = json.dumps({"prompt": prompt, "n_predict": 64, "temperature": 0}).encode()
-        both.wait()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=RUN_TIMEOUT_S) as r:
-            r.read()
-
-    clients = [threading.Thread(target=ask, args=(p,)) for p in ("hello world and more words", "The quick brown fox")]
-    for c in clients:
-        c.start()
-    for c in clients:
-        c.join()
-    assert proc.wait(timeout=RUN_TIMEOUT_S) == 2, err.read_text()[-3000:]
-    said = [line for line in err.read_text().splitlines() if line.startswith("featdiff: error:")]
-    assert len(said) == 1 and "sequences [0, 1] at once" in said[0] and "-np 1" in said[0], said
-    assert not out.exists() and not list(tmp_path.glob("run*.npz"))
+    featdiff_process.complete_together(port, prompts, n_predict=24, timeout_s=RUN_TIMEOUT_S)
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, err.read_text()[-3000:]
+    with read_dump(out) as dump:
+        m = dump.manifest
+    assert sorted(f.seq_id for f in m.flows) == [0, 1] and featdiff_process.served_together(m.evals)
+    assert not m.flow_notes, m.flow_notes  # every decode split as llama.cpp computed it
+    c = compare_dumps(_follow(d, d / "target.gguf", out, tmp_path), out)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    expected = ("warmup", "output no rows")
+    assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
+    model = ["--target", d / "target.gguf", "--model", d / "target.gguf", "--ref-target", d / "target-hf"]
+    check = subprocess.run(
+        [*featdiff_process.FEATDIFF, "check", *model, "--run", out], capture_output=True, text=True, timeout=600
+    )
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]  # the wiring, and each flow's accept

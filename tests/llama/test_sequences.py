@@ -11,8 +11,8 @@ import pytest
 from featdiff.dump import DumpWriter, Manifest, Record, read_dump
 from featdiff.llama import spool
 from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.exec_phases import derive_rounds, flow_evals, whole_calls
-from featdiff.llama.sequences import Split, equal_graphs, graph_rows, seq_runs, split_decodes
+from featdiff.llama.exec_phases import derive_rounds, flow_evals, whole_calls, with_encoder_rows
+from featdiff.llama.sequences import Split, equal_graphs, graph_rows, seq_graphs, seq_runs, split_decodes
 from featdiff.llama.spool_index import RecordEvent
 from featdiff.names import API_OP
 from featdiff.phases import Phase
@@ -52,6 +52,75 @@ def test_graphs_follow_llama_cpps_split_simple_and_split_equal():
     assert equal_graphs((1, 1, 1, 1, 0, 0), 512) == ((0, 1, 2, 3), (4, 5))
     assert equal_graphs((0, 0, 0, 0, 1, 1), 512) == ((0, 1, 4, 5), (2, 3))
     assert equal_graphs((0,) * 4 + (1,) * 4, 4) == ((0, 1, 4, 5), (2, 3, 6, 7))
+
+
+def test_split_equal_follows_llama_cpp_unsequential_with_rollback_tails_and_split_seq():
+    prompts = (0,) * 25 + (1,) * 34  # two prompts, one decode
+    assert [len(g) for g in equal_graphs(prompts, 512, sequential=False)] == [50, 9]
+    # a verify of 2 rows beside one of 1: the 2-row sequence would leave 1 < 4 rows behind, so it
+    # goes alone and whole (a recurrent memory keeps its last n_rs_seq + 1 rows in one graph)
+    assert equal_graphs((0, 0, 1), 512, keep_tail=4) == ((0, 1), (2,))
+    assert equal_graphs((0, 0, 1), 512) == ((0, 2), (1,))
+    assert equal_graphs((0,) * 6, 4, keep_tail=3) == ((0, 1, 2), (3, 4, 5))  # cut back: 3 rows left
+    assert seq_graphs((1, 1, 0, 0, 0), 2) == ((0, 1), (2, 3), (4,))
+    # the guess of a context keeping 3 rollback snapshots, one KV stream, then a stream each
+    assert graph_rows((0, 0, 1), Split(512, 1, 3)) == ((0, 1), (2,))
+    assert graph_rows((1, 1, 0), Split(512, 2, 3)) == ((0, 1), (2,))
+
+
+def test_a_decode_the_records_show_split_otherwise_takes_the_split_that_fits_them():
+    """A hybrid target's prefill of two prompts (25 and 34 rows) on one stream, noted without its
+    snapshots (an older preload): the records show graphs of 50 and 9 rows, as split_equal
+    computed them, not the one graph split_simple would; each part gets its rows."""
+    seqs = [0] * 25 + [1] * 34
+    positions = list(range(25)) + list(range(34))
+    records = [_record(0, "l_out-0", 50), _record(0, "l_out-0", 9, offset=800, ubatch=1)]
+    split = split_decodes(_log([(0, [5] * 59, positions, seqs)], records), {0: Split(512)})
+    assert split.notes == ()
+    got = [(e.seq_ids[0], e.positions[0], e.positions[-1]) for e in split.log.evals]
+    assert got == [(0, 0, 24), (1, 0, 24), (1, 25, 33)]
+    assert [(r.eval, r.ne[1], r.offset) for r in split.log.records] == [(0, 25, 0), (1, 25, 400), (2, 9, 800)]
+
+
+def test_records_two_splits_fit_with_other_rows_are_kept_whole_unless_the_context_says_which():
+    """Rows (0, 0, 1) computed as graphs of 2 and 1 rows: split_equal gives (0, 2), (1); with
+    rollback tails, or split_seq, (0, 1), (2). A context noted with 3 snapshots says which; one
+    noted without them (split_simple: one graph) does not, and the decode stays whole, said so."""
+    records = [_record(0, "l_out-0", 2), _record(0, "l_out-0", 1, offset=32, ubatch=1)]
+    log = _log([(0, [5, 6, 7], [7, 8, 4], [0, 0, 1])], records)
+    split = split_decodes(log, {0: Split(512, 1, 3)})
+    assert split.notes == () and [e.seq_ids for e in split.log.evals] == [(0, 0), (1,)]
+    split = split_decodes(log, {0: Split(512)})
+    assert len(split.log.evals) == 1 and "as 2 of llama.cpp's splits would, with other rows" in split.notes[0]
+
+
+def test_an_empty_output_record_and_m_ropes_positions_split_with_their_graph():
+    """A catch-up decode of two sequences that outputs no row (MTP's) keeps its empty logits in
+    each part; an inp_pos of four positions per token (M-RoPE) keeps the first section's rows."""
+    log = _log([(1, [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [0, 0, 0, 1, 1])])
+    log = replace(log, evals=(replace(log.evals[0], outputs=(0,) * 5),))
+    empty = replace(_record(0, "result_output", 0, width=512), nbytes=0)
+    pos = replace(_record(0, "inp_pos", 5, width=4), ne=(20, 1, 1, 1), nbytes=80, offset=1000)
+    split = split_decodes(replace(log, records=(_record(0, "l_out-0", 5), empty, pos)), {1: Split(512)})
+    assert split.notes == ()
+    by = [(r.eval, r.name, r.ne[0], r.offset, r.nbytes) for r in split.log.records]
+    assert (0, "result_output", 512, 0, 0) in by and (1, "result_output", 512, 0, 0) in by
+    assert (0, "inp_pos", 3, 1000, 12) in by and (1, "inp_pos", 2, 1012, 8) in by
+
+
+def test_an_eagle3_encoder_call_of_two_sequences_splits_like_the_rows_it_encodes():
+    """The encoder runs on the target call's rows in sequence 0 at placeholder positions: it
+    takes the sequences and positions of those rows, and splits per sequence as one graph."""
+    ctxs = (ExecContext(0, "target", "qwen3", "T.gguf", True), ExecContext(1, "draft", "eagle3", "D.gguf", True))
+    evs = (
+        ExecEval(0, 0, (5, 6, 7, 8), (3, 4, 0, 1), (1, 1, 0, 0), (1, 1, 1, 1), 0),
+        ExecEval(1, 1, (E,) * 4, (9, 10, 11, 12), (0,) * 4, (1,) * 4, 0, "encode"),
+    )
+    log = ExecLog("libllama.so", ctxs, evs, (), (replace(_record(1, "fc_out", 4), role="draft"),), 0)
+    split = split_decodes(with_encoder_rows(log), {0: Split(512, 2), 1: Split(512, 2)})
+    enc = [(e.seq_ids, e.positions) for e in split.log.evals if e.call == "encode"]
+    assert enc == [((1, 1), (3, 4)), ((0, 0), (0, 1))]
+    assert [(r.eval, r.ne[1]) for r in split.log.records] == [(2, 2), (3, 2)]
 
 
 def test_a_decode_of_two_sequences_becomes_two_with_their_rows_and_records():

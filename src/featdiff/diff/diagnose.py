@@ -47,6 +47,7 @@ MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same 
 # The detector chain, most specific evidence first; the first to return a Finding names the cause.
 CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_wrong_source_of_vocabulary,  # before nonfinite: a head scattered to other ids leaves -inf where it wrote
+    d.detect_wrong_source_of_sampled_logits,
     d.detect_nonfinite,
     d.detect_zeros,
     d.detect_wrong_source_of_zero_rows,  # the inverse: a sequence's zero first row (MTP) holding a state

@@ -85,7 +85,24 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
         record=pair.name,
         absent=absent,
         kind=kinds.of_arch(drafter_arch(run.manifest) or drafter_arch(ref.manifest)),
+        sampled=_sampled(run, pair),
     )
+
+
+def _sampled(run: Source, pair: Pair) -> tuple[np.ndarray, np.ndarray] | None:
+    """At a draft_logits pair: the run's read-back rows as stored (infinities kept) and its graph's
+    result_output rows of the same evals, both aligned like the pair's run rows; else None."""
+    if pair.name != names.DRAFT_LOGITS or not pair.alignment.comparable:
+        return None
+    graph = {r.eval: r for r in run.manifest.records if r.name == names.RESULT_OUTPUT and r.occurrence == 0}
+    evals = [e.eval for e in pair.run.evals]
+    if not all(e in graph for e in evals):
+        return None
+    read, own = run.rows(pair.run), side_rows([run.array(graph[e]) for e in evals])  # (n_rows, n_vocab) each
+    if read.shape != own.shape:
+        return None
+    rows = list(pair.alignment.run_rows) if pair.alignment.positions else slice(None)
+    return read[rows], own[rows]
 
 
 def _n_extract(manifest: Manifest, width: int) -> int:

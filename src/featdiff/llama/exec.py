@@ -24,7 +24,7 @@ from featdiff.errors import InputError, Interrupted
 from featdiff.filters import FilterSet, capture_filters
 from featdiff.gguf_reader import read_gguf
 from featdiff.llama import server, spool
-from featdiff.llama.exec_pack import UNKNOWN_VERSION, UnmodelledRun, pack_exec, read_flow, remove_spool, save_build
+from featdiff.llama.exec_pack import UNKNOWN_VERSION, pack_exec, read_flow, remove_spool, save_build
 from featdiff.llama.exec_phases import prompt_from_evals
 from featdiff.llama.options import options_of_command
 from featdiff.llama.preload import Preload, build_of_program, preload
@@ -166,7 +166,7 @@ def capture_exec(
         try:
             build |= _launch(command, pre, prefix, prompt, tokens, timeout_s, n_requests)
         except KeyboardInterrupt as stop:
-            raise _pack_interrupted(stop, prefix, output, build, drafter_kind(command)) from None
+            raise _pack_interrupted(stop, prefix, output, build) from None
         packed = _pack_run(command, prefix, output, build)
     if filters:
         spool.warn_unmatched_filters(kept, packed)
@@ -187,10 +187,7 @@ def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, A
         remove_spool(prefix)
         raise no_room_error(output, OSError(errno.EFBIG, os.strerror(errno.EFBIG)), f"{prefix}.*")
     try:
-        packed = pack_exec(prefix, failed_output(output) if rc != 0 else output, build, drafter_kind(command))
-    except UnmodelledRun:
-        remove_spool(prefix)
-        raise
+        packed = pack_exec(prefix, failed_output(output) if rc != 0 else output, build)
     except InputError:
         remove_spool(prefix)  # the program never reached llama.cpp: the spool holds nothing
         if rc != 0:  # it failed before any llama.cpp call: its own exit is the news
@@ -203,16 +200,11 @@ def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, A
     return packed
 
 
-def _pack_interrupted(
-    stop: KeyboardInterrupt, prefix: Path, output: Path, build: dict[str, Any], kind: kinds.DrafterKind | None
-) -> Interrupted:
+def _pack_interrupted(stop: KeyboardInterrupt, prefix: Path, output: Path, build: dict[str, Any]) -> Interrupted:
     """featdiff was interrupted while the program ran (it has been stopped): pack what it decoded
     beside a dump at -o (or to -o if there is none) and say where."""
     try:
-        packed = pack_exec(prefix, failed_output(output), build, kind)
-    except UnmodelledRun as e:
-        remove_spool(prefix)
-        return Interrupted.of(stop, f"stopped the program; no dump written: {e}")
+        packed = pack_exec(prefix, failed_output(output), build)
     except InputError:
         remove_spool(prefix)
         return Interrupted.of(stop, "the program was stopped before it decoded anything; no dump written")

@@ -34,6 +34,7 @@ class ExecContext:
     n_ubatch: int | None = None  # rows llama.cpp computes in one graph (None: not noted)
     n_seq_max: int | None = None
     kv_unified: bool | None = None  # one KV stream for every sequence (None: not noted)
+    n_rs_seq: int | None = None  # recurrent-state snapshots per sequence for rollback (None: not noted)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ def _exec_context(e: _Line, models: dict[int, str]) -> ExecContext:
         e.integer("n_ubatch", None),
         e.integer("n_seq_max", None),
         e.flag("kv_unified", None),
+        e.integer("n_rs_seq", None),
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from featdiff import kinds, names
+from featdiff import names
 from featdiff.dump import DumpWriter, Eval, FlowInfo, Manifest, MemoryOp, Round
 from featdiff.errors import InputError
 from featdiff.gguf_reader import model_info
@@ -32,9 +32,10 @@ from featdiff.llama.exec_phases import (
     next_decodes,
     one_token_steps,
     whole_calls,
+    with_encoder_rows,
 )
 from featdiff.llama.preload import PRELOAD_VAR
-from featdiff.llama.sequences import first_shared_decode, split_decodes, split_of
+from featdiff.llama.sequences import split_decodes, split_of
 from featdiff.outputs import raise_if_no_room
 from featdiff.phases import Phase
 
@@ -78,10 +79,8 @@ class ExecFlow:
     flows: tuple[FlowInfo, ...] = ()  # a run of several flows (requests, sequences); () for one
 
 
-def read_flow(prefix: Path, kind: kinds.DrafterKind | None = None) -> ExecFlow:
-    """The spool at `prefix` as a flow: phases, rounds, prompt tokens. InputError where the run
-    served several sequences in one batch and `kind`'s drafter (EAGLE3, MTP) is modelled one
-    sequence at a time."""
+def read_flow(prefix: Path) -> ExecFlow:
+    """The spool at `prefix` as a flow: phases, rounds, prompt tokens."""
     index, data = spool.spool_files(prefix)
     if not index.is_file() or not data.is_file():
         raise InputError(
@@ -94,8 +93,7 @@ def read_flow(prefix: Path, kind: kinds.DrafterKind | None = None) -> ExecFlow:
             f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
             "with shared libllama (BUILD_SHARED_LIBS=ON)?"
         )
-    _check_one_sequence_at_a_time(log_, kind)
-    seqs = split_decodes(log_, {c.index: split_of(c) for c in log_.contexts})
+    seqs = split_decodes(with_encoder_rows(log_), {c.index: split_of(c) for c in log_.contexts})
     log_ = seqs.log
     evals = flow_evals(log_)
     rounds: list[Round] = []
@@ -126,27 +124,9 @@ def read_flow(prefix: Path, kind: kinds.DrafterKind | None = None) -> ExecFlow:
     )
 
 
-class UnmodelledRun(InputError):
-    """The run's shape is one featdiff does not model: no dump is written for it."""
-
-
-def _check_one_sequence_at_a_time(log_: ExecLog, kind: kinds.DrafterKind | None) -> None:
-    """A drafter whose steps decode one token per sequence (EAGLE3, MTP: not a block flow) is
-    modelled one sequence at a time; a server that batched several slots' rows together ran a
-    shape featdiff does not split (the draft steps of the slots share their decodes)."""
-    shared = first_shared_decode(log_)
-    if kind is None or kind.block_flow or shared is None:
-        return
-    raise UnmodelledRun(
-        f"the program's decode {shared.eval} holds the rows of sequences {sorted(set(shared.seq_ids))} at once (a server "
-        f"serving several requests together); featdiff models the {kind.name} drafter's flow one sequence at a "
-        "time: run llama-server with -np 1, or send the requests one after another"
-    )
-
-
-def pack_exec(prefix: Path, output: Path, build: dict[str, Any], kind: kinds.DrafterKind | None = None) -> spool.Packed:
+def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
     """Write the dump of the spool at `prefix`; `build` adds to the manifest's build entry."""
-    flow = read_flow(prefix, kind)
+    flow = read_flow(prefix)
     writer = DumpWriter(Path(output))
     written = spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
     manifest = Manifest(

@@ -76,13 +76,13 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     token batch after a draft is its `verify`; once a sequence has drafted, a target decode
     without a new draft is a `verify` of no drafts in a round of its own (llama-server does this
     when the length budget leaves no room to draft); before that it is `prefill`. Warm-up and
-    probe decodes are kept, as phase `warmup`.
+    probe decodes are kept, as phase `warmup`. An EAGLE3 encoder call holds the positions and
+    sequences `with_encoder_rows` placed before the decodes were split.
     """
     roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
     warm = warmup_evals(log)
     steps = one_token_steps(log)
-    features = _features_rows(log.evals, roles, warm) if steps else {}
-    encoded = _encoded_positions(log.evals) | {k: pos for k, (pos, _) in features.items()}
+    encoded = _encoded_positions(log.evals)
     walks: dict[int, _Walk] = {}  # per sequence (a decode of several, kept whole: -1)
     last_part: dict[int, tuple[int, str, int]] = {}  # per sequence: (call, role, seq) of its last decode
     calls: list[tuple[int, int]] = []  # (call, sequence) of each eval
@@ -91,8 +91,6 @@ def flow_evals(log: ExecLog) -> tuple[Eval, ...]:
     out: list[Eval] = []
     for ev in log.evals:
         ev = replace(ev, positions=encoded.get(ev.eval, ev.positions))
-        if ev.eval in features:  # an EAGLE3 encoder call: the sequences of the rows it encodes
-            ev = replace(ev, seq_ids=features[ev.eval][1])
         role: names.Role = roles.get(ev.ctx, names.ROLE_TARGET)
         seq = ev.seq_ids[0] if len(set(ev.seq_ids)) == 1 else -1
         while restores and restores[0][0] < ev.eval:  # a restored state: the sequence's next request
@@ -165,6 +163,22 @@ def one_token_steps(log: ExecLog) -> bool:
     """Whether the run's drafter drafts one token a decode (EAGLE3, featdiff.kinds): its round's
     draft is several decodes, and its inject an encoder call then a decode of token rows."""
     return any(c.role == names.ROLE_DRAFT and not kinds.of_arch(c.arch).block_flow for c in log.contexts if c.ok)
+
+
+def with_encoder_rows(log: ExecLog) -> ExecLog:
+    """The log with each EAGLE3 encoder call given the positions and sequences of the target rows
+    it encodes (_features_rows), so that an encoder call of several sequences' rows (a server
+    serving slots together) splits per sequence as the decodes do (featdiff.llama.sequences)."""
+    if not one_token_steps(log):
+        return log
+    roles: dict[int, names.Role] = {c.index: c.role for c in log.contexts}
+    rows = _features_rows(log.evals, roles, warmup_evals(log))
+    if not rows:
+        return log
+    placed = (
+        replace(ev, positions=rows[ev.eval][0], seq_ids=rows[ev.eval][1]) if ev.eval in rows else ev for ev in log.evals
+    )
+    return replace(log, evals=tuple(placed))
 
 
 def _features_rows(

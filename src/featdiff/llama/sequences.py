@@ -11,7 +11,8 @@ one row per token of its graph, an output record (logits) one per output row.
 Which batch rows each graph computed follows llama.cpp's split (src/llama-batch.cpp): with one
 KV stream (`kv_unified`, or one sequence) consecutive chunks of `n_ubatch` rows (`split_simple`);
 with a stream per sequence, `split_equal(n_ubatch, sequential=true)`: each graph takes the unused
-rows of consecutive sequence ids starting from the first unused row's, as many of each. A decode
+rows of consecutive sequence ids starting from the first unused row's, as many of each; an
+encoder call (llama_encode) is one graph of all its rows. A decode
 whose records do not fit that model (another split, a record with no row per token) is kept
 whole and a note says why: its rows are then compared together, never guessed.
 """
@@ -34,13 +35,14 @@ class Split:
 
     n_ubatch: int | None  # None: unknown (an older preload), the batch is one graph as far as known
     n_stream: int = 1  # KV streams: 1 when unified, else one per sequence (n_seq_max)
+    n_rs_seq: int = 0  # recurrent-state snapshots kept per sequence for rollback (0: none, or not noted)
 
 
 def split_of(context: ExecContext) -> Split:
     """How llama.cpp splits a context's batches into graphs: one KV stream when unified (or not
     noted: an older preload), else one per sequence."""
     streams = 1 if context.kv_unified in (True, None) else max(1, context.n_seq_max or 1)
-    return Split(context.n_ubatch, streams)
+    return Split(context.n_ubatch, streams, context.n_rs_seq or 0)
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,15 @@ def simple_graphs(n_tokens: int, n_ubatch: int) -> tuple[Rows, ...]:
     return tuple(tuple(range(start, end)) for start, end in chunks(n_tokens, n_ubatch))
 
 
-def equal_graphs(seq_ids: tuple[int, ...], n_ubatch: int) -> tuple[Rows, ...]:
-    """split_equal(n_ubatch, sequential=true) for a batch whose rows each belong to one sequence:
-    per graph, the sequences with consecutive ids from the first unused row's, the same number
-    of unused rows of each (in batch order), one sequence's rows after another's."""
+def equal_graphs(
+    seq_ids: tuple[int, ...], n_ubatch: int, sequential: bool = True, keep_tail: int = 0
+) -> tuple[Rows, ...]:
+    """split_equal(n_ubatch, sequential, n_keep_tail) for a batch whose rows each belong to one
+    sequence: per graph, the sequences of the unused rows in batch order (with `sequential`, only
+    consecutive ids from the first unused row's), the same number of unused rows of each while
+    they last and fit, one sequence's rows after another's; with `keep_tail`, a sequence that
+    would leave fewer than that many rows for a later graph waits for it (a recurrent memory
+    keeps its rollback snapshots whole)."""
     used = [False] * len(seq_ids)
     rows_of: dict[int, list[int]] = {}
     for i, s in enumerate(seq_ids):
@@ -69,13 +76,61 @@ def equal_graphs(seq_ids: tuple[int, ...], n_ubatch: int) -> tuple[Rows, ...]:
     while not all(used):
         seqs: list[int] = []
         for i, s in enumerate(seq_ids):  # in batch order, as llama.cpp scans it
-            if not used[i] and s not in seqs and (not seqs or s == seqs[-1] + 1):
-                seqs.append(s)
-                if len(seqs) > n_ubatch:
-                    break
-        free = [[i for i in rows_of[s] if not used[i]] for s in seqs]
-        take = max(1, min(min(len(f) for f in free), n_ubatch // len(seqs)))
-        graph = [i for f in free for i in f[:take]]
+            if used[i] or s in seqs or (sequential and seqs and s != seqs[-1] + 1):
+                continue
+            seqs.append(s)
+            if len(seqs) > n_ubatch:
+                break
+        start = {s: sum(used[i] for i in rows_of[s]) for s in seqs}  # a sequence's rows are used in order
+        took = dict.fromkeys(seqs, 0)
+        while all(start[s] + took[s] < len(rows_of[s]) for s in seqs):
+            for s in seqs:
+                took[s] += 1
+            if (took[seqs[0]] + 1) * len(seqs) > n_ubatch:
+                break
+        if keep_tail > 0:
+            seqs, took = _kept_tails(seqs, took, start, rows_of, n_ubatch, keep_tail)
+        graph = [i for s in seqs for i in rows_of[s][start[s] : start[s] + took[s]]]
+        for i in graph:
+            used[i] = True
+        out.append(tuple(graph))
+    return tuple(out)
+
+
+def _kept_tails(
+    seqs: list[int],
+    took: dict[int, int],
+    start: dict[int, int],
+    rows_of: dict[int, list[int]],
+    n_ubatch: int,
+    tail: int,
+) -> tuple[list[int], dict[int, int]]:
+    """split_equal's n_keep_tail: the longest prefix of the graph's sequences that each either
+    finish in it or leave at least `tail` rows; none: the first alone, run to its end if that
+    fits, else cut back until `tail` rows are left."""
+
+    def left(s: int) -> int:
+        return len(rows_of[s]) - start[s] - took[s]
+
+    n_keep = 0
+    while n_keep < len(seqs) and not 0 < left(seqs[n_keep]) < tail:
+        n_keep += 1
+    if n_keep == 0:
+        first = seqs[0]
+        whole = took[first] + left(first)
+        took = {**took, first: whole if whole <= n_ubatch else min(took[first], whole - tail)}
+        n_keep = 1
+    return seqs[:n_keep], took
+
+
+def seq_graphs(seq_ids: tuple[int, ...], n_ubatch: int) -> tuple[Rows, ...]:
+    """split_seq(n_ubatch) (a recurrent memory whose context outputs every row): per graph, up
+    to `n_ubatch` unused rows of the first unused row's sequence, in batch order."""
+    used = [False] * len(seq_ids)
+    out: list[Rows] = []
+    while not all(used):
+        first = used.index(False)
+        graph = [i for i in range(first, len(seq_ids)) if not used[i] and seq_ids[i] == seq_ids[first]][:n_ubatch]
         for i in graph:
             used[i] = True
         out.append(tuple(graph))
@@ -83,13 +138,31 @@ def equal_graphs(seq_ids: tuple[int, ...], n_ubatch: int) -> tuple[Rows, ...]:
 
 
 def graph_rows(seq_ids: tuple[int, ...], split: Split) -> tuple[Rows, ...]:
-    """The batch rows of each graph llama.cpp computes a decode of these rows as."""
+    """The batch rows of each graph llama.cpp computes a decode of these rows as, by the
+    context's settings: a memory keeping rollback snapshots (n_rs_seq: a recurrent or hybrid
+    one) split_equal with their tails, sequential with a stream per sequence; else split_simple
+    with one KV stream, split_equal(sequential) with one per sequence. featdiff's first guess:
+    `_graphs` checks it against the records, and tries `other_splits` where they disagree."""
     n = len(seq_ids)
     if not split.n_ubatch or n == 0:
         return (tuple(range(n)),)
+    if split.n_rs_seq:
+        return equal_graphs(seq_ids, split.n_ubatch, split.n_stream > 1, split.n_rs_seq + 1)
     if split.n_stream == 1 or len(set(seq_ids)) == 1:
         return simple_graphs(n, split.n_ubatch)
     return equal_graphs(seq_ids, split.n_ubatch)
+
+
+def other_splits(seq_ids: tuple[int, ...], split: Split) -> tuple[tuple[Rows, ...], ...]:
+    """The other ways llama.cpp's memories split a batch into graphs (src/llama-batch.cpp, as
+    each memory's init_batch calls it): split_simple; split_equal sequential or not, with or
+    without the rollback tails of a recurrent or hybrid memory (n_rs_seq snapshots); split_seq."""
+    n_ub = split.n_ubatch
+    if not n_ub or not seq_ids:
+        return ()
+    tails = (0, split.n_rs_seq + 1) if split.n_rs_seq else (0,)
+    equal = tuple(equal_graphs(seq_ids, n_ub, sequential, tail) for tail in tails for sequential in (False, True))
+    return (simple_graphs(len(seq_ids), n_ub), *equal, seq_graphs(seq_ids, n_ub))
 
 
 def seq_runs(rows: Rows, seq_ids: tuple[int, ...]) -> tuple[Rows, ...] | None:
@@ -127,6 +200,16 @@ def _cut(event: RecordEvent, start: int, end: int, n_rows: int) -> RecordEvent |
     )
 
 
+def _first_section(event: RecordEvent, start: int, n: int, n_rows: int) -> RecordEvent | None:
+    """Rows [start, start + n) of the first section of an `inp_pos` holding several positions per
+    token, section after section (M-RoPE: 4): the token positions compare reads of it; None for
+    any other record."""
+    if event.name != names.INP_POS or n_dims(event.ne) != 1 or not n_rows or event.ne[0] % n_rows:
+        return None
+    size = event.nbytes // event.ne[0]
+    return replace(event, ubatch=0, ne=(n, *event.ne[1:]), offset=event.offset + start * size, nbytes=n * size)
+
+
 def _record_part(event: RecordEvent, ev: ExecEval, graph: Rows, part: Rows) -> tuple[RecordEvent, ...] | None:
     """The rows of `part` (a run of `graph`'s rows) of a record of that graph, by token or by
     output row: one record, or none when the part holds no output row of an output record; None
@@ -134,11 +217,13 @@ def _record_part(event: RecordEvent, ev: ExecEval, graph: Rows, part: Rows) -> t
     if len(part) == len(graph):  # the graph is one sequence's: all of the record is this part's
         return (replace(event, ubatch=0),)
     start = graph.index(part[0])
-    cut = _cut(event, start, start + len(part), len(graph))
+    cut = _cut(event, start, start + len(part), len(graph)) or _first_section(event, start, len(part), len(graph))
     if cut is not None:
         return (cut,)
     outputs = [i for i in graph if ev.outputs[i]]
     mine = [i for i in part if ev.outputs[i]]
+    if not outputs and event.nbytes == 0:
+        return (replace(event, ubatch=0),)  # an output record of a graph that outputs no row: empty for each part
     if not outputs or len(outputs) == len(graph):
         return None
     if not mine:
@@ -178,15 +263,12 @@ class _Plan:
 
 
 def _plan(ev: ExecEval, records: list[RecordEvent], split: Split) -> _Plan:
-    graphs = graph_rows(ev.seq_ids, split)
-    seen = max((r.ubatch for r in records), default=0) + 1
     what = f"decode {ev.eval} ({len(ev.positions)} rows of sequences {sorted(set(ev.seq_ids))})"
-    if seen > len(graphs):
-        return _Plan(
-            (), f"{what} was computed as {seen} graphs, not as featdiff models llama.cpp's split ({len(graphs)})"
-        )
+    found = _graphs(ev, records, split)
+    if isinstance(found, str):
+        return _Plan((), f"{what} {found}")
     parts = []
-    for u, graph in enumerate(graphs):
+    for u, graph in enumerate(found):
         runs = seq_runs(graph, ev.seq_ids)
         if runs is None:
             return _Plan((), f"{what} holds a sequence whose rows are not contiguous")
@@ -199,10 +281,47 @@ def _plan(ev: ExecEval, records: list[RecordEvent], split: Split) -> _Plan:
     return _Plan(tuple(parts))
 
 
-def first_shared_decode(log: ExecLog) -> ExecEval | None:
-    """The first decode llama.cpp took whose rows belong to more than one sequence (a server
-    serving several slots in one batch), or None."""
-    return next((ev for ev in log.evals if ev.rc == 0 and len(set(ev.seq_ids)) > 1), None)
+def _graphs(ev: ExecEval, records: list[RecordEvent], split: Split) -> tuple[Rows, ...] | str:
+    """The rows of each graph of a decode: the context's split (graph_rows) where the records
+    agree with it, else the one of `other_splits` they agree with; or why none can be told.
+    llama_encode computes its batch as one graph."""
+    n = len(ev.seq_ids)
+    if ev.call != names.CALL_DECODE:
+        return (tuple(range(n)),)
+    guess = graph_rows(ev.seq_ids, split)
+    seen = max((r.ubatch for r in records), default=0) + 1
+    sizes = _graph_sizes(records)
+    if _agrees(guess, seen, sizes):
+        return guess
+    fitting = list(dict.fromkeys(g for g in other_splits(ev.seq_ids, split) if _agrees(g, seen, sizes)))
+    if len(fitting) == 1:
+        return fitting[0]
+    if len(set(ev.seq_ids)) == 1 and seen <= len(guess):
+        return guess  # one sequence's rows, in batch order whatever the split: its graphs as guessed
+    shape = ", ".join(str(sizes.get(u, "?")) for u in range(seen))
+    if not fitting:
+        return f"was computed as {seen} graphs of {shape} rows, as none of llama.cpp's splits featdiff models"
+    return (
+        f"was computed as {seen} graphs of {shape} rows, as {len(fitting)} of llama.cpp's splits would, with other rows"
+    )
+
+
+def _graph_sizes(records: list[RecordEvent]) -> dict[int, int]:
+    """Per graph, the rows its records show: the most of any record of two or more dimensions
+    (a node's leading numpy axis is one per token, or per output row: never more); a graph
+    with only one-dimensional records (one row, or positions) or empty ones (no output row)
+    shows none."""
+    out: dict[int, int] = {}
+    for r in records:
+        rows = r.ne[n_dims(r.ne) - 1]
+        if r.op != names.API_OP and n_dims(r.ne) >= 2 and rows > 0:
+            out[r.ubatch] = max(out.get(r.ubatch, 0), rows)
+    return out
+
+
+def _agrees(graphs: tuple[Rows, ...], seen: int, sizes: dict[int, int]) -> bool:
+    """Whether a split has as many graphs as the records show, each of the rows they show."""
+    return len(graphs) >= seen and all(u < len(graphs) and len(graphs[u]) == n for u, n in sizes.items())
 
 
 def split_decodes(log: ExecLog, splits: dict[int, Split]) -> SplitLog:

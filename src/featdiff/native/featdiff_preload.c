@@ -424,6 +424,20 @@ static bool chained_callback(struct ggml_tensor * t, bool ask, void * user_data)
     return c->user_cb(t, false, c->user_data);
 }
 
+/* llama_n_rs_seq(ctx): the recurrent-state snapshots a context keeps per sequence for rollback,
+ * which decide how a recurrent memory splits its batches; absent from older builds, looked up
+ * at run time (-1: not known). */
+static long long n_rs_seq_of(const struct llama_context * ctx) {
+    typedef uint32_t (*fdp_rs_fn)(const struct llama_context *);
+    static fdp_rs_fn fn;
+    static int looked_up;
+    if (!looked_up) {
+        fn = (fdp_rs_fn) dlsym(RTLD_DEFAULT, "llama_n_rs_seq");
+        looked_up = 1;
+    }
+    return fn ? (long long) fn(ctx) : -1;
+}
+
 static void note_context(const struct fdp_ctx * c, const struct llama_model * model, const char * arch) {
     struct fdp_buf b = { 0 };
     buf_printf(&b, "{\"kind\":\"exec_context\",\"ctx\":%d,\"ok\":%s,\"role\":%d,\"model\":%llu,\"arch\":",
@@ -433,6 +447,8 @@ static void note_context(const struct fdp_ctx * c, const struct llama_model * mo
         buf_printf(&b, ",\"n_ctx\":%u,\"n_batch\":%u,\"n_ubatch\":%u,\"n_seq_max\":%u,\"kv_unified\":%s,\"chained\":%s",
                    llama_n_ctx(c->ctx), llama_n_batch(c->ctx), llama_n_ubatch(c->ctx), llama_n_seq_max(c->ctx),
                    c->kv_unified ? "true" : "false", c->user_cb ? "true" : "false");
+        const long long rs = n_rs_seq_of(c->ctx);
+        if (rs >= 0) buf_printf(&b, ",\"n_rs_seq\":%lld", rs);
     }
     buf_printf(&b, "}");
     note_locked(&b);

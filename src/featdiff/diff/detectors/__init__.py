@@ -62,6 +62,7 @@ from featdiff.diff.detectors.wiring import (
     detect_missing_term,
     detect_slot_permutation,
     detect_wrong_source,
+    detect_wrong_source_of_sampled_logits,
     detect_wrong_source_of_vocabulary,
 )
 
@@ -104,6 +105,7 @@ __all__ = [
     "detect_wrong_source",
     "detect_wrong_source_of_zero_rows",
     "detect_wrong_source_of_drafts",
+    "detect_wrong_source_of_sampled_logits",
     "detect_wrong_source_of_vocabulary",
     "detect_zeros",
     "explains",

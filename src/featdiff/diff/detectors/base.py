@@ -51,6 +51,9 @@ class Evidence:
     record: str = ""  # the reference's name of the pair (`tensor` is the run's)
     absent: tuple[str, ...] = ()  # ref records of this eval group the run's graph lacks
     kind: DrafterKind = KINDS[0]  # the drafter's kind (featdiff.kinds): its layer key and rule
+    # at draft_logits: (what the run's sampler read, as stored; the run graph's own result_output)
+    # rows of the same evals, aligned like `run`; None elsewhere, or when the run lacks either
+    sampled: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def same_shape(ev: Evidence) -> bool:
