@@ -68,6 +68,25 @@ def complete_together(port: int, prompts: list[str], n_predict: int, timeout_s: 
     return texts
 
 
+def two_flows_compared(target: Path, model: Path, run: Path, tmp_path: Path):
+    """compare of a capture of two requests served at once on two slots against the reference
+    that follows it (`target`, `model` as `featdiff reference` takes them), once the dump is
+    checked to hold them as two flows that ran together, every decode split (no flow note)."""
+    from featdiff.diff import compare_dumps
+    from featdiff.dump import read_dump
+    from featdiff.torchref.kind import reference
+
+    with read_dump(run) as dump:
+        m = dump.manifest
+    assert sorted(f.seq_id for f in m.flows) == [0, 1] and served_together(m.evals)
+    assert not m.flow_notes, m.flow_notes  # every decode split as llama.cpp computed it
+    ref = reference(
+        target, model, tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0, dtype="float32", device="cpu",
+        kv_dtype="f16", llama_dir=None, follow=run,
+    )  # fmt: skip
+    return compare_dumps(ref, run)
+
+
 def served_together(evals) -> bool:
     """Whether a dump's flows ran at once: an eval of one flow between two of another."""
     seen: list[int] = []

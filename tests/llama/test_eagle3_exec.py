@@ -171,15 +171,7 @@ def test_two_slots_at_once_and_the_backend_samplers_read_back(tools, pair, backe
     proc, out, err, port = featdiff_process.capture_server(command, tmp_path, 2, RUN_TIMEOUT_S)
     featdiff_process.complete_together(port, ["hello world and more words", "The quick brown fox"], 24, RUN_TIMEOUT_S)
     assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, err.read_text()[-3000:]
-    with read_dump(out) as dump:
-        m = dump.manifest
-    assert sorted(f.seq_id for f in m.flows) == [0, 1] and featdiff_process.served_together(m.evals)
-    assert not m.flow_notes, m.flow_notes
-    ref = reference(
-        pair / "target.gguf", pair / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=out,
-    )  # fmt: skip
-    c = compare_dumps(ref, out)
+    c = featdiff_process.two_flows_compared(pair / "target.gguf", pair / "draft.gguf", out, tmp_path)
     errors = [f for f in c.findings if f.severity == "error"]
     check = subprocess.run(
         [*featdiff_process.FEATDIFF, "check", "--target", pair / "target.gguf", "--model", pair / "draft.gguf", "--run", out],

@@ -244,9 +244,7 @@ def test_two_requests_at_once_on_a_hybrid_target_compare_clean_flow_by_flow(tool
     llama.cpp splits a batch of two slots with split_equal, keeping each slot's last rows in one
     graph, and each decode is split the same way (the preload notes llama_n_rs_seq). Both
     requests compare clean, each as a flow of its own."""
-    from featdiff.diff import compare_dumps
     from featdiff.hf_targets import write_family_fixture
-    from featdiff.torchref.kind import reference
 
     models = write_family_fixture(tmp_path_factory.mktemp("fam-qwen35"), "qwen35")  # the pinned converter's
     prompts = ["hello world and more words", "hello there my old friend"]
@@ -254,13 +252,5 @@ def test_two_requests_at_once_on_a_hybrid_target_compare_clean_flow_by_flow(tool
         tmp_path, models, tools.program("llama-server"), ["-np", "2"],
         traffic=lambda port: featdiff_process.complete_together(port, prompts, 24, WAIT_S), n=2,
     )  # fmt: skip
-    with read_dump(run) as dump:
-        m = dump.manifest
-    assert sorted(f.seq_id for f in m.flows) == [0, 1] and featdiff_process.served_together(m.evals)
-    assert not m.flow_notes, m.flow_notes
-    ref = reference(
-        models / "target-hf", models / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
-    )  # fmt: skip
-    c = compare_dumps(ref, run)
+    c = featdiff_process.two_flows_compared(models / "target-hf", models / "draft.gguf", run, tmp_path)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
