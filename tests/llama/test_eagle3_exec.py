@@ -185,3 +185,18 @@ def test_two_slots_at_once_and_the_backend_samplers_read_back(tools, pair, backe
     (e,) = errors
     assert (e.kind, e.tensor, e.fields["source"]) == ("wrong_source", "draft_logits", "another_output_row"), e.message
     assert e.message.startswith("flow ")  # one flow's drafts read the other's; that flow compares clean
+
+
+@pytest.mark.slow
+def test_probe_through_the_server_agrees_with_the_reference_on_the_trained_drafter(tools, eagle3_pairs):
+    """`probe --exec` of llama-server with the trained EAGLE3 drafter, one request per prompt:
+    the run accepts what the reference drafter accepts at the same places (its block: the run's
+    longest verify, the drafts being one decode each)."""
+    from featdiff.probe import probe
+
+    d = eagle3_pairs("trained-eagle3")
+    result = probe(
+        d / "target.gguf", d / "draft.gguf", prompts=d / "prompts.txt", ref_target=d / "target.gguf",
+        ref_model=d / "draft.gguf", command=_command(tools, "llama-server", d),
+    )  # fmt: skip
+    assert result.run.accepted > 0 and not result.has_gap, [(p.label, p.run, p.ref) for p in result.prompts]
