@@ -85,12 +85,12 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
         record=pair.name,
         absent=absent,
         kind=kinds.of_arch(drafter_arch(run.manifest) or drafter_arch(ref.manifest)),
-        sampled=_sampled(run, pair),
+        sampled=_sampled(run, pair, run_all),
     )
 
 
-def _sampled(run: Source, pair: Pair) -> tuple[np.ndarray, np.ndarray] | None:
-    """At a draft_logits pair: the run's read-back rows as stored (infinities kept) and its graph's
+def _sampled(run: Source, pair: Pair, read: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """At a draft_logits pair: its run rows as stored (`read`, infinities kept) and the run graph's
     result_output rows of the same evals, both aligned like the pair's run rows; else None."""
     if pair.name != names.DRAFT_LOGITS or not pair.alignment.comparable:
         return None
@@ -98,7 +98,7 @@ def _sampled(run: Source, pair: Pair) -> tuple[np.ndarray, np.ndarray] | None:
     evals = [e.eval for e in pair.run.evals]
     if not all(e in graph for e in evals):
         return None
-    read, own = run.rows(pair.run), side_rows([run.array(graph[e]) for e in evals])  # (n_rows, n_vocab) each
+    own = side_rows([run.array(graph[e]) for e in evals])  # (n_rows, n_vocab), as `read`
     if read.shape != own.shape:
         return None
     rows = list(pair.alignment.run_rows) if pair.alignment.positions else slice(None)

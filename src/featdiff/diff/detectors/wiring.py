@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from featdiff import names
-from featdiff.diff.detectors.base import Evidence, error_finding, explains, same_shape
+from featdiff.diff.detectors.base import Evidence, error_finding, explains, same_shape, span
 from featdiff.diff.fields import (
     ExtraTermFields,
     LayerOffsetFields,
@@ -297,17 +297,12 @@ def detect_wrong_source_of_sampled_logits(ev: Evidence) -> Finding | None:
     return error_finding(
         ev,
         f"{ev.tensor}, the logits the drafter's sampler read, are not its graph's own result_output at "
-        f"{'positions' if ev.positions else 'rows'} {_span(where)} (the graph's rows match the reference): the "
+        f"{'positions' if ev.positions else 'rows'} {span(where)} (the graph's rows match the reference): the "
         "sampler took its candidates from another row; llama.cpp's backend sampler (the draft's default) "
         "views each sequence's row of the graph's output, and --no-spec-draft-backend-sampling samples "
         "those rows on the CPU instead",
         WrongSourceFields(source=SOURCE_ANOTHER_OUTPUT_ROW, candidate=names.RESULT_OUTPUT),
     )
-
-
-def _span(rows: list[int]) -> str:
-    shown = ", ".join(str(r) for r in rows[:8])
-    return shown + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
 
 
 def _explains_scattered(expected: np.ndarray, ev: Evidence) -> bool:
