@@ -161,8 +161,6 @@ def test_two_slots_served_at_once_compare_clean_flow_by_flow(tools, mtp_pairs, v
     assert proc.wait(timeout=RUN_TIMEOUT_S) == 0, err.read_text()[-3000:]
     c = featdiff_process.two_flows_compared(d / "target-hf", d / "target.gguf", out, tmp_path)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
-    expected = ("warmup", "output no rows")
-    assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
     model = ["--target", d / "target.gguf", "--model", d / "target.gguf", "--ref-target", d / "target-hf"]
     check = subprocess.run(
         [*featdiff_process.FEATDIFF, "check", *model, "--run", out], capture_output=True, text=True, timeout=600
