@@ -37,7 +37,9 @@ browser:
 vulkan:
 	@bash scripts/vulkan-packages.sh
 
-demo: setup tools
+# The in-process parts need only the library (setup), so their verdicts print first; demo.sh
+# builds the tools (make tools' step, once) before the part that runs llama-server.
+demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 # llama-server, llama-speculative-simple, llama-simple and llama-quantize, added to the library's

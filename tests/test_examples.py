@@ -70,3 +70,14 @@ def test_demo_script_runs_end_to_end(tmp_path):
     assert "layer_offset" in result.stdout and "GAP" in result.stdout
     for label in ("correct", "off-by-one"):
         assert (tmp_path / "demo" / label / "report.html").stat().st_size > 10_000
+
+
+def test_demo_gives_its_first_verdict_before_building_the_tools():
+    """`make demo` needs only the library for its in-process parts: the Makefile's demo target
+    does not build the tools first, and demo.sh compares before it asks for the tools."""
+    makefile = (ROOT / "Makefile").read_text()
+    (demo_rule,) = re.findall(r"^demo:(.*)$", makefile, flags=re.M)
+    assert "tools" not in demo_rule.split(), demo_rule
+    script = (ROOT / "examples" / "demo.sh").read_text()
+    tools = script.index("python -m featdiff.llama.tools)")  # the tools build, not `--library`
+    assert script.index("featdiff compare") < tools < script.index('"$BIN/llama-server"')
