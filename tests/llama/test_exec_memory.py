@@ -138,3 +138,19 @@ def test_a_drafter_holding_nothing_where_the_target_holds_a_prefix_is_not_condit
     assert found is not None and found.kind == "not_conditioned" and "positions 1..2" in found.message
     held = replace(empty, draft_cached=(10, 11, 12))
     assert detect_not_conditioned_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(held,))) is None
+
+
+def test_a_cache_reuse_shift_after_a_flow_ended_sets_aside_only_the_next_flow():
+    """--cache-reuse: request A served, then B reuses a chunk of A's rows moved down by seq_add
+    before B's prefill: A ran before the shift and is followed; B's moved rows are not modelled."""
+    reused = [30, 31, 12, 13, 33]  # A's 12, 13 moved from positions 2..3 to 0..1 (B's first tokens)
+    decodes = _request(A, 7) + _request(reused, 8, start=2)
+    shift = (
+        ExecMemory(0, 3, "seq_rm", 0, p0=0, p1=2),
+        ExecMemory(0, 3, "seq_add", 0, p0=2, p1=4, delta=-2),
+        ExecMemory(0, 3, "seq_rm", 0, p0=2),
+    )
+    _, starts = _follow(_log(decodes, shift))
+    assert not starts[0].unfollowed
+    assert starts[1].target == (UNKNOWN, UNKNOWN) and "seq_add" in starts[1].unfollowed
+    assert "--cache-reuse" in starts[1].unfollowed

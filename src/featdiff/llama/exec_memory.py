@@ -73,11 +73,12 @@ def follow_memory(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[FlowStart, ...
     target_ctx: int | None = None
     active: dict[int, int] = {}  # sequence -> the flow it serves now
     broken: dict[int, str] = {}  # flow -> the change made to its sequence while it ran
+    last = {e.flow: ev.eval for ev, e in zip(log.evals, evals) if e.phase != Phase.WARMUP}  # flow -> its last eval
     for ev, e in zip(log.evals, evals):
         while pending and pending[0].after_eval < ev.eval:
             op = pending.pop(0)
             _apply(mem, op)
-            _note_midflow(op, active, starts, broken)
+            _note_midflow(op, active, starts, broken, last)
         role = roles.get(ev.ctx, names.ROLE_TARGET)
         if role == names.ROLE_TARGET and e.phase != Phase.WARMUP:
             target_ctx = ev.ctx
@@ -90,13 +91,18 @@ def follow_memory(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[FlowStart, ...
     return tuple(_broken(starts[k], broken.get(k, "")) for k in sorted(starts))
 
 
-def _note_midflow(op: ExecMemory, active: dict[int, int], starts: dict[int, FlowStart], broken: dict[int, str]) -> None:
-    """A shift of a sequence whose flow has started (llama-server's context shift): the rest of
-    that flow decodes on rows a replay from position 0 does not compute."""
+def _note_midflow(
+    op: ExecMemory, active: dict[int, int], starts: dict[int, FlowStart], broken: dict[int, str], last: dict[int, int]
+) -> None:
+    """A shift of a sequence whose flow has started and decodes again after it (llama-server's
+    context shift): the rest of that flow decodes on rows a replay from position 0 does not
+    compute. A shift after a flow's last decode (`--cache-reuse` moving a finished request's rows
+    for the next prompt) leaves that flow as it ran; the next flow's cached rows say it."""
     if op.op not in ("seq_add", "seq_div") or not op.ok:
         return
     for seq, flow in active.items():
-        if (op.seq_id < 0 or seq == op.seq_id) and flow in starts and flow not in broken:
+        ran_on = last.get(flow, -1) > op.after_eval
+        if (op.seq_id < 0 or seq == op.seq_id) and flow in starts and flow not in broken and ran_on:
             broken[flow] = (
                 f"the program moved positions of sequence {seq} from {max(op.p0, 0)} on {_moved_how(op)} while the flow ran "
                 f"(after eval {op.after_eval}; {op.op}: a context shift), and a replay does not compute the rows it moved"
