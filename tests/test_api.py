@@ -15,7 +15,11 @@ from featdiff.cli import app
 
 STAGES = ("capture", "reference", "compare", "report", "check")
 CLI_SPELLINGS = {"exec_": "command"}  # `--exec -- PROGRAM ...` is `command=[PROGRAM, ...]`: None, no program
-CLI_ONLY = {("compare", "verbose")}  # prints the per-record table; the API returns the Comparison itself
+CLI_ONLY = {
+    ("compare", "verbose"),  # prints the per-record table; the API returns the Comparison itself
+    ("reference", "verbose"),  # per-round detail on stderr: the CLI's logging; an API caller sets its own
+    ("check", "verbose"),
+}
 API_ONLY = {
     ("capture", "options"),  # llama.cpp's run options, on the command line after featdiff's (-ctk, -fa, ...)
     ("report", "comparison"),  # a Comparison already made; the command compares first

@@ -79,6 +79,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "featdiff.errors",
             "featdiff.options",
             "featdiff.version",
+            "featdiff.words",
             "featdiff.cache_dir",
             "featdiff.progress",
             "featdiff.lattice",

@@ -210,3 +210,17 @@ def check(
 
 def _path(p: PathLike | None) -> Path | None:
     return None if p is None else Path(p)
+
+
+def program_command(args: list[str], is_exec: bool, command_name: str) -> list[str] | None:
+    """The program's command line of `featdiff COMMAND --exec -- PROGRAM ...` (None without
+    --exec); arguments left over without --exec are a program's command line that forgot it:
+    one line saying so (InputError), not an in-process run that ignores them."""
+    if is_exec:
+        return list(args)
+    if args:
+        raise InputError(
+            f"{args[0]}: featdiff {command_name} runs a program only after --exec; did you mean --exec? "
+            f"`featdiff {command_name} ... --exec -- {' '.join(args[:3])} ...`"
+        )
+    return None

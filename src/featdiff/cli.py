@@ -103,6 +103,31 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # each raises Interrupted; a sec
 CLI_FRAMEWORK_MODULES = ("click", "typer")  # exceptions of these modules are the CLI framework's (typer vendors click)
 
 
+def _show_version(asked: bool) -> None:
+    """`featdiff --version`: the version, on stdout, and exit 0 before any command runs."""
+    if asked:
+        from featdiff.version import VERSION
+
+        typer.echo(f"featdiff {VERSION}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_show_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    # featdiff's own options, before the command (typer's group callback); the help is the app's
+    pass
+
+
+def _log_level(verbose: bool) -> None:
+    """Per-round detail (logged at DEBUG) reaches stderr only with -v; the rest of featdiff's
+    log (INFO: one line per stage) always does."""
+    logging.getLogger("featdiff").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
 def _option(d: o.Option) -> Any:
     """typer's option of a featdiff.options definition (its default is the parameter's: `= d.default`)."""
     return typer.Option(*d.flags, help=d.help, min=d.min, max=d.max, exists=d.exists, dir_okay=d.dir_okay)
@@ -207,6 +232,7 @@ def probe(
     ] = False,
 ) -> None:
     """Greedy accept-rate probe: the real spec loop side by side with the reference drafter."""
+    from featdiff import api
     from featdiff.probe import exit_code as probe_exit_code
     from featdiff.probe import probe as run_probe
     from featdiff.probe import render_probe
@@ -218,7 +244,7 @@ def probe(
         rounds=rounds,
         ref_target=ref_target,
         ref_model=ref_model,
-        command=list(ctx.args) if exec_ else None,
+        command=api.program_command(ctx.args, exec_, "probe"),
         n_predict=n_predict,
         llama_dir=llama_dir,
         draft_max=draft_max,
@@ -256,10 +282,12 @@ def reference(
     run: Annotated[Optional[Path], _option(o.BLOCKS_OF_RUN)] = o.BLOCKS_OF_RUN.default,
     p_min: PMinOpt = o.P_MIN.default,
     follow: Annotated[Optional[Path], _option(o.FOLLOW)] = o.FOLLOW.default,
+    verbose: Annotated[bool, _option(o.LOG_VERBOSE)] = o.LOG_VERBOSE.default,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
     from featdiff import api
 
+    _log_level(verbose)
     typer.echo(
         api.reference(
             target,
@@ -364,12 +392,14 @@ def check(
     summary_md: Annotated[Optional[Path], _option(o.SUMMARY_MD)] = o.SUMMARY_MD.default,
     exec_: Annotated[bool, _option(o.CHECK_EXEC)] = o.CHECK_EXEC.default,
     run: Annotated[Optional[Path], _option(o.JUDGED_RUN)] = o.JUDGED_RUN.default,
+    verbose: Annotated[bool, _option(o.LOG_VERBOSE)] = o.LOG_VERBOSE.default,
 ) -> None:
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
     from featdiff import api
     from featdiff.verdict import exit_code as check_exit_code
     from featdiff.verdict import render_text
 
+    _log_level(verbose)
     result = api.check(
         target,
         model,
@@ -383,7 +413,7 @@ def check(
         json_out=json_out,
         report=report,
         summary_md=summary_md,
-        command=list(ctx.args) if exec_ else None,
+        command=api.program_command(ctx.args, exec_, "check"),
         run=run,
     )
     if json_out != "-":

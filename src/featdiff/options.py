@@ -177,6 +177,12 @@ FOLLOW = Option(
 JSON_OUT = Option("json_out", ("--json",), None, "Write findings JSON to FILE, or - for stdout only.")
 ALSO_REPORT = Option("report", ("--report",), None, "Also write the HTML triage report.")
 VERBOSE = Option("verbose", ("--verbose", "-v"), False, "Print the per-record table too.")
+LOG_VERBOSE = Option(
+    "verbose",
+    ("--verbose", "-v"),
+    False,
+    "Also print each round's detail on stderr (where the reference's own choice parts from the run's).",
+)
 HTML_OUTPUT = Option("output", ("-o", "--output"), REQUIRED, "HTML file to write.")
 PNG_DIR = Option("png_dir", ("--png-dir",), None, "Also write each figure as a PNG here.")
 

@@ -62,8 +62,18 @@ BATCH_NOUNS: dict[str, str] = {
     Phase.VERIFY: "verify batch",
 }
 
+# Whose eval it is and what it does, in a sentence ("drafter's draft", "target's verify"): the
+# dump's role and phase values read as English (a role value is "draft" for the drafter).
+ROLE_OWNERS: dict[str, str] = {ROLE_TARGET: "target's", ROLE_DRAFT: "drafter's"}
+PHASE_WORDS: dict[str, str] = {Phase.WARMUP: "warm-up"}
+
 
 _RANK: dict[str, int] = {p: i for i, p in enumerate(ROUND_ORDER)}
+
+
+def phrase(role: str, phase: str) -> str:
+    """An eval's role and phase as words: phrase("draft", "draft") == "drafter's draft"."""
+    return f"{ROLE_OWNERS.get(role, role)} {PHASE_WORDS.get(phase, phase)}"
 
 
 def role_of(phase: str) -> Role:

@@ -36,6 +36,7 @@ from featdiff.dump import Manifest
 from featdiff.errors import InputError
 from featdiff.outputs import append_text, check_output, check_output_dir, replaced
 from featdiff.probe import AcceptStats, Probe
+from featdiff.words import plural
 
 MARGIN_Z = 2.576  # two-sided 99% normal quantile: a CI gate should rarely fail a right wiring by chance
 MIN_BLOCKS = 2  # a sample standard deviation needs two blocks
@@ -141,7 +142,7 @@ def reasons_to_fail(comparison: Comparison, accept: AcceptCheck) -> tuple[str, .
     out = [f"{f.kind} at {f.tensor}: {f.message}" for f in comparison.findings if f.severity == "error"]
     if accept.blocks < MIN_BLOCKS:
         out.append(
-            f"the run drafted {accept.blocks} block(s); the accept comparison needs at least {MIN_BLOCKS}: "
+            f"the run drafted {plural(accept.blocks, 'block')}; the accept comparison needs at least {MIN_BLOCKS}: "
             "raise --rounds or give more prompts"
         )
     elif not accept.matches:
@@ -406,7 +407,7 @@ def render_text(result: CheckResult) -> str:
     head = (
         "PASS: the wiring compares clean and the run accepts as the reference does"
         if result.ok
-        else f"FAIL: {len(result.reasons)} reason{'s' * (len(result.reasons) != 1)}"
+        else f"FAIL: {plural(len(result.reasons), 'reason')}"
     )
     lines = [
         f"wiring: {verdict(result.comparison)}",
@@ -425,7 +426,7 @@ def render_text(result: CheckResult) -> str:
 
 def _margin_line(a: AcceptCheck) -> str:
     if a.blocks < MIN_BLOCKS:
-        return f"accept: {a.blocks} drafted block(s), too few to judge (at least {MIN_BLOCKS})"
+        return f"accept: {plural(a.blocks, 'drafted block')}, too few to judge (at least {MIN_BLOCKS})"
     word = "within" if a.matches else "beyond"
     return (
         f"accept: run {a.run.mean_accepted_length:.2f} vs reference {a.ref.mean_accepted_length:.2f} tokens "
@@ -460,7 +461,7 @@ def render_markdown(result: CheckResult) -> str:
     if infos:
         lines += [
             "",
-            f"{len(infos)} info finding(s): " + "; ".join(_md(f"{f.kind} at {f.tensor}") for f in infos) + ".",
+            f"{plural(len(infos), 'info finding')}: " + "; ".join(_md(f"{f.kind} at {f.tensor}") for f in infos) + ".",
         ]
     if result.report is not None:
         lines += ["", f"HTML report: [{result.report.name}]({result.report}) (`{result.report}`)"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,13 @@ from typer.testing import CliRunner
 import featdiff.diff
 from featdiff.cli import app
 from featdiff.diff import compare_dumps, exit_code, render_summary, verdict, write_json
+from featdiff.diff.render import MESSAGE_HEADINGS
 from featdiff.diff.result import Coverage, Finding
 
 import synth
 
 REF_MODELS = {"draft": {"target_layers": [2, 4]}, "target": {"n_embd": 16}}
+TERMINAL_COLUMNS = 80  # the narrowest terminal the summary is held to
 
 
 def faulty(synth_run):
@@ -57,7 +60,9 @@ def test_summary_leads_with_the_verdict_and_the_fix(synth_ref, synth_run):
     buf = io.StringIO()
     render_summary(c, verbose=False, console=Console(file=buf, width=200))
     lines = buf.getvalue().splitlines()
-    assert lines[0].startswith("FAIL: 1 error finding; first divergence: inp_target_features (draft inject, eval 1)")
+    assert lines[0].startswith(
+        "FAIL: 1 error finding; first divergence: inp_target_features (drafter's inject, eval 1)"
+    )
     assert "slot 0 of inp_target_features is the input of target layer 3" in buf.getvalue()
     assert "DIVERGES" not in buf.getvalue()  # the per-record table only with verbose
 
@@ -83,7 +88,7 @@ def test_verbose_summary_lists_what_was_not_compared(synth_ref, tmp_path):
     assert verdict(c).endswith("; 11 record sets skipped, 44 rows left out")
     buf = io.StringIO()
     render_summary(c, verbose=True, console=Console(file=buf, width=300))
-    assert "not compared: inp_noise_embd (draft draft, round 3, occurrence 0)" in buf.getvalue()
+    assert "not compared: inp_noise_embd (drafter's draft, round 3, occurrence 0)" in buf.getvalue()
 
 
 def test_cli_exit_codes_and_json_on_stdout(synth_ref, synth_run, tmp_path):
@@ -116,3 +121,40 @@ def test_json_never_overwrites_the_name_map_it_was_compared_with(synth_ref, synt
     assert result.exit_code == 2, result.output
     assert f"{name_map}: --json must not be an input of this command" in result.output
     assert name_map.read_bytes() == before and not list(tmp_path.glob("*.partial"))
+
+
+def test_the_verdict_names_the_first_divergence_in_words(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, faulty(synth_run), None)
+    assert verdict(c).startswith("FAIL: 1 error finding; first divergence: inp_target_features (drafter's inject, ")
+    assert "(draft " not in verdict(c) and "1 error findings" not in verdict(c)
+
+
+def _summary(c, width: int) -> str:
+    buf = io.StringIO()
+    render_summary(c, console=Console(file=buf, width=width))
+    return buf.getvalue()
+
+
+def test_findings_table_fits_80_columns_with_a_heading_per_severity(synth_ref, synth_run):
+    c = compare_dumps(synth_ref, faulty(synth_run), None)
+    note = Finding(
+        "flow_note", "-", "info", "eval 5: " + "the drafter decoded a token batch while a draft waited; " * 4
+    )
+    c = replace(c, findings=(*c.findings, note))
+    text = _summary(c, TERMINAL_COLUMNS)
+    lines = text.splitlines()
+    # the verdict is one line for scripts (the terminal wraps it); the table's lines are folded
+    assert lines[0].startswith("FAIL: ") and max(map(len, lines[1:])) <= TERMINAL_COLUMNS, text
+    headings = [next(i for i, line in enumerate(lines) if h in line) for h in MESSAGE_HEADINGS.values()]
+    error_row = next(i for i, line in enumerate(lines) if line.startswith("error"))
+    info_row = next(i for i, line in enumerate(lines) if line.startswith("info"))
+    assert headings[0] < error_row < headings[1] < info_row  # "what to do" over errors, "note" over info rows
+    assert sum("what to do" in line for line in lines) == 1
+
+
+def test_compare_on_an_80_column_terminal_prints_no_wider_line(synth_ref, synth_run):
+    run = faulty(synth_run)
+    result = CliRunner().invoke(app, ["compare", str(synth_ref), str(run)], env={"COLUMNS": str(TERMINAL_COLUMNS)})
+    verdict_line, *table = result.output.splitlines()
+    assert result.exit_code == 1 and verdict_line.startswith("FAIL: ") and "what to do" in result.output
+    assert max(map(len, table)) <= TERMINAL_COLUMNS, result.output

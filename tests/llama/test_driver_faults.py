@@ -186,4 +186,6 @@ def test_inspect_shows_refused_decodes_the_cache_removals_and_the_flow_notes(pla
     assert result.exit_code == 0, result.output
     assert "draft   round 1  4 tokens at 4..7  REFUSED by llama.cpp (rc -1)" in result.output
     assert "KV-cache removals recorded (memory_ops)" in result.output
-    assert re.search(r"flow note: eval \d+ \(draft draft, round 1, positions 4\.\.7\) failed with rc -1", result.output)
+    assert re.search(
+        r"flow note: eval \d+ \(drafter's draft, round 1, positions 4\.\.7\) failed with rc -1", result.output
+    )

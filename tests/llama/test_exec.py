@@ -282,7 +282,7 @@ def test_flow_notes_name_refused_decodes_and_n_past_drift_but_not_a_new_prompt()
     evals = flow_evals(log)
     greedy = {3: (30, 31, 32, 33)}  # the verify's argmax rows: no draft matches
     notes = flow_notes(evals, derive_rounds(evals, greedy), greedy)
-    assert any(n.startswith("eval 5 (draft draft, round 2, positions 5..8) failed with rc -1") for n in notes)
+    assert any(n.startswith("eval 5 (drafter's draft, round 2, positions 5..8) failed with rc -1") for n in notes)
     assert any("accepted 0 of 3 drafts" in n and "drifted by 1" in n for n in notes)
     assert not any("outside the verified block" in n for n in notes)  # the prefill at 0 is a new prompt
     assert flow_notes(flow_evals(_log([(0, [5, 6], [0, 1])])), (), {}) == ()

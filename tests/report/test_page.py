@@ -115,6 +115,6 @@ def test_verdict_states_the_coverage_it_rests_on(clean_pair) -> None:
         "Compared 3 record sets (12 rows); 1 record set skipped, 4 rows left out (listed under the records table)."
         in page
     )
-    assert "inp_noise_embd (draft draft, round 1, occurrence 0): not compared" in page
+    assert html.escape("inp_noise_embd (drafter's draft, round 1, occurrence 0): not compared") in page
     bare = render_page(Comparison("ref.npz", "run.npz", (), (), ()), ref.manifest, ref.manifest, [])
     assert "class='coverage'" not in bare

@@ -25,6 +25,7 @@ from featdiff.diff.result import WARMUP_SKIP, Alignment, Skip, SkipReason, SkipS
 from featdiff.dump import Eval, Manifest, Record
 from featdiff.names import ROLE_TARGET, Role
 from featdiff.phases import ROUND_OPENER, TOKEN_PHASES, VERIFY_PHASES, Phase, phase_order
+from featdiff.words import plural
 
 GroupKey = tuple[Role, str, int]  # (role, phase, round)
 RecordKey = tuple[GroupKey, str, int]  # (group, ref name, occurrence)
@@ -436,8 +437,8 @@ def _row_alignment(base: Alignment, ref: Side, run: Side) -> Alignment:
     note = "; ".join(
         x
         for x in (
-            f"{len(history)} rows left out: different token history" if history else "",
-            f"{len(unmatched)} rows left out: no row at that position on the other side" if unmatched else "",
+            f"{plural(len(history), 'row')} left out: different token history" if history else "",
+            f"{plural(len(unmatched), 'row')} left out: no row at that position on the other side" if unmatched else "",
         )
         if x
     )

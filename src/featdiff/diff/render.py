@@ -16,9 +16,14 @@ from rich.table import Table
 
 from featdiff.diff.result import Comparison, Finding, PairMetrics
 from featdiff.outputs import check_output, replaced
+from featdiff.phases import phrase
+from featdiff.words import plural
 
 EXIT_OK, EXIT_FINDINGS = 0, 1  # the contract's codes (docs/findings.md); 2 is the CLI's, for InputError
 SEVERITY_STYLE = {"error": "bold red", "info": "cyan"}
+# The heading of a findings table's message column: an error's message says what to do, an info
+# finding's notes what was seen (each severity gets its own table, so no row sits under the other's).
+MESSAGE_HEADINGS = {"error": "what to do", "info": "note"}
 
 
 def exit_code(c: Comparison) -> int:
@@ -56,29 +61,38 @@ def verdict(c: Comparison) -> str:
     if not errors:
         # an OK beside unmodelled features covers only what was judged: say what was not
         caveat = (
-            f"; no verdict on {len(gap.fields.get('not_judged', []))} record sets that depend on "
+            f"; no verdict on {plural(len(gap.fields.get('not_judged', [])), 'record set')} that depend on "
             f"{', '.join(gap.fields.get('names', []))}, which the reference does not model"
             if gap is not None
             else ""
         )
         return (
-            f"OK: no error finding over {c.coverage.pairs} compared records ({c.coverage.rows} rows){caveat}; "
+            f"OK: no error finding over {plural(c.coverage.pairs, 'compared record')} "
+            f"({plural(c.coverage.rows, 'row')}){caveat}; "
             f"{c.coverage.skipped_phrase()}"
         )
     where = ""
     if c.first_divergence is not None:
         p = c.pairs[c.first_divergence]
-        where = f"; first divergence: {p.run_name or p.name} ({p.role} {p.phase}, eval {p.eval})"
-    return f"FAIL: {len(errors)} error finding{'s' if len(errors) > 1 else ''}{where}; {c.coverage.skipped_phrase()}"
+        where = f"; first divergence: {p.run_name or p.name} ({phrase(p.role, p.phase)}, eval {p.eval})"
+    return f"FAIL: {plural(len(errors), 'error finding')}{where}; {c.coverage.skipped_phrase()}"
 
 
-def _findings_table(findings: tuple[Finding, ...]) -> Table:
-    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    for col in ("", "kind", "tensor", "what to do"):
-        table.add_column(col, overflow="fold")
-    for f in findings:
-        table.add_row(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/]", f.kind, escape(f.tensor), escape(f.message))
-    return table
+def _findings_tables(findings: tuple[Finding, ...]) -> list[Table]:
+    """One table per severity present, errors first, each folded to the console's width: its
+    message column headed for what the rows say (MESSAGE_HEADINGS)."""
+    tables = []
+    for severity, heading in MESSAGE_HEADINGS.items():
+        rows = [f for f in findings if f.severity == severity]
+        if not rows:
+            continue
+        table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+        for col in ("", "kind", "tensor", heading):
+            table.add_column(col, overflow="fold")
+        for f in rows:
+            table.add_row(f"[{SEVERITY_STYLE[severity]}]{severity}[/]", f.kind, escape(f.tensor), escape(f.message))
+        tables.append(table)
+    return tables
 
 
 def _fmt(x: float) -> str:
@@ -117,8 +131,8 @@ def render_summary(c: Comparison, verbose: bool = False, console: Console | None
     out = console or Console()
     style = "bold green" if c.ok else "bold red"
     out.print(f"[{style}]{verdict(c)}[/]", highlight=False, soft_wrap=True)
-    if c.findings:
-        out.print(_findings_table(c.findings))
+    for table in _findings_tables(c.findings):
+        out.print(table)
     if verbose:
         out.print(_records_table(c.pairs))
         for skip in c.coverage.skips:

@@ -16,6 +16,8 @@ import numpy as np
 from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
 from featdiff.names import Role
+from featdiff.phases import phrase
+from featdiff.words import plural
 
 # The findings JSON's schema version (docs/findings.schema.json): keys are only ever added; it
 # changes only if a key's meaning does.
@@ -216,8 +218,8 @@ class Skip:
 
     def line(self) -> str:
         """One line for people: what was left out and why."""
-        where = f"{self.name} ({self.role} {self.phase}, round {self.round}, occurrence {self.occurrence})"
-        what = "not compared" if self.whole else f"{len(self.rows)} rows left out"
+        where = f"{self.name} ({phrase(self.role, self.phase)}, round {self.round}, occurrence {self.occurrence})"
+        what = "not compared" if self.whole else f"{plural(len(self.rows), 'row')} left out"
         return f"{where}: {what}: {SKIP_SENTENCES[self.reason].format(side=SIDE_NAMES[self.side])}"
 
     def to_json(self) -> dict[str, Any]:
@@ -292,7 +294,7 @@ class Coverage:
         head = (
             "0 skipped"
             if not self.unexpected
-            else f"{n} record set{'s' * (n != 1)} skipped" + (f", {rows} rows left out" if rows else "")
+            else f"{plural(n, 'record set')} skipped" + (f", {plural(rows, 'row')} left out" if rows else "")
         )
         if not self.expected:
             return head
@@ -300,8 +302,8 @@ class Coverage:
         rows_exp = sum(len(s.rows) for s in self.expected)
         reasons = ", ".join(dict.fromkeys(s.reason for s in self.expected))
         return (
-            f"{head} ({n_exp} record set{'s' * (n_exp != 1)}"
-            + (f", {rows_exp} rows" if rows_exp else "")
+            f"{head} ({plural(n_exp, 'record set')}"
+            + (f", {plural(rows_exp, 'row')}" if rows_exp else "")
             + f" left out as expected: {reasons})"
         )
 

@@ -17,7 +17,7 @@ from featdiff.blocks import accepted_length
 from featdiff.dump import Eval, FlowInfo, MemoryOp, Round
 from featdiff.llama.exec_log import ExecEval, ExecLog
 from featdiff.llama.exec_memory import PARTIAL_STATE, FlowStart
-from featdiff.phases import TARGET_PHASES, Phase
+from featdiff.phases import TARGET_PHASES, Phase, phrase
 
 POS_UNSET = -1  # the preload's position of an entry the program left unplaced (a NULL pos array)
 
@@ -371,7 +371,7 @@ def _refused_notes(real: tuple[Eval, ...]) -> list[str]:
     for e in (e for e in real if e.rc):
         span = f"positions {e.positions[0]}..{e.positions[-1]}" if e.positions else "no rows"
         out.append(
-            f"eval {e.eval} ({e.role} {e.phase}, round {e.round}, {span}) failed with rc {e.rc}: "
+            f"eval {e.eval} ({phrase(e.role, e.phase)}, round {e.round}, {span}) failed with rc {e.rc}: "
             "llama.cpp refused the batch the program built (see the program's log)"
         )
     return out

@@ -78,8 +78,9 @@ def parse_run_options(args: Sequence[str]) -> RunOptions:
         flag = args[i]
         if flag not in known:
             raise InputError(
-                f"{flag}: not a featdiff capture option nor a llama.cpp run option it takes "
-                f"({', '.join(sorted(known))}); see `featdiff capture --help`"
+                f"{flag}: not a featdiff capture option nor a llama.cpp run option of an in-process capture; "
+                f"did you mean --exec? (`featdiff capture -o OUT --exec -- PROGRAM ...` runs a program; "
+                "`featdiff capture --help` lists the run options)"
             )
         if i + 1 >= len(args):
             raise InputError(f"{flag}: expects a value, e.g. {flag} {_example(flag)}")

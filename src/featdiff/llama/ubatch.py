@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from featdiff.dump import Eval, MemoryOp
 from featdiff.llama.spool_index import RecordEvent
+from featdiff.phases import phrase
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,15 @@ def graphs_seen(records: tuple[RecordEvent, ...]) -> dict[int, int]:
 def _why_whole(ev: Eval, n_ubatch: int | None, n_graphs: int) -> str | None:
     """Why an eval of several graphs cannot be split into its rows (None: it can)."""
     if n_ubatch is None or n_ubatch <= 0:
-        return f"eval {ev.eval} ({ev.role} {ev.phase}) was computed as {n_graphs} graphs, but its context's n_ubatch is unknown"
+        return f"eval {ev.eval} ({phrase(ev.role, ev.phase)}) was computed as {n_graphs} graphs, but its context's n_ubatch is unknown"
     if len(set(ev.seq_ids)) > 1:
         return (
-            f"eval {ev.eval} ({ev.role} {ev.phase}) holds {len(set(ev.seq_ids))} sequences and was computed as "
+            f"eval {ev.eval} ({phrase(ev.role, ev.phase)}) holds {len(set(ev.seq_ids))} sequences and was computed as "
             f"{n_graphs} graphs: llama.cpp may split such a batch otherwise than in consecutive chunks"
         )
     if n_graphs > len(chunks(ev.n_tokens, n_ubatch)):
         return (
-            f"eval {ev.eval} ({ev.role} {ev.phase}) was computed as {n_graphs} graphs, more than its "
+            f"eval {ev.eval} ({phrase(ev.role, ev.phase)}) was computed as {n_graphs} graphs, more than its "
             f"{ev.n_tokens} rows make in chunks of n_ubatch {n_ubatch}"
         )
     return None

@@ -268,8 +268,8 @@ def _note_parting(
 ) -> None:
     """Log where the reference's own choice (its drafts, the target tokens it would take after
     the run's drafts) parts from the run's, which it decodes instead."""
-    if (own, own_took) != (drafts, took):
-        log.info(
+    if (own, own_took) != (drafts, took):  # per-round detail: on stderr with -v (DEBUG)
+        log.debug(
             "round %d: the reference would draft %s and take %s after the run's drafts %s, the run took %s; "
             "it decodes the run's tokens (compare judges the parting)",
             r,
