@@ -16,6 +16,7 @@ import numpy as np
 
 from featdiff.diff import detectors, diagnose, positions
 from featdiff.diff.align import GroupKey, Pair, Plan, pair_arrays, plan_pairs
+from featdiff.diff.attribution import attributed, where_of
 from featdiff.diff.dependence import gap_of
 from featdiff.diff.evidence import (
     Source,
@@ -27,6 +28,7 @@ from featdiff.diff.evidence import (
     position_evidence,
     target_layers,
 )
+from featdiff.diff.export import NO_EXPORT, Export, export_of
 from featdiff.diff.fields import ABSENT, FlowFields, FlowNoteFields, PositionOffsetFields
 from featdiff.diff.metrics import Measurement, measure
 from featdiff.diff.namemap import NameMap, read_name_map
@@ -61,8 +63,9 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
         run_m = run_dump.manifest
         flows = run_m.flow_ids()
+        export = export_of(ref_dump.manifest, run_m)
         if len(flows) == 1:
-            return _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map)
+            return _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map, export)
         unfollowed = {k: run_m.flow_info(k).why_unreplayable() for k in flows}
         check_flows(ref, run, ref_dump.manifest, run_m, frozenset(k for k, why in unfollowed.items() if why))
         ref_index, run_index = index_members(ref_dump), index_members(run_dump)
@@ -75,6 +78,7 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
                 open_source(run_dump, flow_view(run_m, k, first), run_index),
                 rules,
                 name_map,
+                export,
                 flow=run_m.flow_info(k),
             )
             for k in flows
@@ -123,6 +127,7 @@ def _compare(
     run_src: Source,
     rules: NameMap,
     name_map: Path | None,
+    export: Export = NO_EXPORT,
     flow: FlowInfo | None = None,
 ) -> Comparison:
     plan = plan_pairs(ref_src.manifest, run_src.manifest, rules)
@@ -133,7 +138,7 @@ def _compare(
     measured = [measure_pair(ref_src, run_src, p) for p in plan.pairs]
     within = [m.within(t) for m, t in zip(measured, tols)]
     walk = diagnose.find_roots(plan.pairs, within)
-    findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules)
+    findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules, export)
     metrics = tuple(
         pair_metrics(p, m, t, ok, i in walk.inherited)
         for i, (p, m, t, ok) in enumerate(zip(plan.pairs, measured, tols, within))
@@ -279,10 +284,12 @@ def _findings(
     tols: list[Tolerance],
     types: TypeInfo,
     rules: NameMap,
+    export: Export = NO_EXPORT,
 ) -> tuple[Finding, ...]:
     """What the token ids and positions say (protocol order), manifest-level findings, one per root,
-    then the wiring records left out (`unpaired`), then info; deduplicated, errors first. Records
-    that depend on a feature the reference left out are not judged (diagnose.set_aside_unmodelled)."""
+    then the wiring records left out (`unpaired`), then info; deduplicated, errors first, each error
+    placed (`where`: diff/attribution.py). Records that depend on a feature the reference left out
+    are not judged (diagnose.set_aside_unmodelled)."""
     gap = gap_of(ref.manifest, run.manifest)
     noise = _noise(plan, walk, measured, tols)  # over the within-tolerance pairs, whatever depends on the gap
     plan, walk, unmodelled = diagnose.set_aside_unmodelled(plan, walk, gap)
@@ -296,7 +303,7 @@ def _findings(
     misplaced = _misplaced_groups(batch_found)
     absent = diagnose.absent_records(plan, run.manifest)
     for i in walk.roots[: diagnose.MAX_ROOT_FINDINGS]:
-        ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()))
+        ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()), where_of(export))
         root = diagnose.diagnose_root(ev, measured[i].nmse)
         # rows of a batch placed at offset positions look shifted: the position_offset above says why
         found.append(None if root.kind == "row_shift" and plan.pairs[i].group in misplaced else root)
@@ -315,7 +322,7 @@ def _findings(
     )
     found = [_settled(f, explained) for f in found if f is not None]
     found += [unmodelled, noise, detectors.detect_unexpected_tensor_outside_wiring(plan)]
-    return _deduplicated([f for f in found if f is not None])
+    return attributed(_deduplicated([f for f in found if f is not None]), export, diagnose.graph_inputs(plan))
 
 
 def _misplaced_groups(batch_found: tuple[Finding, ...]) -> set[GroupKey]:

@@ -94,6 +94,12 @@ def _inputs(pair: Pair, earlier: list[int], pairs: tuple[Pair, ...]) -> tuple[li
     return earlier, True  # an uncaptured node in between: anything before it may feed it
 
 
+def graph_inputs(plan: Plan) -> frozenset[str]:
+    """The run names of the paired graph inputs: leaves (no recorded source, op NONE) whose values
+    were copied in (the features, positions, a recycled state), not computed by the graph."""
+    return frozenset(p.run_name for p in plan.pairs if not p.run_srcs and p.run.records[0].op in LEAF_OPS)
+
+
 def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
     """Walk pairs in order; a divergent pair is a root when none of its inputs diverges."""
     roots: list[int] = []

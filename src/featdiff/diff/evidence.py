@@ -15,6 +15,7 @@ from featdiff import kinds, names
 from featdiff.diff.align import Pair, Side, drafter_arch, pair_arrays, row_contexts, side_rows
 from featdiff.diff.arrays import MemberIndex, index_members, read_array
 from featdiff.diff.detectors.base import Evidence, Rope
+from featdiff.diff.fields import Where
 from featdiff.diff.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
 from featdiff.diff.tolerance import EXACT, Tolerance
 from featdiff.dump import Dump, Eval, Manifest, Record
@@ -58,9 +59,12 @@ def target_layers(manifest: Manifest) -> tuple[int, ...]:
     return draft.target_layers if draft is not None else ()
 
 
-def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent: tuple[str, ...] = ()) -> Evidence:
+def build_evidence(
+    ref: Source, run: Source, pair: Pair, tol: Tolerance, absent: tuple[str, ...] = (), weights_where: Where = "unknown"
+) -> Evidence:
     """Everything the detectors may use for `pair`; `absent` names the reference records of its
-    eval group that the run's graph lacks (diagnose.absent_records)."""
+    eval group that the run's graph lacks (diagnose.absent_records); `weights_where` where a node
+    computed wrong from right inputs lives (attribution.where_of): what a fix sentence follows."""
     ref_all, run_all = ref.rows(pair.ref), run.rows(pair.run)
     al = pair.alignment
     ref_rows, run_rows = pair_arrays(al, ref_all, run_all, pair.name) if al.comparable else (ref_all, run_all)
@@ -86,6 +90,7 @@ def build_evidence(ref: Source, run: Source, pair: Pair, tol: Tolerance, absent:
         absent=absent,
         kind=kinds.of_arch(drafter_arch(run.manifest) or drafter_arch(ref.manifest)),
         sampled=_sampled(run, pair, run_all),
+        weights_where=weights_where,
     )
 
 

@@ -312,6 +312,23 @@ class FlowFields:
         return {"flow": self.flow, "seq_id": self.seq_id}
 
 
+# Where a fault lives (docs/findings.md, `where`): the GGUF, the graph llama.cpp built, the code
+# that fed it, or not decided by the evidence at hand
+Where = Literal["export", "graph", "driver", "unknown"]
+
+
+@dataclass(frozen=True)
+class WhereFields:
+    """Added to every error finding: where the fault lives and the evidence that places it there
+    (diff/attribution.py decides them)."""
+
+    where: Where
+    where_reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"where": self.where, "where_reason": self.where_reason}
+
+
 RECORDS: tuple[type[Fields], ...] = (
     LayerOffsetFields,
     SlotPermutationFields,

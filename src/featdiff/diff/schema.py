@@ -17,7 +17,7 @@ import typing
 from dataclasses import fields
 from typing import Any, Literal
 
-from featdiff.diff.fields import RECORDS, Absent, FlowFields
+from featdiff.diff.fields import RECORDS, Absent, FlowFields, WhereFields
 from featdiff.diff.result import Finding, Kind, SkipReason
 from featdiff.names import Role
 from featdiff.phases import Phase
@@ -50,6 +50,8 @@ KEY_NOTES: dict[str, dict[str, Any]] = {
     "pairs": {"description": "new (divergence, detail rope): the RoPE frequency pairs whose angles differ"},
     "flow": {"description": "new: the flow (request) a finding of a run of several flows is about (docs/flow.md)"},
     "seq_id": {"description": "new: the llama.cpp sequence that served that flow"},
+    "where": {"description": "new (every error finding): where the fault lives, by the evidence (docs/findings.md)"},
+    "where_reason": {"description": "new (with `where`): the evidence that places it there, or what would decide it"},
 }
 
 
@@ -88,12 +90,12 @@ def _member_types(record: type) -> dict[str, Any]:
 
 
 def finding_properties(records: tuple[type, ...] = RECORDS) -> dict[str, Any]:
-    """`$defs.finding.properties` of docs/findings.schema.json: a finding's own keys, the flow keys,
+    """`$defs.finding.properties` of docs/findings.schema.json: a finding's own keys, the flow and where keys,
     then every kind's fields (`records`); ValueError when two records give one key two schemas."""
     core = {k: v for k, v in _member_types(Finding).items() if k != "fields"}
     out: dict[str, Any] = {k: type_schema(tp) for k, tp in core.items()}
     owner = dict.fromkeys(out, "Finding")
-    for record in (FlowFields, *records):
+    for record in (FlowFields, WhereFields, *records):
         for key, tp in _member_types(record).items():
             schema = type_schema(tp) | KEY_NOTES.get(key, {})
             if key in out and out[key] != schema:

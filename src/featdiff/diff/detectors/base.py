@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from featdiff import names
-from featdiff.diff.fields import Fields
+from featdiff.diff.fields import Fields, Where
 from featdiff.diff.metrics import relative_error, row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.diff.sketch import LayerMatch
@@ -54,6 +54,10 @@ class Evidence:
     # at draft_logits: (what the run's sampler read, as stored; the run graph's own result_output)
     # rows of the same evals, aligned like `run`; None elsewhere, or when the run lacks either
     sampled: tuple[np.ndarray, np.ndarray] | None = None
+    # where a node computed wrong from right inputs lives (diff/attribution.py): `export` when the
+    # run's GGUF differs from what the reference read, `graph` when it read the same keys and
+    # tensors, else `unknown`; a fix sentence that names the GGUF or the graph follows it
+    weights_where: Where = "unknown"
 
 
 def same_shape(ev: Evidence) -> bool:
@@ -72,6 +76,16 @@ def explains(expected: np.ndarray, run: np.ndarray, tol: Tolerance) -> bool:
 def error_finding(ev: Evidence, message: str, fields: Fields) -> Finding:
     """The error finding of `fields`' kind about the pair's run record."""
     return Finding.of(fields, tensor=ev.tensor, message=message)
+
+
+def fix_by_place(ev: Evidence, export_fix: str, graph_fix: str) -> str:
+    """The fix a user acts on, by where the evidence puts a node's fault (`ev.weights_where`): the
+    GGUF's, the graph's, or both named with what tells them apart when it is not known."""
+    if ev.weights_where == "export":
+        return export_fix
+    if ev.weights_where == "graph":
+        return graph_fix
+    return f"either {export_fix}, or {graph_fix} (a reference made from the run's own GGUF tells which)"
 
 
 def labels(ev: Evidence, mask: np.ndarray) -> tuple[int, ...]:

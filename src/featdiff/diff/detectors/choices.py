@@ -19,6 +19,8 @@ from featdiff.phases import Phase
 # The router's logits are a matrix times the layer's normed input, whose error on one row may reach
 # the pair's row tolerance; the errors of the two logits around the top-k cut add in quadrature
 # (as partings.MARGIN_SPREAD): a margin below sqrt(2) x row_rel x rms(router logits) is a near-tie.
+# wrong_source's `source` of drafts read from another first row of a correct block
+DRAFT_ROWS_SOURCE = "rows from {row}"
 ROUTER_MARGIN_SPREAD = float(np.sqrt(2.0))
 
 
@@ -98,7 +100,7 @@ def detect_wrong_source_of_drafts(p: Parting) -> Finding | None:
         else "the anchor row on, as an anchor-first DSpark block reads"
     )
     return Finding.of(
-        WrongSourceFields(source=f"rows from {p.other_first_row}", candidate=p.tensor),
+        WrongSourceFields(source=DRAFT_ROWS_SOURCE.format(row=p.other_first_row), candidate=p.tensor),
         tensor=p.tensor,
         message=f"at {_parting_where(p)} the run's drafts are the reference's argmax of {p.tensor} from row "
         f"{p.other_first_row} on ({reading}), where this drafter's drafts start at row {own} "

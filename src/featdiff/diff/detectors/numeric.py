@@ -15,6 +15,7 @@ from featdiff.diff.detectors.base import (
     at_positions,
     error_finding,
     explains,
+    fix_by_place,
     labels,
     rotate,
     same_shape,
@@ -32,6 +33,8 @@ from featdiff.diff.metrics import relative_error, row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.diff.tolerance import Tolerance
 
+# wrong_source's `source` at an MTP head's input: a pending hidden kept from an earlier request
+STALE_PENDING_SOURCE = "stale_pending"
 MIN_CHANNEL_ROWS = 4  # rows: below this a factor per channel fits almost any pair of rows
 
 
@@ -86,7 +89,7 @@ def detect_wrong_source_of_zero_rows(ev: Evidence) -> Finding | None:
         f"{ev.tensor} at {at_positions(labels(ev, zero))} pairs the first token of a sequence with a hidden state "
         "where the head takes zeros (no position before it): the driver kept a pending row from an earlier request "
         "or sequence; reset the pending hidden when a sequence starts",
-        WrongSourceFields(source="stale_pending", candidate=f"{ev.record} (zeros)"),
+        WrongSourceFields(source=STALE_PENDING_SOURCE, candidate=f"{ev.record} (zeros)"),
     )
 
 
@@ -161,8 +164,14 @@ def detect_scale_per_channel(ev: Evidence) -> Finding | None:
             ev,
             f"{ev.tensor} is the reference times one factor per channel{where}, the same on every row "
             f"({spread.min():.3g}..{spread.max():.3g}{f', repeating every {head} values' if per_head else ''}): "
-            f"the weight of {norm} is missing or another one; check that the GGUF's norm weight feeding it is the "
-            f"checkpoint's (a converter that drops a norm's weights writes ones)",
+            f"the weight of {norm} is missing or another one; "
+            + fix_by_place(
+                ev,
+                "the GGUF's norm weight feeding it is not the checkpoint's (a converter that drops a norm's weights "
+                "writes ones): export it from the checkpoint",
+                "the graph multiplies it by another norm's weight, or none (the GGUF's weights are the "
+                "reference's): check which norm tensor the graph reads there",
+            ),
             ScaleFields(
                 factor=round(float(np.mean(spread)), 6),
                 factors=tuple(round(float(x), 6) for x in spread),

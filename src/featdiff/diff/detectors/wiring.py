@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from featdiff import names
-from featdiff.diff.detectors.base import Evidence, error_finding, explains, same_shape, span
+from featdiff.diff.detectors.base import Evidence, error_finding, explains, fix_by_place, same_shape, span
 from featdiff.diff.fields import (
     ExtraTermFields,
     LayerOffsetFields,
@@ -146,9 +146,16 @@ def _fc_columns_permuted(ev: Evidence) -> Finding | None:
         ev,
         f"{ev.tensor} is fc applied to the feature slots in order {perm} instead of {list(range(len(perm)))} "
         f"(it matches the reference's {names.candidate_name(ev.record, names.slots_hypothesis(tuple(perm)))}) "
-        f"while fc's input matches: the GGUF's {names.T_FC} has its column blocks permuted ({moved}); "
-        f"write its {len(perm)} blocks of target_hidden_size columns in the checkpoint's order (block k "
-        f"multiplies the slot of {names.KEY_EAGLE3_TARGET_LAYERS}[k])",
+        f"while fc's input matches: "
+        + fix_by_place(
+            ev,
+            f"the GGUF's {names.T_FC} has its column blocks permuted ({moved}): write its {len(perm)} blocks of "
+            f"target_hidden_size columns in the checkpoint's order (block k multiplies the slot of "
+            f"{names.KEY_EAGLE3_TARGET_LAYERS}[k])",
+            f"the graph multiplies {names.T_FC}'s column blocks with the slots in another order (the GGUF's "
+            f"{names.T_FC} is the reference's): concatenate the slots in {names.KEY_EAGLE3_TARGET_LAYERS} order "
+            "before fc",
+        ),
         SlotPermutationFields(permutation=tuple(perm)),
     )
 

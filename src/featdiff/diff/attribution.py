@@ -1,0 +1,129 @@
+"""Where a fault lives (DESIGN.md, "Where a fault lives"; docs/findings.md, `where`): every error
+finding placed in the export, the graph or the driver by the evidence, or `unknown` with what would
+decide it. Consumes the findings, the export evidence (diff/export.py) and the names of the run's
+graph inputs; produces the findings with `where` and `where_reason`. Pure: no I/O.
+
+* driver: what the graph was given is wrong (rows, positions, tokens, states, a graph input's
+  values) while the weights and keys that decide it agree with the reference's;
+* export: the run's GGUF differs from what the reference read (the checkpoint's converted keys,
+  another GGUF's keys or tensors) where a node diverges with its inputs agreeing;
+* graph: a node whose inputs agree with the reference and whose output does not, computed from
+  the same keys and tensors the reference read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import replace
+
+from featdiff import names
+from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
+from featdiff.diff.detectors.kvcache import RESTORED_SOURCE
+from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
+from featdiff.diff.detectors.wiring import SOURCE_ANOTHER_OUTPUT_ROW
+from featdiff.diff.export import Export
+from featdiff.diff.fields import Where, WhereFields
+from featdiff.diff.result import Finding
+
+# Kinds about what the graph was handed (rows, positions, tokens, the flow): the driver's
+FED_KINDS: tuple[str, ...] = ("row_shift", "misplaced_rows", "position_offset", "stale", "duplicate_rows")
+FED_KINDS += ("block_token", "unpaired", "flow_note", "not_conditioned")
+# Kinds that name which target layers or slots a graph input holds: a GGUF key decides them
+LAYER_KINDS = ("layer_offset", "slot_permutation", "layout_transpose")
+LAYER_FIELD = "target_layers"  # diff/export.CONVERTED_FIELDS' field those kinds rest on
+# wrong_source sources that name another row, eval, request or state, not another weight or node
+FED_SOURCES = (
+    SOURCE_ANOTHER_OUTPUT_ROW,
+    STALE_PENDING_SOURCE,
+    RESTORED_SOURCE,
+    names.HYP_H_BATCH_LAST.partition("=")[2],  # a hypothesis' value is the source
+    names.HYP_RECURRENT_KEPT.partition("=")[2],
+)
+FED_SOURCE_PREFIXES = (DRAFT_ROWS_SOURCE.format(row=""),)
+
+FED = "the graph computed right from what it was given; what it was given ({what}) is not what the flow prescribes"
+NOT_CHECKED = "export not checked: the reference did not record which model it read; pass the checkpoint with --model"
+
+
+def attributed(findings: tuple[Finding, ...], export: Export, inputs: Collection[str]) -> tuple[Finding, ...]:
+    """Every error finding with `where` and `where_reason` (those that carry them already keep
+    theirs); info findings unchanged. `inputs`: the run's graph inputs (leaves) among the records."""
+    return tuple(_with_where(f, place(f, export, inputs)) if _needs_where(f) else f for f in findings)
+
+
+def _needs_where(f: Finding) -> bool:
+    return f.severity == "error" and "where" not in f.fields
+
+
+def _with_where(f: Finding, where: WhereFields) -> Finding:
+    return replace(f, fields={**f.fields, **where.to_json()})
+
+
+def place(f: Finding, export: Export, inputs: Collection[str]) -> WhereFields:
+    """Where one error finding's fault lives, by the rules of the module docstring."""
+    if f.kind in FED_KINDS or _fed_source(f):
+        return WhereFields("driver", FED.format(what=_what_fed(f)))
+    if f.tensor in inputs:
+        return _input_place(f, export)
+    return weights_place(export)
+
+
+def _fed_source(f: Finding) -> bool:
+    source = str(f.fields.get("source", ""))
+    return f.kind == "wrong_source" and (source in FED_SOURCES or source.startswith(FED_SOURCE_PREFIXES))
+
+
+def _what_fed(f: Finding) -> str:
+    if f.kind == "position_offset":
+        return "positions"
+    if f.kind in ("block_token", "unpaired", "not_conditioned"):
+        return "tokens or evals"
+    if f.kind == "wrong_source":
+        return f"a state or row: {f.fields.get('source')}"
+    return "rows"
+
+
+def _input_place(f: Finding, export: Export) -> WhereFields:
+    """A graph input's values are wrong: the driver staged them, unless the GGUF key that says
+    which layers to stage differs from the reference's (export)."""
+    keyed = [d for d in export.differs if d.startswith(LAYER_FIELD)] if f.kind in LAYER_KINDS else []
+    if keyed:
+        return WhereFields("export", f"the run's GGUF differs from what the reference read: {'; '.join(keyed)}")
+    if f.kind in LAYER_KINDS and not _layers_known(export):
+        return WhereFields("unknown", NOT_CHECKED)
+    return WhereFields("driver", FED.format(what=f"the values of the graph input {f.tensor}"))
+
+
+def _layers_known(export: Export) -> bool:
+    return any(e.origin != "unknown" for e in export.roles.values())
+
+
+def weights_place(export: Export) -> WhereFields:
+    """Where a node that diverges with its inputs agreeing lives: the export when the run's GGUF
+    differs from what the reference read, the graph when the reference read the same keys and
+    tensors, else unknown with what would decide it."""
+    roles = export.roles.values()
+    if export.differs:
+        return WhereFields(
+            "export", f"the run's GGUF differs from what the reference read: {'; '.join(export.differs)}"
+        )
+    if roles and all(e.complete for e in roles):
+        same = all(e.origin == "same_file" for e in roles)
+        read = "the run's own GGUF (same sha256)" if same else "GGUFs with the same keys and tensors"
+        return WhereFields(
+            "graph", f"the reference read {read}, and the node's inputs agree with it while its output does not"
+        )
+    if any(e.origin == "checkpoint" for e in roles):
+        gguf = next((p for p in export.gguf.values() if p), "the GGUF")
+        return WhereFields(
+            "unknown",
+            f"the checkpoint's keys agree with the GGUF's, its tensors were not compared: make a second reference "
+            f"from {gguf} itself (featdiff reference --model {gguf}); if the run agrees with that one, the export "
+            "is wrong, else the graph",
+        )
+    return WhereFields("unknown", NOT_CHECKED)
+
+
+def where_of(export: Export) -> Where:
+    """weights_place's `where`: what a detector's fix sentence follows."""
+    return weights_place(export).where

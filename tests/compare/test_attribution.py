@@ -1,0 +1,107 @@
+"""diff/attribution.py: every error finding placed in the export, the graph or the driver by the
+evidence (diff/export.py), or `unknown` with what would decide it; the fix sentence follows it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from featdiff.diff.attribution import attributed, place
+from featdiff.diff.detectors import detect_scale_per_channel
+from featdiff.diff.detectors.base import Evidence
+from featdiff.diff.export import Export, RoleExport, role_export
+from featdiff.diff.fields import LayerOffsetFields, RowShiftFields, ScaleFields, WrongSourceFields
+from featdiff.diff.result import Finding
+from featdiff.diff.tolerance import Tolerance
+from featdiff.manifest_fields import ModelInfo
+
+SAME = Export(roles={"draft": RoleExport("same_file", complete=True)}, gguf={"draft": "d.gguf"})
+KEYS_AGREE = Export(roles={"draft": RoleExport("checkpoint")}, gguf={"draft": "d.gguf"})
+LAYERS_DIFFER = Export(
+    roles={
+        "draft": RoleExport("checkpoint", differs=("target_layers [2, 4] in the run's, [1, 3] in the reference's",))
+    },
+    gguf={"draft": "d.gguf"},
+)
+FC_DIFFERS = Export(roles={"draft": RoleExport("other_gguf", differs=("fc.weight",), complete=True)}, gguf={})
+NOTHING = Export(roles={}, gguf={})
+F32 = Tolerance(rel=1e-4, sources=("f32",))
+
+
+def _layer_offset(tensor: str = "inp_target_features") -> Finding:
+    return Finding.of(LayerOffsetFields(0, 2, 3, 1, (3, 5), (2, 4)), tensor=tensor, message="m")
+
+
+def _scale(tensor: str = "fc_out") -> Finding:
+    return Finding.of(ScaleFields(factor=2.0), tensor=tensor, message="m")
+
+
+@pytest.mark.parametrize(
+    ("finding", "export", "where"),
+    [
+        (_layer_offset(), LAYERS_DIFFER, "export"),  # the GGUF's key differs from the checkpoint's
+        (_layer_offset(), SAME, "driver"),  # the same GGUF on both sides: the driver staged other layers
+        (_layer_offset(), KEYS_AGREE, "driver"),
+        (_layer_offset(), NOTHING, "unknown"),
+        (_scale(), SAME, "graph"),  # inputs agree, output does not, same weights
+        (_scale(), FC_DIFFERS, "export"),
+        (_scale(), KEYS_AGREE, "unknown"),  # a checkpoint's tensors were not compared
+        (_scale(), NOTHING, "unknown"),
+        (Finding.of(RowShiftFields(shift=1), tensor="fc_out", message="m"), LAYERS_DIFFER, "driver"),
+        (Finding.of(WrongSourceFields("stale_pending", "x"), tensor="mtp_h_input", message="m"), SAME, "driver"),
+        (Finding.of(WrongSourceFields("prenorm", "x"), tensor="mtp_h_input", message="m"), SAME, "graph"),
+    ],
+)
+def test_each_finding_is_placed_by_its_evidence(finding, export, where):
+    placed = place(finding, export, inputs={"inp_target_features"})
+    assert placed.where == where, placed.where_reason
+    assert placed.where_reason
+
+
+def test_unknown_says_what_would_decide_it():
+    assert "--model" in place(_scale(), NOTHING, ()).where_reason
+    assert "featdiff reference --model d.gguf" in place(_scale(), KEYS_AGREE, ()).where_reason
+
+
+def test_only_error_findings_get_where_and_a_detectors_own_is_kept():
+    info = Finding.of(ScaleFields(factor=2.0), tensor="x", message="m", severity="info")
+    own = Finding.of(ScaleFields(factor=2.0), tensor="x", message="m")
+    own = Finding(
+        own.kind, own.tensor, own.severity, own.message, {**own.fields, "where": "graph", "where_reason": "r"}
+    )
+    out = attributed((info, own, _scale()), NOTHING, ())
+    assert "where" not in out[0].fields and out[1].fields["where"] == "graph" and out[2].fields["where"] == "unknown"
+    assert Finding.from_json(out[2].to_json()) == out[2]  # round-trips: the keys sit among the fields
+
+
+def _info(path: str, sha: str, layers: tuple[int, ...]) -> ModelInfo:
+    return ModelInfo(path, sha, "dflash", 1, 16, 64, ("f32",), target_layers=layers)
+
+
+def test_role_export_tells_the_same_file_a_checkpoint_and_its_keys():
+    run = _info("d.gguf", "abc", (2, 4))
+    assert role_export(_info("other/d.gguf", "abc", (2, 4)), run).origin == "same_file"
+    hf = role_export(_info("draft-hf", "hf1", (1, 3)), run)
+    assert hf.origin == "checkpoint" and hf.differs == ("target_layers [2, 4] in the run's, [1, 3] in the reference's",)
+    assert role_export(_info("draft-hf", "hf1", (2, 4)), run).differs == ()
+    assert role_export(None, run).origin == "unknown"
+
+
+def _channel_ev(where) -> Evidence:
+    rows = np.random.default_rng(0).standard_normal((8, 16))  # (R, D)
+    factors = np.linspace(0.5, 2.0, 16)  # (D,)
+    return Evidence(tensor="enc_norm", ref=rows, run=rows * factors, tolerance=F32, weights_where=where)
+
+
+@pytest.mark.parametrize(
+    ("where", "says", "never"),
+    [
+        ("graph", "the graph multiplies it", "converter"),
+        ("export", "converter", "the graph multiplies"),
+        ("unknown", "either", ""),
+    ],
+)
+def test_a_norm_weight_fix_follows_where(where, says, never):
+    f = detect_scale_per_channel(_channel_ev(where))
+    assert f is not None and says in f.message
+    assert not never or never not in f.message
