@@ -236,3 +236,41 @@ def test_each_skip_reason_is_judged_one_way():
     classes = (EXPLAINABLE_SKIPS, ERROR_SKIPS, INFO_SKIPS, QUIET_SKIPS)
     assert sorted(r for c in classes for r in c) == sorted(SKIP_REASONS)
     assert EXPECTED_SKIPS == INFO_SKIPS + QUIET_SKIPS
+
+
+def _two_flows(src, dst, second=None):
+    """`src`'s one flow served twice, on sequences 0 and 1, one after the other: flow 1's evals
+    and records follow flow 0's; `second(eval)` rewrites each eval of flow 1 (None: as it was),
+    and a flow-1 eval with rc != 0 keeps no record (llama.cpp refused the batch)."""
+    from featdiff.dump import FlowInfo
+
+    with read_dump(src) as d:
+        m = d.manifest
+        n = len(m.evals)
+        again = [replace(e, eval=e.eval + n, flow=1, seq_ids=(1,) * len(e.seq_ids)) for e in m.evals]
+        again = [second(e) if second else e for e in again]
+        refused = {e.eval for e in again if e.rc != 0}
+        writer = DumpWriter(dst)
+        for r in d.records():
+            a = np.array(d.array(r))
+            writer.add(r, a)
+            if r.eval + n not in refused:
+                writer.add(replace(r, eval=r.eval + n, key=record_key(r.eval + n, r.role, r.name, r.occurrence)), a)
+        flows = (FlowInfo(0, 0, m.prompt_tokens), FlowInfo(1, 1, m.prompt_tokens))
+        rounds = m.rounds + tuple(replace(r, flow=1) for r in m.rounds)
+        return writer.close(replace(m, evals=m.evals + tuple(again), records=(), rounds=rounds, flows=flows))
+
+
+def test_a_flow_whose_request_failed_is_named_as_information_and_the_other_flow_is_judged(synth_ref, tmp_path):
+    ref = _two_flows(synth_ref, tmp_path / "ref2.npz")
+    run = _two_flows(synth.write(tmp_path / "run.npz", side="run"), tmp_path / "run2.npz", lambda e: replace(e, rc=-1))
+    c = compare_dumps(ref, run, None)
+    notes = [f for f in c.findings if f.kind == "flow_note"]
+    assert len(notes) == 1 and notes[0].severity == "info" and notes[0].fields["flow"] == 1, c.findings
+    assert "llama.cpp refused" in notes[0].message and "the request failed" in notes[0].message
+    assert c.ok and not [f for f in c.findings if f.severity == "error"]
+    with read_dump(run) as d:
+        assert c.pairs and max(p.eval for p in c.pairs) < len(d.manifest.evals) // 2  # flow 0's evals only
+    twice = _two_flows(synth.write(tmp_path / "again.npz", side="run"), tmp_path / "again2.npz")
+    both = compare_dumps(ref, twice, None)  # both flows paired: both judged, nothing set aside
+    assert both.ok and not [f for f in both.findings if f.kind == "flow_note"] and len(both.pairs) == 2 * len(c.pairs)

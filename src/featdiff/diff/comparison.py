@@ -70,23 +70,35 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
         check_flows(ref, run, ref_dump.manifest, run_m, frozenset(k for k, why in unfollowed.items() if why))
         ref_index, run_index = index_members(ref_dump), index_members(run_dump)
         first = next((k for k in flows if not unfollowed[k]), None)  # its view holds the run's flow notes
-        parts = [
-            _compare(
-                ref,
-                run,
-                open_source(ref_dump, flow_view(ref_dump.manifest, k), ref_index),
-                open_source(run_dump, flow_view(run_m, k, first), run_index),
-                rules,
-                name_map,
-                export,
-                flow=run_m.flow_info(k),
-            )
-            for k in flows
-            if not unfollowed[k]
-        ]
+        parts: list[Comparison] = []
+        for k in flows:
+            if unfollowed[k]:
+                continue
+            ref_src = open_source(ref_dump, flow_view(ref_dump.manifest, k), ref_index)
+            run_src = open_source(run_dump, flow_view(run_m, k, first), run_index)
+            plan = plan_pairs(ref_src.manifest, run_src.manifest, rules)
+            if not plan.pairs:  # one flow featdiff cannot pair does not take the others down
+                unfollowed[k] = _unpaired_flow(run_m.flow_info(k), run_src.manifest)
+                continue
+            parts.append(_compare(ref, run, ref_src, run_src, rules, name_map, export, run_m.flow_info(k), plan))
     if not parts:
-        raise InputError(f"{run}: no flow of the run can be compared: {next(iter(unfollowed.values()))}")
+        raise InputError(f"{run}: no flow of the run can be compared: {next(w for w in unfollowed.values() if w)}")
     return _with_unfollowed(merged(parts), [(run_m.flow_info(k), why) for k, why in unfollowed.items() if why])
+
+
+def _unpaired_flow(flow: FlowInfo, run_view: Manifest) -> str:
+    """Why one flow of several shares no record pair with the reference's flow of its number: a
+    decode the program failed (a request the server answered with an error), else no record of the
+    same role, phase, round, name and token history; a sentence naming the flow."""
+    failed = [e for e in run_view.evals if e.rc != 0]
+    if failed:
+        e = failed[0]
+        what = f"llama.cpp refused its {e.role} {e.phase} decode at eval {e.eval} (rc {e.rc}: the request failed)"
+    elif not run_view.records:
+        what = "the capture holds no record of it (the program decoded nothing the reference replays)"
+    else:
+        what = "no record of it pairs with the reference's flow (same role, phase, round, name and token history)"
+    return f"{_of_flow(flow)}{what}"
 
 
 def _with_unfollowed(c: Comparison, flows: list[tuple[FlowInfo, str]]) -> Comparison:
@@ -129,8 +141,9 @@ def _compare(
     name_map: Path | None,
     export: Export = NO_EXPORT,
     flow: FlowInfo | None = None,
+    plan: Plan | None = None,
 ) -> Comparison:
-    plan = plan_pairs(ref_src.manifest, run_src.manifest, rules)
+    plan = plan or plan_pairs(ref_src.manifest, run_src.manifest, rules)
     if not plan.pairs:
         raise InputError(_of_flow(flow) + _nothing_paired(ref, run, plan, ref_src.manifest, run_src.manifest))
     types = type_info(ref_src.manifest, run_src.manifest)
