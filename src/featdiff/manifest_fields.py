@@ -53,6 +53,9 @@ class ModelInfo:
     # a drafter's keys and tensors llama.cpp computes and the reference does not model
     # (featdiff.modelled); optional (docs/dump.md): written only when there is one
     unmodelled: tuple[str, ...] = ()
+    # an EAGLE3 reference's HF checkpoint: {"trainer", "layer_ids", "layer_ids_mean", "told_by"}
+    # (docs/dump.md); optional, written only when set
+    checkpoint: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -64,6 +67,8 @@ class ModelInfo:
             d["unmodelled"] = list(self.unmodelled)
         else:
             del d["unmodelled"]
+        if self.checkpoint is None:
+            del d["checkpoint"]
         return dict(sorted(d.items()))
 
     @classmethod

@@ -316,6 +316,7 @@ HYP_ROUTER_MARGIN = "router_margin"
 # unit weight (a norm added where the checkpoint has none)
 HYP_NORM_NONE = "norm=none"
 HYP_NORM_UNIT = "norm=unit"
+HYP_FC_NORM_NONE = "fc_norm=none"  # fc_out@fc_norm=none: fc of the raw features, SpecForge's per-slot fc_norm dropped
 # result_output@d2t=offsets, draft_logits@d2t=offsets: a reduced head's row i scattered to target id
 # d2t[i] - i (a GGUF d2t holding the HF offsets, not absolute ids); NaN where several rows land on one
 # id (which one ggml_set_rows leaves there is a race between its threads)

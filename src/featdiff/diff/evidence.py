@@ -90,8 +90,16 @@ def build_evidence(
         absent=absent,
         kind=kinds.of_arch(drafter_arch(run.manifest) or drafter_arch(ref.manifest)),
         sampled=_sampled(run, pair, run_all),
+        checkpoint=_checkpoint(ref.manifest),
         weights_where=weights_where,
     )
+
+
+def _checkpoint(manifest: Manifest) -> dict | None:
+    """The reference's HF checkpoint entry (models.draft.checkpoint), where its manifest has one."""
+    draft = manifest.models.get(names.ROLE_DRAFT) or {}
+    entry = draft.get("checkpoint") if isinstance(draft, dict) else None
+    return entry if isinstance(entry, dict) else None
 
 
 def _sampled(run: Source, pair: Pair, read: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

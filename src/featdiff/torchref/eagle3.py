@@ -73,6 +73,11 @@ class Eagle3Draft:
     output: torch.Tensor | None  # (n_vocab_draft, n_embd); None: the target's head
     token_embd: torch.Tensor | None  # (n_vocab, n_embd); None: the target's table
     d2t: torch.Tensor | None = None  # int64 (n_vocab_draft,): absolute target id of each head row
+    # SpecForge's `fc_norm`: one RMSNorm per target slot, each (n_embd_tgt,), before fc (a HF
+    # checkpoint only: llama.cpp's graph has no such norm and the pinned converter refuses it)
+    fc_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # a HF checkpoint's trainer and what its layer ids mean (the manifest's `checkpoint`); None: a GGUF
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def has_own_embeddings(self) -> bool:
@@ -99,9 +104,20 @@ def encode(draft: Eagle3Draft, features: torch.Tensor) -> tuple[torch.Tensor, tu
             raise ValueError(f"{draft.source.path}: norm_before_fc without enc_norm: the loader let it through")
         x = rms_norm(x, draft.enc_norm, draft.hparams.rms_eps)
         records.append(Named(names.EAGLE3_ENC_INPUT_NORM, x))
+    if draft.fc_norm is not None:  # no graph node of llama.cpp's computes it: only fc_out is recorded
+        x = slot_norms(draft, x)
     g = linear(x, draft.fc)  # (n_tokens, n_embd)
     records.append(Named(names.EAGLE3_FC_OUT, g))
     return g, tuple(records)
+
+
+def slot_norms(draft: Eagle3Draft, features: torch.Tensor) -> torch.Tensor:
+    """SpecForge's `fc_norm`: each target slot `(n_tokens, n_embd_tgt)` RMS-normalized with its
+    own weight, concatenated again `(n_tokens, 3 * n_embd_tgt)`."""
+    assert draft.fc_norm is not None  # the caller's branch
+    slots = features.split(draft.n_embd_tgt, dim=1)  # 3 x (n_tokens, n_embd_tgt)
+    normed = [rms_norm(s, w, draft.hparams.rms_eps) for s, w in zip(slots, draft.fc_norm)]
+    return torch.cat(normed, dim=1)  # (n_tokens, 3 * n_embd_tgt)
 
 
 def encode_candidates(draft: Eagle3Draft, features: torch.Tensor) -> tuple[Named, ...]:
@@ -112,10 +128,15 @@ def encode_candidates(draft: Eagle3Draft, features: torch.Tensor) -> tuple[Named
       with `norm_before_fc`) whose slot k carries reference slot perm[k]. A GGUF whose fc column
       block perm[k] holds the checkpoint's block k computes exactly this (the features match);
     * `fc_out@norm=none` with `norm_before_fc`: fc of the raw features (the norm dropped);
+    * `fc_out@fc_norm=none` with SpecForge's per-slot `fc_norm`: fc of the raw features (a
+      converter that drops `fc_norm.{0,1,2}.weight`);
     * `fc_out@norm=unit` without it: fc of the features RMS-normalized with a unit weight (a norm
       the checkpoint does not have)."""
     fc_out = names.EAGLE3_FC_OUT
-    if draft.norm_before_fc and draft.enc_norm is not None:
+    if draft.fc_norm is not None:
+        fc_input = slot_norms(draft, features)
+        norm = Named(names.candidate_name(fc_out, names.HYP_FC_NORM_NONE), linear(features, draft.fc))
+    elif draft.norm_before_fc and draft.enc_norm is not None:
         fc_input = rms_norm(features, draft.enc_norm, draft.hparams.rms_eps)
         norm = Named(names.candidate_name(fc_out, names.HYP_NORM_NONE), linear(features, draft.fc))
     else:
@@ -304,7 +325,12 @@ def eagle3_models_entry(draft: Eagle3Draft) -> dict[str, Any]:
             weight_types=(),
             rope_freq_base=hp.rope_base,
         )
-    return replace(info, target_layers=draft.target_layers, has_own_embeddings=draft.has_own_embeddings).to_json()
+    return replace(
+        info,
+        target_layers=draft.target_layers,
+        has_own_embeddings=draft.has_own_embeddings,
+        checkpoint=draft.checkpoint,
+    ).to_json()
 
 
 def eagle3_from_gguf(

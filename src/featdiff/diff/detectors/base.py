@@ -58,6 +58,9 @@ class Evidence:
     # run's GGUF differs from what the reference read, `graph` when it read the same keys and
     # tensors, else `unknown`; a fix sentence that names the GGUF or the graph follows it
     weights_where: Where = "unknown"
+    # an EAGLE3 reference's HF checkpoint (the ref manifest's models.draft.checkpoint: its trainer and
+    # what its layer ids mean, docs/dump.md); None: the reference read a GGUF, or another kind
+    checkpoint: Mapping[str, object] | None = None
 
 
 def same_shape(ev: Evidence) -> bool:

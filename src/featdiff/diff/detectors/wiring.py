@@ -57,11 +57,7 @@ def detect_layer_offset(ev: Evidence) -> Finding | None:
     k = off[0]
     delta = observed[k] - lm.expected_layers[k]
     same = all(observed[j] - lm.expected_layers[j] == delta for j in range(len(observed)))
-    hint = (
-        f" (every slot is off by {delta:+d}: {ev.kind.layer_key} must be the checkpoint's {ev.kind.layer_rule})"
-        if same
-        else ""
-    )
+    hint = f" (every slot is off by {delta:+d}: {_layer_rule(ev, lm.expected_layers)})" if same else ""
     return error_finding(
         ev,
         f"slot {k} of {ev.tensor} is the input of target layer {observed[k]}; "
@@ -75,6 +71,24 @@ def detect_layer_offset(ev: Evidence) -> Finding | None:
             expected_layers=tuple(lm.expected_layers),
         ),
     )
+
+
+def _layer_rule(ev: Evidence, expected: list[int] | tuple[int, ...]) -> str:
+    """What the drafter's layer key must hold: the kind's rule, or, for a reference read from a HF
+    checkpoint that says what its ids mean (Evidence.checkpoint), both conventions by name."""
+    c = ev.checkpoint or {}
+    mean, trainer, ids = c.get("layer_ids_mean"), c.get("trainer"), c.get("layer_ids")
+    if mean == "output":
+        return (
+            f"the checkpoint's trainer ({trainer}) reads layer outputs, and llama.cpp taps layer inputs: the GGUF "
+            f"must carry its ids + 1, {ev.kind.layer_key} = {list(expected)} for ids {ids}"
+        )
+    if mean == "input":
+        return (
+            f"the checkpoint's trainer ({trainer}) reads layer inputs, as llama.cpp taps them: {ev.kind.layer_key} "
+            f"must be its ids as they are, {list(expected)}, with no + 1"
+        )
+    return f"{ev.kind.layer_key} must be the checkpoint's {ev.kind.layer_rule}"
 
 
 def detect_slot_permutation(ev: Evidence) -> Finding | None:
@@ -366,7 +380,7 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
             f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
             f"max_log_snr and every mask row at min_log_snr"
         )
-    if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
+    if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_FC_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
         return _eagle3_export_message(tensor, f"{key}={value}", candidate)
     if f"{key}={value}" in _MTP_WRONG_NORM:
         return _mtp_wrong_norm_message(tensor, f"{key}={value}", candidate)
@@ -389,6 +403,13 @@ def _eagle3_export_message(tensor: str, hypothesis: str, candidate: str) -> str:
             f"{tensor} is fc applied to the raw target features (it matches the reference's {candidate}) where the "
             f"checkpoint normalizes them first ({names.EAGLE3_ENC_INPUT_NORM}): set {names.KEY_EAGLE3_NORM_BEFORE_FC} "
             f"= true and ship {names.T_ENC_NORM} (the checkpoint's input_norm) in the drafter's GGUF"
+        )
+    if hypothesis == names.HYP_FC_NORM_NONE:
+        return (
+            f"{tensor} is fc applied to the raw target features (it matches the reference's {candidate}) where the "
+            "checkpoint normalizes each target slot with its own RMSNorm (SpecForge's fc_norm.{0,1,2}.weight): the "
+            "export dropped them; llama.cpp's eagle3 graph has no per-slot norm (the pinned converter refuses "
+            "fc_norm.0.weight), so this drafter cannot run there as trained"
         )
     if hypothesis == names.HYP_NORM_UNIT:
         return (
