@@ -104,6 +104,7 @@ def reference(
     run: PathLike | None = o.BLOCKS_OF_RUN.default,
     p_min: float | None = o.P_MIN.default,
     follow: PathLike | None = o.FOLLOW.default,
+    layer_ids_mean: str | None = o.LAYER_IDS_MEAN.default,
 ) -> Path:
     """Compute the reference dump in PyTorch from the same weights and tokens; return its path."""
     from featdiff.torchref.kind import reference as run_reference
@@ -123,6 +124,7 @@ def reference(
         run=_path(run),
         p_min=p_min,
         follow=_path(follow),
+        layer_ids_mean=layer_ids_mean,
     )
 
 

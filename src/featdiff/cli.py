@@ -142,6 +142,7 @@ RefTargetOpt = Annotated[Optional[Path], _option(o.REF_TARGET)]
 RefModelOpt = Annotated[Optional[Path], _option(o.REF_MODEL)]
 PMinOpt = Annotated[Optional[float], _option(o.P_MIN)]
 NameMapOpt = Annotated[Optional[Path], _option(o.NAME_MAP)]
+LayerIdsMeanOpt = Annotated[Optional[str], _option(o.LAYER_IDS_MEAN)]
 
 
 @app.command()
@@ -283,6 +284,7 @@ def reference(
     p_min: PMinOpt = o.P_MIN.default,
     follow: Annotated[Optional[Path], _option(o.FOLLOW)] = o.FOLLOW.default,
     verbose: Annotated[bool, _option(o.LOG_VERBOSE)] = o.LOG_VERBOSE.default,
+    layer_ids_mean: LayerIdsMeanOpt = o.LAYER_IDS_MEAN.default,
 ) -> None:
     """Compute the reference dump in PyTorch from the same weights and tokens."""
     from featdiff import api
@@ -304,6 +306,7 @@ def reference(
             run=run,
             p_min=p_min,
             follow=follow,
+            layer_ids_mean=layer_ids_mean,
         )
     )
 

@@ -172,6 +172,17 @@ FOLLOW = Option(
     dir_okay=False,
 )
 
+LAYER_IDS_MEAN = Option(
+    "layer_ids_mean",
+    ("--layer-ids-mean",),
+    None,
+    (
+        "input or output: what an EAGLE3 Hugging Face checkpoint's eagle_aux_hidden_state_layer_ids name, where "
+        "the checkpoint cannot tell (llama.cpp and vLLM tap layer inputs, SpecForge layer outputs: id + 1). "
+        "Default: told by the checkpoint's trainer."
+    ),
+)
+
 # ---------------------------------------------------------------- compare and report
 
 JSON_OUT = Option("json_out", ("--json",), None, "Write findings JSON to FILE, or - for stdout only.")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from featdiff.diff.result import Comparison
+from featdiff.diff.result import Comparison, Finding
 from featdiff.dump import Manifest
 from featdiff.errors import InputError
 from featdiff.outputs import append_text, check_output, check_output_dir, replaced
@@ -137,9 +137,14 @@ def _sample_sd(xs: list[int]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def _placed(f: Finding) -> str:
+    """` (where: graph)`: where an error's fault lives (docs/findings.md, `where`), when it says."""
+    return f" (where: {f.fields['where']})" if "where" in f.fields else ""
+
+
 def reasons_to_fail(comparison: Comparison, accept: AcceptCheck) -> tuple[str, ...]:
     """One sentence per error finding, then the accept gap and the accept floor, as they apply."""
-    out = [f"{f.kind} at {f.tensor}: {f.message}" for f in comparison.findings if f.severity == "error"]
+    out = [f"{f.kind} at {f.tensor}{_placed(f)}: {f.message}" for f in comparison.findings if f.severity == "error"]
     if accept.blocks < MIN_BLOCKS:
         out.append(
             f"the run drafted {plural(accept.blocks, 'block')}; the accept comparison needs at least {MIN_BLOCKS}: "

@@ -87,10 +87,14 @@ def _findings_tables(findings: tuple[Finding, ...]) -> list[Table]:
         if not rows:
             continue
         table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-        for col in ("", "kind", "tensor", heading):
+        placed = severity == "error"  # every error says where its fault lives (docs/findings.md, `where`)
+        for col in ("", "kind", "tensor", *(("where",) if placed else ()), heading):
             table.add_column(col, overflow="fold")
         for f in rows:
-            table.add_row(f"[{SEVERITY_STYLE[severity]}]{severity}[/]", f.kind, escape(f.tensor), escape(f.message))
+            where = (str(f.fields.get("where", "")),) if placed else ()
+            table.add_row(
+                f"[{SEVERITY_STYLE[severity]}]{severity}[/]", f.kind, escape(f.tensor), *where, escape(f.message)
+            )
         tables.append(table)
     return tables
 

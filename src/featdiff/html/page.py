@@ -95,15 +95,25 @@ def _findings(findings: Sequence[Finding]) -> str:
     if not findings:
         return "<section id='findings'><h2>Findings</h2><p>No findings.</p></section>"
     items = "".join(
-        f"<li class='{_e(f.severity)}'><span class='sev'>{_e(f.severity)}</span> {_e(f.message)}"
+        f"<li class='{_e(f.severity)}'><span class='sev'>{_e(f.severity)}</span>{_where(f)} {_e(f.message)}"
         f"<div class='fields'>{_e(_finding_fields(f))}</div></li>"
         for f in findings
     )
     return f"<section id='findings'><h2>Findings</h2><ol>{items}</ol></section>"
 
 
+def _where(f: Finding) -> str:
+    """Where an error's fault lives (docs/findings.md, `where`), the evidence as its tooltip."""
+    if "where" not in f.fields:
+        return ""
+    return (
+        f" <span class='where' title='{_e(str(f.fields.get('where_reason', '')))}'>{_e(str(f.fields['where']))}</span>"
+    )
+
+
 def _finding_fields(f: Finding) -> str:
-    fields = " ".join(f"{k}={_field_value(v)}" for k, v in sorted(f.fields.items()))
+    shown = {k: v for k, v in f.fields.items() if k != "where"}  # the badge shows it
+    fields = " ".join(f"{k}={_field_value(v)}" for k, v in sorted(shown.items()))
     return f"{f.kind} on {f.tensor}" + (f": {fields}" if fields else "")
 
 
@@ -277,7 +287,7 @@ h1{font-size:24px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px}h3{font-siz
 .verdict.ok{background:#e5f6e8;border-left:6px solid #2e9e44}
 .verdict.fail{background:#fdeaea;border-left:6px solid #d93025}
 .verdict p.coverage{font-size:13px;font-weight:400;margin:6px 0 0}
-#findings ol{padding-left:22px}#findings li{margin:6px 0}
+#findings ol{padding-left:22px}#findings .where{font-weight:bold;padding:0 4px;border:1px solid #888}#findings li{margin:6px 0}
 .sev{display:inline-block;font-size:12px;font-weight:700;text-transform:uppercase;padding:1px 6px;
  border-radius:4px;margin-right:6px;background:#eee}
 li.error .sev{background:#d93025;color:#fff}li.info .sev{background:#5f6368;color:#fff}
