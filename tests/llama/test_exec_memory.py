@@ -154,3 +154,26 @@ def test_a_cache_reuse_shift_after_a_flow_ended_sets_aside_only_the_next_flow():
     assert not starts[0].unfollowed
     assert starts[1].target == (UNKNOWN, UNKNOWN) and "seq_add" in starts[1].unfollowed
     assert "--cache-reuse" in starts[1].unfollowed
+
+
+def test_an_eagle3_drafters_rows_hold_the_token_each_was_decoded_with_and_a_kept_row_shows_its_request():
+    """EAGLE3 writes (token p+1, g p) at p and its encoder call writes no cache: when the next
+    request keeps a prefix of 2 positions, the drafter's row 1 still pairs the earlier request's
+    token at 2 (12), where the new prompt has 30."""
+    ctxs = (CTXS[0], ExecContext(1, "draft", "eagle3", "D.gguf", True))
+    calls = [
+        (0, [10, 11, 12], [0, 1, 2], 0, "decode"),  # prefill of A = 10 11 12 13
+        (1, [E, E, E], [0, 1, 2], 0, "encode"),
+        (1, [11, 12], [0, 1], 0, "decode"),  # (A[p+1], g p); row 2 pending
+        (1, [13], [2], 1, "decode"),  # the seed
+        (0, [13, 5], [3, 4], 2, "decode"),  # verify
+        (0, [30, 31], [2, 3], 0, "decode"),  # B = 10 11 30 31 32 keeps positions 0..1
+    ]
+    evs = tuple(
+        ExecEval(i, c, tuple(t), tuple(p), (0,) * len(p), (o,) * len(p), 0, call)
+        for i, (c, t, p, o, call) in enumerate(calls)
+    )
+    keep = (ExecMemory(0, 4, "seq_rm", 0, p0=2), ExecMemory(1, 4, "seq_rm", 0, p0=2))
+    _, starts = _follow(ExecLog("libllama.so", ctxs, evs, (), (), 0, memory=keep))
+    assert starts[1].n_cached == 2 and starts[1].target == (10, 11)
+    assert starts[1].draft == (11, 12)  # row 1 pairs A's 12, not B's 30

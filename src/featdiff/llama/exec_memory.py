@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from featdiff import names
+from featdiff import kinds, names
 from featdiff.dump import DRAFT_ROW, NO_ROW, UNKNOWN_TOKEN, Eval
 from featdiff.llama.exec_log import ExecLog, ExecMemory
 from featdiff.phases import Phase
@@ -70,6 +70,7 @@ def follow_memory(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[FlowStart, ...
     starts: dict[int, FlowStart] = {}
     n_cached = _n_cached(evals)
     draft_ctx = next((c.index for c in log.contexts if c.role == names.ROLE_DRAFT and c.ok), None)
+    steps = {c.index for c in log.contexts if c.role == names.ROLE_DRAFT and not kinds.of_arch(c.arch).block_flow}
     target_ctx: int | None = None
     active: dict[int, int] = {}  # sequence -> the flow it serves now
     broken: dict[int, str] = {}  # flow -> the change made to its sequence while it ran
@@ -86,8 +87,8 @@ def follow_memory(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[FlowStart, ...
                 starts[e.flow] = _start(mem, e, ev.ctx, draft_ctx, n_cached.get(e.flow, 0))
         if e.phase != Phase.WARMUP:
             active.update({s: e.flow for s in e.seq_ids})
-        if ev.rc == 0 or ev.rc is None:
-            _write(mem, ev.ctx, role, ev.positions, ev.seq_ids, ev.token_ids, target_ctx)
+        if (ev.rc == 0 or ev.rc is None) and ev.call != names.CALL_ENCODE:  # an encoder call writes no cache
+            _write(mem, ev.ctx, role, ev.positions, ev.seq_ids, ev.token_ids, target_ctx, ev.ctx in steps)
     return tuple(_broken(starts[k], broken.get(k, "")) for k in sorted(starts))
 
 
@@ -160,12 +161,14 @@ def _write(
     seq_ids: tuple[int, ...],
     token_ids: tuple[int, ...],
     target_ctx: int | None,
+    is_step: bool = False,
 ) -> None:
-    """A decode's rows into its context: a target row holds its token; a drafter's embd row
-    (inject) the features of the target token at its position, a drafter token row a draft block."""
+    """A decode's rows into its context: a target row holds its token; a block drafter's embd row
+    (inject) the features of the target token at its position, its token row a draft block; a step
+    drafter's row (EAGLE3, MTP: a token with a hidden state) the token it was decoded with."""
     for i, (pos, seq) in enumerate(zip(positions, seq_ids or (0,) * len(positions))):
         token = token_ids[i] if i < len(token_ids) else UNKNOWN_TOKEN
-        if role == names.ROLE_DRAFT:
+        if role == names.ROLE_DRAFT and not is_step:
             is_embd = token < 0
             target = mem.seq(target_ctx, seq) if target_ctx is not None else {}
             token = target.get(pos, UNKNOWN_TOKEN) if is_embd else DRAFT_ROW
