@@ -183,3 +183,42 @@ def test_fc_norm_flag_and_tensors_must_agree(pair, target, tmp_path, config, ten
     norms = _slot_norms(target.hparams.n_embd, 0) if tensors else None
     with pytest.raises(InputError, match=message):
         eagle3_from_hf(rewritten(pair, tmp_path / "fcn", config, norms), target, F32, CPU)
+
+
+def _reference(pair: Path, model: Path, out: Path, *flags: str):
+    args = [
+        "reference",
+        "--target",
+        str(pair / "target.gguf"),
+        "--model",
+        str(model),
+        "-o",
+        str(out),
+        "--tokens",
+        TOKENS,
+    ]
+    return CliRunner().invoke(app, [*args, "--rounds", "1", *flags])
+
+
+def test_layer_ids_mean_states_what_the_checkpoint_cannot_tell(pair, tmp_path):
+    from featdiff.dump import read_dump
+
+    d = rewritten(pair, tmp_path / "amb", lambda c: {**c, "eagle_config": {}})
+    refused = _reference(pair, d, tmp_path / "r.npz")
+    assert refused.exit_code == 2 and "--layer-ids-mean input|output" in refused.output, refused.output
+    done = _reference(pair, d, tmp_path / "r.npz", "--layer-ids-mean", "input")
+    assert done.exit_code == 0, done.output
+    with read_dump(tmp_path / "r.npz") as dump:
+        entry = dump.manifest.models["draft"]
+    assert entry["target_layers"] == [1, 3, 5]
+    assert entry["checkpoint"] == {
+        "trainer": "stated",
+        "layer_ids": [1, 3, 5],
+        "layer_ids_mean": "input",
+        "told_by": "flag",
+    }
+
+
+def test_layer_ids_mean_on_a_gguf_is_refused(pair, tmp_path):
+    out = _reference(pair, pair / "draft.gguf", tmp_path / "r.npz", "--layer-ids-mean", "output")
+    assert out.exit_code == 2 and "GGUF ids always name layer inputs" in out.output, out.output

@@ -4,6 +4,8 @@ of the kind."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +18,34 @@ from featdiff.torchref.step_run import StepKind, step_reference
 from featdiff.torchref.weights import Target
 
 
-def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
-    """Compute the EAGLE3 reference dump; return its path (torchref.run.reference's contract)."""
-    return step_reference(EAGLE3, target, model, output, **options)
+def reference(target: Path, model: Path, output: Path, layer_ids_mean: str | None = None, **options: Any) -> Path:
+    """Compute the EAGLE3 reference dump; return its path (torchref.run.reference's contract);
+    `layer_ids_mean`: what a HF checkpoint's layer ids name, where it cannot tell (eagle3_hf.py)."""
+    kind = replace(EAGLE3, load=partial(load_eagle3, layer_ids_mean=layer_ids_mean))
+    return step_reference(kind, target, model, output, **options)
 
 
 # --- the accept probe's side of the EAGLE3 kind (featdiff.probe, through featdiff.kinds) --------
 
 
-def load_eagle3(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> Eagle3Draft:
+def load_eagle3(
+    model: Path,
+    target: Target,
+    numerics: Numerics,
+    llama_dir: Path | None = None,
+    layer_ids_mean: str | None = None,
+) -> Eagle3Draft:
     """The EAGLE3 drafter at `model`: its GGUF, or its HF checkpoint directory (eagle3_hf.py),
-    which needs the target (its layer count sets the converter's default layers)."""
+    which needs the target (its layer count sets the converter's default layers) and, where the
+    checkpoint cannot tell, what its layer ids mean."""
     if Path(model).is_dir():
-        return eagle3_from_hf(Path(model), target, numerics.dtype, numerics.device)
+        return eagle3_from_hf(Path(model), target, numerics.dtype, numerics.device, layer_ids_mean)
     return eagle3_from_gguf(Path(model), numerics.dtype, numerics.device, llama_dir)
 
 
-def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> Eagle3Draft:
+def load_pair_draft(target: Target, model: Path, numerics: Numerics, layer_ids_mean: str | None = None) -> Eagle3Draft:
     """The EAGLE3 drafter at `model` (GGUF or HF checkpoint), checked against `target`."""
-    draft = load_eagle3(Path(model), target, numerics)
+    draft = load_eagle3(Path(model), target, numerics, layer_ids_mean=layer_ids_mean)
     check_eagle3_pair(target, draft)
     return draft
 

@@ -14,6 +14,8 @@ from featdiff.torchref.eagle3_hf import is_eagle3_config
 from featdiff.torchref.load_hf import read_config
 from featdiff.torchref.mtp_hf import is_mtp_checkpoint
 
+EAGLE3 = "eagle3"  # featdiff.kinds' name of the kind
+
 
 def drafter_kind(model: Path) -> kinds.DrafterKind:
     """The kind of the drafter at `model`: a GGUF's architecture and tensors, a HF checkpoint's
@@ -26,7 +28,7 @@ def drafter_kind(model: Path) -> kinds.DrafterKind:
             return kinds.KINDS[0]
         if is_mtp_checkpoint(config):  # a Qwen3.5 checkpoint with its MTP head: the head is the drafter
             return kinds.by_name(kinds.MTP)
-        return kinds.by_name("eagle3" if is_eagle3_config(config) else "dflash")
+        return kinds.by_name(EAGLE3 if is_eagle3_config(config) else "dflash")
     try:
         g = read_gguf(model, ggml_dequant.load)
     except (InputError, OSError):  # no file, not a GGUF: the DFlash path says so as it always has
@@ -35,5 +37,16 @@ def drafter_kind(model: Path) -> kinds.DrafterKind:
 
 
 def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
-    """The reference dump of the pair, computed by the module of the drafter's kind."""
-    return drafter_kind(Path(model)).reference_module().reference(target, model, output, **options)
+    """The reference dump of the pair, computed by the module of the drafter's kind;
+    `layer_ids_mean` (--layer-ids-mean) only for an EAGLE3 HF checkpoint, which it describes."""
+    kind = drafter_kind(Path(model))
+    mean = options.pop("layer_ids_mean", None)
+    if mean is not None:
+        if kind.name != EAGLE3 or not Path(model).is_dir():
+            raise InputError(
+                f"{model}: --layer-ids-mean {mean} says what an EAGLE3 Hugging Face checkpoint's layer ids name, and "
+                f"this is a {kind.name} {'checkpoint' if Path(model).is_dir() else 'GGUF'} (GGUF ids always name "
+                "layer inputs); drop the flag"
+            )
+        options["layer_ids_mean"] = mean
+    return kind.reference_module().reference(target, model, output, **options)
