@@ -10,6 +10,7 @@ only where their drafts do.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
 from featdiff.filters import capture_filters
 from featdiff.phases import Phase
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ROUNDS = 6  # in-process: rounds per prompt
 DEFAULT_N_PREDICT = 16  # through llama-server: tokens per request
@@ -243,32 +246,50 @@ def _trace_of(
 # ---------------------------------------------------------------- reference side
 
 
-def history(trace: RunTrace) -> tuple[int, ...]:
-    """Every token of the run's sequence: the prompt, then each round's target tokens."""
-    out = list(trace.prompt_tokens)
+def contexts(trace: RunTrace) -> tuple[tuple[int, ...] | None, ...]:
+    """Per run round: the run's tokens up to and including the one at its `pos0` (what the
+    reference drafts after), or None where the run's earlier rounds do not reach `pos0`.
+
+    The tokens are the prompt, then each round's target tokens after the token at its `pos0`.
+    A round's recorded `anchor` is what the run's drafter read, not necessarily the token there:
+    a wiring fault (a masked or stale anchor) is compare's `block_token`, and the probe still
+    teacher-forces the reference on the run's own tokens. A round that starts past the tokens
+    known (positions the run skipped) cannot be paired: None, and the rounds after it chain
+    from wherever the run went on (a program that rewinds starts a round inside what it knows).
+    """
+    out: list[int] = list(trace.prompt_tokens)
+    known: list[tuple[int, ...] | None] = []
     for r in trace.rounds:
-        if out[r.pos0] != r.anchor or len(out) != r.pos0 + 1:
-            raise RuntimeError(f"round {r.round}: anchor {r.anchor} at {r.pos0} does not continue the run's tokens")
+        if not 0 <= r.pos0 < len(out):
+            known.append(None)
+            continue
+        del out[r.pos0 + 1 :]  # a round that starts inside the known tokens rewinds to its pos0
+        known.append(tuple(out))
         out += r.target_tokens
-    return tuple(out)
+    return tuple(known)
 
 
 def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics, flow=None) -> tuple[RoundPair, ...]:
-    """Per run round: the reference drafter's block at the same position, after the same tokens
-    (`flow`: the reference module of the drafter's kind, featdiff.kinds; default DFlash's)."""
+    """Per run round that the probe can place (`contexts`): the reference drafter's block at the
+    same position, after the same tokens (`flow`: the reference module of the drafter's kind,
+    featdiff.kinds; default DFlash's). A round it cannot place is left out of the pairs."""
     import torch
 
     from featdiff.torchref import run as dflash_reference
 
     flow = flow or dflash_reference
-    tokens = history(trace)
     out = []
     with torch.no_grad():
-        for r in trace.rounds:
+        for r, tokens in zip(trace.rounds, contexts(trace)):
+            if tokens is None:
+                log.info(
+                    "%s: round %d at %d follows no known tokens of the run; not probed", trace.label, r.round, r.pos0
+                )
+                continue
             if not r.drafts:  # a verify of no drafts: nothing to draft on either side
                 out.append(RoundPair(r.pos0, (), (), 0, 0))
                 continue
-            ref = flow.probe_round(ref_target, ref_draft, tokens[: r.pos0 + 1], numerics, _block_rows(trace))
+            ref = flow.probe_round(ref_target, ref_draft, tokens, numerics, _block_rows(trace))
             n = len(r.drafts)  # the same budget: upstream truncates a draft to what fits
             out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, min(ref.accepted, n)))
     return tuple(out)
