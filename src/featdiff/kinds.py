@@ -98,6 +98,10 @@ class DrafterKind:
     # the heads (MTP), a drafter only where a run drafts with it
     standalone: bool = True
     more_archs: tuple[str, ...] = ()  # other GGUF archs of this kind (MTP: each target arch with heads)
+    # a step drafter's cache row at position p is decoded with the token at p + row_token (EAGLE3: 1,
+    # its (token p+1, g p) pairs; MTP: 0, token p with the hidden of p - 1); None: a block
+    # drafter's inject rows hold features only
+    row_token: int | None = None
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -156,6 +160,7 @@ KINDS: tuple[DrafterKind, ...] = (
         names.KEY_EAGLE3_TARGET_LAYERS,
         block_flow=False,
         layer_rule="eagle_aux_hidden_state_layer_ids as they are (the EAGLE3 converter adds no +1)",
+        row_token=1,
     ),
     DrafterKind(
         MTP,
@@ -172,6 +177,7 @@ KINDS: tuple[DrafterKind, ...] = (
         target_wiring=MTP_TARGET_WIRING,
         standalone=False,
         more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE, names.ARCH_MIMO2),
+        row_token=0,
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP

@@ -177,3 +177,17 @@ def test_an_eagle3_drafters_rows_hold_the_token_each_was_decoded_with_and_a_kept
     _, starts = _follow(ExecLog("libllama.so", ctxs, evs, (), (), 0, memory=keep))
     assert starts[1].n_cached == 2 and starts[1].target == (10, 11)
     assert starts[1].draft == (11, 12)  # row 1 pairs A's 12, not B's 30
+
+
+def test_an_eagle3_row_kept_from_an_earlier_request_is_a_wrong_source_naming_upstreams_driver():
+    from featdiff.diff.detectors import detect_wrong_source_kept_row
+    from featdiff.dump import NO_ROW, Manifest
+
+    kept = FlowInfo(1, 0, (10, 11, 30, 31, 32), 2, draft_cached=(11, 12))  # row 1 pairs A's 12, B has 30
+    found = detect_wrong_source_kept_row(Manifest("llama.cpp", {}, {}, (), (), flows=(kept,)), row_token=1)
+    assert found is not None and found.kind == "wrong_source" and found.fields["source"] == "another_request_row"
+    assert "position 1 " in found.message and "token 12" in found.message and "flow 1" in found.message
+    assert "common_speculative_impl_draft_eagle3::process" in found.message
+    for held in ((11, 30), (11, NO_ROW)):  # the row the flow prescribes, or none (the prefill's bridge writes it)
+        ok = replace(kept, draft_cached=held)
+        assert detect_wrong_source_kept_row(Manifest("llama.cpp", {}, {}, (), (), flows=(ok,)), row_token=1) is None

@@ -469,6 +469,30 @@ def test_cached_prefix_bridges_the_pending_row_into_the_next_batch(target):
     assert trace.rounds == whole.rounds
 
 
+def test_a_row_the_run_kept_at_the_last_cached_position_is_held_by_the_warm_up_not_bridged(target):
+    """llama-server kept the drafter's row 1 (its process() bridges only where no cell holds the
+    position): the warm-up writes (the kept token, g 1) at 1 and the prefill decodes no bridge."""
+    prompt = (5, 17, 42, 7, 9, 11)
+    draft = random_draft(target)
+    same = run_flow(target, draft, prompt, 1, F32, draft_max=2, cached=2, draft_cached=(17, prompt[2]))
+    assert (
+        [_decoded(ev) for ev in same.evals[1:6]]
+        == [
+            ("draft", Phase.WARMUP, (0, 1), (), 0),
+            ("draft", Phase.WARMUP, (0, 1), prompt[1:3], 0),  # the kept row at 1 with the warm-up's g
+            ("target", Phase.PREFILL, (2, 3, 4), prompt[2:5], 0),
+            ("draft", Phase.INJECT, (2, 3, 4), (), 0),
+            ("draft", Phase.INJECT, (2, 3), prompt[3:5], 0),  # no bridge: row 1 is held
+        ]
+    )
+    whole = run_flow(target, draft, prompt, 1, F32, draft_max=2)
+    assert same.rounds == whole.rounds  # the kept row is the one the flow prescribes: the same drafts
+    other = run_flow(target, draft, prompt, 1, F32, draft_max=2, cached=2, draft_cached=(17, 300))
+    assert _decoded(other.evals[2])[3] == (17, 300)  # a row kept from another prompt is held as the run held it
+    none = run_flow(target, draft, prompt, 1, F32, draft_max=2, cached=2, draft_cached=(17, -3))
+    assert _decoded(none.evals[5])[3] == prompt[2:5]  # no row held there: the prefill bridges it, as upstream does
+
+
 # p_min 0.17 stops this drafter's rounds at 0, 0 and 3 of 4 drafts (its top-1 probabilities are ~0.13-0.21)
 @pytest.mark.parametrize("numerics, draft_max, p_min", [(F16_KV, 3, 0.0), (F32, 4, 0.17)], ids=["draft-max", "p-min"])
 def test_following_a_flows_rounds_reproduces_it(target, numerics, draft_max, p_min):

@@ -14,6 +14,7 @@ from featdiff.diff.detectors.kvcache import (
     detect_duplicate_rows,
     detect_not_conditioned_restored,
     detect_stale_cache,
+    detect_wrong_source_kept_row,
     detect_wrong_source_restored,
 )
 from featdiff.diff.detectors.positions import (
@@ -30,10 +31,11 @@ from featdiff.phases import Phase, phase_order
 def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
     """Every token and position finding, in the order the run met it (the prompt first), then the
     run's flow notes."""
-    if not kinds.of_arch(
-        drafter_arch(run) or drafter_arch(ref)
-    ).block_flow:  # another kind's rounds: the reference's batches only
+    kind = kinds.of_arch(drafter_arch(run) or drafter_arch(ref))
+    if not kind.block_flow:  # another kind's rounds: the reference's batches only
         found = [detect_unpaired_prompt(ref, run), detect_position_offset_of_batch(ref, run, by_flow=False)]
+        if kind.row_token:  # a row pairing a token past its position (EAGLE3) can outlive its prompt
+            found.append(detect_wrong_source_kept_row(run, kind.row_token))
     else:
         found = [
             detect_unpaired_prompt(ref, run),

@@ -75,19 +75,23 @@ def run_flow(
     guide: tuple[Round, ...] | None = None,
     cached: int = 0,
     draft_steps: Mapping[int, tuple[int, ...]] | None = None,
+    draft_cached: tuple[int, ...] | None = None,
 ) -> FlowTrace:
     """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process; a
     round drafts up to `draft_max` tokens (`--draft-max`) and stops below `p_min` (`--spec-draft-p-min`).
     `follow`, `guide` and `cached` as replay.run_flow takes them. `draft_steps` (round -> the token
     ids of the run's draft decodes, the seed's first): a followed or guided round decodes exactly
     those, as many as the run made (its driver drafts up to its configured n_max, and the loop
-    cuts the drafts to its budget after: common_speculative_draft), none where the run made none."""
+    cuts the drafts to its budget after: common_speculative_draft), none where the run made none.
+    `draft_cached` (the run's flow: the token each cached drafter row was decoded with): where the
+    run's drafter kept its row at the last cached position, the warm-up holds that row as the run
+    did, and the prefill does not decode it again (compare names a row kept from another prompt)."""
     check_eagle3_pair(target, draft)
     if len(prompt) < 2:
         raise InputError(f"prompt of {len(prompt)} tokens: an EAGLE3 flow needs at least 2 (pairs of token t+1, g t)")
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: EAGLE3 drafts at least one token; pass 1 or more")
-    state, evals = _prefill(target, draft, prompt, numerics, cached)
+    state, evals = _prefill(target, draft, prompt, numerics, cached, kept_row(draft_cached, cached))
 
     def one_round(state: _State, r: int, first_eval: int, plan: Round | None) -> tuple[_State, Round, list[EvalTrace]]:
         steps = draft_steps.get(r) if draft_steps is not None and plan is not None else None
@@ -102,11 +106,27 @@ def features(tp: TargetPass, draft: Eagle3Draft) -> torch.Tensor:
     return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, 3 * n_embd_tgt)
 
 
+def kept_row(draft_cached: tuple[int, ...] | None, cached: int) -> int | None:
+    """The token the run's drafter row at the last cached position was decoded with, where it
+    kept one (upstream's process() leaves a held row be: its bridge writes only where no cell
+    holds the position); None where it held none there."""
+    if not cached or draft_cached is None or len(draft_cached) < cached or draft_cached[cached - 1] < 0:
+        return None
+    return draft_cached[cached - 1]
+
+
 def _prefill(
-    target: Target, draft: Eagle3Draft, prompt: tuple[int, ...], numerics: Numerics, cached: int
+    target: Target,
+    draft: Eagle3Draft,
+    prompt: tuple[int, ...],
+    numerics: Numerics,
+    cached: int,
+    kept: int | None = None,
 ) -> tuple[_State, list[EvalTrace]]:
     """The prompt but its last token through the target, each batch processed: positions
-    0 .. cached-1 as warm-up evals (the run's prompt cache), the rest as the prefill."""
+    0 .. cached-1 as warm-up evals (the run's prompt cache), the rest as the prefill. `kept`: the
+    token of the row the run's drafter kept at position cached-1, which the warm-up writes there
+    (with that position's g) in place of leaving it pending."""
     n = len(prompt) - 1
     t_cache, d_cache = _empty(target.hparams, numerics), _empty(draft.hparams, numerics)
     pending: tuple[int, torch.Tensor] | None = None
@@ -128,6 +148,7 @@ def _prefill(
             inject_after(phase),
             PREFILL_ROUND,
             numerics,
+            kept if phase == Phase.WARMUP else None,
         )
         evals += done.traces
         t_cache, d_cache, pending = tp.cache, done.cache, (positions[-1], done.g[-1])
@@ -148,10 +169,12 @@ def _process(
     phase: Phase,
     r: int,
     numerics: Numerics,
+    kept: int | None = None,
 ) -> _Processed:
     """process() of one target batch: the encoder eval, then the decoder eval of the rows
     (token k+1, g k) at position k, after the cross-ubatch bridge row (the first token with the
-    pending g) when the pending position is the one before the batch and no cell holds it."""
+    pending g) when the pending position is the one before the batch and no cell holds it; `kept`
+    adds the last row (that token with the last g), as a run that kept it there holds it."""
     rows = features(tp, draft)  # (n_tokens, 3 * n_embd_tgt)
     g, enc_records = encode(draft, rows)
     enc_records += encode_candidates(draft, rows)
@@ -162,6 +185,8 @@ def _process(
         EvalTrace(_eval(first_eval, names.ROLE_DRAFT, phase, enc_positions, (), r, call=names.CALL_ENCODE), enc_records)
     ]
     row_tokens, row_positions, row_g = list(tokens[1:]), list(positions[:-1]), [g[:-1]]
+    if kept is not None:
+        row_tokens, row_positions, row_g = [*row_tokens, kept], [*row_positions, positions[-1]], [g]
     if pending is not None and pending[0] + 1 == positions[0] and pending[0] >= start:
         row_tokens, row_positions = [tokens[0], *row_tokens], [pending[0], *row_positions]
         row_g = [pending[1][None, :], *row_g]

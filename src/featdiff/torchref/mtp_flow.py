@@ -86,8 +86,11 @@ def run_flow(
     guide: tuple[Round, ...] | None = None,
     cached: int = 0,
     draft_steps: Mapping[int, tuple[int, ...]] | None = None,
+    draft_cached: tuple[int, ...] | None = None,
 ) -> FlowTrace:
-    """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process."""
+    """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process.
+    `draft_cached` (the run's kept head rows) changes nothing: a head row pairs token p with the
+    hidden of p - 1, both inside a kept prefix, so the warm-up writes every kept row as the run held it."""
     check_mtp_pair(target, head)
     if len(prompt) < 2:
         raise InputError(f"prompt of {len(prompt)} tokens: an MTP flow needs at least 2 (a prefill and its next token)")

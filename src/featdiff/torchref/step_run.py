@@ -93,10 +93,11 @@ def step_reference(
             guides: tuple[Round, ...] | None,
             flow: int = 0,
             cached: int = 0,
+            draft_cached: tuple[int, ...] | None = None,
         ) -> FlowTrace:
             return kind.run_flow(
                 tgt, dft, prompt_of, n, numerics, draft_max=draft_max, p_min=p_min, follow=follows, guide=guides,
-                cached=cached, draft_steps=steps.get(flow),
+                cached=cached, draft_steps=steps.get(flow), draft_cached=draft_cached,
             )  # fmt: skip
 
         with torch.no_grad(), dflash_run.followed_errors(follow):
@@ -104,7 +105,9 @@ def step_reference(
                 trace = dflash_run.flows_trace(
                     flows,
                     follow is not None,
-                    lambda f, n, fol, gui: replay(f.info.prompt_tokens, n, fol, gui, f.info.flow, f.info.n_cached),
+                    lambda f, n, fol, gui: replay(
+                        f.info.prompt_tokens, n, fol, gui, f.info.flow, f.info.n_cached, f.info.draft_cached
+                    ),
                 )
             else:
                 trace = replay(prompt_ids, rounds, plan.rounds if plan is not None else None, guide)

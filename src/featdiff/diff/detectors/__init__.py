@@ -22,6 +22,7 @@ from featdiff.diff.detectors.kvcache import (
     detect_duplicate_rows,
     detect_not_conditioned_restored,
     detect_stale_cache,
+    detect_wrong_source_kept_row,
     detect_wrong_source_restored,
 )
 from featdiff.diff.detectors.numeric import (
@@ -95,6 +96,7 @@ __all__ = [
     "detect_slot_permutation",
     "detect_not_conditioned_restored",
     "detect_stale_cache",
+    "detect_wrong_source_kept_row",
     "detect_wrong_source_restored",
     "detect_stale_rows",
     "detect_unexpected_tensor",

@@ -198,3 +198,38 @@ def detect_not_conditioned_restored(run: Manifest) -> Finding | None:
         tensor=KV_TENSOR,
         message=f"{detail}: the drafter drafts without them; restore (or re-inject) the drafter's state with the target's",
     )
+
+
+KEPT_ROW_SOURCE = "another_request_row"  # wrong_source's `source`: a step drafter's row kept from an earlier request
+
+
+def detect_wrong_source_kept_row(run: Manifest, row_token: int) -> Finding | None:
+    """Hypothesis: a step drafter (EAGLE3: (token p+1, g p) at p; `row_token` 1) kept, from an
+    earlier request, a cached row paired with a token this flow's prompt does not have there: the
+    row at the last kept position pairs the earlier prompt's next token. Evidence: the flow's
+    `draft_cached` (the token each cached drafter row was decoded with) differs from the flow's
+    token at p + `row_token`."""
+    for flow in run.flows:
+        tokens = flow.prompt_tokens
+        held = enumerate((flow.draft_cached or ())[: flow.n_cached])
+        rows = [(p, d) for p, d in held if d >= 0 and p + row_token < len(tokens) and 0 <= tokens[p + row_token] != d]
+        if rows:
+            return _kept_row_finding(flow, rows, row_token)
+    return None
+
+
+def _kept_row_finding(flow: FlowInfo, rows: list[tuple[int, int]], row_token: int) -> Finding:
+    p, d = rows[0]
+    at = p + row_token
+    return Finding.of(
+        WrongSourceFields(source=KEPT_ROW_SOURCE, candidate=f"token {d} at position {at}"),
+        tensor=KV_TENSOR,
+        message=(
+            f"the drafter's row at position{'s' if len(rows) > 1 else ''} {span([r for r, _ in rows])} of the "
+            f"{flow.n_cached} kept for flow {flow.flow} pairs token {d}, an earlier request's token at position {at}, "
+            f"where this flow's prompt has {flow.prompt_tokens[at]}: upstream's EAGLE3 driver writes (token p+1, g p) "
+            "at p and keeps that row when the next prompt reuses the cached prefix up to p (its bridge rewrites "
+            "the row only where no cell holds it: common_speculative_impl_draft_eagle3::process), so the drafts "
+            f"read another prompt's token; remove the drafter's rows from position {p} before the prefill"
+        ),
+    )
