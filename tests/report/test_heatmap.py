@@ -82,7 +82,7 @@ def test_layer_match_of_many_layers_keeps_ticks_and_drops_cell_numbers() -> None
     ax = _axes(fig)
     assert not ax.texts and len(ax.get_xticks()) <= 40
     assert fig.get_size_inches()[0] <= 14
-    assert "cosine similarity" in _colourbar_label(fig) and "[0, 1]" in _colourbar_label(fig)
+    assert "relative error" in _colourbar_label(fig) and "log scale" in _colourbar_label(fig)
     assert len(ax.patches) == 5  # one outline per expected cell
 
 

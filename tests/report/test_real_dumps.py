@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -23,6 +24,16 @@ def test_layer_match_of_the_off_by_one_demo_is_the_expected_layer_plus_one(real_
     assert m.closest_layers == tuple(L + 1 for L in m.expected_layers)
     for k, j in enumerate(m.expected_columns()):
         assert j is not None and m.similarity[k, j] < m.similarity[k].max()  # outlined cell is not the brightest
+
+
+def test_layer_match_figure_separates_the_match_from_its_neighbours(real_pair) -> None:
+    """The figure draws the relative error on a log scale: the layer a slot holds is decades below
+    every other layer, where the cosine of its neighbours can be near 1 too."""
+    m = real_pair("layers-plus1").comparison.layer_match
+    assert m is not None
+    for k, best in enumerate(m.closest_layers):
+        others = np.delete(m.rel_err[k], m.layers.index(best))  # (n_layers - 1,)
+        assert m.closest_error(k) * 100 < others.min(), (k, m.rel_err[k])
 
 
 @pytest.mark.browser

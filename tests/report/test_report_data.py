@@ -9,7 +9,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.html.figure import map_divergence
-from featdiff.html.heatmap import draw_layer_match, draw_row_shift
+from featdiff.html.heatmap import REL_ERR_RANGE, draw_layer_match, draw_row_shift
 from featdiff.html.writer import draw_pictures
 
 import synth
@@ -61,7 +61,7 @@ def test_figure_data_is_the_findings_jsons(variant, request) -> None:
     c = request.getfixturevalue(variant).comparison
     data = written(c.to_json())
     layer_fig = draw_layer_match(c.layer_match)
-    assert np.allclose(_image(layer_fig), np.asarray(data["layer_match"]["similarity"]), atol=0, rtol=0)
+    assert np.allclose(_image(layer_fig), np.clip(data["layer_match"]["rel_err"], *REL_ERR_RANGE), atol=0, rtol=0)
     stars = layer_fig.axes[0].lines[0].get_xdata() - 0.3  # the closest layer of each slot, as columns
     assert [data["layer_match"]["layers"][int(round(j))] for j in stars] == data["layer_match"]["closest_layers"]
     shift_fig = draw_row_shift(c.row_shift)

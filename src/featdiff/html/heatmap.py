@@ -34,6 +34,9 @@ NOT_COMPARED = "#dcdcdc"
 MARK = "#ff2d2d"
 ERROR_CMAP = matplotlib.colormaps["magma"].with_extremes(bad=NOT_COMPARED, under="black")
 COSINE_CMAP = matplotlib.colormaps["viridis"].with_extremes(bad=NOT_COMPARED)
+# the layer match: small errors bright (the match), large ones dark, on REL_ERR_RANGE's log scale
+MATCH_CMAP = matplotlib.colormaps["magma_r"].with_extremes(bad=NOT_COMPARED)
+MATCH_TEXT_DARK_BELOW = 1e-3  # magma_r is light below about 1e-3 on REL_ERR_RANGE: dark text there
 
 
 def png_from_figure(fig: Figure) -> bytes:
@@ -136,20 +139,23 @@ def _mark_first_divergence(ax, m: DivergenceMap) -> None:
 
 
 def draw_layer_match(m: LayerMatch) -> Figure:
-    """Feature slots x target layer inputs, cosine; expected cells outlined, compare's closest
-    layer of each slot (the one its layer-offset detector reads) starred."""
-    n_slots, n_layers = m.similarity.shape
+    """Feature slots x target layer inputs, relative error on a log scale; expected cells
+    outlined, compare's closest layer of each slot (the one its layer-offset detector reads) starred.
+
+    The relative error, not the cosine: a residual stream changes slowly, so neighbouring layer
+    inputs can have a cosine near 1, while only the layer a slot holds matches it to rounding
+    (1e-6 and below on the fixtures), decades below its neighbours on a log scale."""
+    n_slots, n_layers = m.rel_err.shape
     fig = Figure(figsize=(min(14.0, max(7.0, 2.6 + 0.42 * n_layers)), min(9.0, max(3.4, 2.3 + 0.6 * n_slots))))
     ax = _axes_in_inches(fig, left=1.5, right=0.4, top=0.75, bottom=1.3)
-    image = ax.imshow(
-        m.similarity, aspect="auto", interpolation="nearest", cmap=COSINE_CMAP, norm=Normalize(*COSINE_RANGE, clip=True)
-    )
+    values = np.clip(m.rel_err, *REL_ERR_RANGE)  # an exact match (0) sits at the floor, not off the log scale
+    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap=MATCH_CMAP, norm=LogNorm(*REL_ERR_RANGE))
     cols = _tick_indices(n_layers, 40)
     ax.set_xticks(cols, [str(m.layers[j]) for j in cols], fontsize=LABEL_PT + 0.5)
     ax.set_yticks(range(n_slots), [_slot_label(m, k) for k in range(n_slots)], fontsize=LABEL_PT + 0.5)
     ax.set_xlabel("target layer L (ref layer_inp-L: the input of layer L)", fontsize=LABEL_PT + 1)
     if n_layers <= 48:
-        _annotate_cells(ax, m.similarity)
+        _annotate_cells(ax, m.rel_err)
     _outline_expected(ax, m)
     ax.set_title(
         "Layer match: which target layer input each feature slot carries\n"
@@ -160,7 +166,7 @@ def draw_layer_match(m: LayerMatch) -> Figure:
     cax = fig.add_axes(_inches_to_box(fig, left=1.5, bottom=0.5, width=4.5, height=0.16))
     bar = fig.colorbar(image, cax=cax, orientation="horizontal")
     bar.set_label(
-        f"cosine similarity, mean over {len(m.positions)} token rows (colour clipped to [0, 1])",
+        f"relative error rms(slot - layer input) / rms(layer input), {len(m.positions)} rows, log scale",
         fontsize=LABEL_PT + 0.5,
     )
     bar.ax.tick_params(labelsize=LABEL_PT)
@@ -175,8 +181,13 @@ def _slot_label(m: LayerMatch, k: int) -> str:
 def _annotate_cells(ax, matrix: np.ndarray) -> None:
     size = LABEL_PT if matrix.shape[1] <= 24 else LABEL_PT - 2
     for (k, j), value in np.ndenumerate(matrix):
-        colour = "black" if value > 0.6 else "white"
-        ax.text(j, k, f"{value:.2f}", ha="center", va="center", fontsize=size, color=colour)
+        colour = "black" if value < MATCH_TEXT_DARK_BELOW else "white"
+        ax.text(j, k, _error_label(value), ha="center", va="center", fontsize=size, color=colour)
+
+
+def _error_label(value: float) -> str:
+    """A relative error in a cell: two digits from 0.01 up, else its decade (`3e-07`)."""
+    return f"{value:.2f}" if value >= 0.01 else f"{value:.0e}"
 
 
 def _outline_expected(ax, m: LayerMatch) -> None:

@@ -113,10 +113,13 @@ def _layer_match_picture(m: LayerMatch | None) -> Picture:
     run_says = f"; the run's manifest says {list(m.run_layers)}" if m.run_layers else ""
     caption = (
         f"Each row is a slot of the run's inp_target_features, each column the input of a target "
-        f"layer in the reference; colour is the cosine similarity averaged over {len(m.positions)} token "
-        f"rows (on compare's random-projection sketch of the rows, as its layer_offset detector sees "
-        f"them). The checkpoint expects target_layers {list(m.expected_layers)} (red boxes){run_says}; "
-        f"the closest match per slot (white stars) is {list(m.closest_layers)}."
+        f"layer in the reference; colour is the relative error rms(slot - layer input) / rms(layer "
+        f"input) over {len(m.positions)} token rows, on a log scale (on compare's random-projection "
+        f"sketch of the rows, as its layer_offset detector sees them). The error, not the cosine: "
+        f"neighbouring layer inputs can have a cosine near 1, while only the layer a slot holds matches "
+        f"it to rounding, decades below its neighbours. The checkpoint expects target_layers "
+        f"{list(m.expected_layers)} (red boxes){run_says}; the closest match per slot (white stars) "
+        f"is {list(m.closest_layers)}."
     )
     return Picture("layer-match", title, caption, png_from_figure(draw_layer_match(m)))
 
