@@ -80,6 +80,22 @@ def test_a_zero_first_row_holding_a_state_is_a_stale_pending_row():
     assert d.detect_wrong_source_of_zero_rows(evidence(ref, run, tensor="mtp_hnorm-6", record="mtp_hnorm-6")) is None
 
 
+def test_the_first_row_past_a_kept_prefix_holding_another_hidden_is_a_stale_pending_row():
+    """A prompt cache kept positions 0..9 (kept 10): the head's row at 10 takes the hidden of 9;
+    upstream's MTP driver hands it the pending row of its last process() call, another request's."""
+    ref = rows(4, N)
+    run = noisy(ref)
+    run[0] = rows(1, N, seed=5)[0]
+    mtp = {"tensor": "mtp_hnorm-6", "record": "mtp_hnorm-6"}
+    f = d.detect_wrong_source_of_pending_row(evidence(ref, run, kept=10, **mtp))
+    assert f.kind == "wrong_source" and f.fields["source"] == "stale_pending" and "pending_h" in f.message
+    assert "position 10" in f.message and "position 9" in f.message
+    assert d.detect_wrong_source_of_pending_row(evidence(ref, run, **mtp)) is None  # nothing kept
+    assert d.detect_wrong_source_of_pending_row(evidence(ref, run, kept=11, **mtp)) is None  # not the first new row
+    run[2] += 1.0  # another row differs too: not this fault
+    assert d.detect_wrong_source_of_pending_row(evidence(ref, run, kept=10, **mtp)) is None
+
+
 def test_stale_found_when_rows_repeat_an_earlier_eval():
     ref, earlier = rows(4), rows(4, seed=9)
     f = d.detect_stale_rows(evidence(ref, noisy(earlier), earlier=earlier, earlier_evals=(4,) * 4))

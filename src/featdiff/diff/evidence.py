@@ -92,7 +92,13 @@ def build_evidence(
         sampled=_sampled(run, pair, run_all),
         checkpoint=_checkpoint(ref.manifest),
         weights_where=weights_where,
+        kept=_kept(run.manifest),
     )
+
+
+def _kept(manifest: Manifest) -> int:
+    """The positions a flow's sequence held when its prefill began (the one flow of a flow view)."""
+    return manifest.flows[0].n_cached if len(manifest.flows) == 1 else 0
 
 
 def _checkpoint(manifest: Manifest) -> dict | None:

@@ -33,6 +33,7 @@ from featdiff.diff.detectors.numeric import (
     detect_scale,
     detect_scale_per_channel,
     detect_stale_rows,
+    detect_wrong_source_of_pending_row,
     detect_wrong_source_of_zero_rows,
     detect_zeros,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "detect_unpaired",
     "detect_unpaired_prompt",
     "detect_wrong_source",
+    "detect_wrong_source_of_pending_row",
     "detect_wrong_source_of_zero_rows",
     "detect_wrong_source_of_drafts",
     "detect_wrong_source_of_sampled_logits",

@@ -61,6 +61,9 @@ class Evidence:
     # an EAGLE3 reference's HF checkpoint (the ref manifest's models.draft.checkpoint: its trainer and
     # what its layer ids mean, docs/dump.md); None: the reference read a GGUF, or another kind
     checkpoint: Mapping[str, object] | None = None
+    # the positions the flow's sequence held from an earlier request when its prefill began (its
+    # `n_cached`: a prompt cache kept or restored them); 0: none, or a dump of one flow from position 0
+    kept: int = 0
 
 
 def same_shape(ev: Evidence) -> bool:

@@ -93,6 +93,29 @@ def detect_wrong_source_of_zero_rows(ev: Evidence) -> Finding | None:
     )
 
 
+def detect_wrong_source_of_pending_row(ev: Evidence) -> Finding | None:
+    """Hypothesis: an MTP head's first row past a kept prefix (a prompt cache kept positions
+    0 .. kept-1) was handed a pending hidden the driver kept from another request, where the head
+    takes the hidden of position kept-1. Evidence: at the head's hidden input, the row at position
+    `kept` is the only one outside tolerance."""
+    is_head_input = ev.record == names.MTP_H_INPUT or ev.record.startswith(f"{names.MTP_HNORM}-")
+    if not is_head_input or not ev.kept or ev.kept not in ev.positions or not same_shape(ev):
+        return None
+    bad = row_relative_error(ev.ref, ev.run) > ev.tolerance.row_rel
+    first = np.asarray(ev.positions) == ev.kept
+    if not np.array_equal(bad, first):
+        return None
+    return error_finding(
+        ev,
+        f"{ev.tensor} at position {ev.kept}, the first past the {ev.kept} positions the program kept for this "
+        f"request, holds another hidden state than that of position {ev.kept - 1}: upstream's MTP driver hands a "
+        "batch's first token the pending hidden of its last process() call on the sequence "
+        "(common_speculative_impl_draft_mtp::process, pending_h), here another request's; hand it the hidden of "
+        "the last kept position",
+        WrongSourceFields(source=STALE_PENDING_SOURCE, candidate=f"{ev.record} (the hidden of position {ev.kept - 1})"),
+    )
+
+
 def detect_stale_rows(ev: Evidence) -> Finding | None:
     """Hypothesis: rows hold data of an earlier eval (a buffer not refreshed). Evidence: every
     divergent run row equals, within tolerance, a ref row of this record from an earlier eval.
