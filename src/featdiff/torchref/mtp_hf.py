@@ -8,8 +8,9 @@ MimoV2Model: a sliding-window layer, norms as they are).
 
 from __future__ import annotations
 
+import fnmatch
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,8 @@ class _HfHead:
     prefix: Callable[[dict[str, Any]], str]  # the text config -> the prefix of the head's tensors
     fields: Callable[[Callable[[str], torch.Tensor], dict[str, Any], str], dict[str, Any]]  # MtpHead's own fields
     hparams: Callable[[dict[str, Any], _HfHead], Hparams]  # the text config -> the block's dims
+    # the text config -> the prefix of every tensor of the family's MTP heads (strict loading)
+    namespace: Callable[[dict[str, Any]], str]
 
 
 def is_mtp_checkpoint(config: dict[str, Any]) -> bool:
@@ -134,10 +137,12 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
         )
     kind = HF_HEADS[text[names.HF_MODEL_TYPE]]
     tensors = _checkpoint_tensors(path)
+    read: set[str] = set()
 
     def hf(name: str) -> torch.Tensor:
         if name not in tensors:
             raise InputError(f"{path}: tensor {name} is missing; the checkpoint's MTP head is incomplete")
+        read.add(name)
         return tensors[name].to(dtype=dtype, device=device)
 
     prefix = kind.prefix(text)
@@ -148,13 +153,50 @@ def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead
 
     tied = bool(text.get(names.HF_TIE_EMBEDDINGS, config.get(names.HF_TIE_EMBEDDINGS, False)))
     embd = model_tensor(names.HF_EMBED_TOKENS)
-    return MtpHead(
+    head = MtpHead(
         source=Source(path, is_gguf=False),
         hparams=kind.hparams(text, kind),
         il=int(text[names.HF_NUM_LAYERS]),
         **kind.fields(hf, text, prefix),
         token_embd=embd,
         output=embd if tied else model_tensor(names.HF_LM_HEAD),
+    )
+    found = [f"config.json {k}" for k in unread_mtp_keys(text)]
+    found += [f"tensor {t}" for t in unread_head_tensors(tensors, read, kind.namespace(text))]
+    if found:
+        raise InputError(
+            f"{path}: carries {', '.join(found)}, which featdiff's MTP reference does not read (a comparison would "
+            "silently leave it out); drop it, or model it or list it as irrelevant with its reason in "
+            "src/featdiff/torchref/mtp_hf.py (MTP_IRRELEVANT)"
+        )
+    return head
+
+
+# Strict loading: the head's own config keys (any key naming mtp or nextn) and every tensor under the
+# head's namespace must be read, or listed here with the reason (the trunk's are the target's).
+MTP_READ_KEYS = (HF_MTP_LAYERS, "num_nextn_predict_layers")
+MTP_INERT_KEYS: dict[str, object] = {
+    "mtp_use_dedicated_embeddings": False,  # true: the head embeds with its own table, which llama.cpp has no tensor for
+}
+MTP_IRRELEVANT: dict[str, str] = {
+    "model.mtp.layers.[1-9]*": "MiMo-V2's later heads: llama.cpp's mimo2 drafts with the first (conversion/mimo.py)",
+}
+
+
+def unread_mtp_keys(text: dict[str, Any]) -> tuple[str, ...]:
+    """The head's config keys (naming mtp or nextn) the reference does not read, and inert ones
+    at another value (`key = value`)."""
+    mine = [k for k in text if "mtp" in k.lower() or "nextn" in k.lower()]
+    out = [k for k in mine if k not in MTP_READ_KEYS and k not in MTP_INERT_KEYS]
+    return (*out, *(f"{k} = {text[k]!r}" for k, v in MTP_INERT_KEYS.items() if k in text and text[k] != v))
+
+
+def unread_head_tensors(tensors: Iterable[str], read: set[str], namespace: str) -> tuple[str, ...]:
+    """The tensors under the head's `namespace` that no field was read from, nor listed as irrelevant."""
+    return tuple(
+        t
+        for t in tensors
+        if t.startswith(namespace) and t not in read and not any(fnmatch.fnmatchcase(t, p) for p in MTP_IRRELEVANT)
     )
 
 
@@ -295,19 +337,28 @@ def _mimo_mtp_layer(text: dict[str, Any]) -> str:
     return MIMO_HEAD_LAYER
 
 
+def _mimo_namespace(text: dict[str, Any]) -> str:
+    """MiMo-V2's heads, all of them: `model.mtp.`."""
+    return MIMO_HEAD_LAYER.removesuffix("layers.0.")
+
+
 def _extra_layer(text: dict[str, Any]) -> str:
     """GLM-4.5 keeps its head as the decoder layer after the trunk's."""
     return names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX.format(il=int(text[names.HF_NUM_LAYERS]))
 
 
-_QWEN35 = _HfHead(names.ARCH_QWEN35, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35_fields, _hf_hparams)
-_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams)
+_QWEN35 = _HfHead(names.ARCH_QWEN35, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35_fields, _hf_hparams, _mtp_layer)
+_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams, _mtp_layer)
 # model_type -> where its head is and how the converter writes it
 HF_HEADS = {
     "qwen3_5_text": _QWEN35,
     "qwen3_5": _QWEN35,
     "qwen3_5_moe_text": _QWEN35MOE,
     "qwen3_5_moe": _QWEN35MOE,
-    "glm4_moe": _HfHead(names.ARCH_GLM4MOE, HF_GLM_MTP_LAYERS, 0.5, _extra_layer, glm_head_tensors, _hf_hparams),
-    "mimo_v2_flash": _HfHead(names.ARCH_MIMO2, None, 1.0, _mimo_mtp_layer, mimo_head_tensors, _mimo_hparams),
+    "glm4_moe": _HfHead(
+        names.ARCH_GLM4MOE, HF_GLM_MTP_LAYERS, 0.5, _extra_layer, glm_head_tensors, _hf_hparams, _extra_layer
+    ),
+    "mimo_v2_flash": _HfHead(
+        names.ARCH_MIMO2, None, 1.0, _mimo_mtp_layer, mimo_head_tensors, _mimo_hparams, _mimo_namespace
+    ),
 }
