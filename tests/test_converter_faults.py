@@ -46,6 +46,17 @@ NAMED = {
     "rope-freqs-dropped": ("divergence", "rope"),
     "window-dropped": ("wrong_source", None),  # candidate l_out-0@attention=full
 }
+# fault -> where compare places it (docs/findings.md, `where`): a tensor or converted key that
+# differs from the checkpoint's is the export's; a fault only GGUF keys the manifests do not state
+# decide (the RoPE's scaling and its rope_freqs, a sliding window) is not placed: its tensors agree
+WHERE = {
+    "enc-norm-dropped": "export",
+    "k-norm-dropped": "export",
+    "rope-base-from-target": "export",
+    "yarn-from-target": "unknown",
+    "rope-freqs-dropped": "unknown",
+    "window-dropped": "unknown",
+}
 
 
 # --- the detectors, on synthetic rows -------------------------------------------------------------
@@ -154,6 +165,7 @@ def test_each_converter_fault_is_named_where_it_first_shows(faulty, tmp_path, fa
     first = [f for f in c.findings if f.severity == "error"][0]
     assert exit_code(c) == 1
     assert (first.tensor, first.kind, first.fields.get("detail")) == (FAULTS[fault].first_shows, *NAMED[fault])
+    assert first.fields["where"] == WHERE[fault], first.fields["where_reason"]
     if fault == "yarn-from-target":
         assert "YaRN's attention factor" in first.message
     if fault == "window-dropped":

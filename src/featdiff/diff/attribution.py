@@ -30,7 +30,8 @@ FED_KINDS: tuple[str, ...] = ("row_shift", "misplaced_rows", "position_offset", 
 FED_KINDS += ("block_token", "unpaired", "flow_note", "not_conditioned")
 # Kinds that name which target layers or slots a graph input holds: a GGUF key decides them
 LAYER_KINDS = ("layer_offset", "slot_permutation", "layout_transpose")
-LAYER_FIELD = "target_layers"  # diff/export.CONVERTED_FIELDS' field those kinds rest on
+# the field those kinds rest on: diff/export.CONVERTED_FIELDS' and the GGUF keys' (`dflash.target_layers`)
+LAYER_FIELD = "target_layers"
 # wrong_source sources that name another row, eval, request or state, not another weight or node
 FED_SOURCES = (
     SOURCE_ANOTHER_OUTPUT_ROW,
@@ -40,6 +41,11 @@ FED_SOURCES = (
     names.HYP_RECURRENT_KEPT.partition("=")[2],
 )
 FED_SOURCE_PREFIXES = (DRAFT_ROWS_SOURCE.format(row=""),)
+
+# Faults GGUF keys decide that no manifest field states: the RoPE (divergence `rope`), a sliding
+# window run as full attention (wrong_source `full`, names.HYP_FULL_ATTENTION)
+KEYED_DETAILS = ("rope",)
+KEYED_SOURCES = (names.HYP_FULL_ATTENTION.partition("=")[2],)
 
 FED = "the graph computed right from what it was given; what it was given ({what}) is not what the flow prescribes"
 NOT_CHECKED = "export not checked: the reference did not record which model it read; pass the checkpoint with --model"
@@ -63,9 +69,14 @@ def place(f: Finding, export: Export, inputs: Collection[str]) -> WhereFields:
     """Where one error finding's fault lives, by the rules of the module docstring."""
     if f.kind in FED_KINDS or _fed_source(f):
         return WhereFields("driver", FED.format(what=_what_fed(f)))
-    if f.tensor in inputs:
+    if f.tensor in inputs and f.kind != "wrong_source":  # another node's state handed over: the graph chose it
         return _input_place(f, export)
-    return weights_place(export)
+    return weights_place(export, keyed=_keyed(f))
+
+
+def _keyed(f: Finding) -> bool:
+    """A fault GGUF keys decide that the manifests do not state (the RoPE, a sliding window)."""
+    return f.fields.get("detail") in KEYED_DETAILS or str(f.fields.get("source", "")) in KEYED_SOURCES
 
 
 def _fed_source(f: Finding) -> bool:
@@ -86,7 +97,7 @@ def _what_fed(f: Finding) -> str:
 def _input_place(f: Finding, export: Export) -> WhereFields:
     """A graph input's values are wrong: the driver staged them, unless the GGUF key that says
     which layers to stage differs from the reference's (export)."""
-    keyed = [d for d in export.differs if d.startswith(LAYER_FIELD)] if f.kind in LAYER_KINDS else []
+    keyed = [d for d in export.differs if LAYER_FIELD in d] if f.kind in LAYER_KINDS else []
     if keyed:
         return WhereFields("export", f"the run's GGUF differs from what the reference read: {'; '.join(keyed)}")
     if f.kind in LAYER_KINDS and not _layers_known(export):
@@ -98,18 +109,25 @@ def _layers_known(export: Export) -> bool:
     return any(e.origin != "unknown" for e in export.roles.values())
 
 
-def weights_place(export: Export) -> WhereFields:
+def weights_place(export: Export, keyed: bool = False) -> WhereFields:
     """Where a node that diverges with its inputs agreeing lives: the export when the run's GGUF
-    differs from what the reference read, the graph when the reference read the same keys and
-    tensors, else unknown with what would decide it."""
+    differs from what the reference read, the graph when the reference read the same tensors (and,
+    for a fault keys decide, `keyed`, the same keys), else unknown with what would decide it."""
     roles = export.roles.values()
     if export.differs:
         return WhereFields(
             "export", f"the run's GGUF differs from what the reference read: {'; '.join(export.differs)}"
         )
+    if keyed and roles and all(e.complete for e in roles) and not all(e.keys_complete for e in roles):
+        return WhereFields(
+            "unknown",
+            "the GGUF's tensors agree with the checkpoint's, but the keys that decide this (RoPE, sliding window) "
+            "were not compared with it: check them against its config.json, or make a second reference from the "
+            "run's own GGUF (if the run agrees with that one, the export is wrong, else the graph)",
+        )
     if roles and all(e.complete for e in roles):
         same = all(e.origin == "same_file" for e in roles)
-        read = "the run's own GGUF (same sha256)" if same else "GGUFs with the same keys and tensors"
+        read = "the run's own GGUF (same sha256)" if same else "the same tensors (compared by value) and converted keys"
         return WhereFields(
             "graph", f"the reference read {read}, and the node's inputs agree with it while its output does not"
         )

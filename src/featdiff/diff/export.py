@@ -6,12 +6,14 @@ both sides read a GGUF that is on this machine); produces `Export`, read by diff
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from featdiff import names
 from featdiff.dump import Manifest
 from featdiff.errors import InputError
 from featdiff.gguf_reader import GgufModel, read_gguf
@@ -44,11 +46,15 @@ CONVERTED_FIELDS = (
 class RoleExport:
     """One role's export evidence: where the reference's weights came from (`origin`), what differs
     from the run's GGUF (keys and tensor names, or manifest fields of a checkpoint), and whether
-    every key and tensor was compared (`complete`: both GGUFs read in full, or the same file)."""
+    every tensor was compared (`complete`: the same file, both GGUFs read in full, or every GGUF
+    tensor found by value among the checkpoint's)."""
 
     origin: Origin
     differs: tuple[str, ...] = ()
     complete: bool = False
+    # every GGUF key compared too (the same file, another GGUF read in full); a checkpoint's keys are
+    # compared only as far as the manifests' converted fields go
+    keys_complete: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,16 +91,29 @@ def role_export(ref: ModelInfo | None, run: ModelInfo) -> RoleExport:
     if ref is None or not ref.path:
         return RoleExport("unknown")
     if run.sha256 and ref.sha256 == run.sha256:
-        return RoleExport("same_file", complete=True)
+        return RoleExport("same_file", complete=True, keys_complete=True)
     if not ref.path.endswith(GGUF_SUFFIX):
-        return RoleExport("checkpoint", differs=_field_differences(ref, run))
+        return _checkpoint_export(ref, run)
     if not (Path(ref.path).is_file() and Path(run.path).is_file()):
         return RoleExport("other_gguf", differs=_field_differences(ref, run))
     try:
         differs, complete = gguf_differences(Path(ref.path), Path(run.path))
     except InputError:  # one of them is not a readable GGUF: the manifests' fields are what is known
         return RoleExport("other_gguf", differs=_field_differences(ref, run))
-    return RoleExport("other_gguf", differs=differs, complete=complete)
+    return RoleExport("other_gguf", differs=differs, complete=complete, keys_complete=complete)
+
+
+def _checkpoint_export(ref: ModelInfo, run: ModelInfo) -> RoleExport:
+    """A checkpoint's converted fields against the GGUF's, and, when both are on this machine, the
+    GGUF's tensors against the checkpoint's by value (checkpoint_differences)."""
+    fields = _field_differences(ref, run)
+    if not (Path(ref.path).is_dir() and Path(run.path).is_file()):
+        return RoleExport("checkpoint", differs=fields)
+    try:
+        differs, complete = checkpoint_differences(Path(ref.path), Path(run.path))
+    except (InputError, ValueError, OSError):  # an unreadable file: the manifests' fields are what is known
+        return RoleExport("checkpoint", differs=fields)
+    return RoleExport("checkpoint", differs=fields + differs, complete=complete)
 
 
 def _field_differences(ref: ModelInfo, run: ModelInfo) -> tuple[str, ...]:
@@ -140,3 +159,83 @@ def _keys(g: GgufModel) -> dict[str, object]:
 
 def _same_data(a: GgufModel, b: GgufModel, name: str) -> bool:
     return bool(np.array_equal(np.asarray(a.data[name].data), np.asarray(b.data[name].data)))
+
+
+# --- a checkpoint's tensors against a GGUF's, by value -------------------------------------------
+
+SAFETENSORS_HEADER = 8  # bytes: the little-endian u64 length of the JSON header
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
+GGUF_FLOAT_TYPES = ("f32", "f16", "bf16", "i32", "i64")  # read as they are; other types are quantized
+# A GGUF tensor holds a checkpoint tensor when their relative error is at most this: the converter
+# writes f32 / f16 / bf16 copies of the checkpoint's values (bf16 rounding: 2**-8 = 3.9e-3)
+SAME_VALUES_REL = 1e-2
+
+
+def checkpoint_differences(hf_dir: Path, gguf: Path) -> tuple[tuple[str, ...], bool]:
+    """The GGUF's tensors whose values no checkpoint tensor of the same shape holds (the converter
+    maps names, not values: a tensor it copied is found by value), and whether every GGUF tensor
+    was compared: a quantized one, one with no checkpoint tensor of its shape (a tensor the converter
+    computes, such as rope_freqs) or past MAX_COMPARED_BYTES leaves the comparison incomplete. An
+    integer vector also matches the checkpoint's plus its index: EAGLE3's d2t, offsets in the
+    checkpoint, absolute ids in the GGUF (the pinned converter's rule)."""
+    g = read_gguf(gguf)
+    if sum(int(t.n_bytes) for t in g.data.values()) > MAX_COMPARED_BYTES:
+        return (), False
+    by_shape: dict[tuple[int, ...], list[np.ndarray]] = {}
+    for array in _safetensors_arrays(hf_dir):
+        by_shape.setdefault(array.shape, []).append(array)
+    differs: list[str] = []
+    complete = True
+    for name, t in sorted(g.data.items()):
+        if g.tensors[name].ggml_type not in GGUF_FLOAT_TYPES:
+            complete = False
+            continue
+        value = _gguf_values(t, g.tensors[name].ggml_type)
+        candidates = by_shape.get(value.shape, []) + by_shape.get(tuple(v for v in value.shape if v != 1), [])
+        if not candidates:
+            complete = False
+        elif not any(_same_values(value, c) for c in candidates):
+            differs.append(name)
+    return tuple(differs), complete
+
+
+def _safetensors_arrays(hf_dir: Path) -> list[np.ndarray]:
+    """Every tensor of the directory's safetensors files, as float64 (bf16 widened), int as int64."""
+    out = []
+    for path in sorted(hf_dir.glob(names.HF_WEIGHTS_GLOB)):
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:SAFETENSORS_HEADER], "little")
+        header = json.loads(raw[SAFETENSORS_HEADER : SAFETENSORS_HEADER + n])
+        base = SAFETENSORS_HEADER + n
+        for key, entry in header.items():
+            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype", "")) if key != "__metadata__" else None
+            if dtype is None:
+                continue
+            begin, end = entry["data_offsets"]
+            a = np.frombuffer(raw[base + begin : base + end], dtype=dtype).reshape(entry["shape"])
+            out.append(_widened(a, entry["dtype"] == "BF16"))
+    return out
+
+
+def _widened(a: np.ndarray, is_bf16: bool) -> np.ndarray:
+    if is_bf16:  # bf16 is the upper half of an f32
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.int64 if a.dtype.kind == "i" else np.float64)
+
+
+def _gguf_values(t: Any, ggml_type: str) -> np.ndarray:
+    return (
+        _widened(np.asarray(t.data).view(np.uint16), True)
+        if ggml_type == "bf16"
+        else _widened(np.asarray(t.data), False)
+    )
+
+
+def _same_values(gguf: np.ndarray, hf: np.ndarray) -> bool:
+    a, b = gguf.reshape(hf.shape) if gguf.size == hf.size else gguf, hf
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind == "i" or b.dtype.kind == "i":
+        return bool(np.array_equal(a, b) or (a.ndim == 1 and np.array_equal(a, b + np.arange(a.size))))
+    den = float(np.linalg.norm(b))
+    return float(np.linalg.norm(a - b)) <= SAME_VALUES_REL * max(den, 1e-30)
