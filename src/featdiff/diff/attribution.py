@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from featdiff import names
 from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
-from featdiff.diff.detectors.kvcache import RESTORED_SOURCE
+from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.detectors.wiring import SOURCE_ANOTHER_OUTPUT_ROW
 from featdiff.diff.export import Export
@@ -37,6 +37,7 @@ FED_SOURCES = (
     SOURCE_ANOTHER_OUTPUT_ROW,
     STALE_PENDING_SOURCE,
     RESTORED_SOURCE,
+    KEPT_ROW_SOURCE,
     names.HYP_H_BATCH_LAST.partition("=")[2],  # a hypothesis' value is the source
     names.HYP_RECURRENT_KEPT.partition("=")[2],
 )
