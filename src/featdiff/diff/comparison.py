@@ -33,6 +33,7 @@ from featdiff.diff.fields import ABSENT, FlowFields, FlowNoteFields, PositionOff
 from featdiff.diff.metrics import Measurement, measure
 from featdiff.diff.namemap import NameMap, read_name_map
 from featdiff.diff.partings import find_partings
+from featdiff.diff.provenance import provenance_problem
 from featdiff.diff.result import Comparison, Coverage, Finding, PairMetrics
 from featdiff.diff.rowshift import RowShift, measure_row_shift
 from featdiff.diff.sketch import LayerMatch
@@ -62,6 +63,9 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
     rules = read_name_map(name_map)
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
         run_m = run_dump.manifest
+        mismatch = provenance_problem(ref, run, ref_dump.manifest, run_m)  # before any record is read
+        if mismatch:
+            raise InputError(mismatch)
         flows = run_m.flow_ids()
         export = export_of(ref_dump.manifest, run_m)
         if len(flows) == 1:
