@@ -5,6 +5,7 @@ interruption by a signal.
 """
 
 import signal
+from pathlib import Path
 
 
 class InputError(Exception):
@@ -14,6 +15,15 @@ class InputError(Exception):
 class NoRoomError(InputError):
     """A write ran out of room (a full disk, a quota, `ulimit -f`): the user's to free, exit 2
     like any InputError. Its writer removed what it had written (featdiff.outputs.no_room_error)."""
+
+
+class ProgramFailed(InputError):
+    """The program featdiff ran around failed after it had decoded: `dump` holds what it decoded
+    before that, the evidence `check` judges (the failure may be the wiring fault's doing)."""
+
+    def __init__(self, message: str, dump: Path) -> None:
+        super().__init__(message)
+        self.dump = Path(dump)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -24,16 +24,18 @@ loss (s_d = 0) exceeds it whatever its size. Fewer than MIN_BLOCKS blocks give n
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from featdiff.diff.result import Comparison, Finding
 from featdiff.dump import Manifest
-from featdiff.errors import InputError
+from featdiff.errors import InputError, ProgramFailed
 from featdiff.outputs import append_text, check_output, check_output_dir, replaced
 from featdiff.probe import AcceptStats, Probe
 from featdiff.words import plural
@@ -45,6 +47,8 @@ RUN_DUMP, REF_DUMP = "run.npz", "ref.npz"  # the intermediate dumps, in --keep D
 ENV_STEP_SUMMARY = "GITHUB_STEP_SUMMARY"  # GitHub Actions: Markdown appended here shows on the run's page
 Mode = Literal["in-process", "llama-server", "program", "capture"]
 Verdict = Literal["pass", "fail"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class CheckResult:
     program: str | None  # the program run around (--exec), by name; None in-process
     prompt_tokens: tuple[int, ...]  # the captured flow's prompt
     report: Path | None = None
-    dumps: tuple[Path, Path] | None = None  # (ref, run), when kept (--keep)
+    dumps: tuple[Path, Path] | None = None  # (ref, run), when kept (--keep, or a failed check's)
 
     @property
     def ok(self) -> bool:
@@ -256,17 +260,41 @@ def check(target: Path, model: Path, **options: Any) -> CheckResult:
     `options` are `plan_check`'s. In-process (no `command`) the capture and the probe run
     `rounds` rounds per prompt; through llama-server the probe sends one request per prompt;
     around another program (e.g. llama-speculative-simple with its own `-p`) the probe is the
-    captured flow's own rounds. The dumps go to `keep` (a directory) or a temporary one.
+    captured flow's own rounds. The dumps go to `keep` (a directory) or a temporary one, which
+    is removed after a pass and kept after a fail or an error (its messages name what it holds).
     """
     plan = plan_check(target, model, **options)
     if plan.keep is not None:
         plan.keep.mkdir(parents=True, exist_ok=True)
         result = run_check(plan, plan.keep)
     else:
-        with tempfile.TemporaryDirectory(prefix="featdiff-check-") as work:
-            result = run_check(plan, Path(work))
+        result = _in_temporary_dir(plan)
     write_outputs(result, plan.json_out, plan.summary_md)
     return result
+
+
+def _in_temporary_dir(plan: CheckPlan) -> CheckResult:
+    """`run_check` with its dumps in a new temporary directory: removed after a pass (or an
+    error before anything was written there), kept and said after a fail or an error."""
+    work = Path(tempfile.mkdtemp(prefix="featdiff-check-"))
+    try:
+        result = run_check(plan, work)
+    except BaseException:
+        _kept_or_removed(work)
+        raise
+    if result.ok:
+        shutil.rmtree(work)
+        return replace(result, dumps=None)
+    log.warning("featdiff check failed; its dumps are kept in %s (%s, %s)", work, REF_DUMP, RUN_DUMP)
+    return result
+
+
+def _kept_or_removed(work: Path) -> None:
+    """A stopped check's temporary directory: kept when it holds a dump a message may name."""
+    if any(work.iterdir()):
+        log.warning("featdiff check stopped; what it wrote is kept in %s", work)
+    else:
+        work.rmdir()
 
 
 def _mode(command: list[str] | None) -> Mode:
@@ -283,10 +311,15 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
     from featdiff.dump import read_dump
     from featdiff.torchref.kind import reference
 
-    run = plan.run if plan.run is not None else _capture(plan, work / RUN_DUMP)
+    try:
+        run = plan.run if plan.run is not None else _capture(plan, work / RUN_DUMP)
+    except ProgramFailed as failed:  # what it decoded before failing is the evidence: judge it
+        log.warning("%s; featdiff check judges what it decoded", failed)
+        run = failed.dump
     with read_dump(run) as dump:
         manifest = dump.manifest
     drafted = sum(1 for r in manifest.rounds if r.drafts)  # the reference drafts every round
+    followed = run if _drafted_a_block(manifest) else None  # a run that failed first: the default block
     ref = reference(
         plan.ref_target,
         plan.ref_model,
@@ -298,7 +331,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
         device="cpu",
         kv_dtype="f16",
         llama_dir=plan.llama_dir,
-        run=run,  # the block length, p_min, and the run's tokens to follow after a parting
+        run=followed,  # the block length, p_min, and the run's tokens to follow after a parting
     )
     comparison = compare_dumps(ref, run)
     report = None
@@ -306,7 +339,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
         from featdiff.html import write_report
 
         report = write_report(ref, run, plan.report, comparison=comparison, output_flag="--report")
-    probed = _probe(plan, manifest)
+    probed = _probe_beside(plan, manifest, comparison)
     accept = judge_accept(probed, plan.min_accept)
     reasons = reasons_to_fail(comparison, accept)
     program = Path(plan.command[0]).name if plan.command else None
@@ -320,7 +353,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
         program,
         manifest.prompt_tokens,
         report,
-        (ref, run) if plan.keep is not None else None,
+        (ref, run),
     )
 
 
@@ -338,6 +371,28 @@ def _capture(plan: CheckPlan, output: Path) -> Path:
     return capture_mod.capture(
         plan.target, plan.model, output, prompt=first.text, tokens=tokens, rounds=plan.rounds, llama_dir=plan.llama_dir
     )
+
+
+def _drafted_a_block(manifest: Manifest) -> bool:
+    """Whether the run decoded a draft llama.cpp did not refuse (what gives the block length)."""
+    from featdiff.phases import Phase
+
+    return any(e.phase == Phase.DRAFT and e.rc == 0 for e in manifest.evals)
+
+
+def _probe_beside(plan: CheckPlan, manifest: Manifest, comparison: Comparison) -> Probe:
+    """The probe; where its own run of the program fails as the captured one did (a fault that
+    makes llama-server answer 500) and compare already named an error, no accept is measured
+    (the verdict is compare's and says the run drafted too few blocks) instead of stopping."""
+    from featdiff.llama.server import RequestFailed
+
+    try:
+        return _probe(plan, manifest)
+    except (RequestFailed, ProgramFailed) as failed:
+        if comparison.ok:
+            raise
+        log.warning("the accept probe's run failed too (%s); the accept is not measured", failed)
+        return Probe(())
 
 
 def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from featdiff import kinds, names
-from featdiff.errors import InputError, Interrupted
+from featdiff.errors import InputError, Interrupted, ProgramFailed
 from featdiff.filters import FilterSet, capture_filters
 from featdiff.gguf_reader import read_gguf
 from featdiff.llama import server, spool
@@ -173,9 +173,10 @@ def capture_exec(
     rc = int(build.get("exit_code", 0))
     if rc != 0:
         failed = build.get("server_error") or f"{command[0]}: exited with code {rc} under capture"
-        raise InputError(
+        raise ProgramFailed(
             f"{failed}; {packed.path} holds what it decoded before that (compare it against the "
-            "reference to see why); run the command without featdiff to see whether it fails alone"
+            "reference to see why); run the command without featdiff to see whether it fails alone",
+            packed.path,
         )
     return packed.path
 

@@ -35,6 +35,7 @@ from featdiff.modelled import (
     KEY_EMBEDDING_SCALE,
     KEY_SLIDING_WINDOW,
     KEY_SLIDING_WINDOW_PATTERN,
+    TABLE,
     converter_keys,
     refusal,
     unmodelled_in_hf,
@@ -82,6 +83,16 @@ DSPARK_ARCHITECTURES = (
 )
 HF_AUX_LAYER_IDS = "aux_hidden_state_layer_ids"  # EAGLE3 style: ids of layer inputs (GGUF ids)
 HF_LAYER_CONFIG = "transformer_layer_config"  # EAGLE3 style: the stack's sizes
+# dflash_config's fields this loader reads besides those featdiff.modelled's table names
+DFLASH_CONFIG_READ = (
+    names.HF_TARGET_LAYER_IDS,
+    names.HF_MASK_TOKEN_ID,
+    names.HF_BLOCK_SIZE,
+    names.HF_LOG_SNR,
+    names.HF_MIN_LOG_SNR,
+    names.HF_MAX_LOG_SNR,
+    DFLASH_CAUSAL,
+)
 
 
 def target_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Target:
@@ -123,6 +134,12 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
     unmodelled = unmodelled_in_hf(config, w, (f.name for f in Path(path).iterdir()))
     if unmodelled:
         raise InputError(refusal(str(path), unmodelled))
+    unread = unread_dflash_fields(dflash)
+    if unread:
+        raise InputError(
+            f"{path / names.HF_CONFIG}: {', '.join(unread)}: no field the converter or featdiff's reference reads "
+            "(a comparison would silently leave it out); drop it, or model it in src/featdiff/modelled.py"
+        )
     keys = converter_keys(config)  # what the converter would write: the GGUF's view of this config
     hp = replace(
         _hparams(path, config, names.ARCH_DFLASH),
@@ -161,6 +178,14 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
         fc_scale=_fc_scale(w),
         mask_row=mask_row,
     )
+
+
+def unread_dflash_fields(dflash: Mapping[str, Any]) -> tuple[str, ...]:
+    """`dflash_config`'s fields that neither the converter (featdiff.modelled's table, which names
+    each field a GGUF key is written from) nor this loader reads, as `dflash_config.<field>`."""
+    table = {h.split(".", 1)[1] for e in TABLE for h in e.hf if h.startswith(f"{names.HF_DFLASH_CONFIG}.")}
+    known = table | set(DFLASH_CONFIG_READ)
+    return tuple(f"{names.HF_DFLASH_CONFIG}.{k}" for k in dflash if k not in known)
 
 
 def _mask_row(
