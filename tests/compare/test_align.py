@@ -11,8 +11,9 @@ import pytest
 from featdiff.diff import compare_dumps
 from featdiff.diff.align import plan_pairs, row_contexts
 from featdiff.diff.namemap import NameMap, builtin_map, read_name_map
-from featdiff.dump import DumpWriter, Manifest, read_dump, record_from_array, record_key
+from featdiff.dump import DumpWriter, Eval, Manifest, read_dump, record_from_array, record_key
 from featdiff.errors import InputError
+from featdiff.phases import Phase
 
 import synth
 from transform import rewrite, split_eval
@@ -94,6 +95,37 @@ def test_row_contexts_follow_the_token_history():
     assert ctx[1] == ctx[0]  # the inject rows carry the prefill rows
     assert ctx[4] == ctx[3]  # and the verify rows
     assert len(set(ctx[2])) == len(ctx[2])  # a draft block: one context per row
+
+
+def _one_token_steps(earlier_verify: tuple[int, ...]) -> Manifest:
+    """A prefill of 4 tokens, a round whose verify decoded `earlier_verify` at positions 4.., then
+    a round of two one-token draft steps (EAGLE3's, MTP's) at positions 6 and 7, tokens 21, 22."""
+    ev = [
+        Eval(0, "target", Phase.PREFILL, 4, (0, 1, 2, 3), (1, 2, 3, 4), (0,)),
+        Eval(1, "draft", Phase.DRAFT, 1, (4,), (9,), (0,), round=1),
+        Eval(
+            2,
+            "target",
+            Phase.VERIFY,
+            len(earlier_verify),
+            tuple(range(4, 4 + len(earlier_verify))),
+            earlier_verify,
+            (0,),
+            round=1,
+        ),
+        Eval(3, "draft", Phase.DRAFT, 1, (6,), (21,), (0,), round=2),
+        Eval(4, "draft", Phase.DRAFT, 1, (7,), (22,), (0,), round=2),
+    ]
+    return Manifest("reference", {}, {}, tuple(ev), ())
+
+
+def test_a_draft_step_continues_its_rounds_history_not_an_earlier_rounds_rejected_row():
+    """Step 2 at position 7 was drafted from the tokens 0..5, step 1's 21 and its own 22: whether an
+    earlier verify decoded a (rejected) row at 6 must not change its history (issue 42, item 3)."""
+    short, long = row_contexts(_one_token_steps((9, 5))), row_contexts(_one_token_steps((9, 5, 30)))
+    assert short[3] == long[3] and short[4] == long[4]
+    other = row_contexts(_one_token_steps((9, 6)))  # another accepted token at 5: another history
+    assert other[3] != short[3] and other[4] != short[4]
 
 
 def test_missing_wiring_tensor_is_an_error(synth_ref, synth_run):

@@ -121,16 +121,23 @@ def row_contexts(manifest: Manifest) -> dict[int, tuple[int | None, ...]]:
     """A token-history id for each row of each eval (docs/flow.md: what each row was computed from).
 
     Target rows: hash of the tokens at positions 0..p. Inject rows: the target row they carry.
-    Draft rows: the history before the block plus the block's tokens and the row's index.
+    Draft rows: the history before the block plus the block's tokens and the row's index. A history
+    is the tokens the sequence holds: a draft step after the first of its round (EAGLE3's, MTP's
+    one-token steps) continues the previous step's history, never the row the target last decoded
+    at that position in an earlier round (a rejected draft, or none: which depends on how the
+    earlier rounds went, not on the tokens this step was drafted from).
     """
     target: dict[int, int] = {}
+    drafted: dict[int, int] = {}  # position -> history of this round's draft steps so far
     out: dict[int, tuple[int | None, ...]] = {}
     for ev in manifest.evals:
-        out[ev.eval] = _eval_contexts(ev, target)
+        if (ev.role, ev.phase) != ROUND_OPENER:
+            drafted.clear()  # a round's steps are consecutive evals: anything else ends them
+        out[ev.eval] = _eval_contexts(ev, target, drafted)
     return out
 
 
-def _eval_contexts(ev: Eval, target: dict[int, int]) -> tuple[int | None, ...]:
+def _eval_contexts(ev: Eval, target: dict[int, int], drafted: dict[int, int]) -> tuple[int | None, ...]:
     has_tokens = len(ev.token_ids) == len(ev.positions)
     if ev.phase == Phase.INJECT:
         return tuple(target.get(p) for p in ev.positions)
@@ -142,8 +149,11 @@ def _eval_contexts(ev: Eval, target: dict[int, int]) -> tuple[int | None, ...]:
             ctx.append(target[p])
         return tuple(ctx)
     if (ev.role, ev.phase) == ROUND_OPENER and has_tokens and ev.positions:
-        before = ROOT_CONTEXT if ev.positions[0] == 0 else target.get(ev.positions[0] - 1)
-        return tuple(hash((before, tuple(ev.token_ids), i)) for i in range(len(ev.positions)))
+        p0 = ev.positions[0]
+        before = ROOT_CONTEXT if p0 == 0 else drafted.get(p0 - 1, target.get(p0 - 1))
+        ctx = tuple(hash((before, tuple(ev.token_ids), i)) for i in range(len(ev.positions)))
+        drafted.update(zip(ev.positions, ctx))
+        return ctx
     return (None,) * len(ev.positions)
 
 
