@@ -4,7 +4,7 @@ run: sent one after the other, sent at once, and sent at once with the draft sam
 
 With the trained EAGLE3 drafter the pinned llama-server samples both slots' draft steps from one
 slot's candidates when they share a decode, so the other slot's accept collapses at once and only
-with backend sampling (README "A bug in the pinned llama-server this found"); the trained MTP
+with backend sampling (docs/guide-server.md, "A bug in the pinned llama-server this found"); the trained MTP
 head accepts alike in all three.
 
     .venv/bin/python bench/two_slot_accept.py [--variant trained-eagle3|trained-mtp] [--n-predict 64]
