@@ -97,6 +97,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "featdiff.dump",
             "featdiff.manifest_fields",
+            "featdiff.sampling",
             "featdiff.gguf_reader",
             "featdiff.gguf_rewrite",
             "featdiff.blocks",

@@ -48,6 +48,7 @@ from featdiff.manifest_fields import (
 from featdiff.names import CALL_DECODE, CALL_ENCODE, ROLES, Role
 from featdiff.outputs import is_no_room, no_room_error, partial_path
 from featdiff.phases import Phase
+from featdiff.sampling import Sampler
 
 FORMAT = "featdiff-dump"
 VERSION = 1
@@ -427,6 +428,13 @@ class Manifest:
     flow_notes: tuple[str, ...] = ()
     # the flows of a run of several requests or sequences (optional: a dump without it is one flow)
     flows: tuple[FlowInfo, ...] = ()
+    # how each flow's tokens were chosen (optional, per flow: a flow without one chose greedily)
+    samplers: tuple[Sampler, ...] = ()
+
+    def sampler(self, flow: int) -> Sampler | None:
+        """The sampler of `flow`, None when it chose greedily (a dump without the record included)."""
+        found = next((s for s in self.samplers if s.flow == flow), None)
+        return None if found is None or found.is_greedy else found
 
     def flow_ids(self) -> tuple[int, ...]:
         """The flows the evals belong to, in order (a dump of one flow: (0,))."""
@@ -462,6 +470,7 @@ class Manifest:
             "prompt_tokens": list(self.prompt_tokens),
             "records": [r.to_json() for r in self.records],
             "rounds": [r.to_json() for r in self.rounds],
+            **({"samplers": [s.to_json() for s in self.samplers]} if self.samplers else {}),
             "source": self.source,
             "version": VERSION,
         }
@@ -484,6 +493,7 @@ class Manifest:
             memory_ops=f.get("memory_ops", as_objects, MemoryOp.from_json, default=()),
             flow_notes=f.get("flow_notes", as_strs, default=()),
             flows=f.get("flows", as_objects, FlowInfo.from_json, default=()),
+            samplers=f.get("samplers", as_objects, Sampler.from_json, default=()),
         )
 
 
@@ -503,6 +513,7 @@ def flow_view(m: Manifest, flow: int, notes_with: int | None = None) -> Manifest
         memory_ops=tuple(op for op in m.memory_ops if op.seq_id in (-1, info.seq_id)),
         flow_notes=m.flow_notes if flow == (m.flow_ids()[0] if notes_with is None else notes_with) else (),
         flows=(info,) if m.flows else (),
+        samplers=tuple(s for s in m.samplers if s.flow == flow),
     )
 
 

@@ -22,6 +22,7 @@ from featdiff.blocks import first_draft_row
 from featdiff.diff.tolerance import TypeInfo, tolerance_for
 from featdiff.dump import Eval, Manifest, Record, Round
 from featdiff.phases import CHOOSING_PHASES, Phase
+from featdiff.sampling import Sampler, could_draw
 
 Reader = Callable[[Record], np.ndarray]  # a record's array (compare.evidence.Source.array)
 
@@ -48,6 +49,9 @@ class Parting:
     # a draft block whose drafts are all the reference's argmax read from another first row (the
     # other DSpark reading: plain DFlash's row after the anchor, or anchor-first's row 0): that row
     other_first_row: int | None = None
+    # the sampler of a run that sampled its target's tokens (Sampler.describe), whose chain could
+    # not draw `observed` from the reference's row; "" when the run chose greedily
+    sampler: str = ""
 
     @property
     def is_near_tie(self) -> bool:
@@ -66,6 +70,7 @@ def find_partings(ref: Manifest, read: Reader, run: Manifest, types: TypeInfo) -
         (e.phase, e.round): e.eval for e in run.evals if e.phase in CHOOSING_PHASES
     }
     first = next((row for row in map(_first_draft_row, (ref, run)) if row is not None), 1)
+    sampler = run.sampler(run.flow_ids()[0])
     found: list[Parting] = []
     for rr in run.rounds:
         rf = ref_rounds.get(rr.round)
@@ -73,7 +78,7 @@ def find_partings(ref: Manifest, read: Reader, run: Manifest, types: TypeInfo) -
             break
         for parting in (
             _draft_parting(ref, read, ref_evals.get((Phase.DRAFT, rr.round)), rr, first, types),
-            _verify_parting(ref, read, ref_evals.get((Phase.VERIFY, rr.round)), rr, rf, types),
+            _verify_parting(ref, read, ref_evals.get((Phase.VERIFY, rr.round)), rr, rf, types, sampler),
         ):
             if parting is not None:
                 found.append(_at_run_eval(parting, run_evals))
@@ -133,10 +138,11 @@ def _read_from(logits: np.ndarray, drafts: tuple[int, ...], row: int) -> int | N
 
 
 def _verify_parting(
-    ref: Manifest, read: Reader, ev: Eval | None, rr: Round, rf: Round, types: TypeInfo
+    ref: Manifest, read: Reader, ev: Eval | None, rr: Round, rf: Round, types: TypeInfo, sampler: Sampler | None
 ) -> Parting | None:
-    """The first row of the run's verify whose target argmax (`target_tokens`) is not the
-    reference's, among the rows both verified after the same drafts."""
+    """The first row of the run's verify whose target token (`target_tokens`) is not the
+    reference's argmax, among the rows both verified after the same drafts; where the run
+    sampled (`sampler`), the first whose token its sampler could not draw (`sampled_parting`)."""
     logits = _logits(ref, read, ev, names.RESULT_OUTPUT)
     if logits is None or ev is None:
         return None
@@ -145,9 +151,20 @@ def _verify_parting(
     )
     for j, token in enumerate(rr.target_tokens[: min(shared + 1, len(logits))]):
         p = _parting(Phase.VERIFY, rr.round, j, ev.positions[j], names.RESULT_OUTPUT, logits[j], token, types)
+        p = p if sampler is None or p is None else sampled_parting(p, logits[j], sampler)
         if p is not None:
             return p
     return None
+
+
+def sampled_parting(p: Parting, logits: np.ndarray, sampler: Sampler) -> Parting | None:
+    """A sampled choice judged as a sample: None when the run's token is one its sampler could draw
+    from the reference's row `logits` (n_vocab,), its logit raised by the noise bound on a margin
+    (sampling.could_draw), or when the chain has a stage featdiff does not compute (penalties,
+    ...: `Sampler.unmodelled`); else the parting, naming the sampler."""
+    if sampler.unmodelled or could_draw(logits, p.observed, sampler, p.bound):
+        return None
+    return replace(p, sampler=sampler.describe())
 
 
 def _parting(

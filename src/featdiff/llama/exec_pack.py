@@ -34,10 +34,12 @@ from featdiff.llama.exec_phases import (
     whole_calls,
     with_encoder_rows,
 )
+from featdiff.llama.exec_sampler import flow_samplers
 from featdiff.llama.preload import PRELOAD_VAR
 from featdiff.llama.sequences import split_decodes, split_of
 from featdiff.outputs import raise_if_no_room
 from featdiff.phases import Phase
+from featdiff.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,9 @@ def read_flow(prefix: Path) -> ExecFlow:
     )
 
 
-def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
-    """Write the dump of the spool at `prefix`; `build` adds to the manifest's build entry."""
+def pack_exec(prefix: Path, output: Path, build: dict[str, Any], log_path: Path | None = None) -> spool.Packed:
+    """Write the dump of the spool at `prefix`; `build` adds to the manifest's build entry, and
+    the program's output at `log_path` (llama-server's) says how each request sampled."""
     flow = read_flow(prefix)
     writer = DumpWriter(Path(output))
     written = spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
@@ -140,8 +143,22 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed
         memory_ops=flow.memory_ops,
         flow_notes=flow.notes,
         flows=flow.flows,
+        samplers=_samplers(flow, build, log_path),
     )
     return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
+
+
+def _samplers(flow: ExecFlow, build: dict[str, Any], log_path: Path | None) -> tuple[Sampler, ...]:
+    """How each flow chose its tokens: from the program's flags, or llama-server's log of its requests."""
+    command = [str(a) for a in build.get("command", ())]
+    if not command or not flow.evals:
+        return ()
+    seq_of_flow: dict[int, int] = {f.flow: f.seq_id for f in flow.flows}
+    for e in flow.evals:
+        seq_of_flow.setdefault(e.flow, min(e.seq_ids or (0,)))
+    is_server = any(k in build for k in ("server", "server_traffic", "server_error"))
+    text = log_path.read_text(errors="replace") if is_server and log_path and log_path.is_file() else None
+    return flow_samplers(command, seq_of_flow, text if is_server else None)
 
 
 def save_build(prefix: Path, build: dict[str, Any], output: Path) -> None:

@@ -65,6 +65,12 @@ def detect_divergence_by_margin(p: Parting) -> Finding | None:
     that row is above the noise bound; None for a near-tie (`detect_near_tie`'s)."""
     if p.is_near_tie:
         return None
+    advice = (
+        f"which its sampler ({p.sampler}) could not draw from the reference's logits; check the row the "
+        "sampler reads and the parameters it was given"
+        if p.sampler
+        else "check which rows the driver drafts from and that it samples greedily"
+    )
     return Finding.of(
         DivergenceFields(
             metric="margin",
@@ -80,8 +86,7 @@ def detect_divergence_by_margin(p: Parting) -> Finding | None:
         ),
         tensor=p.tensor,
         message=f"at {_parting_where(p)} the run chose token {p.observed} where the reference's argmax is "
-        f"{p.expected} by a margin {p.margin:.3g}, beyond the noise bound {p.bound:.3g}; check which rows the "
-        "driver drafts from and that it samples greedily",
+        f"{p.expected} by a margin {p.margin:.3g}, beyond the noise bound {p.bound:.3g}; {advice}",
     )
 
 

@@ -1,0 +1,137 @@
+"""A sampled choice judged as a sample (issue 45): where the run sampled its target's tokens, a
+token that is not the reference's argmax is no divergence when the sampler's chain (top-k, top-p,
+min-p, as llama.cpp's common_sampler_init orders them) could draw it from the reference's logits,
+within the noise bound on a margin; one it could not draw stays a divergence naming the sampler.
+The sampler record itself round-trips through a dump's manifest, and a dump without it is greedy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from featdiff.diff.detectors import detect_divergence_by_margin
+from featdiff.diff.partings import Parting, sampled_parting
+from featdiff.dump import Manifest, flow_view
+from featdiff.llama.exec_sampler import flow_samplers, launched_requests
+from featdiff.names import RESULT_OUTPUT
+from featdiff.sampling import DEFAULT_TEMPERATURE, Sampler, could_draw, sampler_from_command
+
+N_VOCAB = 64
+DEFAULT = Sampler(flow=0, source="request")  # llama.cpp's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05
+
+
+def _row(*top: float) -> np.ndarray:
+    """Logits (N_VOCAB,): tokens 0.. carry `top`, the rest far below (-30)."""
+    row = np.full(N_VOCAB, -30.0)
+    row[: len(top)] = top
+    return row
+
+
+def test_a_token_the_chain_keeps_can_be_drawn_and_one_it_cuts_cannot():
+    row = _row(5.0, 4.5, 4.0, 0.0)  # token 3: p/p_max = e^-5 < min-p 0.05
+    assert could_draw(row, 1, DEFAULT, 0.0) and could_draw(row, 2, DEFAULT, 0.0)
+    assert not could_draw(row, 3, DEFAULT, 0.0)
+    assert could_draw(row, 3, replace(DEFAULT, min_p=0.0, top_p=1.0), 0.0)  # no cut but top-k 40
+    assert not could_draw(row, 3, replace(DEFAULT, min_p=0.0), 0.0)  # top-p 0.95: 0.997 of the mass above it
+
+
+def test_top_k_cuts_by_rank_and_the_slack_lifts_a_token_near_the_cut():
+    row = _row(5.0, 4.9, 4.8, 4.7)
+    top2 = replace(DEFAULT, top_k=2, top_p=1.0, min_p=0.0)
+    assert could_draw(row, 1, top2, 0.0) and not could_draw(row, 2, top2, 0.0)
+    assert could_draw(row, 2, top2, 0.15)  # within the noise bound of the second token
+
+
+def test_top_p_keeps_tokens_while_the_mass_above_them_is_below_p():
+    row = _row(math.log(0.6), math.log(0.3), math.log(0.1))  # probabilities 0.6, 0.3, 0.1
+    top_p = replace(DEFAULT, top_k=0, min_p=0.0, top_p=0.8)
+    assert could_draw(row, 1, top_p, 0.0)  # 0.6 above it
+    assert not could_draw(row, 2, top_p, 0.0)  # 0.9 above it
+
+
+def test_a_greedy_sampler_draws_the_argmax_alone():
+    greedy = replace(DEFAULT, temperature=0.0)
+    row = _row(5.0, 4.0)
+    assert greedy.is_greedy and could_draw(row, 0, greedy, 0.0) and not could_draw(row, 1, greedy, 0.0)
+
+
+def _parting(observed: int, margin: float, bound: float = 0.05) -> Parting:
+    return Parting("verify", 3, 0, 40, 9, RESULT_OUTPUT, expected=0, observed=observed, margin=margin, bound=bound)
+
+
+def test_a_sampled_token_in_the_support_is_no_parting_and_one_outside_is_a_divergence_naming_the_sampler():
+    row = _row(5.0, 4.0, 0.0)
+    assert sampled_parting(_parting(1, 1.0), row, DEFAULT) is None
+    p = sampled_parting(_parting(2, 5.0), row, DEFAULT)
+    assert p is not None and p.sampler == "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05"
+    f = detect_divergence_by_margin(p)
+    assert f is not None and f.severity == "error" and f.fields["observed"] == 2
+    assert "its sampler (temperature 0.8, top-k 40" in f.message and "greedily" not in f.message
+
+
+def test_a_chain_with_a_stage_featdiff_does_not_compute_does_not_judge_the_choice():
+    row = _row(5.0, 4.0, 0.0)
+    penalised = replace(DEFAULT, repeat_penalty=1.1)
+    assert penalised.unmodelled == ("penalties",)
+    assert sampled_parting(_parting(2, 5.0), row, penalised) is None
+
+
+def test_the_flags_set_the_sampler_and_the_defaults_are_llama_cpps():
+    s = sampler_from_command(
+        ["llama-server", "--temp", "0.5", "--top-k=20", "-s", "7", "--no-spec-draft-backend-sampling"]
+    )
+    assert (s.temperature, s.top_k, s.seed, s.draft_backend_sampling, s.source) == (0.5, 20, 7, False, "command_line")
+    d = sampler_from_command(["llama-speculative-simple"])
+    assert (d.temperature, d.top_k, d.top_p, d.min_p, d.draft_backend_sampling) == (
+        DEFAULT_TEMPERATURE,
+        40,
+        0.95,
+        0.05,
+        True,
+    )
+
+
+_REQUEST = (
+    '"temperature":0.8,"top_k":40,"top_p":0.9,"min_p":0.1,"seed":42,"samplers":["top_k","top_p","min_p","temperature"]'
+)
+SERVER_LOG = (
+    'slot launch_slot_: id  1 | task 0 | launching slot : {"id":1,"params":{' + _REQUEST + "}}\n"
+    'slot launch_slot_: id  0 | task 1 | launching slot : {"id":0,"params":{"temperature":0.0,"seed":4294967295}}\n'
+    "slot launch_slot_: id  1 | task 2 | launching slot : not json\n"
+)
+
+
+def test_each_flow_takes_the_request_llama_server_launched_on_its_slot_in_order():
+    assert sorted(launched_requests(SERVER_LOG)) == [0, 1]
+    found = flow_samplers(["llama-server", "--temp", "0.3"], {0: 1, 1: 0, 2: 1}, SERVER_LOG)
+    assert [(s.flow, s.source, s.temperature) for s in found] == [
+        (0, "request", 0.8),
+        (1, "request", 0.0),
+        (2, "command_line", 0.3),  # no line for a second request on slot 1: the server's defaults
+    ]
+    assert (found[0].top_p, found[0].min_p, found[0].seed) == (0.9, 0.1, 42)
+    assert found[0].samplers == ("top_k", "top_p", "min_p", "temperature")
+
+
+def _manifest(samplers: tuple[Sampler, ...]) -> Manifest:
+    return Manifest(source="llama.cpp", models={}, build={}, evals=(), records=(), samplers=samplers)
+
+
+def test_the_samplers_round_trip_and_a_dump_without_them_chose_greedily():
+    m = _manifest((replace(DEFAULT, flow=0, top_p=0.9), replace(DEFAULT, flow=1, temperature=0.0)))
+    back = Manifest.from_json(m.to_json())
+    assert back.samplers == m.samplers
+    assert back.sampler(0) == m.samplers[0] and back.sampler(1) is None  # temperature 0: greedy
+    assert _manifest(()).sampler(0) is None and "samplers" not in _manifest(()).to_json()
+    assert flow_view(back, 0).samplers == (m.samplers[0],)
+
+
+@pytest.mark.parametrize("bad", [{"flow": 0, "source": "request", "top_k": "many"}, {"flow": 0, "source": "guess"}])
+def test_a_bad_sampler_field_is_refused_by_path(bad):
+    from featdiff.manifest_fields import ManifestError
+
+    with pytest.raises(ManifestError, match="samplers"):
+        Manifest.from_json({**_manifest(()).to_json(), "samplers": [bad]})
