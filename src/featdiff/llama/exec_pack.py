@@ -156,9 +156,11 @@ def _samplers(flow: ExecFlow, build: dict[str, Any], log_path: Path | None) -> t
     seq_of_flow: dict[int, int] = {f.flow: f.seq_id for f in flow.flows}
     for e in flow.evals:
         seq_of_flow.setdefault(e.flow, min(e.seq_ids or (0,)))
-    is_server = any(k in build for k in ("server", "server_traffic", "server_error"))
-    text = log_path.read_text(errors="replace") if is_server and log_path and log_path.is_file() else None
-    return flow_samplers(command, seq_of_flow, text if is_server else None)
+    if not any(k in build for k in ("server", "server_traffic", "server_error")):
+        return flow_samplers(command, seq_of_flow, None)
+    if log_path is None or not log_path.is_file():
+        return ()  # a server's requests say how they sampled, in its log: without it, not known
+    return flow_samplers(command, seq_of_flow, log_path.read_text(errors="replace"))
 
 
 def save_build(prefix: Path, build: dict[str, Any], output: Path) -> None:
