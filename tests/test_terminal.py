@@ -1,8 +1,10 @@
 """A quiet terminal (issue 48, item 4): `featdiff --version`, one hint line for a program's
-command line that forgot --exec, counts and phases that read as English (the findings table's
-width: tests/compare/test_render.py)."""
+command line that forgot --exec, counts and phases that read as English, the reference's
+per-round detail only with -v (the findings table's width: tests/compare/test_render.py)."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from typer.testing import CliRunner
@@ -11,6 +13,9 @@ from featdiff.cli import app
 from featdiff.phases import phrase
 from featdiff.version import VERSION
 from featdiff.words import plural
+
+# A prompt on which the off-by-one drafter's drafts part from the reference's in round 1
+PARTING_TOKENS, PARTING_ROUNDS = "7,21,3,99,140,5,260,33", 4
 
 
 def test_version_prints_the_package_version_and_exits_0():
@@ -54,3 +59,21 @@ def test_counts_are_singular_for_one():
 def test_phases_read_as_whose_eval_it_is():
     assert phrase("draft", "draft") == "drafter's draft" and phrase("target", "verify") == "target's verify"
     assert phrase("draft", "inject") == "drafter's inject" and phrase("target", "warmup") == "target's warm-up"
+
+
+def test_reference_tells_each_rounds_parting_only_with_verbose(captured, fixture_models, tmp_path, caplog):
+    """The off-by-one drafter drafts otherwise than the reference from round 1: a parting per
+    round, which compare judges; on the terminal only when asked (-v)."""
+    d = fixture_models("layers-plus1")
+    run = captured("layers-plus1", tokens=PARTING_TOKENS, rounds=PARTING_ROUNDS)
+    said = {}
+    for flags in ([], ["-v"]):
+        args = ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft-hf")]
+        args += ["-o", str(tmp_path / f"ref{len(flags)}.npz"), "--follow", str(run), *flags]
+        with caplog.at_level(logging.DEBUG, logger="featdiff"):
+            caplog.clear()
+            result = CliRunner().invoke(app, args)
+            said[bool(flags)] = [r.getMessage() for r in caplog.records if "would draft" in r.getMessage()]
+        assert result.exit_code == 0, result.output
+        assert any(r.getMessage().startswith("reference: ") for r in caplog.records)  # the stage's one line stays
+    assert not said[False] and said[True][0].startswith("round 1: the reference would draft ")

@@ -351,9 +351,11 @@ def report(
 
 @app.command()
 def inspect(
-    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A dump (.npz) or a model (.gguf).")],
+    path: Annotated[
+        Path, typer.Argument(exists=True, help="A dump (.npz), a model (.gguf) or an EAGLE3 HF checkpoint directory.")
+    ],
 ) -> None:
-    """List a dump's records by eval and phase, or a GGUF's DFlash metadata."""
+    """List a dump's records by eval and phase, a GGUF's DFlash metadata, or an EAGLE3 checkpoint's trainer."""
     from featdiff.inspect import describe
 
     typer.echo(describe(path))
