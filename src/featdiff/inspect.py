@@ -4,26 +4,96 @@ DFlash metadata. Reads files, returns text; prints nothing itself.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
+from featdiff import names
 from featdiff.dump import Dump, Manifest, read_dump
 from featdiff.errors import InputError
 from featdiff.gguf_reader import model_info
 from featdiff.llama import ggml_dequant
+from featdiff.modelled_eagle3 import (
+    FLAG,
+    HF_AUX_LAYER_IDS,
+    HF_EAGLE_CONFIG,
+    HF_LAYER_PREFIXES,
+    LAYER_IDS_OUTPUT,
+    eagle3_config,
+    stated_layer_ids,
+    trainer_of,
+    unread_keys,
+    unread_tensors,
+)
 from featdiff.names import BACKEND_HOST, ROLES
 
 
 def describe(path: Path) -> str:
     """The listing for a `.npz` dump or a `.gguf` model."""
     path = Path(path)
+    if path.is_dir():
+        return describe_eagle3_checkpoint(path)
     if path.suffix == ".gguf":
         return describe_gguf(path)
     if path.suffix == ".npz":
         with read_dump(path) as dump:
             return describe_dump(dump)
-    raise InputError(f"{path}: expected a dump (.npz) or a model (.gguf)")
+    raise InputError(f"{path}: expected a dump (.npz), a model (.gguf) or an EAGLE3 Hugging Face checkpoint directory")
+
+
+def describe_eagle3_checkpoint(path: Path) -> str:
+    """An EAGLE3 HF checkpoint: which trainer wrote it, where its layer ids are and what they name
+    (featdiff.modelled_eagle3.TRAINERS), and what the reference would refuse of it."""
+    cfg = path / names.HF_CONFIG
+    try:
+        config = eagle3_config(json.loads(cfg.read_text()))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{cfg}: unreadable ({e}); pass a Hugging Face checkpoint directory") from None
+    if names.HF_DRAFT_VOCAB_SIZE not in config:
+        raise InputError(f"{cfg}: no {names.HF_DRAFT_VOCAB_SIZE}: featdiff inspect describes EAGLE3 checkpoints")
+    tensors = _tensor_names(path)
+    trainer = trainer_of(config, tensors)
+    lines = [f"{path}: EAGLE3 checkpoint, {len(tensors)} tensors"]
+    if trainer is None:
+        lines.append(
+            f"  trainer: cannot be told (top-level {HF_AUX_LAYER_IDS} beside {HF_EAGLE_CONFIG}); "
+            f"the reference needs {FLAG} input|output"
+        )
+    else:
+        ids = stated_layer_ids(config, trainer)
+        lines += [
+            f"  trainer: {trainer.name}, {trainer.what}: {trainer.why}",
+            f"  layer ids: {ids if ids else 'none stated: the inputs of [2, n // 2, n - 3] (every default)'}"
+            + (f" at {trainer.ids_at}, naming layer {trainer.layer_ids_mean}s" if ids else ""),
+        ]
+        if ids and trainer.layer_ids_mean == LAYER_IDS_OUTPUT:
+            lines.append(f"  llama.cpp taps layer inputs: the GGUF must carry {[int(i) + 1 for i in ids]}")
+    prefix = next((p for p in HF_LAYER_PREFIXES if any(t.startswith(p) for t in tensors)), HF_LAYER_PREFIXES[0])
+    unread = [*unread_keys(config), *unread_tensors(tensors, prefix)]
+    lines.append(f"  not read by the reference (refused): {', '.join(unread) if unread else 'nothing'}")
+    return "\n".join(lines)
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The names of every tensor in the directory's safetensors files (headers only)."""
+    out: list[str] = []
+    for f in sorted(path.glob(names.HF_WEIGHTS_GLOB)):
+        with safe_open(str(f), "numpy") as st:
+            out += list(st.keys())
+    return out
+
+
+def checkpoint_line(entry: dict[str, Any]) -> str:
+    """A reference's `models.draft.checkpoint` (docs/dump.md) in words."""
+    ids, mean = entry.get("layer_ids"), entry.get("layer_ids_mean")
+    tapped = [int(i) + 1 for i in ids] if mean == LAYER_IDS_OUTPUT and isinstance(ids, list) else ids
+    return (
+        f"  draft checkpoint: trainer {entry.get('trainer')}, layer ids {ids} name layer {mean}s "
+        f"(told by the {entry.get('told_by')}): the reference tapped the inputs of {tapped}"
+    )
 
 
 def describe_gguf(path: Path) -> str:
@@ -81,6 +151,8 @@ def describe_dump(dump: Dump) -> str:
     lines = [f"{dump.path}: {m.source} dump, {len(m.evals)} evals, {len(m.records)} records, {len(m.rounds)} rounds"]
     for role, info in sorted(m.models.items()):
         lines.append(f"  {role}: {info.get('path')} ({info.get('architecture')})")
+        if isinstance(info.get("checkpoint"), dict):
+            lines.append(checkpoint_line(info["checkpoint"]))
     lines += placement_lines(m)
     by_eval: dict[int, list] = {}
     for r in m.records:

@@ -211,6 +211,8 @@ def test_layer_ids_mean_states_what_the_checkpoint_cannot_tell(pair, tmp_path):
     with read_dump(tmp_path / "r.npz") as dump:
         entry = dump.manifest.models["draft"]
     assert entry["target_layers"] == [1, 3, 5]
+    listed = CliRunner().invoke(app, ["inspect", str(tmp_path / "r.npz")])
+    assert "draft checkpoint: trainer stated, layer ids [1, 3, 5] name layer inputs (told by the flag)" in listed.output
     assert entry["checkpoint"] == {
         "trainer": "stated",
         "layer_ids": [1, 3, 5],
@@ -222,3 +224,11 @@ def test_layer_ids_mean_states_what_the_checkpoint_cannot_tell(pair, tmp_path):
 def test_layer_ids_mean_on_a_gguf_is_refused(pair, tmp_path):
     out = _reference(pair, pair / "draft.gguf", tmp_path / "r.npz", "--layer-ids-mean", "output")
     assert out.exit_code == 2 and "GGUF ids always name layer inputs" in out.output, out.output
+
+
+def test_inspect_names_a_checkpoints_trainer_and_what_its_ids_mean(pair, tmp_path):
+    d = rewritten(pair, tmp_path / "sf", nested, add={"mystery.weight": np.ones(4, np.float32)})
+    out = CliRunner().invoke(app, ["inspect", str(d)])
+    assert out.exit_code == 0, out.output
+    assert "trainer: specforge" in out.output and "naming layer outputs" in out.output
+    assert "the GGUF must carry [1, 3, 5]" in out.output and "(refused): mystery.weight" in out.output
