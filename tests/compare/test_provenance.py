@@ -122,3 +122,53 @@ def test_a_first_anchor_a_driver_fault_changed_is_not_another_prompt():
 def test_a_prompt_with_cached_positions_is_not_judged():
     run = _run(build={"command": ["llama-server"]}, prompt_tokens=(-1, 5, 9, 4))
     assert provenance_problem(REF, RUN, _ref(), run) is None
+
+
+# ---------------------------------------------------------------- end to end, on real dumps
+
+OTHER_TOKENS = "7,21,3,99,140,5,260,33,18,402,77,10"  # real_flow.DEFAULT_TOKENS with another last but one
+
+
+def _compare(ref: Path, run: Path):
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    return CliRunner().invoke(app, ["compare", str(ref), str(run)])
+
+
+def _one_line(result) -> str:
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_a_checkpoints_reference_of_the_run_is_compared_not_refused(captured, referenced):
+    result = _compare(referenced("clean"), captured("clean"))
+    assert result.exit_code == 0, result.output
+
+
+def test_swapped_dumps_exit_2_naming_the_right_order(captured, referenced):
+    ref, run = referenced("clean"), captured("clean")
+    line = _one_line(_compare(run, ref))
+    assert "the reference comes first" in line and f"featdiff compare {ref} {run}" in line
+
+
+def test_a_reference_of_another_target_exits_2_naming_the_runs_target(captured, referenced, fixture_models):
+    run = captured("clean")
+    line = _one_line(_compare(referenced("llama"), run))
+    assert "architecture llama vs qwen3" in line
+    assert f"--target {fixture_models('clean') / 'target.gguf'}" in line and f"--follow {run}" in line
+
+
+def test_a_reference_that_followed_another_run_exits_2_and_its_command_works(captured, tmp_path, fixture_models):
+    from featdiff.torchref.run import reference
+
+    d = fixture_models("clean")
+    options = dict(prompt=None, tokens=None, rounds=1, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None)
+    other = reference(d / "target.gguf", d / "draft-hf", tmp_path / "other.npz", follow=captured("clean"), **options)
+    run = captured("clean", tokens=OTHER_TOKENS)
+    line = _one_line(_compare(other, run))
+    assert "followed another run" in line and f"--follow {run}" in line
+    fixed = reference(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run, **options)
+    assert _compare(fixed, run).exit_code == 0  # the command it names makes a reference that compares
