@@ -187,6 +187,7 @@ def check(
     summary_md: PathLike | None = o.SUMMARY_MD.default,
     command: list[str] | None = None,
     run: PathLike | None = o.JUDGED_RUN.default,
+    layer_ids_mean: str | None = o.LAYER_IDS_MEAN.default,
 ) -> CheckResult:
     """Capture, reference, compare and probe accept; return the `CheckResult` and write the
     outputs asked for (featdiff.verdict.check)."""
@@ -207,6 +208,7 @@ def check(
         json_out=json_out,
         summary_md=_path(summary_md),
         run=_path(run),
+        layer_ids_mean=layer_ids_mean,
     )
 
 

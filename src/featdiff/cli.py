@@ -231,6 +231,7 @@ def probe(
         bool,
         typer.Option("--exec", help="Run through the llama-server command given after `--` instead of in-process."),
     ] = False,
+    layer_ids_mean: LayerIdsMeanOpt = o.LAYER_IDS_MEAN.default,
 ) -> None:
     """Greedy accept-rate probe: the real spec loop side by side with the reference drafter."""
     from featdiff import api
@@ -249,6 +250,7 @@ def probe(
         n_predict=n_predict,
         llama_dir=llama_dir,
         draft_max=draft_max,
+        layer_ids_mean=layer_ids_mean,
     )
     typer.echo(render_probe(result))
     raise typer.Exit(probe_exit_code(result))
@@ -398,6 +400,7 @@ def check(
     exec_: Annotated[bool, _option(o.CHECK_EXEC)] = o.CHECK_EXEC.default,
     run: Annotated[Optional[Path], _option(o.JUDGED_RUN)] = o.JUDGED_RUN.default,
     verbose: Annotated[bool, _option(o.LOG_VERBOSE)] = o.LOG_VERBOSE.default,
+    layer_ids_mean: LayerIdsMeanOpt = o.LAYER_IDS_MEAN.default,
 ) -> None:
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
     from featdiff import api
@@ -420,6 +423,7 @@ def check(
         summary_md=summary_md,
         command=api.program_command(ctx.args, exec_, "check"),
         run=run,
+        layer_ids_mean=layer_ids_mean,
     )
     if json_out != "-":
         typer.echo(render_text(result))

@@ -318,6 +318,7 @@ def probe(
     kv_dtype: str = "f16",
     llama_dir: Path | None = None,
     draft_max: int | None = None,
+    layer_ids_mean: str | None = None,
 ) -> Probe:
     """Run the accept-rate probe; see the module docstring. `draft_max` (in-process only; default
     llama.cpp's `--spec-draft-n-max` default) sets the drafts per block."""
@@ -333,21 +334,27 @@ def probe(
         traces = run_in_process(
             target, model, chosen, rounds, llama_dir, DEFAULT_DRAFT_MAX if draft_max is None else draft_max
         )
-    return probe_traces(traces, Path(ref_target or target), Path(ref_model or model), dtype, kv_dtype)
+    return probe_traces(traces, Path(ref_target or target), Path(ref_model or model), dtype, kv_dtype, layer_ids_mean)
 
 
 def probe_traces(
-    traces: tuple[RunTrace, ...], ref_target: Path, ref_model: Path, dtype: str = "float32", kv_dtype: str = "f16"
+    traces: tuple[RunTrace, ...],
+    ref_target: Path,
+    ref_model: Path,
+    dtype: str = "float32",
+    kv_dtype: str = "f16",
+    layer_ids_mean: str | None = None,
 ) -> Probe:
-    """The probe of runs already made: each trace's rounds beside the reference drafter's."""
-    from featdiff.torchref.kind import drafter_kind
+    """The probe of runs already made: each trace's rounds beside the reference drafter's
+    (`layer_ids_mean`: what an EAGLE3 HF checkpoint's ids name, where it cannot tell)."""
+    from featdiff.torchref.kind import drafter_kind, drafter_options
     from featdiff.torchref.load import load_target
     from featdiff.torchref.run import numerics_from_options
 
     numerics = numerics_from_options(dtype, "cpu", kv_dtype)
     flow = drafter_kind(Path(ref_model)).reference_module()
     ref_t = load_target(ref_target, numerics.dtype, numerics.device)
-    ref_d = flow.load_pair_draft(ref_t, ref_model, numerics)
+    ref_d = flow.load_pair_draft(ref_t, ref_model, numerics, **drafter_options(Path(ref_model), layer_ids_mean))
     return Probe(
         tuple(
             PromptProbe(

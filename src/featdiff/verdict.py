@@ -188,6 +188,7 @@ class CheckPlan:
     json_out: str | None  # a path, or "-" for stdout
     summary_md: Path | None
     run: Path | None = None  # a capture to judge (mode "capture"): no program is run
+    layer_ids_mean: str | None = None  # --layer-ids-mean: what an EAGLE3 HF reference drafter's ids name
 
 
 def plan_check(
@@ -206,6 +207,7 @@ def plan_check(
     json_out: str | None = None,
     summary_md: Path | None = None,
     run: Path | None = None,
+    layer_ids_mean: str | None = None,
 ) -> CheckPlan:
     """The checked plan of `check`: every output checked against the inputs (featdiff.outputs)."""
     from featdiff.llama.exec import command_files
@@ -247,6 +249,7 @@ def plan_check(
         None if json_out is None else str(json_out),
         _path(summary_md),
         _path(run),
+        layer_ids_mean,
     )
 
 
@@ -332,6 +335,7 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
         kv_dtype="f16",
         llama_dir=plan.llama_dir,
         run=followed,  # the block length, p_min, and the run's tokens to follow after a parting
+        layer_ids_mean=plan.layer_ids_mean,
     )
     comparison = compare_dumps(ref, run)
     report = None
@@ -401,7 +405,7 @@ def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:
 
     if plan.mode in ("program", "capture"):
         program = plan.command[0] if plan.command else str(plan.run)
-        return _probe_of_flows(manifest, program, plan.ref_target, plan.ref_model)
+        return _probe_of_flows(manifest, program, plan.ref_target, plan.ref_model, plan.layer_ids_mean)
     return probe(
         plan.target,
         plan.model,
@@ -411,10 +415,13 @@ def _probe(plan: CheckPlan, manifest: Manifest) -> Probe:
         ref_model=plan.ref_model,
         command=list(plan.command) if plan.mode == "llama-server" else None,
         llama_dir=plan.llama_dir,
+        layer_ids_mean=plan.layer_ids_mean,
     )
 
 
-def _probe_of_flows(manifest: Manifest, program: str, ref_target: Path, ref_model: Path) -> Probe:
+def _probe_of_flows(
+    manifest: Manifest, program: str, ref_target: Path, ref_model: Path, layer_ids_mean: str | None = None
+) -> Probe:
     """The probe of a capture: each flow's rounds (one per request and sequence: docs/flow.md),
     and the reference drafter's at the same places."""
     from featdiff import kinds
@@ -432,7 +439,7 @@ def _probe_of_flows(manifest: Manifest, program: str, ref_target: Path, ref_mode
         view = flow_view(manifest, k)
         label = Path(program).name if len(flows) == 1 else f"flow {k} (sequence {view.flow_info(k).seq_id})"
         traces.append(RunTrace(label, view.prompt_tokens, view.rounds, run_block_rows(view.evals, program, steps)))
-    return probe_traces(tuple(traces), ref_target, ref_model)
+    return probe_traces(tuple(traces), ref_target, ref_model, layer_ids_mean=layer_ids_mean)
 
 
 # ---------------------------------------------------------------- what people and scripts read

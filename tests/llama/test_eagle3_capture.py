@@ -112,6 +112,7 @@ def test_an_eagle3_graph_fault_of_the_patched_library_is_named(
     run = capture(d / "target.gguf", d / "draft.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=ROUNDS)
     first = next(f for f in compare_dumps(ref, run).findings if f.severity == "error")
     assert (first.kind, first.tensor) == (kind, tensor), first.message
+    assert first.fields["where"] == "graph", first.fields["where_reason"]  # the reference read the same GGUF
     if source is not None:
         assert first.fields["source"] == source
     else:
