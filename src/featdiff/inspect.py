@@ -29,6 +29,7 @@ from featdiff.modelled_eagle3 import (
     unread_tensors,
 )
 from featdiff.names import BACKEND_HOST, ROLES
+from featdiff.words import plural
 
 
 def describe(path: Path) -> str:
@@ -148,7 +149,10 @@ def _log_snr_text(log_snr: dict | None, has_tensors: bool) -> str:
 
 def describe_dump(dump: Dump) -> str:
     m = dump.manifest
-    lines = [f"{dump.path}: {m.source} dump, {len(m.evals)} evals, {len(m.records)} records, {len(m.rounds)} rounds"]
+    lines = [
+        f"{dump.path}: {m.source} dump, {plural(len(m.evals), 'eval')}, {plural(len(m.records), 'record')}, "
+        f"{plural(len(m.rounds), 'round')}"
+    ]
     for role, info in sorted(m.models.items()):
         lines.append(f"  {role}: {info.get('path')} ({info.get('architecture')})")
         if isinstance(info.get("checkpoint"), dict):
@@ -162,7 +166,7 @@ def describe_dump(dump: Dump) -> str:
         refused = f"  REFUSED by llama.cpp (rc {ev.rc})" if ev.rc else ""
         encoder = "  (llama_encode: the inject's encoder step)" if not ev.writes_cache else ""
         lines.append(
-            f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {ev.n_tokens} tokens at {pos}"
+            f"eval {ev.eval:3d}  {ev.role:6s} {ev.phase:7s} round {ev.round}  {plural(ev.n_tokens, 'token')} at {pos}"
             f"{refused}{encoder}"
         )
         for r in by_eval.get(ev.eval, []):
