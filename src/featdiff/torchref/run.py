@@ -28,7 +28,7 @@ from featdiff.dump import DumpWriter, FlowInfo, Manifest, Round, read_dump, reco
 from featdiff.errors import InputError
 from featdiff.gguf_reader import read_gguf, trained_context
 from featdiff.llama import ggml_dequant
-from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows
+from featdiff.blocks import asked_block_rows, check_rounds_fit, checked_block_rows, run_block_rows
 from featdiff.outputs import check_output, output_lock
 from featdiff.torchref.dspark import first_draft_row
 from featdiff.torchref.replay import EvalTrace, FollowError, FlowTrace, run_flow
@@ -68,7 +68,8 @@ def reference(
         numerics = numerics_from_options(dtype, device, kv_dtype)
         plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
         run = Path(follow) if follow is not None else run
-        asked = asked_block_rows(block, Path(run) if run is not None else None)
+        # --block with --follow: a run that drafted no block that ran (followed_run allowed it)
+        asked = asked_block_rows(block, Path(run) if run is not None and (block is None or plan is None) else None)
         p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
         flows = run_flows(Path(run)) if run is not None else ()
         prompt_ids = reference_prompt(flows, plan, target, model, prompt, tokens, llama_dir)
@@ -215,22 +216,30 @@ def followed_run(
     run: Path, prompt: str | None, tokens: str | None, block: int | None, also_run: Path | None
 ) -> FollowedRun:
     """The run dump `run` as a plan to replay; InputError for options it replaces, or a dump that
-    holds no flow to follow."""
+    holds no flow to follow. `--block` stays where the run decoded no draft block that ran (a
+    program that failed at its first draft: nothing says how long its blocks were)."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    has_block = run_block_rows(m.evals, str(run)) is not None
     given = [
         flag
         for flag, value in (("--prompt", prompt), ("--tokens", tokens), ("--block", block), ("--run", also_run))
-        if value is not None
+        if value is not None and (flag != "--block" or has_block)
     ]
     if given:
         raise InputError(
             f"--follow {run} takes the prompt, the rounds and the draft blocks from the run; drop {', '.join(given)}"
         )
-    with read_dump(run) as dump:
-        m = dump.manifest
-    if not m.prompt_tokens or not m.rounds:
+    if not m.prompt_tokens:
         raise InputError(
-            f"{run}: no prompt tokens or no speculative rounds to follow; --follow replays a capture's "
-            "flow (featdiff capture), pass --tokens/--rounds instead"
+            f"{run}: no prompt tokens to follow (the program decoded nothing featdiff recorded); --follow "
+            "replays a capture's flow: capture the run again, or pass --tokens and --rounds instead"
+        )
+    if not m.rounds:
+        raise InputError(
+            f"{run}: no speculative round to follow (the program stopped before its first draft); make the "
+            f"reference of its prompt instead: --tokens {','.join(map(str, m.prompt_tokens))} --rounds 1 "
+            "in place of --follow"
         )
     return FollowedRun(tuple(m.prompt_tokens), tuple(m.rounds))
 
