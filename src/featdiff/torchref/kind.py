@@ -39,14 +39,20 @@ def drafter_kind(model: Path) -> kinds.DrafterKind:
 def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
     """The reference dump of the pair, computed by the module of the drafter's kind;
     `layer_ids_mean` (--layer-ids-mean) only for an EAGLE3 HF checkpoint, which it describes."""
-    kind = drafter_kind(Path(model))
-    mean = options.pop("layer_ids_mean", None)
-    if mean is not None:
-        if kind.name != EAGLE3 or not Path(model).is_dir():
-            raise InputError(
-                f"{model}: --layer-ids-mean {mean} says what an EAGLE3 Hugging Face checkpoint's layer ids name, and "
-                f"this is a {kind.name} {'checkpoint' if Path(model).is_dir() else 'GGUF'} (GGUF ids always name "
-                "layer inputs); drop the flag"
-            )
-        options["layer_ids_mean"] = mean
-    return kind.reference_module().reference(target, model, output, **options)
+    options |= drafter_options(Path(model), options.pop("layer_ids_mean", None))
+    return drafter_kind(Path(model)).reference_module().reference(target, model, output, **options)
+
+
+def drafter_options(model: Path, layer_ids_mean: str | None) -> dict[str, Any]:
+    """The drafter loader's own options of `model` (its kind module's `reference` and
+    `load_pair_draft` take them): `layer_ids_mean` for an EAGLE3 HF checkpoint only; {} unset."""
+    if layer_ids_mean is None:
+        return {}
+    kind = drafter_kind(model)
+    if kind.name != EAGLE3 or not model.is_dir():
+        raise InputError(
+            f"{model}: --layer-ids-mean {layer_ids_mean} says what an EAGLE3 Hugging Face checkpoint's layer ids "
+            f"name, and this is a {kind.name} {'checkpoint' if model.is_dir() else 'GGUF'} (GGUF ids always name "
+            "layer inputs); drop the flag"
+        )
+    return {"layer_ids_mean": layer_ids_mean}
