@@ -101,12 +101,14 @@ def test_layer_offset_found_when_target_layers_are_off(captured, checkpoint_ref,
         delta,
     )
     assert f.fields["observed_layers"] == observed
+    assert f.fields["where"] == "export" and "target_layers" in f.fields["where_reason"]  # the GGUF's key
     assert c.pairs[c.first_divergence].eval == FIRST_INJECT
 
 
 def test_slot_permutation_found_when_fc_column_blocks_are_swapped(captured, checkpoint_ref):
     f = the_error(compare_dumps(checkpoint_ref("slots-swapped"), captured("slots-swapped"), None))
     assert (f.kind, f.tensor, f.fields["permutation"]) == ("slot_permutation", "inp_g_embeddings", [1, 0])
+    assert f.fields["where"] == "export" and "fc.weight" in f.fields["where_reason"]  # found by value
 
 
 def test_missing_term_found_when_log_snr_conditioning_is_dropped(captured, checkpoint_ref):
@@ -117,6 +119,7 @@ def test_missing_term_found_when_log_snr_conditioning_is_dropped(captured, check
     f = the_error(c)
     assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "l_out-0", "dspark_log_snr_fc2")
     assert f.fields["expected_in"] == "dspark_draft_embd_snr"
+    assert f.fields["where"] == "export" and "log_snr" in f.fields["where_reason"]
     first = c.pairs[c.first_divergence]
     assert (first.name, first.phase) == ("l_out-0", "draft")
     assert all(p.within for p in c.pairs if p.name == "inp_noise_embd")
@@ -157,6 +160,7 @@ def _old_log_snr_layout(src: Path, dst: Path) -> Path:
 def test_wrong_source_found_when_the_run_borrows_the_target_embeddings(captured, checkpoint_ref):
     f = the_error(compare_dumps(checkpoint_ref("borrowed-embd"), captured("borrowed-embd"), None))
     assert (f.kind, f.tensor, f.fields["source"]) == ("wrong_source", "inp_noise_embd", "target")
+    assert f.fields["where"] == "export" and "has_own_embeddings" in f.fields["where_reason"]
 
 
 # --- faults planted by transforming the correct capture ----------------------------------------
