@@ -172,3 +172,9 @@ def test_a_reference_that_followed_another_run_exits_2_and_its_command_works(cap
     assert "followed another run" in line and f"--follow {run}" in line
     fixed = reference(d / "target.gguf", d / "draft-hf", tmp_path / "ref.npz", follow=run, **options)
     assert _compare(fixed, run).exit_code == 0  # the command it names makes a reference that compares
+
+
+def test_a_program_stopped_before_its_first_draft_is_the_same_prompt():
+    """llama-server answering 500 at its first inject (inject-pos): no round, the same prompt."""
+    run = _run(build={"command": ["llama-server"]}, rounds=())
+    assert provenance_problem(REF, RUN, _ref(), run) is None

@@ -100,9 +100,10 @@ def _other_run(ref: Path, run: Path, ref_m: Manifest, run_m: Manifest) -> str | 
 
 
 def _before_first_draft(m: Manifest) -> tuple[int, ...]:
-    """The prompt a side decoded before its first draft: its last token is the first block's
-    anchor, which a driver fault changes (compare's `block_token`), so it is left out."""
-    return m.prompt_tokens[:-1] if m.rounds else m.prompt_tokens
+    """The prompt a side decoded before its first draft's anchor: the prompt's last token is that
+    anchor, which a driver fault changes (compare's `block_token`), so it is left out on both
+    sides, drafted or not (a run a fault stopped before its first draft is still that prompt's)."""
+    return m.prompt_tokens[:-1]
 
 
 def _known(*prompts: tuple[int, ...]) -> bool:
