@@ -378,6 +378,7 @@ class Build:
     block_rows: int | None = None  # the reference's draft block rows
     p_min: float = 0.0
     llama: str = ""  # the llama.cpp version of a capture's build (`commit`)
+    seqs_per_decode: int = 1  # the most sequences one decode of the run held (several: batched rows)
 
     @property
     def kv_cache_types(self) -> tuple[str, ...]:
@@ -403,6 +404,7 @@ class Build:
             block_rows=f.get("block_rows", as_count_or_null, default=None),
             p_min=f.get("p_min", as_number_or_null, default=None) or 0.0,
             llama=f.get("commit", as_str, default=""),
+            seqs_per_decode=f.get("seqs_per_decode", as_count_or_null, default=None) or 1,
         )
 
 

@@ -191,3 +191,14 @@ def test_an_eagle3_row_kept_from_an_earlier_request_is_a_wrong_source_naming_ups
     for held in ((11, 30), (11, NO_ROW)):  # the row the flow prescribes, or none (the prefill's bridge writes it)
         ok = replace(kept, draft_cached=held)
         assert detect_wrong_source_kept_row(Manifest("llama.cpp", {}, {}, (), (), flows=(ok,)), row_token=1) is None
+
+
+def test_a_decode_holding_several_sequences_is_recorded_as_batched_rows():
+    from featdiff.dump import Build
+    from featdiff.llama.exec_pack import seqs_per_decode
+
+    alone = _log(_request(A, 7) + _request(B, 8, seq=1), [])
+    assert seqs_per_decode(alone) == 1  # one sequence per decode: one after the other
+    together = _log([(0, [10, 20], [0, 0], [0, 1]), (0, [11, 21, 31], [1, 1, 0], [0, 1, 2])], [])
+    assert seqs_per_decode(together) == 3
+    assert Build.from_json({"seqs_per_decode": 3}).seqs_per_decode == 3 and Build.from_json({}).seqs_per_decode == 1

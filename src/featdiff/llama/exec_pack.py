@@ -79,6 +79,7 @@ class ExecFlow:
     memory_ops: tuple[MemoryOp, ...] = ()
     notes: tuple[str, ...] = ()
     flows: tuple[FlowInfo, ...] = ()  # a run of several flows (requests, sequences); () for one
+    seqs_per_decode: int = 1  # the most sequences one decode call of the run held (build.seqs_per_decode)
 
 
 def read_flow(prefix: Path) -> ExecFlow:
@@ -95,7 +96,8 @@ def read_flow(prefix: Path) -> ExecFlow:
             f"{index}: the preload library loaded but saw no llama.cpp call; is the program built "
             "with shared libllama (BUILD_SHARED_LIBS=ON)?"
         )
-    seqs = split_decodes(with_encoder_rows(log_), {c.index: split_of(c) for c in log_.contexts})
+    placed = with_encoder_rows(log_)
+    seqs = split_decodes(placed, {c.index: split_of(c) for c in log_.contexts})
     log_ = seqs.log
     evals = flow_evals(log_)
     rounds: list[Round] = []
@@ -123,7 +125,14 @@ def read_flow(prefix: Path) -> ExecFlow:
         memory_ops(log_, evals),
         tuple(notes),
         tuple(flows) if len(flows) > 1 else (),
+        seqs_per_decode(placed),
     )
+
+
+def seqs_per_decode(log_: ExecLog) -> int:
+    """The most sequences one decode call held, before the split (an EAGLE3 encoder call counted
+    by the rows it encodes): above 1, the run computed rows of several sequences in one batch."""
+    return max((len(set(ev.seq_ids)) for ev in log_.evals), default=1) or 1
 
 
 def pack_exec(prefix: Path, output: Path, build: dict[str, Any], log_path: Path | None = None) -> spool.Packed:
@@ -137,7 +146,7 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any], log_path: Path 
         models=_models(flow),
         evals=flow.evals,
         records=(),
-        build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **build},
+        build={"kind": "exec", "library": flow.log.library, "commit": UNKNOWN_VERSION, **_batched(flow), **build},
         rounds=flow.rounds,
         prompt_tokens=flow.prompt_tokens,
         memory_ops=flow.memory_ops,
@@ -161,6 +170,11 @@ def _samplers(flow: ExecFlow, build: dict[str, Any], log_path: Path | None) -> t
     if log_path is None or not log_path.is_file():
         return ()  # a server's requests say how they sampled, in its log: without it, not known
     return flow_samplers(command, seq_of_flow, log_path.read_text(errors="replace"))
+
+
+def _batched(flow: ExecFlow) -> dict[str, int]:
+    """`build.seqs_per_decode`, written only where a decode held several sequences (dumps stay as they were)."""
+    return {"seqs_per_decode": flow.seqs_per_decode} if flow.seqs_per_decode > 1 else {}
 
 
 def save_build(prefix: Path, build: dict[str, Any], output: Path) -> None:
