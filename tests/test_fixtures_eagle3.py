@@ -21,6 +21,7 @@ from featdiff.fixtures_eagle3 import (
     DRAFT,
     EAGLE3_SETTINGS,
     EAGLE3_VARIANTS,
+    FC_NORM_TENSOR,
     GGUF_FROM_HF,
     HF_ARCH,
     HF_AUX_LAYER_IDS,
@@ -29,6 +30,7 @@ from featdiff.fixtures_eagle3 import (
     ROPE_PERMUTED,
     TRAINED_N_VOCAB,
     Eagle3Variant,
+    converted_weights,
     eagle3_weights,
     write_eagle3_fixture,
 )
@@ -140,7 +142,8 @@ def test_weights_are_seeded_and_hold_the_variants_tensors(variant):
     assert not np.array_equal(w["fc.weight"], other["fc.weight"])
     assert ("input_norm.weight" in w) == v.norm_before_fc
     assert ("embed_tokens.weight" in w) == v.has_own_embeddings
-    assert set(w) - {"t2d"} <= set(GGUF_FROM_HF)
+    assert set(converted_weights(w)) - {"t2d"} <= set(GGUF_FROM_HF)
+    assert (FC_NORM_TENSOR.format(k=0) in w) == v.fc_norm
     assert w["fc.weight"].shape == (DRAFT.n_embd, N_EXTRACT * N_TGT)
 
 
@@ -166,7 +169,7 @@ def test_converted_drafter_has_the_keys_and_tensors_eagle3_cpp_loads(pair, varia
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", EAGLE3_VARIANTS)
 def test_converted_tensors_are_the_checkpoints_with_qk_permuted_and_d2t_absolute(pair, variant):
-    w = eagle3_weights(variant, seed=0)
+    w = converted_weights(eagle3_weights(variant, seed=0))
     _, tensors = _contents(pair(variant) / "draft.gguf")
     for hf, a in w.items():
         if hf == "t2d":
@@ -233,7 +236,7 @@ def test_llama_cpp_runs_the_pair_as_the_checkpoint_says(pair, runtime, variant):
     layers, and its encoder (fc) and one decoder row agree with the HF weights in numpy."""
     from featdiff.llama.runtime import Context, Model
 
-    v, d, w = EAGLE3_SETTINGS[variant], pair(variant), eagle3_weights(variant, seed=0)
+    v, d, w = EAGLE3_SETTINGS[variant], pair(variant), converted_weights(eagle3_weights(variant, seed=0))
     features = np.random.default_rng(1).standard_normal((1, N_EXTRACT * N_TGT)).astype(np.float32)
     tgt, dft = Model.load(runtime, d / "target.gguf"), Model.load(runtime, d / "draft.gguf")
     ctx_tgt = Context.new(runtime, tgt, N_CTX, N_THREADS)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from featdiff import names
 from featdiff.converter import (
@@ -50,6 +51,7 @@ from featdiff.fixtures import (
     _write_target_hf,
     write_fixture,
 )
+from featdiff.gguf_rewrite import rewrite_gguf
 from featdiff.outputs import check_output_dir
 from featdiff.pairs import TINY, Shape, _linear, _norm
 
@@ -96,6 +98,14 @@ TARGET_LAYERS = (1, 3, 5)  # layer-input ids of the 6-layer tiny target
 TRAINED_N_VOCAB = 256
 DRAFT_STREAM = 3  # the drafter's weights: rng [seed, 3], apart from the pair's (seed) and DFlash2's ([seed, 2])
 VARIANT_FILE = "VARIANT"
+LAYOUT_CONVERTER, LAYOUT_SPECFORGE, LAYOUT_SPECULATORS, LAYOUT_EAGLE = "converter", "specforge", "speculators", "eagle"
+SPECFORGE_EAGLE_CONFIG = "eagle_config"  # SpecForge's nested block: its ids name layer OUTPUTS (input = id + 1)
+SPECULATORS_ARCH = "Eagle3Speculator"  # one of the names conversion/llama.py registers for LlamaModel
+SPECULATORS_LAYER_CONFIG = "transformer_layer_config"  # the converter merges it over the top level
+SPECULATORS_PREFIX = "layers.0."  # Eagle3Speculator's layer (the converter renames it model.layers.0.)
+FC_NORM_TENSOR = "fc_norm.{k}.weight"
+FC_NORM_PREFIX = "fc_norm."
+HF_WEIGHTS = "model.safetensors"  # fixtures._write_hf's one weights file
 STAGING_PREFIX = ".eagle3-"  # the pair is built in a scratch directory inside `outdir`, then moved in
 
 
@@ -116,6 +126,10 @@ class Eagle3Variant:
     # converter's target.gguf replace the qwen3 target the drafter converts against (the drafter
     # reads only the target's sizes and vocabulary there, which the tiny families share)
     target_family: str = ""
+    # how the checkpoint is laid out: the converter's (top-level ids beside midlayer.*), a trainer's
+    # (LAYOUTS: SpecForge's nested ids naming layer outputs, Eagle3Speculator's, EAGLE's own)
+    layout: str = LAYOUT_CONVERTER
+    fc_norm: bool = False  # SpecForge's per-slot feature norms fc_norm.{0,1,2}.weight (fc_norm: true)
 
 
 _VARIANTS = (
@@ -139,6 +153,30 @@ _VARIANTS = (
         "eagle3-qwen3moe",
         "Qwen3-MoE target through transformers (reference from target-hf/), EAGLE3 drafter",
         target_family="qwen3moe",
+    ),
+    Eagle3Variant(
+        "eagle3-specforge",
+        "SpecForge's layout: ids of layer outputs [0, 2, 4] under eagle_config (the GGUF carries them + 1: the "
+        "pinned converter, which reads no eagle_config, wrote its default, fixed after it)",
+        layout=LAYOUT_SPECFORGE,
+    ),
+    Eagle3Variant(
+        "eagle3-specforge-fc-norm",
+        "SpecForge's layout with fc_norm (one RMSNorm per target slot): the pinned converter refuses it; "
+        "draft.gguf is what a converter dropping fc_norm.* writes (an export fault)",
+        layout=LAYOUT_SPECFORGE,
+        fc_norm=True,
+    ),
+    Eagle3Variant(
+        "eagle3-speculators",
+        "Eagle3Speculator's layout (vLLM speculators: layers.0.*, transformer_layer_config, ids of layer inputs)",
+        layout=LAYOUT_SPECULATORS,
+    ),
+    Eagle3Variant(
+        "eagle3-eagle",
+        "EAGLE's own layout (midlayer.*, no ids: the inputs of [2, n // 2, n - 3], the converter's default)",
+        layout=LAYOUT_EAGLE,
+        target_layers=None,
     ),
     Eagle3Variant(
         "trained-eagle3",
@@ -176,7 +214,7 @@ def write_eagle3_fixture(outdir: str | Path, variant: str = "eagle3", seed: int 
     with tempfile.TemporaryDirectory(dir=out, prefix=STAGING_PREFIX) as scratch:
         staging = _write_target(Path(scratch) / "pair", v, seed)
         _write_hf(staging / DRAFT_HF, eagle3_hf_config(v), eagle3_weights(variant, seed))
-        _convert(staging)
+        _convert(staging, v, Path(scratch))
         if v.target_family:
             _family_target(staging, Path(scratch), v.target_family, seed)
         (staging / VARIANT_FILE).write_text(f"{v.name}: {v.doc} (converted by {CONVERTER})\n")
@@ -238,7 +276,25 @@ def eagle3_weights(variant: str, seed: int) -> dict[str, np.ndarray]:
         w["input_norm.weight"] = _norm(rng, N_EXTRACT * n_embd_tgt)
     if v.has_own_embeddings:
         w["embed_tokens.weight"] = rng.standard_normal((TINY.n_vocab, s.n_embd)).astype(np.float32)
+    if v.fc_norm:  # far from unit weights: dropping them moves fc_out well past the noise
+        w |= {FC_NORM_TENSOR.format(k=k): _norm(rng, n_embd_tgt) * (1.0 + k) for k in range(N_EXTRACT)}
+    if v.layout == LAYOUT_SPECULATORS:
+        w = {
+            SPECULATORS_PREFIX + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: a
+            for k, a in w.items()
+        }
     return w
+
+
+def converted_weights(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A drafter's weights (`eagle3_weights`) under the names GGUF_FROM_HF maps, as draft.gguf
+    holds them: Eagle3Speculator's `layers.0.*` as `midlayer.*` (the converter reads both), SpecForge's
+    `fc_norm.*` left out (llama.cpp's eagle3 graph has no per-slot norm: the GGUF lacks them)."""
+    renamed = {
+        "midlayer." + k.removeprefix(SPECULATORS_PREFIX) if k.startswith(SPECULATORS_PREFIX) else k: a
+        for k, a in w.items()
+    }
+    return {k: a for k, a in renamed.items() if not k.startswith(FC_NORM_PREFIX)}
 
 
 def _draft_ids(rng: np.random.Generator, n_vocab_draft: int) -> np.ndarray:
@@ -262,17 +318,62 @@ def eagle3_hf_config(v: Eagle3Variant) -> dict:
     }
     if v.target_layers is not None:
         config[HF_AUX_LAYER_IDS] = list(v.target_layers)
+    if v.layout == LAYOUT_SPECFORGE:
+        return _specforge_config(config, v)
+    if v.layout == LAYOUT_SPECULATORS:
+        return _speculators_config(config, v)
+    if v.layout == LAYOUT_EAGLE:  # EAGLE writes the llama fields and draft_vocab_size, nothing of EAGLE3's own
+        return {
+            k: a
+            for k, a in config.items()
+            if k not in (HF_TARGET_HIDDEN_SIZE, HF_NORM_BEFORE_FC, HF_NORM_BEFORE_RESIDUAL)
+        }
     return config
 
 
-def _convert(pair: Path) -> None:
+def _specforge_config(config: dict, v: Eagle3Variant) -> dict:
+    """SpecForge's config.json: the ids under eagle_config naming layer OUTPUTS (the input of L + 1
+    is the output of L), fc_norm stated as it is."""
+    ids = config.pop(HF_AUX_LAYER_IDS, None)
+    nested = {HF_AUX_LAYER_IDS: [i - 1 for i in ids]} if ids is not None else {}
+    return {**config, SPECFORGE_EAGLE_CONFIG: nested, "fc_norm": v.fc_norm}
+
+
+def _speculators_config(config: dict, v: Eagle3Variant) -> dict:
+    """Eagle3Speculator's config.json: the layer's llama fields nested, the EAGLE3 fields (ids of
+    layer inputs) at the top level."""
+    layer_keys = set(_hf_config(DRAFT, v.n_vocab)) | {"model_type"}
+    top = {k: a for k, a in config.items() if k not in layer_keys}
+    layer = {k: a for k, a in config.items() if k in layer_keys}
+    return {
+        **top,
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        SPECULATORS_LAYER_CONFIG: layer,
+    }
+
+
+def _convert(pair: Path, v: Eagle3Variant, scratch: Path) -> None:
     """The converter's `target.gguf` and `draft.gguf` of `pair`'s HF directories (as
     converter._convert_pair: the target's tokenizer.model first, of the tiny pair's vocabulary,
     which a trained pair's config.json cuts to TRAINED_N_VOCAB; the drafter reads the target's
-    config.json and vocabulary)."""
+    config.json and vocabulary).
+
+    A SpecForge checkpoint goes through what the pinned converter cannot do: with fc_norm (no GGUF
+    name: it refuses fc_norm.0.weight) a copy without those tensors is converted, as a converter
+    dropping them would; its ids (under eagle_config, which the converter never reads: it writes
+    its default) are written + 1, the layer inputs llama.cpp taps."""
     write_spm_tokenizer(pair / TARGET_HF / TOKENIZER_MODEL, TINY.n_vocab)
     convert_checkpoint(pair / TARGET_HF, pair / TARGET_GGUF)
-    convert_checkpoint(pair / DRAFT_HF, pair / DRAFT_GGUF, target_dir=pair / TARGET_HF)
+    draft = pair / DRAFT_HF
+    if v.fc_norm:
+        draft = scratch / "draft-without-fc-norm"
+        shutil.copytree(pair / DRAFT_HF, draft)
+        kept = {k: a for k, a in load_file(str(draft / HF_WEIGHTS)).items() if not k.startswith(FC_NORM_PREFIX)}
+        save_file(kept, str(draft / HF_WEIGHTS))
+    convert_checkpoint(draft, pair / DRAFT_GGUF, target_dir=pair / TARGET_HF)
+    if v.layout == LAYOUT_SPECFORGE and v.target_layers is not None:
+        rewrite_gguf(pair / DRAFT_GGUF, pair / DRAFT_GGUF, keys={names.KEY_EAGLE3_TARGET_LAYERS: list(v.target_layers)})
 
 
 def _family_target(pair: Path, scratch: Path, family: str, seed: int) -> None:
