@@ -80,7 +80,9 @@ def _other_run(ref: Path, run: Path, ref_m: Manifest, run_m: Manifest) -> str | 
     fix = _follow_command(ref, run, ref_m, run_m)
     if isinstance(followed, str) and followed:
         ref_starts = {(r.flow, r.pos0) for r in ref_m.rounds}
-        if ref_m.prompt_tokens != run_m.prompt_tokens or not ref_starts <= {(r.flow, r.pos0) for r in run_m.rounds}:
+        one_flow = len(run_m.flow_ids()) == 1  # several: each flow has its own prompt (docs/flow.md)
+        other_prompt = one_flow and ref_m.prompt_tokens != run_m.prompt_tokens
+        if other_prompt or not ref_starts <= {(r.flow, r.pos0) for r in run_m.rounds}:
             return (
                 f"{ref} followed another run ({followed}): its prompt and rounds are not {run}'s "
                 f"({_prompt_difference(ref_m.prompt_tokens, run_m.prompt_tokens)}); make the reference "
