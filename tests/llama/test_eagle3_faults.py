@@ -24,8 +24,12 @@ pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached pe
 
 
 def _errors(d: Path, model: Path, tmp: Path) -> list[Finding]:
+    """The error findings of the run of `model` against the reference of the correct GGUF; every
+    one placed in the export (the run's GGUF differs from the reference's, docs/findings.md `where`)."""
     run, ref = run_and_ref(d, model, tmp)
-    return [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
+    errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
+    assert all(f.fields["where"] == "export" for f in errors), [(f.kind, f.fields["where_reason"]) for f in errors]
+    return errors
 
 
 def _cause(errors: list[Finding]) -> Finding:
@@ -142,7 +146,7 @@ def test_a_dropped_encoder_norm_is_named_at_fc_out(eagle3_pairs, tmp_path):
         ("wrong_source", names.EAGLE3_FC_OUT),
     ]
     cause = _cause(errors)
-    assert cause.fields == {"source": "none", "candidate": "fc_out@norm=none"}
+    assert (cause.fields["source"], cause.fields["candidate"]) == ("none", "fc_out@norm=none")
     assert "raw target features" in cause.message
     assert names.KEY_EAGLE3_NORM_BEFORE_FC in cause.message and names.T_ENC_NORM in cause.message
 
@@ -160,7 +164,7 @@ def test_an_added_encoder_norm_is_named_at_fc_out(eagle3_pairs, tmp_path):
         ("wrong_source", names.EAGLE3_FC_OUT),
     ]
     cause = _cause(errors)
-    assert cause.fields == {"source": "unit", "candidate": "fc_out@norm=unit"}
+    assert (cause.fields["source"], cause.fields["candidate"]) == ("unit", "fc_out@norm=unit")
     assert names.KEY_EAGLE3_NORM_BEFORE_FC in cause.message and "raw features" in cause.message
 
 
@@ -176,7 +180,7 @@ def test_d2t_written_as_offsets_is_a_wrong_source_of_result_output(eagle3_pairs,
     errors = _errors(d, bad, tmp_path)
     first = errors[0]
     assert (first.kind, first.tensor) == ("wrong_source", names.RESULT_OUTPUT), first.message
-    assert first.fields == {"source": "offsets", "candidate": "result_output@d2t=offsets"}
+    assert (first.fields["source"], first.fields["candidate"]) == ("offsets", "result_output@d2t=offsets")
     assert "absolute target ids" in first.message and "offset + row index" in first.message
     assert [f.kind for f in errors] == ["wrong_source"]  # every later batch's logits: the same fault
 
@@ -190,5 +194,5 @@ def test_dropped_own_embeddings_read_the_targets_table(eagle3_pairs, tmp_path):
     errors = _errors(d, bad, tmp_path)
     first = errors[0]
     assert (first.kind, first.tensor) == ("wrong_source", names.INP_EMBD), first.message
-    assert first.fields == {"source": "target", "candidate": "inp_embd@table=target"}
+    assert (first.fields["source"], first.fields["candidate"]) == ("target", "inp_embd@table=target")
     assert [f.kind for f in errors] == ["wrong_source"]
