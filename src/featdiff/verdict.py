@@ -98,6 +98,7 @@ class CheckResult:
     prompt_tokens: tuple[int, ...]  # the captured flow's prompt
     report: Path | None = None
     dumps: tuple[Path, Path] | None = None  # (ref, run), when kept (--keep, or a failed check's)
+    program_log: Path | None = None  # the program's own output (--exec), named at the end
 
     @property
     def ok(self) -> bool:
@@ -314,8 +315,9 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
     from featdiff.dump import read_dump
     from featdiff.torchref.kind import reference
 
+    program_log = _program_log(plan, work)
     try:
-        run = plan.run if plan.run is not None else _capture(plan, work / RUN_DUMP)
+        run = plan.run if plan.run is not None else _capture(plan, work / RUN_DUMP, program_log)
     except ProgramFailed as failed:  # what it decoded before failing is the evidence: judge it
         log.warning("%s; featdiff check judges what it decoded", failed)
         run = failed.dump
@@ -358,10 +360,25 @@ def run_check(plan: CheckPlan, work: Path) -> CheckResult:
         manifest.prompt_tokens,
         report,
         (ref, run),
+        program_log,
     )
 
 
-def _capture(plan: CheckPlan, output: Path) -> Path:
+def _program_log(plan: CheckPlan, work: Path) -> Path | None:
+    """Where the program's own output goes (--exec): beside the run dump in --keep DIR, else a
+    file of the temp dir that outlives the check's temporary one; None when no program runs."""
+    from featdiff.llama.exec import program_log
+
+    if plan.mode not in ("program", "llama-server") or plan.run is not None:
+        return None
+    if plan.keep is not None:
+        return program_log(work / RUN_DUMP)
+    fd, path = tempfile.mkstemp(prefix="featdiff-check-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+def _capture(plan: CheckPlan, output: Path, log: Path | None) -> Path:
     """The short flow: the first prompt, in-process or through llama-server; another program's own."""
     from featdiff.llama import capture as capture_mod
     from featdiff.probe import read_prompts
@@ -369,9 +386,11 @@ def _capture(plan: CheckPlan, output: Path) -> Path:
     first = read_prompts(plan.prompts)[0]
     tokens = None if first.tokens is None else ",".join(map(str, first.tokens))
     if plan.mode == "program":
-        return capture_mod.capture_exec(list(plan.command), output, None, plan.llama_dir)
+        return capture_mod.capture_exec(list(plan.command), output, None, plan.llama_dir, log_path=log)
     if plan.mode == "llama-server":
-        return capture_mod.capture_exec(list(plan.command), output, None, plan.llama_dir, first.text, tokens)
+        return capture_mod.capture_exec(
+            list(plan.command), output, None, plan.llama_dir, first.text, tokens, log_path=log
+        )
     return capture_mod.capture(
         plan.target, plan.model, output, prompt=first.text, tokens=tokens, rounds=plan.rounds, llama_dir=plan.llama_dir
     )
@@ -489,6 +508,8 @@ def render_text(result: CheckResult) -> str:
     if result.report is not None:
         lines.append(f"report: {result.report}")
     return "\n".join(lines)
+    if result.program_log is not None:
+        lines.append(f"{result.program}'s own output: {result.program_log}")
 
 
 def _margin_line(a: AcceptCheck) -> str:

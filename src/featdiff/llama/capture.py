@@ -334,11 +334,13 @@ def capture_exec(
     draft_max: int | None = None,
     p_min: float | None = None,
     n_requests: int | None = None,
+    log_path: Path | None = None,
 ) -> Path:
     """Capture around an unmodified llama.cpp program (featdiff.llama.exec); llama-server gets
     one greedy completion request for `prompt` / `tokens`, or without them serves the user's own
     requests until Ctrl-C or `n_requests` have completed. The program's own command line sets
-    its block length and p_min, so `draft_max` and `p_min` are refused."""
+    its block length and p_min, so `draft_max` and `p_min` are refused. Its own output goes to
+    `log_path` (default: beside the dump)."""
     from featdiff.llama.exec import capture_exec as run_exec
 
     if draft_max is not None or p_min is not None:
@@ -348,4 +350,6 @@ def capture_exec(
             "--spec-draft-p-min in the program's command line instead"
         )
 
-    return run_exec(command, output, filters, llama_dir, prompt=prompt, tokens=tokens, n_requests=n_requests)
+    return run_exec(
+        command, output, filters, llama_dir, prompt=prompt, tokens=tokens, n_requests=n_requests, log_path=log_path
+    )

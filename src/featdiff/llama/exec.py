@@ -11,11 +11,13 @@ packs from the spool, whose phases and rounds featdiff.llama.exec_phases infers 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,13 @@ from featdiff import kinds, names
 from featdiff.errors import InputError, Interrupted, ProgramFailed
 from featdiff.filters import FilterSet, capture_filters
 from featdiff.gguf_reader import read_gguf
-from featdiff.llama import server, spool
+from featdiff.llama import ggml_dequant, server, spool
 from featdiff.llama.exec_pack import UNKNOWN_VERSION, pack_exec, read_flow, remove_spool, save_build
 from featdiff.llama.exec_phases import prompt_from_evals
 from featdiff.llama.options import options_of_command
 from featdiff.llama.preload import Preload, build_of_program, preload
 from featdiff.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
+from featdiff.preflight import preflight
 
 # read_flow and prompt_from_evals stay importable from here for featdiff.probe.
 __all__ = ["capture_exec", "command_files", "program_path", "prompt_from_evals", "read_flow"]
@@ -38,6 +41,13 @@ UPSTREAM_PREFIX = "llama-"
 SPEC_TYPE_FLAG = "--spec-type"  # common/arg.cpp: the speculative types, comma-separated
 VERSION_FLAG = "--version"
 VERSION_TIMEOUT_S = 10
+# The target and drafter GGUFs of a program's command line, and the environment it reads them from
+# instead (common/arg.cpp: -m, and the speculative draft model)
+MODEL_FLAGS, MODEL_ENV = ("-m", "--model"), "LLAMA_ARG_MODEL"
+DRAFT_MODEL_FLAGS, DRAFT_MODEL_ENV = ("--spec-draft-model", "-md", "--model-draft"), "LLAMA_ARG_SPEC_DRAFT_MODEL"
+LOG_SUFFIX = ".log"  # the program's own output, beside its dump: run.npz.log
+
+log = logging.getLogger(__name__)
 
 
 def program_path(command: list[str]) -> Path:
@@ -100,16 +110,62 @@ def command_filters(filters: list[str] | None, command: list[str]) -> FilterSet:
     return capture_filters(filters, None, kind.wiring, kind.target_wiring)
 
 
-def run_program(command: list[str], pre: Preload, timeout_s: float | None) -> int:
-    """Run `command` with the preload, its stdin/stdout/stderr the caller's own; return its exit
-    code. Stopped (server.stop_process) if featdiff is interrupted or it overruns `timeout_s`."""
-    proc = subprocess.Popen(command, env=pre.environ())
+def run_program(command: list[str], pre: Preload, timeout_s: float | None, log_path: Path) -> int:
+    """Run `command` with the preload, its stdin the caller's and its stdout and stderr in
+    `log_path`; return its exit code. Stopped (server.stop_process) if featdiff is interrupted or
+    it overruns `timeout_s`."""
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(command, env=pre.environ(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise InputError(
+                f"{command[0]}: still running after {timeout_s:.0f} s; stopped it; its output is in {log_path}"
+            ) from None
+        finally:
+            server.stop_process(proc)
+
+
+def program_log(output: Path) -> Path:
+    """Where a capture around a program keeps the program's own output: beside the dump."""
+    return output.with_name(output.name + LOG_SUFFIX)
+
+
+def command_models(command: list[str], environ: Mapping[str, str]) -> tuple[Path | None, Path | None]:
+    """The target and drafter files a program's command line loads (its last -m and -md, as
+    `-m F` or `--model=F`, else the environment's), None where it names none."""
+    target = server.option_value(command, MODEL_FLAGS, MODEL_ENV, environ)
+    drafter = server.option_value(command, DRAFT_MODEL_FLAGS, DRAFT_MODEL_ENV, environ)
+    return (Path(target) if target else None), (Path(drafter) if drafter else None)
+
+
+def check_pair(command: list[str], environ: Mapping[str, str]) -> None:
+    """Refuse, before the program starts, a drafter that does not fit its target (preflight:
+    lint's fatal problems, one line), as an in-process capture does; say so when llama-server
+    runs without a drafter. A drafter of no drafter architecture (a plain small model drafting
+    for a large one: classic speculative decoding) or a file that is not there is the program's
+    business."""
+    target, drafter = command_models(command, environ)
+    if drafter is None:
+        if server.is_server(command) and kinds.by_name(kinds.MTP).spec_type not in spec_types(command):
+            log.warning(
+                "%s runs without a drafter (no -md): the capture holds the target alone, with no draft to judge; "
+                "give -md D.gguf and --spec-type to capture speculative decoding",
+                Path(command[0]).name,
+            )
+        return
+    if target is None or not (target.is_file() and drafter.is_file()):
+        return
     try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise InputError(f"{command[0]}: still running after {timeout_s:.0f} s; stopped it") from None
-    finally:
-        server.stop_process(proc)
+        arch = read_gguf(drafter).arch
+    except (InputError, OSError):
+        return  # not a GGUF featdiff reads: llama.cpp says what it makes of it
+    if not kinds.is_drafter_arch(arch):
+        return
+    kind = kinds.of_arch(arch)
+    if kind.name == kinds.MTP and kind.spec_type not in spec_types(command):
+        return  # a target-architecture model drafting as a plain small model, not as an MTP head
+    preflight(drafter, target, ggml=ggml_dequant.load)
 
 
 def program_version(program: Path) -> str:
@@ -141,15 +197,18 @@ def capture_exec(
     tokens: str | None = None,
     timeout_s: float | None = None,
     n_requests: int | None = None,
+    log_path: Path | None = None,
 ) -> Path:
     """Run `command` under the preload and write its dump; llama-server is started, asked one
     greedy completion (`prompt`/`tokens`) and stopped, or without them records the user's own
     requests until featdiff is stopped or `n_requests` have completed (featdiff.llama.server). A
     program that fails or is interrupted leaves its dump at `failed_output(output)`, never over a
-    dump at -o."""
+    dump at -o. The program's own output goes to `log_path` (default: beside the dump, run.npz.log)."""
     program = program_path(command)
     server.check_traffic(command, n_requests, prompt is not None or tokens is not None, os.environ)
     output = check_output(Path(output), (program, *command_files(command)), "-o")
+    check_pair(command, os.environ)
+    log_path = log_path or program_log(output)
     kept = command_filters(filters, command)
     with output_lock(output):
         prefix = spool.prefix_for(output)
@@ -164,36 +223,40 @@ def capture_exec(
         pre = preload(prefix, kept, build_of_program(program, llama_dir))
         save_build(prefix, build, output)
         try:
-            build |= _launch(command, pre, prefix, prompt, tokens, timeout_s, n_requests)
+            build |= _launch(command, pre, prefix, prompt, tokens, timeout_s, n_requests, log_path)
         except KeyboardInterrupt as stop:
             raise _pack_interrupted(stop, prefix, output, build) from None
-        packed = _pack_run(command, prefix, output, build)
+        packed = _pack_run(command, prefix, output, build, log_path)
     if filters:
         spool.warn_unmatched_filters(kept, packed)
     rc = int(build.get("exit_code", 0))
+    if rc != 0 and packed.kept == 0:  # it failed before it decoded: an empty dump would say nothing
+        packed.path.unlink(missing_ok=True)
+        raise InputError(server.failure_line(program.name, rc, log_path, " before decoding anything"))
     if rc != 0:
-        failed = build.get("server_error") or f"{command[0]}: exited with code {rc} under capture"
+        failed = build.get("server_error") or server.failure_line(program.name, rc, log_path, " under capture")
         raise ProgramFailed(
             f"{failed}; {packed.path} holds what it decoded before that (compare it against the "
             "reference to see why); run the command without featdiff to see whether it fails alone",
             packed.path,
         )
+    log.info("%s's own output is in %s", program.name, log_path)
     return packed.path
 
 
-def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, Any]) -> spool.Packed:
+def _pack_run(command: list[str], prefix: Path, output: Path, build: dict[str, Any], log_path: Path) -> spool.Packed:
     """Pack the spool of a run that ended (to -o, or beside it if the program failed) and remove it."""
     rc = int(build.get("exit_code", 0))
     if rc == -signal.SIGXFSZ:  # the program ran past the file-size limit writing the spool
         remove_spool(prefix)
         raise no_room_error(output, OSError(errno.EFBIG, os.strerror(errno.EFBIG)), f"{prefix}.*")
     try:
-        packed = pack_exec(prefix, failed_output(output) if rc != 0 else output, build)
+        packed = pack_exec(prefix, failed_output(output) if rc != 0 else output, build, log_path)
     except InputError:
         remove_spool(prefix)  # the program never reached llama.cpp: the spool holds nothing
         if rc != 0:  # it failed before any llama.cpp call: its own exit is the news
             raise InputError(
-                f"{command[0]}: exited with code {rc} before decoding anything; run it without featdiff to see why"
+                server.failure_line(Path(command[0]).name, rc, log_path, " before decoding anything")
             ) from None
         raise
     remove_spool(prefix)
@@ -220,18 +283,19 @@ def _launch(
     prompt: str | None,
     tokens: str | None,
     timeout_s: float | None,
-    n_requests: int | None = None,
+    n_requests: int | None,
+    log_path: Path,
 ) -> dict[str, Any]:
-    """Run the program (or serve one request, or the user's traffic); return what the manifest's
-    build records of it."""
+    """Run the program (or serve one request, or the user's traffic), its output in `log_path`;
+    return what the manifest's build records of it."""
     if server.is_server(command) and prompt is None and tokens is None:
-        traffic = server.record_traffic(command, pre, prefix, n_requests)
+        traffic = server.record_traffic(command, pre, prefix, n_requests, log_path)
         return {"server_traffic": traffic.to_json(), "exit_code": traffic.exit_code}
     if server.is_server(command):
         request = server.request_from(prompt, tokens)
         try:
-            result = server.serve_one(command, pre, request, prefix)
+            result = server.serve_one(command, pre, request, prefix, log_path)
         except server.RequestFailed as e:  # it decoded, then failed: the dump still tells what it did
             return {"server_error": str(e), "exit_code": 1}
         return {"server": result.to_json()}
-    return {"exit_code": run_program(command, pre, timeout_s)}
+    return {"exit_code": run_program(command, pre, timeout_s, log_path)}

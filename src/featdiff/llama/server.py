@@ -36,7 +36,10 @@ START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.1
-LOG_TAIL_LINES = 5
+# A failed program's log line worth quoting: its error or failed assertion (llama.cpp's LOG_ERR,
+# GGML_ASSERT's "... failed"); gdb's backtrace frames ("#3 0x... in main") never are.
+CLUE_WORDS = ("error", "failed", "GGML_ASSERT", "terminate called")
+CLUE_MAX_CHARS = 200
 
 # The user's own traffic: where llama-server listens when the command does not say (common/common.h
 # `hostnames`, `port`; common/arg.cpp reads the flags, else their LLAMA_ARG_* variables).
@@ -151,7 +154,7 @@ def check_traffic(command: list[str], n_requests: int | None, sends_own: bool, e
         )
     quiet = [f for f in LOG_QUIET_FLAGS if any(a == f or a.startswith(f + "=") for a in command[1:])]
     quiet += [LOG_FILE_ENV] if environ.get(LOG_FILE_ENV) else []
-    verbosity = _option(command, VERBOSITY_FLAGS, VERBOSITY_ENV, environ)
+    verbosity = option_value(command, VERBOSITY_FLAGS, VERBOSITY_ENV, environ)
     if verbosity is not None and verbosity.strip().lstrip("-").isdigit() and int(verbosity) < INFO_VERBOSITY:
         quiet.append(f"--log-verbosity {verbosity}")
     if quiet:
@@ -163,9 +166,9 @@ def check_traffic(command: list[str], n_requests: int | None, sends_own: bool, e
 
 def user_address(command: list[str], environ: Mapping[str, str]) -> Address:
     """Where the user's llama-server command listens (its first TCP address), as llama-server reads it."""
-    hosts = _option(command, HOST_FLAGS, HOST_ENV, environ) or DEFAULT_HOST
+    hosts = option_value(command, HOST_FLAGS, HOST_ENV, environ) or DEFAULT_HOST
     host = next((h.strip() for h in hosts.split(",") if h.strip()), DEFAULT_HOST)
-    port = _option(command, PORT_FLAGS, PORT_ENV, environ) or str(DEFAULT_PORT)
+    port = option_value(command, PORT_FLAGS, PORT_ENV, environ) or str(DEFAULT_PORT)
     if host.endswith(SOCKET_SUFFIX):
         raise InputError(
             f"--host {host}: featdiff waits for the server's /health over TCP, not a UNIX socket; "
@@ -173,12 +176,12 @@ def user_address(command: list[str], environ: Mapping[str, str]) -> Address:
         )
     if not port.strip().isdigit() or int(port) == 0:
         raise InputError(f"--port {port}: featdiff needs the port your client will use; give --port N (N > 0)")
-    is_ssl = all(_option(command, flags, env, environ) for flags, env in SSL_FLAGS)
-    prefix = _option(command, API_PREFIX_FLAGS, API_PREFIX_ENV, environ) or ""
+    is_ssl = all(option_value(command, flags, env, environ) for flags, env in SSL_FLAGS)
+    prefix = option_value(command, API_PREFIX_FLAGS, API_PREFIX_ENV, environ) or ""
     return Address(WILDCARDS.get(host, host), int(port), prefix, "https" if is_ssl else "http")
 
 
-def _option(command: list[str], flags: tuple[str, ...], env: str, environ: Mapping[str, str]) -> str | None:
+def option_value(command: list[str], flags: tuple[str, ...], env: str, environ: Mapping[str, str]) -> str | None:
     """The value llama-server takes for an option: its last `--flag V` / `--flag=V`, else `env`'s."""
     found = None
     for i, arg in enumerate(command[1:], 1):
@@ -219,11 +222,12 @@ def free_port() -> int:
 
 
 def serve(
-    command: list[str], pre: Preload, requests: list[CompletionRequest], prefix: Path
+    command: list[str], pre: Preload, requests: list[CompletionRequest], prefix: Path, log_path: Path | None = None
 ) -> tuple[ServerResult, ...]:
-    """Start the server with the preload, send `requests` in order, stop it; return the answers."""
+    """Start the server with the preload, send `requests` in order, stop it; return the answers.
+    Its output goes to `log_path` (default: the spool's `<prefix>.server.log`)."""
     port = free_port()
-    log_path = Path(f"{prefix}.server.log")
+    log_path = log_path or Path(f"{prefix}.server.log")
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
             server_command(command, port),
@@ -239,17 +243,21 @@ def serve(
             stop_process(proc)
 
 
-def serve_one(command: list[str], pre: Preload, request: CompletionRequest, prefix: Path) -> ServerResult:
-    return serve(command, pre, [request], prefix)[0]
+def serve_one(
+    command: list[str], pre: Preload, request: CompletionRequest, prefix: Path, log_path: Path | None = None
+) -> ServerResult:
+    return serve(command, pre, [request], prefix, log_path)[0]
 
 
-def record_traffic(command: list[str], pre: Preload, prefix: Path, n_requests: int | None) -> Traffic:
+def record_traffic(
+    command: list[str], pre: Preload, prefix: Path, n_requests: int | None, log_path: Path | None = None
+) -> Traffic:
     """Start the user's llama-server as they wrote it, with the preload, and let it serve their
     client until `n_requests` requests have completed (None: no limit), featdiff is stopped
     (SIGINT / SIGTERM after the server was ready: the normal end, not an interruption), or the
     server ends itself; stop it and say what it served."""
     address = user_address(command, pre.environ())
-    log_path = Path(f"{prefix}.server.log")
+    log_path = log_path or Path(f"{prefix}.server.log")
     with open(log_path, "wb") as out:
         # its own session: a terminal's Ctrl-C reaches featdiff alone, which stops the server with
         # one SIGTERM (a second signal makes llama-server exit at once, tools/server/server.cpp);
@@ -321,13 +329,11 @@ def _wait_ready(proc: subprocess.Popen, address: Address, log_path: Path) -> Non
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise InputError(
-                f"{log_path}: llama-server exited with code {proc.returncode} before it was ready: {_tail(log_path)}"
-            )
+            raise InputError(failure_line("llama-server", proc.returncode, log_path, " before it was ready"))
         if _is_ready(address):
             return
         time.sleep(POLL_S)
-    raise InputError(f"{log_path}: llama-server not ready after {START_TIMEOUT_S:.0f} s: {_tail(log_path)}")
+    raise InputError(f"llama-server: not ready after {START_TIMEOUT_S:.0f} s; its output is in {log_path}")
 
 
 def _complete(port: int, request: CompletionRequest, log_path: Path) -> ServerResult:
@@ -344,8 +350,8 @@ def _complete(port: int, request: CompletionRequest, log_path: Path) -> ServerRe
         ) from None
     except (ConnectionError, http.client.HTTPException, urllib.error.URLError) as e:  # it died answering
         raise RequestFailed(
-            f"{log_path}: llama-server closed the connection without answering /completion ({e}): it died "
-            f"decoding the request; its log ends: {_tail(log_path)}"
+            f"llama-server: closed the connection without answering /completion ({e}): it died decoding the "
+            f"request; its output is in {log_path}{_quoted(log_clue(log_path))}"
         ) from None
     timings = answer.get("timings", {})
     return ServerResult(
@@ -372,6 +378,37 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> N
             proc.wait()
 
 
-def _tail(log_path: Path) -> str:
-    lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.is_file() else []
-    return " | ".join(lines[-LOG_TAIL_LINES:]) or "no output"
+def ended(rc: int) -> str:
+    """How a program ended, from its exit status (subprocess's: -N for signal N), in words."""
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+def failure_line(program: str, rc: int, log_path: Path, when: str = "") -> str:
+    """One line for a program that failed: its name, how it ended, the file holding its whole
+    output and the error it last logged (never its backtrace): "llama-server: was killed by
+    SIGABRT before it was ready; its output is in run.npz.log (it says: ...)"."""
+    return f"{program}: {ended(rc)}{when}; its output is in {log_path}{_quoted(log_clue(log_path))}"
+
+
+def log_clue(log_path: Path) -> str | None:
+    """The last line of a program's log that states an error (CLUE_WORDS), outside gdb's
+    backtrace frames, cut to CLUE_MAX_CHARS; None when it states none."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+    said = [
+        line.strip()
+        for line in lines
+        if not line.lstrip().startswith("#") and any(w.lower() in line.lower() for w in CLUE_WORDS)
+    ]
+    if not said:
+        return None
+    clue = said[-1]
+    return clue if len(clue) <= CLUE_MAX_CHARS else clue[: CLUE_MAX_CHARS - 3] + "..."
+
+
+def _quoted(clue: str | None) -> str:
+    return f" (it says: {clue})" if clue else ""
