@@ -5,7 +5,8 @@ Consumes a GGUF pair, the reference's models and prompts; produces a `Probe` of 
 reference is teacher-forced: for each run round it drafts once after the run's own tokens up to
 that round's anchor, with draft blocks as long as the run's (in-process: `--draft-max` + 1 rows;
 through llama-server: the length of its own draft decodes), so the two sides' accepts differ
-only where their drafts do.
+only where their drafts do. Where the run sampled its target's tokens (a capture's `samplers`),
+the reference's accept is the expected count under the run's sampler (`expected_ref_accepted`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from featdiff.dump import Eval, Round
 from featdiff.errors import InputError
 from featdiff.filters import capture_filters
 from featdiff.phases import Phase
+from featdiff.sampling import Sampler, chain_probs, expected_accepted
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,9 @@ class RoundPair:
     run_drafts: tuple[int, ...]
     ref_drafts: tuple[int, ...]
     run_accepted: int
-    ref_accepted: int
+    # the reference's accepted drafts: greedy, a count; where the run sampled, the expected count
+    # under the run's sampler (`expected_ref_accepted`)
+    ref_accepted: float
 
     @property
     def drafts_differ(self) -> bool:
@@ -64,7 +68,7 @@ class AcceptStats:
 
     rounds: int
     drafted: int
-    accepted: int
+    accepted: float  # a count, or a sum of expected counts (the reference of a sampled run)
 
     @property
     def rate(self) -> float:
@@ -160,6 +164,7 @@ class RunTrace:
     block_rows: int | None  # rows of the run's draft blocks; None: it decoded no draft block
     server_draft_n: int | None = None
     server_draft_n_accepted: int | None = None
+    sampler: Sampler | None = None  # how the run sampled its target's tokens; None: greedily
 
 
 def run_in_process(
@@ -291,8 +296,31 @@ def reference_rounds(trace: RunTrace, ref_target, ref_draft, numerics, flow=None
                 continue
             ref = flow.probe_round(ref_target, ref_draft, tokens, numerics, _block_rows(trace))
             n = len(r.drafts)  # the same budget: upstream truncates a draft to what fits
-            out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, min(ref.accepted, n)))
+            accepted: float = min(ref.accepted, n)
+            if trace.sampler is not None:
+                accepted = expected_ref_accepted(ref_target, tokens, ref.drafts[:n], numerics, trace.sampler)
+            out.append(RoundPair(r.pos0, r.drafts, ref.drafts[:n], r.accepted, accepted))
     return tuple(out)
+
+
+def expected_ref_accepted(ref_target, tokens: tuple[int, ...], drafts: tuple[int, ...], numerics, s: Sampler) -> float:
+    """The drafts the run's sampler would accept on average where the reference target verifies
+    `drafts` after `tokens`: llama.cpp samples the target's token at each verify row through the
+    chain and keeps drafts while the sample equals the draft (common_sampler_sample_and_accept_n),
+    so E[accepted] = sum_k prod_{j <= k} p_j(draft_j), p_j the chain's probabilities at row j."""
+    import torch
+
+    from featdiff.torchref.attention import empty_cache
+    from featdiff.torchref.target import forward_target
+
+    hp = ref_target.hparams
+    seq = (*tokens, *drafts)
+    ids = torch.tensor(seq, dtype=torch.int64, device=numerics.device)
+    positions = torch.arange(len(seq), dtype=torch.int64, device=numerics.device)
+    cache = empty_cache(hp.n_layer, hp.n_head_kv, hp.n_embd_head, numerics.kv_dtype, numerics.device)
+    logits = forward_target(ref_target, ids, positions, cache, True).logits  # (len(seq), n_vocab)
+    rows = logits[len(tokens) - 1 : len(tokens) - 1 + len(drafts)].double().cpu().numpy()  # (n_drafts, n_vocab)
+    return expected_accepted([float(chain_probs(rows[j], s)[d]) for j, d in enumerate(drafts)])
 
 
 def _block_rows(trace: RunTrace) -> int:
@@ -386,7 +414,7 @@ def render_probe(result: Probe) -> str:
 
 
 def _fmt(s: AcceptStats) -> str:
-    return f"{s.drafted:4d} / {s.accepted:4d}  ({s.rate:6.1%})  {s.mean_accepted_length:5.2f}"
+    return f"{s.drafted:4d} / {s.accepted:4.4g}  ({s.rate:6.1%})  {s.mean_accepted_length:5.2f}"
 
 
 def _short(label: str, width: int = 40) -> str:

@@ -164,8 +164,13 @@ def could_draw(logits: np.ndarray, token: int, s: Sampler, slack: float) -> bool
     changes the probabilities, not the support; temperature <= 0 keeps the argmax alone."""
     row = np.array(logits, dtype=np.float64)  # (n_vocab,)
     row[token] += slack
+    return bool(kept_tokens(row, s)[token])
+
+
+def kept_tokens(row: np.ndarray, s: Sampler) -> np.ndarray:
+    """The tokens of one row of logits (n_vocab,) the chain's cuts keep, as a mask (n_vocab,)."""
     if s.is_greedy:
-        return bool(row[token] >= row.max())
+        return row >= row.max()
     kept = np.isfinite(row)  # (n_vocab,)
     for stage in s.samplers:
         if stage == "top_k" and s.top_k > 0:
@@ -174,9 +179,30 @@ def could_draw(logits: np.ndarray, token: int, s: Sampler, slack: float) -> bool
             kept &= _top_p(row, kept, s.top_p)
         elif stage == "min_p" and s.min_p > 0.0:
             kept &= row >= row[kept].max() + math.log(s.min_p)
-        if not kept[token]:
-            return False
-    return True
+    return kept
+
+
+def chain_probs(logits: np.ndarray, s: Sampler) -> np.ndarray:
+    """The probabilities (n_vocab,) the chain draws the token from: the softmax at the sampler's
+    temperature of the tokens its cuts keep (greedy: the argmax, certain)."""
+    row = np.asarray(logits, dtype=np.float64)  # (n_vocab,)
+    kept = kept_tokens(row, s)
+    if s.is_greedy:
+        return (np.arange(len(row)) == int(np.argmax(row))).astype(np.float64)
+    scaled = np.where(kept, (row - row[kept].max()) / s.temperature, -np.inf)  # (n_vocab,)
+    probs = np.exp(scaled)
+    return probs / probs.sum()
+
+
+def expected_accepted(p_draft: list[float]) -> float:
+    """llama.cpp's expected accepted drafts when the target's sample at row j equals draft j with
+    probability p_draft[j] and drafts are kept while they agree (common_sampler_sample_and_accept_n):
+    sum over k of prod_{j <= k} p_draft[j]."""
+    out, run = 0.0, 1.0
+    for p in p_draft:
+        run *= p
+        out += run
+    return out
 
 
 def _kth_largest(values: np.ndarray, k: int) -> float:

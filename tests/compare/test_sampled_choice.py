@@ -17,7 +17,14 @@ from featdiff.diff.partings import Parting, sampled_parting
 from featdiff.dump import Manifest, flow_view
 from featdiff.llama.exec_sampler import flow_samplers, launched_requests
 from featdiff.names import RESULT_OUTPUT
-from featdiff.sampling import DEFAULT_TEMPERATURE, Sampler, could_draw, sampler_from_command
+from featdiff.sampling import (
+    DEFAULT_TEMPERATURE,
+    Sampler,
+    chain_probs,
+    could_draw,
+    expected_accepted,
+    sampler_from_command,
+)
 
 N_VOCAB = 64
 DEFAULT = Sampler(flow=0, source="request")  # llama.cpp's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05
@@ -135,3 +142,17 @@ def test_a_bad_sampler_field_is_refused_by_path(bad):
 
     with pytest.raises(ManifestError, match="samplers"):
         Manifest.from_json({**_manifest(()).to_json(), "samplers": [bad]})
+
+
+def test_the_chain_draws_from_what_its_cuts_keep_at_its_temperature():
+    row = _row(2.0, 1.0, -10.0)
+    probs = chain_probs(row, replace(DEFAULT, temperature=0.5))
+    assert probs[2] == 0.0 and probs[3:].sum() == 0.0  # cut by min-p
+    assert probs[0] == pytest.approx(1 / (1 + math.exp(-2.0)))  # (2 - 1) / 0.5 apart
+    assert chain_probs(row, replace(DEFAULT, temperature=0.0))[0] == 1.0
+
+
+def test_the_expected_accepted_length_sums_the_chances_that_every_draft_so_far_agrees():
+    assert expected_accepted([1.0, 1.0, 0.0]) == 2.0
+    assert expected_accepted([0.5, 0.5]) == pytest.approx(0.5 + 0.25)
+    assert expected_accepted([]) == 0.0

@@ -70,3 +70,15 @@ def test_reference_exits_2_naming_the_unread_tensor(mtp_pairs, tmp_path):
     out = CliRunner().invoke(app, [*args, "--tokens", "5,17,42", "--rounds", "1"])
     assert out.exit_code == 2 and "mtp.mystery.weight" in out.output, out.output
     assert "Traceback" not in out.output and not (tmp_path / "r.npz").exists()
+
+
+def test_a_gguf_head_block_tensor_the_reference_does_not_read_is_refused(mtp_pairs, tmp_path):
+    from featdiff.gguf_rewrite import rewrite_gguf
+    from featdiff.torchref.mtp import mtp_from_gguf
+
+    d = mtp_pairs("mtp")
+    odd = rewrite_gguf(
+        d / "target.gguf", tmp_path / "odd.gguf", tensors={"blk.6.mystery.weight": np.ones(4, np.float32)}
+    )
+    with pytest.raises(InputError, match=r"carries blk\.6\.mystery\.weight in the MTP block"):
+        mtp_from_gguf(odd, F32, CPU)

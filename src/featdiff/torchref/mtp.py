@@ -169,10 +169,12 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         )
 
     graph = GRAPHS[g.arch]
+    read: set[str] = set()
 
     def tensor(name: str) -> torch.Tensor:
         if name not in g.tensors:
             raise InputError(f"{path}: tensor {name} is missing; re-convert the checkpoint with its MTP block")
+        read.add(name)
         return torch.from_numpy(array_from_tensor(g, name)).to(dtype=dtype, device=device)
 
     def nextn(name: str) -> torch.Tensor | None:
@@ -196,7 +198,7 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
     out_norm = _block_tensor(prefix, graph.head_norm_fallback) if graph.head_norm_fallback else None
     if head_norm is None and out_norm in g.tensors:  # mimo2.cpp: a converted checkpoint's layer_out_norm
         head_norm = tensor(out_norm)
-    return MtpHead(
+    head = MtpHead(
         source=Source(Path(path), is_gguf=True, dequantized_by=g.dequantized_by),
         hparams=_block_hparams(g, il),
         il=il,
@@ -211,6 +213,13 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         else tensor(names.T_OUTPUT if names.T_OUTPUT in g.tensors else names.T_TOKEN_EMBD),
         routing=graph.routing(g) if MOE_ROUTER in block else None,
     )
+    unread = [t for t in g.tensors if t.startswith(prefix) and t not in read]  # the head block's, every one read
+    if unread:
+        raise InputError(
+            f"{path}: carries {', '.join(unread)} in the MTP block, which featdiff's MTP reference does not read (a "
+            "comparison would silently leave it out); model it in src/featdiff/torchref/mtp.py, or re-convert"
+        )
+    return head
 
 
 def _block_tensor(prefix: str, key: str) -> str:
