@@ -137,7 +137,7 @@ def judge_accept(probe_result: Probe, min_accept: float | None = None) -> Accept
     return AcceptCheck(probe_result.run, probe_result.ref, n, gap, margin, min_accept)
 
 
-def _sample_sd(xs: list[int]) -> float:
+def _sample_sd(xs: list[float]) -> float:
     mean = sum(xs) / len(xs)
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
 
@@ -457,7 +457,8 @@ def _probe_of_flows(
             continue
         view = flow_view(manifest, k)
         label = Path(program).name if len(flows) == 1 else f"flow {k} (sequence {view.flow_info(k).seq_id})"
-        traces.append(RunTrace(label, view.prompt_tokens, view.rounds, run_block_rows(view.evals, program, steps)))
+        rows = run_block_rows(view.evals, program, steps)
+        traces.append(RunTrace(label, view.prompt_tokens, view.rounds, rows, sampler=view.sampler(k)))
     return probe_traces(tuple(traces), ref_target, ref_model, layer_ids_mean=layer_ids_mean)
 
 
