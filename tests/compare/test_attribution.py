@@ -105,3 +105,15 @@ def test_a_norm_weight_fix_follows_where(where, says, never):
     f = detect_scale_per_channel(_channel_ev(where))
     assert f is not None and says in f.message
     assert not never or never not in f.message
+
+
+def test_a_finding_is_placed_by_its_own_roles_evidence():
+    """An MTP head read from the run's own GGUF while the reference's target came from a checkpoint
+    (whose converted values differ by design): the head's node is the graph's, not the export's."""
+    both = Export(
+        roles={"target": RoleExport("checkpoint", differs=("blk.0.attn_norm.weight",)), "draft": SAME.roles["draft"]},
+        gguf={"target": "t.gguf", "draft": "t.gguf"},
+    )
+    head = _scale("mtp_hnorm-6")
+    assert attributed((head,), both, (), roles={"mtp_hnorm-6": "draft"})[0].fields["where"] == "graph"
+    assert attributed((head,), both, (), roles={})[0].fields["where"] == "export"  # role unknown: all evidence

@@ -151,9 +151,9 @@ def _eval_contexts(ev: Eval, target: dict[int, int], drafted: dict[int, int]) ->
     if (ev.role, ev.phase) == ROUND_OPENER and has_tokens and ev.positions:
         p0 = ev.positions[0]
         before = ROOT_CONTEXT if p0 == 0 else drafted.get(p0 - 1, target.get(p0 - 1))
-        ctx = tuple(hash((before, tuple(ev.token_ids), i)) for i in range(len(ev.positions)))
-        drafted.update(zip(ev.positions, ctx))
-        return ctx
+        drafts = tuple(hash((before, tuple(ev.token_ids), i)) for i in range(len(ev.positions)))
+        drafted.update(zip(ev.positions, drafts))
+        return drafts
     return (None,) * len(ev.positions)
 
 

@@ -13,7 +13,7 @@ graph inputs; produces the findings with `where` and `where_reason`. Pure: no I/
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from featdiff import names
@@ -24,6 +24,7 @@ from featdiff.diff.detectors.wiring import SOURCE_ANOTHER_OUTPUT_ROW
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
+from featdiff.names import ROLES, Role
 
 # Kinds about what the graph was handed (rows, positions, tokens, the flow): the driver's
 FED_KINDS: tuple[str, ...] = ("row_shift", "misplaced_rows", "position_offset", "stale", "duplicate_rows")
@@ -52,10 +53,21 @@ FED = "the graph computed right from what it was given; what it was given ({what
 NOT_CHECKED = "export not checked: the reference did not record which model it read; pass the checkpoint with --model"
 
 
-def attributed(findings: tuple[Finding, ...], export: Export, inputs: Collection[str]) -> tuple[Finding, ...]:
+def attributed(
+    findings: tuple[Finding, ...], export: Export, inputs: Collection[str], roles: Mapping[str, Role] | None = None
+) -> tuple[Finding, ...]:
     """Every error finding with `where` and `where_reason` (those that carry them already keep
-    theirs); info findings unchanged. `inputs`: the run's graph inputs (leaves) among the records."""
-    return tuple(_with_where(f, place(f, export, inputs)) if _needs_where(f) else f for f in findings)
+    theirs); info findings unchanged. `inputs`: the run's graph inputs (leaves) among the records;
+    `roles`: the role of each record name of one role only, whose model's evidence places it."""
+    roles = roles or {}
+    return tuple(
+        _with_where(f, place(f, export.of_role(_role(f, roles)), inputs)) if _needs_where(f) else f for f in findings
+    )
+
+
+def _role(f: Finding, roles: Mapping[str, Role]) -> Role | None:
+    role = f.fields.get("role")
+    return role if isinstance(role, str) and role in ROLES else roles.get(f.tensor)
 
 
 def _needs_where(f: Finding) -> bool:

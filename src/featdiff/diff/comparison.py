@@ -320,7 +320,8 @@ def _findings(
     misplaced = _misplaced_groups(batch_found)
     absent = diagnose.absent_records(plan, run.manifest)
     for i in walk.roots[: diagnose.MAX_ROOT_FINDINGS]:
-        ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()), where_of(export))
+        where = where_of(export.of_role(plan.pairs[i].group[0]))  # what the fix sentences follow
+        ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()), where)
         root = diagnose.diagnose_root(ev, measured[i].nmse)
         # rows of a batch placed at offset positions look shifted: the position_offset above says why
         found.append(None if root.kind == "row_shift" and plan.pairs[i].group in misplaced else root)
@@ -339,7 +340,8 @@ def _findings(
     )
     found = [_settled(f, explained) for f in found if f is not None]
     found += [unmodelled, noise, detectors.detect_unexpected_tensor_outside_wiring(plan)]
-    return attributed(_deduplicated([f for f in found if f is not None]), export, diagnose.graph_inputs(plan))
+    named = _deduplicated([f for f in found if f is not None])
+    return attributed(named, export, diagnose.graph_inputs(plan), diagnose.record_roles(plan))
 
 
 def _misplaced_groups(batch_found: tuple[Finding, ...]) -> set[GroupKey]:

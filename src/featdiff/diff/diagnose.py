@@ -37,7 +37,7 @@ from featdiff.diff.fields import ExpertChoiceFields, UnmodelledFields
 from featdiff.diff.partings import Parting
 from featdiff.diff.result import INFO_SKIPS, Finding, Skip
 from featdiff.dump import Manifest
-from featdiff.names import ROLE_DRAFT
+from featdiff.names import ROLE_DRAFT, Role
 from featdiff.phases import ROUND_OPENER, feeders, role_of
 
 LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
@@ -99,6 +99,15 @@ def graph_inputs(plan: Plan) -> frozenset[str]:
     """The run names of the paired graph inputs: leaves (no recorded source, op NONE) whose values
     were copied in (the features, positions, a recycled state), not computed by the graph."""
     return frozenset(p.run_name for p in plan.pairs if not p.run_srcs and p.run.records[0].op in LEAF_OPS)
+
+
+def record_roles(plan: Plan) -> dict[str, Role]:
+    """The role of each paired run name that only one role's graph computes (`result_output`,
+    `l_out-0` of both the target and the drafter have none)."""
+    seen: dict[str, set[Role]] = defaultdict(set)
+    for p in plan.pairs:
+        seen[p.run_name].add(p.group[0])
+    return {name: next(iter(roles)) for name, roles in seen.items() if len(roles) == 1}
 
 
 def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
