@@ -232,3 +232,9 @@ def test_inspect_names_a_checkpoints_trainer_and_what_its_ids_mean(pair, tmp_pat
     assert out.exit_code == 0, out.output
     assert "trainer: specforge" in out.output and "naming layer outputs" in out.output
     assert "the GGUF must carry [1, 3, 5]" in out.output and "(refused): mystery.weight" in out.output
+
+
+def test_draft_vocab_size_must_be_the_heads_rows(pair, target, tmp_path):
+    d = rewritten(pair, tmp_path / "dv", lambda c: {**c, "draft_vocab_size": c["draft_vocab_size"] + 1})
+    with pytest.raises(InputError, match="rows but config.json draft_vocab_size"):
+        eagle3_from_hf(d, target, F32, CPU)

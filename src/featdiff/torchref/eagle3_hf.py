@@ -97,6 +97,13 @@ def eagle3_from_hf(
     norm_before_fc = bool(_setting(config, HF_NORM_BEFORE_FC, False))
     fc_norm = _fc_norm(path, config, w, norm_before_fc)  # first: both norms say more than a missing input_norm
     hp = replace(_hparams(path, config, names.ARCH_EAGLE3), n_vocab=target.hparams.n_vocab)
+    output = w.get(names.HF_LM_HEAD)
+    n_vocab_draft = int(config[names.HF_DRAFT_VOCAB_SIZE])
+    if output is not None and output.shape[0] != n_vocab_draft:
+        raise InputError(
+            f"{path}: {names.HF_LM_HEAD} has {output.shape[0]} rows but config.json {names.HF_DRAFT_VOCAB_SIZE} = "
+            f"{n_vocab_draft}; the head drafts draft_vocab_size tokens: save the config of this head"
+        )
     return Eagle3Draft(
         source=Source(Path(path), is_gguf=False),
         hparams=hp,
@@ -109,7 +116,7 @@ def eagle3_from_hf(
         layer=layer,
         attn_norm_2=_required(w, path, f"{prefix}{HF_HIDDEN_NORM}.weight"),
         output_norm=_required(w, path, names.HF_NORM),
-        output=w.get(names.HF_LM_HEAD),
+        output=output,
         token_embd=w.get(names.HF_EMBED_TOKENS),
         d2t=_absolute_d2t(w, device),
         fc_norm=fc_norm,
