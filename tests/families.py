@@ -226,6 +226,7 @@ def assert_recurrent_kept_rejected_named(d: Path, tmp_path: Path, monkeypatch) -
     assert errors and errors[0]["kind"] == "wrong_source", errors
     f = errors[0]
     assert f["source"] == "kept_rejected" and f["candidate"] == f"{f['tensor']}@{names.HYP_RECURRENT_KEPT}"
+    assert f["where"] == "driver", f["where_reason"]  # the state it was handed, not the graph or the GGUF
     diverged = comparison.to_json()["first_divergence"]
     assert (diverged["name"], diverged["phase"]) == (f["tensor"], "verify")
     assert exit_code(comparison) == 1
