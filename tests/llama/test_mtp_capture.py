@@ -99,6 +99,7 @@ def test_each_planted_graph_fault_is_named(mtp_pairs, monkeypatch, tmp_path, var
     errors = [f for f in c.findings if f.severity == "error"]
     assert [(f.kind, f.tensor) for f in errors] == [(kind, tensor)], [f.message for f in errors]
     assert words in errors[0].message
+    assert errors[0].fields["where"] == "graph", errors[0].fields["where_reason"]  # the same GGUF on both sides
     assert not [f for f in c.findings if f.kind == "flow_note"]  # the faulty graph keeps upstream's node order
     phases = {"mtp-recycle-prenorm": "draft", "mtp-recycle-postnorm": "draft"}  # step 1 reads the target's row
     assert c.first_divergence is not None and c.pairs[c.first_divergence].phase == phases.get(fault, "inject")
