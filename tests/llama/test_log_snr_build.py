@@ -114,6 +114,7 @@ def test_an_export_without_the_log_snr_term_is_a_missing_term_on_the_patched_bui
     comparison = compare_dumps(referenced("no-log-snr"), run)
     terms = [f for f in comparison.findings if f.kind == "missing_term"]
     assert terms and terms[0].fields["term"] == names.DSPARK_LOG_SNR_FC2, [f.message for f in comparison.findings]
+    assert terms[0].fields["where"] == "export", terms[0].fields["where_reason"]  # the GGUF lacks the log-SNR keys
     assert exit_code(comparison) == 1
 
 
@@ -124,6 +125,7 @@ def test_log_snr_levels_swapped_in_the_graph_are_a_wrong_source(fixture_models, 
     first = next(f for f in comparison.findings if f.severity == "error")
     assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", names.DSPARK_LOG_SNR_FEAT, "swapped")
     assert "anchor row at min_log_snr" in first.message and exit_code(comparison) == 1
+    assert first.fields["where"] == "graph", first.fields["where_reason"]  # 0003 plants it in the graph
 
 
 def test_the_log_snr_term_added_after_the_first_norm_is_a_wrong_source(
@@ -139,6 +141,7 @@ def test_the_log_snr_term_added_after_the_first_norm_is_a_wrong_source(
         "after_norm",
     )
     assert "before the first layer" in first.message and exit_code(comparison) == 1
+    assert first.fields["where"] == "graph", first.fields["where_reason"]  # 0003 plants it in the graph
 
 
 @pytest.fixture(scope="session")
