@@ -311,6 +311,56 @@ _FIRST_USE: dict[str, Use] = {
 _HF_IGNORED = ("t2d",)
 
 
+# Strict loading of a DFlash (DSpark, DFlash2) HF drafter's top-level config.json keys (issue 47):
+# a key is read (by the converter: TABLE's fields, or by torchref/load_hf.py: HF_READ_KEYS), listed
+# here as irrelevant with the reason, or accepted only at the value every graph assumes
+# (HF_INERT_KEYS); any other is refused by name (exit 2), never silently left out.
+HF_READ_KEYS = frozenset(
+    (
+        "hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim intermediate_size "
+        "vocab_size rms_norm_eps rope_theta rope_scaling rope_parameters partial_rotary_factor "
+        "max_position_embeddings dflash_config block_size is_causal architectures mask_token_id target_layer_ids "
+        "aux_hidden_state_layer_ids transformer_layer_config sample_from_anchor markov_head_type draft_vocab_size "
+        f"{HF_ROPE_IS_NEOX} use_sliding_window sliding_window layer_types"
+    ).split()
+)  # load_hf._hparams, rope_params.hf_rope, load_hf.converter_config (DSpark's schemas), _dspark, _d2t
+HF_IRRELEVANT_KEYS: dict[str, str] = {
+    "model_type": "the stack's family; the converter picks DFlashModel/DSparkModel by architectures, one dflash graph",
+    "num_target_layers": "the target's depth, which the target's own checkpoint states; target_layer_ids name the taps",
+    "target_hidden_size": "the target's width; fc.weight's columns (slots x width) carry it, checked against the target",
+    "max_window_layers": "transformers derives layer_types from it; the converter reads layer_types",
+    "auto_map": "transformers' remote-code class names",
+    "torch_dtype": "storage dtype; the reference computes in --dtype",
+    "dtype": "storage dtype (transformers 5's spelling); the reference computes in --dtype",
+    "transformers_version": "the writer's library version",
+    "bos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
+    "eos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
+    "pad_token_id": "the tokenizer's; the target's vocabulary tokenizes",
+    "initializer_range": "training-time initialization",
+    "attention_dropout": "training-time dropout",
+    "use_cache": "transformers' generation setting",
+}
+HF_INERT_KEYS: dict[str, object] = {
+    "hidden_act": "silu",  # dflash.hidden_activation: another is refused on the GGUF side too
+    "attention_bias": False,  # the dflash graph has no q/k/v/o biases
+    "mlp_bias": False,
+    "tie_word_embeddings": False,  # the head is lm_head, else the drafter's or the target's table (load_hf)
+    "pretraining_tp": 1,
+}
+
+
+def unread_hf_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """A DFlash drafter's top-level config.json keys (as the converter reads it: DSpark's
+    `transformer_layer_config` merged, load_hf.converter_config) that neither the converter nor the
+    reference reads nor HF_IRRELEVANT_KEYS lists, and HF_INERT_KEYS at another value (`key = value`)."""
+    table = {
+        h.split(".", 1)[0] for e in TABLE if e.kind == "key" for h in e.hf if not h.startswith(_DC) and " " not in h
+    }
+    known = table | HF_READ_KEYS | HF_IRRELEVANT_KEYS.keys() | HF_INERT_KEYS.keys()
+    out = [k for k in config if k not in known]
+    return (*out, *(f"{k} = {config[k]!r}" for k, v in HF_INERT_KEYS.items() if k in config and config[k] != v))
+
+
 def degenerate_sections(n_embd_head: int) -> tuple[int, int, int, int]:
     """The M-RoPE sections the converter writes for an M-RoPE target's drafter (conversion/qwen.py
     DFlashModel: `[head_dim // 2, 0, 0, 0]`)."""

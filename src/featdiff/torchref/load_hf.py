@@ -39,6 +39,7 @@ from featdiff.modelled import (
     converter_keys,
     refusal,
     unmodelled_in_hf,
+    unread_hf_keys,
 )
 from featdiff.torchref import dflash2
 from featdiff.drafter_checks import d2t_problems, dspark_problems, log_snr_problems
@@ -134,11 +135,12 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
     unmodelled = unmodelled_in_hf(config, w, (f.name for f in Path(path).iterdir()))
     if unmodelled:
         raise InputError(refusal(str(path), unmodelled))
-    unread = unread_dflash_fields(dflash)
+    unread = (*unread_hf_keys(config), *unread_dflash_fields(dflash))
     if unread:
         raise InputError(
             f"{path / names.HF_CONFIG}: {', '.join(unread)}: no field the converter or featdiff's reference reads "
-            "(a comparison would silently leave it out); drop it, or model it in src/featdiff/modelled.py"
+            "(a comparison would silently leave it out); drop it, or model it or list it as irrelevant with its "
+            "reason in src/featdiff/modelled.py (HF_IRRELEVANT_KEYS)"
         )
     keys = converter_keys(config)  # what the converter would write: the GGUF's view of this config
     hp = replace(
