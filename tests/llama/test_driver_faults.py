@@ -148,6 +148,7 @@ def test_each_planted_fault_is_named_with_its_fields(planted, user_reference, ca
     comparison, found = _findings(planted, user_reference, program, case.split("@")[0])
     assert _first_error(comparison) == kind, [f.message for f in comparison.findings]  # the cause comes first
     assert {k: found[kind][k] for k in fields} == fields
+    assert found[kind]["where"] == "driver", found[kind]["where_reason"]  # 0002 plants them in the driver
     assert exit_code(comparison) == 1
 
 

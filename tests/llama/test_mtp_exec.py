@@ -99,6 +99,7 @@ def test_the_mtp_driver_faults_are_named(tools, mtp_pairs, monkeypatch, fault, k
     c = compare_dumps(_follow(d, d / "target.gguf", run, tmp_path), run)
     errors = [f for f in c.findings if f.severity == "error"]
     assert errors and (errors[0].kind, errors[0].tensor) == (kind, tensor), [f.message for f in errors]
+    assert errors[0].fields["where"] == "driver", errors[0].fields["where_reason"]  # the rows it paired
     first = c.pairs[c.first_divergence]
     assert first.phase in ("warmup", "prefill", "inject")  # the catch-up decode after a target batch
 
