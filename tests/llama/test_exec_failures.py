@@ -2,10 +2,12 @@
 fit its target is refused with lint's sentence before the program starts (capture --exec and
 check --exec); a program that fails or is killed is one line naming it, how it ended and the log
 file holding its whole output (never its backtrace); that log, not the terminal, gets the
-program's output. llama-simple is the program: what is said here does not depend on which."""
+program's output; llama-server run without a drafter is said to be. llama-simple is the program
+run: what is said here does not depend on which."""
 
 from __future__ import annotations
 
+import logging
 import shlex
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from featdiff.dump import read_dump
 from featdiff.gguf_reader import read_gguf
 from featdiff.gguf_rewrite import DROP, rewrite_gguf
 from featdiff.llama import server
-from featdiff.llama.exec import program_log
+from featdiff.llama.exec import check_pair, program_log
 from featdiff.torchref.lint import lint_gguf
 
 from real_flow import DEFAULT_TOKENS
@@ -148,3 +150,22 @@ def test_a_failure_line_quotes_the_error_and_never_a_backtrace_frame(tmp_path):
     assert server.ended(3) == "exited with code 3" and server.ended(-11) == "was killed by SIGSEGV"
     log.write_text("all is well\n")
     assert server.failure_line("llama-simple", 1, log) == f"llama-simple: exited with code 1; its output is in {log}"
+
+
+@pytest.mark.parametrize(
+    "command, environ, warns",
+    [
+        (["llama-server", "-m", "T.gguf", "--port", "8080"], {}, True),
+        (["llama-server", "-m", "T.gguf", "-md", "D.gguf"], {}, False),
+        (["llama-server", "-m", "T.gguf", "--spec-draft-model=D.gguf"], {}, False),
+        (["llama-server", "-m", "T.gguf"], {"LLAMA_ARG_SPEC_DRAFT_MODEL": "D.gguf"}, False),
+        (["llama-server", "-m", "T.gguf", "--spec-type", "draft-mtp"], {}, False),  # the head is the target's own
+        (["llama-speculative-simple", "-m", "T.gguf"], {}, False),  # it says so itself
+    ],
+)
+def test_llama_server_without_a_drafter_is_said_to_run_without_one(command, environ, warns, caplog):
+    with caplog.at_level(logging.WARNING, logger="featdiff"):
+        check_pair(command, environ)  # the files are not there: nothing else is read
+    said = [r.getMessage() for r in caplog.records]
+    assert said == (["llama-server runs without a drafter (no -md): the capture holds the target alone, with no "
+                     "draft to judge; give -md D.gguf and --spec-type to capture speculative decoding"] if warns else [])  # fmt: skip
