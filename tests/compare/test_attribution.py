@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from featdiff.diff.attribution import attributed, place
-from featdiff.diff.detectors import detect_scale_per_channel
+from featdiff.diff.detectors import detect_scale_per_channel, detect_wrong_source
 from featdiff.diff.detectors.base import Evidence
 from featdiff.diff.export import Export, RoleExport, role_export
 from featdiff.diff.fields import LayerOffsetFields, RowShiftFields, ScaleFields, WrongSourceFields
@@ -117,3 +117,18 @@ def test_a_finding_is_placed_by_its_own_roles_evidence():
     head = _scale("mtp_hnorm-6")
     assert attributed((head,), both, (), roles={"mtp_hnorm-6": "draft"})[0].fields["where"] == "graph"
     assert attributed((head,), both, (), roles={})[0].fields["where"] == "export"  # role unknown: all evidence
+
+
+@pytest.mark.parametrize(("where", "says"), [("graph", "the graph embeds with the target's table"), ("export", "")])
+def test_a_borrowed_table_fix_follows_where(where, says):
+    """Never tell a user to ship a table the GGUF already ships: with the GGUF cleared (graph), the
+    fix is the graph's; otherwise the export's sentence stands."""
+    rows = np.random.default_rng(1).standard_normal((6, 16))  # (R, D)
+    borrowed = np.random.default_rng(2).standard_normal((6, 16))  # (R, D)
+    ev = Evidence(
+        tensor="inp_noise_embd", ref=rows, run=borrowed, tolerance=F32, record="inp_noise_embd",
+        candidates={"inp_noise_embd@table=target": borrowed}, weights_where=where,
+    )  # fmt: skip
+    f = detect_wrong_source(ev)
+    assert f is not None and f.fields["source"] == "target"
+    assert (says in f.message) if says else "the graph embeds" not in f.message

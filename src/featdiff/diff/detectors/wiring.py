@@ -276,9 +276,7 @@ def detect_wrong_source(ev: Evidence) -> Finding | None:
     for name, key, value, arr in _hypotheses(ev):
         if key == HYP_D2T or key in OTHER_HYPOTHESES or not explains(arr, ev.run, ev.tolerance):
             continue
-        return error_finding(
-            ev, _source_message(ev.tensor, key, value, name), WrongSourceFields(source=value, candidate=name)
-        )
+        return error_finding(ev, _placed_message(ev, key, value, name), WrongSourceFields(source=value, candidate=name))
     return detect_wrong_source_of_vocabulary(ev)
 
 
@@ -293,7 +291,7 @@ def detect_wrong_source_of_vocabulary(ev: Evidence) -> Finding | None:
     for name, key, value, arr in _hypotheses(ev):
         if key == HYP_D2T and _explains_scattered(arr, ev):
             return error_finding(
-                ev, _source_message(ev.tensor, key, value, name), WrongSourceFields(source=value, candidate=name)
+                ev, _placed_message(ev, key, value, name), WrongSourceFields(source=value, candidate=name)
             )
     return None
 
@@ -339,6 +337,29 @@ def _explains_scattered(expected: np.ndarray, ev: Evidence) -> bool:
         return False
     fixed = off | open_
     return explains(np.where(fixed, 0.0, expected), np.where(fixed, 0.0, ev.run), ev.tolerance)
+
+
+# Hypotheses of a GGUF written otherwise (the export's fix), and what the graph does instead when the
+# GGUF is the reference's own (Evidence.weights_where == "graph"): the fix a user acts on follows it
+GRAPH_FIXES = {
+    names.HYP_NORM_NONE: "feeds fc the raw features although the GGUF carries the encoder norm: apply it before fc",
+    names.HYP_NORM_UNIT: "normalizes the features without the GGUF's norm weight (or where it has none): read the "
+    "GGUF's norm_before_fc and enc norm weight",
+    names.HYP_D2T_OFFSETS: "maps the reduced vocabulary as offsets + row index although the GGUF's d2t holds "
+    "absolute target ids: read d2t as it is",
+    names.HYP_TABLE_TARGET: "embeds with the target's table although the GGUF ships its own token_embd: read the "
+    "drafter's table",
+}
+
+
+def _placed_message(ev: Evidence, key: str, value: str, candidate: str) -> str:
+    """_source_message, or, where the evidence clears the GGUF of an export hypothesis, the graph's fix."""
+    fix = GRAPH_FIXES.get(f"{key}={value}")
+    if ev.weights_where != "graph" or fix is None:
+        return _source_message(ev.tensor, key, value, candidate)
+    return (
+        f"{ev.tensor} matches the reference's {candidate} while the GGUF holds what the reference read: the graph {fix}"
+    )
 
 
 def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
