@@ -82,3 +82,34 @@ def test_a_gguf_head_block_tensor_the_reference_does_not_read_is_refused(mtp_pai
     )
     with pytest.raises(InputError, match=r"carries blk\.6\.mystery\.weight in the MTP block"):
         mtp_from_gguf(odd, F32, CPU)
+
+
+@pytest.mark.parametrize("variant", [*ODD_TENSOR, "mtp-separate"])
+def test_lint_finds_nothing_unread_in_each_family_head(mtp_pairs, variant):
+    d = mtp_pairs(variant)
+    head = d / ("draft.gguf" if variant == "mtp-separate" else "target.gguf")
+    out = CliRunner().invoke(app, ["lint", str(head), "--target", str(d / "target.gguf")])
+    assert out.exit_code == 0 and out.output.strip() == f"{head}: ok", out.output
+
+
+def test_lint_lists_a_head_tensor_and_a_nextn_key_the_reference_does_not_read(mtp_pairs, tmp_path):
+    """lint names, for the GGUF side, what mtp_from_gguf refuses (the head's block tensors and the
+    arch's nextn/mtp keys it does not read), one line each, exit 1; the reference refuses the key too."""
+    from featdiff.gguf_rewrite import rewrite_gguf
+    from featdiff.torchref.mtp import mtp_from_gguf
+
+    d = mtp_pairs("mtp")
+    odd = rewrite_gguf(
+        d / "target.gguf",
+        tmp_path / "odd.gguf",
+        keys={"qwen35.nextn_mystery_scale": 2.0},
+        tensors={"blk.6.mystery.weight": np.ones(4, np.float32)},
+    )
+    out = CliRunner().invoke(app, ["lint", str(odd)])
+    lines = out.output.strip().splitlines()
+    assert out.exit_code == 1 and len(lines) == 2, out.output
+    for line, name in zip(lines, ("blk.6.mystery.weight", "qwen35.nextn_mystery_scale"), strict=True):
+        assert line.startswith(f"{odd}: {name} is in the MTP head (block 6)") and "does not read" in line
+    keyed = rewrite_gguf(d / "target.gguf", tmp_path / "keyed.gguf", keys={"qwen35.nextn_mystery_scale": 2.0})
+    with pytest.raises(InputError, match=r"carries qwen35\.nextn_mystery_scale in the MTP block"):
+        mtp_from_gguf(keyed, F32, CPU)

@@ -1,5 +1,7 @@
-"""`featdiff lint`: check a DFlash (or DSpark) drafter GGUF's metadata and tensors, alone or
-against its target GGUF, without running anything. One line per problem, each naming the file.
+"""`featdiff lint`: check a drafter GGUF's metadata and tensors (DFlash, DSpark, EAGLE3, or a GGUF
+carrying an MTP head), alone or against its target GGUF, without running anything. One line per
+problem, each naming the file. For an MTP head, the keys and tensors of its block that featdiff's
+reference does not read are listed too (torchref.mtp, which refuses them).
 
 The checks, and `preflight` which runs them before llama.cpp loads a pair and refuses the fatal
 ones, are featdiff.preflight's (a floor below, so capture reads them too).
@@ -11,11 +13,23 @@ from pathlib import Path
 
 from featdiff.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
-from featdiff.preflight import drafter_problems
+from featdiff.preflight import drafter_problems, mtp_head_block
+from featdiff.torchref.mtp import unread_head_tensors, unread_nextn_keys
+from featdiff.torchref.mtp_layer import MTP_ARCHS
 
 
 def lint_gguf(model: Path, target: Path | None) -> list[str]:
     """Problems of the drafter GGUF `model` (and its fit to `target`), one line each; [] when clean."""
     d = read_gguf(Path(model), ggml_dequant.load)
     t = read_gguf(Path(target), ggml_dequant.load) if target is not None else None
-    return [f"{model}: {p.text}" for p in drafter_problems(d, t)]
+    lines = [f"{model}: {p.text}" for p in drafter_problems(d, t)]
+    il = mtp_head_block(d) if d.arch in MTP_ARCHS else None
+    if il is not None:
+        unread = [*unread_head_tensors(d, il), *unread_nextn_keys(d)]
+        lines += [
+            f"{model}: {name} is in the MTP head (block {il}) but featdiff's MTP reference does not read it, and "
+            "refuses this head (a comparison would leave it out); model it in src/featdiff/torchref/mtp.py, or "
+            "re-convert without it"
+            for name in unread
+        ]
+    return lines

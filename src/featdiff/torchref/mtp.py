@@ -182,10 +182,7 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         return tensor(full) if full in g.tensors else None
 
     prefix = names.GGUF_LAYER_PREFIX.format(il=il)
-    in_block = {t[len(prefix) :].removesuffix(".weight") for t in g.tensors if t.startswith(prefix)}
-    attention = [*graph.attention_tensors, *(k for k in ATTENTION_OPTIONAL if k in in_block)]
-    ffn = _moe_tensors(in_block) if MOE_ROUTER in in_block else list(DENSE_FFN)
-    block = {k: tensor(_block_tensor(prefix, k)) for k in (*attention, *ffn)}
+    block = {k: tensor(_block_tensor(prefix, k)) for k in _block_keys(g, il)}
     if MOE_GATE_UP in block:  # the fused experts: gate rows first (build_moe_ffn's views)
         block["ffn_gate_exps"], block["ffn_up_exps"] = block.pop(MOE_GATE_UP).chunk(2, dim=1)
     required = {k: nextn(k) for k in (names.NEXTN_EH_PROJ, "enorm", "hnorm")}
@@ -214,12 +211,47 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
         routing=graph.routing(g) if MOE_ROUTER in block else None,
     )
     unread = [t for t in g.tensors if t.startswith(prefix) and t not in read]  # the head block's, every one read
+    unread += unread_nextn_keys(g)
     if unread:
         raise InputError(
             f"{path}: carries {', '.join(unread)} in the MTP block, which featdiff's MTP reference does not read (a "
             "comparison would silently leave it out); model it in src/featdiff/torchref/mtp.py, or re-convert"
         )
     return head
+
+
+# The head's GGUF keys the reference reads: any other key of the arch naming nextn or mtp is unread
+NEXTN_READ_KEYS = (names.KEY_NEXTN_LAYERS,)
+
+
+def _block_keys(g: GgufModel, il: int) -> list[str]:
+    """The head block's tensors the reference reads, by their name in the block (`attn_q`, ...):
+    the arch's attention, the optional ones the file has, and its dense or MoE FFN."""
+    prefix = names.GGUF_LAYER_PREFIX.format(il=il)
+    in_block = {t[len(prefix) :].removesuffix(".weight") for t in g.tensors if t.startswith(prefix)}
+    graph = GRAPHS[g.arch]
+    attention = [*graph.attention_tensors, *(k for k in ATTENTION_OPTIONAL if k in in_block)]
+    ffn = _moe_tensors(in_block) if MOE_ROUTER in in_block else list(DENSE_FFN)
+    return [*attention, *ffn]
+
+
+def unread_head_tensors(g: GgufModel, il: int) -> list[str]:
+    """The tensors of the head's block `il` that mtp_from_gguf reads none of, by name alone (lint:
+    no weight is read): not the block's attention or FFN, a nextn tensor, or mimo2's head norm."""
+    prefix = names.GGUF_LAYER_PREFIX.format(il=il)
+    nextn = (names.NEXTN_EH_PROJ, "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head")
+    read = {_block_tensor(prefix, k) for k in _block_keys(g, il)} | {names.T_NEXTN.format(il=il, name=n) for n in nextn}
+    fallback = GRAPHS[g.arch].head_norm_fallback
+    if fallback and names.T_NEXTN.format(il=il, name="shared_head_norm") not in g.tensors:
+        read.add(_block_tensor(prefix, fallback))
+    return [t for t in g.tensors if t.startswith(prefix) and t not in read]
+
+
+def unread_nextn_keys(g: GgufModel) -> list[str]:
+    """The arch's GGUF keys naming nextn or mtp that the reference does not read."""
+    read = {k.format(arch=g.arch) for k in NEXTN_READ_KEYS}
+    mine = [k for k in g.reader.fields if k.startswith(f"{g.arch}.") and ("nextn" in k.lower() or "mtp" in k.lower())]
+    return [k for k in mine if k not in read]
 
 
 def _block_tensor(prefix: str, key: str) -> str:
