@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
+from test_near_tie import _with_logits
 
+from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import detect_divergence_by_margin
 from featdiff.diff.partings import Parting, sampled_parting
-from featdiff.dump import Manifest, flow_view
+from featdiff.dump import DumpWriter, Manifest, flow_view, read_dump
 from featdiff.llama.exec_sampler import flow_samplers, launched_requests
 from featdiff.names import RESULT_OUTPUT
 from featdiff.sampling import (
@@ -156,3 +159,44 @@ def test_the_expected_accepted_length_sums_the_chances_that_every_draft_so_far_a
     assert expected_accepted([1.0, 1.0, 0.0]) == 2.0
     assert expected_accepted([0.5, 0.5]) == pytest.approx(0.5 + 0.25)
     assert expected_accepted([]) == 0.0
+
+
+# --- compare of a synthetic pair whose verify token is a sample --------------------------------------
+
+SAMPLED_ROUND = 2
+LEADER = 117  # the reference's argmax at the sampled row (never a synth token: those are 10..59)
+
+
+def _sampled_pair(src: Path, dst: Path, margin: float, samplers: tuple[Sampler, ...]) -> Path:
+    """`src` with logits (test_near_tie._with_logits, no parting) where, at row 0 of round
+    SAMPLED_ROUND's verify, LEADER leads the run's token by `margin` on both sides (so the run's
+    token is a sample, not the argmax), and the manifest's `samplers`."""
+    plain = _with_logits(src, dst.with_suffix(".plain.npz"), None)
+    with read_dump(plain) as dump:
+        m = dump.manifest
+        verify = next(e.eval for e in m.evals if e.phase == "verify" and e.round == SAMPLED_ROUND)
+        writer = DumpWriter(dst)
+        for r in dump.records():
+            a = np.array(dump.array(r))
+            if (r.eval, r.name) == (verify, RESULT_OUTPUT):
+                a[0, LEADER] = a[0].max() + margin  # (n_tokens, N_VOCAB)
+            writer.add(r, a)
+        return writer.close(replace(m, records=(), samplers=samplers))
+
+
+@pytest.mark.parametrize(
+    ("sampler", "is_error"),
+    [(None, True), (DEFAULT, False), (replace(DEFAULT, top_k=1), True)],
+    ids=["greedy", "sampled", "sampled-top-k-1"],
+)
+def test_compare_judges_a_sampled_verify_token_as_a_sample(synth_ref, synth_run, tmp_path, sampler, is_error):
+    samplers = () if sampler is None else (sampler,)
+    ref = _sampled_pair(synth_ref, tmp_path / "ref.npz", 1.0, ())
+    run = _sampled_pair(synth_run(), tmp_path / "run.npz", 1.0, samplers)
+    c = compare_dumps(ref, run)
+    errors = [f for f in c.findings if f.severity == "error"]
+    assert exit_code(c) == int(is_error), [f.message for f in c.findings]
+    if is_error:
+        (f,) = errors
+        assert f.kind == "divergence" and f.fields["round"] == SAMPLED_ROUND and f.fields["expected"] == LEADER
+        assert ("its sampler (" in f.message) == (sampler is not None)
