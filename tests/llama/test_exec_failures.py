@@ -169,3 +169,15 @@ def test_llama_server_without_a_drafter_is_said_to_run_without_one(command, envi
     said = [r.getMessage() for r in caplog.records]
     assert said == (["llama-server runs without a drafter (no -md): the capture holds the target alone, with no "
                      "draft to judge; give -md D.gguf and --spec-type to capture speculative decoding"] if warns else [])  # fmt: skip
+
+
+def test_following_a_run_without_a_drafter_says_it_loaded_none(tools, fixture_models, tmp_path):
+    """llama-simple decodes the target alone, as llama-server started without -md does."""
+    d = fixture_models("clean")
+    run = tmp_path / "run.npz"
+    assert _capture(run, _command(tools, SIMPLE, d / "target.gguf", None)).exit_code == 0
+    args = ["reference", "--target", str(d / "target.gguf"), "--model", str(d / "draft-hf")]
+    result = CliRunner().invoke(app, [*args, "--follow", str(run), "-o", str(tmp_path / "ref.npz")])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"featdiff: error: {run}: the run loaded no drafter (its program had no -md), so it " \
+        "drafted nothing to follow or compare; capture it again with the drafter (-md D.gguf and its --spec-type)\n"  # fmt: skip

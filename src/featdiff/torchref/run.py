@@ -235,6 +235,11 @@ def followed_run(
             f"{run}: no prompt tokens to follow (the program decoded nothing featdiff recorded); --follow "
             "replays a capture's flow: capture the run again, or pass --tokens and --rounds instead"
         )
+    if not m.rounds and names.ROLE_DRAFT not in m.models:  # e.g. llama-server started without -md
+        raise InputError(
+            f"{run}: the run loaded no drafter (its program had no -md), so it drafted nothing to follow or "
+            "compare; capture it again with the drafter (-md D.gguf and its --spec-type)"
+        )
     if not m.rounds:
         raise InputError(
             f"{run}: no speculative round to follow (the program stopped before its first draft); make the "
