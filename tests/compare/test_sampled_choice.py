@@ -124,6 +124,8 @@ def test_each_flow_takes_the_request_llama_server_launched_on_its_slot_in_order(
     ]
     assert (found[0].top_p, found[0].min_p, found[0].seed) == (0.9, 0.1, 42)
     assert found[0].samplers == ("top_k", "top_p", "min_p", "temperature")
+    assert [s.temperature for s in flow_samplers(["llama-speculative-simple"], {0: 0}, None)] == [DEFAULT_TEMPERATURE]
+    assert flow_samplers(["llama-simple", "--temp", "0.8"], {0: 0}, None) == ()  # its own greedy chain
 
 
 def _manifest(samplers: tuple[Sampler, ...]) -> Manifest:

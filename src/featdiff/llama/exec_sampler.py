@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 
 from featdiff.sampling import Sampler, sampler_from_command, sampler_from_request
 
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 # with the request's sampling `params` (server-task.cpp task_params::to_json); the line opens with
 # SLT_DBG's "slot <func>: id <slot> | task <task> | " (server-common.h)
 LAUNCHED = "launching slot : "
+# Programs that build their target's sampler from common's flags (common_sampler_init); another
+# program (llama-simple: its own greedy chain) is taken to choose greedily, and gets no record
+FLAG_SAMPLING_PROGRAMS = ("llama-speculative-simple", "llama-speculative", "llama-cli", "llama-completion")
 # common/log.h LOG_LEVEL_DEBUG: the verbosity at which llama-server writes LAUNCHED
 DEBUG_VERBOSITY = 5
 
@@ -46,6 +50,8 @@ def flow_samplers(command: list[str], seq_of_flow: Mapping[int, int], server_log
     launched on the flow's slot (llama-server's slot id is its sequence id), the k-th flow of a
     sequence from the k-th request on that slot, or from the server's flags (its defaults) where
     its log does not say (`server_log` None: a program, not a server)."""
+    if server_log is None and Path(command[0]).name not in FLAG_SAMPLING_PROGRAMS:
+        return ()
     defaults = sampler_from_command(command)
     launched = launched_requests(server_log) if server_log is not None else {}
     seen: dict[int, int] = {}
