@@ -181,3 +181,19 @@ def test_following_a_run_without_a_drafter_says_it_loaded_none(tools, fixture_mo
     assert result.exit_code == 2, result.output
     assert result.output == f"featdiff: error: {run}: the run loaded no drafter (its program had no -md), so it " \
         "drafted nothing to follow or compare; capture it again with the drafter (-md D.gguf and its --spec-type)\n"  # fmt: skip
+
+
+def test_check_exec_names_the_programs_log_at_the_end(tools, fixture_models, tmp_path, capfd):
+    d = fixture_models("clean")
+    command = _command(tools, "llama-speculative-simple", d / "target.gguf", d / "draft.gguf")
+    args = ["check", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf")]
+    args += ["--ref-model", str(d / "draft-hf"), "--exec", "--", *command]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 1), result.output
+    last = result.stdout.rstrip("\n").split("\n")[-1]  # the verdict's last line (stdout; stderr has the bars)
+    assert last.startswith("llama-speculative-simple's own output: ")
+    log = Path(last.split(": ", 1)[1])
+    said = [line for line in log.read_text().splitlines() if line.strip()]  # kept after the check's temp dir
+    seen = capfd.readouterr()
+    assert said and not any(line in seen.out + seen.err for line in said)  # none of it on the terminal
+    log.unlink()
