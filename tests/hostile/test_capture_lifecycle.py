@@ -329,7 +329,8 @@ def test_an_interrupted_exec_capture_stops_the_program_and_packs_what_it_decoded
     (line,) = _messages(err)
     assert line.startswith(f"featdiff: interrupted by {name}; stopped the program; packed ") and str(out) in line
     assert FLOW_PHASES <= _real_phases(out)
-    assert _live_pids(_spool_marker(out)) == [] and not list(tmp_path.glob("run.npz.*"))
+    assert _live_pids(_spool_marker(out)) == []
+    assert list(tmp_path.glob("run.npz.*")) == [exec_capture.program_log(out)]  # no spool left: the program's log
 
 
 def test_sigterm_of_an_in_process_capture_packs_what_it_decoded_beside_the_users_dump(
