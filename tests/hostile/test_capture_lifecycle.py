@@ -151,7 +151,8 @@ def test_a_second_capture_to_the_same_output_is_refused_while_the_first_writes(t
         assert refused.exit_code == 2 and held in refused.output, refused.output
     assert first.returncode == 0, err[-2000:]
     assert FLOW_PHASES <= _real_phases(out)  # the first run's dump, whole
-    assert not (tmp_path / "other.npz").exists() and not list(tmp_path.glob("run.npz.*"))  # no spool, no lock left
+    assert not (tmp_path / "other.npz").exists()
+    assert list(tmp_path.glob("run.npz.*")) == [exec_capture.program_log(out)]  # no spool, no lock: the program's log
 
 
 # ---------------------------------------------------------------- a spool left by a dead run
