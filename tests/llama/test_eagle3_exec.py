@@ -66,6 +66,26 @@ def pair(eagle3_pairs) -> Path:
     return eagle3_pairs("eagle3")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("n_predict", [16, 11])
+def test_a_correct_eagle3_run_compares_clean_against_a_reference_of_its_tokens(tools, pair, n_predict, tmp_path):
+    """Issue 42, item 3: -n cuts the run's last verify short; the reference made from the run's
+    prompt and drafted rounds (not --follow) pairs every one-token draft step by its token history."""
+    cmd = _command(tools, "llama-speculative-simple", pair)
+    cmd[cmd.index("-n") + 1] = str(n_predict)
+    run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S)
+    with read_dump(run) as dump:
+        m = dump.manifest
+    tokens, rounds = ",".join(map(str, m.prompt_tokens)), sum(1 for r in m.rounds if r.drafts)
+    ref = reference(
+        pair / "target.gguf", pair / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=tokens, rounds=rounds,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert not [f for f in c.findings if f.kind == "unpaired" and f.fields.get("reason") == "token_history"]
+
+
 def _command(tools, program: str, d: Path) -> list[str]:
     cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), *SPEC_ARGS]
     if program == "llama-speculative-simple":
