@@ -508,9 +508,9 @@ def render_text(result: CheckResult) -> str:
     ]
     if result.report is not None:
         lines.append(f"report: {result.report}")
-    return "\n".join(lines)
     if result.program_log is not None:
         lines.append(f"{result.program}'s own output: {result.program_log}")
+    return "\n".join(lines)
 
 
 def _margin_line(a: AcceptCheck) -> str:
