@@ -4,10 +4,14 @@ stays incremental), and a patch that does not apply is refused naming the file."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from featdiff.errors import InputError
-from featdiff.llama.tools import PATCH_DIR, apply_patches, patch_files, patched_paths
+from featdiff.llama.tools import BUILD_LOCK, PATCH_DIR, _build_lock, apply_patches, patch_files, patched_paths
 
 PATCH = """a header line patch(1) ignores
 --- a/src/a.c
@@ -80,3 +84,28 @@ def test_the_project_patches_name_the_files_they_change():
     # the Vulkan backend's file only, which the CPU builds never compile
     vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
     assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan
+
+
+_HOLDER = """
+import fcntl, sys, time
+from pathlib import Path
+root = Path(sys.argv[1])
+with open(root / sys.argv[2], "a") as h:
+    fcntl.flock(h.fileno(), fcntl.LOCK_EX)
+    (root / "held").write_text("yes")
+    time.sleep(1.0)
+    with open(root / "order", "a") as out:
+        out.write("first;")
+"""
+
+
+def test_a_second_build_waits_for_the_first_to_release_the_tools_dir(tmp_path):
+    # two processes building one CMake tree at once corrupt it: the second must wait for the lock
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path), BUILD_LOCK])
+    while not (tmp_path / "held").exists() and holder.poll() is None:
+        time.sleep(0.01)
+    with _build_lock(tmp_path):
+        with open(tmp_path / "order", "a") as out:
+            out.write("second;")
+    assert holder.wait(timeout=30) == 0
+    assert (tmp_path / "order").read_text() == "first;second;"

@@ -17,6 +17,8 @@ and prints their bin directory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -27,7 +29,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ DEFAULT_DIR = DEFAULT_TOOLS_DIR
 PATCH_DIR = REPO_ROOT / "patches" / "llama.cpp"  # applied in name order with `patch -p1`
 PATCHED_NOTE = ".featdiff-patched.json"  # in the patched tree: the patches applied and the files they touch
 STAMP = "tools.json"
+BUILD_LOCK = ".featdiff-build.lock"  # in the tools dir: one build of a tree at a time, across processes
 PIP_TIMEOUT_S = 900
 # Lean: only what the two programs need. The UI would be downloaded (prebuilt) or built with npm;
 # HTTPS needs OpenSSL; neither matters on a loopback port.
@@ -90,9 +93,28 @@ class ToolBuild:
         return self.bin_dir / name
 
 
+@contextlib.contextmanager
+def _build_lock(root: Path) -> Iterator[None]:
+    """Hold the tools dir's build lock: two processes building one CMake tree at once (a test and
+    `make tools`, two test workers) interleave two ninjas over the same objects and corrupt the
+    build (a link that misses objects the other removed). The second waits, then finds it built."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / BUILD_LOCK, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def ensure_tools(root: Path | None = None) -> ToolBuild:
     """The cached build of TARGETS; build it first when missing or stale."""
     root = Path(root or tools_dir())
+    with _build_lock(root):
+        return _ensure_tools(root)
+
+
+def _ensure_tools(root: Path) -> ToolBuild:
     source = source_tree(root)
     key = build_key(source)
     cached = _cached(root, source, key)
@@ -128,6 +150,11 @@ def ensure_library(root: Path | None = None) -> Path:
     or the build directory when that is out of the tree ($FEATDIFF_LLAMA_SRC; its CMakeCache.txt
     names the tree, featdiff.llama.binding.source_of)."""
     root = Path(root or tools_dir())
+    with _build_lock(root):
+        return _ensure_library(root)
+
+
+def _ensure_library(root: Path) -> Path:
     source = source_tree(root)
     key = build_key(source)
     build_dir = _build_dir(root, source)
