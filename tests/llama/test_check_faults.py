@@ -124,3 +124,26 @@ def test_check_run_of_a_failed_server_run_names_the_fault(failed_server_run, fix
     assert result.exit_code == EXIT_FAIL, result.output[-3000:]
     kinds = [f["kind"] for f in json.loads((tmp_path / "c.json").read_text())["comparison"]["findings"]]
     assert "position_offset" in kinds, kinds
+
+
+def test_a_programs_run_against_a_reference_of_other_tokens_names_follow(fixture_models, tools, tmp_path):
+    """The forgotten --follow: a run around llama-speculative-simple (its -p prompt, tokenized by
+    the program) against a reference of other tokens is one line naming --follow, which works."""
+    import shlex
+
+    from real_flow import DEFAULT_TOKENS
+
+    d, run, ref = fixture_models("clean"), tmp_path / "run.npz", tmp_path / "ref.npz"
+    captured = CliRunner().invoke(
+        app, ["capture", "-o", str(run), "--exec", "--", *_command(tools, "llama-speculative-simple", d)]
+    )
+    assert captured.exit_code == 0, captured.output
+    models = ["--target", str(d / "target.gguf"), "--model", str(d / "draft-hf")]
+    made = CliRunner().invoke(app, ["reference", *models, "--tokens", DEFAULT_TOKENS, "--rounds", "2", "-o", str(ref)])
+    assert made.exit_code == 0, made.output
+    refused = CliRunner().invoke(app, ["compare", str(ref), str(run)])
+    lines = [ln for ln in refused.output.splitlines() if ln.strip()]
+    assert refused.exit_code == 2 and len(lines) == 1 and "--follow" in lines[0], refused.output
+    named = shlex.split(lines[0].split("`")[1])
+    assert CliRunner().invoke(app, named[1:]).exit_code == 0  # `featdiff reference ... --follow run.npz -o ref.npz`
+    assert CliRunner().invoke(app, ["compare", str(ref), str(run)]).exit_code == 0
