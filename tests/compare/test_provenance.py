@@ -66,9 +66,19 @@ def test_swapped_arguments_are_named_with_the_command_in_the_right_order():
 def test_another_target_gguf_is_named_by_what_differs_and_sha256():
     other = replace(TARGET, path="/x/target.gguf", sha256="9" * 64, architecture="llama", n_layer=6)
     said = provenance_problem(REF, RUN, _ref(target=other), _run())
-    assert said is not None and "architecture llama vs qwen3" in said and "n_layer 6 vs 4" in said
+    assert said is not None and "different models (architecture llama vs qwen3)" in said
     assert "sha256 999999999999" in said and "sha256 aaaaaaaaaaaa" in said
     assert f"`featdiff reference --target {TARGET.path} --model {DRAFT.path} --follow {RUN} -o {REF}`" in said
+
+
+def test_an_mtp_targets_checkpoint_counts_no_nextn_layer_and_passes():
+    """A GGUF's block_count counts the MTP head's layer; the HF config's num_hidden_layers does not."""
+    assert provenance_problem(REF, RUN, _ref(target=replace(TARGET_HF, n_layer=3)), _run()) is None
+
+
+def test_a_target_of_another_width_is_another_model():
+    said = provenance_problem(REF, RUN, _ref(target=replace(TARGET_HF, n_embd=128)), _run())
+    assert said is not None and "different models (n_embd 128 vs 64)" in said
 
 
 def test_the_same_file_under_another_path_is_the_same_model():

@@ -20,9 +20,9 @@ REFERENCE_SOURCE = "reference"  # `source` of a `featdiff reference` dump (docs/
 FOLLOW_KEY = "follow"  # a reference's `build.follow`: the run dump it replayed (torchref/run.py)
 COMMAND_KEY = "command"  # a `capture --exec` dump's `build.command`: the program run around
 # ModelInfo fields a conversion (HF -> GGUF) or a quantization of one model keeps, per role; the
-# drafter's vocabulary is left out (an EAGLE3 GGUF may draft a reduced one its checkpoint states
-# otherwise) and so is its depth (an MTP head is described by its whole target GGUF)
-KEPT_FIELDS: dict[Role, tuple[str, ...]] = {ROLE_TARGET: ("n_vocab", "n_embd", "n_layer"), ROLE_DRAFT: ("n_embd",)}
+# depth is left out (a GGUF's block_count counts an MTP target's nextn layers, its HF config does
+# not), and so is the drafter's vocabulary (an EAGLE3 GGUF may draft a reduced one)
+KEPT_FIELDS: dict[Role, tuple[str, ...]] = {ROLE_TARGET: ("n_vocab", "n_embd"), ROLE_DRAFT: ("n_embd",)}
 SHOWN_TOKENS = 8  # prompt tokens a sentence quotes around the first difference
 SHA_CHARS = 12  # of a sha256 in a sentence
 
