@@ -130,7 +130,9 @@ def test_missing_term_found_against_an_old_reference_dump(captured, checkpoint_r
     `log_snr_embed`) still compares: the term is named by its current name."""
     old = _old_log_snr_layout(checkpoint_ref("no-log-snr"), tmp_path / "ref-old.npz")
     f = the_error(compare_dumps(old, captured("no-log-snr"), None))
-    assert (f.kind, f.tensor, f.fields) == ("missing_term", "inp_noise_embd", {"term": "dspark_log_snr_fc2"})
+    assert (f.kind, f.tensor, f.fields["term"]) == ("missing_term", "inp_noise_embd", "dspark_log_snr_fc2")
+    assert set(f.fields) == {"term", "where", "where_reason"}
+    assert f.fields["where"] == "export" and "log_snr" in f.fields["where_reason"]
 
 
 def _old_log_snr_layout(src: Path, dst: Path) -> Path:
