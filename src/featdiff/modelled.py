@@ -325,20 +325,12 @@ HF_READ_KEYS = frozenset(
     ).split()
 )  # load_hf._hparams, rope_params.hf_rope, load_hf.converter_config (DSpark's schemas), _dspark, _d2t
 HF_IRRELEVANT_KEYS: dict[str, str] = {
+    **names.HF_WRITER_KEYS,
     "model_type": "the stack's family; the converter picks DFlashModel/DSparkModel by architectures, one dflash graph",
     "num_target_layers": "the target's depth, which the target's own checkpoint states; target_layer_ids name the taps",
     "target_hidden_size": "the target's width; fc.weight's columns (slots x width) carry it, checked against the target",
     "max_window_layers": "transformers derives layer_types from it; the converter reads layer_types",
     "auto_map": "transformers' remote-code class names",
-    "torch_dtype": "storage dtype; the reference computes in --dtype",
-    "dtype": "storage dtype (transformers 5's spelling); the reference computes in --dtype",
-    "transformers_version": "the writer's library version",
-    "bos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
-    "eos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
-    "pad_token_id": "the tokenizer's; the target's vocabulary tokenizes",
-    "initializer_range": "training-time initialization",
-    "attention_dropout": "training-time dropout",
-    "use_cache": "transformers' generation setting",
 }
 HF_INERT_KEYS: dict[str, object] = {
     "hidden_act": "silu",  # dflash.hidden_activation: another is refused on the GGUF side too

@@ -129,17 +129,9 @@ READ_KEYS = frozenset(
 )
 # ... keys that change nothing the reference or llama.cpp computes, each with the reason ...
 IRRELEVANT_KEYS: dict[str, str] = {
+    **names.HF_WRITER_KEYS,
     "architectures": "names the class; the converter tells EAGLE3 by draft_vocab_size and one layer",
     "model_type": "the layer's family; the EAGLE3 layer is llama's whatever it says",
-    "torch_dtype": "storage dtype; the reference computes in --dtype",
-    "dtype": "storage dtype (transformers 5's spelling); the reference computes in --dtype",
-    "transformers_version": "the writer's library version",
-    "bos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
-    "eos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
-    "pad_token_id": "the tokenizer's; the target's vocabulary tokenizes",
-    "initializer_range": "training-time initialization",
-    "attention_dropout": "training-time dropout",
-    "use_cache": "transformers' generation setting",
     "tie_word_embeddings": "the drafter's lm_head is its own (draft_vocab_size rows) or the target's",
     "speculators_model_type": "Eagle3Speculator's marker (tells the trainer)",
     "speculators_config": "Eagle3Speculator's proposal settings (draft tokens, verifier name), llama.cpp's flags",

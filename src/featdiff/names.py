@@ -373,3 +373,17 @@ HF_VOCAB_SIZE = "vocab_size"
 HF_MAX_POSITIONS = "max_position_embeddings"  # config.json: the trained context (n_ctx_train)
 HF_TIE_EMBEDDINGS = "tie_word_embeddings"
 GGUF_OPTIONAL_LAYER = ("attn_q_norm", "attn_k_norm")  # qwen3 and dflash have q/k norms, llama not
+
+# config.json keys every transformers checkpoint may carry that change nothing a drafter computes,
+# each with the reason; each kind's strict loader lists its own on top (modelled, modelled_eagle3)
+HF_WRITER_KEYS: dict[str, str] = {
+    "torch_dtype": "storage dtype; the reference computes in --dtype",
+    "dtype": "storage dtype (transformers 5's spelling); the reference computes in --dtype",
+    "transformers_version": "the writer's library version",
+    "bos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
+    "eos_token_id": "the tokenizer's; the target's vocabulary tokenizes",
+    "pad_token_id": "the tokenizer's; the target's vocabulary tokenizes",
+    "initializer_range": "training-time initialization",
+    "attention_dropout": "training-time dropout",
+    "use_cache": "transformers' generation setting",
+}
