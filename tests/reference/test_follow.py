@@ -64,7 +64,9 @@ def test_follow_replaces_the_options_that_would_decide_otherwise(q4_run, tmp_pat
 def test_a_dump_without_rounds_cannot_be_followed(q4_run, tmp_path):
     d, run = q4_run
     no_rounds = _reference(d, tmp_path / "prefill.npz", prompt=None, tokens=DEFAULT_TOKENS, rounds=0)
-    with pytest.raises(InputError, match="no speculative rounds"):
+    with pytest.raises(
+        InputError, match=r"no speculative round to follow .* --tokens \S+ --rounds 1 in place of --follow"
+    ):
         _reference(d, tmp_path / "x.npz", prompt=None, tokens=None, rounds=2, follow=no_rounds)
 
 
