@@ -148,25 +148,27 @@ def _first_error(ref: Path, run: Path):
     return next(f for f in c.findings if f.severity == "error")
 
 
-def _user_reference(planted, d: Path, tmp_path: Path, variant_dir: Path | None = None) -> Path:
-    """The reference of the unplanted run: its prompt, rounds and drafts, followed."""
-    clean = planted(None, variant_dir)
+def _user_reference(run: Path, d: Path, tmp_path: Path) -> Path:
+    """The reference a user makes of the (planted) run: its prompt, rounds and drafts, followed
+    (compare refuses a reference that followed another run: diff/provenance.py)."""
     return reference(
         d / "target.gguf", d / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=clean,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
     )  # fmt: skip
 
 
 @pytest.mark.slow
 def test_eagle3_token_paired_with_its_own_row_is_a_row_shift(planted, pair, tmp_path):
-    first = _first_error(_user_reference(planted, pair, tmp_path), planted("eagle3-no-shift"))
+    run = planted("eagle3-no-shift")
+    first = _first_error(_user_reference(run, pair, tmp_path), run)
     assert (first.kind, first.tensor) == ("row_shift", "inp_embd"), first.message
     assert first.fields["shift"] == -1
 
 
 @pytest.mark.slow
 def test_eagle3_slots_staged_in_reverse_are_a_slot_permutation(planted, pair, tmp_path):
-    first = _first_error(_user_reference(planted, pair, tmp_path), planted("slots-reversed"))
+    run = planted("slots-reversed")
+    first = _first_error(_user_reference(run, pair, tmp_path), run)
     assert first.kind == "slot_permutation", first.message
     assert first.fields["permutation"] == [2, 1, 0]
 
@@ -174,7 +176,8 @@ def test_eagle3_slots_staged_in_reverse_are_a_slot_permutation(planted, pair, tm
 @pytest.mark.slow
 def test_eagle3_layers_tapped_one_deeper_are_a_layer_offset(planted, eagle3_pairs, tmp_path):
     d = eagle3_pairs("eagle3-default-layers")  # [2, 3, 3]
-    first = _first_error(_user_reference(planted, d, tmp_path, d), planted("layers-plus1", d))
+    run = planted("layers-plus1", d)
+    first = _first_error(_user_reference(run, d, tmp_path), run)
     assert first.kind == "layer_offset", first.message
     assert first.fields["observed_layers"] == [3, 4, 4] and "eagle3.target_layers" in first.message
 
