@@ -129,6 +129,17 @@ def test_a_first_anchor_a_driver_fault_changed_is_not_another_prompt():
     assert provenance_problem(REF, RUN, _ref(), run) is None
 
 
+def test_a_run_that_drafted_early_under_a_fault_is_not_another_prompt():
+    run = _run(build={"command": ["llama-speculative-simple"]}, prompt_tokens=PROMPT[:-1])  # inject-twice
+    assert provenance_problem(REF, RUN, _ref(), run) is None
+
+
+def test_a_run_that_decoded_one_token_more_than_the_reference_suggests_follow():
+    run = _run(build={"command": ["llama-server"]}, prompt_tokens=PROMPT + (7,))  # the first sampled token
+    said = provenance_problem(REF, RUN, _ref(), run)
+    assert said is not None and f"--follow {RUN}" in said
+
+
 def test_a_prompt_with_cached_positions_is_not_judged():
     run = _run(build={"command": ["llama-server"]}, prompt_tokens=(-1, 5, 9, 4))
     assert provenance_problem(REF, RUN, _ref(), run) is None
