@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from featdiff.errors import InputError
-from featdiff.llama.exec_sampler import DEBUG_VERBOSITY
 from featdiff.llama.preload import Preload
 from featdiff.tokens import parse_tokens
 
@@ -215,16 +214,6 @@ def server_command(command: list[str], port: int) -> list[str]:
     return out + ["--host", HOST, "--port", str(port)]
 
 
-def server_environ(command: list[str], pre: Preload) -> dict[str, str]:
-    """The preload's environment, and llama-server's debug verbosity where the user chose none:
-    at it the server logs each request's sampler (exec_sampler.LAUNCHED), which the dump records;
-    the log goes to a file, never the user's terminal."""
-    env = pre.environ()
-    if option_value(command, VERBOSITY_FLAGS, VERBOSITY_ENV, env) is None:
-        env[VERBOSITY_ENV] = str(DEBUG_VERBOSITY)
-    return env
-
-
 def free_port() -> int:
     """A loopback port nobody listens on now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -242,7 +231,7 @@ def serve(
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
             server_command(command, port),
-            env=server_environ(command, pre),
+            env=pre.environ(),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -275,7 +264,7 @@ def record_traffic(
         # it still dies with featdiff (the preload's parent-death signal)
         proc = subprocess.Popen(
             command,
-            env=server_environ(command, pre),
+            env=pre.environ(),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
