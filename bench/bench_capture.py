@@ -15,10 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from featdiff import fixtures, pairs
-from featdiff.filters import capture_filters
-from featdiff.llama import capture as cap
-from featdiff.llama import driver
+from featdiff.core.filters import capture_filters
+from featdiff.driver import capture as cap
+from featdiff.driver import dflash as driver
+from featdiff.driver import rounds as driver_rounds
+from featdiff.factory import fixtures, pairs
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
 
 # A 16 x 1024 target (about 250M parameters, f32): big enough that the model, not the fixed
@@ -38,7 +39,7 @@ def _time_flow(rt: Runtime, models: tuple[Model, Model], cfg: driver.FlowConfig,
     tgt = Context.new(rt, tgt_model, 512, 2, tag=tags[0])
     dft = Context.new(rt, dft_model, 512, 2, tag=tags[1], ctx_other=tgt)
     driver.enable(tgt, dft, cfg)
-    rec = cap.SpoolRecorder(spool) if spool else driver.NullRecorder()
+    rec = cap.SpoolRecorder(spool) if spool else driver_rounds.NullRecorder()
     t0 = time.perf_counter()
     driver.run_flow(tgt, dft, PROMPT, ROUNDS, cfg, rec)
     elapsed = time.perf_counter() - t0

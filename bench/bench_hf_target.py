@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from featdiff import pairs
-from featdiff.hf_targets import FAMILIES, write_hf_target
+from featdiff.factory import pairs
+from featdiff.factory.hf_families import FAMILIES
+from featdiff.factory.hf_targets import write_hf_target
 from featdiff.torchref.memory import GIB, LOAD_FACTOR, checkpoint_parameters, loaded_bytes
 
 PROBE = """

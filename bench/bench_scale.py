@@ -29,15 +29,15 @@ import torch
 from gguf import GGUFWriter
 from safetensors.torch import save_file
 
-from featdiff import names
-from featdiff.cache_dir import cache_root
+from featdiff.core import names
+from featdiff.core.cache_dir import cache_root
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.fixtures import _add_stack_keys, _add_vocab, drafter_hf_config  # the fixtures' layout
+from featdiff.driver.capture import capture
+from featdiff.dump.records import read_dump
+from featdiff.factory.fixtures import _add_stack_keys, _add_vocab, drafter_hf_config  # the fixtures' layout
+from featdiff.factory.pairs import Shape, Sizes
 from featdiff.llama.binding import find_build
-from featdiff.llama.capture import capture
 from featdiff.llama.tools import ensure_tools
-from featdiff.pairs import Shape, Sizes
 
 FULL = Sizes(Shape(36, 4096, 32, 8, 128, 12288), Shape(5, 4096, 32, 8, 128, 12288), 32768)
 SMALL = Sizes(Shape(4, 1024, 8, 2, 128, 3072), Shape(2, 1024, 8, 2, 128, 3072), 32768)

@@ -34,12 +34,12 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/featdiff_process.py
 import featdiff_process  # noqa: E402
 from featdiff.diff import compare_dumps  # noqa: E402
 from featdiff.diff.tolerance import PRE_ATTENTION  # noqa: E402
-from featdiff.dump import read_dump  # noqa: E402
-from featdiff.fixtures import write_fixture  # noqa: E402
-from featdiff.fixtures_eagle3 import write_eagle3_fixture  # noqa: E402
-from featdiff.fixtures_mtp import write_mtp_fixture  # noqa: E402
+from featdiff.dump.records import read_dump  # noqa: E402
+from featdiff.factory.eagle3 import write_eagle3_fixture  # noqa: E402
+from featdiff.factory.fixtures import write_fixture  # noqa: E402
+from featdiff.factory.mtp import write_mtp_fixture  # noqa: E402
+from featdiff.factory.pairs import Shape, Sizes  # noqa: E402
 from featdiff.llama.tools import ensure_tools  # noqa: E402
-from featdiff.pairs import Shape, Sizes  # noqa: E402
 from featdiff.torchref.kind import reference  # noqa: E402
 
 WAIT_S = 300

@@ -47,13 +47,13 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/quantize.py
 
 from featdiff.diff import compare_dumps  # noqa: E402
 from featdiff.diff.tolerance import PRE_ATTENTION  # noqa: E402
-from featdiff.fixtures import write_fixture  # noqa: E402
+from featdiff.driver.capture import capture  # noqa: E402
+from featdiff.factory.fixtures import write_fixture  # noqa: E402
+from featdiff.factory.pairs import Shape, Sizes  # noqa: E402
 from featdiff.llama.binding import find_build  # noqa: E402
-from featdiff.llama.capture import capture  # noqa: E402
 from featdiff.llama.options import parse_run_options  # noqa: E402
 from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ensure_tools, ensure_vulkan  # noqa: E402
-from featdiff.pairs import Shape, Sizes  # noqa: E402
-from featdiff.torchref.run import reference  # noqa: E402
+from featdiff.torchref.dflash.run import reference  # noqa: E402
 
 from quantize import quantize_gguf  # noqa: E402
 

@@ -21,8 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from featdiff.llama.server import free_port
 from featdiff.llama.tools import ensure_tools
+from featdiff.programs.server import free_port
 
 WAIT_S = 120
 MODES = {
@@ -35,12 +35,12 @@ MODES = {
 def _pair(variant: str, where: Path) -> tuple[list[str], list[list[int]]]:
     """The server's model arguments for `variant` and the first two prompts of its prompts.txt."""
     if variant == "trained-mtp":
-        from featdiff.fixtures_mtp import write_mtp_fixture
+        from featdiff.factory.mtp import write_mtp_fixture
 
         d = write_mtp_fixture(where, variant)
         models = ["-m", str(d / "target.gguf"), "--spec-type", "draft-mtp"]
     else:
-        from featdiff.fixtures_eagle3 import write_eagle3_fixture
+        from featdiff.factory.eagle3 import write_eagle3_fixture
 
         d = write_eagle3_fixture(where, variant)
         models = ["-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), "--spec-type", "draft-eagle3"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff.result import Comparison
-from featdiff.fixtures import write_fixture
+from featdiff.factory.fixtures import write_fixture
 
 from findings_schema import validate_findings, written
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
@@ -16,7 +16,7 @@ from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 _UNCHECKED_TO_JSON = Comparison.to_json
 TOOLS_FIXTURE = "tools"  # the fixture below: featdiff's build of the llama.cpp programs
 THROUGH_SERVER = "through_server"  # a probe parameter: True runs it through the built llama-server
-# fixtures whose models the pinned tree's converter makes (featdiff.converter; cached per machine),
+# fixtures whose models the pinned tree's converter makes (featdiff.factory.converter; cached per machine),
 # run through the transformers reference: tests/reference/test_hf_target.py, tests/test_converter.py
 CONVERTED_FIXTURES = ("qwen3moe", "qwen3moe_tied", "converted", "converted_feature")
 
@@ -62,8 +62,8 @@ def findings_json_follows_the_schema(monkeypatch):
 
 @pytest.fixture(scope="session")
 def eagle3_pairs(tmp_path_factory):
-    """EAGLE3 variant -> its pair made by the pinned converter (featdiff.fixtures_eagle3), once."""
-    from featdiff.fixtures_eagle3 import write_eagle3_fixture
+    """EAGLE3 variant -> its pair made by the pinned converter (featdiff.factory.eagle3), once."""
+    from featdiff.factory.eagle3 import write_eagle3_fixture
 
     made: dict[str, Path] = {}
 
@@ -77,8 +77,8 @@ def eagle3_pairs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mtp_pairs(tmp_path_factory):
-    """MTP variant -> its Qwen3.5 target and head made by the pinned converter (featdiff.fixtures_mtp), once."""
-    from featdiff.fixtures_mtp import write_mtp_fixture
+    """MTP variant -> its Qwen3.5 target and head made by the pinned converter (featdiff.factory.mtp), once."""
+    from featdiff.factory.mtp import write_mtp_fixture
 
     made: dict[str, Path] = {}
 
@@ -106,7 +106,7 @@ def fixture_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def captured(tmp_path_factory, fixture_models):
     """(variant, filters) -> a real capture dump of that fixture pair (made once)."""
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
 
     made: dict[tuple, Path] = {}
 
@@ -137,7 +137,7 @@ def captured(tmp_path_factory, fixture_models):
 def referenced(tmp_path_factory, fixture_models):
     """(variant, model=, target=, tokens=, rounds=, kv_dtype=) -> the reference dump of that
     fixture pair's files (default: the trained checkpoint draft-hf), made once per arguments."""
-    from featdiff.torchref.run import reference
+    from featdiff.torchref.dflash.run import reference
 
     made: dict[tuple, Path] = {}
 

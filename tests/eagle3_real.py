@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from featdiff.llama.capture import capture
+from featdiff.driver.capture import capture
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"

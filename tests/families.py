@@ -1,5 +1,5 @@
 """What every transformers-backed target family must pass (issue 24), written once: a tiny
-converted pair (featdiff.hf_targets) captured in-process and around llama-server compares clean
+converted pair (featdiff.factory.hf_targets) captured in-process and around llama-server compares clean
 with nothing skipped, `featdiff check` passes with the accept probe agreeing, and a drafter whose
 layer ids are one too high is a `layer_offset` (and, for some, slots in reverse order a
 `slot_permutation`). tests/reference/test_hf_target.py (qwen3moe),
@@ -15,9 +15,9 @@ from typing import Any
 from gguf import GGUFReader
 
 import featdiff
-from featdiff import names
-from featdiff.converter_faults import rewrite_gguf
+from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
+from featdiff.factory.converter_faults import rewrite_gguf
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
@@ -37,7 +37,7 @@ def draft_layers(draft: Path) -> list[int]:
 
 def server_capture(tools, d: Path, draft: Path, out: Path, extra: tuple[str, ...] = ()) -> Path:
     """`d`'s target with `draft` around llama-server, every record kept."""
-    from featdiff.llama.exec import capture_exec
+    from featdiff.programs.exec import capture_exec
 
     cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(draft), *SERVER_ARGS, *extra]
     return capture_exec(cmd, out, filters=["*"], tokens=DEFAULT_TOKENS, timeout_s=RUN_TIMEOUT_S)
@@ -93,8 +93,8 @@ def assert_clean_around_server(d: Path, tools, tmp_path: Path, extra: tuple[str,
 def assert_check_passes(d: Path, tmp_path: Path) -> None:
     """`featdiff check` in-process on `d`'s pair (token-id prompts: the tiny SPM vocabulary spells
     check's default text byte by byte) passes, and the accept probe agrees."""
-    from featdiff.probe import TOKENS_PREFIX
-    from featdiff.verdict import check
+    from featdiff.verdict.probe import TOKENS_PREFIX
+    from featdiff.verdict.result import check
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} {SECOND_PROMPT}\n")

@@ -35,7 +35,7 @@ def capture_server(
 ) -> tuple[subprocess.Popen, Path, Path, int]:
     """`featdiff capture --exec` of the llama-server `command` (without --port) until it served
     `n_requests`, listening: (the featdiff process, its -o, its stderr file, the server's port)."""
-    from featdiff.llama.server import free_port
+    from featdiff.programs.server import free_port
 
     out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
     proc = start(["capture", "--exec", "-o", out, "--requests", n_requests, "--", *command, "--port", port], err)
@@ -74,7 +74,7 @@ def two_flows_compared(target: Path, model: Path, run: Path, tmp_path: Path):
     checked to hold them as two flows that ran together, every decode split (no flow note); no
     record left out but the expected warm-up and prefill-output ones."""
     from featdiff.diff import compare_dumps
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
     from featdiff.torchref.kind import reference
 
     with read_dump(run) as dump:

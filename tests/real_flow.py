@@ -6,9 +6,9 @@ DEFAULT_ROUNDS = 3
 
 
 def reference_of(target, model, out, **options):
-    """`featdiff.torchref.run.reference` with what the tests leave at its defaults: no prompt
+    """`featdiff.torchref.dflash.run.reference` with what the tests leave at its defaults: no prompt
     or tokens, no rounds, float32 on the CPU, an f16 cache, the pinned build; `options` override."""
-    from featdiff.torchref.run import reference
+    from featdiff.torchref.dflash.run import reference
 
     kw = {"prompt": None, "tokens": None, "rounds": 0, "dtype": "float32", "device": "cpu", "kv_dtype": "f16",
           "llama_dir": None}  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.dump import DumpWriter, Eval, Manifest, Round, record_from_array, record_key
+from featdiff.dump.records import DumpWriter, Eval, Manifest, Round, record_from_array, record_key
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 import featdiff
-from featdiff import fixtures
 from featdiff.cli import app
-from featdiff.probe import Probe, PromptProbe, RoundPair
-from featdiff.verdict import MIN_BLOCKS, judge_accept
+from featdiff.factory import fixtures
+from featdiff.verdict.probe import Probe, PromptProbe, RoundPair
+from featdiff.verdict.result import MIN_BLOCKS, judge_accept
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_TEST = ROOT / "examples" / "test_drafter_wiring.py"

@@ -95,7 +95,7 @@ def test_unknown_fixture_variant_exits_2_naming_the_choices(tmp_path):
 
 
 def test_fixture_list_names_every_variant():
-    from featdiff.pairs import VARIANTS
+    from featdiff.factory.pairs import VARIANTS
 
     result = CliRunner().invoke(app, ["fixture", "--list"])
     assert result.exit_code == 0

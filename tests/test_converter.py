@@ -13,8 +13,12 @@ import pytest
 from gguf import GGUFReader
 
 import featdiff
-from featdiff import names, pairs
-from featdiff.converter import (
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.diff import exit_code
+from featdiff.dump.records import read_dump
+from featdiff.factory import pairs
+from featdiff.factory.converter import (
     DRAFT_GGUF,
     DRAFT_HF,
     DSPARK_SCHEMAS,
@@ -31,11 +35,9 @@ from featdiff.converter import (
     write_converted_fixture,
     write_spm_tokenizer,
 )
-from featdiff.diff import exit_code
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
-from featdiff.fixtures import VOCAB_SPM, feature_names, write_feature_fixture, write_fixture
-from featdiff.llama.exec import capture_exec
+from featdiff.factory.features import feature_names, write_feature_fixture
+from featdiff.factory.fixtures import VOCAB_SPM, write_fixture
+from featdiff.programs.exec import capture_exec
 from featdiff.torchref.load_hf import converter_config
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS

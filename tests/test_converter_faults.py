@@ -1,5 +1,5 @@
 """Converter faults, planted and named: the pinned converter's correct GGUFs rewritten with one
-plausible converter bug each (featdiff.converter_faults), captured in-process with the real build,
+plausible converter bug each (featdiff.factory.converter_faults), captured in-process with the real build,
 compared against the reference from the HF checkpoint (the truth): each is named at the record
 where it first shows, by a detector that says what to look at. The detectors' own unit tests
 (synthetic rows, no model) come first."""
@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 import featdiff
-from featdiff import names
-from featdiff.converter import DRAFT_GGUF, TARGET_GGUF
-from featdiff.converter_faults import DROP, FAULTS, rewrite_gguf, write_fault_fixture
+from featdiff.core import names
+from featdiff.core.errors import InputError
 from featdiff.diff import exit_code
 from featdiff.diff.detectors import (
     Evidence,
@@ -25,7 +24,8 @@ from featdiff.diff.detectors import (
     rotate,
 )
 from featdiff.diff.tolerance import TypeInfo, tolerance_for
-from featdiff.errors import InputError
+from featdiff.factory.converter import DRAFT_GGUF, TARGET_GGUF
+from featdiff.factory.converter_faults import DROP, FAULTS, rewrite_gguf, write_fault_fixture
 from featdiff.torchref.rope_params import hf_rope
 from test_converter import _contents
 

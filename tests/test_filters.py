@@ -1,14 +1,13 @@
-"""The capture filter model (featdiff.filters): one parser of `--filter`, one record, and the
+"""The capture filter model (featdiff.core.filters): one parser of `--filter`, one record, and the
 forms it is written in (the manifest, the shim, the preload's environment)."""
 
 from __future__ import annotations
 
 import pytest
 
-from featdiff import names
-from featdiff.dump import Build
-from featdiff.errors import InputError
-from featdiff.filters import (
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.core.filters import (
     KEEP_ALL,
     MAX_GLOBS,
     ROLE_IDS,
@@ -18,6 +17,7 @@ from featdiff.filters import (
     default_specs,
     parse_filters,
 )
+from featdiff.dump.records import Build
 
 
 def test_role_prefix_limits_a_glob_and_a_bang_excludes():

@@ -1,4 +1,4 @@
-"""The EAGLE3 fixture pairs (featdiff.fixtures_eagle3): the checkpoint each variant writes, the
+"""The EAGLE3 fixture pairs (featdiff.factory.eagle3): the checkpoint each variant writes, the
 pinned converter's GGUF of it (keys, tensors and shapes as src/models/eagle3.cpp loads them,
 values as the checkpoint's), llama.cpp loading and running the pair as the checkpoint says, and
 the trained pair's target, drafter and held-out prompts (its accept: tests/training/test_eagle3_training.py)."""
@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from featdiff import names
-from featdiff.converter import CONVERTER
-from featdiff.errors import InputError
-from featdiff.fixtures import HELD_OUT_PROMPTS, PROMPTS_FILE, _permute_qk_for_ggml, write_fixture
-from featdiff.fixtures_eagle3 import (
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.factory.converter import CONVERTER
+from featdiff.factory.eagle3 import (
     DRAFT,
     EAGLE3_SETTINGS,
     EAGLE3_VARIANTS,
@@ -34,7 +33,8 @@ from featdiff.fixtures_eagle3 import (
     eagle3_weights,
     write_eagle3_fixture,
 )
-from featdiff.pairs import RMS_EPS, TINY
+from featdiff.factory.fixtures import HELD_OUT_PROMPTS, PROMPTS_FILE, _permute_qk_for_ggml, write_fixture
+from featdiff.factory.pairs import RMS_EPS, TINY
 
 N_TGT = TINY.target.n_embd
 UNTRAINED = [name for name, v in EAGLE3_SETTINGS.items() if not v.is_trained]  # drawn, not trained: fast
@@ -113,8 +113,8 @@ def test_the_variant_table_and_its_settings_agree():
 
 def test_the_trained_variant_is_the_trained_pairs_shape():
     """What the table states of the trained pair (without importing torch) is what training makes."""
-    from featdiff.training import TRAINED_SIZES
-    from featdiff.training.eagle3 import eagle3_layers
+    from featdiff.factory.training import TRAINED_SIZES
+    from featdiff.factory.training.eagle3 import eagle3_layers
 
     v = EAGLE3_SETTINGS[TRAINED]
     assert v.n_vocab == v.n_vocab_draft == TRAINED_N_VOCAB == TRAINED_SIZES.n_vocab
@@ -302,9 +302,9 @@ def _decoder_logits(w: dict, embd: np.ndarray, g: np.ndarray, n_vocab: int) -> n
 def test_the_trained_pair_is_the_trained_target_drafter_and_held_out_prompts(pair):
     from safetensors.numpy import load_file
 
-    from featdiff.probe import read_prompts
-    from featdiff.training import TRAINED_SIZES, held_out_prompts
-    from featdiff.training.eagle3 import target_weights, trained_eagle3
+    from featdiff.factory.training import TRAINED_SIZES, held_out_prompts
+    from featdiff.factory.training.eagle3 import target_weights, trained_eagle3
+    from featdiff.verdict.probe import read_prompts
 
     d = pair(TRAINED)
     target = load_file(str(d / "target-hf" / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""The Qwen3.5 MTP fixtures (featdiff.fixtures_mtp): the head the checkpoint gains, the pinned
+"""The Qwen3.5 MTP fixtures (featdiff.factory.mtp): the head the checkpoint gains, the pinned
 converter's GGUFs of it (the head inside the target, or cut out as draft.gguf: keys, tensors and
 shapes as src/models/qwen35.cpp load_block_mtp creates them, values the checkpoint's), the target
 left as the qwen35 family's, the Qwen3.5-MoE variant (its head an MoE layer, as
@@ -19,11 +19,22 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from featdiff import names
 from featdiff.cli import app
-from featdiff.converter import CONVERTER
-from featdiff.errors import InputError
-from featdiff.fixtures_mtp import (
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import array_from_tensor, has_meta, int_meta, meta, read_gguf
+from featdiff.factory.converter import CONVERTER
+from featdiff.factory.hf_families import (
+    CHOICE_BIAS_GAIN,
+    GLM4MOE_ROUTED_SCALE,
+    MIMO2_V_HEAD_DIM,
+    MIMO2_VALUE_SCALE,
+    N_EXPERT,
+    N_EXPERT_USED,
+    N_FF_EXPERT,
+    SLIDING_WINDOW,
+)
+from featdiff.factory.mtp import (
     ARCH_QWEN35MOE,
     GGUF_FROM_HF,
     GGUF_FROM_HF_GLM,
@@ -44,18 +55,7 @@ from featdiff.fixtures_mtp import (
     mtp_weights,
     write_mtp_fixture,
 )
-from featdiff.gguf_reader import array_from_tensor, has_meta, int_meta, meta, read_gguf
-from featdiff.hf_targets import (
-    CHOICE_BIAS_GAIN,
-    GLM4MOE_ROUTED_SCALE,
-    MIMO2_V_HEAD_DIM,
-    MIMO2_VALUE_SCALE,
-    N_EXPERT,
-    N_EXPERT_USED,
-    N_FF_EXPERT,
-    SLIDING_WINDOW,
-)
-from featdiff.pairs import TINY
+from featdiff.factory.pairs import TINY
 
 S = TINY.target
 KEY_BLOCK_COUNT = names.KEY_BLOCK_COUNT.format(arch=names.ARCH_QWEN35)
@@ -250,7 +250,8 @@ def test_the_variant_table_and_its_settings_agree():
 def test_the_checkpoint_is_the_qwen35_target_with_a_seeded_head(made, tmp_path):
     """The target's tensors are the qwen35 family's of the same seed, bit for bit; the head adds
     exactly GGUF_FROM_HF's HF names, its decoder layer shaped as the target's full-attention layer 2."""
-    from featdiff.hf_targets import FAMILIES, write_hf_target
+    from featdiff.factory.hf_families import FAMILIES
+    from featdiff.factory.hf_targets import write_hf_target
 
     w = _hf(made["mtp"])
     write_hf_target(tmp_path / "plain" / "target-hf", FAMILIES["qwen35"], 0)
@@ -274,7 +275,7 @@ def test_the_moe_checkpoint_is_its_target_with_a_seeded_moe_head(made, tmp_path)
     """The MoE variant's target is MOE_TARGET's of the same seed, bit for bit; its head adds exactly
     GGUF_FROM_HF_MOE's HF names: the full-attention layer 2's shapes, router, every expert, the
     shared expert and its gate."""
-    from featdiff.hf_targets import write_hf_target
+    from featdiff.factory.hf_targets import write_hf_target
 
     w = _hf(made[MOE])
     write_hf_target(tmp_path / "plain" / "target-hf", MOE_TARGET, 0)
@@ -296,7 +297,7 @@ def test_the_glm_checkpoint_is_its_target_with_a_seeded_head_as_glm_ships_it(mad
     exactly GGUF_FROM_HF_GLM's HF names: one more decoder layer `model.layers.<n_layer>.*` shaped as
     the trunk's last (MoE) layer, with eh_proj, enorm, hnorm and shared_head.norm inside it, counted
     by `num_nextn_predict_layers`; the routers' choice biases drawn CHOICE_BIAS_GAIN times as wide."""
-    from featdiff.hf_targets import write_hf_target
+    from featdiff.factory.hf_targets import write_hf_target
 
     w = _hf(made[GLM])
     write_hf_target(tmp_path / "plain" / "target-hf", GLM4MOE_TARGET, 0)
@@ -325,7 +326,7 @@ def test_the_mimo_checkpoint_is_its_target_with_one_seeded_head_as_mimo_ships_it
     exactly GGUF_FROM_HF_MIMO2's HF names under `model.mtp.layers.0.`: a sliding layer's attention
     with q/k/v fused (rows [q, k, v]) and its sinks, the first (dense) layer's FFN; its config.json
     keeps the keys the converter reads and says no head count (MiMo's does not)."""
-    from featdiff.hf_targets import write_hf_target
+    from featdiff.factory.hf_targets import write_hf_target
 
     w = _hf(made[MIMO])
     write_hf_target(tmp_path / "plain" / "target-hf", MIMO2_TARGET, 0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from featdiff.diff.align import in_ref_candidate_order
-from featdiff.lattice import candidate_orders, canonical_rows, lattice_drafts, lattice_top_k
-from featdiff.names import DFLASH2_LATTICE
+from featdiff.core.names import DFLASH2_LATTICE
+from featdiff.diff.aligned import in_ref_candidate_order
+from featdiff.kinds.dflash.dflash2 import candidate_orders, canonical_rows, lattice_drafts, lattice_top_k
 
 K = 2
 ANCHOR = [0.0] * 8

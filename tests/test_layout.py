@@ -1,7 +1,7 @@
 """House rules that hold for the whole package: no import circles (issue 13: no module imports
 one that imports it back, directly or through others, at any depth, lazy imports included), and
 imports go down the layers, never up (issue 25): a lower layer never imports a higher one, and the
-stages in the middle layer import each other only where `ACROSS` says so, lazy imports included.
+rooms of one floor never import each other (issue 43: `ACROSS` is empty), lazy imports included.
 
 `python tests/test_layout.py` prints every upward import and their count.
 """
@@ -69,69 +69,35 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-# The floors of the house, bottom first: a module is on the floor of its longest matching prefix.
+# The floors of the house, bottom first (HOUSE.md §3.1): a module is on the floor of its longest
+# matching prefix. Vocabulary, then the kinds' pure facts, the dump format, the build under test, the
+# four stages, the report, what judges and inspects a run (`check` writes the report, so the report is
+# the floor below it), the test-model factory, and the faces.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("featdiff.core", "featdiff.version")),
+    ("kinds", ("featdiff.kinds",)),
+    ("dump", ("featdiff.dump",)),
+    ("llama", ("featdiff.llama",)),
     (
-        "names/errors",
-        (
-            "featdiff.names",
-            "featdiff.phases",
-            "featdiff.errors",
-            "featdiff.options",
-            "featdiff.version",
-            "featdiff.words",
-            "featdiff.cache_dir",
-            "featdiff.progress",
-            "featdiff.lattice",
-            "featdiff.outputs",
-            "featdiff.tokens",
-            "featdiff.filters",
-            "featdiff.modelled",
-            "featdiff.pairs",
-            "featdiff.kinds",
-            "featdiff.modelled_eagle3",
-        ),
+        "driver|programs|reference|compare",
+        ("featdiff.driver", "featdiff.programs", "featdiff.torchref", "featdiff.diff"),
     ),
-    (
-        "dump/gguf",
-        (
-            "featdiff.dump",
-            "featdiff.manifest_fields",
-            "featdiff.sampling",
-            "featdiff.gguf_reader",
-            "featdiff.gguf_rewrite",
-            "featdiff.blocks",
-            "featdiff.drafter_checks",
-            "featdiff.preflight",
-        ),
-    ),
-    ("capture|reference|compare", ("featdiff.llama", "featdiff.torchref", "featdiff.diff")),
-    (
-        "report|probe|check",
-        (
-            "featdiff.html",
-            "featdiff.probe",
-            "featdiff.verdict",
-            "featdiff.inspect",
-            "featdiff.training",
-            "featdiff.fixtures",
-            "featdiff.fixtures_dflash2",
-            "featdiff.fixtures_eagle3",
-            "featdiff.fixtures_mtp",
-            "featdiff.fixture_variants",
-            "featdiff.converter",
-            "featdiff.converter_faults",
-            "featdiff.hf_targets",
-        ),
-    ),
-    ("cli", ("featdiff", "featdiff.cli", "featdiff.api", "featdiff.pytest_plugin")),
+    ("report", ("featdiff.html",)),
+    ("check|inspect", ("featdiff.verdict", "featdiff.inspect")),
+    ("factory", ("featdiff.factory",)),
+    ("faces", ("featdiff", "featdiff.api", "featdiff.cli", "featdiff.pytest_plugin")),
 )
-# The middle floor's stages (rooms): one imports another only where named here, with the reason.
-ROOMS = ("featdiff.llama", "featdiff.torchref", "featdiff.diff")
-ACROSS = {
-    # the reference reads a run's tokens through the run's build, and GGUF weights with its ggml
-    ("featdiff.torchref", "featdiff.llama"),
-}
+# The rooms of a floor never import each other: what two stages share lives on a floor below them.
+ROOMS = (
+    "featdiff.driver",
+    "featdiff.programs",
+    "featdiff.torchref",
+    "featdiff.diff",
+    "featdiff.html",
+    "featdiff.verdict",
+    "featdiff.inspect",
+)
+ACROSS: set[tuple[str, str]] = set()
 
 
 def _prefix(name: str, prefixes) -> str | None:
@@ -198,17 +164,17 @@ def test_imports_go_down_the_floors():
 
 
 def test_an_upward_import_is_found():
-    """A synthetic graph: the dump importing compare, capture importing the reference, and the one
-    allowed crossing (the reference importing the build's tokenizer)."""
+    """A synthetic graph: the dump importing compare, the in-process driver importing the wrapping of
+    programs (two rooms of one floor), and the reference importing the build's tokenizer (a floor below)."""
     graph = {
-        "featdiff.dump": {"featdiff.names", "featdiff.diff.align"},
-        "featdiff.llama.capture": {"featdiff.torchref.lint", "featdiff.dump"},
-        "featdiff.torchref.run": {"featdiff.llama.tokenize"},
-        "featdiff.names": set(),
+        "featdiff.dump.records": {"featdiff.core.names", "featdiff.diff.align"},
+        "featdiff.driver.capture": {"featdiff.programs.exec", "featdiff.dump"},
+        "featdiff.torchref.dflash.run": {"featdiff.llama.tokenize"},
+        "featdiff.core.names": set(),
     }
     assert upward(graph) == [
-        ("featdiff.dump", "featdiff.diff.align"),
-        ("featdiff.llama.capture", "featdiff.torchref.lint"),
+        ("featdiff.driver.capture", "featdiff.programs.exec"),
+        ("featdiff.dump.records", "featdiff.diff.align"),
     ]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from featdiff.dump import CacheTypes
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
+from featdiff.dump.records import CacheTypes
 from featdiff.llama.options import RunOptions, options_of_command, parse_run_options
 
 
@@ -73,7 +73,7 @@ def test_the_default_build_is_the_projects_own(monkeypatch):
 def test_no_build_at_all_is_one_line_naming_make_setup(monkeypatch, tmp_path):
     import importlib.util
 
-    from featdiff.errors import InputError
+    from featdiff.core.errors import InputError
     from featdiff.llama import binding
 
     monkeypatch.delenv(binding.ENV_LLAMA_DIR, raising=False)

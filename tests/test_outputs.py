@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.errors import InputError
-from featdiff.outputs import failed_output, lock_path, output_lock, partial_path, replaced
+from featdiff.core.errors import InputError
+from featdiff.core.outputs import failed_output, lock_path, output_lock, partial_path, replaced
 
 
 def _refused(args: list[str], *kept: Path) -> str:
@@ -286,7 +286,7 @@ def _held_elsewhere(path: Path):
     import sys
 
     code = (
-        "import sys, time; from featdiff.outputs import output_lock\n"
+        "import sys, time; from featdiff.core.outputs import output_lock\n"
         f"with output_lock(__import__('pathlib').Path({str(path)!r})):\n"
         "    print('held', flush=True); time.sleep(60)\n"
     )

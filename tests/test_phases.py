@@ -1,4 +1,4 @@
-"""The flow protocol has one owner (featdiff.phases): its phase names are spelled nowhere else in
+"""The flow protocol has one owner (featdiff.core.phases): its phase names are spelled nowhere else in
 the package, and its values are the strings dumps and findings JSON have always carried."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import ast
 import json
 from pathlib import Path
 
-from featdiff import phases
-from featdiff.phases import Phase, feeders, phase_order
+from featdiff.core import phases
+from featdiff.core.phases import Phase, feeders, phase_order
 
-PACKAGE = Path(phases.__file__).parent
+PACKAGE = Path(phases.__file__).parents[1]
 VALUES = {p.value for p in Phase}
 # "draft" is also a role (names.ROLE_DRAFT, the drafter): a role literal is no phase, so "draft"
 # counts only where the code treats it as a phase (see _phase_context).
 ROLE_TOO = "draft"
 # (module, value): literals that spell a phase's value but mean another thing, each said why.
 NOT_PHASES = {
-    ("names.py", "draft"),  # the role Literal and names.ROLE_DRAFT
+    ("core/names.py", "draft"),  # the role Literal and names.ROLE_DRAFT
     ("diff/result.py", "warmup"),  # the skip reason `warmup` (SkipReason, docs/findings.md)
 }
 
@@ -72,14 +72,14 @@ def test_no_phase_name_is_spelled_outside_the_phases_module():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel == "phases.py":
+        if rel == "core/phases.py":
             continue
         found += [
             f"{rel}:{line}: {value!r}"
             for line, value in phase_literals(path.read_text())
             if (rel, value) not in NOT_PHASES
         ]
-    assert found == [], "use featdiff.phases.Phase instead of these literals:\n" + "\n".join(found)
+    assert found == [], "use featdiff.core.phases.Phase instead of these literals:\n" + "\n".join(found)
 
 
 def test_the_scan_finds_phase_literals_and_tells_the_role_apart():

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.probe import probe, render_probe
+from featdiff.verdict.probe import probe, render_probe
 
 # The tiny seeded drafters are untrained: most drafts are rejected. These prompts (found by a
 # search over the seed-0 fixtures) each get a draft token accepted by the clean pair.
@@ -188,15 +188,15 @@ def test_probe_exec_refuses_draft_max(fixture_models):
 
 def _trace(prompt: tuple[int, ...], *rounds: tuple[int, int, tuple[int, ...]]):
     """A run trace of rounds (pos0, anchor as the drafter read it, target tokens)."""
-    from featdiff.dump import Round
-    from featdiff.probe import RunTrace
+    from featdiff.dump.records import Round
+    from featdiff.verdict.probe import RunTrace
 
     made = tuple(Round(i + 1, pos0, anchor, (9, 9), 0, tokens) for i, (pos0, anchor, tokens) in enumerate(rounds))
     return RunTrace("p", prompt, made, 3)
 
 
 def test_each_round_drafts_after_the_runs_own_tokens():
-    from featdiff.probe import contexts
+    from featdiff.verdict.probe import contexts
 
     trace = _trace((1, 2, 3), (2, 3, (7, 8)), (4, 8, (5,)))
     assert contexts(trace) == ((1, 2, 3), (1, 2, 3, 7, 8))
@@ -204,7 +204,7 @@ def test_each_round_drafts_after_the_runs_own_tokens():
 
 def test_an_anchor_the_drafter_misread_is_judged_on_the_runs_token_not_refused():
     """A masked anchor (FEATDIFF_FAULT=anchor-mask) is compare's block_token; the probe goes on."""
-    from featdiff.probe import contexts
+    from featdiff.verdict.probe import contexts
 
     mask = 175
     trace = _trace((1, 2, 3), (2, mask, (7,)), (3, mask, (6,)))
@@ -212,7 +212,7 @@ def test_an_anchor_the_drafter_misread_is_judged_on_the_runs_token_not_refused()
 
 
 def test_a_round_past_the_known_tokens_is_left_unprobed_and_a_rewind_is_followed():
-    from featdiff.probe import contexts
+    from featdiff.verdict.probe import contexts
 
     trace = _trace((1, 2, 3), (5, 4, (7,)), (1, 2, (4,)), (2, 4, ()))
     assert contexts(trace) == (None, (1, 2), (1, 2, 4))

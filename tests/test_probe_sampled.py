@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from featdiff.probe import AcceptStats, Probe, PromptProbe, RoundPair, expected_ref_accepted
-from featdiff.sampling import Sampler
-from featdiff.verdict import judge_accept
+from featdiff.dump.sampling import Sampler
+from featdiff.verdict.probe import AcceptStats, Probe, PromptProbe, RoundPair, expected_ref_accepted
+from featdiff.verdict.result import judge_accept
 
 PROMPT = (1, 17, 42, 99, 7, 3)
 N_DRAFTS = 3
@@ -18,8 +18,8 @@ N_DRAFTS = 3
 
 @pytest.fixture(scope="module")
 def target(fixture_models):
+    from featdiff.torchref.dflash.run import numerics_from_options
     from featdiff.torchref.load import load_target
-    from featdiff.torchref.run import numerics_from_options
 
     numerics = numerics_from_options("float32", "cpu", "f16")
     return load_target(fixture_models("clean") / "target.gguf", numerics.dtype, numerics.device), numerics

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.phases import phrase
+from featdiff.core.phases import phrase
+from featdiff.core.words import plural
 from featdiff.version import VERSION
-from featdiff.words import plural
 
 # A prompt on which the off-by-one drafter's drafts part from the reference's in round 1
 PARTING_TOKENS, PARTING_ROUNDS = "7,21,3,99,140,5,260,33", 4

@@ -1,17 +1,17 @@
 """featdiff: find which tensor a llama.cpp drafter port gets wrong, and why.
 
 Pipeline, one package per stage: capture (llama/) and the PyTorch reference (torchref/) write
-dumps (dump.py); diff/ compares two dumps and names the first divergence; html/ draws the triage
-page; verdict.py runs them all for one CI verdict (`featdiff check`).
+dumps (dump/records.py); diff/ compares two dumps and names the first divergence; html/ draws the triage
+page; verdict/result.py runs them all for one CI verdict (`featdiff check`).
 
 The Python API (featdiff.api), one call per stage, the same functions the command line calls,
-each taking its command's options with the command's defaults (featdiff.options):
+each taking its command's options with the command's defaults (featdiff.core.options):
 
-    featdiff.capture(target, model, output, ...) -> Path        the run dump (llama/capture.py)
-    featdiff.reference(target, model, output, ...) -> Path      the reference dump (torchref/run.py)
+    featdiff.capture(target, model, output, ...) -> Path        the run dump (driver/capture.py)
+    featdiff.reference(target, model, output, ...) -> Path      the reference dump (torchref/dflash/run.py)
     featdiff.compare(ref, run, name_map=None, ...) -> Comparison findings (diff/)
     featdiff.report(ref, run, output, ...) -> Path              the HTML page (html/)
-    featdiff.check(target, model, ...) -> CheckResult           all of them and the accept probe (verdict.py)
+    featdiff.check(target, model, ...) -> CheckResult           all of them and the accept probe (verdict/result.py)
 
 Each stage is imported on first call, so `import featdiff` loads neither torch nor llama.cpp.
 The stage packages are named apart from these functions (a subpackage imported under a

@@ -1,12 +1,12 @@
 """The Python API: one function per stage command, each taking every option of its command as a
-keyword with the command's default (both come from featdiff.options; tests/test_api.py checks
+keyword with the command's default (both come from featdiff.core.options; tests/test_api.py checks
 them against the CLI), and the CLI's commands call these.
 
-    capture(target, model, output, ...) -> Path        the run dump (llama/capture.py)
-    reference(target, model, output, ...) -> Path      the reference dump (torchref/run.py)
+    capture(target, model, output, ...) -> Path        the run dump (driver/capture.py)
+    reference(target, model, output, ...) -> Path      the reference dump (torchref/dflash/run.py)
     compare(ref, run, name_map=None, ...) -> Comparison findings (compare/)
     report(ref, run, output, ...) -> Path              the HTML page (report/)
-    check(target, model, ...) -> CheckResult           all of them and the accept probe (verdict.py)
+    check(target, model, ...) -> CheckResult           all of them and the accept probe (verdict/result.py)
 
 The command line's `--exec -- PROGRAM ...` is `command=[PROGRAM, ...]` here. Paths may be `str`.
 Each stage is imported on first call, so importing this module loads neither torch nor llama.cpp.
@@ -17,13 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from featdiff import options as o
-from featdiff.errors import InputError
+from featdiff.core import options as o
+from featdiff.core.errors import InputError
 
 if TYPE_CHECKING:
     from featdiff.diff.result import Comparison
     from featdiff.llama.options import RunOptions
-    from featdiff.verdict import CheckResult
+    from featdiff.verdict.result import CheckResult
 
 PathLike = str | Path
 
@@ -51,10 +51,11 @@ def capture(
     "q8_0"]`), or around the llama.cpp program `command` (its argv; then `target` and `model` are
     None and the program's command line sets blocks and p_min).
     """
-    from featdiff.llama import capture as capture_mod
+    from featdiff.driver import capture as capture_mod
+    from featdiff.programs import exec as exec_program
 
     if command is not None:
-        return capture_mod.capture_exec(
+        return exec_program.capture_program(
             list(command),
             Path(output),
             filters,
@@ -191,7 +192,7 @@ def check(
 ) -> CheckResult:
     """Capture, reference, compare and probe accept; return the `CheckResult` and write the
     outputs asked for (featdiff.verdict.check)."""
-    from featdiff.verdict import check as run_check
+    from featdiff.verdict.result import check as run_check
 
     return run_check(
         Path(target),

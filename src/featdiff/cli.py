@@ -3,7 +3,7 @@ renders and exits; `main` is the only place that turns `InputError` into exit co
 SIGTERM into `Interrupted` and exit code 130 / 143.
 
 Library imports sit inside the commands so that `featdiff compare` never loads torch or the
-llama.cpp binding. The stage commands' options are defined in featdiff.options (flags, help,
+llama.cpp binding. The stage commands' options are defined in featdiff.core.options (flags, help,
 default), and each stage command calls its featdiff.api function: the Python API, with the same
 options and defaults.
 """
@@ -22,9 +22,9 @@ from typing import Annotated, Any, Optional
 import typer
 from typer.core import TyperGroup
 
-from featdiff import options as o
-from featdiff.errors import InputError, Interrupted
-from featdiff.outputs import is_no_room, no_room_error
+from featdiff.core import options as o
+from featdiff.core.errors import InputError, Interrupted
+from featdiff.core.outputs import is_no_room, no_room_error
 
 
 class _App(TyperGroup):
@@ -129,7 +129,7 @@ def _log_level(verbose: bool) -> None:
 
 
 def _option(d: o.Option) -> Any:
-    """typer's option of a featdiff.options definition (its default is the parameter's: `= d.default`)."""
+    """typer's option of a featdiff.core.options definition (its default is the parameter's: `= d.default`)."""
     return typer.Option(*d.flags, help=d.help, min=d.min, max=d.max, exists=d.exists, dir_okay=d.dir_okay)
 
 
@@ -157,7 +157,7 @@ def fixture(
     list_variants: Annotated[bool, typer.Option("--list", help="List the variants and exit.")] = False,
 ) -> None:
     """Write tiny seeded target + drafter models (GGUF and HF) with one planted wiring bug."""
-    from featdiff import fixture_variants
+    from featdiff.factory import variants as fixture_variants
 
     if list_variants or outdir is None:
         typer.echo(fixture_variants.describe())
@@ -235,9 +235,9 @@ def probe(
 ) -> None:
     """Greedy accept-rate probe: the real spec loop side by side with the reference drafter."""
     from featdiff import api
-    from featdiff.probe import exit_code as probe_exit_code
-    from featdiff.probe import probe as run_probe
-    from featdiff.probe import render_probe
+    from featdiff.verdict.probe import exit_code as probe_exit_code
+    from featdiff.verdict.probe import probe as run_probe
+    from featdiff.verdict.probe import render_probe
 
     result = run_probe(
         target,
@@ -262,7 +262,7 @@ def pack(
     output: Annotated[Path, typer.Option("-o", "--output", help="Dump to write (.npz).")],
 ) -> None:
     """Pack the complete records of a capture spool into a dump (after a crash or a kill)."""
-    from featdiff.llama.recover import pack_spool
+    from featdiff.programs.recover import pack_spool
 
     packed = pack_spool(spool, output)
     typer.echo(f"featdiff: {packed.summary()}", err=True)
@@ -372,7 +372,7 @@ def lint(
     ] = None,
 ) -> None:
     """Check a drafter GGUF's DFlash metadata and tensors; one line per problem."""
-    from featdiff.torchref.lint import lint_gguf
+    from featdiff.verdict.lint import lint_gguf
 
     problems = lint_gguf(model, target)
     for line in problems:
@@ -404,8 +404,8 @@ def check(
 ) -> None:
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
     from featdiff import api
-    from featdiff.verdict import exit_code as check_exit_code
-    from featdiff.verdict import render_text
+    from featdiff.verdict.result import exit_code as check_exit_code
+    from featdiff.verdict.result import render_text
 
     _log_level(verbose)
     result = api.check(
@@ -446,6 +446,6 @@ def main() -> None:
     for s in STOP_SIGNALS:
         signal.signal(s, _raise_interrupted)
     # past a file-size limit (`ulimit -f`) a write then fails with EFBIG, which names the output
-    # (featdiff.outputs), instead of SIGXFSZ killing featdiff; subprocess restores it for programs
+    # (featdiff.core.outputs), instead of SIGXFSZ killing featdiff; subprocess restores it for programs
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     app()

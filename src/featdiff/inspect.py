@@ -11,12 +11,13 @@ from typing import Any
 
 from safetensors import safe_open
 
-from featdiff import names
-from featdiff.dump import Dump, Manifest, read_dump
-from featdiff.errors import InputError
-from featdiff.gguf_reader import model_info
-from featdiff.llama import ggml_dequant
-from featdiff.modelled_eagle3 import (
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.core.names import BACKEND_HOST, ROLES
+from featdiff.core.words import plural
+from featdiff.dump.model_info import model_info
+from featdiff.dump.records import Dump, Manifest, read_dump
+from featdiff.kinds.eagle3 import (
     FLAG,
     HF_AUX_LAYER_IDS,
     HF_EAGLE_CONFIG,
@@ -28,8 +29,7 @@ from featdiff.modelled_eagle3 import (
     unread_keys,
     unread_tensors,
 )
-from featdiff.names import BACKEND_HOST, ROLES
-from featdiff.words import plural
+from featdiff.llama import ggml_dequant
 
 
 def describe(path: Path) -> str:
@@ -47,7 +47,7 @@ def describe(path: Path) -> str:
 
 def describe_eagle3_checkpoint(path: Path) -> str:
     """An EAGLE3 HF checkpoint: which trainer wrote it, where its layer ids are and what they name
-    (featdiff.modelled_eagle3.TRAINERS), and what the reference would refuse of it."""
+    (featdiff.kinds.eagle3.TRAINERS), and what the reference would refuse of it."""
     cfg = path / names.HF_CONFIG
     try:
         config = eagle3_config(json.loads(cfg.read_text()))

@@ -8,12 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from featdiff.core.errors import InputError
+from featdiff.core.phases import Phase
 from featdiff.diff import compare_dumps
 from featdiff.diff.align import plan_pairs, row_contexts
 from featdiff.diff.namemap import NameMap, builtin_map, read_name_map
-from featdiff.dump import DumpWriter, Eval, Manifest, read_dump, record_from_array, record_key
-from featdiff.errors import InputError
-from featdiff.phases import Phase
+from featdiff.dump.records import DumpWriter, Eval, Manifest, read_dump, record_from_array, record_key
 
 import synth
 from transform import rewrite, split_eval

@@ -13,7 +13,7 @@ from featdiff.diff.export import Export, RoleExport, role_export
 from featdiff.diff.fields import LayerOffsetFields, RowShiftFields, ScaleFields, WrongSourceFields
 from featdiff.diff.result import Finding
 from featdiff.diff.tolerance import Tolerance
-from featdiff.manifest_fields import ModelInfo
+from featdiff.dump.manifest_fields import ModelInfo
 
 SAME = Export(roles={"draft": RoleExport("same_file", complete=True)}, gguf={"draft": "d.gguf"})
 KEYS_AGREE = Export(roles={"draft": RoleExport("checkpoint")}, gguf={"draft": "d.gguf"})

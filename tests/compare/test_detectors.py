@@ -521,7 +521,7 @@ def _top_k(logits: np.ndarray, k: int = 3) -> np.ndarray:
 def test_a_sampler_reading_another_rows_logits_is_named_a_wrong_source():
     """Two sequences' draft step: the graph's rows are right, and the sampler read row 1's top-k
     for row 0 as well (llama-server's EAGLE3 drafts with backend sampling, two slots at once)."""
-    from featdiff import kinds
+    from featdiff.kinds import registry as kinds
 
     graph = rows(2, 32, seed=3)
     read = _top_k(graph[[1, 1]])

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from featdiff.core.names import DRAFT_LOGITS, KEY_SAMPLE_FROM_ANCHOR
+from featdiff.core.phases import Phase
 from featdiff.diff import diagnose
 from featdiff.diff.detectors import detect_divergence_by_margin, detect_wrong_source_of_drafts
 from featdiff.diff.partings import Parting, _read_from
-from featdiff.names import DRAFT_LOGITS, KEY_SAMPLE_FROM_ANCHOR
-from featdiff.phases import Phase
 
 # An anchor-first block of 4 rows whose argmaxes are 5, 6, 7, 8
 LOGITS = np.full((4, 16), -1.0)

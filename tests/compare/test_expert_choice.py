@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import Evidence, detect_expert_choice
 from featdiff.diff.tolerance import Tolerance
-from featdiff.dump import DumpWriter, Manifest, record_from_array, record_key
+from featdiff.dump.records import DumpWriter, Manifest, record_from_array, record_key
 
 import synth
 from findings_schema import validate_findings, written

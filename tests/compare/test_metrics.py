@@ -19,7 +19,7 @@ from featdiff.diff.tolerance import (
     tolerance_for,
     type_info,
 )
-from featdiff.dump import Manifest, Record
+from featdiff.dump.records import Manifest, Record
 
 RNG = np.random.default_rng(0)
 

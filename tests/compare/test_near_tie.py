@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from featdiff.core.names import DRAFT_LOGITS, RESULT_OUTPUT
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import detect_divergence_by_margin, detect_near_tie
 from featdiff.diff.partings import MARGIN_SPREAD, Parting, find_partings
 from featdiff.diff.tolerance import TypeInfo, tolerance_for, type_info
-from featdiff.dump import DumpWriter, read_dump, record_from_array, record_key
-from featdiff.names import DRAFT_LOGITS, RESULT_OUTPUT
+from featdiff.dump.records import DumpWriter, read_dump, record_from_array, record_key
 
 import synth
 

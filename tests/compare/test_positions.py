@@ -9,11 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from featdiff.core.phases import Phase
 from featdiff.diff import comparison, detectors, positions
 from featdiff.diff.fields import PositionOffsetFields, fields_of
 from featdiff.diff.tolerance import Tolerance
-from featdiff.dump import Eval, Manifest, MemoryOp
-from featdiff.phases import Phase
+from featdiff.dump.records import Eval, Manifest, MemoryOp
 
 import synth
 

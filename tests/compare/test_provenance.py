@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from featdiff.diff.provenance import provenance_problem
-from featdiff.dump import Manifest, Round
-from featdiff.manifest_fields import ModelInfo
+from featdiff.dump.manifest_fields import ModelInfo
+from featdiff.dump.records import Manifest, Round
 
 REF, RUN = Path("ref.npz"), Path("run.npz")
 PROMPT = (1, 5, 9, 4)
@@ -183,7 +183,7 @@ def test_a_reference_of_another_target_exits_2_naming_the_runs_target(captured, 
 
 
 def test_a_reference_that_followed_another_run_exits_2_and_its_command_works(captured, tmp_path, fixture_models):
-    from featdiff.torchref.run import reference
+    from featdiff.torchref.dflash.run import reference
 
     d = fixture_models("clean")
     options = dict(prompt=None, tokens=None, rounds=1, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None)

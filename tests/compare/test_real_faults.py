@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.result import Finding
-from featdiff.dump import DumpWriter, read_dump, record_key
+from featdiff.dump.records import DumpWriter, read_dump, record_key
 
 from findings_schema import validate_findings, written
 from quantize import quantize_gguf
@@ -59,7 +59,7 @@ def test_in_process_capture_is_judged_by_llama_cpps_f16_cache(clean):
 def test_capture_with_an_exclusion_filter_compares_clean(captured, checkpoint_ref):
     """README's `--filter 'l_out-*' --filter '!l_out-0'` on top of the default wiring: the excluded
     records are filtered out, not missing (the manifest keeps the exclusion)."""
-    from featdiff.filters import default_specs
+    from featdiff.core.filters import default_specs
 
     with read_dump(captured("clean")) as d:
         layers = tuple(d.manifest.models["draft"]["target_layers"])
@@ -74,7 +74,7 @@ def test_capture_with_an_exclusion_filter_compares_clean(captured, checkpoint_re
 
 
 def test_q8_0_target_gives_numeric_noise_only(clean, fixture_models, tmp_path_factory):
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
 
     d = fixture_models("clean")
     work = tmp_path_factory.mktemp("q8_0")
@@ -222,7 +222,7 @@ def test_nonfinite_found_in_nan_and_inf(clean, tmp_path):
 
 
 def test_stale_found_in_data_from_the_previous_round(clean, tmp_path):
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
 
     with read_dump(clean[1]) as run:
         injects = [
@@ -257,7 +257,7 @@ def test_draft_block_without_its_anchor_is_a_block_token_not_an_ok(clean, tmp_pa
     nothing of the draft block pairs; the verdict must say why instead of OK."""
     from dataclasses import replace
 
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
 
     with read_dump(clean[1]) as run:
         m = run.manifest

@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 from test_near_tie import _with_logits
 
+from featdiff.core.names import RESULT_OUTPUT
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import detect_divergence_by_margin
 from featdiff.diff.partings import Parting, sampled_parting
-from featdiff.dump import DumpWriter, Manifest, flow_view, read_dump
-from featdiff.llama.exec_sampler import flow_samplers, launched_requests
-from featdiff.names import RESULT_OUTPUT
-from featdiff.sampling import (
+from featdiff.dump.records import DumpWriter, Manifest, flow_view, read_dump
+from featdiff.dump.sampling import (
     DEFAULT_TEMPERATURE,
     Sampler,
     chain_probs,
@@ -28,6 +27,7 @@ from featdiff.sampling import (
     expected_accepted,
     sampler_from_command,
 )
+from featdiff.programs.sampler import flow_samplers, launched_requests
 
 N_VOCAB = 64
 DEFAULT = Sampler(flow=0, source="request")  # llama.cpp's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05
@@ -143,7 +143,7 @@ def test_the_samplers_round_trip_and_a_dump_without_them_chose_greedily():
 
 @pytest.mark.parametrize("bad", [{"flow": 0, "source": "request", "top_k": "many"}, {"flow": 0, "source": "guess"}])
 def test_a_bad_sampler_field_is_refused_by_path(bad):
-    from featdiff.manifest_fields import ManifestError
+    from featdiff.dump.manifest_fields import ManifestError
 
     with pytest.raises(ManifestError, match="samplers"):
         Manifest.from_json({**_manifest(()).to_json(), "samplers": [bad]})

@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
+from featdiff.core.phases import Phase
 from featdiff.diff import compare_dumps
 from featdiff.diff.fields import (
     RECORD_OF,
@@ -26,7 +27,6 @@ from featdiff.diff.fields import (
 )
 from featdiff.diff.result import KINDS, SCHEMA_VERSION, SKIP_REASONS, Finding, Kind
 from featdiff.diff.schema import finding_properties
-from featdiff.phases import Phase
 
 import synth
 from findings_schema import SCHEMA_PATH, errors, load_schema, validate_findings, written

@@ -8,11 +8,12 @@ the unmodelled feature as a capture writes it (`models.draft.unmodelled`, docs/d
 
 from __future__ import annotations
 
-from featdiff import modelled, names
+from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code, verdict
 from featdiff.diff.dependence import Gap, gap_of, graph_rank
 from featdiff.diff.detectors import detect_unmodelled
-from featdiff.dump import read_dump
+from featdiff.dump.records import read_dump
+from featdiff.kinds.dflash import modelled
 
 import synth
 

@@ -20,7 +20,7 @@ from featdiff.diff.result import (
     QUIET_SKIPS,
     SKIP_REASONS,
 )
-from featdiff.dump import DumpWriter, read_dump, record_from_array, record_key
+from featdiff.dump.records import DumpWriter, read_dump, record_from_array, record_key
 
 import synth
 from transform import rewrite
@@ -151,7 +151,7 @@ def test_flow_notes_are_info_when_another_error_explains_the_run(synth_ref, tmp_
 
 
 def test_stale_draft_cache_from_memory_ops_fails_the_run(synth_ref, tmp_path):
-    from featdiff.dump import MemoryOp
+    from featdiff.dump.records import MemoryOp
 
     ops = (MemoryOp("draft", FIRST_DRAFT, 0, 7, -1),)  # the accept of round 1 never removes 9..10
     c = compare_dumps(synth_ref, run_with(tmp_path, "stale.npz", memory_ops=ops), None)
@@ -242,7 +242,7 @@ def _two_flows(src, dst, second=None):
     """`src`'s one flow served twice, on sequences 0 and 1, one after the other: flow 1's evals
     and records follow flow 0's; `second(eval)` rewrites each eval of flow 1 (None: as it was),
     and a flow-1 eval with rc != 0 keeps no record (llama.cpp refused the batch)."""
-    from featdiff.dump import FlowInfo
+    from featdiff.dump.records import FlowInfo
 
     with read_dump(src) as d:
         m = d.manifest

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.dump import DumpWriter, Eval, Manifest, Record, read_dump, record_key
+from featdiff.dump.records import DumpWriter, Eval, Manifest, Record, read_dump, record_key
 
 ArrayFn = Callable[[Record, np.ndarray], np.ndarray | None]  # None drops the record
 

@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from featdiff.dump import MANIFEST_MEMBER, DumpWriter, Eval, Manifest, MemoryOp, Round, record_from_array, record_key
+from featdiff.dump.records import (
+    MANIFEST_MEMBER,
+    DumpWriter,
+    Eval,
+    Manifest,
+    MemoryOp,
+    Round,
+    record_from_array,
+    record_key,
+)
 
 # --- a small dump shaped like a real capture ----------------------------------------------------
 

@@ -20,15 +20,15 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.dump import read_dump, record_key
-from featdiff.filters import capture_filters
-from featdiff.llama import exec as exec_capture
+from featdiff.core.filters import capture_filters
+from featdiff.core.names import ROLES
+from featdiff.driver.capture import capture
+from featdiff.dump.records import read_dump, record_key
 from featdiff.llama import spool, spool_index
-from featdiff.llama.capture import capture
-from featdiff.llama.preload import preload
-from featdiff.llama.recover import pack_spool
-from featdiff.llama.server import free_port
-from featdiff.names import ROLES
+from featdiff.programs import exec as exec_capture
+from featdiff.programs.preload import preload
+from featdiff.programs.recover import pack_spool
+from featdiff.programs.server import free_port
 
 from real_flow import DEFAULT_TOKENS
 

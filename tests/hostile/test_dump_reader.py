@@ -40,14 +40,9 @@ from hostile_dumps import (
 from typer.testing import CliRunner
 
 from featdiff.cli import app
+from featdiff.core.errors import InputError
 from featdiff.diff import compare_dumps
-from featdiff.dump import (
-    INFLATION_FLOOR,
-    MANIFEST_MEMBER,
-    MAX_MANIFEST_BYTES,
-    read_dump,
-)
-from featdiff.errors import InputError
+from featdiff.dump.records import INFLATION_FLOOR, MANIFEST_MEMBER, MAX_MANIFEST_BYTES, read_dump
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
+from featdiff.core.outputs import existing_file
 from featdiff.llama import binding
-from featdiff.llama.exec import command_files
-from featdiff.outputs import existing_file
+from featdiff.programs.exec import command_files
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "compare"))
 
@@ -95,7 +95,7 @@ def test_a_cache_naming_no_llama_source_is_no_build(tmp_path):
 def test_the_program_of_an_out_of_tree_build_is_captured_against_its_source(tmp_path, monkeypatch):
     """A program linked to a libllama in `cmake -B elsewhere`: with no default build to match it
     (a pip install without llama-cpp-python), its build is found from the CMakeCache.txt above it."""
-    from featdiff.llama.preload import build_of_program
+    from featdiff.programs.preload import build_of_program
 
     source = binding.find_build(None).root
     where = _out_of_tree_build(tmp_path / "elsewhere")
@@ -179,8 +179,8 @@ def test_a_dump_writer_out_of_room_removes_its_partial_file(tmp_path):
     dump.write_text("the user's old dump\n")
     script = textwrap.dedent(f"""
         import resource, signal, numpy as np
-        from featdiff.dump import DumpWriter, record_from_array
-        from featdiff.errors import InputError
+        from featdiff.dump.records import DumpWriter, record_from_array
+        from featdiff.core.errors import InputError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as featdiff's main sets it
         resource.setrlimit(resource.RLIMIT_FSIZE, ({FSIZE_LIMIT}, resource.RLIM_INFINITY))
         writer = DumpWriter("{dump}")

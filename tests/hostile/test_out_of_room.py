@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.errors import NoRoomError
-from featdiff.outputs import lock_path, output_lock
+from featdiff.core.errors import NoRoomError
+from featdiff.core.outputs import lock_path, output_lock
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
@@ -192,7 +192,7 @@ def test_a_lock_file_without_room_for_its_pid_is_no_room_and_removed(tmp_path, m
     def full(fd: int, data: bytes) -> int:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("featdiff.outputs.os.write", full)
+    monkeypatch.setattr("featdiff.core.outputs.os.write", full)
     with pytest.raises(NoRoomError, match="run.npz.lock: could not be written"), output_lock(output):
         pass
     monkeypatch.undo()

@@ -1,5 +1,5 @@
-"""Hostile inputs to the producers' pre-flight (featdiff.preflight.preflight), the bound on
-a flow's positions (featdiff.blocks) and the `--filter` parser: crafted drafter GGUFs, files that
+"""Hostile inputs to the producers' pre-flight (featdiff.kinds.preflight.preflight), the bound on
+a flow's positions (featdiff.core.blocks) and the `--filter` parser: crafted drafter GGUFs, files that
 are no GGUF, runaway `--rounds` and a typo of a role. Each is refused with one line and exit 2
 before llama.cpp or the reference starts, and `featdiff lint` names each GGUF's problem."""
 
@@ -15,14 +15,14 @@ import pytest
 from gguf import GGUFValueType
 from typer.testing import CliRunner
 
-from featdiff import names
-from featdiff.blocks import MAX_BLOCK_SIZE, block_size_problem, check_rounds_fit, flow_positions
 from featdiff.cli import EXIT_FINDINGS, EXIT_INPUT, app
-from featdiff.errors import InputError
-from featdiff.gguf_reader import read_gguf, trained_context
-from featdiff.preflight import preflight
-from featdiff.torchref import run as reference_run
-from featdiff.torchref.lint import lint_gguf
+from featdiff.core import names
+from featdiff.core.blocks import MAX_BLOCK_SIZE, block_size_problem, check_rounds_fit, flow_positions
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import read_gguf, trained_context
+from featdiff.kinds.preflight import preflight
+from featdiff.torchref.dflash import run as reference_run
+from featdiff.verdict.lint import lint_gguf
 
 runner = CliRunner()
 CLI = [sys.executable, "-c", "from featdiff.cli import main; main()"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from featdiff.llama.tools import DeviceBackend, ToolBuild
 
-# label -> llama.cpp run options. The target has 6 layers and the drafter 2 (featdiff.fixtures);
+# label -> llama.cpp run options. The target has 6 layers and the drafter 2 (featdiff.factory.fixtures);
 # llama.cpp offloads the last N of the layers and the output (src/llama-model.cpp: i_gpu_start =
 # n_layer + 1 - N), so -ngl 3 puts the target's layers 4, 5 and its output on the device, -ngld 1
 # the drafter's output only

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from featdiff import pairs
-from featdiff.dump import read_dump
+from featdiff.dump.records import read_dump
+from featdiff.factory import pairs
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 
@@ -112,7 +112,7 @@ def test_filters_select_by_role_and_exclude(captured):
 
 
 def test_an_exclusion_can_name_a_role():
-    from featdiff.filters import ROLE_IDS, capture_filters
+    from featdiff.core.filters import ROLE_IDS, capture_filters
 
     globs = capture_filters(["l_out-*", "!target:l_out-0"]).shim_globs()
     target, draft = globs[ROLE_IDS["target"]], globs[ROLE_IDS["draft"]]
@@ -129,7 +129,7 @@ PAUSE_WAIT_S = 600  # a safety net against a hang only: the test waits on the li
 # in Python, between two rounds: whatever it is sent then lands at a known state.
 _PAUSED_CAPTURE = """
 import contextlib, sys, time
-from featdiff import progress
+from featdiff.core import progress
 from featdiff.cli import main
 
 @contextlib.contextmanager
@@ -226,7 +226,7 @@ def test_interrupted_capture_still_writes_a_readable_dump(fixture_models, tmp_pa
 @pytest.fixture(scope="module")
 def run_draft_max_2(fixture_models, tmp_path_factory) -> Path:
     """A capture of the clean pair with 2 drafts per block: 3-row draft blocks."""
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
 
     d = fixture_models("clean")
     return capture(
@@ -251,7 +251,7 @@ def test_draft_max_sets_the_block_to_the_anchor_and_n_masks(run_draft_max_2):
 
 
 def test_draft_max_beyond_the_block_size_is_clamped_with_a_warning(fixture_models, tmp_path, caplog):
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
 
     d = fixture_models("clean")
     with caplog.at_level("WARNING", logger="featdiff"):
@@ -350,7 +350,7 @@ def test_a_pair_llama_cpp_would_misrun_is_refused_before_it_loads(fixture_models
 def test_role_ids_are_the_shims():
     """Python numbers the roles by their order in names.ROLES; the shim's header enum must agree
     (read through the compiled binding, so a change on either side fails here)."""
-    from featdiff.filters import ROLE_IDS
+    from featdiff.core.filters import ROLE_IDS
     from featdiff.llama.runtime import Runtime
 
     lib = Runtime.load().lib

@@ -23,11 +23,11 @@ from typer.testing import CliRunner
 
 from families import FAULT_VAR
 from featdiff.cli import app
+from featdiff.core.names import BACKEND_HOST
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.fixtures import PROMPTS_FILE
+from featdiff.dump.records import read_dump
+from featdiff.factory.fixtures import PROMPTS_FILE
 from featdiff.llama.tools import VULKAN, VULKAN_UNFUSED, device_program_env
-from featdiff.names import BACKEND_HOST
 
 from devices import PLACEMENTS, RUN_TIMEOUT_S, Device
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of

@@ -21,9 +21,9 @@ import pytest
 
 from families import FAULT_VAR
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.llama import exec as exec_capture
+from featdiff.dump.records import read_dump
 from featdiff.llama.tools import ToolBuild, device_program_env
+from featdiff.programs import exec as exec_capture
 
 from devices import PLACEMENTS, RUN_TIMEOUT_S, Device
 from real_flow import reference_of

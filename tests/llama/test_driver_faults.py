@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from featdiff import pairs
+from featdiff.core.errors import InputError
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
-from featdiff.llama import exec as exec_capture
+from featdiff.dump.records import read_dump
+from featdiff.factory import pairs
+from featdiff.programs import exec as exec_capture
 
 from findings_schema import validate_findings, written
 from test_exec import RUN_TIMEOUT_S, TOKENS, _command

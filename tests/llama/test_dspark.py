@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from featdiff import fixtures, names
+from featdiff.factory import fixtures
+from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.dump import read_dump
-from featdiff.llama import exec as exec_capture
-from featdiff.llama.capture import capture
-from featdiff.probe import probe
-from featdiff.torchref.run import reference
+from featdiff.dump.records import read_dump
+from featdiff.programs import exec as exec_capture
+from featdiff.driver.capture import capture
+from featdiff.verdict.probe import probe
+from featdiff.torchref.dflash.run import reference
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from test_exec import RUN_TIMEOUT_S, TOKENS
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from featdiff.core.errors import InputError
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
-from featdiff.gguf_rewrite import rewrite_gguf
-from featdiff.llama.capture import capture
+from featdiff.driver.capture import capture
+from featdiff.dump.records import read_dump
+from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.torchref.kind import reference
 
 from eagle3_real import ROUNDS, TOKENS, run_and_ref
@@ -160,7 +160,7 @@ def test_the_reference_from_the_hf_checkpoints_compares_clean(eagle3_pairs, vari
 
 
 def test_an_eagle3_key_the_reference_does_not_model_is_listed_recorded_and_refused(eagle3_pairs, tmp_path):
-    """featdiff.modelled_eagle3: lint lists it (unmodelled), a capture runs and records it in the
+    """featdiff.kinds.eagle3: lint lists it (unmodelled), a capture runs and records it in the
     manifest, the reference refuses the drafter by name (exit 2)."""
     d = eagle3_pairs("eagle3")
     odd = rewrite_gguf(

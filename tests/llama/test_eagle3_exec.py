@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.llama import exec as exec_capture
-from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.exec_phases import flow_evals, prompt_from_evals, with_encoder_rows
+from featdiff.dump.records import read_dump
+from featdiff.programs import exec as exec_capture
+from featdiff.programs.phases import flow_evals, prompt_from_evals, with_encoder_rows
+from featdiff.programs.run_log import ExecContext, ExecEval, ExecLog
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
@@ -218,7 +218,7 @@ def test_probe_through_the_server_agrees_with_the_reference_on_the_trained_draft
     """`probe --exec` of llama-server with the trained EAGLE3 drafter, one request per prompt:
     the run accepts what the reference drafter accepts at the same places (its block: the run's
     longest verify, the drafts being one decode each)."""
-    from featdiff.probe import probe
+    from featdiff.verdict.probe import probe
 
     d = eagle3_pairs("trained-eagle3")
     result = probe(

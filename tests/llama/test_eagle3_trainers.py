@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.converter import convert_checkpoint
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import int_list_meta, read_gguf
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
-from featdiff.gguf_reader import int_list_meta, read_gguf
-from featdiff.gguf_rewrite import rewrite_gguf
+from featdiff.driver.capture import capture
+from featdiff.dump.records import read_dump
+from featdiff.factory.converter import convert_checkpoint
+from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.llama import ggml_dequant
-from featdiff.llama.capture import capture
 from featdiff.torchref.kind import reference
 
 from eagle3_real import ROUNDS, TOKENS

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from featdiff import pairs
 from featdiff.cli import app
-from featdiff.dump import read_dump
-from featdiff.llama import exec as exec_capture
-from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.exec_phases import derive_rounds, flow_evals, flow_notes, prompt_from_evals
-from featdiff.llama.preload import preload, preload_library
+from featdiff.dump.records import read_dump
+from featdiff.factory import pairs
+from featdiff.programs import exec as exec_capture
+from featdiff.programs.phases import derive_rounds, flow_evals, flow_notes, prompt_from_evals
+from featdiff.programs.preload import preload, preload_library
+from featdiff.programs.run_log import ExecContext, ExecEval, ExecLog
 
 from real_flow import DEFAULT_TOKENS
 

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from featdiff import names
 from featdiff.cli import app
-from featdiff.dump import read_dump
-from featdiff.gguf_reader import read_gguf
-from featdiff.gguf_rewrite import DROP, rewrite_gguf
-from featdiff.llama import server
-from featdiff.llama.exec import check_pair, program_log
-from featdiff.torchref.lint import lint_gguf
+from featdiff.core import names
+from featdiff.core.gguf_reader import read_gguf
+from featdiff.dump.records import read_dump
+from featdiff.factory.gguf_rewrite import DROP, rewrite_gguf
+from featdiff.programs import server
+from featdiff.programs.exec import check_pair, program_log
+from featdiff.verdict.lint import lint_gguf
 
 from real_flow import DEFAULT_TOKENS
 

@@ -12,11 +12,11 @@ import pytest
 
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.tolerance import TypeInfo, tolerance_for
-from featdiff.dump import MANIFEST_MEMBER, CacheTypes, read_dump
-from featdiff.fixtures import write_fixture
-from featdiff.llama import exec as exec_capture
+from featdiff.dump.records import MANIFEST_MEMBER, CacheTypes, read_dump
+from featdiff.factory.fixtures import write_fixture
+from featdiff.factory.pairs import Shape, Sizes
 from featdiff.llama.options import options_of_command
-from featdiff.pairs import Shape, Sizes
+from featdiff.programs import exec as exec_capture
 
 from real_flow import reference_of
 from test_exec import RUN_TIMEOUT_S, _command
@@ -120,7 +120,7 @@ def test_f16_cache_is_judged_by_the_f16_bound(runs):
 def test_in_process_q8_0_cache_is_recorded_and_judged_by_its_bound(head32, tmp_path):
     """In-process capture takes llama.cpp's -ctk/-ctv/-ctkd/-ctvd/-fa as the programs spell them,
     records them, and compare judges the run by the q8_0 bound: clean."""
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
     from featdiff.llama.options import parse_run_options
 
     options = parse_run_options(Q8_0_CACHES + ["-t", "1"])

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.fixtures import VOCAB_SPM, write_fixture
+from featdiff.dump.records import read_dump
+from featdiff.factory.fixtures import VOCAB_SPM, write_fixture
 from featdiff.llama import binding
 from featdiff.llama.tools import ToolBuild, ensure_release
 
@@ -136,7 +136,7 @@ def test_exec_capture_around_the_older_generations_program(legacy, spm_models, t
 def test_exec_of_an_older_program_compiles_the_preload_against_its_own_headers(legacy, spm_models, tmp_path):
     """No --llama-dir: the preload's headers are those of the build whose libllama the program
     loads, not featdiff's default build's (a struct of the wrong layout would crash the program)."""
-    from featdiff.llama.preload import build_of_program
+    from featdiff.programs.preload import build_of_program
 
     program = legacy.program("llama-speculative-simple")
     assert build_of_program(program) == legacy.source

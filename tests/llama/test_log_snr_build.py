@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from featdiff import fixtures, names
+from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.dump import read_dump
-from featdiff.llama import exec as exec_capture
-from featdiff.probe import probe, read_prompts
+from featdiff.dump.records import read_dump
+from featdiff.factory import fixtures
+from featdiff.programs import exec as exec_capture
+from featdiff.verdict.probe import probe, read_prompts
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from test_exec import RUN_TIMEOUT_S, TOKENS, _command

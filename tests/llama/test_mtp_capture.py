@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.fixtures_mtp import MTP_SETTINGS
-from featdiff.llama.capture import capture
+from featdiff.driver.capture import capture
+from featdiff.dump.records import read_dump
+from featdiff.factory.mtp import MTP_SETTINGS
 from featdiff.torchref.kind import reference
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
@@ -158,8 +158,8 @@ def test_a_gguf_with_chained_heads_is_refused_by_name(mtp_pairs, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from featdiff.converter import convert_checkpoint
-    from featdiff.fixtures_mtp import HF_SAFETENSORS, SAFETENSORS_META
+    from featdiff.factory.converter import convert_checkpoint
+    from featdiff.factory.mtp import HF_SAFETENSORS, SAFETENSORS_META
 
     hf = shutil.copytree(mtp_pairs("mtp-mimo2") / "target-hf", tmp_path / "target-hf")
     held = load_file(str(hf / HF_SAFETENSORS))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.fixtures_mtp import MTP_SETTINGS
-from featdiff.llama import exec as exec_capture
+from featdiff.dump.records import read_dump
+from featdiff.factory.mtp import MTP_SETTINGS
+from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_server_clients import _featdiff
 
-from featdiff.dump import DumpWriter, read_dump
-from featdiff.llama import exec as exec_capture
+from featdiff.dump.records import DumpWriter, read_dump
+from featdiff.programs import exec as exec_capture
 
 from test_exec import RUN_TIMEOUT_S, _command
 

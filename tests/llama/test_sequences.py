@@ -8,14 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from featdiff.dump import DumpWriter, Manifest, Record, read_dump
+from featdiff.core.names import API_OP
+from featdiff.core.phases import Phase
+from featdiff.dump.records import DumpWriter, Manifest, Record, read_dump
 from featdiff.llama import spool
-from featdiff.llama.exec_log import ExecContext, ExecEval, ExecLog
-from featdiff.llama.exec_phases import derive_rounds, flow_evals, whole_calls, with_encoder_rows
-from featdiff.llama.sequences import Split, equal_graphs, graph_rows, seq_graphs, seq_runs, split_decodes
 from featdiff.llama.spool_index import RecordEvent
-from featdiff.names import API_OP
-from featdiff.phases import Phase
+from featdiff.programs.phases import derive_rounds, flow_evals, whole_calls, with_encoder_rows
+from featdiff.programs.run_log import ExecContext, ExecEval, ExecLog
+from featdiff.programs.sequences import Split, equal_graphs, graph_rows, seq_graphs, seq_runs, split_decodes
 
 E = -1  # an embedding row
 

@@ -20,8 +20,8 @@ import pytest
 from openai import DefaultHttpxClient, OpenAI
 
 import featdiff_process
-from featdiff.dump import read_dump
-from featdiff.llama.server import free_port
+from featdiff.dump.records import read_dump
+from featdiff.programs.server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -244,7 +244,7 @@ def test_two_requests_at_once_on_a_hybrid_target_compare_clean_flow_by_flow(tool
     llama.cpp splits a batch of two slots with split_equal, keeping each slot's last rows in one
     graph, and each decode is split the same way (the preload notes llama_n_rs_seq). Both
     requests compare clean, each as a flow of its own."""
-    from featdiff.hf_targets import write_family_fixture
+    from featdiff.factory.hf_targets import write_family_fixture
 
     models = write_family_fixture(tmp_path_factory.mktemp("fam-qwen35"), "qwen35")  # the pinned converter's
     prompts = ["hello world and more words", "hello there my old friend"]

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import featdiff_process
 from featdiff.cli import app
-from featdiff.dump import read_dump
-from featdiff.llama.server import free_port
+from featdiff.dump.records import read_dump
+from featdiff.programs.server import free_port
 
 # one slot: the request after the shared prefix finds it cached; one thread each (2 shared cores)
 SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-np", "1", "-t", "1", "-td", "1"]

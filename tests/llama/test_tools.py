@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
 from featdiff.llama.tools import BUILD_LOCK, PATCH_DIR, _build_lock, apply_patches, patch_files, patched_paths
 
 PATCH = """a header line patch(1) ignores

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from featdiff.dump import Eval, MemoryOp
+from featdiff.dump.records import Eval, MemoryOp
 from featdiff.llama.spool_index import RecordEvent
 from featdiff.llama.ubatch import chunks, split_ubatches
 
@@ -91,7 +91,7 @@ def _long_tokens(n: int) -> str:
 
 def _capture_and_compare(models, tmp_path, tokens: str, run_args: list[str], rounds: int = 3):
     from featdiff.diff import compare_dumps
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
     from featdiff.llama.options import parse_run_options
 
     from real_flow import reference_of
@@ -112,7 +112,7 @@ def _assert_clean(c):
 def test_a_prompt_longer_than_ub_4_compares_clean_row_for_row(fixture_models, tmp_path):
     """-ub 4 and an 18-token prompt: the target prefill is computed as 5 graphs and the drafter's
     inject as 5 chunks (common/speculative.cpp); every graph's rows pair with the reference's."""
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
 
     run, c = _capture_and_compare(fixture_models("clean"), tmp_path, _long_tokens(18), ["-ub", "4"])
     with read_dump(run) as d:
@@ -128,7 +128,7 @@ def test_a_prompt_longer_than_ub_4_compares_clean_row_for_row(fixture_models, tm
 
 def test_a_prompt_longer_than_the_default_ubatch_compares_clean(fixture_models, tmp_path):
     """A 600-token prompt at llama.cpp's default -ub (512): two graphs, two inject chunks."""
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
 
     run, c = _capture_and_compare(fixture_models("clean"), tmp_path, _long_tokens(600), [], rounds=2)
     with read_dump(run) as d:
@@ -138,8 +138,8 @@ def test_a_prompt_longer_than_the_default_ubatch_compares_clean(fixture_models, 
 
 
 def test_a_ubatch_smaller_than_the_draft_block_is_refused(fixture_models, tmp_path):
-    from featdiff.errors import InputError
-    from featdiff.llama.capture import capture
+    from featdiff.core.errors import InputError
+    from featdiff.driver.capture import capture
     from featdiff.llama.options import parse_run_options
 
     models = fixture_models("clean")
@@ -157,8 +157,8 @@ SPEC = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "2048", 
 
 def _exec_and_compare(tools, models, tmp_path, program: str, extra: list[str], **capture_kw):
     from featdiff.diff import compare_dumps
-    from featdiff.dump import read_dump
-    from featdiff.llama import exec as exec_capture
+    from featdiff.dump.records import read_dump
+    from featdiff.programs import exec as exec_capture
 
     from real_flow import reference_of
 

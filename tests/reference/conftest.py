@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from featdiff import names
+from featdiff.core import names
 
 PROMPT = "1,2,3,4,5,6,7,8,9,10"
 ROUNDS = 3

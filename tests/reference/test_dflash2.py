@@ -1,4 +1,4 @@
-"""DFlash2 end to end: the tiny DFlash2 checkpoint (featdiff.fixtures_dflash2), converted by the
+"""DFlash2 end to end: the tiny DFlash2 checkpoint (featdiff.factory.dflash2), converted by the
 pinned converter, loads in the pinned llama.cpp; the reference computes its convs and candidate
 lattice as dflash.cpp does, its drafts are the lattice walk of common/speculative.cpp; captures
 in-process, around llama-speculative-simple and around llama-server compare clean against the
@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff import modelled, names
+from featdiff.kinds.dflash import modelled
+from featdiff.core import names
 from featdiff.diff.comparison import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.converter import DRAFT_GGUF, TARGET_GGUF, WRITER_PREFIX, write_converted_dflash2_fixture
-from featdiff.fixtures_dflash2 import SELECTOR_TOP_K
-from featdiff.gguf_reader import model_info
-from featdiff.lattice import lattice_drafts
-from featdiff.torchref import dflash2
+from featdiff.dump.records import read_dump
+from featdiff.factory.converter import DRAFT_GGUF, TARGET_GGUF, WRITER_PREFIX, write_converted_dflash2_fixture
+from featdiff.factory.dflash2 import SELECTOR_TOP_K
+from featdiff.dump.model_info import model_info
+from featdiff.kinds.dflash.dflash2 import lattice_drafts
+from featdiff.torchref.dflash import dflash2
 from featdiff.torchref.load_gguf import draft_from_gguf
 from featdiff.torchref.load_hf import draft_from_hf
 from real_flow import reference_of
@@ -42,7 +43,7 @@ def d2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def spec_run(d2_dir, tools, tmp_path_factory) -> Path:
     """A capture of every callback around llama-speculative-simple (the real DFlash2 driver)."""
-    from featdiff.llama import exec as exec_capture
+    from featdiff.programs import exec as exec_capture
 
     cmd = [str(tools.program("llama-speculative-simple")), "-m", str(d2_dir / "target.gguf")]
     cmd += ["-md", str(d2_dir / "draft.gguf"), "--spec-type", "draft-dflash", "--spec-draft-n-max", "3"]
@@ -117,7 +118,7 @@ def test_dflash2_run_compares_clean_with_nothing_skipped(d2_dir, spec_run, tmp_p
 def test_in_process_dflash2_capture_walks_the_lattice_and_compares_clean(d2_dir, tmp_path):
     """featdiff's own driver drafts a DFlash2 block as upstream's does (the lattice walk, not the
     argmax of logits), with the default wiring filter keeping the convs and the lattice."""
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
 
     tokens = "7,21,3,99,140,5,260,33,18,402,77,9"
     run = capture(d2_dir / "target.gguf", d2_dir / "draft.gguf", tmp_path / "run.npz", tokens=tokens, rounds=4)
@@ -133,7 +134,7 @@ def test_in_process_dflash2_capture_walks_the_lattice_and_compares_clean(d2_dir,
 def test_dflash2_around_llama_server_compares_clean(d2_dir, tools, tmp_path):
     """The server's DFlash2 drafts (its own loop, its lattice walk) against the reference that
     replays the run: clean, nothing skipped, with the default wiring filter."""
-    from featdiff.llama import exec as exec_capture
+    from featdiff.programs import exec as exec_capture
 
     cmd = [str(tools.program("llama-server")), "-m", str(d2_dir / "target.gguf"), "-md", str(d2_dir / "draft.gguf")]
     cmd += ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
@@ -160,7 +161,7 @@ def test_dflash2_probe_drafts_the_runs_blocks_and_check_passes(d2_dir):
     """The probe's reference walks the lattice as the driver does: every round's drafts are the
     run's own (the untrained drafter accepts little, but equally), and `check` passes."""
     import featdiff
-    from featdiff.probe import probe
+    from featdiff.verdict.probe import probe
 
     p = probe(d2_dir / TARGET_GGUF, d2_dir / DRAFT_GGUF)
     rounds = [r for pp in p.prompts for r in pp.rounds if r.run_drafts]
@@ -174,7 +175,7 @@ def test_dflash2_layer_offset_fails_check_by_name(d2_dir, tmp_path):
     import featdiff
     from gguf import GGUFReader
 
-    from featdiff.gguf_rewrite import rewrite_gguf
+    from featdiff.factory.gguf_rewrite import rewrite_gguf
 
     key = names.KEY_TARGET_LAYERS
     ids = [int(i) for i in GGUFReader(str(d2_dir / DRAFT_GGUF)).fields[key].contents()]

@@ -1,6 +1,6 @@
 """Strict loading of a DFlash (DSpark, DFlash2) HF drafter (torchref/load_hf.py, issue 47): a
 top-level config.json key or a `dflash_config` field neither the converter nor the reference reads
-(nor featdiff.modelled's HF_IRRELEVANT_KEYS lists), an inert key at another value, and a tensor no
+(nor featdiff.kinds.dflash.modelled's HF_IRRELEVANT_KEYS lists), an inert key at another value, and a tensor no
 modelled entry reads are refused by name (exit 2); every key featdiff's own fixtures write is read."""
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import torch
 from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.cli import app
-from featdiff.converter import DSPARK_SCHEMAS, dspark_config
-from featdiff.errors import InputError
-from featdiff.fixtures import VARIANTS, _dspark_hf_config, _feature_specs, drafter_hf_config
-from featdiff.modelled import unread_hf_keys
-from featdiff.fixtures_dflash2 import dflash2_keys
-from featdiff.pairs import TINY
+from featdiff.factory.converter import DSPARK_SCHEMAS, dspark_config
+from featdiff.core.errors import InputError
+from featdiff.factory.fixtures import VARIANTS, _dspark_hf_config, drafter_hf_config
+from featdiff.factory.features import _feature_specs
+from featdiff.kinds.dflash.modelled import unread_hf_keys
+from featdiff.factory.dflash2 import dflash2_keys
+from featdiff.factory.pairs import TINY
 from featdiff.torchref.load_hf import converter_config, draft_from_hf, unread_dflash_fields
 
 CPU, F32 = torch.device("cpu"), torch.float32

@@ -1,4 +1,4 @@
-"""DSpark's heads in the reference (featdiff.torchref.dspark), on hand-made tensors: the Markov
+"""DSpark's heads in the reference (featdiff.torchref.dflash.dspark), on hand-made tensors: the Markov
 chain runs from the anchor, greedily, over the rows each layout biases; the confidence head reads
 the row's norm and the previous token's markov_w1 row; p_min stops the drafts."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from featdiff.torchref.dspark import Sampled, drafted, heads
+from featdiff.torchref.dflash.dspark import Sampled, drafted, heads
 from featdiff.torchref.weights import DSpark
 
 N_VOCAB, RANK, N_EMBD = 6, 2, 3

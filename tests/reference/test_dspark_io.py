@@ -15,12 +15,12 @@ from gguf import GGUFReader, GGUFValueType
 from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.cli import app
-from featdiff.errors import InputError
-from featdiff.pairs import MARKOV_RANK, TINY
-from featdiff.manifest_fields import ModelInfo
-from featdiff.torchref.lint import lint_gguf
+from featdiff.core.errors import InputError
+from featdiff.factory.pairs import MARKOV_RANK, TINY
+from featdiff.dump.manifest_fields import ModelInfo
+from featdiff.verdict.lint import lint_gguf
 from featdiff.torchref.load import load_draft
 from featdiff.torchref.weights import models_entry
 

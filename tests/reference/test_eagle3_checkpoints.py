@@ -1,4 +1,4 @@
-"""EAGLE3 checkpoints as their trainers write them (torchref/eagle3_hf.py, modelled_eagle3.TRAINERS):
+"""EAGLE3 checkpoints as their trainers write them (torchref/eagle3/hf.py, modelled_eagle3.TRAINERS):
 which trainer wrote a checkpoint and what its layer ids mean (SpecForge: layer outputs, so the
 reference taps ids + 1; Eagle3Speculator, EAGLE, ids where the converter reads them: inputs), the
 refusal where it cannot be told and `--layer-ids-mean`, SpecForge's per-slot fc_norm, and strict
@@ -17,9 +17,9 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.errors import InputError
-from featdiff.torchref.eagle3 import encode, encode_candidates
-from featdiff.torchref.eagle3_hf import eagle3_from_hf
+from featdiff.core.errors import InputError
+from featdiff.torchref.eagle3.graph import encode, encode_candidates
+from featdiff.torchref.eagle3.hf import eagle3_from_hf
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import linear, rms_norm
 
@@ -29,7 +29,7 @@ TOKENS = "5,17,42,7"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Path:
-    from featdiff.fixtures_eagle3 import write_eagle3_fixture
+    from featdiff.factory.eagle3 import write_eagle3_fixture
 
     return write_eagle3_fixture(tmp_path_factory.mktemp("eagle3-ckpt"), "eagle3")
 
@@ -201,7 +201,7 @@ def _reference(pair: Path, model: Path, out: Path, *flags: str):
 
 
 def test_layer_ids_mean_states_what_the_checkpoint_cannot_tell(pair, tmp_path):
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
 
     d = rewritten(pair, tmp_path / "amb", lambda c: {**c, "eagle_config": {}})
     refused = _reference(pair, d, tmp_path / "r.npz")

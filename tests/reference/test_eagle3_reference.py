@@ -1,4 +1,4 @@
-"""The EAGLE3 reference (torchref/eagle3.py, eagle3_flow.py): the decoder graph's wiring (concat
+"""The EAGLE3 reference (torchref/eagle3/graph.py, eagle3_flow.py): the decoder graph's wiring (concat
 order, the residual, the encoder norm, the d2t scatter, the cache), the flow's eval sequence as
 speculative-simple drives common_speculative_impl_draft_eagle3, following a run, the loader, and
 the reference-only candidates of the export faults (what each computes, and that the d2t one
@@ -14,17 +14,18 @@ import pytest
 import torch
 from gguf import GGUFWriter
 
-from featdiff import fixtures, names
-from featdiff.diff.align import comparable_values
+from featdiff.factory import fixtures
+from featdiff.core import names
+from featdiff.diff.aligned import comparable_values
 from featdiff.diff.detectors.base import Evidence
 from featdiff.diff.detectors.wiring import detect_wrong_source, detect_wrong_source_of_vocabulary
 from featdiff.diff.tolerance import Tolerance
-from featdiff.dump import Round
-from featdiff.errors import InputError
-from featdiff.phases import Phase
-from featdiff.torchref import eagle3
+from featdiff.dump.records import Round
+from featdiff.core.errors import InputError
+from featdiff.core.phases import Phase
+from featdiff.torchref.eagle3 import graph as eagle3
 from featdiff.torchref.attention import empty_cache
-from featdiff.torchref.eagle3 import (
+from featdiff.torchref.eagle3.graph import (
     Eagle3Draft,
     check_eagle3_pair,
     decode,
@@ -33,11 +34,11 @@ from featdiff.torchref.eagle3 import (
     encode_candidates,
     scattered_at_offsets,
 )
-from featdiff.torchref.eagle3_flow import run_flow
+from featdiff.torchref.eagle3.flow import run_flow
 from featdiff.torchref.steps import top1_probability
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import Numerics, linear, rms_norm
-from featdiff.torchref.replay import FollowError
+from featdiff.torchref.rounds import FollowError
 from featdiff.torchref.weights import Hparams, Layer, Source, Target
 
 F32 = Numerics(torch.float32, torch.device("cpu"), "f32")
@@ -628,7 +629,7 @@ def test_loader_refuses_another_architecture(tmp_path):
         eagle3_from_gguf(d / "draft.gguf", torch.float32, torch.device("cpu"))
 
 
-# --- the pinned converter's drafters (featdiff.fixtures_eagle3) and llama.cpp ---------------------
+# --- the pinned converter's drafters (featdiff.factory.eagle3) and llama.cpp ---------------------
 
 LLAMA_TOL = 1e-4  # llama.cpp's eagle3 decoder against the reference, both on an f16 KV cache (seen: ~1e-6)
 
@@ -640,7 +641,7 @@ def converted(eagle3_pairs):
 
 
 def _eagle3_variants() -> list[str]:
-    from featdiff.fixtures_eagle3 import EAGLE3_VARIANTS
+    from featdiff.factory.eagle3 import EAGLE3_VARIANTS
 
     return list(EAGLE3_VARIANTS)
 

@@ -10,9 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
-from featdiff.llama.capture import capture
+from featdiff.dump.records import read_dump
+from featdiff.core.errors import InputError
+from featdiff.driver.capture import capture
 from quantize import quantize_gguf
 from real_flow import DEFAULT_TOKENS, reference_of
 

@@ -15,16 +15,16 @@ import pytest
 import torch
 
 import featdiff
-from featdiff import names
-from featdiff.hf_targets import (
+from featdiff.core import names
+from featdiff.factory.hf_families import (
     GEMMA4_GLOBAL_HEAD_DIM,
     GEMMA4_KV_SHARED,
     GEMMA4_PLE_WIDTH,
     GEMMA4_SOFTCAP,
     SLIDING_WINDOW,
     gemma4_layer_types,
-    write_family_fixture,
 )
+from featdiff.factory.hf_targets import write_family_fixture
 from featdiff.torchref.hf_target import target_from_transformers
 import families
 from real_flow import DEFAULT_TOKENS
@@ -142,7 +142,7 @@ def test_gemma4_pair_compares_clean_with_nothing_skipped(either, tmp_path):
 
 def test_gemma4_moe_reference_records_its_router_margins(gemma4_ple_moe, tmp_path):
     """Gemma 4's router returns probabilities: the margins are its projection's logits'."""
-    from featdiff.dump import read_dump
+    from featdiff.dump.records import read_dump
 
     ref = featdiff.reference(
         gemma4_ple_moe / "target-hf", gemma4_ple_moe / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS

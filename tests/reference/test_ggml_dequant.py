@@ -17,13 +17,13 @@ from typer.testing import CliRunner
 
 from featdiff.cli import app
 from featdiff.diff import compare_dumps
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
-from featdiff.gguf_reader import array_from_tensor, read_gguf_weights
+from featdiff.dump.records import read_dump
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import array_from_tensor, read_gguf_weights
 from featdiff.llama import ggml_dequant
 from featdiff.llama.binding import ENV_LLAMA_DIR
-from featdiff.llama.capture import capture
-from featdiff.manifest_fields import GGUF_PY
+from featdiff.driver.capture import capture
+from featdiff.core.gguf_reader import GGUF_PY
 from quantize import quantize_gguf
 from real_flow import DEFAULT_TOKENS, reference_of
 

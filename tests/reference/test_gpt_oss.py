@@ -14,8 +14,9 @@ import shutil
 import pytest
 import torch
 
-from featdiff import names
-from featdiff.hf_targets import GATE_UP_GAIN, GPT_OSS_ROPE, SLIDING_WINDOW, write_family_fixture
+from featdiff.core import names
+from featdiff.factory.hf_families import GATE_UP_GAIN, GPT_OSS_ROPE, SLIDING_WINDOW
+from featdiff.factory.hf_targets import write_family_fixture
 from featdiff.torchref.hf_target import HfTarget, target_from_transformers
 import families
 from real_flow import DEFAULT_TOKENS
@@ -89,7 +90,7 @@ SMALL_SWA_ARGS = ["-c", "512", "-ub", "16", "-b", "16"]
 
 def test_gpt_oss_around_llama_server_reusing_swa_cells_compares_clean(gpt_oss, tools, tmp_path):
     from featdiff.diff import compare_dumps
-    from featdiff.llama.exec import capture_exec
+    from featdiff.programs.exec import capture_exec
 
     g = torch.Generator().manual_seed(0)
     n_vocab = json.loads((gpt_oss / "target-hf" / names.HF_CONFIG).read_text())["vocab_size"]

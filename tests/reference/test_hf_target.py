@@ -13,10 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 import featdiff
-from featdiff import names
+from featdiff.core import names
 from featdiff.cli import app
-from featdiff.hf_targets import write_family_fixture
-from featdiff.torchref.replay import run_flow
+from featdiff.factory.hf_targets import write_family_fixture
+from featdiff.torchref.dflash.flow import run_flow
 from featdiff.torchref.hf_target import HfTarget, target_from_transformers
 from featdiff.torchref.load import load_draft, load_target
 from featdiff.torchref.numerics import Numerics
@@ -119,7 +119,7 @@ def qwen3moe_tied(qwen3moe, tmp_path_factory):
     topk break differently (measured: token 7 of the default prompt). Converted by the pinned converter."""
     from safetensors.torch import load_file, save_file
 
-    from featdiff.converter import convert_checkpoint
+    from featdiff.factory.converter import convert_checkpoint
 
     out = tmp_path_factory.mktemp("fam-qwen3moe-tied")
     hf = shutil.copytree(qwen3moe / "target-hf", out / "target-hf")
@@ -150,7 +150,7 @@ def test_a_real_expert_choice_on_a_router_tie_is_information(qwen3moe, qwen3moe_
 def test_a_layer_offset_beside_a_real_expert_choice_is_named(qwen3moe, qwen3moe_tied, tmp_path):
     from featdiff.diff import exit_code
 
-    from featdiff.converter_faults import rewrite_gguf
+    from featdiff.factory.converter_faults import rewrite_gguf
 
     layers = families.draft_layers(qwen3moe / "draft.gguf")
     planted = {names.KEY_TARGET_LAYERS: [i + 1 for i in layers]}

@@ -7,10 +7,10 @@ import pytest
 from gguf import GGUFValueType
 from typer.testing import CliRunner
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.cli import app
-from featdiff.pairs import TINY, VARIANTS
-from featdiff.torchref.lint import lint_gguf
+from featdiff.factory.pairs import TINY, VARIANTS
+from featdiff.verdict.lint import lint_gguf
 
 runner = CliRunner()
 RNG = np.random.default_rng(0)

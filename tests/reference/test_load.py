@@ -12,9 +12,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from featdiff import names
-from featdiff.dump import read_dump
-from featdiff.errors import InputError
+from featdiff.core import names
+from featdiff.dump.records import read_dump
+from featdiff.core.errors import InputError
 from featdiff.torchref.load import load_draft, load_target
 
 CPU = torch.device("cpu")
@@ -140,7 +140,7 @@ def _with_raw_tensor(src, dst, name, raw, qtype):
 
 
 def test_reference_refuses_target_layer_equal_to_n_layer(variant_dir, edit_gguf, tmp_path):
-    from featdiff.torchref.run import reference
+    from featdiff.torchref.dflash.run import reference
 
     d = variant_dir("clean")
     broken = edit_gguf(

@@ -10,8 +10,8 @@ import json
 import numpy as np
 from safetensors.numpy import load_file
 
-from featdiff import names
-from featdiff.dump import read_dump
+from featdiff.core import names
+from featdiff.dump.records import read_dump
 
 FORMULA_BOUND = 1e-5  # rel L2: float32 MLP in the reference vs this float64 recomputation
 B, N_EMBD = 4, 64  # the fixture drafter's block and width
@@ -96,7 +96,7 @@ def test_default_capture_keeps_every_log_snr_record_the_reference_writes(ref_dum
     from fnmatch import fnmatchcase
 
     from featdiff.diff.align import is_reference_only
-    from featdiff.filters import capture_filters
+    from featdiff.core.filters import capture_filters
 
     kept = capture_filters(None, (2, 4))
     with read_dump(ref_dump("log-snr")) as d:

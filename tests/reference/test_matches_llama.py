@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff import names
-from featdiff.dump import read_dump
+from featdiff.core import names
+from featdiff.dump.records import read_dump
 from featdiff.torchref.attention import empty_cache
-from featdiff.torchref.drafter import inject
+from featdiff.torchref.dflash.drafter import inject
 from featdiff.torchref.load import load_draft
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 

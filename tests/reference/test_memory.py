@@ -10,9 +10,10 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.errors import InputError
-from featdiff.fixtures import write_fixture
-from featdiff.hf_targets import FAMILIES, write_hf_target
+from featdiff.core.errors import InputError
+from featdiff.factory.fixtures import write_fixture
+from featdiff.factory.hf_families import FAMILIES
+from featdiff.factory.hf_targets import write_hf_target
 from featdiff.torchref import memory
 
 

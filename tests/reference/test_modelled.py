@@ -1,4 +1,4 @@
-"""The table of what the reference models (featdiff.modelled) against the real llama.cpp build:
+"""The table of what the reference models (featdiff.kinds.dflash.modelled) against the real llama.cpp build:
 each modelled converter key, on a correct drafter the pinned converter wrote, compares clean from
 the GGUF and from the HF directory; an unmodelled one makes `reference` exit 2 naming it, and lint
 lists it. Conversions are cached per machine: the module is `slow`."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from featdiff import modelled
+from featdiff.kinds.dflash import modelled
 from featdiff.cli import app
 from featdiff.diff.comparison import compare_dumps
-from featdiff.converter import UNCONVERTIBLE_FEATURES, write_converted_feature_fixture
-from featdiff.fixtures import write_feature_fixture
-from featdiff.gguf_reader import model_info
+from featdiff.factory.converter import UNCONVERTIBLE_FEATURES, write_converted_feature_fixture
+from featdiff.factory.features import write_feature_fixture
+from featdiff.dump.model_info import model_info
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def feature_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_of(feature_dir, tmp_path_factory):
-    from featdiff.llama.capture import capture
+    from featdiff.driver.capture import capture
 
     made: dict[str, Path] = {}
 
@@ -77,7 +77,7 @@ def _errors(ref: Path, run: Path) -> list[str]:
 
 
 def test_docs_modelled_md_is_rendered_from_the_table():
-    assert DOC.read_text() == modelled.render_markdown(), "regenerate: featdiff.modelled.render_markdown()"
+    assert DOC.read_text() == modelled.render_markdown(), "regenerate: featdiff.kinds.dflash.modelled.render_markdown()"
 
 
 @pytest.mark.parametrize("feature", MODELLED)
@@ -188,7 +188,7 @@ def test_hf_fields_map_to_the_converters_keys():
 def test_sections_other_than_the_degenerate_ones_are_refused_by_name(feature_dir, tmp_path):
     """M-RoPE sections that give rows a second position section (a vision target's drafter) are not
     what the reference computes: `reference` exits 2 naming the key."""
-    from featdiff.gguf_rewrite import rewrite_gguf
+    from featdiff.factory.gguf_rewrite import rewrite_gguf
 
     d = feature_dir("mrope-sections")
     real_mrope = rewrite_gguf(d / "draft.gguf", tmp_path / "draft.gguf", {modelled.KEY_ROPE_SECTIONS: [4, 2, 2, 0]}, {})

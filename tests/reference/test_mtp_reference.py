@@ -1,4 +1,4 @@
-"""The MTP head's reference (torchref/mtp.py): the head as the converter writes it into the GGUF
+"""The MTP head's reference (torchref/mtp/head.py): the head as the converter writes it into the GGUF
 and as the checkpoint holds it are one head; the graph's concat order and norms are what the
 candidates say; which drafter kind a path is."""
 
@@ -9,13 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from featdiff import kinds, names
-from featdiff.errors import InputError
+from featdiff.kinds import registry as kinds
+from featdiff.kinds import mtp as kinds_mtp
+from featdiff.core import names
+from featdiff.core.errors import InputError
 from featdiff.torchref.attention import empty_cache
 from featdiff.torchref.kind import drafter_kind
-from featdiff.torchref.mtp import decode, mtp_from_gguf
-from featdiff.torchref.mtp_hf import mtp_from_hf
-from featdiff.torchref.mtp_layer import MIMO2_ATTENTION, MOE_CHOICE_BIAS, MoeRouting, moe_ffn
+from featdiff.torchref.mtp.head import decode, mtp_from_gguf
+from featdiff.torchref.mtp.hf import mtp_from_hf
+from featdiff.torchref.mtp.layer import MIMO2_ATTENTION, MOE_CHOICE_BIAS, MoeRouting, moe_ffn
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
@@ -53,8 +55,8 @@ def test_one_decode_records_the_graph_names_and_the_swapped_concat(mtp_pairs):
 def test_the_kind_of_a_head_is_mtp_wherever_it_lives(mtp_pairs):
     d, s = mtp_pairs("mtp"), mtp_pairs("mtp-separate")
     for path in (d / "target.gguf", d / "target-hf", s / "draft.gguf"):
-        assert drafter_kind(path).name == kinds.MTP, path
-    assert kinds.of_arch(names.ARCH_QWEN35).name == kinds.MTP
+        assert drafter_kind(path).name == kinds_mtp.MTP, path
+    assert kinds.of_arch(names.ARCH_QWEN35).name == kinds_mtp.MTP
     assert not kinds.is_drafter_arch(names.ARCH_QWEN35)  # a qwen35 GGUF is a target first
     with pytest.raises(InputError, match="no MTP head"):
         mtp_from_gguf(s / "target.gguf", F32, CPU)  # converted --no-mtp
@@ -65,7 +67,7 @@ def test_a_moe_head_routes_its_experts_and_is_read_from_its_gguf(mtp_pairs):
     head = mtp_from_gguf(d / "target.gguf", F32, CPU)
     assert head.hparams.arch == "qwen35moe" and head.routing == MoeRouting(2)  # softmax, renormalized
     assert head.block["ffn_gate_exps"].shape == (4, 32, 64) and "ffn_gate" not in head.block
-    assert drafter_kind(d / "target.gguf").name == kinds.MTP
+    assert drafter_kind(d / "target.gguf").name == kinds_mtp.MTP
     h = torch.randn(2, head.hparams.n_embd, generator=torch.Generator().manual_seed(1))  # (2, n_embd)
     cache = empty_cache(1, head.hparams.n_head_kv, head.hparams.n_embd_head, "f32", CPU)
     routed = decode(head, torch.tensor([3, 4]), h, torch.arange(2), cache)
@@ -84,7 +86,7 @@ def test_a_glm_head_routes_by_sigmoid_and_its_choice_bias(mtp_pairs):
     assert {"attn_q.bias", "attn_k.bias", "attn_v.bias", MOE_CHOICE_BIAS, "ffn_up_shexp"} <= head.block.keys()
     assert not {"attn_q_norm", "ffn_gate_inp_shexp"} & head.block.keys()
     for path in (d / "target.gguf", d / "target-hf"):
-        assert drafter_kind(path).name == kinds.MTP, path
+        assert drafter_kind(path).name == kinds_mtp.MTP, path
     n = 16
     h = torch.randn(n, head.hparams.n_embd, generator=torch.Generator().manual_seed(2))  # (16, n_embd)
     cache = empty_cache(1, head.hparams.n_head_kv, head.hparams.n_embd_head, "f32", CPU)
@@ -133,7 +135,7 @@ def test_a_mimo2_head_is_a_sliding_layer_that_keeps_the_prenorm_state(mtp_pairs)
         assert torch.equal(getattr(g, field), getattr(h, field)), field
     assert g.block["attn_qkv"].shape == (4 * 16 + 2 * 16 + 2 * 8, 64)  # rows [q, k, v]: v heads 8 wide
     for path in (d / "target.gguf", d / "target-hf"):
-        assert drafter_kind(path).name == kinds.MTP, path
+        assert drafter_kind(path).name == kinds_mtp.MTP, path
     n = 12
     x = torch.randn(n, g.hparams.n_embd, generator=torch.Generator().manual_seed(3))  # (12, n_embd)
     cache = empty_cache(1, g.hparams.n_head_kv, g.hparams.n_embd_head, "f32", CPU)

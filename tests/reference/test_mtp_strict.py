@@ -1,4 +1,4 @@
-"""Strict loading of an MTP head's HF checkpoint (torchref/mtp_hf.py, issue 47): every tensor under
+"""Strict loading of an MTP head's HF checkpoint (torchref/mtp/hf.py, issue 47): every tensor under
 the head's namespace and every config key naming mtp or nextn is read, or listed as irrelevant with
 its reason; anything else is refused by name (exit 2), never silently left out."""
 
@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.errors import InputError
-from featdiff.torchref.mtp_hf import mtp_from_hf
+from featdiff.core.errors import InputError
+from featdiff.torchref.mtp.hf import mtp_from_hf
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
@@ -73,8 +73,8 @@ def test_reference_exits_2_naming_the_unread_tensor(mtp_pairs, tmp_path):
 
 
 def test_a_gguf_head_block_tensor_the_reference_does_not_read_is_refused(mtp_pairs, tmp_path):
-    from featdiff.gguf_rewrite import rewrite_gguf
-    from featdiff.torchref.mtp import mtp_from_gguf
+    from featdiff.factory.gguf_rewrite import rewrite_gguf
+    from featdiff.torchref.mtp.head import mtp_from_gguf
 
     d = mtp_pairs("mtp")
     odd = rewrite_gguf(
@@ -95,8 +95,8 @@ def test_lint_finds_nothing_unread_in_each_family_head(mtp_pairs, variant):
 def test_lint_lists_a_head_tensor_and_a_nextn_key_the_reference_does_not_read(mtp_pairs, tmp_path):
     """lint names, for the GGUF side, what mtp_from_gguf refuses (the head's block tensors and the
     arch's nextn/mtp keys it does not read), one line each, exit 1; the reference refuses the key too."""
-    from featdiff.gguf_rewrite import rewrite_gguf
-    from featdiff.torchref.mtp import mtp_from_gguf
+    from featdiff.factory.gguf_rewrite import rewrite_gguf
+    from featdiff.torchref.mtp.head import mtp_from_gguf
 
     d = mtp_pairs("mtp")
     odd = rewrite_gguf(

@@ -14,9 +14,11 @@ import json
 import pytest
 import torch
 
-from featdiff import names
-from featdiff.hf_targets import NEMOTRON_H_BLOCKS, write_family_fixture
-from featdiff.torchref.hf_target import L_OUT_NAMES, layer_out_name, target_from_transformers
+from featdiff.core import names
+from featdiff.factory.hf_families import NEMOTRON_H_BLOCKS
+from featdiff.factory.hf_targets import write_family_fixture
+from featdiff.torchref.hf_taps import L_OUT_NAMES, layer_out_name
+from featdiff.torchref.hf_target import target_from_transformers
 import families
 from real_flow import DEFAULT_TOKENS
 

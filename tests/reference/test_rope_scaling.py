@@ -13,9 +13,9 @@ import pytest
 import torch
 from gguf import GGUFValueType
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.diff import compare_dumps
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
 from featdiff.torchref import load_gguf, numerics
 from featdiff.torchref.load import load_target
 from featdiff.torchref.rope_params import PLAIN, hf_rope, llama3_freq_factors, llama_scaling

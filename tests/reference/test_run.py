@@ -8,11 +8,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.cli import app
-from featdiff.dump import DumpWriter, Eval, Manifest, read_dump
-from featdiff.torchref.drafter import encode
-from featdiff.blocks import run_block_rows
+from featdiff.dump.records import DumpWriter, Eval, Manifest, read_dump
+from featdiff.torchref.dflash.drafter import encode
+from featdiff.dump.blocks import run_block_rows
 from featdiff.torchref.load import load_draft
 
 runner = CliRunner()

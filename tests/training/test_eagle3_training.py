@@ -1,4 +1,4 @@
-"""featdiff.training.eagle3: the batched training forward is the reference's EAGLE3 decoder (step
+"""featdiff.factory.training.eagle3: the batched training forward is the reference's EAGLE3 decoder (step
 one over the sequence, each recycled TTT step over the draft cache a draft step sees), its corpus
 is the target's greedy one, training lowers the loss, and the trained drafter accepts clearly more
 than an untrained one on held-out prompts: in the reference, on the pinned converter's GGUFs of
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff.fixtures import PROMPTS_FILE
-from featdiff.fixtures_eagle3 import GGUF_FROM_HF, TARGET_LAYERS
+from featdiff.factory.fixtures import PROMPTS_FILE
+from featdiff.factory.eagle3 import GGUF_FROM_HF, TARGET_LAYERS
 from featdiff.torchref.attention import empty_cache, truncated
-from featdiff.torchref.eagle3 import decode, encode
+from featdiff.torchref.eagle3.graph import decode, encode
 from featdiff.torchref.numerics import Numerics
-from featdiff.training import TRAINED_SIZES, held_out_prompts
-from featdiff.training.corpus import greedy_continuation, prompts
-from featdiff.training.eagle3 import (
+from featdiff.factory.training import TRAINED_SIZES, held_out_prompts
+from featdiff.factory.training.corpus import greedy_continuation, prompts
+from featdiff.factory.training.eagle3 import (
     DEFAULT_CONFIG,
     DRAFT_MAX,
     T2D,
@@ -35,7 +35,7 @@ from featdiff.training.eagle3 import (
     trained_eagle3,
     weights_of,
 )
-from featdiff.training.records import target_record
+from featdiff.factory.training.records import target_record
 
 SEED = 0  # the trained fixture variants' seed
 N_SEQ, N_TOKENS = 4, 24  # the small corpus of the fast tests
@@ -74,9 +74,9 @@ def test_the_corpus_is_the_targets_greedy_continuation_and_its_layer_inputs(smal
     for i, p in enumerate(prompts(SEED, N_SEQ, TRAINED_SIZES)):
         assert tuple(corpus.tokens[i].tolist()) == greedy_continuation(target, p, N_TOKENS)
         assert int(corpus.first_anchor[i]) == len(p) - 1
-    from featdiff.torchref.eagle3_flow import features
+    from featdiff.torchref.eagle3.flow import features
     from featdiff.torchref.target import forward_target
-    from featdiff.training.corpus import f32_cache
+    from featdiff.factory.training.corpus import f32_cache
 
     tp = forward_target(target, corpus.tokens[0], torch.arange(N_TOKENS), f32_cache(target.hparams), False)
     assert torch.equal(corpus.features[0], features(tp, draft))  # the flow's feature rows of the sequence
@@ -148,7 +148,7 @@ def test_trained_drafter_accepts_clearly_more_than_an_untrained_one(trained):
 
 @pytest.mark.slow
 def test_its_target_is_the_trained_pairs(trained):
-    from featdiff.training import trained_pair
+    from featdiff.factory.training import trained_pair
 
     target = trained_pair(SEED).target
     assert all(np.array_equal(trained.target[k], target[k]) for k in ("token_embd", "output", "output_norm"))
@@ -160,13 +160,13 @@ def test_its_target_is_the_trained_pairs(trained):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """The `trained-eagle3` fixture pair: the pinned converter's GGUFs of its HF checkpoints."""
-    from featdiff.fixtures_eagle3 import write_eagle3_fixture
+    from featdiff.factory.eagle3 import write_eagle3_fixture
 
     return write_eagle3_fixture(tmp_path_factory.mktemp("trained-eagle3"), "trained-eagle3", SEED)
 
 
 def _gguf_pair(d: Path):
-    from featdiff.torchref.eagle3 import eagle3_from_gguf
+    from featdiff.torchref.eagle3.graph import eagle3_from_gguf
     from featdiff.torchref.load import load_target
 
     return load_target(d / "target.gguf", torch.float32, CPU), eagle3_from_gguf(d / "draft.gguf", torch.float32, CPU)
@@ -174,7 +174,7 @@ def _gguf_pair(d: Path):
 
 @pytest.mark.slow
 def test_the_converted_pair_accepts_what_training_measured(trained, converted):
-    from featdiff.training.eagle3 import held_out_accepted
+    from featdiff.factory.training.eagle3 import held_out_accepted
 
     target, draft = _gguf_pair(converted)
     assert draft.target_layers == TARGET_LAYERS and draft.hparams.rope_type == "normal"
@@ -187,10 +187,10 @@ def test_the_converted_pair_accepts_what_training_measured(trained, converted):
 def test_llama_cpp_accepts_what_the_reference_accepts(converted, tmp_path):
     """The in-process driver on the converted pair, round by round, against the reference's flow
     on the same GGUFs (f16 KV cache, as the run): the same drafts, the same accepted counts."""
-    from featdiff.dump import read_dump
-    from featdiff.llama.capture import capture
-    from featdiff.probe import read_prompts
-    from featdiff.torchref.eagle3_flow import run_flow
+    from featdiff.dump.records import read_dump
+    from featdiff.driver.capture import capture
+    from featdiff.verdict.probe import read_prompts
+    from featdiff.torchref.eagle3.flow import run_flow
 
     target, draft = _gguf_pair(converted)
     run_accepted, ref_accepted = [], []

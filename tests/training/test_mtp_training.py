@@ -1,4 +1,4 @@
-"""featdiff.training.mtp: the head it trains is the checkpoint's as the reference loads it, its
+"""featdiff.factory.training.mtp: the head it trains is the checkpoint's as the reference loads it, its
 corpus is the target's greedy text with the hidden the flow hands the head, its forward is the
 flow's draft steps, training lowers the loss, and the trained head accepts clearly more than the
 untrained `mtp` head on held-out prompts: in the reference, on the pinned converter's GGUF of the
@@ -13,21 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff import names
-from featdiff.fixtures import PROMPTS_FILE
-from featdiff.fixtures_mtp import FAMILY, GGUF_FROM_HF, add_mtp_head, faint_trunk
-from featdiff.hf_targets import FAMILIES, write_hf_target
-from featdiff.pairs import TINY
-from featdiff.phases import Phase
+from featdiff.core import names
+from featdiff.factory.fixtures import PROMPTS_FILE
+from featdiff.factory.mtp import FAMILY, GGUF_FROM_HF, add_mtp_head, faint_trunk
+from featdiff.factory.hf_families import FAMILIES
+from featdiff.factory.hf_targets import write_hf_target
+from featdiff.factory.pairs import TINY
+from featdiff.core.phases import Phase
 from featdiff.torchref.load import load_target
-from featdiff.torchref.mtp import mtp_from_gguf
-from featdiff.torchref.mtp_hf import mtp_from_hf
-from featdiff.torchref.mtp_flow import run_flow, target_hidden
+from featdiff.torchref.mtp.head import mtp_from_gguf
+from featdiff.torchref.mtp.hf import mtp_from_hf
+from featdiff.torchref.mtp.flow import run_flow, target_hidden
 from featdiff.torchref.numerics import Numerics
 from featdiff.torchref.target import forward_target
-from featdiff.training import held_out_prompts
-from featdiff.training.corpus import f32_cache, greedy_continuation, prompts
-from featdiff.training.mtp import (
+from featdiff.factory.training import held_out_prompts
+from featdiff.factory.training.corpus import f32_cache, greedy_continuation, prompts
+from featdiff.factory.training.mtp import (
     DEFAULT_CONFIG,
     DRAFT_MAX,
     F32_KV,
@@ -132,7 +133,7 @@ def test_training_lowers_the_loss(checkpoint, small):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     """The `trained-mtp` fixture: the pinned converter's target.gguf with the trained head inside."""
-    from featdiff.fixtures_mtp import write_mtp_fixture
+    from featdiff.factory.mtp import write_mtp_fixture
 
     return write_mtp_fixture(tmp_path_factory.mktemp("trained-mtp"), "trained-mtp", SEED)
 
@@ -148,7 +149,7 @@ def _accepted_per_round(target, head, chosen: tuple[tuple[int, ...], ...]) -> fl
 def test_trained_head_accepts_clearly_more_than_the_untrained_mtp_head(converted, mtp_pairs):
     """On the fixture's held-out prompts (never trained on), the GGUF's trained head against the
     `mtp` fixture's seeded head, on the trained fixture's target."""
-    from featdiff.probe import read_prompts
+    from featdiff.verdict.probe import read_prompts
 
     target = load_target(converted / "target-hf", F32, CPU)
     chosen = tuple(tuple(p.tokens) for p in read_prompts(converted / PROMPTS_FILE))
@@ -174,9 +175,9 @@ def test_the_converted_head_accepts_what_training_measured(checkpoint, converted
 def test_llama_cpp_accepts_what_the_reference_accepts(converted, tmp_path):
     """The in-process MTP driver on target.gguf (the head inside it), round by round, against the
     reference's flow on the same head and the target's checkpoint (f16 KV cache, as the run)."""
-    from featdiff.dump import read_dump
-    from featdiff.llama.capture import capture
-    from featdiff.probe import read_prompts
+    from featdiff.dump.records import read_dump
+    from featdiff.driver.capture import capture
+    from featdiff.verdict.probe import read_prompts
 
     target = load_target(converted / "target-hf", F32, CPU)
     head = mtp_from_gguf(converted / "target.gguf", F32, CPU)

@@ -1,4 +1,4 @@
-"""featdiff.training without llama.cpp: the packed training forward is the flow's drafter forward,
+"""featdiff.factory.training without llama.cpp: the packed training forward is the flow's drafter forward,
 prompts are held out, training is deterministic given the seed, and the cache trains once."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 
 import torch
 
-from featdiff import fixtures, pairs  # noqa: E402
-from featdiff.torchref.drafter import draft_block, inject  # noqa: E402
-from featdiff.training import TRAINED_SIZES, TrainConfig, cache, held_out_prompts, train_pair, trained_pair  # noqa: E402
-from featdiff.training.corpus import f32_cache, make_corpus, prompts  # noqa: E402
-from featdiff.training.objective import block_logits, packed_batch  # noqa: E402
-from featdiff.training.records import draft_record, target_record  # noqa: E402
-from featdiff.training.target import LOOKBACK, lookback_target  # noqa: E402
+from featdiff.factory import fixtures, pairs  # noqa: E402
+from featdiff.torchref.dflash.drafter import draft_block, inject  # noqa: E402
+from featdiff.factory.training import TRAINED_SIZES, TrainConfig, cache, held_out_prompts, train_pair, trained_pair  # noqa: E402
+from featdiff.factory.training.corpus import f32_cache, make_corpus, prompts  # noqa: E402
+from featdiff.factory.training.objective import block_logits, packed_batch  # noqa: E402
+from featdiff.factory.training.records import draft_record, target_record  # noqa: E402
+from featdiff.factory.training.target import LOOKBACK, lookback_target  # noqa: E402
 
 SEED = 0
 TINY_RUN = TrainConfig(
@@ -89,7 +89,7 @@ def test_cache_trains_once_then_loads(tmp_path, monkeypatch):
 
 
 def test_trained_variants_write_both_formats_with_the_converter_convention(fixture_models):
-    from featdiff.gguf_reader import model_info
+    from featdiff.dump.model_info import model_info
 
     d = fixture_models("trained-log-snr")
     info = model_info(d / "draft.gguf")

@@ -1,4 +1,4 @@
-"""featdiff.training's anchor-first DSpark drafter, without llama.cpp: on held-out prompts it
+"""featdiff.factory.training's anchor-first DSpark drafter, without llama.cpp: on held-out prompts it
 accepts, its drafts read one row late (the bonus-anchor layout) collapse accept, its confidence
 head ranks right drafts above wrong ones, and its training chain is the flow's Markov head."""
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from featdiff.pairs import BLOCK_SIZE
-from featdiff.torchref.dspark import heads
-from featdiff.training import TRAINED_SIZES, held_out_prompts, trained_pair
-from featdiff.training.corpus import make_corpus
-from featdiff.training.dspark import (
+from featdiff.factory.pairs import BLOCK_SIZE
+from featdiff.torchref.dflash.dspark import heads
+from featdiff.factory.training import TRAINED_SIZES, held_out_prompts, trained_pair
+from featdiff.factory.training.corpus import make_corpus
+from featdiff.factory.training.dspark import (
     N_DRAFT,
     NO_DRAFT,
     body,
@@ -22,9 +22,9 @@ from featdiff.training.dspark import (
     mean_accepted_length,
     truncated,
 )
-from featdiff.training.objective import packed_batch
-from featdiff.training.records import DSPARK_KEYS, draft_record, dspark_record, target_record
-from featdiff.training.train import DEFAULT_CONFIG, MARKOV_RANK
+from featdiff.factory.training.objective import packed_batch
+from featdiff.factory.training.records import DSPARK_KEYS, draft_record, dspark_record, target_record
+from featdiff.factory.training.train import DEFAULT_CONFIG, MARKOV_RANK
 
 SEED = 0  # the trained fixture variants' seed
 MIN_MEAN_ACCEPTED_LENGTH = 2.0  # issue 7: at least 2 tokens per verify step

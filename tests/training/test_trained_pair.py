@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from featdiff import fixtures
+from featdiff.factory import fixtures
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.probe import probe, read_prompts
+from featdiff.verdict.probe import probe, read_prompts
 
 
 ROUNDS = 6

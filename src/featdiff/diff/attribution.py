@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
-from featdiff import names
+from featdiff.core import names
+from featdiff.core.names import ROLES, Role
 from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
@@ -24,7 +25,6 @@ from featdiff.diff.detectors.wiring import SOURCE_ANOTHER_OUTPUT_ROW
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
-from featdiff.names import ROLES, Role
 
 # Kinds about what the graph was handed (rows, positions, tokens, the flow): the driver's
 FED_KINDS: tuple[str, ...] = ("row_shift", "misplaced_rows", "position_offset", "stale", "duplicate_rows")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from featdiff.core.phases import BATCH_NOUNS, Phase
 from featdiff.diff.align import GroupKey, group_key, is_cut_short
-from featdiff.dump import Eval, Manifest
-from featdiff.phases import BATCH_NOUNS, Phase
+from featdiff.dump.records import Eval, Manifest
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from featdiff.core.errors import InputError
 from featdiff.diff import detectors, diagnose, positions
-from featdiff.diff.align import GroupKey, Pair, Plan, pair_arrays, plan_pairs
+from featdiff.diff.align import GroupKey, Pair, Plan, plan_pairs
+from featdiff.diff.aligned import pair_arrays
 from featdiff.diff.attribution import attributed, where_of
 from featdiff.diff.dependence import gap_of
 from featdiff.diff.evidence import (
@@ -38,8 +40,7 @@ from featdiff.diff.result import Comparison, Coverage, Finding, PairMetrics
 from featdiff.diff.rowshift import RowShift, measure_row_shift
 from featdiff.diff.sketch import LayerMatch
 from featdiff.diff.tolerance import FLOAT_TYPES, Tolerance, TypeInfo, describe, tolerance_for, type_info
-from featdiff.dump import FlowInfo, Manifest, flow_view, read_dump
-from featdiff.errors import InputError
+from featdiff.dump.records import FlowInfo, Manifest, flow_view, read_dump
 from featdiff.version import VERSION
 
 NOT_MEASURED = Measurement(

@@ -1,7 +1,7 @@
 """Which records depend on a feature the reference left out (docs/findings.md, `unmodelled`).
 
 Consumes the two manifests' `models.<role>.unmodelled` lists (docs/dump.md) and record keys;
-produces a `Gap`: the features, where the drafter graph first reads each (featdiff.modelled), and
+produces a `Gap`: the features, where the drafter graph first reads each (featdiff.kinds.dflash.modelled), and
 the rule that says whether a record is computed after that first read. compare gives no verdict on
 such a record: its difference from the reference may be the feature itself.
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from featdiff import modelled, names
-from featdiff.dump import Manifest
-from featdiff.names import ROLE_DRAFT, Role
-from featdiff.phases import DRAFTER_PHASES, Phase
+from featdiff.core import names
+from featdiff.core.names import ROLE_DRAFT, Role
+from featdiff.core.phases import DRAFTER_PHASES, Phase
+from featdiff.dump.records import Manifest
+from featdiff.kinds.dflash import modelled
 
 ALL_RECORDS: modelled.Use = ("*", "*")  # a target feature's reach: everything either model computes
 # Graph order of the records each drafter eval names (src/models/dflash.cpp, llama-graph.cpp)

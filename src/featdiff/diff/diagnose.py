@@ -10,7 +10,7 @@ What a pair's inputs are, from the run node's recorded sources:
   those captured pairs, nothing else (e.g. `inp_noise_embd` = get_rows(token_embd, tokens));
 * no source and op NONE (a leaf, e.g. `inp_target_features`): the evals that feed its eval;
 * otherwise (an uncaptured node in between): every earlier pair of the eval and the evals that
-  feed it. Which evals feed which is the protocol's (featdiff.phases.FEEDERS, docs/flow.md): a
+  feed it. Which evals feed which is the protocol's (featdiff.core.phases.FEEDERS, docs/flow.md): a
   target eval reads the earlier target evals (KV cache), an inject eval the target evals
   (features), a draft eval the inject evals.
 """
@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from featdiff.core.names import ROLE_DRAFT, Role
+from featdiff.core.phases import ROUND_OPENER, feeders, role_of
 from featdiff.diff import detectors as d
 from featdiff.diff.align import GroupKey, Pair, Plan
 from featdiff.diff.batches import batch_label
@@ -36,9 +38,7 @@ from featdiff.diff.detectors.pairing import (
 from featdiff.diff.fields import ExpertChoiceFields, UnmodelledFields
 from featdiff.diff.partings import Parting
 from featdiff.diff.result import INFO_SKIPS, Finding, Skip
-from featdiff.dump import Manifest
-from featdiff.names import ROLE_DRAFT, Role
-from featdiff.phases import ROUND_OPENER, feeders, role_of
+from featdiff.dump.records import Manifest
 
 LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
 LEAF_OPS = ("NONE", "")  # ggml's op of a leaf (an input tensor)

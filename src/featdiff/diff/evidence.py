@@ -11,15 +11,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from featdiff import kinds, names
-from featdiff.diff.align import Pair, Side, drafter_arch, pair_arrays, row_contexts, side_rows
+from featdiff.core import names
+from featdiff.core.phases import Phase
+from featdiff.diff.align import Pair, Side, drafter_arch, row_contexts
+from featdiff.diff.aligned import pair_arrays, side_rows
 from featdiff.diff.arrays import MemberIndex, index_members, read_array
 from featdiff.diff.detectors.base import Evidence, Rope
 from featdiff.diff.fields import Where
 from featdiff.diff.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
 from featdiff.diff.tolerance import EXACT, Tolerance
-from featdiff.dump import Dump, Eval, Manifest, Record
-from featdiff.phases import Phase
+from featdiff.dump.records import Dump, Eval, Manifest, Record
+from featdiff.kinds import registry as kinds
 
 MAX_STALE_ROWS = 512  # earlier rows searched for stale data: the latest evals first
 ROPE_OP = "ROPE"

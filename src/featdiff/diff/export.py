@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from featdiff import names
-from featdiff.dump import Manifest
-from featdiff.errors import InputError
-from featdiff.gguf_reader import GgufModel, read_gguf
-from featdiff.manifest_fields import ModelInfo
-from featdiff.names import ROLES, Role
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import GgufModel, read_gguf
+from featdiff.core.names import ROLES, Role
+from featdiff.dump.manifest_fields import ModelInfo
+from featdiff.dump.records import Manifest
 
 Origin = Literal["same_file", "checkpoint", "other_gguf", "unknown"]
 GGUF_SUFFIX = ".gguf"

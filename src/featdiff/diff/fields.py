@@ -15,9 +15,9 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar, Literal, Self
 
+from featdiff.core.names import Role
+from featdiff.core.phases import Phase
 from featdiff.diff.result import Finding, Kind, SkipReason, SkipSide
-from featdiff.names import Role
-from featdiff.phases import Phase
 
 
 class Absent(Enum):

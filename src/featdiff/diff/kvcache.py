@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from featdiff import names
-from featdiff.dump import Eval, Manifest, MemoryOp
-from featdiff.phases import Phase
+from featdiff.core import names
+from featdiff.core.phases import Phase
+from featdiff.dump.records import Eval, Manifest, MemoryOp
 
 CLEAR_OP = "clear"  # a MemoryOp that empties the context (llama_memory_clear)
 

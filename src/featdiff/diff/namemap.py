@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
 
 MAPS_DIR = Path(__file__).with_name("maps")
 LAYER_PLACEHOLDER = "<il>"

@@ -6,7 +6,7 @@ two manifests before any value is compared and lists what they found in the orde
 
 from __future__ import annotations
 
-from featdiff import kinds
+from featdiff.core.phases import Phase, phase_order
 from featdiff.diff.align import drafter_arch
 from featdiff.diff.batches import batches, decoded_alike
 from featdiff.diff.detectors.base import span
@@ -24,8 +24,8 @@ from featdiff.diff.detectors.positions import (
     detect_unpaired_prompt,
 )
 from featdiff.diff.result import Finding
-from featdiff.dump import Manifest
-from featdiff.phases import Phase, phase_order
+from featdiff.dump.records import Manifest
+from featdiff.kinds import registry as kinds
 
 
 def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:

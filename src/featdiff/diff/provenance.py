@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from featdiff.core.names import ROLE_DRAFT, ROLE_TARGET, Role
 from featdiff.diff.export import GGUF_SUFFIX
-from featdiff.dump import Manifest
-from featdiff.manifest_fields import ModelInfo
-from featdiff.names import ROLE_DRAFT, ROLE_TARGET, Role
+from featdiff.dump.manifest_fields import ModelInfo
+from featdiff.dump.records import Manifest
 
 REFERENCE_SOURCE = "reference"  # `source` of a `featdiff reference` dump (docs/dump.md)
-FOLLOW_KEY = "follow"  # a reference's `build.follow`: the run dump it replayed (torchref/run.py)
+FOLLOW_KEY = "follow"  # a reference's `build.follow`: the run dump it replayed (torchref/dflash/run.py)
 COMMAND_KEY = "command"  # a `capture --exec` dump's `build.command`: the program run around
 # ModelInfo fields a conversion (HF -> GGUF) or a quantization of one model keeps, per role; the
 # depth is left out (a GGUF's block_count counts an MTP target's nextn layers, its HF config does
@@ -111,7 +111,7 @@ def _before_first_draft(m: Manifest) -> tuple[int, ...]:
 
 
 def _known(*prompts: tuple[int, ...]) -> bool:
-    """Both prompts recorded, with every token known (a cached position is negative: dump.py)."""
+    """Both prompts recorded, with every token known (a cached position is negative: dump/records.py)."""
     return all(p and min(p) >= 0 for p in prompts)
 
 

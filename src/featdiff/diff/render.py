@@ -14,10 +14,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from featdiff.core.outputs import check_output, replaced
+from featdiff.core.phases import phrase
+from featdiff.core.words import plural
 from featdiff.diff.result import Comparison, Finding, PairMetrics
-from featdiff.outputs import check_output, replaced
-from featdiff.phases import phrase
-from featdiff.words import plural
 
 EXIT_OK, EXIT_FINDINGS = 0, 1  # the contract's codes (docs/findings.md); 2 is the CLI's, for InputError
 SEVERITY_STYLE = {"error": "bold red", "info": "cyan"}

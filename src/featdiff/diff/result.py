@@ -13,11 +13,11 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
+from featdiff.core.names import Role
+from featdiff.core.phases import phrase
+from featdiff.core.words import plural
 from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
-from featdiff.names import Role
-from featdiff.phases import phrase
-from featdiff.words import plural
 
 # The findings JSON's schema version (docs/findings.schema.json): keys are only ever added; it
 # changes only if a key's meaning does.
@@ -65,7 +65,7 @@ SkipReason = Literal[
     "empty",  # no element on either side
 ]
 SKIP_REASONS: tuple[str, ...] = SkipReason.__args__  # type: ignore[attr-defined]
-# The skip of an eval group of phase `warmup` (featdiff.phases.Phase.WARMUP): the findings word
+# The skip of an eval group of phase `warmup` (featdiff.core.phases.Phase.WARMUP): the findings word
 # happens to be the phase's value, spelled here as the skip reason it is.
 WARMUP_SKIP: SkipReason = "warmup"
 # How each skip reason is judged (docs/findings.md, `unpaired` reasons), every reason in one class:

@@ -17,10 +17,10 @@ import typing
 from dataclasses import fields
 from typing import Any, Literal
 
+from featdiff.core.names import Role
+from featdiff.core.phases import Phase
 from featdiff.diff.fields import RECORDS, Absent, FlowFields, WhereFields
 from featdiff.diff.result import Finding, Kind, SkipReason
-from featdiff.names import Role
-from featdiff.phases import Phase
 
 # Types the schema names in its `$defs`.
 NAMED: tuple[tuple[Any, str], ...] = ((Role, "role"), (Kind, "kind"), (SkipReason, "skip_reason"))

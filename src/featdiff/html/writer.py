@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from featdiff.core.outputs import check_output, check_output_dir, replaced
 from featdiff.diff.result import Comparison
 from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
-from featdiff.dump import read_dump
+from featdiff.dump.records import read_dump
 from featdiff.html.figure import DivergenceMap, bin_map, map_divergence
 from featdiff.html.heatmap import (
     MAX_MAP_COLS,
@@ -24,7 +25,6 @@ from featdiff.html.heatmap import (
     png_from_figure,
 )
 from featdiff.html.page import Picture, render_page
-from featdiff.outputs import check_output, check_output_dir, replaced
 
 log = logging.getLogger(__name__)
 

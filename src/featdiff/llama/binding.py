@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from featdiff.cache_dir import cache_root
-from featdiff.errors import InputError
+from featdiff.core.cache_dir import cache_root
+from featdiff.core.errors import InputError
 from featdiff.llama.cffi_modules import compile_into, import_compiled
 
 log = logging.getLogger(__name__)

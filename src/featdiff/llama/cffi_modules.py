@@ -13,8 +13,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from featdiff.errors import InputError
-from featdiff.outputs import no_room_error, raise_if_no_room, room_shortfall
+from featdiff.core.errors import InputError
+from featdiff.core.outputs import no_room_error, raise_if_no_room, room_shortfall
 
 # the room a module's compile needs: above the largest file it writes (the binding's object file,
 # 224 KiB on the pinned build, its module 187 KiB), for a larger llama.h or another compiler

@@ -4,7 +4,7 @@ weight type that build reads (Q1_0, IQ*, MXFP4, ...), bit for bit as the run's g
 Consumes a build (featdiff.llama.binding.find_build) and a tensor's raw bytes; produces float32
 arrays through `ggml_get_type_traits(type)->to_float`. A small cffi module in API mode, compiled
 against the build's ggml.h and linked to its libggml-base only, cached per build under
-cache_root()/ggml-dequant. `load` is the loader the GGUF reader takes (featdiff.gguf_reader's
+cache_root()/ggml-dequant. `load` is the loader the GGUF reader takes (featdiff.core.gguf_reader's
 `GgmlLoader`), and `Ggml` its `Dequantizer`: the reader, a floor below, never imports this module.
 """
 
@@ -21,8 +21,8 @@ from types import ModuleType
 
 import numpy as np
 
-from featdiff.cache_dir import cache_root
-from featdiff.errors import InputError
+from featdiff.core.cache_dir import cache_root
+from featdiff.core.errors import InputError
 from featdiff.llama.binding import LlamaBuild, find_build
 from featdiff.llama.cffi_modules import compile_into, import_compiled
 

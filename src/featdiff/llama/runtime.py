@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from featdiff.dump import CacheTypes
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
+from featdiff.core.outputs import is_no_room
+from featdiff.dump.records import CacheTypes
 from featdiff.llama import binding
-from featdiff.outputs import is_no_room
 
 ENV_VERBOSE = "FEATDIFF_LLAMA_LOG"
 META_BUF = 256
@@ -457,7 +457,7 @@ class Spool:
 
     def write_error(self) -> OSError:
         """The spool write that failed, with the shim's errno when a write(2) failed: ENOSPC,
-        EDQUOT and EFBIG are a spool out of room (featdiff.outputs.is_no_room), not a bug."""
+        EDQUOT and EFBIG are a spool out of room (featdiff.core.outputs.is_no_room), not a bug."""
         code = self.rt.lib.fd_capture_errno(self.ptr)
         if code:
             return OSError(code, os.strerror(code), f"{self.prefix}.*")

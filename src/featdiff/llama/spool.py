@@ -23,14 +23,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from featdiff.dump import DumpWriter, Eval, Manifest, Record, Round, record_key
-from featdiff.errors import InputError
-from featdiff.filters import FilterSet, RoleFilter
+from featdiff.core.errors import InputError
+from featdiff.core.filters import FilterSet, RoleFilter
+from featdiff.core.names import API_OP, ROLES, Role
+from featdiff.core.outputs import check_output
+from featdiff.core.phases import Phase
+from featdiff.dump.records import DumpWriter, Eval, Manifest, Record, Round, record_key
 from featdiff.llama.spool_index import RecordEvent, n_dims, read_index_lines
 from featdiff.llama.ubatch import split_ubatches
-from featdiff.names import API_OP, ROLES, Role
-from featdiff.outputs import check_output
-from featdiff.phases import Phase
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The lines of a spool index (<prefix>.index), read once: either kind of spool, in-process
-(featdiff.llama.spool) or the preload's (featdiff.llama.exec_log).
+(featdiff.llama.spool) or the preload's (featdiff.programs.run_log).
 
 Consumes the index's bytes; produces its complete lines as JSON events by `kind`, and the shim's
 `record` lines (native/featdiff_shim.c: one tensor's bytes in <prefix>.data) checked into typed
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from featdiff.names import ROLES, Role
+from featdiff.core.names import ROLES, Role
 
 RECORD = "record"
 RECORD_FIELDS = (

@@ -33,9 +33,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
 from featdiff.llama.binding import DEFAULT_TOOLS_DIR, LIBLLAMA, PINNED_WHEEL, PROJECT_TREE, tools_dir
-from featdiff.llama.server import SERVER_PROGRAMS
+
+SERVER_PROGRAMS = ("llama-server",)
 
 log = logging.getLogger(__name__)
 

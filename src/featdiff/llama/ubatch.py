@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from featdiff.dump import Eval, MemoryOp
+from featdiff.core.phases import phrase
+from featdiff.dump.records import Eval, MemoryOp
 from featdiff.llama.spool_index import RecordEvent
-from featdiff.phases import phrase
 
 
 @dataclass(frozen=True)

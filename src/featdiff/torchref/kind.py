@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from featdiff import kinds
-from featdiff.errors import InputError
-from featdiff.gguf_reader import read_gguf
+from featdiff.kinds import registry as kinds
+from featdiff.kinds import mtp as kinds_mtp
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
-from featdiff.torchref.eagle3_hf import is_eagle3_config
+from featdiff.torchref.eagle3.hf import is_eagle3_config
 from featdiff.torchref.load_hf import read_config
-from featdiff.torchref.mtp_hf import is_mtp_checkpoint
+from featdiff.torchref.mtp.hf import is_mtp_checkpoint
 
 EAGLE3 = "eagle3"  # featdiff.kinds' name of the kind
 
@@ -27,7 +28,7 @@ def drafter_kind(model: Path) -> kinds.DrafterKind:
         except InputError:
             return kinds.KINDS[0]
         if is_mtp_checkpoint(config):  # a Qwen3.5 checkpoint with its MTP head: the head is the drafter
-            return kinds.by_name(kinds.MTP)
+            return kinds.by_name(kinds_mtp.MTP)
         return kinds.by_name(EAGLE3 if is_eagle3_config(config) else "dflash")
     try:
         g = read_gguf(model, ggml_dequant.load)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from featdiff import names
-from featdiff.errors import InputError
-from featdiff.gguf_reader import read_gguf
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
 from featdiff.torchref import load_gguf, load_hf
 from featdiff.torchref.hf_target import GGUF_ARCHS, hf_arch, target_from_transformers
@@ -17,7 +17,7 @@ from featdiff.torchref.weights import Draft, Target
 
 def load_target(path: Path, dtype: torch.dtype, device: torch.device, llama_dir: Path | None = None) -> Target:
     """The target from a GGUF file or a Hugging Face directory; a GGUF's quantized weights are
-    dequantized by the build `llama_dir`'s ggml when one is named, else gguf-py (featdiff.gguf_reader).
+    dequantized by the build `llama_dir`'s ggml when one is named, else gguf-py (featdiff.core.gguf_reader).
 
     qwen3 and llama run on featdiff's own streamed stack; the other architectures of HF_ARCHS
     through transformers' model code (hf_target.py), from their HF directory."""

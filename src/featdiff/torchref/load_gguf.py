@@ -1,4 +1,4 @@
-"""Build the reference's `Target` / `Draft` records from GGUF files (through featdiff.gguf_reader).
+"""Build the reference's `Target` / `Draft` records from GGUF files (through featdiff.core.gguf_reader).
 
 llama-arch GGUF q/k rows are permuted for ggml's normal (interleaved) RoPE by the upstream
 converter, so a llama target from GGUF runs with `rope_type="normal"`; qwen3 and dflash use NeoX.
@@ -14,20 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from featdiff import names
-from featdiff.drafter_checks import DSPARK_FILE_TENSORS, d2t_problems, dspark_problems, log_snr_problems
-from featdiff.errors import InputError
-from featdiff.gguf_reader import (
-    GgufModel,
-    array_from_tensor,
-    array_len,
-    gguf_unmodelled,
-    meta,
-    read_gguf_weights,
-    release_pages,
-)
+from featdiff.core import names
+from featdiff.kinds.dflash.dspark import DSPARK_FILE_TENSORS, dspark_problems
+from featdiff.kinds.problems import d2t_problems
+from featdiff.kinds.dflash.checks import log_snr_problems
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import GgufModel, array_from_tensor, array_len, meta, read_gguf_weights, release_pages
+from featdiff.kinds.unmodelled import gguf_unmodelled
 from featdiff.llama import ggml_dequant
-from featdiff.modelled import (
+from featdiff.kinds.dflash.modelled import (
     KEY_ATTN_VALUE_SCALE,
     KEY_EMBEDDING_SCALE,
     KEY_SLIDING_WINDOW,
@@ -36,8 +31,9 @@ from featdiff.modelled import (
     T_FC_SCALE,
     refusal,
 )
-from featdiff.blocks import DEFAULT_BLOCK_SIZE
-from featdiff.torchref import dflash2, rope_params
+from featdiff.core.blocks import DEFAULT_BLOCK_SIZE
+from featdiff.torchref.dflash import dflash2
+from featdiff.torchref import rope_params
 from featdiff.torchref.rope_params import RopeScaling, llama_scaling
 from featdiff.torchref.weights import (
     DSpark,

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from featdiff import names
-from featdiff.errors import InputError
-from featdiff.modelled import (
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.kinds.dflash.modelled import (
     MASK_EMBEDDING_FILE,
     HF_ATTN_SINKS,
     HF_FC_SCALE,
@@ -41,8 +41,10 @@ from featdiff.modelled import (
     unmodelled_in_hf,
     unread_hf_keys,
 )
-from featdiff.torchref import dflash2
-from featdiff.drafter_checks import d2t_problems, dspark_problems, log_snr_problems
+from featdiff.torchref.dflash import dflash2
+from featdiff.kinds.problems import d2t_problems
+from featdiff.kinds.dflash.dspark import dspark_problems
+from featdiff.kinds.dflash.checks import log_snr_problems
 from featdiff.torchref.rope_params import hf_rope
 from featdiff.torchref.weights import (
     DSpark,
@@ -84,7 +86,7 @@ DSPARK_ARCHITECTURES = (
 )
 HF_AUX_LAYER_IDS = "aux_hidden_state_layer_ids"  # EAGLE3 style: ids of layer inputs (GGUF ids)
 HF_LAYER_CONFIG = "transformer_layer_config"  # EAGLE3 style: the stack's sizes
-# dflash_config's fields this loader reads besides those featdiff.modelled's table names
+# dflash_config's fields this loader reads besides those featdiff.kinds.dflash.modelled's table names
 DFLASH_CONFIG_READ = (
     names.HF_TARGET_LAYER_IDS,
     names.HF_MASK_TOKEN_ID,
@@ -140,7 +142,7 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
         raise InputError(
             f"{path / names.HF_CONFIG}: {', '.join(unread)}: no field the converter or featdiff's reference reads "
             "(a comparison would silently leave it out); drop it, or model it or list it as irrelevant with its "
-            "reason in src/featdiff/modelled.py (HF_IRRELEVANT_KEYS)"
+            "reason in src/featdiff/kinds/dflash/modelled.py (HF_IRRELEVANT_KEYS)"
         )
     keys = converter_keys(config)  # what the converter would write: the GGUF's view of this config
     hp = replace(
@@ -183,7 +185,7 @@ def draft_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> Draft
 
 
 def unread_dflash_fields(dflash: Mapping[str, Any]) -> tuple[str, ...]:
-    """`dflash_config`'s fields that neither the converter (featdiff.modelled's table, which names
+    """`dflash_config`'s fields that neither the converter (featdiff.kinds.dflash.modelled's table, which names
     each field a GGUF key is written from) nor this loader reads, as `dflash_config.<field>`."""
     table = {h.split(".", 1)[1] for e in TABLE for h in e.hf if h.startswith(f"{names.HF_DFLASH_CONFIG}.")}
     known = table | set(DFLASH_CONFIG_READ)

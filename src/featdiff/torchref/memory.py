@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from featdiff import names
-from featdiff.errors import InputError
+from featdiff.core import names
+from featdiff.core.errors import InputError
 
 # Loaded size / parameter bytes: transformers' model plus the reference's working set (hooks, a
 # short flow's activations and KV cache, torch's allocator slack). Measured by

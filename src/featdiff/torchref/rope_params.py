@@ -16,7 +16,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-from featdiff.errors import InputError
+from featdiff.core.errors import InputError
 
 # llama.cpp's scaling types (llama-model.cpp LLAMA_ROPE_SCALING_TYPES); featdiff implements these
 NONE, LINEAR, YARN = "none", "linear", "yarn"

@@ -16,16 +16,16 @@ from typing import Any
 
 import torch
 
-from featdiff.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
-from featdiff.dump import Round, read_dump
-from featdiff.errors import InputError
-from featdiff.outputs import check_output, output_lock
-from featdiff.phases import Phase
-from featdiff.tokens import check_prompt
-from featdiff.torchref import run as dflash_run
+from featdiff.core.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
+from featdiff.dump.records import Round, read_dump
+from featdiff.core.errors import InputError
+from featdiff.core.outputs import check_output, output_lock
+from featdiff.core.phases import Phase
+from featdiff.core.tokens import check_prompt
+from featdiff.torchref.dflash import run as dflash_run
 from featdiff.torchref.load import load_target
 from featdiff.torchref.numerics import Numerics
-from featdiff.torchref.replay import FlowTrace
+from featdiff.torchref.rounds import FlowTrace
 from featdiff.torchref.weights import Target
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from featdiff.dump import Round
+from featdiff.dump.records import Round
 
 SAMPLER_TOP_K = 10  # the drafters' samplers: top_k 10, then dist (common_speculative_impl_draft_eagle3, _mtp)
 

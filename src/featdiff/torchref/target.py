@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.torchref.attention import KvCache, cache_with
 from featdiff.torchref.hf_target import HfTarget, forward_hf
 from featdiff.torchref.numerics import linear, rms_norm

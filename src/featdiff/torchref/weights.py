@@ -17,12 +17,13 @@ from typing import Any, Literal, overload
 import torch
 from safetensors import safe_open
 
-from featdiff import names
-from featdiff.drafter_checks import layer_id_problems
-from featdiff.errors import InputError
-from featdiff.gguf_reader import HASH_CHUNK, model_info
-from featdiff.manifest_fields import ModelInfo, dspark_info
-from featdiff.modelled import LAYER_ATTN_SINKS
+from featdiff.core import names
+from featdiff.kinds.problems import layer_id_problems
+from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import HASH_CHUNK
+from featdiff.dump.model_info import model_info
+from featdiff.dump.manifest_fields import ModelInfo, dspark_info
+from featdiff.kinds.dflash.modelled import LAYER_ATTN_SINKS
 from featdiff.torchref.rope_params import RopeScaling
 
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.diff.fields import Fields, Where
 from featdiff.diff.metrics import relative_error, row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.diff.sketch import LayerMatch
 from featdiff.diff.tolerance import Tolerance
-from featdiff.kinds import KINDS, DrafterKind
+from featdiff.kinds.registry import KINDS, DrafterKind
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from featdiff import names
+from featdiff.core import names
+from featdiff.core.phases import Phase
 from featdiff.diff.detectors.base import Evidence, labels, same_shape
 from featdiff.diff.fields import DivergenceFields, ExpertChoiceFields, NearTieFields, WrongSourceFields
 from featdiff.diff.metrics import row_relative_error
 from featdiff.diff.partings import Parting
 from featdiff.diff.result import Finding
-from featdiff.phases import Phase
 
 # The router's logits are a matrix times the layer's normed input, whose error on one row may reach
 # the pair's row tolerance; the errors of the two logits around the top-k cut add in quadrature

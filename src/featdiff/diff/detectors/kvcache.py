@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from featdiff import names
+from featdiff.core import names
+from featdiff.core.phases import Phase
 from featdiff.diff.detectors.base import span
 from featdiff.diff.fields import DuplicateRowsFields, NotConditionedFields, StaleFields, WrongSourceFields
 from featdiff.diff.kvcache import CacheState, draft_cache_states
 from featdiff.diff.result import Finding
-from featdiff.dump import NO_ROW, Eval, FlowInfo, Manifest
-from featdiff.phases import Phase
+from featdiff.dump.records import NO_ROW, Eval, FlowInfo, Manifest
 
 KV_TENSOR = f"{names.KCUR_INJECTED}-*"  # what the draft KV cache holds: the injected K/V rows
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.diff.detectors.base import (
     Evidence,
     Rope,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import replace
 
-from featdiff import names
+from featdiff.core import names
+from featdiff.core.names import ROLE_DRAFT, ROLE_TARGET
+from featdiff.core.phases import ROUND_OPENER, Phase, phase_order
 from featdiff.diff.align import GroupKey, Plan, RecordKey
 from featdiff.diff.batches import batch_label
 from featdiff.diff.dependence import Gap
@@ -25,9 +27,7 @@ from featdiff.diff.fields import (
 )
 from featdiff.diff.namemap import NameMap
 from featdiff.diff.result import EXPLAINABLE_SKIPS, Finding, Severity, Skip
-from featdiff.dump import Manifest
-from featdiff.names import ROLE_DRAFT, ROLE_TARGET
-from featdiff.phases import ROUND_OPENER, Phase, phase_order
+from featdiff.dump.records import Manifest
 
 # --- the run's conditioning ----------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Detectors of token ids and positions: the run's batches against the protocol of docs/flow.md
-(featdiff.phases) and against the reference's same batch, before any value is compared. Each
+(featdiff.core.phases) and against the reference's same batch, before any value is compared. Each
 `detect_<kind>(ref, run)` is pure, reads the two manifests only, and returns the first broken
 convention of its kind in flow order, or None; its sentence is written beside it.
 (diff/positions.py runs them in the order the run met them.)
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-from featdiff import names
+from featdiff.core import names
+from featdiff.core.names import ROLE_DRAFT, ROLE_TARGET
+from featdiff.core.phases import PREFILL_ROUND, ROUND_OPENER, TARGET_PHASES, Phase
 from featdiff.diff.align import GroupKey
 from featdiff.diff.batches import Batch, batches, decoded_alike, same_token_ids
 from featdiff.diff.detectors.base import span
 from featdiff.diff.fields import BlockTokenFields, FlowNoteFields, PositionOffsetFields, UnpairedFields
 from featdiff.diff.result import Finding
-from featdiff.dump import Manifest
-from featdiff.names import ROLE_DRAFT, ROLE_TARGET
-from featdiff.phases import PREFILL_ROUND, ROUND_OPENER, TARGET_PHASES, Phase
+from featdiff.dump.records import Manifest
 
 NO_TOKEN = -1  # ModelInfo's value for "no mask token recorded"
 

@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from featdiff import names
+from featdiff.core import names
 from featdiff.diff.detectors.base import Evidence, error_finding, explains, fix_by_place, same_shape, span
 from featdiff.diff.fields import (
     ExtraTermFields,

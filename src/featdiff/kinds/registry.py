@@ -1,0 +1,181 @@
+"""The drafter kinds featdiff models, in one registry: what tells a drafter GGUF's kind, and where
+each stage keeps that kind's code (STYLE §10: a kind is one seam, as gguf-py keeps `MODEL_ARCH` ->
+`MODEL_TENSORS` in one table and transformers maps a `model_type` to its classes in one mapping).
+
+A kind names its stage modules by dotted path, resolved when a stage needs them
+(`driver_module`, `reference_module`), so this table sits on the bottom floor and each stage
+imports only its own code. Adding a kind is its own modules plus one `DrafterKind` line here:
+
+* `driver`: a module of `featdiff.driver` with `flow_config(model, draft_max, p_min)` (the settings
+  upstream's driver reads from the drafter), `enable(tgt, dft, cfg)` (what its constructor switches
+  on) and `run_flow(tgt, dft, prompt, rounds, cfg, recorder, on_round)` (the in-process flow);
+* `reference`: a module of `featdiff.torchref` with `reference(target, model, output, ...)`, the
+  `featdiff reference` command for that kind (the options of torchref.run.reference), and the
+  accept probe's `load_pair_draft(target, model, numerics)` and `probe_round(target, draft,
+  prompt, numerics, block_rows)` (one round after a prompt);
+* `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs).
+
+DFlash, DFlash2 and DSpark share the `dflash` graph (llama.cpp runs one arch with the heads a
+file carries), so they share its modules; EAGLE3 is its own arch and flow.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+from featdiff.core import names
+from featdiff.core.errors import InputError
+from featdiff.kinds.eagle3 import EAGLE3_WIRING
+from featdiff.kinds.mtp import MTP, MTP_TARGET_WIRING, MTP_WIRING
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter: how its GGUF is told, how llama.cpp runs it, where featdiff models it."""
+
+    name: str
+    arch: str  # general.architecture of its GGUF
+    spec_type: str  # llama.cpp's --spec-type that runs it
+    marker: str | None  # a tensor whose presence tells this kind from its arch's others; None: the arch's plain kind
+    doc: str
+    driver: str  # module of featdiff.driver: the in-process flow
+    reference: str  # module of featdiff.torchref: weights and the replayed flow
+    wiring: tuple[str, ...]  # the drafter's records (globs)
+    layer_key: str  # GGUF key of its target layer ids (layer inputs)
+    # its rounds are docs/flow.md's block protocol ([anchor, mask x (B-1)] at n_past, inject rows at
+    # their target rows' positions): compare also checks a run's batches against those rules;
+    # otherwise against the reference's batches only
+    block_flow: bool = True
+    # what its layer ids must be, in a sentence after "<layer_key> must be the checkpoint's ..."
+    layer_rule: str = f"{names.HF_TARGET_LAYER_IDS} + 1"
+    # what a capture keeps of the target besides the tapped layers' inputs
+    target_wiring: tuple[str, ...] = names.TARGET_WIRING
+    # its GGUF is a drafter only (dflash, eagle3); False: a target's own arch whose file carries
+    # the heads (MTP), a drafter only where a run drafts with it
+    standalone: bool = True
+    more_archs: tuple[str, ...] = ()  # other GGUF archs of this kind (MTP: each target arch with heads)
+    # a step drafter's cache row at position p is decoded with the token at p + row_token (EAGLE3: 1,
+    # its (token p+1, g p) pairs; MTP: 0, token p with the hidden of p - 1); None: a block
+    # drafter's inject rows hold features only
+    row_token: int | None = None
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return (self.arch, *self.more_archs)
+
+    def driver_module(self) -> ModuleType:
+        return importlib.import_module(f"featdiff.driver.{self.driver}")
+
+    def reference_module(self) -> ModuleType:
+        return importlib.import_module(f"featdiff.torchref.{self.reference}")
+
+
+KINDS: tuple[DrafterKind, ...] = (
+    DrafterKind(
+        "dflash",
+        names.ARCH_DFLASH,
+        "draft-dflash",
+        None,
+        "block diffusion: target features staged into the drafter's KV cache",
+        "dflash",
+        "dflash.run",
+        names.DRAFT_WIRING,
+        names.KEY_TARGET_LAYERS,
+    ),
+    DrafterKind(
+        "dflash2",
+        names.ARCH_DFLASH,
+        "draft-dflash",
+        "selector_hidden.weight",
+        "DFlash with local convolutions and a candidate lattice",
+        "dflash",
+        "dflash.run",
+        names.DRAFT_WIRING,
+        names.KEY_TARGET_LAYERS,
+    ),
+    DrafterKind(
+        "dspark",
+        names.ARCH_DFLASH,
+        "draft-dspark",
+        names.T_MARKOV_W1,
+        "DFlash with Markov and confidence heads",
+        "dflash",
+        "dflash.run",
+        names.DRAFT_WIRING,
+        names.KEY_TARGET_LAYERS,
+    ),
+    DrafterKind(
+        "eagle3",
+        names.ARCH_EAGLE3,
+        "draft-eagle3",
+        None,
+        "three target layers through an fc into one decoder layer, one token per step",
+        "eagle3",
+        "eagle3.run",
+        EAGLE3_WIRING,
+        names.KEY_EAGLE3_TARGET_LAYERS,
+        block_flow=False,
+        layer_rule="eagle_aux_hidden_state_layer_ids as they are (the EAGLE3 converter adds no +1)",
+        row_token=1,
+    ),
+    DrafterKind(
+        MTP,
+        names.ARCH_QWEN35,
+        "draft-mtp",
+        None,
+        "the target's own next-token-prediction block: its final hidden state and the next token",
+        "mtp",
+        "mtp.run",
+        MTP_WIRING,
+        names.KEY_NEXTN_LAYERS,
+        block_flow=False,
+        layer_rule="the checkpoint's mtp_num_hidden_layers (GLM-4.5's num_nextn_predict_layers; MiMo-V2's first head)",
+        target_wiring=MTP_TARGET_WIRING,
+        standalone=False,
+        more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE, names.ARCH_MIMO2),
+        row_token=0,
+    ),
+)
+# the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
+# heads, a drafter only where the run drafts with it)
+DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS if k.standalone for a in k.archs))
+# every architecture a drafter of some kind has
+ALL_DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS for a in k.archs))
+# every kind's drafter records: what a capture around a program keeps before it knows the drafter
+ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g in k.wiring))
+
+
+def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> DrafterKind:
+    """The kind of a drafter of architecture `arch` carrying `tensors` (names; anything with `in`);
+    InputError naming `where` when featdiff models no drafter of that architecture."""
+    of_arch = [k for k in KINDS if arch in k.archs]
+    if not of_arch:
+        raise InputError(
+            f"{where}: architecture {arch!r} is no drafter featdiff models; it models "
+            f"{', '.join(k.name for k in KINDS)} ({', '.join(ALL_DRAFTER_ARCHS)} GGUFs)"
+        )
+    return next((k for k in of_arch if k.marker is not None and k.marker in tensors), of_arch[0])  # type: ignore[operator]
+
+
+def of_arch(arch: str | None) -> DrafterKind:
+    """The plain kind of a drafter architecture; DFlash's when `arch` is unknown or unsaid (dumps
+    written before the registry)."""
+    return next((k for k in KINDS if arch in k.archs), KINDS[0])
+
+
+def by_name(name: str) -> DrafterKind:
+    return next(k for k in KINDS if k.name == name)
+
+
+def is_drafter_arch(arch: str) -> bool:
+    return arch in DRAFTER_ARCHS
+
+
+def wiring_names(arch: str | None) -> tuple[str, ...]:
+    """The records compare expects on both sides of a run whose drafter has architecture `arch`
+    (names.WIRING_NAMES for the DFlash graph, also when the dump does not say): the kind's drafter
+    wiring and every target layer, without the API read-backs (older dumps lack them)."""
+    wiring = dict.fromkeys(of_arch(arch).wiring + names.TARGET_ALL_LAYERS)
+    return tuple(n for n in wiring if n not in names.READBACK_RECORDS)

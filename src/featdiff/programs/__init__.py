@@ -1,0 +1,1 @@
+"""Capture around other programs (`capture --exec`): preload, llama-server, their logs and memory."""

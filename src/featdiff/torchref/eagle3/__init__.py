@@ -1,0 +1,1 @@
+"""EAGLE3's reference: its graph, flow, Hugging Face checkpoints and `reference` command."""

@@ -1,0 +1,1 @@
+"""MTP heads' reference: the head, its decoder layer, flow, Hugging Face heads and `reference`."""
