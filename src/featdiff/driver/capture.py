@@ -25,7 +25,6 @@ from featdiff.core.tokens import check_prompt, parse_tokens, require_one
 from featdiff.driver import dflash as driver
 from featdiff.dump.model_info import model_info
 from featdiff.dump.records import Eval, Round
-from featdiff.kinds import mtp as kinds_mtp
 from featdiff.kinds import registry as kinds
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
@@ -126,13 +125,13 @@ def load_models(rt: Runtime, target: Path, model: Path, options: RunOptions) -> 
     """The target and the drafter, as upstream loads them for the drafter's kind: an MTP head
     inside the target's GGUF runs on the target's own model (one load, its MTP layers included:
     common_speculative_init_result), a separate one loads with its MTP layers."""
-    mtp = kinds.kind_of(read_gguf(model, ggml_dequant.load).arch, (), str(model)).name == kinds_mtp.MTP
-    if mtp and target.resolve() == model.resolve():
+    shares = kinds.kind_of(read_gguf(model, ggml_dequant.load).arch, (), str(model)).shares_target_model
+    if shares and target.resolve() == model.resolve():
         both = Model.load(rt, target, n_gpu_layers=options.n_gpu_layers, load_mtp=True)
         return both, both
     tgt = Model.load(rt, target, n_gpu_layers=options.n_gpu_layers)
     try:
-        return tgt, Model.load(rt, model, n_gpu_layers=options.n_gpu_layers_draft, load_mtp=mtp)
+        return tgt, Model.load(rt, model, n_gpu_layers=options.n_gpu_layers_draft, load_mtp=shares)
     except BaseException:
         tgt.free()
         raise
@@ -230,7 +229,7 @@ def new_contexts(
         kv=options.kv["draft"],
         flash_attn=fa,
         n_ubatch=ub,
-        mtp=cfg.kind == kinds_mtp.MTP,
+        mtp=kinds.by_name(cfg.kind).shares_target_model,
     )
     driver_of(cfg).enable(tgt, dft, cfg)
     return tgt, dft

@@ -60,6 +60,9 @@ class DrafterKind:
     # its (token p+1, g p) pairs; MTP: 0, token p with the hidden of p - 1); None: a block
     # drafter's inject rows hold features only
     row_token: int | None = None
+    # it runs on the target's own model (an MTP head: one load with its MTP layers where the head is
+    # in the target's GGUF, an MTP context, --spec-type alone says it drafts); False: its own model
+    shares_target_model: bool = False
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -136,6 +139,7 @@ KINDS: tuple[DrafterKind, ...] = (
         standalone=False,
         more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE, names.ARCH_MIMO2),
         row_token=0,
+        shares_target_model=True,
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP

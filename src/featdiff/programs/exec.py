@@ -26,7 +26,6 @@ from featdiff.core.errors import InputError, Interrupted, ProgramFailed
 from featdiff.core.filters import FilterSet, capture_filters
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.core.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
-from featdiff.kinds import mtp as kinds_mtp
 from featdiff.kinds import registry as kinds
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
@@ -87,9 +86,9 @@ def drafter_kind(command: list[str]) -> kinds.DrafterKind | None:
     """The drafter kind the command runs (featdiff.kinds): MTP where it asks for `draft-mtp` (its
     head is the target's own, or a GGUF of the target's architecture), else the kind of the
     drafter GGUFs it names; None when they name none, or drafters of several kinds."""
-    mtp = kinds.by_name(kinds_mtp.MTP)
-    if mtp.spec_type in spec_types(command):
-        return mtp
+    shared = _shared_model_kind(command)
+    if shared is not None:
+        return shared
     found = set()
     for f in command_files(command):
         if f.suffix != ".gguf":
@@ -101,6 +100,13 @@ def drafter_kind(command: list[str]) -> kinds.DrafterKind | None:
         if kinds.is_drafter_arch(arch):
             found.add(kinds.of_arch(arch).name)
     return kinds.by_name(found.pop()) if len(found) == 1 else None
+
+
+def _shared_model_kind(command: list[str]) -> kinds.DrafterKind | None:
+    """The kind whose head runs on the target's own model (MTP) that the command's --spec-type asks
+    for: it drafts with no -md; None when it asks for none."""
+    asked = spec_types(command)
+    return next((k for k in kinds.KINDS if k.shares_target_model and k.spec_type in asked), None)
 
 
 def command_filters(filters: list[str] | None, command: list[str]) -> FilterSet:
@@ -150,7 +156,7 @@ def check_pair(command: list[str], environ: Mapping[str, str]) -> None:
     business."""
     target, drafter = command_models(command, environ)
     if drafter is None:
-        if server.is_server(command) and kinds.by_name(kinds_mtp.MTP).spec_type not in spec_types(command):
+        if server.is_server(command) and _shared_model_kind(command) is None:
             log.warning(
                 "%s runs without a drafter (no -md): the capture holds the target alone, with no draft to judge; "
                 "give -md D.gguf and --spec-type to capture speculative decoding",
@@ -166,7 +172,7 @@ def check_pair(command: list[str], environ: Mapping[str, str]) -> None:
     if not kinds.is_drafter_arch(arch):
         return
     kind = kinds.of_arch(arch)
-    if kind.name == kinds_mtp.MTP and kind.spec_type not in spec_types(command):
+    if kind.shares_target_model and kind.spec_type not in spec_types(command):
         return  # a target-architecture model drafting as a plain small model, not as an MTP head
     preflight(drafter, target, ggml=ggml_dequant.load)
 
