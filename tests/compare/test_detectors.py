@@ -531,5 +531,50 @@ def test_a_sampler_reading_another_rows_logits_is_named_a_wrong_source():
     assert "positions 10 (" in f.message and "--no-spec-draft-backend-sampling" in f.message
     own = _top_k(graph)  # the sampler read each row's own logits: nothing to say
     assert d.detect_wrong_source_of_sampled_logits(replace(ev, sampled=(own, graph))) is None
-    # a block drafter's sampler reads logits its own heads change (DSpark's Markov bias): not judged
-    assert d.detect_wrong_source_of_sampled_logits(replace(ev, kind=kinds.by_name("dspark"))) is None
+
+
+def test_a_block_drafters_sampler_reading_another_rows_logits_is_named_a_wrong_source():
+    """A DFlash draft block of four rows, every row computed right, the sampler reading row 3's
+    top-k for row 2 as well (llama-server's backend draft sampling, several slots at once)."""
+    from featdiff.kinds import registry as kinds
+
+    graph = rows(4, 32, seed=3)
+    read = _top_k(graph[[0, 1, 3, 3]])
+    ev = evidence(noisy(graph), read, tensor="draft_logits", sampled=(read, graph), kind=kinds.by_name("dflash"))
+    f = d.detect_wrong_source_of_sampled_logits(ev)
+    assert f is not None and f.fields == {"source": "another_output_row", "candidate": "result_output"}
+    assert "positions 12 (" in f.message and "--no-spec-draft-backend-sampling" in f.message
+    assert "Markov" not in f.message
+    own = _top_k(graph)
+    assert d.detect_wrong_source_of_sampled_logits(replace(ev, run=own, sampled=(own, graph))) is None
+    # DSpark: the reference's Markov bias is what the graph adds before sampling; modelled, not skipped
+    bias = rows(4, 32, seed=9)
+    biased = _top_k((graph + bias)[[0, 0, 2, 3]])  # row 1 read row 0's biased logits
+    dspark = replace(
+        ev, ref=noisy(graph + bias), run=biased, sampled=(biased, graph), candidates={"dspark_markov_bias": bias}
+    )
+    f = d.detect_wrong_source_of_sampled_logits(dspark)
+    assert f is not None and "positions 11 (" in f.message and "dspark_markov_bias" in f.message
+
+
+def test_block_rows_read_elsewhere_are_those_not_read_as_the_drafter_means():
+    """rows_read_elsewhere on synthetic blocks: each row's read values against its graph row plus
+    the Markov bias (DSpark) or as computed (DFlash), judged only where the graph matches the ref."""
+    from featdiff.diff.detectors.readback import rows_read_elsewhere
+
+    graph, bias = rows(4, 32, seed=3), rows(4, 32, seed=9)
+    bias[0] = 0.0  # a bonus-anchor block's row 0 passes through unbiased
+    meant = graph + bias
+    assert rows_read_elsewhere(_top_k(graph), graph, None, graph, TOL) == (False,) * 4
+    assert rows_read_elsewhere(graph[[1, 1, 2, 3]], graph, None, graph, TOL) == (True, False, False, False)
+    assert rows_read_elsewhere(_top_k(meant), graph, bias, meant, TOL) == (False,) * 4
+    assert rows_read_elsewhere(_top_k(meant[[0, 2, 2, 3]]), graph, bias, meant, TOL) == (False, True, False, False)
+    assert rows_read_elsewhere(_top_k(meant[[1, 1, 2, 3]]), graph, bias, meant, TOL) == (True, False, False, False)
+    # the head left out (the run drafted as plain DFlash): missing_term's finding, not the sampler's
+    assert rows_read_elsewhere(_top_k(graph), graph, bias, meant, TOL) == (False,) * 4
+    # a graph row that is not the reference's: the graph's fault, no row is judged
+    wrong = meant.copy()
+    wrong[3] += 1.0
+    assert rows_read_elsewhere(_top_k(meant[[0, 2, 2, 3]]), graph, bias, wrong, TOL) == (False,) * 4
+    # a bias the reference lays out on other rows: nothing to judge
+    assert rows_read_elsewhere(_top_k(meant), graph, bias[:3], meant, TOL) == (False,) * 4

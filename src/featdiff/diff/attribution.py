@@ -21,7 +21,8 @@ from featdiff.core.names import ROLES, Role
 from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
-from featdiff.diff.detectors.wiring import SOURCE_ANOTHER_OUTPUT_ROW
+from featdiff.diff.detectors.readback import SOURCE_ANOTHER_OUTPUT_ROW
+from featdiff.diff.detectors.steps import SEED_STATE_SOURCE
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
@@ -39,6 +40,7 @@ FED_SOURCES = (
     STALE_PENDING_SOURCE,
     RESTORED_SOURCE,
     KEPT_ROW_SOURCE,
+    SEED_STATE_SOURCE,
     names.HYP_H_BATCH_LAST.partition("=")[2],  # a hypothesis' value is the source
     names.HYP_RECURRENT_KEPT.partition("=")[2],
 )

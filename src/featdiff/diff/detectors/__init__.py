@@ -5,10 +5,11 @@ fields are its record in diff/fields.py. No I/O, no randomness, no printing.
 
 One module per family: numeric.py (values: NaN, zeros, stale rows, scale, RoPE angles, divergence,
 noise), rows.py (shifted or misplaced rows, layouts, a record's positions), wiring.py (feature
-slots, terms, sources), choices.py (tokens and experts chosen on a near-tie), positions.py (token
-ids and positions of the run's batches), kvcache.py (the draft KV cache), pairing.py (what was
-not compared, and why); base.py holds the `Evidence` the value detectors share. Which detector
-runs when is the orchestration's: diagnose.py, positions.py, comparison.py.
+slots, terms, sources), readback.py (the logits a drafter's sampler read), choices.py (tokens and
+experts chosen on a near-tie), positions.py (token ids and positions of the run's batches),
+kvcache.py (the draft KV cache), pairing.py (what was not compared, and why); base.py holds the
+`Evidence` the value detectors share. Which detector runs when is the orchestration's:
+diagnose.py, positions.py, comparison.py.
 """
 
 from featdiff.diff.detectors.base import Evidence, Rope, explains, rotate, same_shape
@@ -51,6 +52,8 @@ from featdiff.diff.detectors.positions import (
     detect_position_offset_of_batch,
     detect_unpaired_prompt,
 )
+from featdiff.diff.detectors.readback import detect_wrong_source_of_sampled_logits
+from featdiff.diff.detectors.steps import detect_position_offset_of_steps, detect_wrong_source_of_step_state
 from featdiff.diff.detectors.rows import (
     detect_layout_transpose,
     detect_misplaced_rows,
@@ -64,7 +67,6 @@ from featdiff.diff.detectors.wiring import (
     detect_missing_term,
     detect_slot_permutation,
     detect_wrong_source,
-    detect_wrong_source_of_sampled_logits,
     detect_wrong_source_of_vocabulary,
 )
 
@@ -91,6 +93,7 @@ __all__ = [
     "detect_numeric_noise",
     "detect_position_offset_of_batch",
     "detect_position_offset_of_record",
+    "detect_position_offset_of_steps",
     "detect_row_shift",
     "detect_scale",
     "detect_scale_per_channel",
@@ -110,6 +113,7 @@ __all__ = [
     "detect_wrong_source_of_zero_rows",
     "detect_wrong_source_of_drafts",
     "detect_wrong_source_of_sampled_logits",
+    "detect_wrong_source_of_step_state",
     "detect_wrong_source_of_vocabulary",
     "detect_zeros",
     "explains",

@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from featdiff.core import names
-from featdiff.diff.detectors.base import Evidence, error_finding, explains, fix_by_place, same_shape, span
+from featdiff.diff.detectors.base import Evidence, error_finding, explains, fix_by_place, same_shape
 from featdiff.diff.fields import (
     ExtraTermFields,
     LayerOffsetFields,
@@ -30,7 +30,6 @@ LAYER_MATCH_SLACK = 2.0
 # Candidate hypotheses another detector owns; every other `<record>@<key>=<value>` names a source.
 OTHER_HYPOTHESES = (names.HYP_SLOTS, names.HYP_NO_LOG_SNR.partition("=")[0])
 HYP_D2T = names.HYP_D2T_OFFSETS.partition("=")[0]  # logits scattered through another d2t: their infinities differ
-SOURCE_ANOTHER_OUTPUT_ROW = "another_output_row"  # wrong_source at draft_logits: the sampler read another row
 
 
 # --- feature slots -------------------------------------------------------------------------------
@@ -294,34 +293,6 @@ def detect_wrong_source_of_vocabulary(ev: Evidence) -> Finding | None:
                 ev, _placed_message(ev, key, value, name), WrongSourceFields(source=value, candidate=name)
             )
     return None
-
-
-def detect_wrong_source_of_sampled_logits(ev: Evidence) -> Finding | None:
-    """Hypothesis: the drafter's sampler read logits its graph did not compute for the row (a
-    backend sampler viewing another output row). Evidence: at `draft_logits` of a one-token-a-step
-    drafter (EAGLE3, MTP: its sampler reads the graph's result_output row as it is, top-k), the
-    run's read-back values are not its own graph's result_output values at the same token ids,
-    on some row. The chain reaches this pair only as a root: the graph's result_output rows
-    agree with the reference, so the fault lies between the graph's output and the sampler."""
-    if ev.sampled is None or ev.kind.block_flow or (ev.record or ev.tensor) != names.DRAFT_LOGITS:
-        return None
-    read, graph = ev.sampled  # (R, V) each
-    kept = np.isfinite(read)  # a backend sampler's top-k candidates; the rest reads back -inf
-    if read.shape != graph.shape or read.ndim != 2 or not kept.any(axis=1).all():
-        return None
-    own = [explains(graph[i, kept[i]][None], read[i, kept[i]][None], ev.tolerance) for i in range(len(read))]
-    if all(own):
-        return None
-    where = [ev.positions[i] if ev.positions else i for i, ok in enumerate(own) if not ok]
-    return error_finding(
-        ev,
-        f"{ev.tensor}, the logits the drafter's sampler read, are not its graph's own result_output at "
-        f"{'positions' if ev.positions else 'rows'} {span(where)} (the graph's rows match the reference): the "
-        "sampler took its candidates from another row; llama.cpp's backend sampler (the draft's default) "
-        "views each sequence's row of the graph's output, and --no-spec-draft-backend-sampling samples "
-        "those rows on the CPU instead",
-        WrongSourceFields(source=SOURCE_ANOTHER_OUTPUT_ROW, candidate=names.RESULT_OUTPUT),
-    )
 
 
 def _explains_scattered(expected: np.ndarray, ev: Evidence) -> bool:
