@@ -59,6 +59,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_missing_term,
     d.detect_extra_term,
     d.detect_wrong_source,
+    d.detect_wrong_source_of_step_state,  # before stale rows: a step fed the seed's state repeats step 1's
     d.detect_stale_rows,
     d.detect_row_shift,
     d.detect_misplaced_rows,

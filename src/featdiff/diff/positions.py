@@ -23,6 +23,7 @@ from featdiff.diff.detectors.positions import (
     detect_position_offset_of_batch,
     detect_unpaired_prompt,
 )
+from featdiff.diff.detectors.steps import detect_position_offset_of_steps
 from featdiff.diff.result import Finding
 from featdiff.dump.records import Manifest
 from featdiff.kinds import registry as kinds
@@ -34,6 +35,8 @@ def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
     kind = kinds.of_arch(drafter_arch(run) or drafter_arch(ref))
     if not kind.block_flow:  # another kind's rounds: the reference's batches only
         found = [detect_unpaired_prompt(ref, run), detect_position_offset_of_batch(ref, run, by_flow=False)]
+        if kind.row_token is not None:  # one-token draft steps (EAGLE3, MTP): each step's position
+            found.append(detect_position_offset_of_steps(ref, run))
         if kind.row_token:  # a row pairing a token past its position (EAGLE3) can outlive its prompt
             found.append(detect_wrong_source_kept_row(run, kind.row_token))
     else:
