@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from featdiff.diff import compare_dumps, layer_match_matrix
-from featdiff.dump.records import DumpWriter, Eval, Manifest, record_from_array, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 TARGET_LAYERS = (2, 4)
 NOISE = 1e-7  # far below every tolerance: a clean run

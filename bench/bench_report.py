@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from featdiff.diff import compare_dumps  # noqa: E402
-from featdiff.dump.records import read_dump  # noqa: E402
+from featdiff.dump.reader import read_dump  # noqa: E402
 from featdiff.html import write_report  # noqa: E402
 
 import synth  # noqa: E402

@@ -33,7 +33,7 @@ from featdiff.core import names
 from featdiff.core.cache_dir import cache_root
 from featdiff.diff import compare_dumps
 from featdiff.driver.capture import capture
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.fixtures import _add_stack_keys, _add_vocab, drafter_hf_config  # the fixtures' layout
 from featdiff.factory.pairs import Shape, Sizes
 from featdiff.llama.binding import find_build

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/featdiff_process.py
 import featdiff_process  # noqa: E402
 from featdiff.diff import compare_dumps  # noqa: E402
 from featdiff.diff.tolerance import PRE_ATTENTION  # noqa: E402
-from featdiff.dump.records import read_dump  # noqa: E402
+from featdiff.dump.reader import read_dump  # noqa: E402
 from featdiff.factory.eagle3 import write_eagle3_fixture  # noqa: E402
 from featdiff.factory.fixtures import write_fixture  # noqa: E402
 from featdiff.factory.mtp import write_mtp_fixture  # noqa: E402

@@ -74,7 +74,7 @@ def two_flows_compared(target: Path, model: Path, run: Path, tmp_path: Path):
     checked to hold them as two flows that ran together, every decode split (no flow note); no
     record left out but the expected warm-up and prefill-output ones."""
     from featdiff.diff import compare_dumps
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
     from featdiff.torchref.kind import reference
 
     with read_dump(run) as dump:

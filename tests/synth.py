@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.dump.records import DumpWriter, Eval, Manifest, Round, record_from_array, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, Round, record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 
 @dataclass(frozen=True)

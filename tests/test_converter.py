@@ -16,7 +16,7 @@ import featdiff
 from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.diff import exit_code
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory import pairs
 from featdiff.factory.converter import (
     DRAFT_GGUF,

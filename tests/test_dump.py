@@ -11,7 +11,10 @@ from typer.testing import CliRunner
 
 from featdiff.cli import app
 from featdiff.core.errors import InputError
-from featdiff.dump.records import DumpWriter, Eval, Manifest, read_dump, record_from_array, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Eval, record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 
 def _write(path, n_records=2):
@@ -93,7 +96,8 @@ def test_truncated_and_foreign_files_exit_2_with_one_line(tmp_path):
 def test_flows_and_graphs_round_trip_and_a_flow_view_holds_one_flow(tmp_path):
     """Issue 22's optional fields: `evals[].ubatch`, `evals[].flow`, `rounds[].flow`, `flows`;
     a dump of one flow writes none of them (older readers see the dump they knew)."""
-    from featdiff.dump.records import FlowInfo, MemoryOp, Round, flow_view
+    from featdiff.dump.manifest import flow_view
+    from featdiff.dump.records import FlowInfo, MemoryOp, Round
 
     evs = (
         Eval(0, "target", "prefill", 2, (0, 1), (5, 6), (0, 0), ubatch=0),

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 def test_the_dump_face_gives_the_records_and_the_reader():
     from featdiff import dump
-    from featdiff.dump import records
+    from featdiff.dump import manifest, reader, records, writer
 
-    for name in ("Eval", "Record", "Round", "Manifest", "DumpWriter", "read_dump"):
-        assert getattr(dump, name) is getattr(records, name), name
+    homes = {"Eval": records, "Record": records, "Round": records, "Manifest": manifest}
+    for name, home in {**homes, "DumpWriter": writer, "read_dump": reader}.items():
+        assert getattr(dump, name) is getattr(home, name), name
 
 
 def test_the_kinds_face_gives_the_registry_and_the_wiring_that_moved_out_of_it():

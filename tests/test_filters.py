@@ -17,7 +17,7 @@ from featdiff.core.filters import (
     default_specs,
     parse_filters,
 )
-from featdiff.dump.records import Build
+from featdiff.dump.manifest import Build
 
 
 def test_role_prefix_limits_a_glob_and_a_bang_excludes():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from featdiff.core.errors import InputError
-from featdiff.dump.records import CacheTypes
+from featdiff.dump.manifest import CacheTypes
 from featdiff.llama.options import RunOptions, options_of_command, parse_run_options
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.llama.binding import find_build
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """featdiff: find which tensor a llama.cpp drafter port gets wrong, and why.
 
 Pipeline, one package per stage: capture (llama/) and the PyTorch reference (torchref/) write
-dumps (dump/records.py); diff/ compares two dumps and names the first divergence; html/ draws the triage
+dumps (dump/); diff/ compares two dumps and names the first divergence; html/ draws the triage
 page; verdict/result.py runs them all for one CI verdict (`featdiff check`).
 
 The Python API (featdiff.api), one call per stage, the same functions the command line calls,

@@ -15,8 +15,9 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.names import BACKEND_HOST, ROLES
 from featdiff.core.words import plural
+from featdiff.dump.manifest import Manifest
 from featdiff.dump.model_info import model_info
-from featdiff.dump.records import Dump, Manifest, read_dump
+from featdiff.dump.reader import Dump, read_dump
 from featdiff.kinds.eagle3 import (
     FLAG,
     HF_AUX_LAYER_IDS,

@@ -13,7 +13,10 @@ from featdiff.core.phases import Phase
 from featdiff.diff import compare_dumps
 from featdiff.diff.align import plan_pairs, row_contexts
 from featdiff.diff.namemap import NameMap, builtin_map, read_name_map
-from featdiff.dump.records import DumpWriter, Eval, Manifest, read_dump, record_from_array, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Eval, record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 import synth
 from transform import rewrite, split_eval

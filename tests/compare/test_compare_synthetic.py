@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 
 import synth
 

@@ -15,7 +15,9 @@ from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import Evidence, detect_expert_choice
 from featdiff.diff.tolerance import Tolerance
-from featdiff.dump.records import DumpWriter, Manifest, record_from_array, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 import synth
 from findings_schema import validate_findings, written

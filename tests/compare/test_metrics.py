@@ -19,7 +19,8 @@ from featdiff.diff.tolerance import (
     tolerance_for,
     type_info,
 )
-from featdiff.dump.records import Manifest, Record
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Record
 
 RNG = np.random.default_rng(0)
 

@@ -21,7 +21,9 @@ from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import detect_divergence_by_margin, detect_near_tie
 from featdiff.diff.partings import MARGIN_SPREAD, Parting, find_partings
 from featdiff.diff.tolerance import TypeInfo, tolerance_for, type_info
-from featdiff.dump.records import DumpWriter, read_dump, record_from_array, record_key
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 import synth
 

@@ -13,7 +13,8 @@ from featdiff.core.phases import Phase
 from featdiff.diff import comparison, detectors, positions
 from featdiff.diff.fields import PositionOffsetFields, fields_of
 from featdiff.diff.tolerance import Tolerance
-from featdiff.dump.records import Eval, Manifest, MemoryOp
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, MemoryOp
 
 import synth
 

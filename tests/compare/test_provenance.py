@@ -10,8 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from featdiff.diff.provenance import provenance_problem
+from featdiff.dump.manifest import Manifest
 from featdiff.dump.manifest_fields import ModelInfo
-from featdiff.dump.records import Manifest, Round
+from featdiff.dump.records import Round
 
 REF, RUN = Path("ref.npz"), Path("run.npz")
 PROMPT = (1, 5, 9, 4)

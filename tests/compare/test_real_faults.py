@@ -13,7 +13,9 @@ import pytest
 from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.result import Finding
-from featdiff.dump.records import DumpWriter, read_dump, record_key
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import record_key
+from featdiff.dump.writer import DumpWriter
 
 from findings_schema import validate_findings, written
 from quantize import quantize_gguf
@@ -222,7 +224,7 @@ def test_nonfinite_found_in_nan_and_inf(clean, tmp_path):
 
 
 def test_stale_found_in_data_from_the_previous_round(clean, tmp_path):
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     with read_dump(clean[1]) as run:
         injects = [
@@ -257,7 +259,7 @@ def test_draft_block_without_its_anchor_is_a_block_token_not_an_ok(clean, tmp_pa
     nothing of the draft block pairs; the verdict must say why instead of OK."""
     from dataclasses import replace
 
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     with read_dump(clean[1]) as run:
         m = run.manifest

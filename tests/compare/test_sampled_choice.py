@@ -18,7 +18,8 @@ from featdiff.core.names import RESULT_OUTPUT
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import detect_divergence_by_margin
 from featdiff.diff.partings import Parting, sampled_parting
-from featdiff.dump.records import DumpWriter, Manifest, flow_view, read_dump
+from featdiff.dump.manifest import Manifest, flow_view
+from featdiff.dump.reader import read_dump
 from featdiff.dump.sampling import (
     DEFAULT_TEMPERATURE,
     Sampler,
@@ -27,6 +28,7 @@ from featdiff.dump.sampling import (
     expected_accepted,
     sampler_from_command,
 )
+from featdiff.dump.writer import DumpWriter
 from featdiff.programs.sampler import flow_samplers, launched_requests
 
 N_VOCAB = 64

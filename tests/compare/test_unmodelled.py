@@ -12,7 +12,7 @@ from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code, verdict
 from featdiff.diff.dependence import Gap, gap_of, graph_rank
 from featdiff.diff.detectors import detect_unmodelled
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.kinds.dflash import modelled
 
 import synth

@@ -20,7 +20,9 @@ from featdiff.diff.result import (
     QUIET_SKIPS,
     SKIP_REASONS,
 )
-from featdiff.dump.records import DumpWriter, read_dump, record_from_array, record_key
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 import synth
 from transform import rewrite

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.dump.records import DumpWriter, Eval, Manifest, Record, read_dump, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Eval, Record, record_key
+from featdiff.dump.writer import DumpWriter
 
 ArrayFn = Callable[[Record, np.ndarray], np.ndarray | None]  # None drops the record
 

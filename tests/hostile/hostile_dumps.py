@@ -18,16 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from featdiff.dump.records import (
-    MANIFEST_MEMBER,
-    DumpWriter,
-    Eval,
-    Manifest,
-    MemoryOp,
-    Round,
-    record_from_array,
-    record_key,
-)
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import MANIFEST_MEMBER, Eval, MemoryOp, Round, record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 # --- a small dump shaped like a real capture ----------------------------------------------------
 

@@ -23,7 +23,8 @@ from featdiff.cli import app
 from featdiff.core.filters import capture_filters
 from featdiff.core.names import ROLES
 from featdiff.driver.capture import capture
-from featdiff.dump.records import read_dump, record_key
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import record_key
 from featdiff.llama import spool, spool_index
 from featdiff.programs import exec as exec_capture
 from featdiff.programs.preload import preload

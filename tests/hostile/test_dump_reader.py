@@ -42,7 +42,8 @@ from typer.testing import CliRunner
 from featdiff.cli import app
 from featdiff.core.errors import InputError
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import INFLATION_FLOOR, MANIFEST_MEMBER, MAX_MANIFEST_BYTES, read_dump
+from featdiff.dump.reader import INFLATION_FLOOR, MAX_MANIFEST_BYTES, read_dump
+from featdiff.dump.records import MANIFEST_MEMBER
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.llama.tools import TEST_BUILD_FLAGS
 
 from real_flow import reference_of

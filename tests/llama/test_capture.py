@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory import pairs
 
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS

@@ -25,7 +25,7 @@ from families import FAULT_VAR
 from featdiff.cli import app
 from featdiff.core.names import BACKEND_HOST
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.fixtures import PROMPTS_FILE
 from featdiff.llama.tools import VULKAN, VULKAN_UNFUSED, device_program_env
 

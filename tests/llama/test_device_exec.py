@@ -21,7 +21,7 @@ import pytest
 
 from families import FAULT_VAR
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.llama.tools import ToolBuild, device_program_env
 from featdiff.programs import exec as exec_capture
 

@@ -15,7 +15,7 @@ import pytest
 
 from featdiff.core.errors import InputError
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory import pairs
 from featdiff.programs import exec as exec_capture
 

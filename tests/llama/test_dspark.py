@@ -14,7 +14,7 @@ import pytest
 from featdiff.factory import fixtures
 from featdiff.core import names
 from featdiff.diff import compare_dumps, exit_code
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.programs import exec as exec_capture
 from featdiff.driver.capture import capture
 from featdiff.verdict.probe import probe

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.programs import exec as exec_capture
 from featdiff.programs.phases import flow_evals, prompt_from_evals, with_encoder_rows
 from featdiff.programs.run_log import ExecContext, ExecEval, ExecLog

@@ -15,7 +15,7 @@ from featdiff.core import names
 from featdiff.diff import compare_dumps
 from featdiff.diff.comparison import UNEXPLAINING
 from featdiff.diff.result import Finding
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.gguf_rewrite import DROP, rewrite_gguf
 
 from eagle3_real import run_and_ref

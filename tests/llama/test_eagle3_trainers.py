@@ -14,7 +14,7 @@ from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import int_list_meta, read_gguf
 from featdiff.diff import compare_dumps
 from featdiff.driver.capture import capture
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.converter import convert_checkpoint
 from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.llama import ggml_dequant

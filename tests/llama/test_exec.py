@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory import pairs
 from featdiff.programs import exec as exec_capture
 from featdiff.programs.phases import derive_rounds, flow_evals, flow_notes, prompt_from_evals

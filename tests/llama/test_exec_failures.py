@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from featdiff.cli import app
 from featdiff.core import names
 from featdiff.core.gguf_reader import read_gguf
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.gguf_rewrite import DROP, rewrite_gguf
 from featdiff.programs import server
 from featdiff.programs.exec import check_pair, program_log

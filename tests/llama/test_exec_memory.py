@@ -117,7 +117,7 @@ def test_a_context_shift_while_a_flow_runs_leaves_that_flow_unfollowed():
 
 def test_a_drafter_cache_of_another_prompt_is_a_wrong_source_and_the_same_one_is_nothing():
     from featdiff.diff.detectors import detect_wrong_source_restored
-    from featdiff.dump.records import Manifest
+    from featdiff.dump.manifest import Manifest
 
     swapped = FlowInfo(2, 0, (10, 11, 12, 13, 7), 3, draft_cached=(20, 21, 22))
     found = detect_wrong_source_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(swapped,)))
@@ -131,7 +131,8 @@ def test_a_drafter_cache_of_another_prompt_is_a_wrong_source_and_the_same_one_is
 
 def test_a_drafter_holding_nothing_where_the_target_holds_a_prefix_is_not_conditioned():
     from featdiff.diff.detectors import detect_not_conditioned_restored
-    from featdiff.dump.records import NO_ROW, Manifest
+    from featdiff.dump.manifest import Manifest
+    from featdiff.dump.records import NO_ROW
 
     empty = FlowInfo(1, 0, (10, 11, 12, 13, 7), 3, draft_cached=(10, NO_ROW, NO_ROW))
     found = detect_not_conditioned_restored(Manifest("llama.cpp", {}, {}, (), (), flows=(empty,)))
@@ -181,7 +182,8 @@ def test_an_eagle3_drafters_rows_hold_the_token_each_was_decoded_with_and_a_kept
 
 def test_an_eagle3_row_kept_from_an_earlier_request_is_a_wrong_source_naming_upstreams_driver():
     from featdiff.diff.detectors import detect_wrong_source_kept_row
-    from featdiff.dump.records import NO_ROW, Manifest
+    from featdiff.dump.manifest import Manifest
+    from featdiff.dump.records import NO_ROW
 
     kept = FlowInfo(1, 0, (10, 11, 30, 31, 32), 2, draft_cached=(11, 12))  # row 1 pairs A's 12, B has 30
     found = detect_wrong_source_kept_row(Manifest("llama.cpp", {}, {}, (), (), flows=(kept,)), row_token=1)
@@ -194,7 +196,7 @@ def test_an_eagle3_row_kept_from_an_earlier_request_is_a_wrong_source_naming_ups
 
 
 def test_a_decode_holding_several_sequences_is_recorded_as_batched_rows():
-    from featdiff.dump.records import Build
+    from featdiff.dump.manifest import Build
     from featdiff.programs.pack import seqs_per_decode
 
     alone = _log(_request(A, 7) + _request(B, 8, seq=1), [])

@@ -12,7 +12,9 @@ import pytest
 
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.tolerance import TypeInfo, tolerance_for
-from featdiff.dump.records import MANIFEST_MEMBER, CacheTypes, read_dump
+from featdiff.dump.manifest import CacheTypes
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import MANIFEST_MEMBER
 from featdiff.factory.fixtures import write_fixture
 from featdiff.factory.pairs import Shape, Sizes
 from featdiff.llama.options import options_of_command

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.fixtures import VOCAB_SPM, write_fixture
 from featdiff.llama import binding
 from featdiff.llama.tools import ToolBuild, ensure_release

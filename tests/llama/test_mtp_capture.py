@@ -14,7 +14,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.driver.capture import capture
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.mtp import MTP_SETTINGS
 from featdiff.torchref.kind import reference
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.mtp import MTP_SETTINGS
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference

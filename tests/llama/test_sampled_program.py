@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from test_server_clients import _featdiff
 
-from featdiff.dump.records import DumpWriter, read_dump
+from featdiff.dump.reader import read_dump
+from featdiff.dump.writer import DumpWriter
 from featdiff.programs import exec as exec_capture
 
 from test_exec import RUN_TIMEOUT_S, _command

@@ -10,7 +10,10 @@ import pytest
 
 from featdiff.core.names import API_OP
 from featdiff.core.phases import Phase
-from featdiff.dump.records import DumpWriter, Manifest, Record, read_dump
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Record
+from featdiff.dump.writer import DumpWriter
 from featdiff.llama import spool
 from featdiff.llama.spool_index import RecordEvent
 from featdiff.programs.phases import derive_rounds, flow_evals, whole_calls, with_encoder_rows

@@ -20,7 +20,7 @@ import pytest
 from openai import DefaultHttpxClient, OpenAI
 
 import featdiff_process
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.programs.server import free_port
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import featdiff_process
 from featdiff.cli import app
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.programs.server import free_port
 
 # one slot: the request after the shared prefix finds it cached; one thread each (2 shared cores)

@@ -112,7 +112,7 @@ def _assert_clean(c):
 def test_a_prompt_longer_than_ub_4_compares_clean_row_for_row(fixture_models, tmp_path):
     """-ub 4 and an 18-token prompt: the target prefill is computed as 5 graphs and the drafter's
     inject as 5 chunks (common/speculative.cpp); every graph's rows pair with the reference's."""
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     run, c = _capture_and_compare(fixture_models("clean"), tmp_path, _long_tokens(18), ["-ub", "4"])
     with read_dump(run) as d:
@@ -128,7 +128,7 @@ def test_a_prompt_longer_than_ub_4_compares_clean_row_for_row(fixture_models, tm
 
 def test_a_prompt_longer_than_the_default_ubatch_compares_clean(fixture_models, tmp_path):
     """A 600-token prompt at llama.cpp's default -ub (512): two graphs, two inject chunks."""
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     run, c = _capture_and_compare(fixture_models("clean"), tmp_path, _long_tokens(600), [], rounds=2)
     with read_dump(run) as d:
@@ -157,7 +157,7 @@ SPEC = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "2048", 
 
 def _exec_and_compare(tools, models, tmp_path, program: str, extra: list[str], **capture_kw):
     from featdiff.diff import compare_dumps
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
     from featdiff.programs import exec as exec_capture
 
     from real_flow import reference_of

@@ -16,7 +16,7 @@ import torch
 from featdiff.kinds.dflash import modelled
 from featdiff.core import names
 from featdiff.diff.comparison import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.factory.converter import DRAFT_GGUF, TARGET_GGUF, WRITER_PREFIX, write_converted_dflash2_fixture
 from featdiff.factory.dflash2 import SELECTOR_TOP_K
 from featdiff.dump.model_info import model_info

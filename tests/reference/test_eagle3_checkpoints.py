@@ -201,7 +201,7 @@ def _reference(pair: Path, model: Path, out: Path, *flags: str):
 
 
 def test_layer_ids_mean_states_what_the_checkpoint_cannot_tell(pair, tmp_path):
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     d = rewritten(pair, tmp_path / "amb", lambda c: {**c, "eagle_config": {}})
     refused = _reference(pair, d, tmp_path / "r.npz")

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.core.errors import InputError
 from featdiff.driver.capture import capture
 from quantize import quantize_gguf

@@ -142,7 +142,7 @@ def test_gemma4_pair_compares_clean_with_nothing_skipped(either, tmp_path):
 
 def test_gemma4_moe_reference_records_its_router_margins(gemma4_ple_moe, tmp_path):
     """Gemma 4's router returns probabilities: the margins are its projection's logits'."""
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     ref = featdiff.reference(
         gemma4_ple_moe / "target-hf", gemma4_ple_moe / "draft.gguf", tmp_path / "ref.npz", tokens=DEFAULT_TOKENS

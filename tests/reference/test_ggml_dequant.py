@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from featdiff.cli import app
 from featdiff.diff import compare_dumps
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import array_from_tensor, read_gguf_weights
 from featdiff.llama import ggml_dequant

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
 from featdiff.core import names
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.core.errors import InputError
 from featdiff.torchref.load import load_draft, load_target
 

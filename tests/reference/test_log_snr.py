@@ -11,7 +11,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from featdiff.core import names
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 
 FORMULA_BOUND = 1e-5  # rel L2: float32 MLP in the reference vs this float64 recomputation
 B, N_EMBD = 4, 64  # the fixture drafter's block and width

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from featdiff.core import names
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.torchref.attention import empty_cache
 from featdiff.torchref.dflash.drafter import inject
 from featdiff.torchref.load import load_draft

@@ -110,7 +110,7 @@ def test_qwen35_recurrent_state_that_kept_the_rejected_drafts_is_named(qwen35, t
 
 
 def test_qwen35_pair_compares_clean_with_nothing_skipped(qwen35, tmp_path):
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     result = families.assert_clean_in_process(qwen35, tmp_path, embd=QWEN35_EMBD)
     with read_dump(result["run"]) as dump:
@@ -123,7 +123,7 @@ def test_qwen35_one_draft_blocks_roll_back_one_row_and_compare_clean(qwen35, tmp
     """With one draft per block llama.cpp keeps one state snapshot (n_rs_seq 1) and each rejected
     draft rolls back through it: the shallowest rollback, where the 3-draft flow above takes the
     deepest (the tiny drafter's drafts are all rejected)."""
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
 
     run = featdiff.capture(
         qwen35 / "target.gguf",

@@ -10,7 +10,10 @@ from typer.testing import CliRunner
 
 from featdiff.core import names
 from featdiff.cli import app
-from featdiff.dump.records import DumpWriter, Eval, Manifest, read_dump
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Eval
+from featdiff.dump.writer import DumpWriter
 from featdiff.torchref.dflash.drafter import encode
 from featdiff.dump.blocks import run_block_rows
 from featdiff.torchref.load import load_draft

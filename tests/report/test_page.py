@@ -7,7 +7,7 @@ import html
 import re
 
 from featdiff.diff.result import Comparison, Finding
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.html import write_report
 from featdiff.html.page import Picture, render_page, summarise_ints, verdict_sentence
 

@@ -187,7 +187,7 @@ def test_the_converted_pair_accepts_what_training_measured(trained, converted):
 def test_llama_cpp_accepts_what_the_reference_accepts(converted, tmp_path):
     """The in-process driver on the converted pair, round by round, against the reference's flow
     on the same GGUFs (f16 KV cache, as the run): the same drafts, the same accepted counts."""
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
     from featdiff.driver.capture import capture
     from featdiff.verdict.probe import read_prompts
     from featdiff.torchref.eagle3.flow import run_flow

@@ -175,7 +175,7 @@ def test_the_converted_head_accepts_what_training_measured(checkpoint, converted
 def test_llama_cpp_accepts_what_the_reference_accepts(converted, tmp_path):
     """The in-process MTP driver on target.gguf (the head inside it), round by round, against the
     reference's flow on the same head and the target's checkpoint (f16 KV cache, as the run)."""
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
     from featdiff.driver.capture import capture
     from featdiff.verdict.probe import read_prompts
 

@@ -24,7 +24,8 @@ from featdiff.core.phases import ROUND_OPENER, TOKEN_PHASES, VERIFY_PHASES, Phas
 from featdiff.core.words import plural
 from featdiff.diff.namemap import NameMap
 from featdiff.diff.result import WARMUP_SKIP, Alignment, Skip, SkipReason, SkipSide
-from featdiff.dump.records import Eval, Manifest, Record
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, Record
 from featdiff.kinds import registry as kinds
 
 GroupKey = tuple[Role, str, int]  # (role, phase, round)

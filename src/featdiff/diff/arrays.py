@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from featdiff.dump.records import Dump, Record, read_npy_header
+from featdiff.dump.reader import Dump, read_npy_header
+from featdiff.dump.records import Record
 
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header (APPNOTE 4.3.7), 30 bytes
 LOCAL_HEADER_MAGIC = b"PK\x03\x04"

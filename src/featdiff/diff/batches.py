@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from featdiff.core.phases import BATCH_NOUNS, Phase
 from featdiff.diff.align import GroupKey, group_key, is_cut_short
-from featdiff.dump.records import Eval, Manifest
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval
 
 
 @dataclass(frozen=True)

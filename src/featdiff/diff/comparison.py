@@ -40,7 +40,9 @@ from featdiff.diff.result import Comparison, Coverage, Finding, PairMetrics
 from featdiff.diff.rowshift import RowShift, measure_row_shift
 from featdiff.diff.sketch import LayerMatch
 from featdiff.diff.tolerance import FLOAT_TYPES, Tolerance, TypeInfo, describe, tolerance_for, type_info
-from featdiff.dump.records import FlowInfo, Manifest, flow_view, read_dump
+from featdiff.dump.manifest import Manifest, flow_view
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import FlowInfo
 from featdiff.version import VERSION
 
 NOT_MEASURED = Measurement(

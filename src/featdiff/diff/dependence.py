@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from featdiff.core import names
 from featdiff.core.names import ROLE_DRAFT, Role
 from featdiff.core.phases import DRAFTER_PHASES, Phase
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 from featdiff.kinds.dflash import modelled
 
 ALL_RECORDS: modelled.Use = ("*", "*")  # a target feature's reach: everything either model computes

@@ -38,7 +38,7 @@ from featdiff.diff.detectors.pairing import (
 from featdiff.diff.fields import ExpertChoiceFields, UnmodelledFields
 from featdiff.diff.partings import Parting
 from featdiff.diff.result import INFO_SKIPS, Finding, Skip
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 
 LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
 LEAF_OPS = ("NONE", "")  # ggml's op of a leaf (an input tensor)

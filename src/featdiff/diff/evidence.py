@@ -20,7 +20,9 @@ from featdiff.diff.detectors.base import Evidence, Rope
 from featdiff.diff.fields import Where
 from featdiff.diff.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
 from featdiff.diff.tolerance import EXACT, Tolerance
-from featdiff.dump.records import Dump, Eval, Manifest, Record
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import Dump
+from featdiff.dump.records import Eval, Record
 from featdiff.kinds import registry as kinds
 
 MAX_STALE_ROWS = 512  # earlier rows searched for stale data: the latest evals first

@@ -17,8 +17,8 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, read_gguf
 from featdiff.core.names import ROLES, Role
+from featdiff.dump.manifest import Manifest
 from featdiff.dump.manifest_fields import ModelInfo
-from featdiff.dump.records import Manifest
 
 Origin = Literal["same_file", "checkpoint", "other_gguf", "unknown"]
 GGUF_SUFFIX = ".gguf"

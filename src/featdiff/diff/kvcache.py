@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from featdiff.core import names
 from featdiff.core.phases import Phase
-from featdiff.dump.records import Eval, Manifest, MemoryOp
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, MemoryOp
 
 CLEAR_OP = "clear"  # a MemoryOp that empties the context (llama_memory_clear)
 

@@ -21,7 +21,8 @@ from featdiff.core import names
 from featdiff.core.blocks import first_draft_row
 from featdiff.core.phases import CHOOSING_PHASES, Phase
 from featdiff.diff.tolerance import TypeInfo, tolerance_for
-from featdiff.dump.records import Eval, Manifest, Record, Round
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, Record, Round
 from featdiff.dump.sampling import Sampler, could_draw
 
 Reader = Callable[[Record], np.ndarray]  # a record's array (compare.evidence.Source.array)

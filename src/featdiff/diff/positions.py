@@ -25,7 +25,7 @@ from featdiff.diff.detectors.positions import (
 )
 from featdiff.diff.detectors.steps import detect_position_offset_of_steps
 from featdiff.diff.result import Finding
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 from featdiff.kinds import registry as kinds
 
 

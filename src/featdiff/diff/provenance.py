@@ -13,8 +13,8 @@ from pathlib import Path
 
 from featdiff.core.names import ROLE_DRAFT, ROLE_TARGET, Role
 from featdiff.diff.export import GGUF_SUFFIX
+from featdiff.dump.manifest import Manifest
 from featdiff.dump.manifest_fields import ModelInfo
-from featdiff.dump.records import Manifest
 
 REFERENCE_SOURCE = "reference"  # `source` of a `featdiff reference` dump (docs/dump.md)
 FOLLOW_KEY = "follow"  # a reference's `build.follow`: the run dump it replayed (torchref/dflash/run.py)

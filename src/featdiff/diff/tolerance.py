@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from featdiff.core import names
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 
 # Calibration: `bench/calibrate_compare.py` (clean, own-embd and llama fixtures, prompts of 10
 # and 33 tokens, 3 rounds, capture through llama-cpp-python 0.3.36 on CPU vs the reference with

@@ -1,49 +1,46 @@
-"""Dump format v1 (docs/dump.md): the records, the manifest's fields, the reader and writer. This face
-keeps `from featdiff.dump import Eval, read_dump, DumpWriter ...` working."""
+"""Dump format v1 (docs/dump.md): the records (records.py), the manifest (manifest.py, manifest_fields.py),
+the writer (writer.py) and the reader (reader.py). This face keeps
+`from featdiff.dump import Eval, read_dump, DumpWriter ...` working."""
 
 from __future__ import annotations
 
+from featdiff.dump.manifest import KV_TYPE_DEFAULT, Build, CacheTypes, Manifest, flow_view, kv_types_json
+from featdiff.dump.reader import (
+    INFLATION_FLOOR,
+    MAX_INFLATION,
+    MAX_MANIFEST_BYTES,
+    NPY_MAX_HEADER,
+    NPY_MAX_HEADER_TEXT,
+    NPY_MIN_HEADER,
+    READ_CHUNK,
+    ZIP_UNSUPPORTED_FLAGS,
+    Dump,
+    read_dump,
+    read_member_array,
+    read_npy_header,
+)
 from featdiff.dump.records import (
     DRAFT_ROW,
     DTYPES,
     FORMAT,
-    INFLATION_FLOOR,
-    KV_TYPE_DEFAULT,
     MANIFEST_MEMBER,
     MAX_DIMS,
-    MAX_INFLATION,
-    MAX_MANIFEST_BYTES,
     MEMORY_OPS,
     NO_ROW,
-    NPY_MAX_HEADER,
-    NPY_MAX_HEADER_TEXT,
-    NPY_MIN_HEADER,
     NPY_SUFFIX,
-    READ_CHUNK,
     RERUN,
     SOURCES,
     UNKNOWN_TOKEN,
     VERSION,
-    ZIP_UNSUPPORTED_FLAGS,
-    Build,
-    CacheTypes,
-    Dump,
-    DumpWriter,
     Eval,
     FlowInfo,
-    Manifest,
     MemoryOp,
     Record,
     Round,
-    flow_view,
-    kv_types_json,
-    read_dump,
-    read_member_array,
-    read_npy_header,
-    record_from_array,
     record_key,
     stored_array,
 )
+from featdiff.dump.writer import DumpWriter, record_from_array
 
 __all__ = [
     "Build",

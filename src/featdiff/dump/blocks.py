@@ -9,7 +9,8 @@ from featdiff.core import names
 from featdiff.core.blocks import BlockRows
 from featdiff.core.errors import InputError
 from featdiff.core.phases import ROUND_OPENER, Phase
-from featdiff.dump.records import Eval, read_dump
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Eval
 
 
 def asked_block_rows(block: int | None, run: Path | None) -> BlockRows | None:

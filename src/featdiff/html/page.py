@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from featdiff.diff.result import Alignment, Comparison, Coverage, Finding, PairMetrics
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 from featdiff.html.figure import eval_label
 from featdiff.version import VERSION
 

@@ -14,7 +14,7 @@ from featdiff.core.outputs import check_output, check_output_dir, replaced
 from featdiff.diff.result import Comparison
 from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
-from featdiff.dump.records import read_dump
+from featdiff.dump.reader import read_dump
 from featdiff.html.figure import DivergenceMap, bin_map, map_divergence
 from featdiff.html.heatmap import (
     MAX_MAP_COLS,

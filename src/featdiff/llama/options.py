@@ -16,7 +16,7 @@ from typing import Any
 
 from featdiff.core import names
 from featdiff.core.errors import InputError
-from featdiff.dump.records import KV_TYPE_DEFAULT, CacheTypes, kv_types_json
+from featdiff.dump.manifest import KV_TYPE_DEFAULT, CacheTypes, kv_types_json
 
 # llama.cpp's --cache-type-k/-v choices (common/arg.cpp kv_cache_types)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")

@@ -14,7 +14,7 @@ import numpy as np
 
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import is_no_room
-from featdiff.dump.records import CacheTypes
+from featdiff.dump.manifest import CacheTypes
 from featdiff.llama import binding
 
 ENV_VERBOSE = "FEATDIFF_LLAMA_LOG"

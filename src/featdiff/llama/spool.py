@@ -28,7 +28,9 @@ from featdiff.core.filters import FilterSet, RoleFilter
 from featdiff.core.names import API_OP, ROLES, Role
 from featdiff.core.outputs import check_output
 from featdiff.core.phases import Phase
-from featdiff.dump.records import DumpWriter, Eval, Manifest, Record, Round, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import Eval, Record, Round, record_key
+from featdiff.dump.writer import DumpWriter
 from featdiff.llama.spool_index import RecordEvent, n_dims, read_index_lines
 from featdiff.llama.ubatch import split_ubatches
 

@@ -20,9 +20,11 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import raise_if_no_room
 from featdiff.core.phases import Phase
+from featdiff.dump.manifest import Manifest
 from featdiff.dump.model_info import model_info
-from featdiff.dump.records import DumpWriter, Eval, FlowInfo, Manifest, MemoryOp, Round
+from featdiff.dump.records import Eval, FlowInfo, MemoryOp, Round
 from featdiff.dump.sampling import Sampler
+from featdiff.dump.writer import DumpWriter
 from featdiff.llama import ggml_dequant, spool
 from featdiff.programs.memory import follow_memory
 from featdiff.programs.phases import (

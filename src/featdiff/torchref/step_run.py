@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from featdiff.core.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
-from featdiff.dump.records import Round, read_dump
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Round
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output, output_lock
 from featdiff.core.phases import Phase

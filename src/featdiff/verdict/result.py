@@ -37,7 +37,7 @@ from featdiff.core.errors import InputError, ProgramFailed
 from featdiff.core.outputs import append_text, check_output, check_output_dir, replaced
 from featdiff.core.words import plural
 from featdiff.diff.result import Comparison, Finding
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 from featdiff.verdict.probe import AcceptStats, Probe
 
 MARGIN_Z = 2.576  # two-sided 99% normal quantile: a CI gate should rarely fail a right wiring by chance
@@ -312,7 +312,7 @@ def _mode(command: list[str] | None) -> Mode:
 def run_check(plan: CheckPlan, work: Path) -> CheckResult:
     """Run the plan's stages with the dumps in `work`; the report is written, the rest returned."""
     from featdiff.diff import compare_dumps
-    from featdiff.dump.records import read_dump
+    from featdiff.dump.reader import read_dump
     from featdiff.torchref.kind import reference
 
     program_log = _program_log(plan, work)
@@ -446,7 +446,7 @@ def _probe_of_flows(
     and the reference drafter's at the same places."""
     from featdiff.diff.align import drafter_arch
     from featdiff.dump.blocks import run_block_rows
-    from featdiff.dump.records import flow_view
+    from featdiff.dump.manifest import flow_view
     from featdiff.kinds import registry as kinds
     from featdiff.verdict.probe import RunTrace, probe_traces
 

@@ -16,7 +16,8 @@ from featdiff.diff.detectors.base import span
 from featdiff.diff.fields import DuplicateRowsFields, NotConditionedFields, StaleFields, WrongSourceFields
 from featdiff.diff.kvcache import CacheState, draft_cache_states
 from featdiff.diff.result import Finding
-from featdiff.dump.records import NO_ROW, Eval, FlowInfo, Manifest
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.records import NO_ROW, Eval, FlowInfo
 
 KV_TENSOR = f"{names.KCUR_INJECTED}-*"  # what the draft KV cache holds: the injected K/V rows
 

@@ -27,7 +27,7 @@ from featdiff.diff.fields import (
 )
 from featdiff.diff.namemap import NameMap
 from featdiff.diff.result import EXPLAINABLE_SKIPS, Finding, Severity, Skip
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 
 # --- the run's conditioning ----------------------------------------------------------------------
 

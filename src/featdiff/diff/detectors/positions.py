@@ -17,7 +17,7 @@ from featdiff.diff.batches import Batch, batches, decoded_alike, same_token_ids
 from featdiff.diff.detectors.base import span
 from featdiff.diff.fields import BlockTokenFields, FlowNoteFields, PositionOffsetFields, UnpairedFields
 from featdiff.diff.result import Finding
-from featdiff.dump.records import Manifest
+from featdiff.dump.manifest import Manifest
 
 NO_TOKEN = -1  # ModelInfo's value for "no mask token recorded"
 

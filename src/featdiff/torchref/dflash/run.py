@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 from featdiff.core import names
-from featdiff.dump.records import DumpWriter, FlowInfo, Manifest, Round, read_dump, record_from_array, record_key
+from featdiff.dump.manifest import Manifest
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import FlowInfo, Round, record_key
+from featdiff.dump.writer import DumpWriter, record_from_array
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import read_gguf, trained_context
 from featdiff.llama import ggml_dequant
