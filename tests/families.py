@@ -94,7 +94,7 @@ def assert_check_passes(d: Path, tmp_path: Path) -> None:
     """`featdiff check` in-process on `d`'s pair (token-id prompts: the tiny SPM vocabulary spells
     check's default text byte by byte) passes, and the accept probe agrees."""
     from featdiff.verdict.probe import TOKENS_PREFIX
-    from featdiff.verdict.result import check
+    from featdiff.verdict.run import check
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{TOKENS_PREFIX} {DEFAULT_TOKENS}\n{TOKENS_PREFIX} {SECOND_PROMPT}\n")

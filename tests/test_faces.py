@@ -24,9 +24,10 @@ def test_the_kinds_face_gives_the_registry_and_the_wiring_that_moved_out_of_it()
 
 def test_the_verdict_face_gives_the_result():
     from featdiff import verdict
-    from featdiff.verdict import result
+    from featdiff.verdict import plan, render, result, run
 
     assert verdict.CheckResult is result.CheckResult
+    assert (verdict.plan_check, verdict.check, verdict.render_text) == (plan.plan_check, run.check, render.render_text)
 
 
 def test_the_api_and_the_plugin_stay_where_they_were():

@@ -6,7 +6,7 @@ them against the CLI), and the CLI's commands call these.
     reference(target, model, output, ...) -> Path      the reference dump (torchref/dflash/run.py)
     compare(ref, run, name_map=None, ...) -> Comparison findings (compare/)
     report(ref, run, output, ...) -> Path              the HTML page (report/)
-    check(target, model, ...) -> CheckResult           all of them and the accept probe (verdict/result.py)
+    check(target, model, ...) -> CheckResult           all of them and the accept probe (verdict/run.py)
 
 The command line's `--exec -- PROGRAM ...` is `command=[PROGRAM, ...]` here. Paths may be `str`.
 Each stage is imported on first call, so importing this module loads neither torch nor llama.cpp.
@@ -192,7 +192,7 @@ def check(
 ) -> CheckResult:
     """Capture, reference, compare and probe accept; return the `CheckResult` and write the
     outputs asked for (featdiff.verdict.check)."""
-    from featdiff.verdict.result import check as run_check
+    from featdiff.verdict.run import check as run_check
 
     return run_check(
         Path(target),

@@ -405,7 +405,7 @@ def check(
     """One CI verdict: capture, reference, compare and accept probe; exit 1 on a wiring fault or an accept gap."""
     from featdiff import api
     from featdiff.verdict.result import exit_code as check_exit_code
-    from featdiff.verdict.result import render_text
+    from featdiff.verdict.render import render_text
 
     _log_level(verbose)
     result = api.check(

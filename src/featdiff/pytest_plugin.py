@@ -34,7 +34,7 @@ def featdiff_check(tmp_path: Path) -> Callable[..., Any]:
 
 
 def _check_in(tmp_path: Path, target: str | Path, draft: str | Path, **options: Any) -> Any:
-    from featdiff.verdict.result import check
+    from featdiff.verdict.run import check
 
     options.setdefault("keep", tmp_path / KEEP_DIR)
     options.setdefault("report", tmp_path / REPORT_FILE)
@@ -45,6 +45,6 @@ def assert_wired(result: Any) -> None:
     """Fail (AssertionError) unless `result` (a CheckResult) passed; the message is the check's text."""
     __tracebackhide__ = True  # pytest shows the caller's line, not this one
     if not result.ok:
-        from featdiff.verdict.result import render_text
+        from featdiff.verdict.render import render_text
 
         raise AssertionError(f"featdiff check failed: {'; '.join(result.reasons)}\n\n{render_text(result)}")
