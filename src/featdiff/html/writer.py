@@ -16,15 +16,9 @@ from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
 from featdiff.dump.reader import read_dump
 from featdiff.html.figure import DivergenceMap, bin_map, map_divergence
-from featdiff.html.heatmap import (
-    MAX_MAP_COLS,
-    MAX_MAP_ROWS,
-    draw_divergence_map,
-    draw_layer_match,
-    draw_row_shift,
-    png_from_figure,
-)
+from featdiff.html.heatmap import MAX_MAP_COLS, MAX_MAP_ROWS, draw_divergence_map, draw_layer_match, draw_row_shift
 from featdiff.html.page import Picture, render_page
+from featdiff.html.raster import png_from_plot
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +89,7 @@ def _divergence_picture(m: DivergenceMap) -> Picture:
         f"rules; columns are token positions; colour is each row's relative error on a log scale "
         f"from 1e-6 (black) to 10 (bright); grey cells were not compared."
     )
-    return Picture("divergence-map", title, caption, png_from_figure(draw_divergence_map(m)))
+    return Picture("divergence-map", title, caption, png_from_plot(draw_divergence_map(m)))
 
 
 def _layer_match_picture(m: LayerMatch | None) -> Picture:
@@ -121,7 +115,7 @@ def _layer_match_picture(m: LayerMatch | None) -> Picture:
         f"{list(m.expected_layers)} (red boxes){run_says}; the closest match per slot (white stars) "
         f"is {list(m.closest_layers)}."
     )
-    return Picture("layer-match", title, caption, png_from_figure(draw_layer_match(m)))
+    return Picture("layer-match", title, caption, png_from_plot(draw_layer_match(m)))
 
 
 def _row_shift_picture(m: RowShift | None) -> Picture:
@@ -146,4 +140,4 @@ def _row_shift_picture(m: RowShift | None) -> Picture:
         f"aligned them; the dashed line marks rows at the same position. By the brightest cell of "
         f"each run row, {verdict}."
     )
-    return Picture("row-shift", title, caption, png_from_figure(draw_row_shift(m)))
+    return Picture("row-shift", title, caption, png_from_plot(draw_row_shift(m)))
