@@ -11,7 +11,8 @@ import time
 import pytest
 
 from featdiff.core.errors import InputError
-from featdiff.llama.tools import BUILD_LOCK, PATCH_DIR, _build_lock, apply_patches, patch_files, patched_paths
+from featdiff.llama.patches import PATCH_DIR, apply_patches, patch_files, patched_paths
+from featdiff.llama.tools import BUILD_LOCK, _build_lock
 
 PATCH = """a header line patch(1) ignores
 --- a/src/a.c

@@ -320,7 +320,8 @@ def _commit(rt: Runtime) -> str:
 
         return f"llama-cpp-python=={version('llama-cpp-python')}"
     if rt.build.kind == "project":
-        from featdiff.llama.tools import PINNED_SDIST, patch_files
+        from featdiff.llama.patches import patch_files
+        from featdiff.llama.tools import PINNED_SDIST
 
         return f"{PINNED_SDIST} + featdiff patches {', '.join(p.stem for p in patch_files())}"
     head = rt.build.root / ".git" / "HEAD"

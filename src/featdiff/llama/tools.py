@@ -1,6 +1,7 @@
 """Build the programs `capture --exec` runs (llama-server, llama-speculative-simple,
 llama-simple), llama-quantize, and their libllama from the pinned llama.cpp source, the tree
-llama-cpp-python==0.3.36 builds, with the project's own patches (`patches/llama.cpp/*.patch`).
+llama-cpp-python==0.3.36 builds, with the project's own patches (`patches/llama.cpp/*.patch`, applied by
+featdiff.llama.patches).
 
 Consumes the sdist (`pip download`, or $FEATDIFF_LLAMA_SRC); produces a `ToolBuild`, built once
 (Release, shared libs, CPU, no SSL/UI/tests) and cached in build/llama.cpp ($FEATDIFF_TOOLS_DIR):
@@ -27,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from featdiff.core.errors import InputError
 from featdiff.llama.binding import DEFAULT_TOOLS_DIR, LIBLLAMA, PINNED_WHEEL, PROJECT_TREE, tools_dir
+from featdiff.llama.patches import apply_patches, patch_files
 
 SERVER_PROGRAMS = ("llama-server",)
 
@@ -48,10 +49,7 @@ TARGETS = (SERVER_PROGRAMS[0], "llama-speculative-simple", "llama-simple", "llam
 ENV_SRC = "FEATDIFF_LLAMA_SRC"
 ENV_JOBS = "FEATDIFF_BUILD_JOBS"
 DEFAULT_JOBS = 2
-REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_DIR = DEFAULT_TOOLS_DIR
-PATCH_DIR = REPO_ROOT / "patches" / "llama.cpp"  # applied in name order with `patch -p1`
-PATCHED_NOTE = ".featdiff-patched.json"  # in the patched tree: the patches applied and the files they touch
 STAMP = "tools.json"
 BUILD_LOCK = ".featdiff-build.lock"  # in the tools dir: one build of a tree at a time, across processes
 PIP_TIMEOUT_S = 900
@@ -177,11 +175,6 @@ def _build_dir(root: Path, source: Path) -> Path:
     return root / "build" if os.environ.get(ENV_SRC) else source / "build"
 
 
-def patch_files() -> list[Path]:
-    """The project's patches of the pinned llama.cpp, in the order they apply."""
-    return sorted(PATCH_DIR.glob("*.patch"))
-
-
 def build_key(source: Path) -> str:
     """A hash of the source version, the patches and the build recipe."""
     h = hashlib.sha256()
@@ -228,57 +221,6 @@ def source_tree(root: Path) -> Path:
         shutil.copytree(pristine, tree, symlinks=True)
     apply_patches(pristine, tree, patch_files())
     return tree
-
-
-def patched_paths(patch: Path) -> list[str]:
-    """The files a unified diff changes, relative to the tree root (`+++ b/<path>` lines)."""
-    out = []
-    for line in patch.read_text(errors="replace").splitlines():
-        if line.startswith("+++ ") and not line.startswith("+++ /dev/null"):
-            out.append(line[4:].split("\t")[0].strip().split("/", 1)[1])
-    return out
-
-
-def apply_patches(pristine: Path, tree: Path, patches: list[Path]) -> None:
-    """Make `tree` = `pristine` + `patches`, rewriting only the files whose content changes, so
-    an incremental build recompiles only what a patch edit touched."""
-    note = tree / PATCHED_NOTE
-    before = json.loads(note.read_text()) if note.is_file() else {"patches": {}, "files": []}
-    wanted = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in patches}
-    if before.get("patches") == wanted:
-        return
-    touched = sorted({f for p in patches for f in patched_paths(p)})
-    with tempfile.TemporaryDirectory(prefix="featdiff-patch-") as tmp:
-        scratch = Path(tmp)
-        for rel in touched:
-            if (pristine / rel).is_file():
-                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(pristine / rel, scratch / rel)
-        for patch in patches:
-            done = subprocess.run(
-                ["patch", "-p1", "--forward", "--batch", "-s", "-d", str(scratch), "-i", str(patch)],
-                capture_output=True,
-                text=True,
-            )
-            if done.returncode != 0:
-                why = (done.stdout + done.stderr).strip().splitlines()[:1] or ["no output"]
-                raise InputError(
-                    f"{patch}: does not apply to the pinned llama.cpp in {pristine} ({why[0]}); "
-                    "regenerate it against that tree"
-                )
-        for rel in sorted(set(touched) | set(before.get("files", []))):
-            _sync_file(scratch / rel if rel in touched else pristine / rel, tree / rel)
-    note.write_text(json.dumps({"patches": wanted, "files": touched}, indent=1))
-
-
-def _sync_file(want: Path, have: Path) -> None:
-    """Copy `want` over `have` when their bytes differ (remove `have` when `want` is absent)."""
-    if not want.is_file():
-        have.unlink(missing_ok=True)
-    elif not have.is_file() or have.read_bytes() != want.read_bytes():
-        have.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(want, have)
-        os.utime(have)  # newer than the build's objects, whatever the pristine file's date
 
 
 def _download(dest: Path, spec: str = PINNED_SDIST) -> Path:
