@@ -118,3 +118,18 @@ def test_verdict_states_the_coverage_it_rests_on(clean_pair) -> None:
     assert html.escape("inp_noise_embd (drafter's draft, round 1, occurrence 0): not compared") in page
     bare = render_page(Comparison("ref.npz", "run.npz", (), (), ()), ref.manifest, ref.manifest, [])
     assert "class='coverage'" not in bare
+
+
+def test_report_states_the_dumps_facts_from_compares_manifests_without_reading_the_dumps(plus1_pair, tmp_path) -> None:
+    import shutil
+
+    from featdiff.diff import compare_dumps
+
+    ref, run = shutil.copy(plus1_pair.ref, tmp_path / "ref.npz"), shutil.copy(plus1_pair.run, tmp_path / "run.npz")
+    c = compare_dumps(ref, run)
+    assert c.manifests is not None and c.manifests[0].source and c.manifests[1].source
+    ref.unlink()  # the report must not open either dump again
+    run.unlink()
+    page = write_report(ref, run, tmp_path / "r.html", comparison=c).read_text()
+    assert f"({html.escape(c.manifests[0].source)})" in page and f"({html.escape(c.manifests[1].source)})" in page
+    assert f"<tr><th>records</th><td>{len(c.manifests[1].records)}</td></tr>" in page

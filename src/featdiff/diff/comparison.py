@@ -66,13 +66,15 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
     rules = read_name_map(name_map)
     with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
         run_m = run_dump.manifest
+        manifests = (ref_dump.manifest, run_m)  # kept on the result: the report reads no dump again
         mismatch = provenance_problem(ref, run, ref_dump.manifest, run_m)  # before any record is read
         if mismatch:
             raise InputError(mismatch)
         flows = run_m.flow_ids()
         export = export_of(ref_dump.manifest, run_m)
         if len(flows) == 1:
-            return _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map, export)
+            one = _compare(ref, run, open_source(ref_dump), open_source(run_dump), rules, name_map, export)
+            return replace(one, manifests=manifests)
         unfollowed = {k: run_m.flow_info(k).why_unreplayable() for k in flows}
         check_flows(ref, run, ref_dump.manifest, run_m, frozenset(k for k, why in unfollowed.items() if why))
         ref_index, run_index = index_members(ref_dump), index_members(run_dump)
@@ -90,7 +92,8 @@ def compare_dumps(ref: Path, run: Path, name_map: Path | None = None) -> Compari
             parts.append(_compare(ref, run, ref_src, run_src, rules, name_map, export, run_m.flow_info(k), plan))
     if not parts:
         raise InputError(f"{run}: no flow of the run can be compared: {next(w for w in unfollowed.values() if w)}")
-    return _with_unfollowed(merged(parts), [(run_m.flow_info(k), why) for k, why in unfollowed.items() if why])
+    flows_of = [(run_m.flow_info(k), why) for k, why in unfollowed.items() if why]
+    return replace(_with_unfollowed(merged(parts), flows_of), manifests=manifests)
 
 
 def _unpaired_flow(flow: FlowInfo, run_view: Manifest) -> str:

@@ -18,6 +18,7 @@ from featdiff.core.phases import phrase
 from featdiff.core.words import plural
 from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
+from featdiff.dump.manifest import Manifest
 
 # The findings JSON's schema version (docs/findings.schema.json): keys are only ever added; it
 # changes only if a key's meaning does.
@@ -347,6 +348,9 @@ class Comparison:
     versions: dict[str, str | None] = field(default_factory=dict)  # featdiff's, and the run's llama.cpp
     layer_match: LayerMatch | None = None  # the first injected features x the target's layer inputs
     row_shift: RowShift | None = None  # run rows x ref rows of the first divergent record
+    # (ref, run) manifests as compare read them: the report states the dumps' facts from these instead
+    # of reading the dumps again; not part of the findings JSON
+    manifests: tuple[Manifest, Manifest] | None = field(default=None, compare=False, repr=False)
 
     @property
     def inputs(self) -> tuple[Path, ...]:

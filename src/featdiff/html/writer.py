@@ -1,8 +1,9 @@
 """Writer: the report from two dumps and their comparison, as one HTML file (and PNGs).
 
-Consumes the ref and run dump paths (their manifests, for the page's facts) and the `Comparison`
-compare made of them; draws what compare concluded (heatmap.py) and writes the page (page.py).
-Never runs a model and measures nothing: every figure is compare's data.
+Consumes the ref and run dump paths and the `Comparison` compare made of them (with the two
+manifests compare read, for the page's facts: the dumps are not read again); draws what compare
+concluded (heatmap.py, raster.py) and writes the page (page.py). Never runs a model and measures
+nothing: every figure is compare's data.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from featdiff.core.outputs import check_output, check_output_dir, replaced
 from featdiff.diff.result import Comparison
 from featdiff.diff.rowshift import RowShift
 from featdiff.diff.sketch import LayerMatch
+from featdiff.dump.manifest import Manifest
 from featdiff.dump.reader import read_dump
 from featdiff.html.figure import DivergenceMap, bin_map, map_divergence
 from featdiff.html.heatmap import MAX_MAP_COLS, MAX_MAP_ROWS, draw_divergence_map, draw_layer_match, draw_row_shift
@@ -43,13 +45,19 @@ def write_report(
     if png_dir is not None:
         png_dir = check_output_dir(Path(png_dir), inputs, "--png-dir")
     pictures = draw_pictures(comparison)
-    with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
-        page = render_page(comparison, ref_dump.manifest, run_dump.manifest, pictures)
+    ref_manifest, run_manifest = comparison.manifests or _manifests(ref, run)
+    page = render_page(comparison, ref_manifest, run_manifest, pictures)
     with replaced(output) as tmp:
         tmp.write_text(page, encoding="utf-8")
     if png_dir is not None:
         write_pngs(pictures, png_dir)
     return output
+
+
+def _manifests(ref: Path, run: Path) -> tuple[Manifest, Manifest]:
+    """The two manifests, read again: only for a comparison that does not carry them (made by hand)."""
+    with read_dump(ref) as ref_dump, read_dump(run) as run_dump:
+        return ref_dump.manifest, run_dump.manifest
 
 
 def draw_pictures(comparison: Comparison) -> tuple[Picture, ...]:
