@@ -3,7 +3,7 @@
 Consumes a `Comparison` (diff/result.py); produces a `DivergenceMap` (records x positions),
 which tests check without parsing images. The other two figures are compare's own records
 (`Comparison.layer_match`, `Comparison.row_shift`), drawn as they are. Pure: no I/O, no drawing
-(heatmap.py draws), and no measuring: every number comes from compare.
+(heatmap.py plans, raster.py draws), and no measuring: every number comes from compare.
 """
 
 from __future__ import annotations
