@@ -29,7 +29,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FONT_DIR = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
 TICK_PT = 3.5  # tick length, as matplotlib's default
 PAD_PT = 3.5  # between a tick and its label
-SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+EXPONENT_SCALE = 0.75  # a decade's exponent, raised, at this fraction of the label size (as mathtext)
 RGB = tuple[int, int, int]
 PixelBox = tuple[int, int, int, int]  # (x0, y0, x1, y1), pixels from the top-left
 
@@ -238,11 +238,17 @@ class _Canvas:
         self.image.paste(Image.fromarray(np.ascontiguousarray(np.repeat(row, y1 - y0, axis=0)), "RGB"), (x0, y0))
         self.draw.rectangle((x0 - 1, y0 - 1, x1, y1), outline="black", width=1)
         font, tick, pad = self.font(LABEL_PT), _px(TICK_PT), _px(PAD_PT)
-        for at, label in _colorbar_ticks(p.scale):
+        small = self.font(LABEL_PT * EXPONENT_SCALE)
+        for at, label, exponent in _colorbar_ticks(p.scale):
             x = x0 + at * (x1 - x0)
             self.draw.line((x, y1, x, y1 + tick), fill="black")
-            self.draw.text((x, y1 + tick + pad), label, font=font, fill="black", anchor="ma")
-        label_y = y1 + tick + 2 * pad + font.size * 1.2
+            left = x - (font.getlength(label) + small.getlength(exponent)) / 2  # the pair centred on its tick
+            drop = 0.35 * font.size if exponent else 0.0  # room above the base for its exponent
+            self.draw.text((left, y1 + tick + pad + drop), label, font=font, fill="black", anchor="la")
+            self.draw.text(
+                (left + font.getlength(label), y1 + tick + pad), exponent, font=small, fill="black", anchor="la"
+            )
+        label_y = y1 + tick + 2 * pad + font.size * (1.55 if p.scale.is_log else 1.2)
         self.draw.text(
             ((x0 + x1) / 2, label_y), p.colorbar_label, font=self.font(LABEL_PT + 0.5), fill="black", anchor="ma"
         )
@@ -253,13 +259,14 @@ def _pixel_cells(n_pixels: int, n_cells: int) -> np.ndarray:
     return np.minimum(((np.arange(n_pixels) + 0.5) * n_cells / max(n_pixels, 1)).astype(np.int64), n_cells - 1)
 
 
-def _colorbar_ticks(scale: Scale) -> list[tuple[float, str]]:
-    """(fraction along the bar, label): each decade on a log scale, fifths on a linear one."""
+def _colorbar_ticks(scale: Scale) -> list[tuple[float, str, str]]:
+    """(fraction along the bar, label, its exponent): each decade on a log scale ("10", "-6"),
+    fifths on a linear one (no exponent)."""
     if scale.is_log:
         decades = range(math.ceil(math.log10(scale.lo)), math.floor(math.log10(scale.hi)) + 1)
         span = math.log10(scale.hi) - math.log10(scale.lo)
-        return [((d - math.log10(scale.lo)) / span, f"10{str(d).translate(SUPERSCRIPT)}") for d in decades]
-    return [(i / 5, f"{scale.lo + i / 5 * (scale.hi - scale.lo):.1f}") for i in range(6)]
+        return [((d - math.log10(scale.lo)) / span, "10", str(d).replace("-", "\u2212")) for d in decades]
+    return [(i / 5, f"{scale.lo + i / 5 * (scale.hi - scale.lo):.1f}", "") for i in range(6)]
 
 
 def _star(x: float, y: float, radius: float) -> list[tuple[float, float]]:
