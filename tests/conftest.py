@@ -37,6 +37,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_on_one_thread():
+    """The suite's own references on one torch thread. The tiny models' matrices (n_embd 64) are
+    far below what intra-op threads pay for, and on two shared cores torch's second OpenMP thread
+    mostly waits for a core: one in-process `check` of the tiny pair took 97 s at torch's default
+    (2 threads) and 35 s at 1, back to back on the busy 2-core machine. Training pins its own count."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tools():
     """featdiff's build of the pinned llama.cpp programs (llama-server, llama-speculative-simple,
