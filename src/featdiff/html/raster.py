@@ -30,7 +30,6 @@ FONT_DIR = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
 TICK_PT = 3.5  # tick length, as matplotlib's default
 PAD_PT = 3.5  # between a tick and its label
 EXPONENT_SCALE = 0.75  # a decade's exponent, raised, at this fraction of the label size (as mathtext)
-RGB = tuple[int, int, int]
 PixelBox = tuple[int, int, int, int]  # (x0, y0, x1, y1), pixels from the top-left
 
 
@@ -49,12 +48,10 @@ def png_from_pixels(pixels: np.ndarray) -> bytes:
     """(height, width, 3) uint8 as a PNG (ISO 15948): 8-bit RGB, filter type 0 on every row, one
     IDAT. Pillow's encoder tries a filter per row, which costs five times the deflate itself."""
     height, width, _ = pixels.shape
-    rows = np.concatenate(
-        [np.zeros((height, 1), np.uint8), pixels.reshape(height, width * 3)], axis=1
-    )  # (height, 1 + 3 * width)
-    header = struct.pack(
-        ">IIBBBBB", width, height, 8, 2, 0, 0, 0
-    )  # depth 8, colour type 2 (RGB), deflate, no interlace
+    filters = np.zeros((height, 1), np.uint8)  # (height, 1): filter type 0, each row as it is
+    rows = np.concatenate([filters, pixels.reshape(height, width * 3)], axis=1)  # (height, 1 + 3 * width)
+    # depth 8, colour type 2 (RGB), deflate, adaptive filtering, no interlace
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(rows.tobytes(), PNG_ZLIB_LEVEL)
     return PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
