@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from featdiff.kinds import registry
 from featdiff.kinds.dflash import modelled
 from featdiff.cli import app
 from featdiff.diff.comparison import compare_dumps
@@ -77,7 +78,7 @@ def _errors(ref: Path, run: Path) -> list[str]:
 
 
 def test_docs_modelled_md_is_rendered_from_the_table():
-    assert DOC.read_text() == modelled.render_markdown(), "regenerate: featdiff.kinds.dflash.modelled.render_markdown()"
+    assert DOC.read_text() == registry.render_markdown(), "regenerate: featdiff.kinds.registry.render_markdown()"
 
 
 @pytest.mark.parametrize("feature", MODELLED)

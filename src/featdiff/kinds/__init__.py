@@ -15,6 +15,7 @@ from featdiff.kinds.registry import (
     is_drafter_arch,
     kind_of,
     of_arch,
+    of_checkpoint,
     wiring_names,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "is_drafter_arch",
     "kind_of",
     "of_arch",
+    "of_checkpoint",
     "wiring_names",
 ]

@@ -72,6 +72,22 @@ def unmodelled_eagle3(keys: Iterable[str], tensors: Iterable[str]) -> tuple[str,
     )
 
 
+def markdown_section() -> list[str]:
+    """EAGLE3's lines of docs/modelled.md (featdiff.kinds.registry.render_markdown joins them)."""
+    return [
+        "## EAGLE3 drafters (`eagle3` arch)",
+        "",
+        "From `src/featdiff/kinds/eagle3.py`: the keys and tensors the pinned `src/models/eagle3.cpp` and",
+        "its loader read, which the reference computes as they do. Any other `eagle3.*` key or tensor is",
+        "refused as above.",
+        "",
+        "| name | kind |",
+        "|---|---|",
+        *(f"| `{k}` | key |" for k in sorted(MODELLED_KEYS)),
+        *(f"| `{t}` | tensor |" for t in sorted(MODELLED_TENSORS)),
+    ]
+
+
 # --- the HF side: EAGLE3 checkpoints as their trainers write them ---------------------------------
 # What a layer id means differs by trainer, and llama.cpp taps layer INPUTS (common/speculative.cpp:
 # llama_set_embeddings_layer_inp): the output of layer L is the input of layer L + 1, so a
@@ -176,6 +192,12 @@ def eagle3_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     fields over the top level (the converter's merge), `eagle_config` kept nested."""
     nested = raw.get("transformer_layer_config")
     return {**raw, **(nested if isinstance(nested, dict) else {})}
+
+
+def is_eagle3_config(config: Mapping[str, Any]) -> bool:
+    """The converter's test of an EAGLE3 checkpoint: `draft_vocab_size` and one hidden layer."""
+    merged = eagle3_config(config)
+    return names.HF_DRAFT_VOCAB_SIZE in merged and merged.get(names.HF_NUM_LAYERS) == 1
 
 
 def trainer_of(config: Mapping[str, Any], tensors: Iterable[str]) -> Trainer | None:

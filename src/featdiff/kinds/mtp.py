@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from featdiff.core import names
 
 # An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
@@ -28,3 +31,28 @@ MTP_WIRING: tuple[str, ...] = (
 MTP_TARGET_WIRING: tuple[str, ...] = (names.H_NEXTN, names.RESULT_OUTPUT)
 
 MTP = "mtp"  # the MTP kind's name: its drafter runs in an MTP context (LLAMA_CONTEXT_TYPE_MTP)
+
+HF_MTP_LAYERS = "mtp_num_hidden_layers"  # Qwen3.5's count of MTP blocks in config.json
+HF_GLM_MTP_LAYERS = "num_nextn_predict_layers"  # GLM-4.5's: that many more decoder layers
+# A checkpoint's model_type -> the config.json key that counts its MTP blocks, as the pinned converter
+# reads it (conversion/qwen.py, glm.py, mimo.py); None: the config does not say, and every checkpoint
+# of the type ships its heads (MiMo-V2's 3: conversion/mimo.py hardcodes the count). torchref.mtp.hf's
+# HF_HEADS says where each family keeps its head.
+MTP_LAYERS_KEY: dict[str, str | None] = {
+    "qwen3_5_text": HF_MTP_LAYERS,
+    "qwen3_5": HF_MTP_LAYERS,
+    "qwen3_5_moe_text": HF_MTP_LAYERS,
+    "qwen3_5_moe": HF_MTP_LAYERS,
+    "glm4_moe": HF_GLM_MTP_LAYERS,
+    "mimo_v2_flash": None,
+}
+
+
+def is_mtp_checkpoint(config: Mapping[str, Any]) -> bool:
+    """A checkpoint that declares MTP layers (config.json, or its `text_config`: MTP_LAYERS_KEY)."""
+    text = config.get("text_config", config)
+    model_type = text.get(names.HF_MODEL_TYPE)
+    if model_type not in MTP_LAYERS_KEY:
+        return False
+    key = MTP_LAYERS_KEY[model_type]
+    return key is None or int(text.get(key, 0) or 0) > 0

@@ -19,7 +19,6 @@ from featdiff.core.blocks import (
     block_size_problem,
     check_rounds_fit,
     clamped_draft_max,
-    first_draft_row,
 )
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import (
@@ -65,8 +64,7 @@ def preflight(
 def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
     """Every problem of the drafter `d` (and its fit to the target `t`), each with its severity:
     the checks of its kind's architecture (featdiff.kinds)."""
-    checks = CHECKS_OF_ARCH.get(d.arch)
-    if checks is None:
+    if d.arch not in kinds.ALL_DRAFTER_ARCHS:
         return [
             Problem(
                 f"{names.KEY_ARCH} = {d.arch!r}, expected one of {', '.join(kinds.ALL_DRAFTER_ARCHS)}; pass the "
@@ -74,6 +72,7 @@ def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
                 FATAL,
             )
         ]
+    checks = kinds.kind_of(d.arch, d.tensors, str(d.path)).check_table()
     return [Problem(text, severity) for check, severity in checks for text in check(d, t)]
 
 
@@ -88,8 +87,10 @@ def _capture_block_rows(d: GgufModel, draft_max: int) -> int:
 
 
 def _first_draft_row(d: GgufModel) -> int:
-    """The block row llama.cpp reads the drafter's first draft from (featdiff.core.blocks)."""
-    return first_draft_row(names.T_MARKOV_W1 in d.tensors, bool(meta(d, names.KEY_SAMPLE_FROM_ANCHOR, True)))
+    """The block row llama.cpp reads the drafter's first draft from: its block kind's rule
+    (DrafterKind.first_draft_row); 1 where a kind has none."""
+    rule = kinds.kind_of(d.arch, d.tensors, str(d.path)).first_draft_row
+    return rule(d) if rule is not None else 1
 
 
 def _n_embd(g: GgufModel) -> int | None:
@@ -260,8 +261,8 @@ def _unmodelled_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
 
 
 # Each check of a drafter and the severity of its problems, in lint's order: written once, so lint
-# lists them all and preflight refuses the fatal ones.
-_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+# lists them all and preflight refuses the fatal ones. Each kind names its table (DrafterKind.checks).
+DFLASH_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
     (_target_layer_problems, FATAL),  # no ids: refused; an id >= n_layer: GGML_ASSERT
     (_fc_problems, FATAL),  # a wrong width: refused at load
     (_block_size_problems, FATAL),  # no row to draft, or a block past one ubatch: GGML_ASSERT
@@ -331,7 +332,7 @@ def _eagle3_d2t_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return []
 
 
-_EAGLE3_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+EAGLE3_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
     (_eagle3_layer_problems, FATAL),
     (_eagle3_fc_problems, FATAL),
     (_eagle3_d2t_problems, FATAL),
@@ -374,15 +375,6 @@ def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return []
 
 
-_MTP_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+MTP_CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
     (_mtp_head_problems, FATAL),
 )
-# The checks of each drafter architecture (featdiff.kinds.KINDS)
-CHECKS_OF_ARCH = {
-    names.ARCH_DFLASH: _CHECKS,
-    names.ARCH_EAGLE3: _EAGLE3_CHECKS,
-    names.ARCH_QWEN35: _MTP_CHECKS,
-    names.ARCH_QWEN35MOE: _MTP_CHECKS,
-    names.ARCH_GLM4MOE: _MTP_CHECKS,
-    names.ARCH_MIMO2: _MTP_CHECKS,
-}

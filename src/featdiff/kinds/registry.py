@@ -13,7 +13,17 @@ imports only its own code. Adding a kind is its own modules plus one `DrafterKin
   `featdiff reference` command for that kind (the options of torchref.run.reference), and the
   accept probe's `load_pair_draft(target, model, numerics)` and `probe_round(target, draft,
   prompt, numerics, block_rows)` (one round after a prompt);
-* `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs).
+* `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs);
+* `checks`: `module:name` in `featdiff.kinds` of its lint checks, a tuple of (check(d, t) -> list of
+  problem texts, severity) in lint's order (featdiff.kinds.preflight runs them; `check_table`);
+* `unmodelled(keys, tensors)`: the GGUF keys (`<arch>.*` ones, name -> value) and tensors the reference
+  does not model (lint lists them, the reference refuses them, a capture records them);
+* `is_checkpoint(config)`: whether a HF checkpoint's config.json is this kind's, as the pinned
+  converter tells it (None: the DFlash graph's, what a checkpoint no kind claims is taken for);
+* `first_draft_row(gguf)`: a block kind's row of its block that llama.cpp reads the first draft from
+  (None for a step kind);
+* `modelled_doc()`: its section of docs/modelled.md, lines (`render_markdown` joins each section once,
+  in this table's order; None: the kind's reference says what it reads elsewhere).
 
 DFlash, DFlash2 and DSpark share the `dflash` graph (llama.cpp runs one arch with the heads a
 file carries), so they share its modules; EAGLE3 is its own arch and flow.
@@ -22,13 +32,21 @@ file carries), so they share its modules; EAGLE3 is its own arch and flow.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from featdiff.core import names
 from featdiff.core.errors import InputError
-from featdiff.kinds.eagle3 import EAGLE3_WIRING
-from featdiff.kinds.mtp import MTP, MTP_TARGET_WIRING, MTP_WIRING
+from featdiff.core.gguf_reader import GgufModel
+from featdiff.kinds.dflash.dspark import gguf_first_draft_row
+from featdiff.kinds.dflash.modelled import unmodelled_in
+from featdiff.kinds.dflash.modelled_doc import markdown_section as dflash_markdown
+from featdiff.kinds.eagle3 import EAGLE3_WIRING, is_eagle3_config, unmodelled_eagle3
+from featdiff.kinds.eagle3 import markdown_section as eagle3_markdown
+from featdiff.kinds.mtp import MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint
+from featdiff.kinds.problems import Severity
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,17 @@ class DrafterKind:
     # it runs on the target's own model (an MTP head: one load with its MTP layers where the head is
     # in the target's GGUF, an MTP context, --spec-type alone says it drafts); False: its own model
     shares_target_model: bool = False
+    # its lint checks (the module docstring); the DFlash graph's by default
+    checks: str = "preflight:DFLASH_CHECKS"
+    # its GGUF's unmodelled keys and tensors (the module docstring); None: no table of kinds/ says
+    # (an MTP head's unread keys and tensors are torchref.mtp.head's, which lint asks itself)
+    unmodelled: Callable[[Mapping[str, Any], Iterable[str]], tuple[str, ...]] | None = unmodelled_in
+    # whether a HF config.json is its checkpoint's (the module docstring)
+    is_checkpoint: Callable[[Mapping[str, Any]], bool] | None = None
+    # a block kind's first draft row (the module docstring): the DFlash graph's rule by default
+    first_draft_row: Callable[[GgufModel], int] | None = gguf_first_draft_row
+    # its section of docs/modelled.md (the module docstring); the DFlash graph's by default
+    modelled_doc: Callable[[], list[str]] | None = dflash_markdown
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -73,6 +102,14 @@ class DrafterKind:
 
     def reference_module(self) -> ModuleType:
         return importlib.import_module(f"featdiff.torchref.{self.reference}")
+
+    def check_table(self) -> tuple[tuple[Callable[..., list[str]], Severity], ...]:
+        """Its lint checks (`checks`), each with the severity of its problems."""
+        module, _, attr = self.checks.partition(":")
+        table: tuple[tuple[Callable[..., list[str]], Severity], ...] = getattr(
+            importlib.import_module(f"featdiff.kinds.{module}"), attr
+        )
+        return table
 
 
 KINDS: tuple[DrafterKind, ...] = (
@@ -122,6 +159,11 @@ KINDS: tuple[DrafterKind, ...] = (
         block_flow=False,
         layer_rule="eagle_aux_hidden_state_layer_ids as they are (the EAGLE3 converter adds no +1)",
         row_token=1,
+        checks="preflight:EAGLE3_CHECKS",
+        unmodelled=unmodelled_eagle3,
+        is_checkpoint=is_eagle3_config,
+        first_draft_row=None,
+        modelled_doc=eagle3_markdown,
     ),
     DrafterKind(
         MTP,
@@ -140,6 +182,11 @@ KINDS: tuple[DrafterKind, ...] = (
         more_archs=(names.ARCH_QWEN35MOE, names.ARCH_GLM4MOE, names.ARCH_MIMO2),
         row_token=0,
         shares_target_model=True,
+        checks="preflight:MTP_CHECKS",
+        unmodelled=None,
+        is_checkpoint=is_mtp_checkpoint,
+        first_draft_row=None,
+        modelled_doc=None,
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
@@ -169,6 +216,14 @@ def of_arch(arch: str | None) -> DrafterKind:
     return next((k for k in KINDS if arch in k.archs), KINDS[0])
 
 
+def of_checkpoint(config: Mapping[str, Any]) -> DrafterKind:
+    """The kind of a HF checkpoint from its config.json: the first kind whose `is_checkpoint` claims
+    it, a head inside a target's checkpoint first (its config is a whole target's, which may look
+    like another kind's); DFlash's when none does."""
+    told = sorted((k for k in KINDS if k.is_checkpoint is not None), key=lambda k: not k.shares_target_model)
+    return next((k for k in told if k.is_checkpoint is not None and k.is_checkpoint(config)), KINDS[0])
+
+
 def by_name(name: str) -> DrafterKind:
     return next(k for k in KINDS if k.name == name)
 
@@ -183,3 +238,17 @@ def wiring_names(arch: str | None) -> tuple[str, ...]:
     wiring and every target layer, without the API read-backs (older dumps lack them)."""
     wiring = dict.fromkeys(of_arch(arch).wiring + names.TARGET_ALL_LAYERS)
     return tuple(n for n in wiring if n not in names.READBACK_RECORDS)
+
+
+def render_markdown() -> str:
+    """docs/modelled.md: each kind's section (`modelled_doc`), once, in KINDS' order."""
+    sections = dict.fromkeys(k.modelled_doc for k in KINDS if k.modelled_doc is not None)
+    lines = [
+        "# What the reference models of a drafter",
+        "",
+        "Generated from each kind's table by `featdiff.kinds.registry.render_markdown` (the DFlash graph's:",
+        "`src/featdiff/kinds/dflash/modelled.py`); do not edit by hand.",
+    ]
+    for section in sections:
+        lines += ["", *section()]
+    return "\n".join(lines) + "\n"

@@ -1,19 +1,19 @@
-"""What the reference does not model in a drafter GGUF, asked of each kind's table (kinds/dflash/modelled.py,
-kinds/eagle3.py)."""
+"""What the reference does not model in a drafter GGUF, asked of its kind (featdiff.kinds.registry:
+`DrafterKind.unmodelled`, each kind's table: kinds/dflash/modelled.py, kinds/eagle3.py)."""
 
 from __future__ import annotations
 
-from featdiff.core import names
 from featdiff.core.gguf_reader import GgufModel
-from featdiff.kinds.dflash.modelled import unmodelled_in
-from featdiff.kinds.eagle3 import unmodelled_eagle3
+from featdiff.kinds import registry as kinds
 
 
 def gguf_unmodelled(model: GgufModel) -> tuple[str, ...]:
-    """The drafter GGUF's keys and tensors the reference does not model: an EAGLE3 drafter's
-    (featdiff.kinds.eagle3), else its `dflash.*` ones (featdiff.kinds.dflash.modelled)."""
-    if model.arch == names.ARCH_EAGLE3:
-        return unmodelled_eagle3(model.reader.fields, model.tensors)
-    fields = model.reader.fields
-    keys = {k: f.contents() for k, f in fields.items() if k.startswith(f"{names.ARCH_DFLASH}.")}
-    return unmodelled_in(keys, model.tensors)
+    """The drafter GGUF's keys and tensors the reference does not model: its kind's `<arch>.*` keys
+    and its tensors, as the kind's table says (the DFlash graph's for an architecture no kind has);
+    () for a kind with no table here (MTP)."""
+    kind = kinds.of_arch(model.arch)
+    if kind.unmodelled is None:
+        return ()
+    prefix = f"{kind.arch}."
+    keys = {k: f.contents() for k, f in model.reader.fields.items() if k.startswith(prefix)}
+    return kind.unmodelled(keys, model.tensors)

@@ -7,29 +7,24 @@ from pathlib import Path
 from typing import Any
 
 from featdiff.kinds import registry as kinds
-from featdiff.kinds import mtp as kinds_mtp
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
-from featdiff.torchref.eagle3.hf import is_eagle3_config
 from featdiff.torchref.load_hf import read_config
-from featdiff.torchref.mtp.hf import is_mtp_checkpoint
 
 EAGLE3 = "eagle3"  # featdiff.kinds' name of the kind
 
 
 def drafter_kind(model: Path) -> kinds.DrafterKind:
     """The kind of the drafter at `model`: a GGUF's architecture and tensors, a HF checkpoint's
-    config.json as the pinned converter tells an EAGLE3 checkpoint (conversion/llama.py) or a
-    Qwen3.5 one with MTP layers (conversion/qwen.py)."""
+    config.json as each kind tells its checkpoint (`DrafterKind.is_checkpoint`, as the pinned
+    converter does: conversion/llama.py for EAGLE3, conversion/qwen.py for a Qwen3.5 one with MTP layers)."""
     if model.is_dir():
         try:
             config = read_config(model)
         except InputError:
             return kinds.KINDS[0]
-        if is_mtp_checkpoint(config):  # a Qwen3.5 checkpoint with its MTP head: the head is the drafter
-            return kinds.by_name(kinds_mtp.MTP)
-        return kinds.by_name(EAGLE3 if is_eagle3_config(config) else "dflash")
+        return kinds.of_checkpoint(config)  # a checkpoint with its MTP head: the head is the drafter
     try:
         g = read_gguf(model, ggml_dequant.load)
     except (InputError, OSError):  # no file, not a GGUF: the DFlash path says so as it always has

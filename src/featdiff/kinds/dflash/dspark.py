@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from featdiff.core import names
+from featdiff.core.blocks import first_draft_row
+from featdiff.core.gguf_reader import GgufModel, meta
 from featdiff.kinds.problems import _DSPARK_EXTRAS, _WHY
 
 # The DSpark tensors a file may hold, and d2t (which sizes markov_w2), by GGUF name
@@ -14,6 +16,13 @@ DSPARK_FILE_TENSORS = (
     names.T_CONF_PROJ_B,
     names.T_D2T,
 )
+
+
+def gguf_first_draft_row(d: GgufModel) -> int:
+    """The block row llama.cpp reads a `dflash` drafter GGUF's first draft from (featdiff.core.blocks):
+    the heads the file carries choose it, whatever kind of the graph it is told as (a DSpark Markov
+    head with `dflash.sample_from_anchor`, absent = true, drafts from the anchor's row)."""
+    return first_draft_row(names.T_MARKOV_W1 in d.tensors, bool(meta(d, names.KEY_SAMPLE_FROM_ANCHOR, True)))
 
 
 def dspark_problems(

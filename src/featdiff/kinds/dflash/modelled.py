@@ -7,7 +7,8 @@ Consumes a drafter's metadata (GGUF keys and tensor names, or a HF config.json a
 produces the names it carries that the reference does not compute as llama.cpp does. The reference
 refuses those (exit 2), lint lists them, capture records them in the manifest (`ModelInfo.unmodelled`)
 and compare names them instead of reporting a wiring fault. It sits below `gguf_reader` because
-capture, lint and the reference all read it; docs/modelled.md is rendered from it (`render_markdown`).
+capture, lint and the reference all read it; its section of docs/modelled.md is rendered from it
+(kinds/dflash/modelled_doc.py, joined by featdiff.kinds.registry.render_markdown).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any, Literal
 
 from featdiff.core import names
 from featdiff.core.phases import Phase
-from featdiff.kinds import eagle3 as modelled_eagle3
 
 Kind = Literal["key", "tensor", "file"]
 DFLASH_PREFIX = f"{names.ARCH_DFLASH}."
@@ -494,42 +494,3 @@ def refusal(path: str, found: tuple[str, ...]) -> str:
         f"model; a comparison would blame the wiring for it. {supported_line()}; compare a drafter "
         "without it, or add it to featdiff (src/featdiff/kinds/dflash/modelled.py)"
     )
-
-
-def render_markdown() -> str:
-    """docs/modelled.md: the table, as rendered from this module."""
-    lines = [
-        "# What the reference models of a drafter",
-        "",
-        "Generated from `src/featdiff/kinds/dflash/modelled.py` (`featdiff.kinds.dflash.modelled.render_markdown`); do not edit by hand.",
-        "",
-        "Every GGUF key and tensor the pinned llama.cpp's `dflash` graph or its loader reads, and the",
-        "HF `config.json` fields the pinned converter (`conversion/qwen.py`, DFlashModel / DSparkModel)",
-        "writes them from. **modelled**: the reference computes it as `src/models/dflash.cpp` does.",
-        "**refused**: `featdiff reference` exits 2 naming it, `featdiff lint` lists it, capture records it",
-        "in the manifest (`models.draft.unmodelled`, docs/dump.md) and `compare` reports one `info`",
-        "finding naming it instead of a wiring fault. An unmodelled key at an inert value (llama.cpp's",
-        "default) is not refused; a `dflash.*` key or tensor missing from this table is refused as unknown.",
-        "",
-        "| name | kind | status | what llama.cpp computes | HF config.json | inert values |",
-        "|---|---|---|---|---|---|",
-    ]
-    for e in TABLE:
-        status = "modelled" if e.modelled else "refused"
-        hf = ", ".join(f"`{h}`" for h in e.hf)
-        inert = ", ".join(f"`{v!r}`" for v in e.inert)
-        lines.append(f"| `{e.name}` | {e.kind} | {status} | {e.how} | {hf} | {inert} |")
-    lines += [
-        "",
-        "## EAGLE3 drafters (`eagle3` arch)",
-        "",
-        "From `src/featdiff/kinds/eagle3.py`: the keys and tensors the pinned `src/models/eagle3.cpp` and",
-        "its loader read, which the reference computes as they do. Any other `eagle3.*` key or tensor is",
-        "refused as above.",
-        "",
-        "| name | kind |",
-        "|---|---|",
-        *(f"| `{k}` | key |" for k in sorted(modelled_eagle3.MODELLED_KEYS)),
-        *(f"| `{t}` | tensor |" for t in sorted(modelled_eagle3.MODELLED_TENSORS)),
-    ]
-    return "\n".join(lines) + "\n"

@@ -37,6 +37,7 @@ from featdiff.kinds.eagle3 import (
     STATED,
     Trainer,
     eagle3_config,
+    is_eagle3_config,
     stated_layer_ids,
     trainer_of,
     unread_keys,
@@ -59,12 +60,6 @@ GGUF_FROM_HF = {
     names.HF_LM_HEAD: names.T_OUTPUT,
     names.HF_D2T: names.T_D2T,
 }
-
-
-def is_eagle3_config(config: dict[str, Any]) -> bool:
-    """The converter's test of an EAGLE3 checkpoint: `draft_vocab_size` and one hidden layer."""
-    merged = eagle3_config(config)
-    return names.HF_DRAFT_VOCAB_SIZE in merged and merged.get(names.HF_NUM_LAYERS) == 1
 
 
 def eagle3_from_hf(

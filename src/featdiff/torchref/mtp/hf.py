@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from featdiff.core import names
 from featdiff.core.errors import InputError
+from featdiff.kinds.mtp import HF_MTP_LAYERS, MTP_LAYERS_KEY, is_mtp_checkpoint
 from featdiff.torchref.mtp.head import MtpHead
 from featdiff.torchref.mtp.layer import MOE_CHOICE_BIAS, MOE_EXPERTS, MOE_ROUTER, MoeRouting
 from featdiff.torchref.weights import Hparams, Source
@@ -59,11 +60,9 @@ NEXTN_TENSORS = {
 }
 HF_MTP_PREFIX = "mtp."
 HF_MTP_LAYER = "mtp.layers.0."
-HF_MTP_LAYERS = "mtp_num_hidden_layers"
 # norms a Qwen3.5 checkpoint stores zero-centred (x * (1 + w)); the converter adds one
 # (conversion/qwen.py Qwen3NextModel.modify_tensors: every `norm.weight` but the linear attention's)
 HF_NORM_SUFFIX = "norm"
-HF_GLM_MTP_LAYERS = "num_nextn_predict_layers"
 HF_MOE_INTERMEDIATE_SIZE = "moe_intermediate_size"  # a MoE config's expert width (it may say no intermediate_size)
 # GLM-4.5's head layer (HF names after `model.layers.<n_layer>.`) -> the block's GGUF keys, as the
 # converter maps them (gguf-py tensor_mapping: attention with biases, the sigmoid router and its
@@ -112,16 +111,6 @@ class _HfHead:
     hparams: Callable[[dict[str, Any], _HfHead], Hparams]  # the text config -> the block's dims
     # the text config -> the prefix of every tensor of the family's MTP heads (strict loading)
     namespace: Callable[[dict[str, Any]], str]
-
-
-def is_mtp_checkpoint(config: dict[str, Any]) -> bool:
-    """A checkpoint that declares MTP layers (config.json `mtp_num_hidden_layers`, GLM-4.5's
-    `num_nextn_predict_layers`: HF_HEADS' layers_key)."""
-    text = config.get("text_config", config)
-    kind = HF_HEADS.get(text.get(names.HF_MODEL_TYPE))
-    if kind is None:
-        return False
-    return kind.layers_key is None or int(text.get(kind.layers_key, 0) or 0) > 0
 
 
 def mtp_from_hf(path: Path, dtype: torch.dtype, device: torch.device) -> MtpHead:
@@ -347,18 +336,29 @@ def _extra_layer(text: dict[str, Any]) -> str:
     return names.HF_TARGET_PREFIX + names.HF_LAYER_PREFIX.format(il=int(text[names.HF_NUM_LAYERS]))
 
 
-_QWEN35 = _HfHead(names.ARCH_QWEN35, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35_fields, _hf_hparams, _mtp_layer)
-_QWEN35MOE = _HfHead(names.ARCH_QWEN35MOE, HF_MTP_LAYERS, 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams, _mtp_layer)
-# model_type -> where its head is and how the converter writes it
+_QWEN35 = _HfHead(
+    names.ARCH_QWEN35, MTP_LAYERS_KEY["qwen3_5"], 0.25, _mtp_layer, _qwen35_fields, _hf_hparams, _mtp_layer
+)
+_QWEN35MOE = _HfHead(
+    names.ARCH_QWEN35MOE, MTP_LAYERS_KEY["qwen3_5_moe"], 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams, _mtp_layer
+)
+# model_type -> where its head is and how the converter writes it (its layers key: kinds/mtp.py's
+# MTP_LAYERS_KEY, which tells a checkpoint with a head)
 HF_HEADS = {
     "qwen3_5_text": _QWEN35,
     "qwen3_5": _QWEN35,
     "qwen3_5_moe_text": _QWEN35MOE,
     "qwen3_5_moe": _QWEN35MOE,
     "glm4_moe": _HfHead(
-        names.ARCH_GLM4MOE, HF_GLM_MTP_LAYERS, 0.5, _extra_layer, glm_head_tensors, _hf_hparams, _extra_layer
+        names.ARCH_GLM4MOE, MTP_LAYERS_KEY["glm4_moe"], 0.5, _extra_layer, glm_head_tensors, _hf_hparams, _extra_layer
     ),
     "mimo_v2_flash": _HfHead(
-        names.ARCH_MIMO2, None, 1.0, _mimo_mtp_layer, mimo_head_tensors, _mimo_hparams, _mimo_namespace
+        names.ARCH_MIMO2,
+        MTP_LAYERS_KEY["mimo_v2_flash"],
+        1.0,
+        _mimo_mtp_layer,
+        mimo_head_tensors,
+        _mimo_hparams,
+        _mimo_namespace,
     ),
 }
