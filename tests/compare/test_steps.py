@@ -73,6 +73,11 @@ def test_a_refused_step_still_holds_the_positions_the_driver_gave_it():
     f = d.detect_position_offset_of_steps(REF, run)
     assert f is not None and (f.fields["offset"], f.fields["eval"]) == (2, STEP1)
     assert "two positions late" not in f.message and "2 positions late" in f.message and "refused" in f.message
+    # the reference that follows the run decodes only the steps the run made: the flow places the rest
+    ref = manifest([e for e in step_evals() if e.eval not in (STEP1, STEP2)], source="reference")
+    f = d.detect_position_offset_of_steps(ref, run)
+    assert f is not None and (f.fields["offset"], f.fields["eval"]) == (2, STEP1)
+    assert "where the flow puts it at 5" in f.message
 
 
 def test_a_seed_off_with_its_steps_is_named_at_the_seed():
@@ -125,6 +130,13 @@ def test_steps_fed_the_seeds_state_are_a_wrong_source_seed_state():
         assert f.fields == {"source": SEED_STATE_SOURCE, "candidate": f"{record} of step 1 (position 21)"}
         assert "steps 2 to 3 (positions 22..23)" in f.message
         assert place(f, Export({}, {}), ()).where == "driver"
+    ref = _round_rows(3)
+    run = ref.copy()
+    run[2] = ref[1]
+    f = d.detect_wrong_source_of_step_state(_evidence("g_norm-0", ref, run))
+    assert f is not None and f.message.startswith(
+        "g_norm-0 of draft step 2 (position 22) holds the state step 1 was fed"
+    )
 
 
 def test_step_state_silent_on_other_records_other_rows_and_rows_not_step_1s():

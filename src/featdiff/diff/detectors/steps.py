@@ -25,7 +25,7 @@ SEED_STATE_SOURCE = "seed_state"
 # the records that hold the state a draft step is fed: EAGLE3's g (normed, as its first layer reads
 # it), the MTP head's hidden input and its norm
 STEP_STATE_RECORDS = (names.MTP_H_INPUT,)
-STEP_STATE_PREFIXES = ("g_norm-", f"{names.MTP_HNORM}-")
+STEP_STATE_PREFIXES = (f"{names.EAGLE3_G_NORM}-", f"{names.MTP_HNORM}-")
 
 
 # --- the positions of the seed and each step -----------------------------------------------------
@@ -35,16 +35,23 @@ def detect_position_offset_of_steps(ref: Manifest, run: Manifest) -> Finding | N
     """Hypothesis: the driver decoded a round's seed, or its draft steps after the seed, at
     positions off by a constant (each step one position late). Evidence, in flow order: each
     one-token draft eval of the run against the reference's eval of the same index in the same
-    round, while both sides decoded the same tokens so far; the first eval off by k != 0 from
-    which every later one of the round is off by the same k. A refused decode (llama.cpp refuses
-    a step that leaves a gap in the cache) still holds the positions the driver gave it."""
+    round (past the steps the reference decoded, the flow's: the seed's position + the step),
+    while both sides decoded the same tokens so far; the first eval off by k != 0 from which every
+    later one of the round is off by the same k. A refused decode (llama.cpp refuses a step that
+    leaves a gap in the cache; a reference that follows the run leaves it out) still holds the
+    positions the driver gave it."""
     ref_batches = batches(ref)
     same_history = run.prompt_tokens == ref.prompt_tokens
     for key, batch in batches(run).items():
         ref_batch = ref_batches.get(key) if same_history else None
         if ref_batch is None:
             return None
-        if key[:2] == (ROLE_DRAFT, Phase.DRAFT) and _one_token_steps(batch) and _one_token_steps(ref_batch):
+        if (
+            key[:2] == (ROLE_DRAFT, Phase.DRAFT)
+            and len(batch.evals) > 1
+            and _one_token(batch)
+            and _one_token(ref_batch)
+        ):
             found = _step_offset(batch, ref_batch)
             if found is not None:
                 return _step_finding(batch, ref_batch, *found)
@@ -52,16 +59,24 @@ def detect_position_offset_of_steps(ref: Manifest, run: Manifest) -> Finding | N
     return None
 
 
-def _one_token_steps(batch: Batch) -> bool:
-    return len(batch.evals) > 1 and all(len(ev.positions) == 1 for ev in batch.evals)
+def _one_token(batch: Batch) -> bool:
+    return all(len(ev.positions) == 1 for ev in batch.evals)
+
+
+def _expected(ref_batch: Batch, step: int) -> int:
+    """Where step `step` of the round sits: the reference's, else the seed's position + the step."""
+    if step < len(ref_batch.evals):
+        return ref_batch.evals[step].positions[0]
+    return ref_batch.evals[0].positions[0] + step
 
 
 def _step_offset(batch: Batch, ref_batch: Batch) -> tuple[int, int] | None:
     """(the first step off, its offset k) when from that step on every step of the round is off
-    by the same k != 0 from the reference's; None when none is, or the offsets vary."""
+    by the same k != 0 from where the reference (or the flow) puts it; None when none is, or the
+    offsets vary."""
     if batch.evals[0].token_ids != ref_batch.evals[0].token_ids:
         return None  # another seed token: another history
-    offsets = [ev.positions[0] - r.positions[0] for ev, r in zip(batch.evals, ref_batch.evals)]
+    offsets = [ev.positions[0] - _expected(ref_batch, i) for i, ev in enumerate(batch.evals)]
     first = next((i for i, k in enumerate(offsets) if k != 0), None)
     if first is None or len(set(offsets[first:])) != 1:
         return None
@@ -69,7 +84,8 @@ def _step_offset(batch: Batch, ref_batch: Batch) -> tuple[int, int] | None:
 
 
 def _step_finding(batch: Batch, ref_batch: Batch, step: int, k: int) -> Finding:
-    ev, ref_ev = batch.evals[step], ref_batch.evals[step]
+    ev, at = batch.evals[step], _expected(ref_batch, step)
+    by = "the reference decoded it" if step < len(ref_batch.evals) else "the flow puts it"
     rnd = batch.key[2]
     late = "late" if k > 0 else "early"
     how = "one position" if abs(k) == 1 else f"{abs(k)} positions"
@@ -88,7 +104,7 @@ def _step_finding(batch: Batch, ref_batch: Batch, step: int, k: int) -> Finding:
         PositionOffsetFields(offset=k, role=ROLE_DRAFT, phase=Phase.DRAFT, round=rnd, eval=ev.eval),
         tensor=names.INP_POS,
         message=f"{what} of the draft of round {rnd} is off by {k:+d} ({how} {late}): the run decoded it at "
-        f"{ev.positions[0]}{refused} where the reference decoded it at {ref_ev.positions[0]}; {expected}: "
+        f"{ev.positions[0]}{refused} where {by} at {at}; {expected}: "
         "check the position the driver gives each step",
     )
 
@@ -116,9 +132,14 @@ def detect_wrong_source_of_step_state(ev: Evidence) -> Finding | None:
     step1 = ev.ref[1:2]
     if not np.all(row_relative_error(np.repeat(step1, len(pos) - 2, axis=0), ev.run[2:]) <= ev.tolerance.row_rel):
         return None
+    steps = (
+        f"draft step 2 (position {int(pos[2])})"
+        if len(pos) == 3
+        else f"draft steps 2 to {len(pos) - 1} (positions {int(pos[2])}..{int(pos[-1])})"
+    )
     return error_finding(
         ev,
-        f"{ev.tensor} of draft steps 2 to {len(pos) - 1} (positions {int(pos[2])}..{int(pos[-1])}) holds the state "
+        f"{ev.tensor} of {steps} holds the state "
         f"step 1 was fed, the one the seed made (position {int(pos[0])}): the driver hands every step after the "
         "first the seed's state again; hand step k the state step k - 1 made (its output row)",
         WrongSourceFields(source=SEED_STATE_SOURCE, candidate=f"{ev.record} of step 1 (position {int(pos[1])})"),
