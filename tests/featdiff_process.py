@@ -101,3 +101,24 @@ def served_together(evals) -> bool:
         if not seen or seen[-1] != e.flow:
             seen.append(e.flow)
     return len(seen) > len(set(seen))
+
+
+def compares_clean_against_its_tokens(run: Path, target: Path, model: Path, out: Path) -> None:
+    """Compare the run dump `run` with `reference --tokens T --rounds N` of its own prompt and
+    drafted rounds, as DFlash's docs make it (not --follow: the reference drafts and accepts on its
+    own), and fail the test on any error or on a step left unpaired by its token history (issue
+    42, item 3: a token history is the tokens the sequence holds)."""
+    from featdiff.diff import compare_dumps
+    from featdiff.dump.reader import read_dump
+    from featdiff.torchref.kind import reference
+
+    with read_dump(run) as dump:
+        m = dump.manifest
+    tokens, rounds = ",".join(map(str, m.prompt_tokens)), sum(1 for r in m.rounds if r.drafts)
+    ref = reference(
+        target, model, out, prompt=None, tokens=tokens, rounds=rounds,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert not [f for f in c.findings if f.kind == "unpaired" and f.fields.get("reason") == "token_history"]

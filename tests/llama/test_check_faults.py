@@ -9,9 +9,10 @@ show only with several sequences at once (tests/llama/test_sequences.py), `eagle
 the `mtp-*` faults need their own pairs (test_eagle3_faults.py, test_mtp_exec.py), the graph
 faults of libllama (`log-snr-*`, `eagle3-*`, `mtp-*`, `recurrent-keep-rejected`) are read once
 per process (test_check.py runs check on the log-SNR one in its own process), and
-`device-features-stale` needs a Vulkan device. `npast-drift` (round 2's verify one position late)
-is named `position_offset` by compare against a reference of the prompt (test_driver_faults.py),
-but check, whose reference follows the run, names only a `divergence` there: an open gap (issue 48)."""
+`device-features-stale` needs a Vulkan device. `npast-drift` (n_past one past each accept) is
+named `position_offset` at the next verify here too: check's reference follows the run's rounds,
+whose accepted counts the capture takes from the positions, and the verify's kept draft is the
+evidence (diff/detectors/choices.detect_n_past_past_the_accept)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ FAULTS = {
     "no-inject": (("llama-speculative-simple",), "not_conditioned"),
     "inject-twice": (("llama-speculative-simple",), "duplicate_rows"),
     "keep-rejected": (("llama-speculative-simple", "llama-server"), "stale"),
+    "npast-drift": (("llama-speculative-simple",), "position_offset"),
 }
 CASES = [pytest.param(fault, program, id=f"{fault}@{program}") for fault, (ps, _) in FAULTS.items() for program in ps]
 

@@ -74,16 +74,11 @@ def test_a_correct_eagle3_run_compares_clean_against_a_reference_of_its_tokens(t
     cmd = _command(tools, "llama-speculative-simple", pair)
     cmd[cmd.index("-n") + 1] = str(n_predict)
     run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S)
-    with read_dump(run) as dump:
-        m = dump.manifest
-    tokens, rounds = ",".join(map(str, m.prompt_tokens)), sum(1 for r in m.rounds if r.drafts)
-    ref = reference(
-        pair / "target.gguf", pair / "draft.gguf", tmp_path / "ref.npz", prompt=None, tokens=tokens, rounds=rounds,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None,
-    )  # fmt: skip
-    c = compare_dumps(ref, run)
-    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
-    assert not [f for f in c.findings if f.kind == "unpaired" and f.fields.get("reason") == "token_history"]
+    import featdiff_process
+
+    featdiff_process.compares_clean_against_its_tokens(
+        run, pair / "target.gguf", pair / "draft.gguf", tmp_path / "ref.npz"
+    )
 
 
 def _command(tools, program: str, d: Path) -> list[str]:

@@ -86,14 +86,6 @@ def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, varian
     assert not unexpected, unexpected
 
 
-def _of_its_tokens(run: Path) -> tuple[str, int]:
-    """`reference --tokens T --rounds N` of a run, as DFlash's docs make it: its prompt and the
-    rounds that drafted (not --follow: the reference drafts and accepts on its own)."""
-    with read_dump(run) as dump:
-        m = dump.manifest
-    return ",".join(map(str, m.prompt_tokens)), sum(1 for r in m.rounds if r.drafts)
-
-
 @pytest.mark.parametrize("n_predict", [16, 11])
 def test_a_correct_mtp_run_compares_clean_against_a_reference_of_its_tokens(tools, mtp_pairs, n_predict, tmp_path):
     """Issue 42, item 3: -n cuts the run's last verify short, and each one-token draft step's token
@@ -103,14 +95,9 @@ def test_a_correct_mtp_run_compares_clean_against_a_reference_of_its_tokens(tool
     cmd = _command(tools, "llama-speculative-simple", d, False)
     cmd[cmd.index("-n") + 1] = str(n_predict)
     run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S)
-    tokens, rounds = _of_its_tokens(run)
-    ref = reference(
-        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=tokens, rounds=rounds,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None,
-    )  # fmt: skip
-    c = compare_dumps(ref, run)
-    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
-    assert not [f for f in c.findings if f.kind == "unpaired" and f.fields.get("reason") == "token_history"]
+    import featdiff_process
+
+    featdiff_process.compares_clean_against_its_tokens(run, d / "target-hf", d / "target.gguf", tmp_path / "ref.npz")
 
 
 @pytest.mark.parametrize(

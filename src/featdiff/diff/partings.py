@@ -53,6 +53,10 @@ class Parting:
     # the sampler of a run that sampled its target's tokens (Sampler.describe), whose chain could
     # not draw `observed` from the reference's row; "" when the run chose greedily
     sampler: str = ""
+    # a greedy verify whose run kept drafts past the one the target rejected (`observed` is that
+    # draft) and decoded the target's own token (`expected`) that many rows later: n_past moved
+    # past the accept (kept_past rows); 0 otherwise
+    kept_past: int = 0
 
     @property
     def is_near_tie(self) -> bool:
@@ -154,8 +158,19 @@ def _verify_parting(
         p = _parting(Phase.VERIFY, rr.round, j, ev.positions[j], names.RESULT_OUTPUT, logits[j], token, types)
         p = p if sampler is None or p is None else sampled_parting(p, logits[j], sampler)
         if p is not None:
-            return p
+            return replace(p, kept_past=_kept_past(rr, j, p.expected)) if sampler is None else p
     return None
+
+
+def _kept_past(rr: Round, row: int, expected: int) -> int:
+    """How many rows past `row` the run's round `rr` kept, where its token on `row` is the draft
+    there and the reference's argmax (`expected`) comes as the token after the kept drafts: the
+    run's n_past moved past what its target accepted and it decoded the target's token late. 0
+    when the run's tokens say otherwise."""
+    kept = rr.accepted - row
+    if row >= len(rr.drafts) or kept < 1 or len(rr.target_tokens) <= rr.accepted:
+        return 0
+    return kept if rr.target_tokens[row] == rr.drafts[row] and rr.target_tokens[rr.accepted] == expected else 0
 
 
 def sampled_parting(p: Parting, logits: np.ndarray, sampler: Sampler) -> Parting | None:

@@ -11,7 +11,13 @@ import numpy as np
 from featdiff.core import names
 from featdiff.core.phases import Phase
 from featdiff.diff.detectors.base import Evidence, labels, same_shape
-from featdiff.diff.fields import DivergenceFields, ExpertChoiceFields, NearTieFields, WrongSourceFields
+from featdiff.diff.fields import (
+    DivergenceFields,
+    ExpertChoiceFields,
+    NearTieFields,
+    PositionOffsetFields,
+    WrongSourceFields,
+)
 from featdiff.diff.metrics import row_relative_error
 from featdiff.diff.partings import Parting
 from featdiff.diff.result import Finding
@@ -87,6 +93,27 @@ def detect_divergence_by_margin(p: Parting) -> Finding | None:
         tensor=p.tensor,
         message=f"at {_parting_where(p)} the run chose token {p.observed} where the reference's argmax is "
         f"{p.expected} by a margin {p.margin:.3g}, beyond the noise bound {p.bound:.3g}; {advice}",
+    )
+
+
+def detect_n_past_past_the_accept(p: Parting) -> Finding | None:
+    """Hypothesis: after a verify the driver moved the target's n_past past what the target
+    accepted (n_past += accepted + 1 with one too many), so the sequence keeps a draft the target
+    rejected and the target's own token lands that many positions late, with the next round.
+    Evidence (a greedy run): on the verify's first parting row the run's token is the draft there,
+    beyond the noise from the reference's argmax, and the token after the drafts it kept is that
+    argmax (`Parting.kept_past`)."""
+    if not p.kept_past or p.is_near_tie:
+        return None
+    k = p.kept_past
+    late = "one position" if k == 1 else f"{k} positions"
+    return Finding.of(
+        PositionOffsetFields(offset=k, role=names.ROLE_TARGET, phase=Phase.VERIFY, round=p.round + 1),
+        tensor=names.INP_POS,
+        message=f"n_past moved {late} past the accept of round {p.round}: the target rejected draft "
+        f"{p.observed} at row {p.row} (position {p.position}; its argmax is {p.expected} by a margin "
+        f"{p.margin:.3g}), yet the run kept it and decoded {p.expected} {late} late, so round "
+        f"{p.round + 1} starts off by {k:+d}; check the driver's n_past after an accept (pos0 + accepted + 1)",
     )
 
 
