@@ -1,0 +1,78 @@
+"""The draft-step faults of 0009-step-faults.patch (issue 42, items 2 and 5), captured around
+`llama-speculative-simple` of the patched build with `FEATDIFF_FAULT` set and compared with the
+reference that follows the run, as a user would: each is named with its kind, tensor and `where`
+(docs/faults.md). EAGLE3's and MTP's steps are one-token decodes: steps one position late are
+`position_offset` at the first late step; a step past the first fed the seed's state again is
+`wrong_source` `seed_state` at the state it was fed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from featdiff.diff import compare_dumps
+from featdiff.programs import exec as exec_capture
+from featdiff.torchref.kind import reference
+
+RUN_TIMEOUT_S = 120
+PROGRAM = "llama-speculative-simple"
+# three drafts a round (the seed and two steps), none stopped early by the draft's confidence
+DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+
+
+def _eagle3(tools, d: Path) -> tuple[list[str], Path, Path]:
+    cmd = [str(tools.program(PROGRAM)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf")]
+    cmd += ["--spec-type", "draft-eagle3", *DRAFT_ARGS, "-td", "2", "-p", "The quick brown fox", "-n", "16"]
+    return [*cmd, "--temp", "0"], d / "target.gguf", d / "draft.gguf"
+
+
+def _mtp(tools, d: Path) -> tuple[list[str], Path, Path]:
+    cmd = [str(tools.program(PROGRAM)), "-m", str(d / "target.gguf"), "--spec-type", "draft-mtp", *DRAFT_ARGS]
+    return [*cmd, "-p", "hello world", "-n", "16", "--temp", "0"], d / "target-hf", d / "target.gguf"
+
+
+def _errors(tools, pair: tuple[list[str], Path, Path], fault: str, tmp_path: Path, monkeypatch):
+    cmd, target, model = pair
+    monkeypatch.setenv("FEATDIFF_FAULT", fault)  # read by common/speculative.cpp (0002, 0009)
+    run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S)
+    monkeypatch.delenv("FEATDIFF_FAULT")
+    ref = reference(
+        target, model, tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0, dtype="float32", device="cpu",
+        kv_dtype="f16", llama_dir=None, follow=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    return [f for f in c.findings if f.severity == "error"]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_draft_steps_one_position_late_are_a_position_offset_of_the_draft(
+    tools, eagle3_pairs, mtp_pairs, kind, tmp_path, monkeypatch
+):
+    pair = _eagle3(tools, eagle3_pairs("eagle3")) if kind == "eagle3" else _mtp(tools, mtp_pairs("mtp"))
+    errors = _errors(tools, pair, f"{kind}-step-pos", tmp_path, monkeypatch)
+    assert errors, "the late steps were not named"
+    first = errors[0]
+    assert (first.kind, first.tensor) == ("position_offset", "inp_pos"), [f.message for f in errors]
+    assert (first.fields["offset"], first.fields["role"], first.fields["phase"]) == (1, "draft", "draft")
+    assert first.message.startswith("draft step 1"), first.message
+    assert first.fields["where"] == "driver", first.fields["where_reason"]
+
+
+@pytest.mark.parametrize(
+    "kind, tensor",
+    [("eagle3", "g_norm-0"), ("mtp", "mtp_hnorm-6")],  # around a program the head's input is seen normed
+)
+def test_steps_fed_the_seeds_state_are_a_wrong_source_seed_state(
+    tools, eagle3_pairs, mtp_pairs, kind, tensor, tmp_path, monkeypatch
+):
+    pair = _eagle3(tools, eagle3_pairs("eagle3")) if kind == "eagle3" else _mtp(tools, mtp_pairs("mtp"))
+    errors = _errors(tools, pair, f"{kind}-step-seed-state", tmp_path, monkeypatch)
+    assert errors, "the steps fed the seed's state were not named"
+    first = errors[0]
+    assert (first.kind, first.tensor, first.fields.get("source")) == ("wrong_source", tensor, "seed_state"), [
+        f.message for f in errors
+    ]
+    assert first.fields["where"] == "driver", first.fields["where_reason"]
