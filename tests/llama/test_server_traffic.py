@@ -10,6 +10,7 @@ import signal
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from typer.testing import CliRunner
@@ -53,13 +54,32 @@ def _complete(port: int, prompt: list, n_predict: int = N_PREDICT):
         return json.loads(r.read())
 
 
-def test_three_requests_of_the_users_client_are_captured_with_the_cached_prefix_followed(server_command, tmp_path):
-    out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
+class Traffic(NamedTuple):
+    """One capture of the three REQUESTS sent one after the other: its dump, the port, what
+    featdiff said on stderr, and the server's answers."""
+
+    run: Path
+    port: int
+    said: str
+    answers: list[dict]
+
+
+@pytest.fixture(scope="module")
+def three_requests(server_command, tmp_path_factory) -> Traffic:
+    """The three requests' capture, once: the tests below assert different things about it."""
+    tmp = tmp_path_factory.mktemp("three-requests")
+    out, err, port = tmp / "run.npz", tmp / "stderr", free_port()
     proc = _featdiff(["capture", "--exec", "-o", out, "--requests", 3, "--", *server_command, "--port", port], err)
     _wait_listening(proc, err)
-    assert f"capturing llama-server at http://127.0.0.1:{port} until Ctrl-C or 3 requests" in err.read_text()
+    said = err.read_text()
     answers = [_complete(port, prompt) for prompt in REQUESTS]
     assert proc.wait(timeout=WAIT_S) == 0, err.read_text()[-2000:]
+    return Traffic(out, port, said, answers)
+
+
+def test_three_requests_of_the_users_client_are_captured_with_the_cached_prefix_followed(three_requests):
+    out, port, answers = three_requests.run, three_requests.port, three_requests.answers
+    assert f"capturing llama-server at http://127.0.0.1:{port} until Ctrl-C or 3 requests" in three_requests.said
     third = answers[2]["timings"]
     assert third["cache_n"] == len(SHARED_PREFIX)  # the server reused the prefix the second request left
     with read_dump(out) as dump:
@@ -80,8 +100,8 @@ def test_three_requests_of_the_users_client_are_captured_with_the_cached_prefix_
     # every token each request generated came out of a captured target decode (prefill or verify)
     assert len(target) >= len(REQUESTS) and {"prefill", "verify"} == {e.phase for e in target}
     assert sum(a["timings"]["predicted_n"] for a in answers) == len(REQUESTS) * N_PREDICT
-    assert [p.name for p in tmp_path.glob("run.npz.*")] == ["run.npz.log"]  # the server's own log, nothing else
-    assert not (tmp_path / "run.failed.npz").exists()
+    assert [p.name for p in out.parent.glob("run.npz.*")] == ["run.npz.log"]  # the server's own log, nothing else
+    assert not (out.parent / "run.failed.npz").exists()
 
 
 def test_sigint_ends_a_capture_of_the_users_traffic_with_exit_0_and_the_dump_at_o(server_command, tmp_path):
@@ -172,10 +192,10 @@ def _errors(c) -> list[str]:
     return [f"{f.kind} at {f.tensor}: {f.message}" for f in c.findings if f.severity == "error"]
 
 
-def test_three_client_requests_compare_clean_request_by_request(server_command, fixture_models, tmp_path):
+def test_three_client_requests_compare_clean_request_by_request(three_requests, fixture_models, tmp_path):
     """Each request is a flow (the third starting past the prefix the server kept cached); the
     reference replays each (`--follow`) and compare pairs every request's rows, nothing skipped."""
-    run = _captured_traffic(server_command, tmp_path, REQUESTS)
+    run = three_requests.run
     with read_dump(run) as dump:
         m = dump.manifest
         assert m.flow_ids() == (0, 1, 2)
