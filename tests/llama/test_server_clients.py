@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 from openai import DefaultHttpxClient, OpenAI
+from typer.testing import CliRunner
 
 import featdiff_process
+from featdiff.cli import app
 from featdiff.dump.reader import read_dump
 from featdiff.programs.server import free_port
 
@@ -82,7 +84,14 @@ def _capture(
 
 
 def _featdiff(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([*featdiff_process.FEATDIFF, *map(str, args)], capture_output=True, text=True, timeout=600)
+    """featdiff's command line run in this process (typer's CliRunner): each `reference` and
+    `check` would otherwise start torch again in a process of its own. An exception the command
+    line does not turn into an exit code fails the test with its traceback, never as exit 1."""
+    argv = [str(a) for a in args]
+    result = CliRunner().invoke(app, argv, env={"GITHUB_STEP_SUMMARY": None})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(argv, result.exit_code, result.stdout, result.stderr)
 
 
 def _verdicts(tmp: Path, models: Path, run: Path) -> tuple[dict, subprocess.CompletedProcess]:
