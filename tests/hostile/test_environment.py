@@ -179,7 +179,7 @@ def test_a_dump_writer_out_of_room_removes_its_partial_file(tmp_path):
     dump.write_text("the user's old dump\n")
     script = textwrap.dedent(f"""
         import resource, signal, numpy as np
-        from featdiff.dump.records import DumpWriter, record_from_array
+        from featdiff.dump.writer import DumpWriter, record_from_array
         from featdiff.core.errors import InputError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as featdiff's main sets it
         resource.setrlimit(resource.RLIMIT_FSIZE, ({FSIZE_LIMIT}, resource.RLIM_INFINITY))
