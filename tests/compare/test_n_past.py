@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from featdiff.core.names import RESULT_OUTPUT
 from featdiff.diff.detectors import detect_divergence_by_margin
-from featdiff.diff.detectors.choices import detect_n_past_past_the_accept
+from featdiff.diff.detectors.choices import detect_position_offset_after_accept
 from featdiff.diff.partings import Parting, _kept_past
 from featdiff.dump.records import Round
 
@@ -39,13 +39,13 @@ def test_other_token_histories_are_not_a_drift():
 
 
 def test_the_drift_is_a_position_offset_of_the_next_verify_in_the_driver():
-    f = detect_n_past_past_the_accept(_parting(1))
+    f = detect_position_offset_after_accept(_parting(1))
     assert f is not None and f.kind == "position_offset" and f.severity == "error"
     assert (f.fields["offset"], f.fields["phase"], f.fields["round"], f.fields["role"]) == (1, "verify", 2, "target")
     assert "kept it and decoded 321 one position late" in f.message
 
 
 def test_no_drift_without_kept_rows_or_within_the_noise():
-    assert detect_n_past_past_the_accept(_parting(0)) is None
-    assert detect_n_past_past_the_accept(_parting(1, margin=0.001)) is None  # a near-tie: either token is right
+    assert detect_position_offset_after_accept(_parting(0)) is None
+    assert detect_position_offset_after_accept(_parting(1, margin=0.001)) is None  # a near-tie: either token is right
     assert detect_divergence_by_margin(_parting(0)) is not None  # a plain parting stays a divergence

@@ -12,7 +12,7 @@ per process (test_check.py runs check on the log-SNR one in its own process), an
 `device-features-stale` needs a Vulkan device. `npast-drift` (n_past one past each accept) is
 named `position_offset` at the next verify here too: check's reference follows the run's rounds,
 whose accepted counts the capture takes from the positions, and the verify's kept draft is the
-evidence (diff/detectors/choices.detect_n_past_past_the_accept)."""
+evidence (diff/detectors/choices.detect_position_offset_after_accept)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ from featdiff.diff import detectors as d
 from featdiff.diff.align import GroupKey, Pair, Plan
 from featdiff.diff.batches import batch_label
 from featdiff.diff.dependence import Gap
-from featdiff.diff.detectors.choices import detect_n_past_past_the_accept
 from featdiff.diff.detectors.pairing import (
     absent_keys,
     explained_by_near_tie,
@@ -263,7 +262,7 @@ def parting_findings(partings: tuple[Parting, ...], explained: bool) -> list[Fin
     """The near-ties (info), and the first parting beyond the noise as an error unless other
     error findings (`explained`) already say why the run chose other tokens."""
     found = [f for f in map(d.detect_near_tie, partings) if f is not None]
-    beyond = [f for f in map(detect_n_past_past_the_accept, partings) if f is not None]
+    beyond = [f for f in map(d.detect_position_offset_after_accept, partings) if f is not None]
     beyond = beyond or [f for f in map(d.detect_wrong_source_of_drafts, partings) if f is not None]
     beyond = beyond or [f for f in map(d.detect_divergence_by_margin, partings) if f is not None]
     return found + ([] if explained or not beyond else beyond[:1])

@@ -17,6 +17,7 @@ from featdiff.diff.detectors.choices import (
     detect_divergence_by_margin,
     detect_expert_choice,
     detect_near_tie,
+    detect_position_offset_after_accept,
     detect_wrong_source_of_drafts,
 )
 from featdiff.diff.detectors.kvcache import (
@@ -53,13 +54,13 @@ from featdiff.diff.detectors.positions import (
     detect_unpaired_prompt,
 )
 from featdiff.diff.detectors.readback import detect_wrong_source_of_sampled_logits
-from featdiff.diff.detectors.steps import detect_position_offset_of_steps, detect_wrong_source_of_step_state
 from featdiff.diff.detectors.rows import (
     detect_layout_transpose,
     detect_misplaced_rows,
     detect_position_offset_of_record,
     detect_row_shift,
 )
+from featdiff.diff.detectors.steps import detect_position_offset_of_steps, detect_wrong_source_of_step_state
 from featdiff.diff.detectors.wiring import (
     best_assignment,
     detect_extra_term,
@@ -87,6 +88,7 @@ __all__ = [
     "detect_misplaced_rows",
     "detect_missing_tensor",
     "detect_missing_term",
+    "detect_position_offset_after_accept",
     "detect_near_tie",
     "detect_nonfinite",
     "detect_not_conditioned",

@@ -96,7 +96,7 @@ def detect_divergence_by_margin(p: Parting) -> Finding | None:
     )
 
 
-def detect_n_past_past_the_accept(p: Parting) -> Finding | None:
+def detect_position_offset_after_accept(p: Parting) -> Finding | None:
     """Hypothesis: after a verify the driver moved the target's n_past past what the target
     accepted (n_past += accepted + 1 with one too many), so the sequence keeps a draft the target
     rejected and the target's own token lands that many positions late, with the next round.
