@@ -10,6 +10,7 @@ import numpy as np
 
 from featdiff.core import names
 from featdiff.diff.detectors.base import Evidence, error_finding, explains, span
+from featdiff.diff.detectors.wiring import detect_wrong_source
 from featdiff.diff.fields import WrongSourceFields
 from featdiff.diff.result import Finding
 from featdiff.diff.tolerance import Tolerance
@@ -23,7 +24,8 @@ def detect_wrong_source_of_sampled_logits(ev: Evidence) -> Finding | None:
     values are not its own graph's result_output values at the same token ids on some row: as
     they are for a one-token-a-step drafter (EAGLE3, MTP), plus the Markov bias the reference
     models for a block drafter's row (DSpark; none for DFlash), whose graph rows match the
-    reference (rows_read_elsewhere). The chain reaches this pair only as a root: the graph's
+    reference (rows_read_elsewhere), unless one of the reference's hypotheses explains the block's
+    values (detect_wrong_source: a DSpark chain laid out from the other first row). The chain reaches this pair only as a root: the graph's
     result_output rows agree with the reference, so the fault lies between the graph's output
     and the sampler."""
     if ev.sampled is None or (ev.record or ev.tensor) != names.DRAFT_LOGITS:
@@ -31,6 +33,8 @@ def detect_wrong_source_of_sampled_logits(ev: Evidence) -> Finding | None:
     read, graph = ev.sampled  # (R, V) each
     if read.shape != graph.shape or read.ndim != 2 or not np.isfinite(read).any(axis=1).all():
         return None
+    if ev.kind.block_flow and detect_wrong_source(ev) is not None:
+        return None  # a hypothesis of the drafter's own (DSpark's chain laid out from the other row) explains it
     bias = ev.candidates.get(names.DSPARK_MARKOV_BIAS) if ev.kind.block_flow else None
     if ev.kind.block_flow:
         elsewhere = rows_read_elsewhere(read, graph, bias, ev.ref, ev.tolerance)
