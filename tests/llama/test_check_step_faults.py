@@ -1,0 +1,72 @@
+"""`featdiff check --exec` survives the EAGLE3 and MTP faults it exists to catch (issue 48): each
+fault the project plants in the EAGLE3 and MTP drivers (0002, 0009) and graphs (0007, 0008),
+chosen at run time by FEATDIFF_FAULT around llama-speculative-simple, exits 1 naming the finding
+docs/faults.md gives it, never 2 or 3, and keeps its dumps. check's reference is its own (the
+run's prompt and rounds, guided by the run), not the one test_eagle3_exec.py and
+test_step_faults.py make with --follow, so this also shows the verdict does not hang on how the
+reference was made. The DFlash family's faults: test_check_faults.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from featdiff.cli import app
+
+FAULT_VAR = "FEATDIFF_FAULT"
+EXIT_FAIL = 1
+DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
+# fault -> the finding check must name (docs/faults.md), by drafter kind
+EAGLE3 = {
+    "eagle3-no-shift": "row_shift",
+    "eagle3-concat-swapped": "slot_permutation",
+    "eagle3-prenorm-after-norm": "wrong_source",
+    "eagle3-step-pos": "position_offset",
+    "eagle3-step-seed-state": "wrong_source",
+}
+MTP = {
+    "mtp-no-shift": "row_shift",
+    "mtp-boundary-future": "wrong_source",
+    "mtp-hidden-prenorm": "wrong_source",
+    "mtp-concat-swapped": "slot_permutation",
+    "mtp-recycle-prenorm": "wrong_source",
+    "mtp-step-pos": "position_offset",
+    "mtp-step-seed-state": "wrong_source",
+}
+CASES = [pytest.param("eagle3", f, k, id=f) for f, k in EAGLE3.items()]
+CASES += [pytest.param("mtp", f, k, id=f) for f, k in MTP.items()]
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+
+
+def _args(tools, kind: str, d: Path) -> list[str]:
+    """check's models and the program's command line for the pair `d` of `kind`."""
+    program = str(tools.program("llama-speculative-simple"))
+    if kind == "eagle3":
+        models = ["--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf")]
+        cmd = [program, "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), "--spec-type", "draft-eagle3"]
+        cmd += [*DRAFT_ARGS, "-td", "2", "-p", "The quick brown fox"]
+    else:  # the head inside the target's GGUF; the reference reads the target's checkpoint
+        models = ["--target", str(d / "target.gguf"), "--model", str(d / "target.gguf")]
+        models += ["--ref-target", str(d / "target-hf")]
+        cmd = [program, "-m", str(d / "target.gguf"), "--spec-type", "draft-mtp", *DRAFT_ARGS, "-p", "hello world"]
+    return [*models, "--exec", "--", *cmd, "-n", "16", "--temp", "0"]
+
+
+@pytest.mark.parametrize("kind, fault, finding", CASES)
+def test_check_names_each_eagle3_and_mtp_fault_and_exits_1(
+    tools, eagle3_pairs, mtp_pairs, tmp_path, kind, fault, finding
+):
+    d = eagle3_pairs("eagle3") if kind == "eagle3" else mtp_pairs("mtp")
+    out = ["--keep", str(tmp_path / "dumps"), "--json", str(tmp_path / "check.json")]
+    result = CliRunner().invoke(
+        app, ["check", *out, *_args(tools, kind, d)], env={FAULT_VAR: fault, "GITHUB_STEP_SUMMARY": None}
+    )
+    assert result.exit_code == EXIT_FAIL, (result.exit_code, result.output[-3000:])
+    findings = json.loads((tmp_path / "check.json").read_text())["comparison"]["findings"]
+    errors = [(f["kind"], f["tensor"], f.get("where")) for f in findings if f["severity"] == "error"]
+    assert finding in [k for k, _, _ in errors], errors
+    assert (tmp_path / "dumps" / "run.npz").is_file() and (tmp_path / "dumps" / "ref.npz").is_file()
