@@ -485,4 +485,4 @@ def test_llama_cpp_drafts_with_the_head(made, tools, variant):
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-2000:]
     counts = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", log))
-    assert int(counts["n_drafted"]) > 0 and "n_accept" in counts, log[-2000:]
+    assert int(counts.get("n_drafted", 0)) > 0 and "n_accept" in counts, log[-3000:]
