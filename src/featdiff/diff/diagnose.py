@@ -69,6 +69,13 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_divergence_in_rope,
 )
 
+# A parting beyond the noise, most specific cause first; the first detector that names one wins.
+PARTING_CHAIN: tuple[Callable[[Parting], Finding | None], ...] = (
+    d.detect_position_offset_after_accept,  # a kept draft, then the target's token: n_past past the accept
+    d.detect_wrong_source_of_drafts,
+    d.detect_divergence_by_margin,
+)
+
 
 @dataclass(frozen=True)
 class Walk:
@@ -262,9 +269,7 @@ def parting_findings(partings: tuple[Parting, ...], explained: bool) -> list[Fin
     """The near-ties (info), and the first parting beyond the noise as an error unless other
     error findings (`explained`) already say why the run chose other tokens."""
     found = [f for f in map(d.detect_near_tie, partings) if f is not None]
-    beyond = [f for f in map(d.detect_position_offset_after_accept, partings) if f is not None]
-    beyond = beyond or [f for f in map(d.detect_wrong_source_of_drafts, partings) if f is not None]
-    beyond = beyond or [f for f in map(d.detect_divergence_by_margin, partings) if f is not None]
+    beyond = next((fs for fs in ([f for f in map(det, partings) if f] for det in PARTING_CHAIN) if fs), [])
     return found + ([] if explained or not beyond else beyond[:1])
 
 

@@ -4,7 +4,7 @@ Consumes the reference's logits records (`draft_logits` of each draft block, `re
 each verify) and the run's rounds (its drafts and its target argmax tokens); produces one
 `Parting` per round whose tokens the reference would not have chosen, on rows both sides
 computed from the same tokens. A reference that follows the run (`reference --follow`, or
-`--run`, which follows from a parting on: torchref/dflash/flow.py) pairs every round; one that decided
+`--run`, which follows from a parting on: torchref/rounds.py) pairs every round; one that decided
 its own tokens pairs up to the first parting. The margin is judged against the noise bound
 `tolerance_for` gives that record, scaled to the row's logits (MARGIN_SPREAD).
 """
