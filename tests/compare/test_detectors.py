@@ -531,6 +531,7 @@ def test_a_sampler_reading_another_rows_logits_is_named_a_wrong_source():
     assert "positions 10 (" in f.message and "--no-spec-draft-backend-sampling" in f.message
     own = _top_k(graph)  # the sampler read each row's own logits: nothing to say
     assert d.detect_wrong_source_of_sampled_logits(replace(ev, sampled=(own, graph))) is None
+    assert d.detect_wrong_source_of_sampled_block_rows(ev) is None  # the block drafters' detector: not a step's
 
 
 def test_a_block_drafters_sampler_reading_another_rows_logits_is_named_a_wrong_source():
@@ -541,19 +542,20 @@ def test_a_block_drafters_sampler_reading_another_rows_logits_is_named_a_wrong_s
     graph = rows(4, 32, seed=3)
     read = _top_k(graph[[0, 1, 3, 3]])
     ev = evidence(noisy(graph), read, tensor="draft_logits", sampled=(read, graph), kind=kinds.by_name("dflash"))
-    f = d.detect_wrong_source_of_sampled_logits(ev)
+    assert d.detect_wrong_source_of_sampled_logits(ev) is None  # the step drafters' detector: not a block's
+    f = d.detect_wrong_source_of_sampled_block_rows(ev)
     assert f is not None and f.fields == {"source": "another_output_row", "candidate": "result_output"}
     assert "positions 12 (" in f.message and "--no-spec-draft-backend-sampling" in f.message
     assert "Markov" not in f.message
     own = _top_k(graph)
-    assert d.detect_wrong_source_of_sampled_logits(replace(ev, run=own, sampled=(own, graph))) is None
+    assert d.detect_wrong_source_of_sampled_block_rows(replace(ev, run=own, sampled=(own, graph))) is None
     # DSpark: the reference's Markov bias is what the graph adds before sampling; modelled, not skipped
     bias = rows(4, 32, seed=9)
     biased = _top_k((graph + bias)[[0, 0, 2, 3]])  # row 1 read row 0's biased logits
     dspark = replace(
         ev, ref=noisy(graph + bias), run=biased, sampled=(biased, graph), candidates={"dspark_markov_bias": bias}
     )
-    f = d.detect_wrong_source_of_sampled_logits(dspark)
+    f = d.detect_wrong_source_of_sampled_block_rows(dspark)
     assert f is not None and "positions 11 (" in f.message and "dspark_markov_bias" in f.message
 
 

@@ -58,8 +58,11 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_slot_permutation,
     d.detect_missing_term,
     d.detect_extra_term,
+    d.detect_wrong_source_of_chain_weights,  # before the generic: a head's candidates name the head it ran
     d.detect_wrong_source,
+    d.detect_wrong_source_of_sampled_block_rows,  # after the drafter's own hypotheses of a block's values
     d.detect_wrong_source_of_step_state,  # before stale rows: a step fed the seed's state repeats step 1's
+    d.detect_wrong_source_of_chain_state,  # a chained step's rows all the pending row
     d.detect_stale_rows,
     d.detect_row_shift,
     d.detect_misplaced_rows,

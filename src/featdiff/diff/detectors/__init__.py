@@ -7,12 +7,17 @@ One module per family: numeric.py (values: NaN, zeros, stale rows, scale, RoPE a
 noise), rows.py (shifted or misplaced rows, layouts, a record's positions), wiring.py (feature
 slots, terms, sources), readback.py (the logits a drafter's sampler read), choices.py (tokens and
 experts chosen on a near-tie), positions.py (token ids and positions of the run's batches),
-kvcache.py (the draft KV cache), pairing.py (what was not compared, and why); base.py holds the
-`Evidence` the value detectors share. Which detector runs when is the orchestration's:
+kvcache.py (the draft KV cache), chain.py (chained MTP heads), pairing.py (what was not compared,
+and why); base.py holds the `Evidence` the value detectors share. Which detector runs when is the orchestration's:
 diagnose.py, positions.py, comparison.py.
 """
 
 from featdiff.diff.detectors.base import Evidence, Rope, explains, rotate, same_shape
+from featdiff.diff.detectors.chain import (
+    detect_wrong_source_of_chain_head,
+    detect_wrong_source_of_chain_state,
+    detect_wrong_source_of_chain_weights,
+)
 from featdiff.diff.detectors.choices import (
     detect_divergence_by_margin,
     detect_expert_choice,
@@ -53,7 +58,10 @@ from featdiff.diff.detectors.positions import (
     detect_position_offset_of_batch,
     detect_unpaired_prompt,
 )
-from featdiff.diff.detectors.readback import detect_wrong_source_of_sampled_logits
+from featdiff.diff.detectors.readback import (
+    detect_wrong_source_of_sampled_block_rows,
+    detect_wrong_source_of_sampled_logits,
+)
 from featdiff.diff.detectors.rows import (
     detect_layout_transpose,
     detect_misplaced_rows,
@@ -114,8 +122,12 @@ __all__ = [
     "detect_wrong_source_of_pending_row",
     "detect_wrong_source_of_zero_rows",
     "detect_wrong_source_of_drafts",
+    "detect_wrong_source_of_sampled_block_rows",
     "detect_wrong_source_of_sampled_logits",
     "detect_wrong_source_of_step_state",
+    "detect_wrong_source_of_chain_head",
+    "detect_wrong_source_of_chain_state",
+    "detect_wrong_source_of_chain_weights",
     "detect_wrong_source_of_vocabulary",
     "detect_zeros",
     "explains",

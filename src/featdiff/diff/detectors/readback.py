@@ -10,7 +10,6 @@ import numpy as np
 
 from featdiff.core import names
 from featdiff.diff.detectors.base import Evidence, error_finding, explains, span
-from featdiff.diff.detectors.wiring import detect_wrong_source
 from featdiff.diff.fields import WrongSourceFields
 from featdiff.diff.result import Finding
 from featdiff.diff.tolerance import Tolerance
@@ -19,32 +18,50 @@ SOURCE_ANOTHER_OUTPUT_ROW = "another_output_row"  # wrong_source at draft_logits
 
 
 def detect_wrong_source_of_sampled_logits(ev: Evidence) -> Finding | None:
-    """Hypothesis: the drafter's sampler read logits its graph did not compute for the row (a
-    backend sampler viewing another output row). Evidence: at `draft_logits`, the run's read-back
-    values are not its own graph's result_output values at the same token ids on some row: as
-    they are for a one-token-a-step drafter (EAGLE3, MTP), plus the Markov bias the reference
-    models for a block drafter's row (DSpark; none for DFlash), whose graph rows match the
-    reference (rows_read_elsewhere), unless one of the reference's hypotheses explains the block's
-    values (detect_wrong_source: a DSpark chain laid out from the other first row). The chain reaches this pair only as a root: the graph's
-    result_output rows agree with the reference, so the fault lies between the graph's output
-    and the sampler."""
+    """Hypothesis: a one-token-a-step drafter's sampler (EAGLE3, MTP) read logits its graph did not
+    compute for the row (a backend sampler viewing another output row). Evidence: at `draft_logits`,
+    the run's read-back values (a backend sampler's top-k; the rest reads back -inf) are not its
+    own graph's result_output values at the same token ids on some row. The chain reaches this pair
+    only as a root: the graph's result_output rows agree with the reference, so the fault lies
+    between the graph's output and the sampler."""
+    sampled = _sampled(ev)
+    if sampled is None or ev.kind.block_flow:
+        return None
+    read, graph = sampled
+    kept = np.isfinite(read)  # (R, V)
+    return _read_elsewhere(ev, tuple(not _agree(graph[i], read[i], kept[i], ev.tolerance) for i in range(len(read))))
+
+
+def detect_wrong_source_of_sampled_block_rows(ev: Evidence) -> Finding | None:
+    """Hypothesis: a block drafter's sampler (DFlash, DSpark) read another row of its draft batch.
+    Evidence: row i's read-back values are not the graph's row plus the Markov bias the reference
+    models for it (DSpark's `dspark_markov_bias`; none for DFlash), while the graph's rows match the
+    reference (rows_read_elsewhere). It sits after detect_wrong_source in the chain: a hypothesis of
+    the drafter's own (a DSpark chain laid out from the other first row) explains such values first."""
+    sampled = _sampled(ev)
+    if sampled is None or not ev.kind.block_flow:
+        return None
+    read, graph = sampled
+    bias = ev.candidates.get(names.DSPARK_MARKOV_BIAS)
+    return _read_elsewhere(ev, rows_read_elsewhere(read, graph, bias, ev.ref, ev.tolerance), bias is not None)
+
+
+def _sampled(ev: Evidence) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (read, graph) rows of a `draft_logits` pair, (R, V) each, where every row read something."""
     if ev.sampled is None or (ev.record or ev.tensor) != names.DRAFT_LOGITS:
         return None
-    read, graph = ev.sampled  # (R, V) each
+    read, graph = ev.sampled
     if read.shape != graph.shape or read.ndim != 2 or not np.isfinite(read).any(axis=1).all():
         return None
-    if ev.kind.block_flow and detect_wrong_source(ev) is not None:
-        return None  # a hypothesis of the drafter's own (DSpark's chain laid out from the other row) explains it
-    bias = ev.candidates.get(names.DSPARK_MARKOV_BIAS) if ev.kind.block_flow else None
-    if ev.kind.block_flow:
-        elsewhere = rows_read_elsewhere(read, graph, bias, ev.ref, ev.tolerance)
-    else:
-        kept = np.isfinite(read)  # (R, V): a backend sampler's top-k candidates; the rest reads back -inf
-        elsewhere = tuple(not _agree(graph[i], read[i], kept[i], ev.tolerance) for i in range(len(read)))
+    return read, graph
+
+
+def _read_elsewhere(ev: Evidence, elsewhere: tuple[bool, ...], biased: bool = False) -> Finding | None:
+    """The finding for the rows a sampler read from elsewhere; None if there are none."""
     if not any(elsewhere):
         return None
     where = [ev.positions[i] if ev.positions else i for i, bad in enumerate(elsewhere) if bad]
-    head = f" plus the Markov head's bias ({names.DSPARK_MARKOV_BIAS})" if bias is not None else ""
+    head = f" plus the Markov head's bias ({names.DSPARK_MARKOV_BIAS})" if biased else ""
     return error_finding(
         ev,
         f"{ev.tensor}, the logits the drafter's sampler read, are not its graph's own result_output{head} at "
