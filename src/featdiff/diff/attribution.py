@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from featdiff.core import names
 from featdiff.core.names import ROLES, Role
+from featdiff.diff.detectors.chain import CHAIN_STATE_SOURCE
 from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
@@ -41,6 +42,7 @@ FED_SOURCES = (
     RESTORED_SOURCE,
     KEPT_ROW_SOURCE,
     SEED_STATE_SOURCE,
+    CHAIN_STATE_SOURCE,
     names.HYP_H_BATCH_LAST.partition("=")[2],  # a hypothesis' value is the source
     names.HYP_RECURRENT_KEPT.partition("=")[2],
 )

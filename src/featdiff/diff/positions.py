@@ -10,6 +10,7 @@ from featdiff.core.phases import Phase, phase_order
 from featdiff.diff.align import drafter_arch
 from featdiff.diff.batches import batches, decoded_alike
 from featdiff.diff.detectors.base import span
+from featdiff.diff.detectors.chain import detect_wrong_source_of_chain_head
 from featdiff.diff.detectors.kvcache import (
     detect_duplicate_rows,
     detect_not_conditioned_restored,
@@ -37,6 +38,7 @@ def check_batches(ref: Manifest, run: Manifest) -> tuple[Finding, ...]:
         found = [detect_unpaired_prompt(ref, run), detect_position_offset_of_batch(ref, run, by_flow=False)]
         if kind.row_token is not None:  # one-token draft steps (EAGLE3, MTP): each step's position
             found.append(detect_position_offset_of_steps(ref, run))
+            found.append(detect_wrong_source_of_chain_head(ref, run))  # chained heads: which head each step ran
         if kind.row_token:  # a row pairing a token past its position (EAGLE3) can outlive its prompt
             found.append(detect_wrong_source_kept_row(run, kind.row_token))
     else:
