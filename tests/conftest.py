@@ -3,6 +3,10 @@ them through the pinned llama.cpp build, and their reference dumps (each made on
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,13 @@ THROUGH_SERVER = "through_server"  # a probe parameter: True runs it through the
 # fixtures whose models the pinned tree's converter makes (featdiff.factory.converter; cached per machine),
 # run through the transformers reference: tests/reference/test_hf_target.py, tests/test_converter.py
 CONVERTED_FIXTURES = ("qwen3moe", "qwen3moe_tied", "converted", "converted_feature")
+# fixture -> the build of featdiff.llama.tools.TEST_BUILDS it needs (the device fixture's Vulkan
+# param only: CUDA's runs in `make test-cuda`), in the order they are built in the background and
+# their tests run, last: Vulkan first, its tests being the longest (llvmpipe's shader compiles)
+BUILD_OF_FIXTURE = {"vulkan": "vulkan", "device": "vulkan", "legacy": "release", "dl_prefix": "backend-dl"}
+BUILD_ORDER = ("vulkan", "release", "backend-dl")
+BACKGROUND_BUILDS_ENV = "FEATDIFF_BACKGROUND_BUILDS"  # 0: no background builds (each fixture builds its own)
+BACKGROUND_LOG = "test-builds.log"  # in the tools dir, beside each build's own featdiff-build.log
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,6 +46,65 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.tools)
         if any(f in fixtures for f in CONVERTED_FIXTURES):
             item.add_marker(pytest.mark.slow)
+
+
+def _build_needed(item: pytest.Item) -> str | None:
+    """The test build (BUILD_ORDER) `item` needs through its fixtures, if any."""
+    callspec = getattr(item, "callspec", None)
+    for fixture in getattr(item, "fixturenames", ()):
+        build = BUILD_OF_FIXTURE.get(fixture)
+        if build and not (fixture == "device" and callspec is not None and callspec.params.get("device") != "vulkan"):
+            return build
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal's --collect-only listing
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Run the tests that need a build of their own (the older release, Vulkan, the backend-loaded
+    library: minutes each on 2 cores) last, and start those builds now, in one niced background
+    process: the suite keeps about one core busy (torch on one thread), so the builds take the
+    other one and are done, or nearly, when their tests come. Each build holds its build lock
+    (featdiff.llama.tools): the fixture that needs it waits for it, or finds it built; one that
+    failed left no stamp, so the fixture builds again and fails naming the build's log."""
+    needed = {item: _build_needed(item) for item in session.items}
+    builds = [b for b in BUILD_ORDER if b in needed.values()]
+    if not builds:
+        return
+    session.items[:] = [i for i in session.items if needed[i] is None] + [
+        i for b in builds for i in session.items if needed[i] == b
+    ]
+    if session.config.option.collectonly or os.environ.get(BACKGROUND_BUILDS_ENV) == "0":
+        return
+    from featdiff.llama.binding import tools_dir
+
+    log = tools_dir() / BACKGROUND_LOG
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.tools", "--test-builds", *builds]
+    with open(log, "w") as out:
+        session.config.stash[_BACKGROUND] = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+_BACKGROUND = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the background builds a session leaves unfinished (one stopped by -x or ^C): a build
+    killed part-way has no stamp, so the next run builds on from it rather than trusting it."""
+    proc = session.config.stash.get(_BACKGROUND, None)
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def legacy():
+    """The older llama.cpp (llama-cpp-python 0.3.35's, the batch API before llama_batch_ext),
+    built once per machine (featdiff.llama.tools.ensure_release; tests/llama/test_legacy_api.py)."""
+    from featdiff.llama.tools import ensure_release
+
+    return ensure_release()
 
 
 @pytest.fixture(scope="session", autouse=True)

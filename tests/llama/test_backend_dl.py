@@ -8,7 +8,6 @@ CPU backend only, and installed into a prefix beside the tools' build (`build/ll
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,47 +16,18 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump.reader import read_dump
-from featdiff.llama.tools import TEST_BUILD_FLAGS
+from featdiff.llama.tools import BACKEND_DL_DIR, ensure_backend_dl
 
 from real_flow import reference_of
 
-DL_OPTIONS = [
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DBUILD_SHARED_LIBS=ON",
-    "-DGGML_BACKEND_DL=ON",
-    "-DGGML_NATIVE=OFF",  # llama.cpp refuses GGML_NATIVE with GGML_BACKEND_DL
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_TOOLS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
-    "-DLLAMA_BUILD_COMMON=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_LLGUIDANCE=OFF",
-    "-DLLAMA_BUILD_APP=OFF",
-    "-DLLAMA_BUILD_UI=OFF",
-    *TEST_BUILD_FLAGS,  # unoptimized: a test-only build of tiny runs compiles faster
-]
 BUILD_TIMEOUT_S = 1800
 pytestmark = pytest.mark.slow  # builds a backend-loaded llama.cpp: not part of `make test-fast`
 
 
 @pytest.fixture(scope="session")
 def dl_prefix(tools) -> Path:
-    """An install prefix of the library built with GGML_BACKEND_DL=ON (cached by source and options)."""
-    root = tools.root / "dl"
-    prefix, stamp = root / "prefix", root / "stamp.json"
-    want = {"source": str(tools.source), "options": DL_OPTIONS}
-    if stamp.is_file() and json.loads(stamp.read_text()) == want and (prefix / "lib" / "libllama.so").is_file():
-        return prefix
-    build = root / "build"
-    for cmd in (
-        ["cmake", "-S", str(tools.source), "-B", str(build), *DL_OPTIONS],
-        ["cmake", "--build", str(build), "-j", "2"],
-        ["cmake", "--install", str(build), "--prefix", str(prefix)],
-    ):
-        subprocess.run(cmd, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
-    stamp.write_text(json.dumps(want))
-    return prefix
+    """An install prefix of the library built with GGML_BACKEND_DL=ON (featdiff.llama.tools.ensure_backend_dl)."""
+    return ensure_backend_dl(tools.root / BACKEND_DL_DIR)
 
 
 def test_a_backend_loaded_build_captures_and_compares_clean(dl_prefix, fixture_models, tmp_path):

@@ -20,18 +20,13 @@ from featdiff.diff import compare_dumps
 from featdiff.dump.reader import read_dump
 from featdiff.factory.fixtures import VOCAB_SPM, write_fixture
 from featdiff.llama import binding
-from featdiff.llama.tools import ToolBuild, ensure_release
+from featdiff.llama.tools import ToolBuild
 
 from real_flow import reference_of
 
 pytestmark = [pytest.mark.tools, pytest.mark.slow]  # builds an older llama.cpp: not part of `make test-fast`
 TOKENS = "300,301,302,303,304,305,306,307"  # plain words of the SentencePiece vocab (0-2 are special)
 RUN_TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="session")
-def legacy() -> ToolBuild:
-    return ensure_release()
 
 
 @pytest.fixture(scope="session")

@@ -180,13 +180,10 @@ def test_a_named_build_dequantizes_every_quantized_weight(tools, quantized, tmp_
             assert library.is_relative_to(tools.source) and library.name.startswith(ggml_dequant.LIBGGML_BASE)
 
 
-@pytest.mark.slow  # builds the older llama.cpp (ensure_release) when no test built it before
-def test_another_build_than_the_process_bound_is_refused(ggml):
-    from featdiff.llama.tools import ensure_release
-
-    other = ensure_release()  # an older llama.cpp, built once (tests/llama/test_legacy_api.py)
+@pytest.mark.slow  # builds the older llama.cpp (tests/conftest.py's legacy) when no test built it before
+def test_another_build_than_the_process_bound_is_refused(ggml, legacy):
     with pytest.raises(InputError, match="already uses another build's ggml"):
-        ggml_dequant.load(other.source)
+        ggml_dequant.load(legacy.source)
 
 
 def test_the_cli_without_a_build_is_one_line_naming_the_fix(quantized, q1_0_run, tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,6 +313,11 @@ def ensure_release(
     build/release-<version>) as a checkout: `--llama-dir <root>/src` binds it."""
     version = spec.split("==")[1]
     root = Path(root or tools_dir().parent / f"release-{version}")
+    with _build_lock(root):
+        return _ensure_release(spec, root, targets, options)
+
+
+def _ensure_release(spec: str, root: Path, targets: tuple[str, ...], options: tuple[str, ...]) -> ToolBuild:
     source, build_dir = root / "src", root / "src" / "build"
     want = {"spec": spec, "targets": list(targets), "options": list(options)}
     stamp = root / STAMP
@@ -321,6 +326,7 @@ def ensure_release(
         return ToolBuild(root, source, build_dir / "bin", float(built["seconds"]))
     if not (source / "include" / "llama.h").is_file():
         _unpack(_download(root / "sdist", spec), source)
+    stamp.unlink(missing_ok=True)  # a build killed part-way leaves no stamp a later run trusts
     seconds = _build(source, build_dir, targets, options)
     stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s %s in %.0f s", spec, ", ".join(targets), seconds)
@@ -420,14 +426,20 @@ def ensure_device(backend: DeviceBackend, root: Path | None = None) -> ToolBuild
         if not (build_dir / "bin" / LIBLLAMA).exists():
             raise InputError(f"{build_dir}: ${backend.user_build_env} names no CMake build dir with bin/{LIBLLAMA}")
         return ToolBuild(build_dir, build_dir, build_dir / "bin", 0.0)
-    source = source_tree(tools_dir())
     root = Path(root or tools_dir().parent / backend.build_dir)
+    with _build_lock(root):
+        return _ensure_device(backend, root)
+
+
+def _ensure_device(backend: DeviceBackend, root: Path) -> ToolBuild:
+    source = _locked_source_tree()
     want = {"key": build_key(source), "targets": list(DEVICE_TARGETS), "options": list(backend.options())}
     stamp = root / DEVICE_STAMP.format(name=backend.name)
     built = json.loads(stamp.read_text()) if stamp.is_file() else {}
     if built.get("want") == want and (root / "bin" / LIBLLAMA).exists():
         return ToolBuild(root, source, root / "bin", float(built["seconds"]))
     _require_sdk(backend)
+    stamp.unlink(missing_ok=True)
     seconds = _build(source, root, DEVICE_TARGETS, backend.options())
     stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
     log.info("built the %s %s in %.0f s", backend.name, ", ".join(DEVICE_TARGETS), seconds)
@@ -437,6 +449,79 @@ def ensure_device(backend: DeviceBackend, root: Path | None = None) -> ToolBuild
 def ensure_vulkan(root: Path | None = None) -> ToolBuild:
     """ensure_device(VULKAN)."""
     return ensure_device(VULKAN, root)
+
+
+def _locked_source_tree() -> Path:
+    """source_tree of the tools dir, under its build lock (a build of the tools may be patching it)."""
+    with _build_lock(tools_dir()):
+        return source_tree(tools_dir())
+
+
+# The pinned tree's library built with GGML_BACKEND_DL=ON (the usual packaging of CUDA and Vulkan
+# builds: each backend a library loaded at run time), CPU backend only, installed into a prefix
+# beside the tools' build (build/llama.cpp/dl/prefix), for tests/llama/test_backend_dl.py.
+BACKEND_DL_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DGGML_BACKEND_DL=ON",
+    "-DGGML_NATIVE=OFF",  # llama.cpp refuses GGML_NATIVE with GGML_BACKEND_DL
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_COMMON=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_LLGUIDANCE=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    *TEST_BUILD_FLAGS,
+)
+BACKEND_DL_DIR = "dl"  # in the tools dir
+
+
+def ensure_backend_dl(root: Path | None = None) -> Path:
+    """The install prefix of the backend-loaded build (built once per source and options into
+    `root`, default build/llama.cpp/dl); its `lib/` holds libllama and the libggml-cpu*.so it loads."""
+    root = Path(root or tools_dir() / BACKEND_DL_DIR)
+    with _build_lock(root):
+        return _ensure_backend_dl(root)
+
+
+def _ensure_backend_dl(root: Path) -> Path:
+    source = _locked_source_tree()
+    prefix, stamp, build_dir = root / "prefix", root / "stamp.json", root / "build"
+    want = {"source": str(source), "options": list(BACKEND_DL_OPTIONS)}
+    if stamp.is_file() and json.loads(stamp.read_text()) == want and (prefix / "lib" / LIBLLAMA).is_file():
+        return prefix
+    stamp.unlink(missing_ok=True)
+    seconds = _build(source, build_dir, ("all",), BACKEND_DL_OPTIONS)
+    _run(["cmake", "--install", str(build_dir), "--prefix", str(prefix)], build_dir)
+    stamp.write_text(json.dumps(want))
+    log.info("built the backend-loaded library in %.0f s", seconds)
+    return prefix
+
+
+# The builds only some tests need, by the name `python -m featdiff.llama.tools --test-builds NAME...`
+# takes: tests/conftest.py starts the ones its session's tests need in the background, niced, at the
+# start of the session (each under its own build lock, so the test that needs one waits for it).
+TEST_BUILDS: dict[str, Callable[[], object]] = {
+    "release": ensure_release,
+    "vulkan": ensure_vulkan,
+    "backend-dl": ensure_backend_dl,
+}
+
+
+def build_for_tests(names: list[str]) -> int:
+    """Build each of `names` (TEST_BUILDS) in turn, going on past a failure; 1 when one failed.
+    A failed build leaves no stamp: the test that needs it builds again and fails naming its log."""
+    failed = 0
+    for name in names:
+        try:
+            log.info("%s: built (%s)", name, TEST_BUILDS[name]())
+        except (InputError, OSError) as e:
+            log.error("%s: %s", name, e)
+            failed = 1
+    return failed
 
 
 def _require_sdk(backend: DeviceBackend) -> None:
@@ -456,6 +541,12 @@ def main() -> None:
     """Build (or find) the tools and print their bin directory; with `--library`, only the
     library (`make setup`), and print its tree."""
     logging.basicConfig(level=logging.INFO, format="featdiff: %(message)s", stream=sys.stderr)
+    if sys.argv[1:2] == ["--test-builds"]:
+        unknown = sorted(set(sys.argv[2:]) - TEST_BUILDS.keys())
+        if unknown:
+            print(f"featdiff: error: --test-builds takes {', '.join(TEST_BUILDS)}, not {unknown[0]}", file=sys.stderr)
+            raise SystemExit(2)
+        raise SystemExit(build_for_tests(sys.argv[2:]))
     try:
         print(ensure_library() if sys.argv[1:] == ["--library"] else ensure_tools().bin_dir)
     except InputError as e:
