@@ -228,6 +228,7 @@ def test_the_variant_table_and_its_settings_agree():
         MOE: False,
         GLM: False,
         MIMO: False,
+        "mtp-qwen3next": False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -236,6 +237,7 @@ def test_the_variant_table_and_its_settings_agree():
         MOE: ARCH_QWEN35MOE,
         GLM: names.ARCH_GLM4MOE,
         MIMO: names.ARCH_MIMO2,
+        "mtp-qwen3next": names.ARCH_QWEN3NEXT,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())

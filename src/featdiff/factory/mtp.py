@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -70,6 +70,7 @@ from featdiff.factory.hf_families import (
     mimo2_layer_types,
 )
 from featdiff.factory.hf_targets import gain_of, write_hf_target
+from featdiff.factory.mtp_qwen3next import QWEN3NEXT_TARGET
 from featdiff.factory.pairs import _linear, _norm
 
 FAMILY = "qwen35"  # the hf_targets family whose target carries the head
@@ -286,6 +287,8 @@ QWEN35_MTP = MtpTarget(FAMILIES[FAMILY], QWEN35_HEAD, GGUF_FROM_HF, _SPM, norm_o
 QWEN35MOE_MTP = MtpTarget(MOE_TARGET, QWEN35_HEAD, GGUF_FROM_HF_MOE, _SPM, norm_offset=1.0)
 GLM4MOE_MTP = MtpTarget(GLM4MOE_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_GLM, BOOTSTRAP_GLM)
 MIMO2_MTP = MtpTarget(MIMO2_TARGET, MIMO2_HEAD, GGUF_FROM_HF_MIMO2, BOOTSTRAP_MIMO)
+# Qwen3-Next's head is Qwen3.5-MoE's, its config.json without the count (factory/mtp_qwen3next.py)
+QWEN3NEXT_MTP = MtpTarget(QWEN3NEXT_TARGET, replace(QWEN35_HEAD, n_mtp_key=None), GGUF_FROM_HF_MOE, _SPM, 1.0)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
 MTP_STREAM = 4
@@ -362,6 +365,13 @@ _VARIANTS = (
         "output before the final norm, inside target.gguf (as `mtp`; llama.cpp's mimo2)",
         has_separate_head=False,
         target=MIMO2_MTP,
+    ),
+    MtpVariant(
+        "mtp-qwen3next",
+        f"Qwen3-Next target (gated delta-net, gated attention, {N_EXPERT} experts top-{N_EXPERT_USED} and a gated "
+        "shared expert) with its MTP head, an MoE layer, inside target.gguf (as `mtp`; llama.cpp's qwen3next)",
+        has_separate_head=False,
+        target=QWEN3NEXT_MTP,
     ),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}

@@ -7,7 +7,7 @@ from typing import Any
 
 from featdiff.core import names
 
-# An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
+# An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
 # token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
 # mtp_h_input, the hidden rows it is handed: only a norm reads them (the shim reads inputs through
 # consumers that cannot overwrite them); mtp_hnorm-<il> carries them, and the in-process driver
@@ -45,6 +45,7 @@ MTP_LAYERS_KEY: dict[str, str | None] = {
     "qwen3_5_moe": HF_MTP_LAYERS,
     "glm4_moe": HF_GLM_MTP_LAYERS,
     "mimo_v2_flash": None,
+    "qwen3_next": None,  # Qwen3-Next's config.json does not count its head (conversion/qwen.py counts mtp.layers.*)
 }
 
 

@@ -73,6 +73,7 @@ HF_ARCHS = {
     "gemma4": "gemma4",  # published (image-text-to-text): Gemma4ForConditionalGeneration, run on text ids
     "nemotron_h": "nemotron_h",
     "glm4_moe": "glm4moe",  # GLM-4.5: biased attention, sigmoid-routed experts (its MTP layer is left unloaded)
+    "qwen3_next": "qwen3next",  # Qwen3-Next: Qwen3.5-MoE's trunk with fused linear-attention projections
     "mimo_v2_flash": "mimo2",  # MiMo-V2-Flash: sinks, narrower value heads (its model.mtp.* layers are left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
@@ -84,12 +85,17 @@ GGUF_ARCHS = frozenset(HF_ARCHS.values()) | {"nemotron_h_moe"}
 # only before the final norm (src/models/openai-moe.cpp, qwen35.cpp, gemma4.cpp: the last layer's
 # get_rows only under embeddings_nextn_masked, which a target context never sets): their last
 # `l_out` has all rows. The others select before the last layer's FFN, as target.py says.
-ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "qwen35moe", "gemma4", "nemotron_h"})
+ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "qwen35moe", "qwen3next", "gemma4", "nemotron_h"})
 # The graph callback name of layer 0's input where an arch renames llama-graph.cpp's `embd`:
 # qwen35.cpp `cb(inpL, "model.input_embed", -1)`; gemma4.cpp scales the looked-up rows by
 # sqrt(n_embd) into `inp_scaled` (its `embd` is the unscaled lookup, which transformers' scaled
 # embedding never holds). The reference records the rows under the name the capture writes.
-EMBD_NAMES = {"qwen35": "model.input_embed", "qwen35moe": "model.input_embed", "gemma4": "inp_scaled"}
+EMBD_NAMES = {
+    "qwen35": "model.input_embed",
+    "qwen35moe": "model.input_embed",
+    "qwen3next": "model.embed_tokens",  # qwen3next.cpp's name of it
+    "gemma4": "inp_scaled",
+}
 # Architectures whose graph also names the unscaled lookup `embd` (gemma4.cpp): the reference
 # records it too, so compare never pairs it with layer 0's scaled input (align.REF_ALIASES)
 RAW_EMBD = frozenset({"gemma4"})

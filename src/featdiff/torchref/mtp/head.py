@@ -124,6 +124,8 @@ def decode(
     # mimo2.cpp takes the output rows before naming h_nextn; the post-norm graphs name all rows
     h_nextn, other = (post_ffn, normed) if graph.is_prenorm else (normed, post_ffn)
     h_nextn_rows = h_nextn if outputs or not graph.is_prenorm else h_nextn[:0]  # (n_outputs or n_tokens, n_embd)
+    if graph.has_early_rows and not outputs:  # qwen3next.cpp: no output rows from the residual on
+        residual, post_ffn, h_nextn_rows = residual[:0], post_ffn[:0], h_nextn_rows[:0]  # (0, n_embd) each
     layer = lambda base: names.layer_name(base, il)  # noqa: E731
     candidates = [Named(names.candidate_name(layer(names.MTP_CONCAT), names.slots_hypothesis((1, 0))),
                         torch.cat([h_norm, e_norm], dim=1))]  # fmt: skip

@@ -352,6 +352,8 @@ HF_HEADS = {
     "glm4_moe": _HfHead(
         names.ARCH_GLM4MOE, MTP_LAYERS_KEY["glm4_moe"], 0.5, _extra_layer, glm_head_tensors, _hf_hparams, _extra_layer
     ),
+    # Qwen3-Next: Qwen3.5-MoE's head layout and conversion, its count unsaid in config.json
+    "qwen3_next": _HfHead(names.ARCH_QWEN3NEXT, None, 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams, _mtp_layer),
     "mimo_v2_flash": _HfHead(
         names.ARCH_MIMO2,
         MTP_LAYERS_KEY["mimo_v2_flash"],

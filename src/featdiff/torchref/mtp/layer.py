@@ -1,5 +1,5 @@
 """An MTP head's decoder layer as each architecture's graph_mtp computes it (upstream
-`src/models/qwen35.cpp`, `qwen35moe.cpp`, `glm4-moe.cpp`, `mimo2.cpp`), for torchref/mtp/head.py's
+`src/models/qwen35.cpp`, `qwen35moe.cpp`, `qwen3next.cpp`, `glm4-moe.cpp`, `mimo2.cpp`), for torchref/mtp/head.py's
 decode: the attention (Qwen3.5's gated one, GLM-4.5's with q/k/v biases, MiMo-V2's fused one with
 sinks in a sliding window), the dense or MoE FFN (routed as llm_graph_context::build_moe_ffn
 routes), and GRAPHS, what each architecture does its own way: which hidden state the head is
@@ -12,7 +12,7 @@ and rows `(n_tokens, n_embd)`; produces the layer's outputs and the cache after 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -231,6 +231,10 @@ class MtpGraph:
     is_prenorm: bool = False
     ffn_norm: str = "post_attention_norm"  # the block's norm before its FFN
     head_norm_fallback: str | None = None  # the block's tensor read as the head norm where nextn has none
+    # the output rows taken before the attention's residual (qwen3next.cpp graph_mtp: get_rows on
+    # the attention output and its input), so the residual, mtp_post_ffn and h_nextn hold the output
+    # rows only; the others take them after h_nextn, for the logits
+    has_early_rows: bool = False
 
 
 QWEN35_GRAPH = MtpGraph(_gated_attention, QWEN35_ATTENTION, names.MTP_ATTN_RESIDUAL, _softmax_renormalized)
@@ -238,6 +242,10 @@ GRAPHS = {
     names.ARCH_QWEN35: QWEN35_GRAPH,
     names.ARCH_QWEN35MOE: QWEN35_GRAPH,
     names.ARCH_GLM4MOE: MtpGraph(_biased_attention, GLM4MOE_ATTENTION, names.MTP_FFN_INP, _routing_of_file),
+    # Qwen3-Next's head is Qwen3.5-MoE's layer (gated attention, softmax-routed experts renormalized,
+    # sigmoid-gated shared expert), but plain NeoX RoPE (no M-RoPE sections; the same angles on text
+    # positions) and its output rows taken before the residual
+    names.ARCH_QWEN3NEXT: replace(QWEN35_GRAPH, has_early_rows=True),
     names.ARCH_MIMO2: MtpGraph(
         _fused_sink_attention,
         MIMO2_ATTENTION,
