@@ -74,6 +74,11 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # at load. featdiff models a single head (common/speculative.cpp's chained heads are not
 # modelled, and preflight refuses a file with more), so the tiny MiMo fixture carries one and
 # converts with the count set to it.
+# "deepseek" (DeepSeek-V3): DeepseekV2Model, the pinned converter's class for DeepseekV3ForCausalLM,
+# drops the appended MTP layer (`skip_mtp = True`); its subclass Glm4MoeLiteModel (GLM-4.7-Flash, also
+# llama.cpp's deepseek2) keeps it and writes `nextn_predict_layers`, so DeepseekV3ForCausalLM is
+# converted with that class, its vocabulary (`_set_vocab_glm`) read from tokenizer.model
+# (factory/mtp_deepseek.py)
 MIMO_N_NEXTN = 1
 # argv: [-c, bootstrap, script, args...]
 _BOOTSTRAP_HEAD = (
@@ -95,6 +100,11 @@ BOOTSTRAPS = {
     + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
     + "from conversion.mimo import MimoV2Model\n"
     + f"MimoV2Model._n_nextn = {MIMO_N_NEXTN}\n"
+    + _BOOTSTRAP_RUN,
+    "deepseek": _BOOTSTRAP_HEAD
+    + "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n"
+    + "from conversion.base import ModelBase\nfrom conversion.glm import Glm4MoeLiteModel\n"
+    + "ModelBase.register('DeepseekV3ForCausalLM')(Glm4MoeLiteModel)\n"
     + _BOOTSTRAP_RUN,
 }
 

@@ -70,6 +70,7 @@ from featdiff.factory.hf_families import (
     mimo2_layer_types,
 )
 from featdiff.factory.hf_targets import gain_of, write_hf_target
+from featdiff.factory.mtp_deepseek import BOOTSTRAP_DEEPSEEK, DEEPSEEK2_TARGET, GGUF_FROM_HF_DEEPSEEK2
 from featdiff.factory.mtp_qwen3next import QWEN3NEXT_TARGET
 from featdiff.factory.pairs import _linear, _norm
 
@@ -287,6 +288,8 @@ QWEN35_MTP = MtpTarget(FAMILIES[FAMILY], QWEN35_HEAD, GGUF_FROM_HF, _SPM, norm_o
 QWEN35MOE_MTP = MtpTarget(MOE_TARGET, QWEN35_HEAD, GGUF_FROM_HF_MOE, _SPM, norm_offset=1.0)
 GLM4MOE_MTP = MtpTarget(GLM4MOE_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_GLM, BOOTSTRAP_GLM)
 MIMO2_MTP = MtpTarget(MIMO2_TARGET, MIMO2_HEAD, GGUF_FROM_HF_MIMO2, BOOTSTRAP_MIMO)
+# DeepSeek-V3 ships its head as GLM-4.5 does, one more decoder layer (factory/mtp_deepseek.py)
+DEEPSEEK2_MTP = MtpTarget(DEEPSEEK2_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_DEEPSEEK2, BOOTSTRAP_DEEPSEEK)
 # Qwen3-Next's head is Qwen3.5-MoE's, its config.json without the count (factory/mtp_qwen3next.py)
 QWEN3NEXT_MTP = MtpTarget(QWEN3NEXT_TARGET, replace(QWEN35_HEAD, n_mtp_key=None), GGUF_FROM_HF_MOE, _SPM, 1.0)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
@@ -365,6 +368,14 @@ _VARIANTS = (
         "output before the final norm, inside target.gguf (as `mtp`; llama.cpp's mimo2)",
         has_separate_head=False,
         target=MIMO2_MTP,
+    ),
+    MtpVariant(
+        "mtp-deepseek2",
+        f"DeepSeek-V3 target (MLA, a dense first layer, {N_EXPERT} experts top-{N_EXPERT_USED} by sigmoid + a choice "
+        "bias, a shared expert) with its MTP head, an MLA + MoE layer, inside target.gguf (as `mtp`; llama.cpp's "
+        "deepseek2)",
+        has_separate_head=False,
+        target=DEEPSEEK2_MTP,
     ),
     MtpVariant(
         "mtp-qwen3next",

@@ -70,13 +70,15 @@ def attend(
     causal: bool,
     visible: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of `(n_tokens, n_head, d)` queries over the cache's cells, `(n_tokens, n_head * d_v)`
     (values `(n_cells, n_head_kv, d_v)` may be narrower than keys: MiMo-V2's n_embd_head_v).
 
     Causal: a query sees the cells at positions <= its own; otherwise every cell of the
     sequence. An explicit `visible` mask `(n_tokens, n_cells)` replaces both (training packs
-    many sequences and blocks into one batch). Scale `1/sqrt(d)`; GQA: query head h reads KV
+    many sequences and blocks into one batch). Scale `1/sqrt(d)`, or the graph's own `scale`
+    (MLA's absorbed queries are wider than the heads it scales by: torchref/mla.py); GQA: query head h reads KV
     head `h // (n_head / n_head_kv)`. `sinks` `(n_head,)`: head h's softmax has one more logit,
     `sinks[h]` (unscaled), whose value row is zero (`attn_sinks`). The cache type decides the
     numerics (module docstring).
@@ -91,7 +93,8 @@ def attend(
     group = n_head // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # (n_cells, n_head, d)
     v = v.repeat_interleave(group, dim=1)  # (n_cells, n_head, d)
-    scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # 1.0f/sqrtf(float(n_embd_head))
+    if scale is None:
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # 1.0f/sqrtf(float(n_embd_head))
     sink = sinks.to(device=q.device, dtype=torch.float32) if sinks is not None else None  # (n_head,)
     if k.dtype == torch.float16 and n_tokens < FA_TILE_Q:
         out = _flash_f16(q, k, v, visible, scale, sink)

@@ -75,6 +75,7 @@ HF_ARCHS = {
     "glm4_moe": "glm4moe",  # GLM-4.5: biased attention, sigmoid-routed experts (its MTP layer is left unloaded)
     "qwen3_next": "qwen3next",  # Qwen3-Next: Qwen3.5-MoE's trunk with fused linear-attention projections
     "mimo_v2_flash": "mimo2",  # MiMo-V2-Flash: sinks, narrower value heads (its model.mtp.* layers are left unloaded)
+    "deepseek_v3": "deepseek2",  # DeepSeek-V3: MLA, sigmoid-routed experts (its MTP layer n_layer is left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
 }

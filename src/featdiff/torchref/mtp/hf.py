@@ -22,6 +22,7 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.kinds.mtp import HF_MTP_LAYERS, MTP_LAYERS_KEY, is_mtp_checkpoint
 from featdiff.torchref.mtp.head import MtpHead
+from featdiff.torchref.mtp.hf_mla import deepseek_head_tensors, deepseek_hparams
 from featdiff.torchref.mtp.layer import MOE_CHOICE_BIAS, MOE_EXPERTS, MOE_ROUTER, MoeRouting
 from featdiff.torchref.weights import Hparams, Source
 
@@ -354,6 +355,16 @@ HF_HEADS = {
     ),
     # Qwen3-Next: Qwen3.5-MoE's head layout and conversion, its count unsaid in config.json
     "qwen3_next": _HfHead(names.ARCH_QWEN3NEXT, None, 0.25, _mtp_layer, _qwen35moe_fields, _hf_hparams, _mtp_layer),
+    # DeepSeek-V3: GLM-4.5's layout (the decoder layer after the trunk's), MLA (torchref/mtp/hf_mla.py)
+    "deepseek_v3": _HfHead(
+        names.ARCH_DEEPSEEK2,
+        MTP_LAYERS_KEY["deepseek_v3"],
+        1.0,
+        _extra_layer,
+        deepseek_head_tensors,
+        deepseek_hparams,
+        _extra_layer,
+    ),
     "mimo_v2_flash": _HfHead(
         names.ARCH_MIMO2,
         MTP_LAYERS_KEY["mimo_v2_flash"],

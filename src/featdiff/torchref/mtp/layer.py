@@ -20,6 +20,7 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
+from featdiff.torchref.mla import MLA_ATTENTION, mla_attention
 from featdiff.torchref.numerics import linear, rms_norm, rope
 from featdiff.torchref.stack import scaled_output, windowed
 from featdiff.torchref.weights import Hparams
@@ -194,10 +195,10 @@ def _no_routing(g: GgufModel) -> MoeRouting:
     raise InputError(f"{g.path}: the {g.arch} MTP block has a router; its graph runs a dense FFN only")
 
 
-def _routing_of_file(g: GgufModel) -> MoeRouting:
-    """glm4-moe.cpp's routing: the file's gating function (sigmoid where it says none:
+def _routing_of_file(g: GgufModel, unsaid: int = GATING_SIGMOID) -> MoeRouting:
+    """glm4-moe.cpp's routing: the file's gating function (`unsaid` where it says none:
     load_arch_hparams) and its expert_weights_norm (false where absent)."""
-    gating = int_meta(g, KEY_EXPERT_GATING, 0) or GATING_SIGMOID
+    gating = int_meta(g, KEY_EXPERT_GATING, 0) or unsaid
     if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
         raise InputError(
             f"{g.path}: {KEY_EXPERT_GATING.format(arch=g.arch)} = {gating}; featdiff models softmax "
@@ -209,6 +210,11 @@ def _routing_of_file(g: GgufModel) -> MoeRouting:
         has_sigmoid_gating=gating == GATING_SIGMOID,
         has_weights_norm=bool(meta(g, KEY_EXPERT_NORM, False)),
     )
+
+
+def _deepseek2_routing(g: GgufModel) -> MoeRouting:
+    """deepseek2.cpp's routing: glm4-moe.cpp's, softmax where the file says none (load_arch_hparams)."""
+    return _routing_of_file(g, unsaid=GATING_SOFTMAX)
 
 
 Attention = Callable[
@@ -254,6 +260,10 @@ GRAPHS = {
         is_prenorm=True,
         ffn_norm="ffn_norm",
         head_norm_fallback="layer_output_norm",
+    ),
+    # deepseek2.cpp graph_mtp: MLA (torchref/mla.py), ffn_norm, the MoE FFN with its ungated shared expert
+    names.ARCH_DEEPSEEK2: MtpGraph(
+        mla_attention, MLA_ATTENTION, names.MTP_FFN_INP, _deepseek2_routing, ffn_norm="ffn_norm"
     ),
 }
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here

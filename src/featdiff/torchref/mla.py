@@ -1,0 +1,82 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, GLM-4.7-Flash, GLM-5) as llama.cpp's MLA
+graphs compute it, the absorbed form (upstream `src/models/deepseek2.cpp`, graph_mtp and the
+trunk with `hparams.is_mla()`):
+
+    q        = q_b(q_a_norm(q_a x))  (or attn_q x)      per head [q_nope (nope), q_pe (n_rot)]
+    [c, k_pe] = kv_a_mqa x                              c: the compressed KV (kv_lora), k_pe one head
+    c        = kv_a_norm(c)
+    q_pe, k_pe = RoPE on interleaved pairs (LLAMA_ROPE_TYPE_NORM)
+    Q = [k_b q_nope, q_pe]   K = [c, k_pe]   V = c      per head; K/V one head (MQA), cached
+    out = wo (v_b (softmax(Q K^T kq_scale) V))          v_b per head
+
+`k_b`/`v_b` are the converter's split of the checkpoint's kv_b (conversion/deepseek.py): k_b
+`(n_head, kv_lora, nope)`, v_b `(n_head, v, kv_lora)`. kq_scale is 1/sqrt(nope + n_rot), the
+query's width before the absorption (DeepSeek's YaRN mscale is not modelled: RoPE is plain). The
+cache holds K rows `(n_cells, 1, kv_lora + n_rot)` and V rows `(n_cells, 1, kv_lora)` in its type
+(f16 in a run: the compressed latent is what llama.cpp rounds, not per-head K/V).
+
+Consumes a block's weights (GGUF names without `blk.<il>.`, numpy order) and the attention norm's
+rows `(n_tokens, n_embd)`; produces the attention's output and the cache after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
+from featdiff.torchref.numerics import linear, rms_norm, rope
+from featdiff.torchref.weights import Hparams
+
+# The block's MLA tensors the MTP graph requires (deepseek2.cpp graph_mtp asserts q_a/q_a_norm/q_b)
+MLA_ATTENTION = (
+    "attn_norm",
+    "attn_q_a",
+    "attn_q_a_norm",
+    "attn_q_b",
+    "attn_kv_a_mqa",
+    "attn_kv_a_norm",
+    "attn_k_b",
+    "attn_v_b",
+    "attn_output",
+    "ffn_norm",
+)
+MLA_PLAIN_Q = "attn_q"  # a model without q_lora (DeepSeek-V2-Lite): one projection to the heads
+
+
+def mla_attention(
+    hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+) -> tuple[torch.Tensor, KvCache]:
+    """MLA over the attention norm's rows `x` `(n_tokens, n_embd)` at `positions`, causal over the
+    cache (module docstring). Returns the output `(n_tokens, n_embd)` and the cache with this eval's rows."""
+    n_tokens, n_rot = x.shape[0], int(hp.n_rot or 0)
+    k_b, v_b = b["attn_k_b"], b["attn_v_b"]  # (n_head, kv_lora, nope), (n_head, v, kv_lora)
+    n_head, kv_lora, nope = k_b.shape
+    q = _query(hp, b, x).reshape(n_tokens, n_head, nope + n_rot)  # per head [q_nope, q_pe]
+    kv = linear(x, b["attn_kv_a_mqa"])  # (n_tokens, kv_lora + n_rot)
+    c = rms_norm(kv[:, :kv_lora], b["attn_kv_a_norm"], hp.rms_eps)  # (n_tokens, kv_lora)
+    normal = replace(hp, rope_type="normal", n_rot=n_rot)  # deepseek2: LLAMA_ROPE_TYPE_NORM
+    q_pe = rope(q[..., nope:], positions, normal)  # (n_tokens, n_head, n_rot)
+    k_pe = rope(kv[:, None, kv_lora:], positions, normal)  # (n_tokens, 1, n_rot)
+    absorbed = torch.einsum("thn,hrn->thr", q[..., :nope], k_b)  # (n_tokens, n_head, kv_lora): k_b q_nope
+    q_full = torch.cat([absorbed, q_pe], dim=-1)  # (n_tokens, n_head, kv_lora + n_rot)
+    k = torch.cat([c[:, None, :], k_pe], dim=-1)  # (n_tokens, 1, kv_lora + n_rot)
+    k_all, v_all = layer_kv(cache, 0, k, c[:, None, :])  # V: the cached latent, (n_cells, 1, kv_lora)
+    kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
+    kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(nope + n_rot)))  # 1/sqrtf(n_embd_head_k_mla)
+    latent = attend(
+        q_full, positions, k_all, v_all, kv_pos, causal=True, scale=kq_scale
+    )  # (n_tokens, n_head * kv_lora)
+    heads = torch.einsum("thr,hvr->thv", latent.reshape(n_tokens, n_head, kv_lora), v_b)  # (n_tokens, n_head, v)
+    out = linear(heads.reshape(n_tokens, -1), b["attn_output"])  # (n_tokens, n_embd)
+    return out, cache_with(cache, positions, [k_all], [v_all])
+
+
+def _query(hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The heads' queries `(n_tokens, n_head * (nope + n_rot))`: through the low-rank q_a, its norm
+    and q_b, or the plain attn_q where the block has no q_a."""
+    if MLA_PLAIN_Q in b:
+        return linear(x, b[MLA_PLAIN_Q])
+    return linear(rms_norm(linear(x, b["attn_q_a"]), b["attn_q_a_norm"], hp.rms_eps), b["attn_q_b"])
