@@ -60,6 +60,8 @@ def _follow(d: Path, head: Path, run: Path, tmp: Path) -> Path:
         ("llama-server", "mtp-separate"),
         ("llama-speculative-simple", "mtp-mimo2"),  # MiMo-V2: the head handed the pre-norm hidden
         ("llama-server", "mtp-mimo2"),
+        ("llama-speculative-simple", "mtp-deepseek2"),  # DeepSeek-V3: MLA, its head an MoE layer
+        ("llama-server", "mtp-deepseek2"),
     ],
 )
 def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, variant, tmp_path):
