@@ -120,7 +120,11 @@ def _ensure_tools(root: Path) -> ToolBuild:
     if cached is not None:
         return cached
     # an incremental rebuild (a recipe or patch change) adds to the time of the build it extends
-    seconds = _build(source, _build_dir(root, source)) + _stamp_seconds(root)
+    before = _stamp_seconds(root)
+    # no stamp while the tree is being built: one killed part-way (a ^C, a killed `make test`) is
+    # built on by the next run, never trusted, even once the source is back to the stamp's key
+    (root / STAMP).unlink(missing_ok=True)
+    seconds = _build(source, _build_dir(root, source)) + before
     (root / STAMP).write_text(
         json.dumps(
             {
@@ -163,6 +167,8 @@ def _ensure_library(root: Path) -> Path:
         s.is_file() and json.loads(s.read_text()).get("key") == key for s in stamps
     ):
         return llama_dir
+    for stamp in stamps:  # both are of another key (stale) by now
+        stamp.unlink(missing_ok=True)
     seconds = _build(source, build_dir, LIBRARY_TARGETS)
     (root / LIBRARY_STAMP).write_text(json.dumps({"key": key, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s in %.0f s", ", ".join(LIBRARY_TARGETS), seconds)
@@ -326,7 +332,7 @@ def _ensure_release(spec: str, root: Path, targets: tuple[str, ...], options: tu
         return ToolBuild(root, source, build_dir / "bin", float(built["seconds"]))
     if not (source / "include" / "llama.h").is_file():
         _unpack(_download(root / "sdist", spec), source)
-    stamp.unlink(missing_ok=True)  # a build killed part-way leaves no stamp a later run trusts
+    stamp.unlink(missing_ok=True)  # as _ensure_tools: a build killed part-way leaves no stamp
     seconds = _build(source, build_dir, targets, options)
     stamp.write_text(json.dumps({"want": want, "seconds": round(seconds, 1)}, indent=1))
     log.info("built %s %s in %.0f s", spec, ", ".join(targets), seconds)
