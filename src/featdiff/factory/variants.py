@@ -14,6 +14,7 @@ from featdiff.factory import eagle3 as fixtures_eagle3
 from featdiff.factory import fixtures, hf_targets
 from featdiff.factory import hf_families as factory_hf_families
 from featdiff.factory import mtp as fixtures_mtp
+from featdiff.factory import mtp_chain as fixtures_mtp_chain
 
 DFLASH2 = "dflash2"
 DFLASH2_DOC = "DFlash2 drafter (local convolutions, candidate lattice) on the qwen3 target"
@@ -25,7 +26,13 @@ def _others() -> dict[str, str]:
         name: f"{f.doc} through transformers, with the clean drafter (converted)"
         for name, f in factory_hf_families.FAMILIES.items()
     }
-    return {DFLASH2: DFLASH2_DOC, **families, **fixtures_eagle3.EAGLE3_VARIANTS, **fixtures_mtp.MTP_VARIANTS}
+    return {
+        DFLASH2: DFLASH2_DOC,
+        **families,
+        **fixtures_eagle3.EAGLE3_VARIANTS,
+        **fixtures_mtp.MTP_VARIANTS,
+        **fixtures_mtp_chain.CHAIN_VARIANTS,
+    }
 
 
 def describe() -> str:
@@ -39,6 +46,8 @@ def write(outdir: Path, variant: str, seed: int = 0) -> Path:
         return fixtures_eagle3.write_eagle3_fixture(outdir, variant, seed)
     if variant in fixtures_mtp.MTP_VARIANTS:
         return fixtures_mtp.write_mtp_fixture(outdir, variant, seed)
+    if variant in fixtures_mtp_chain.CHAIN_VARIANTS:
+        return fixtures_mtp_chain.write_mtp_chain_fixture(outdir, variant, seed)
     if variant == DFLASH2:
         return fixtures_dflash2.write_dflash2_fixture(outdir, seed)
     if variant in factory_hf_families.FAMILIES:

@@ -136,6 +136,8 @@ def write_records(writer: DumpWriter, records: tuple[RecordEvent, ...], evals: t
                 n = max(n, 2)
             elif n_tokens.get(event.eval) == 1:
                 n = min(max(n, dims.get(event.name, n + 1)), 4)  # keep the token dimension
+            else:  # one output row of several tokens (a chained MTP step's h_nextn): keep its row dimension
+                n = min(max(n, dims.get(event.name, n)), 4)
             record = record_from_event(event, phases.get(event.eval, Phase.WARMUP), n)
             array, why = read_record_array(f, event, record)
             if array is None:

@@ -39,6 +39,7 @@ from featdiff.torchref.rounds import EvalTrace, FollowError, FlowTrace
 from featdiff.torchref.dflash.flow import run_flow
 from featdiff.torchref.load_hf import read_config
 from featdiff.core.tokens import check_prompt, parse_tokens, require_one
+from featdiff.kinds import registry as kinds
 from featdiff.torchref.load import load_draft, load_target
 from featdiff.torchref.numerics import COMPUTE_DTYPES, KV_DTYPES, Numerics
 from featdiff.torchref.weights import Draft, Target, check_pair, models_entry
@@ -225,7 +226,9 @@ def followed_run(
     program that failed at its first draft: nothing says how long its blocks were)."""
     with read_dump(run) as dump:
         m = dump.manifest
-    has_block = run_block_rows(m.evals, str(run)) is not None
+    # a step drafter's steps may differ in length (chained MTP heads re-decode the round's rows): its block is its verify
+    steps = kinds.of_arch(m.models.get(names.ROLE_DRAFT, {}).get("architecture")).row_token is not None
+    has_block = run_block_rows(m.evals, str(run), steps) is not None
     given = [
         flag
         for flag, value in (("--prompt", prompt), ("--tokens", tokens), ("--block", block), ("--run", also_run))

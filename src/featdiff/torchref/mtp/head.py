@@ -153,9 +153,12 @@ def decode(
 # --- from the GGUF ----------------------------------------------------------------------------
 
 
-def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_dir: Path | None = None) -> MtpHead:
+def mtp_from_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, llama_dir: Path | None = None, offset: int | None = None
+) -> MtpHead:
     """The head of a GGUF that carries one (the target's own, or a separate `mtp-*.gguf`),
-    dequantized as load_gguf.target_from_gguf does."""
+    dequantized as load_gguf.target_from_gguf does; `offset`: head k of a chain (block n_layer + k,
+    llama.cpp's nextn_layer_offset; torchref/mtp/chain.py), None: the file's single head."""
     g = read_gguf_weights(Path(path), llama_dir, ggml_dequant.load)
     il = mtp_head_block(g)
     if il is None:
@@ -163,8 +166,9 @@ def mtp_from_gguf(path: Path, dtype: torch.dtype, device: torch.device, llama_di
             f"{path}: {names.KEY_NEXTN_LAYERS.format(arch=g.arch)} is missing or 0: no MTP head (converted with "
             "--no-mtp?); re-convert the checkpoint without --no-mtp"
         )
-    if int_meta(g, names.KEY_NEXTN_LAYERS) != 1:
+    if offset is None and int_meta(g, names.KEY_NEXTN_LAYERS) != 1:
         raise InputError(f"{path}: {int_meta(g, names.KEY_NEXTN_LAYERS)} MTP blocks; featdiff models a single head")
+    il += offset or 0  # a chain's head k: block n_layer + k
     if g.arch not in MTP_ARCHS:
         raise InputError(
             f"{path}: an MTP head of architecture {g.arch!r}; featdiff models the heads of {', '.join(MTP_ARCHS)}"

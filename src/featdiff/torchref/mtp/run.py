@@ -13,9 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from featdiff.core.errors import InputError
 from featdiff.dump.records import Round
 from featdiff.dump.model_info import model_info
 from featdiff.dump.manifest_fields import ModelInfo
+from featdiff.torchref.mtp import chain
+from featdiff.torchref.mtp.chain import MtpChain
 from featdiff.torchref.mtp.head import MtpHead, check_mtp_pair, mtp_from_gguf
 from featdiff.torchref.mtp.hf import mtp_from_hf
 from featdiff.torchref.mtp.flow import run_flow
@@ -29,15 +32,30 @@ def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
     return step_reference(MTP, target, model, output, **options)
 
 
-def load_head(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> MtpHead:
-    """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5, GLM-4.5 or MiMo-V2 checkpoint directory)."""
+def load_head(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> MtpHead | MtpChain:
+    """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5, GLM-4.5 or MiMo-V2 checkpoint
+    directory), or its chained heads where it carries several (torchref/mtp/chain.py)."""
+    n_heads = chain.n_heads(Path(model))
+    if n_heads > 1:
+        return chain.load_chain(Path(model), n_heads, numerics.dtype, numerics.device, llama_dir)
     if Path(model).is_dir():
         return mtp_from_hf(Path(model), numerics.dtype, numerics.device)
     return mtp_from_gguf(Path(model), numerics.dtype, numerics.device, llama_dir)
 
 
-def mtp_models_entry(head: MtpHead) -> dict[str, Any]:
+def run_any_flow(
+    target: Target, draft: MtpHead | MtpChain, prompt: tuple[int, ...], rounds: int, numerics: Numerics, **options: Any
+):
+    """The single head's flow, or the chain's."""
+    if isinstance(draft, MtpChain):
+        return chain.run_chain_flow(target, draft, prompt, rounds, numerics, **options)
+    return run_flow(target, draft, prompt, rounds, numerics, **options)
+
+
+def mtp_models_entry(draft: MtpHead | MtpChain) -> dict[str, Any]:
     """The manifest's `models` entry of the head's model, as capture describes it (`ModelInfo`)."""
+    head = draft.first if isinstance(draft, MtpChain) else draft
+    n_heads = len(draft.heads) if isinstance(draft, MtpChain) else 1
     if head.source.is_gguf:
         return replace(model_info(head.source.path), dequantized_by=head.source.dequantized_by).to_json()
     hp = head.hparams
@@ -45,7 +63,7 @@ def mtp_models_entry(head: MtpHead) -> dict[str, Any]:
         path=str(head.source.path),
         sha256=hf_sha256(Path(head.source.path)),
         architecture=hp.arch,
-        n_layer=head.il + 1,
+        n_layer=head.il + n_heads,
         n_embd=hp.n_embd,
         n_vocab=hp.n_vocab,
         weight_types=(),
@@ -59,6 +77,8 @@ def mtp_models_entry(head: MtpHead) -> dict[str, Any]:
 def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> MtpHead:
     """The head at `model`, checked against `target`."""
     head = load_head(Path(model), target, numerics)
+    if isinstance(head, MtpChain):
+        raise InputError(f"{model}: {len(head.heads)} chained MTP heads; the accept probe models a single head")
     check_mtp_pair(target, head)
     return head
 
@@ -68,4 +88,4 @@ def probe_round(target: Target, draft: MtpHead, prompt: tuple[int, ...], numeric
     return run_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]
 
 
-MTP = StepKind("MTP", load_head, run_flow, mtp_models_entry)
+MTP = StepKind("MTP", load_head, run_any_flow, mtp_models_entry)
