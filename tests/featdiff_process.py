@@ -1,5 +1,6 @@
 """featdiff run as its console script runs it (cli.main, with its signal handlers), in a process
-of its own: for the tests that capture around a llama-server and talk to it while it runs."""
+of its own: for the tests that capture around a llama-server and talk to it while it runs; and
+the check of a planted fault the check fault tests share (check_names_fault)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,31 @@ def compares_clean_against_its_tokens(run: Path, target: Path, model: Path, out:
     c = compare_dumps(ref, run)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
     assert not [f for f in c.findings if f.kind == "unpaired" and f.fields.get("reason") == "token_history"]
+
+
+FAULT_VAR = "FEATDIFF_FAULT"  # the variable that plants a fault of patches/llama.cpp (docs/faults.md)
+EXIT_FAIL = 1
+
+
+def check_names_fault(args: list, fault: str | None, out: Path, finding: str) -> list[dict]:
+    """`featdiff check ARGS` (through typer's CliRunner) with FEATDIFF_FAULT=`fault` planted, its
+    dumps kept in out/dumps and its verdict in out/check.json; the test fails unless it exits 1
+    with an error finding of kind `finding` and keeps its dumps (the run's, the --run it judged).
+    Its error findings' JSON. `fault` None: none planted (a `--run` capture carries its own)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    args = [str(a) for a in args]
+    kept = ["--keep", str(out / "dumps"), "--json", str(out / "check.json")]
+    env = {FAULT_VAR: fault, "GITHUB_STEP_SUMMARY": None}
+    result = CliRunner().invoke(app, ["check", *kept, *args], env=env)
+    assert result.exit_code == EXIT_FAIL, (result.exit_code, result.output[-3000:])
+    findings = json.loads((out / "check.json").read_text())["comparison"]["findings"]
+    errors = [f for f in findings if f["severity"] == "error"]
+    assert finding in [f["kind"] for f in errors], [(f["kind"], f["tensor"], f.get("where")) for f in errors]
+    run = Path(args[args.index("--run") + 1]) if "--run" in args else out / "dumps" / "run.npz"
+    assert run.is_file() and (out / "dumps" / "ref.npz").is_file()
+    return errors

@@ -4,12 +4,12 @@ llama-speculative-simple and around llama-server exits 1 naming the fault's find
 even where the fault makes the program fail (a refused decode, llama-server answering 500): the
 dump holds what was decoded before, and check judges it. A failed check keeps its dumps.
 
-The faults the driver plants that these leave out, and why: `seq-swap` and `cache-restore-swap`
-show only with several sequences at once (tests/llama/test_sequences.py), `eagle3-no-shift` and
-the `mtp-*` faults need their own pairs (test_eagle3_faults.py, test_mtp_exec.py), the graph
-faults of libllama (`log-snr-*`, `eagle3-*`, `mtp-*`, `recurrent-keep-rejected`) are read once
-per process (test_check.py runs check on the log-SNR one in its own process), and
-`device-features-stale` needs a Vulkan device. `npast-drift` (n_past one past each accept) is
+The faults the driver plants that these leave out are checked elsewhere (docs/faults.md, "check
+on each fault"): the EAGLE3 and MTP ones in test_check_step_faults.py, `inject-chunk0`, the graph
+faults of libllama and EAGLE3 and MTP around llama-server in test_check_program_faults.py, the
+ones that need several sequences at once (`seq-swap`, `cache-restore-swap`) by `check --run` of
+that traffic (test_server_traffic.py, test_server_clients.py), `device-features-stale` in
+test_device_exec.py. `npast-drift` (n_past one past each accept) is
 named `position_offset` at the next verify here too: check's reference follows the run's rounds,
 whose accepted counts the capture takes from the positions, and the verify's kept draft is the
 evidence (diff/detectors/choices.detect_position_offset_after_accept)."""
@@ -23,10 +23,10 @@ import pytest
 from typer.testing import CliRunner
 
 from featdiff.cli import app
+from featdiff_process import FAULT_VAR, check_names_fault
 
 from test_exec import SPEC_ARGS
 
-FAULT_VAR = "FEATDIFF_FAULT"
 PROMPT = "The quick brown fox"
 EXIT_FAIL = 1
 # fault -> (the programs it is planted around, the finding check must name); as test_driver_faults
@@ -53,22 +53,16 @@ def _command(tools, program: str, d: Path) -> list[str]:
     return cmd
 
 
-def _check(tools, d: Path, program: str, fault: str, out: Path):
-    """`featdiff check --exec` around `program` with `fault` planted, its dumps kept in out/dumps."""
-    args = ["check", "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf")]
-    args += ["--ref-model", str(d / "draft-hf"), "--keep", str(out / "dumps"), "--json", str(out / "check.json")]
-    args += ["--exec", "--", *_command(tools, program, d)]
-    return CliRunner().invoke(app, args, env={FAULT_VAR: fault, "GITHUB_STEP_SUMMARY": None})
+def _check_args(tools, d: Path, program: str) -> list[str]:
+    """check's models and the program's command line around which it runs, for the pair `d`."""
+    args = ["--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"), "--ref-model", str(d / "draft-hf")]
+    return [*args, "--exec", "--", *_command(tools, program, d)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, program", CASES)
 def test_check_names_each_planted_fault_and_exits_1(fixture_models, tools, tmp_path, fault, program):
-    result = _check(tools, fixture_models("clean"), program, fault, tmp_path)
-    assert result.exit_code == EXIT_FAIL, (result.exit_code, result.output[-3000:])
-    kinds = [f["kind"] for f in json.loads((tmp_path / "check.json").read_text())["comparison"]["findings"]]
-    assert FAULTS[fault][1] in kinds, kinds
-    assert (tmp_path / "dumps" / "run.npz").is_file() and (tmp_path / "dumps" / "ref.npz").is_file()
+    check_names_fault(_check_args(tools, fixture_models("clean"), program), fault, tmp_path, FAULTS[fault][1])
 
 
 def test_a_failed_check_keeps_its_dumps_where_it_says(fixture_models, caplog):

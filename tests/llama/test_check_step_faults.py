@@ -8,16 +8,12 @@ reference was made. The DFlash family's faults: test_check_faults.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from featdiff.cli import app
+from featdiff_process import check_names_fault
 
-FAULT_VAR = "FEATDIFF_FAULT"
-EXIT_FAIL = 1
 DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
 # fault -> the finding check must name (docs/faults.md), by drafter kind
 EAGLE3 = {
@@ -61,12 +57,4 @@ def test_check_names_each_eagle3_and_mtp_fault_and_exits_1(
     tools, eagle3_pairs, mtp_pairs, tmp_path, kind, fault, finding
 ):
     d = eagle3_pairs("eagle3") if kind == "eagle3" else mtp_pairs("mtp")
-    out = ["--keep", str(tmp_path / "dumps"), "--json", str(tmp_path / "check.json")]
-    result = CliRunner().invoke(
-        app, ["check", *out, *_args(tools, kind, d)], env={FAULT_VAR: fault, "GITHUB_STEP_SUMMARY": None}
-    )
-    assert result.exit_code == EXIT_FAIL, (result.exit_code, result.output[-3000:])
-    findings = json.loads((tmp_path / "check.json").read_text())["comparison"]["findings"]
-    errors = [(f["kind"], f["tensor"], f.get("where")) for f in findings if f["severity"] == "error"]
-    assert finding in [k for k, _, _ in errors], errors
-    assert (tmp_path / "dumps" / "run.npz").is_file() and (tmp_path / "dumps" / "ref.npz").is_file()
+    check_names_fault(_args(tools, kind, d), fault, tmp_path, finding)

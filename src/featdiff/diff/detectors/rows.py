@@ -78,7 +78,7 @@ def detect_misplaced_rows(ev: Evidence) -> Finding | None:
     held = tuple(int(ev.ref_all_positions[j]) for j in sources if j is not None)
     return error_finding(
         ev,
-        f"{ev.tensor} {at_positions(rows)} hold the reference's rows of positions {at_positions(held)}, the other "
+        f"{ev.tensor} {at_positions(rows)} hold the reference's rows of {at_positions(held)}, the other "
         f"rows their own: the driver staged the wrong rows for part of the batch; check how it "
         f"indexes rows past the first chunk (n_ubatch) or sequence",
         MisplacedRowsFields(rows=rows, sources=held),
