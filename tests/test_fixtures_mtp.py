@@ -65,6 +65,7 @@ MOE = "mtp-qwen35moe"
 GLM = "mtp-glm4moe"
 GLM_HF_LAYER = f"model.layers.{S.n_layer}."  # GLM-4.5's head: one more decoder layer of the checkpoint
 MIMO = "mtp-mimo2"
+QWEN3NEXT = "mtp-qwen3next"
 MIMO_SWA_KV = 2 * 1  # the tiny MiMo's full layers have 1 KV head, its sliding ones (and its head) twice as many
 # the trunk's tensors outside any block, which the converter's --mtp output keeps for the head
 SHARED = {"token_embd.weight", "output.weight", "output_norm.weight"}
@@ -178,6 +179,7 @@ EXPECTED_BLOCK = {
     MOE: _expected_moe_block,
     GLM: _expected_glm_block,
     MIMO: _expected_mimo_block,
+    QWEN3NEXT: _expected_moe_block,  # qwen3next.cpp's load_block_mtp: the trunk's block, as qwen35moe's
 }
 
 
@@ -228,7 +230,7 @@ def test_the_variant_table_and_its_settings_agree():
         MOE: False,
         GLM: False,
         MIMO: False,
-        "mtp-qwen3next": False,
+        QWEN3NEXT: False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -237,7 +239,7 @@ def test_the_variant_table_and_its_settings_agree():
         MOE: ARCH_QWEN35MOE,
         GLM: names.ARCH_GLM4MOE,
         MIMO: names.ARCH_MIMO2,
-        "mtp-qwen3next": names.ARCH_QWEN3NEXT,
+        QWEN3NEXT: names.ARCH_QWEN3NEXT,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())
@@ -352,7 +354,7 @@ def test_the_mimo_checkpoint_is_its_target_with_one_seeded_head_as_mimo_ships_it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["mtp", MOE, GLM, MIMO])
+@pytest.mark.parametrize("variant", ["mtp", MOE, GLM, MIMO, QWEN3NEXT])
 def test_the_mtp_target_holds_the_head_as_llama_cpp_loads_it(made, variant):
     """qwen35.cpp's block, qwen35moe.cpp's (the MoE variant) or glm4-moe.cpp's (the GLM variant),
     keyed by the variant's arch."""
@@ -429,6 +431,7 @@ def test_the_mimo_target_carries_one_sliding_head(made):
         (MOE, "target.gguf"),
         (GLM, "target.gguf"),
         (MIMO, "target.gguf"),
+        (QWEN3NEXT, "target.gguf"),
     ],
 )
 def test_the_heads_values_are_the_checkpoints_with_the_converters_norm_offset(made, variant, gguf):

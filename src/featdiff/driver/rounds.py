@@ -115,8 +115,10 @@ def rollback(tgt: Context, n_past: int, n_rejected: int) -> None:
     if not tgt.seq_rm(n_past) and n_rejected > 0:
         raise InputError(
             f"{tgt.model.path}: llama.cpp could not roll the target's recurrent state back {n_rejected} rejected "
-            "rows (llama_memory_seq_rm refused: its n_rs_seq snapshots do not reach); featdiff's in-process flow "
-            "runs a hybrid target only on a build whose llama_context_params has n_rs_seq"
+            "rows (llama_memory_seq_rm refused: its n_rs_seq snapshots do not reach, or llama.cpp keeps none for "
+            "this architecture, llm_arch_supports_rs_rollback: qwen3next); featdiff's in-process flow runs a hybrid "
+            "target only where llama.cpp rolls it back (a build with n_rs_seq, an arch with snapshots); capture the "
+            "program around it instead (capture --exec)"
         )
 
 
