@@ -27,6 +27,7 @@ ODD_TENSOR = {
     "mtp-qwen35moe": "mtp.layers.0.mlp.mystery.weight",
     "mtp-glm4moe": "model.layers.6.mystery.weight",
     "mtp-mimo2": "model.mtp.layers.0.mystery.weight",
+    "mtp-qwen3next": "mtp.layers.0.mlp.mystery.weight",
 }
 
 
