@@ -117,7 +117,7 @@ def test_a_head_computed_with_another_heads_weights_is_named_with_the_export_fix
         {"source": CHAIN_HEAD_SOURCE, "candidate": "h_nextn@head=2"},
     )
     assert f.message.startswith(
-        "h_nextn is what head 2 computes from this step's inputs, where draft step 1 runs head 1"
+        "h_nextn is what head 2 computes from these inputs, where layer n_layer + 1 is head 1's"
     )
     assert "the GGUF's block of head 1 holds head 2's weights" in f.message
     assert place(f, Export({}, {}), ()).where != "driver"  # another weight, not a state handed over

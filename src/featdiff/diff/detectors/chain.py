@@ -120,8 +120,8 @@ def detect_wrong_source_of_chain_weights(ev: Evidence) -> Finding | None:
     graph_fix = f"the graph reads head {ran}'s tensors for layer n_layer + {own}: check its nextn layer offset"
     return error_finding(
         ev,
-        f"{ev.tensor} is what head {ran} computes from this step's inputs, where draft step {own} runs head {own}; "
-        + fix_by_place(ev, export_fix, graph_fix),
+        f"{ev.tensor} is what head {ran} computes from these inputs, where layer n_layer + {own} is head {own}'s "
+        f"(draft step {own} runs it); " + fix_by_place(ev, export_fix, graph_fix),
         WrongSourceFields(source=CHAIN_HEAD_SOURCE, candidate=names.candidate_name(ev.record, f"{_HYP_HEAD}={ran}")),
     )
 
