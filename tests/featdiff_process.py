@@ -141,6 +141,7 @@ def check_names_fault(args: list, fault: str | None, out: Path, finding: str) ->
     from featdiff.cli import app
 
     args = [str(a) for a in args]
+    out.mkdir(parents=True, exist_ok=True)
     kept = ["--keep", str(out / "dumps"), "--json", str(out / "check.json")]
     env = {FAULT_VAR: fault, "GITHUB_STEP_SUMMARY": None}
     result = CliRunner().invoke(app, ["check", *kept, *args], env=env)

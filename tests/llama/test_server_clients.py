@@ -103,7 +103,8 @@ def _verdicts(tmp: Path, models: Path, run: Path) -> tuple[dict, subprocess.Comp
     assert made.returncode == 0, made.stderr[-3000:]
     compared = _featdiff("compare", ref, run, "--json", "-")
     assert compared.returncode in (0, 1), compared.stderr[-3000:]
-    check = _featdiff("check", "--target", models / "target.gguf", "--model", models / "draft.gguf", "--run", run)
+    models_args = ["--target", models / "target.gguf", "--model", models / "draft.gguf"]
+    check = _featdiff("check", *models_args, "--run", run, "--json", tmp / "check.json")
     return json.loads(compared.stdout), check
 
 
@@ -146,6 +147,10 @@ def test_a_ram_cache_restoring_the_drafters_state_from_another_prompt_is_named_a
     named = [f for f in result["findings"] if f["kind"] == "wrong_source" and f["source"] == "another_saved_prompt"]
     assert named and named[0]["severity"] == "error" and named[0]["flow"] == N_REQUESTS - 1, result["findings"]
     assert not result["ok"] and check.returncode == 1
+    checked = json.loads((tmp_path / "check.json").read_text())["comparison"]["findings"]  # check names it too
+    assert [(f["kind"], f["source"], f["flow"]) for f in checked if f.get("source") == "another_saved_prompt"] == [
+        ("wrong_source", "another_saved_prompt", N_REQUESTS - 1)
+    ], [(f["kind"], f["tensor"]) for f in checked if f["severity"] == "error"]
 
 
 def _four_clients(port: int) -> None:

@@ -254,3 +254,9 @@ def test_one_slot_fed_the_other_slots_features_is_named_at_that_sequence(server_
     assert errors, "the swapped features went unnoticed"
     assert {f.fields.get("seq_id") for f in errors} == {1}, _errors(c)
     assert errors[0].tensor == "inp_target_features" and "sequence 1" in errors[0].message
+    # check of that capture (issue 48: check --exec sends one request at a time, so two sequences
+    # at once are the user's traffic it judges with --run) names it there too
+    d = fixture_models("clean")
+    args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", "--ref-model", d / "draft-hf", "--run", run]
+    named = featdiff_process.check_names_fault(args, None, tmp_path / "check", errors[0].kind)
+    assert (named[0]["tensor"], named[0].get("seq_id")) == ("inp_target_features", 1), named
