@@ -17,6 +17,7 @@ from test_near_tie import _with_logits
 from featdiff.core.names import RESULT_OUTPUT
 from featdiff.diff import compare_dumps, exit_code
 from featdiff.diff.detectors import detect_divergence_by_margin
+from featdiff.diff.diagnose import parting_findings
 from featdiff.diff.partings import Parting, sampled_parting
 from featdiff.dump.manifest import Manifest, flow_view
 from featdiff.dump.reader import read_dump
@@ -84,11 +85,16 @@ def test_a_sampled_token_in_the_support_is_no_parting_and_one_outside_is_a_diver
     assert "its sampler (temperature 0.8, top-k 40" in f.message and "greedily" not in f.message
 
 
-def test_a_chain_with_a_stage_featdiff_does_not_compute_does_not_judge_the_choice():
+def test_a_chain_with_a_stage_featdiff_does_not_compute_does_not_judge_the_choice_and_says_so():
     row = _row(5.0, 4.0, 0.0)
     penalised = replace(DEFAULT, repeat_penalty=1.1)
     assert penalised.unmodelled == ("penalties",)
-    assert sampled_parting(_parting(2, 5.0), row, penalised) is None
+    p = sampled_parting(_parting(2, 5.0), row, penalised)
+    assert p is not None and p.unmodelled == ("penalties",)
+    (f,) = parting_findings((p,), explained=False)  # never the divergence a greedy reading gives
+    assert (f.kind, f.severity, f.fields["names"], f.fields["role"]) == ("unmodelled", "info", ["penalties"], "target")
+    assert "not judged" in f.message and "penalties not modelled" in f.message
+    assert sampled_parting(_parting(1, 1.0), row, penalised) is not None  # even one the cuts keep: unjudged
 
 
 def test_the_flags_set_the_sampler_and_the_defaults_are_llama_cpps():

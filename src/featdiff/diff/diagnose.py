@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from featdiff.core.names import ROLE_DRAFT, Role
-from featdiff.core.phases import ROUND_OPENER, feeders, role_of
+from featdiff.core.phases import ROUND_OPENER, Phase, feeders, role_of
 from featdiff.diff import detectors as d
 from featdiff.diff.align import GroupKey, Pair, Plan
 from featdiff.diff.batches import batch_label
@@ -42,6 +42,7 @@ from featdiff.dump.manifest import Manifest
 
 LEAF_PREFIXES = ("inp_", "leaf_")  # graph inputs: no captured producer to inherit from
 LEAF_OPS = ("NONE", "")  # ggml's op of a leaf (an input tensor)
+OWN_CACHE_READER = (ROLE_DRAFT, Phase.INJECT.value)  # a step drafter's inject: attends to its earlier inject rows
 MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same fault again
 
 # The detector chain, most specific evidence first; the first to return a Finding names the cause.
@@ -121,8 +122,10 @@ def record_roles(plan: Plan) -> dict[str, Role]:
     return {name: next(iter(roles)) for name, roles in seen.items() if len(roles) == 1}
 
 
-def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
-    """Walk pairs in order; a divergent pair is a root when none of its inputs diverges."""
+def find_roots(pairs: tuple[Pair, ...], within: list[bool], reads_own_cache: bool = False) -> Walk:
+    """Walk pairs in order; a divergent pair is a root when none of its inputs diverges.
+    `reads_own_cache`: the drafter's inject attends to the rows its earlier injects wrote (a step
+    drafter: EAGLE3's decoder, an MTP head), so a row gone wrong there feeds every later inject."""
     roots: list[int] = []
     inherited: list[int] = []
     by_group: dict[tuple, list[int]] = {}
@@ -134,12 +137,22 @@ def find_roots(pairs: tuple[Pair, ...], within: list[bool]) -> Walk:
             bad_input = any(not within[j] for j in same_eval)
             bad_feeder = reads_others and any(
                 first_bad.get(f, pair.first_eval) < pair.first_eval
-                for f in feeders(*pair.group[:2]) or tuple(first_bad)
+                for f in _feeders(pair.group[:2], reads_own_cache) or tuple(first_bad)
             )
             (inherited if bad_input or bad_feeder else roots).append(i)
             first_bad.setdefault(pair.group[:2], pair.first_eval)
         earlier.append(i)
     return Walk(tuple(roots), tuple(inherited))
+
+
+def _feeders(group: tuple[str, str], reads_own_cache: bool) -> tuple[tuple[str, str], ...] | None:
+    """The protocol's feeders of an eval group (featdiff.core.phases.FEEDERS), with the drafter's own
+    earlier injects where its inject attends to its cache (a step drafter's decoder; a block
+    drafter's inject only projects features to K/V, docs/flow.md)."""
+    fed = feeders(*group)
+    if fed is not None and reads_own_cache and group == OWN_CACHE_READER:
+        return (*fed, OWN_CACHE_READER)
+    return fed
 
 
 def diagnose_root(ev: d.Evidence, nmse: float) -> Finding:
@@ -269,11 +282,14 @@ def unpaired_findings(
 
 
 def parting_findings(partings: tuple[Parting, ...], explained: bool) -> list[Finding]:
-    """The near-ties (info), and the first parting beyond the noise as an error unless other
-    error findings (`explained`) already say why the run chose other tokens."""
+    """The first sampled choice a chain featdiff does not compute left unjudged (info), the
+    near-ties (info), and the first parting beyond the noise as an error unless other error
+    findings (`explained`) already say why the run chose other tokens."""
+    unjudged = [f for f in map(d.detect_unmodelled_sampler, partings) if f is not None][:1]
+    partings = tuple(p for p in partings if not p.unmodelled)
     found = [f for f in map(d.detect_near_tie, partings) if f is not None]
     beyond = next((fs for fs in ([f for f in map(det, partings) if f] for det in PARTING_CHAIN) if fs), [])
-    return found + ([] if explained or not beyond else beyond[:1])
+    return unjudged + found + ([] if explained or not beyond else beyond[:1])
 
 
 def _last_round(groups: tuple[GroupKey, ...]) -> int:

@@ -57,6 +57,9 @@ class Parting:
     # draft) and decoded the target's own token (`expected`) that many rows later: n_past moved
     # past the accept (kept_past rows); 0 otherwise
     kept_past: int = 0
+    # the stages of a sampled run's chain featdiff does not compute (Sampler.unmodelled): the
+    # choice is not judged, and says so (an info finding); () otherwise
+    unmodelled: tuple[str, ...] = ()
 
     @property
     def is_near_tie(self) -> bool:
@@ -176,9 +179,12 @@ def _kept_past(rr: Round, row: int, expected: int) -> int:
 def sampled_parting(p: Parting, logits: np.ndarray, sampler: Sampler) -> Parting | None:
     """A sampled choice judged as a sample: None when the run's token is one its sampler could draw
     from the reference's row `logits` (n_vocab,), its logit raised by the noise bound on a margin
-    (sampling.could_draw), or when the chain has a stage featdiff does not compute (penalties,
-    ...: `Sampler.unmodelled`); else the parting, naming the sampler."""
-    if sampler.unmodelled or could_draw(logits, p.observed, sampler, p.bound):
+    (sampling.could_draw); the parting marked not judged (`unmodelled`) when the chain has a stage
+    featdiff does not compute (penalties, ...: `Sampler.unmodelled`); else the parting, naming the
+    sampler."""
+    if sampler.unmodelled:
+        return replace(p, sampler=sampler.describe(), unmodelled=sampler.unmodelled)
+    if could_draw(logits, p.observed, sampler, p.bound):
         return None
     return replace(p, sampler=sampler.describe())
 

@@ -23,6 +23,7 @@ from featdiff.diff.detectors.choices import (
     detect_expert_choice,
     detect_near_tie,
     detect_position_offset_after_accept,
+    detect_unmodelled_sampler,
     detect_wrong_source_of_drafts,
 )
 from featdiff.diff.detectors.kvcache import (
@@ -116,6 +117,7 @@ __all__ = [
     "detect_unexpected_tensor",
     "detect_unexpected_tensor_outside_wiring",
     "detect_unmodelled",
+    "detect_unmodelled_sampler",
     "detect_unpaired",
     "detect_unpaired_prompt",
     "detect_wrong_source",

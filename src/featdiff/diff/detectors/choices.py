@@ -16,6 +16,7 @@ from featdiff.diff.fields import (
     ExpertChoiceFields,
     NearTieFields,
     PositionOffsetFields,
+    UnmodelledFields,
     WrongSourceFields,
 )
 from featdiff.diff.metrics import row_relative_error
@@ -62,6 +63,29 @@ def detect_near_tie(p: Parting) -> Finding | None:
         message=f"near-tie at {_parting_where(p)}: the run chose token {p.observed}, the reference "
         f"{p.expected}, by a reference margin {p.margin:.3g} <= noise bound {p.bound:.3g}: either token is "
         "right, so the run's is not an error",
+    )
+
+
+def detect_unmodelled_sampler(p: Parting) -> Finding | None:
+    """Hypothesis: the run sampled its target's token through a chain with a stage featdiff does
+    not compute (penalties, DRY, typical-p, top-n-sigma, XTC, mirostat), so whether it could draw
+    a token the reference does not put first is unknown. Evidence: the parting's `unmodelled`
+    stages (partings.sampled_parting); the choice is said not judged, never failed."""
+    if not p.unmodelled:
+        return None
+    return Finding.of(
+        UnmodelledFields(
+            names=p.unmodelled,
+            role=names.ROLE_TARGET,
+            first_use=(f"{p.tensor} ({p.phase})",),
+            not_judged=(f"the token choice at {_parting_where(p)}",),
+            diverged=(),
+        ),
+        tensor=p.tensor,
+        severity="info",
+        message=f"at {_parting_where(p)} the run sampled token {p.observed} where the reference's argmax is "
+        f"{p.expected}; its sampler ({p.sampler}) has stages featdiff does not compute, so this choice and "
+        "the sampled choices after it are not judged (the logits are); rerun without them to judge the choices",
     )
 
 
