@@ -2,9 +2,9 @@
 converter writes it (the head counted from the checkpoint's `mtp.layers.*`, config.json says no
 count), the head read from the GGUF equal to the head read from the checkpoint, and the two runs the
 pinned tree allows: featdiff's in-process flow is refused by name (llama.cpp keeps no recurrent-state
-snapshots for qwen3next, so the rejected drafts cannot be rolled back), and llama-speculative-simple,
-which takes its state-checkpoint path there, compares clean up to its first restore and is named at
-each replay: upstream's MTP driver pairs the replayed batch's first token with the rejected verify's
+snapshots for qwen3next, so the rejected drafts cannot be rolled back), and llama-speculative-simple
+and llama-server, which take their state-checkpoint path there, compare clean up to the first restore
+and are named at each replay: upstream's MTP driver pairs the replayed batch's first token with the rejected verify's
 last hidden (process() set pending_h to it, and no accept() follows a checkpoint restore)."""
 
 from __future__ import annotations
@@ -84,16 +84,18 @@ def test_the_in_process_flow_is_refused_by_name(mtp_pairs, tmp_path):
     assert not (tmp_path / "run.npz").exists()
 
 
-def test_the_checkpoint_replay_of_speculative_simple_is_named(tools, mtp_pairs, tmp_path):
-    """llama-speculative-simple on qwen3next (no partial removal: it saves a state checkpoint before
-    each verify and, on a partial accept, restores it and replays the accepted tokens). Its first
-    flow, up to the first restore, compares clean; each replay is named at its first row as
-    wrong_source `stale_pending` at mtp_hnorm-6 (where: driver): the head is handed the pending
-    hidden of the rejected verify instead of the hidden of the last kept position."""
-    d = mtp_pairs(VARIANT)
-    cmd = [str(tools.program("llama-speculative-simple")), "-m", str(d / "target.gguf"), *SPEC_ARGS]
-    cmd += ["-p", "hello world", "-n", "16", "--temp", "0"]
-    run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", timeout_s=RUN_TIMEOUT_S)
+@pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
+def test_the_checkpoint_replay_of_each_program_is_named(tools, mtp_pairs, tmp_path, program):
+    """llama-speculative-simple and llama-server on qwen3next (no partial removal: a state
+    checkpoint before each verify and, on a partial accept, a restore and a replay of the accepted
+    tokens). The first flow, up to the first restore, compares clean; each replay is named at its
+    first row as wrong_source `stale_pending` at mtp_hnorm-6 (where: driver): the head is handed the
+    pending hidden of the rejected verify instead of the hidden of the last kept position."""
+    d, is_server = mtp_pairs(VARIANT), program == "llama-server"
+    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *SPEC_ARGS]
+    cmd += [] if is_server else ["-p", "hello world", "-n", "16", "--temp", "0"]
+    tokens = TOKENS if is_server else None  # the request capture_exec sends the server
+    run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", tokens=tokens, timeout_s=RUN_TIMEOUT_S)
     with read_dump(run) as dump:
         assert dump.manifest.models["draft"]["architecture"] == ARCH
     ref = reference(
