@@ -150,26 +150,3 @@ def test_check_passes_the_trained_head_and_fails_it_with_a_planted_fault(mtp_pai
     faulty = _check(d, {**env, "FEATDIFF_FAULT": "mtp-concat-swapped"})
     assert faulty.returncode == 1, faulty.stdout + faulty.stderr
     assert "slot_permutation" in faulty.stdout and "mtp_concat-6" in faulty.stdout
-
-
-def test_a_gguf_with_chained_heads_is_refused_by_name(mtp_pairs, tmp_path):
-    """MiMo-V2 ships 3 chained heads and its converter class writes them all (the fixture converts
-    one, converter.MIMO_N_NEXTN): the fixture's checkpoint given three heads and converted with the
-    converter's own count is refused in one line naming the key, exit 2, before a run."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from featdiff.factory.converter import convert_checkpoint
-    from featdiff.factory.mtp import HF_SAFETENSORS, SAFETENSORS_META
-
-    hf = shutil.copytree(mtp_pairs("mtp-mimo2") / "target-hf", tmp_path / "target-hf")
-    held = load_file(str(hf / HF_SAFETENSORS))
-    first = "model.mtp.layers.0."
-    more = {
-        k.replace(first, f"model.mtp.layers.{i}."): a for k, a in held.items() if k.startswith(first) for i in (1, 2)
-    }
-    save_file({**held, **more}, str(hf / HF_SAFETENSORS), metadata=SAFETENSORS_META)
-    gguf = convert_checkpoint(hf, tmp_path / "three.gguf", bootstrap="spm")  # the vocabulary's route only
-    line = _refused_capture(gguf, tmp_path)
-    assert "mimo2.nextn_predict_layers = 3" in line and "single MTP head" in line, line

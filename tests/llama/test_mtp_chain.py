@@ -1,12 +1,15 @@
 """Chained MTP heads (issue 44 item 2): MiMo-V2's three heads converted by the pinned converter
-(factory/mtp_chain.py), run by unmodified `llama-speculative-simple --spec-type draft-mtp` under
-capture --exec (common/speculative.cpp chain_heads: draft step k runs head k), compare clean
-against the reference that follows the run (torchref/mtp/chain.py); a GGUF whose head blocks are
+(factory/mtp_chain.py), run in-process (driver/mtp_chain.py) and by unmodified
+`llama-speculative-simple --spec-type draft-mtp` under capture --exec (common/speculative.cpp
+chain_heads: draft step k runs head k), compare clean against the reference that follows the run
+(torchref/mtp/chain.py); a chain missing a head block is refused by name; a GGUF whose head blocks are
 permuted, or all head 0, is named wrong_source `chain_head` with `where: export` against the
 reference made from the clean checkpoint."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,9 @@ from featdiff.core import names
 from featdiff.core.gguf_reader import int_meta, read_gguf
 from featdiff.diff import compare_dumps
 from featdiff.diff.detectors.chain import CHAIN_HEAD_SOURCE
+from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
+from featdiff.factory.gguf_rewrite import DROP, rewrite_gguf
 from featdiff.factory.mtp_chain import N_CHAIN, write_mtp_chain_fixture
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
@@ -88,3 +93,29 @@ def test_a_gguf_with_other_heads_in_its_blocks_is_a_wrong_source_chain_head(
     f = errors[0]
     assert f.fields["candidate"].endswith(f"@head={ran}") and f.tensor.endswith(f"-{6 + own}")
     assert f"is what head {ran} computes" in f.message and f"block of head {own} holds head {ran}'s" in f.message
+
+
+def test_chained_heads_in_process_compare_clean(chain_pairs, tmp_path):
+    d = chain_pairs("mtp-mimo2-chain")
+    run = capture(d / "target.gguf", d / "target.gguf", tmp_path / "run.npz", tokens="7,21,3,99,140,5,260,33", rounds=3)
+    with read_dump(run) as dump:
+        m = dump.manifest
+    inject = [e for e in m.evals if (e.role, e.phase, e.round) == (names.ROLE_DRAFT, "inject", 1)]
+    assert len(inject) == N_CHAIN  # process() under every head
+    c = compare_dumps(_follow(d, d / "target.gguf", run, tmp_path), run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+
+
+def test_a_chain_missing_a_head_block_is_refused_by_name(chain_pairs, tmp_path):
+    d = chain_pairs("mtp-mimo2-chain")
+    gone = names.T_NEXTN.format(il=8, name=names.NEXTN_EH_PROJ)
+    gguf = rewrite_gguf(d / "target.gguf", tmp_path / "two.gguf", tensors={gone: DROP})
+    out = tmp_path / "run.npz"
+    done = subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--target", str(gguf),
+         "--model", str(gguf), "--tokens", "7,21,3", "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and not out.exists(), done.stderr
+    assert gone in lines[0] and "nextn_predict_layers = 3 declares heads at blocks 6..8" in lines[0], lines[0]

@@ -39,7 +39,7 @@ from featdiff.llama.runtime import Context, Model
 class MtpConfig:
     draft_max: int  # drafts per round: --spec-draft-n-max
     p_min: float = 0.0  # --spec-draft-p-min: drafting stops below this top-1 probability
-    n_heads: int = 1  # llama_model_n_layer_nextn: the pinned qwen35 graph runs exactly one
+    n_heads: int = 1  # llama_model_n_layer_nextn: more than one are chained (driver/mtp_chain.py)
     kind: str = "mtp"
 
     @property
@@ -66,12 +66,10 @@ def nextn_layers(model: Model) -> int:
 def flow_config(draft: Model, draft_max: int, p_min: float = 0.0) -> MtpConfig:
     """The settings common_speculative_impl_draft_mtp reads from the head's model."""
     n_heads = nextn_layers(draft)
-    if n_heads != 1:
+    if n_heads < 1:
         raise InputError(
-            f"{draft.path}: {n_heads} MTP blocks; featdiff models the single trained head qwen35 runs "
-            "(re-convert without --no-mtp to keep it)"
-            if n_heads == 0
-            else f"{draft.path}: {n_heads} MTP blocks; featdiff models a single head (chained heads are not modelled)"
+            f"{draft.path}: {n_heads} MTP blocks; featdiff models a trained head (re-convert without --no-mtp to "
+            "keep it)"
         )
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: expected >= 1 draft per round (llama.cpp's --spec-draft-n-max)")
@@ -100,6 +98,10 @@ def run_flow(
     tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: MtpConfig, rec: Recorder, on_round=None
 ) -> list[Round]:
     """Prefill, then `rounds` x (draft, verify, process); return the rounds."""
+    if cfg.n_heads > 1:  # chained heads (common/speculative.cpp chain_heads): driver/mtp_chain.py
+        from featdiff.driver.mtp_chain import run_chain_flow
+
+        return run_chain_flow(tgt, dft, prompt, rounds, cfg, rec, on_round)
     n_embd = tgt.model.n_embd
     st = _State(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=n_embd)
     st.pending_h = np.zeros(n_embd, dtype=np.float32)  # the first token of a sequence is paired with zeros

@@ -360,15 +360,16 @@ def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
             f"{key} is missing or 0: this GGUF carries no MTP head (converted with --no-mtp?); "
             "re-convert the checkpoint without --no-mtp, or with --mtp for a separate head GGUF"
         ]
-    if n_heads != 1:
+    il = mtp_head_block(d)  # more than one: chained heads, head k at block il + k (common/speculative.cpp chain_heads)
+    if il is None:
+        return [f"{names.KEY_BLOCK_COUNT.format(arch=d.arch)} is missing: re-convert the checkpoint"]
+    needs = [names.T_NEXTN.format(il=il + k, name=names.NEXTN_EH_PROJ) for k in range(n_heads)]
+    missing = [n for n in needs if n not in d.tensors]
+    if missing:
         return [
-            f"{key} = {n_heads}: featdiff models a single MTP head (not the chained heads common/speculative.cpp "
-            "runs one after another, as MiMo-V2's 3); convert the checkpoint with its first head only"
+            f"{missing[0]} is missing; {key} = {n_heads} declares heads at blocks {il}..{il + n_heads - 1}: re-convert "
+            "without --no-mtp"
         ]
-    il = mtp_head_block(d)
-    need = names.T_NEXTN.format(il=il, name=names.NEXTN_EH_PROJ)
-    if need not in d.tensors:
-        return [f"{need} is missing; {key} = 1 declares a head at block {il}: re-convert without --no-mtp"]
     n_embd_tgt = _n_embd(t) if t is not None else None
     if n_embd_tgt is not None and n_embd_tgt != _n_embd(d):
         return [f"the head is {_n_embd(d)} wide, the target {n_embd_tgt}: pair the MTP GGUF with its own target"]

@@ -124,6 +124,7 @@ float * fd_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 void fd_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float * fd_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 float * fd_get_embeddings_nextn(struct llama_context * ctx);
+void fd_set_nextn_layer_offset(struct llama_context * ctx, int32_t offset);
 const int32_t * fd_model_target_layer_ids(const struct llama_model * model);
 uint32_t fd_model_target_layer_ids_n(const struct llama_model * model);
 

@@ -281,10 +281,13 @@ class Context:
         """A `struct llama_embd *` viewing row `i` of the rows at `base`, `width` floats each."""
         return self.rt.ffi.new("struct llama_embd *", {"data": base + i * width, "n_rows": 1, "n_embd": width})
 
-    def decode_tokens_embd(self, tokens: list[int], rows: np.ndarray, positions: list[int], outputs: bool) -> None:
+    def decode_tokens_embd(
+        self, tokens: list[int], rows: np.ndarray, positions: list[int], outputs: bool, last_only: bool = False
+    ) -> None:
         """Decode entries that carry both a token id and an embedding row (EAGLE3's decoder: token
         t+1 with the encoder's row of t; `rows` is (n_tokens, n_embd)), as common_batch::set_embd
-        makes them (llama_batch_ext_set_embd_token after add_token)."""
+        makes them (llama_batch_ext_set_embd_token after add_token); `last_only`: the last entry
+        the only output (a chained MTP step)."""
         lib, ffi = self.rt.lib, self.rt.ffi
         if self.legacy:
             raise InputError(f"{self.model.path}: a batch of token ids with embeddings needs the llama_batch_ext API")
@@ -296,7 +299,7 @@ class Context:
             lib.llama_batch_ext_set_pos(self.batch, idx, ffi.new("llama_pos[]", [pos] * 3 + [0]))
             if not lib.llama_batch_ext_set_embd_token(self.batch, idx, self._embd(base, i, rows.shape[1])[0]):
                 raise RuntimeError(f"{self.model.path.name}: llama_batch_ext_set_embd_token refused entry {i}")
-            lib.llama_batch_ext_set_output_logits(self.batch, idx, outputs)
+            lib.llama_batch_ext_set_output_logits(self.batch, idx, outputs and (not last_only or i == len(tokens) - 1))
         self._process(len(tokens), keep=rows)
 
     def process_encode(self, rows: np.ndarray, positions: list[int]) -> np.ndarray:
@@ -397,6 +400,10 @@ class Context:
         n_embd = self.model.n_embd
         flat = np.frombuffer(self.rt.ffi.buffer(ptr, 4 * n_tokens * n_embd), dtype=np.float32)
         return flat.reshape(n_tokens, n_embd).copy()  # (n_tokens, n_embd)
+
+    def set_nextn_layer_offset(self, k: int) -> None:
+        """The MTP head the next decodes run: layer n_layer + k (llama_set_nextn_layer_offset)."""
+        self.rt.lib.fd_set_nextn_layer_offset(self.ptr, k)
 
     def seq_rm(self, p0: int) -> bool:
         """Drop the cells at positions >= p0; False where the memory refused (a recurrent state

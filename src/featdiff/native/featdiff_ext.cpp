@@ -9,6 +9,7 @@ LLAMA_API float *         llama_get_embeddings_layer_inp(struct llama_context * 
 LLAMA_API void            llama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 LLAMA_API float *         llama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 LLAMA_API float *         llama_get_embeddings_nextn(struct llama_context * ctx);
+LLAMA_API void            llama_set_nextn_layer_offset(struct llama_context * ctx, int32_t offset);
 LLAMA_API const int32_t * llama_model_target_layer_ids(const struct llama_model * model);
 LLAMA_API uint32_t        llama_model_target_layer_ids_n(const struct llama_model * model);
 
@@ -32,6 +33,10 @@ float * fd_get_embeddings_nextn_ith(llama_context * ctx, int32_t i) {
 
 float * fd_get_embeddings_nextn(llama_context * ctx) {
     return llama_get_embeddings_nextn(ctx);
+}
+
+void fd_set_nextn_layer_offset(llama_context * ctx, int32_t offset) {
+    llama_set_nextn_layer_offset(ctx, offset);
 }
 
 const int32_t * fd_model_target_layer_ids(const llama_model * model) {
