@@ -71,9 +71,9 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # the one that changes more: MiMo ships 3 chained MTP heads (model.mtp.layers.{0,1,2}) and its
 # converter class hardcodes that count (MimoV2Model._n_nextn: the config does not say it), so a
 # checkpoint with one head would convert to nextn_predict_layers 3 and blocks llama.cpp then misses
-# at load. featdiff models a single head (common/speculative.cpp's chained heads are not
-# modelled, and preflight refuses a file with more), so the tiny MiMo fixture carries one and
-# converts with the count set to it.
+# at load. The single-head fixture (`mtp-mimo2`) carries one and converts with
+# the count set to it; the chained one (`mtp-mimo2-chain`, factory/mtp_chain.py) carries three
+# and converts with the converter's own count.
 # "deepseek" (DeepSeek-V3): DeepseekV2Model, the pinned converter's class for DeepseekV3ForCausalLM,
 # drops the appended MTP layer (`skip_mtp = True`); its subclass Glm4MoeLiteModel (GLM-4.7-Flash, also
 # llama.cpp's deepseek2) keeps it and writes `nextn_predict_layers`, so DeepseekV3ForCausalLM is

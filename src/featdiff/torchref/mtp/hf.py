@@ -169,7 +169,8 @@ MTP_INERT_KEYS: dict[str, object] = {
     "mtp_use_dedicated_embeddings": False,  # true: the head embeds with its own table, which llama.cpp has no tensor for
 }
 MTP_IRRELEVANT: dict[str, str] = {
-    "model.mtp.layers.[1-9]*": "MiMo-V2's later heads: llama.cpp's mimo2 drafts with the first (conversion/mimo.py)",
+    "model.mtp.layers.[1-9]*": "MiMo-V2's later heads: a single head's reference drafts with the first; a chain's "
+    "(a GGUF of several heads) reads them (torchref/mtp/chain.py)",
 }
 
 
