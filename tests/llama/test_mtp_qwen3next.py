@@ -1,8 +1,8 @@
 """Qwen3-Next's MTP head (issue 44, llama.cpp's qwen3next): the `mtp-qwen3next` fixture as the pinned
 converter writes it (the head counted from the checkpoint's `mtp.layers.*`, config.json says no
 count), the head read from the GGUF equal to the head read from the checkpoint, and the two runs the
-pinned tree allows: featdiff's in-process flow is refused by name (llama.cpp keeps no recurrent-state
-snapshots for qwen3next, so the rejected drafts cannot be rolled back), and llama-speculative-simple
+pinned tree allows: one round in-process compares clean, and more are refused by name (llama.cpp keeps
+no recurrent-state snapshots for qwen3next, so the rejected drafts cannot be rolled back), and llama-speculative-simple
 and llama-server, which take their state-checkpoint path there, compare clean up to the first restore
 and are named at each replay: upstream's MTP driver pairs the replayed batch's first token with the rejected verify's
 last hidden (process() set pending_h to it, and no accept() follows a checkpoint restore)."""
@@ -19,6 +19,7 @@ from featdiff.cli import app
 from featdiff.core import names
 from featdiff.core.gguf_reader import int_meta, meta, read_gguf
 from featdiff.diff import compare_dumps
+from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
 from featdiff.factory.hf_families import N_EXPERT, QWEN35_LINEAR_K_HEADS, QWEN35_LINEAR_V_HEADS
 from featdiff.factory.mtp import HF_N_MTP
@@ -70,6 +71,30 @@ def test_the_head_from_the_gguf_is_the_head_from_the_checkpoint(mtp_pairs):
         assert torch.allclose(g.block[name], h.block[name].reshape(g.block[name].shape), atol=1e-6), name
     for field in ("eh_proj", "enorm", "hnorm", "head_norm", "token_embd", "output"):
         assert torch.allclose(getattr(g, field), getattr(h, field), atol=1e-6), field
+
+
+@pytest.mark.parametrize("head", ["target.gguf", "target-hf"])
+def test_one_in_process_round_compares_clean(mtp_pairs, tmp_path, head):
+    """One round in-process (prefill, the head's catch-up, its draft steps, the verify and the
+    catch-up after it: the last round needs no rollback) compares clean against the reference of
+    the head from the GGUF or from the checkpoint, nothing skipped; the catch-up decodes' residual
+    rows are empty on both sides (qwen3next.cpp takes the output rows before the residual)."""
+    d = mtp_pairs(VARIANT)
+    run = capture(d / "target.gguf", d / "target.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=1)
+    ref = reference(
+        d / "target-hf", d / head, tmp_path / "ref.npz", prompt=None, tokens=TOKENS, rounds=1, dtype="float32",
+        device="cpu", kv_dtype="f16", llama_dir=None, run=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert not c.skipped
+    paired = {(p.name, p.phase) for p in c.pairs}
+    assert {("mtp_h_input", "inject"), ("mtp_h_input", "draft"), ("mtp_attn_residual-6", "draft")} <= paired
+    with read_dump(run) as dump:
+        m = dump.manifest
+        assert m.models["draft"]["architecture"] == ARCH and m.rounds[0].drafts
+        residual = [r for r in m.records if r.name == "mtp_attn_residual-6" and r.phase == "inject"]
+        assert residual and all(r.shape[0] == 0 for r in residual)
 
 
 def test_the_in_process_flow_is_refused_by_name(mtp_pairs, tmp_path):

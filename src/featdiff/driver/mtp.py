@@ -29,7 +29,7 @@ import numpy as np
 from featdiff.core import names
 from featdiff.core.blocks import accepted_length
 from featdiff.core.errors import InputError
-from featdiff.core.phases import PREFILL_ROUND, Phase
+from featdiff.core.phases import FIRST_ROUND, PREFILL_ROUND, Phase
 from featdiff.driver.rounds import Recorder, close_round, each_round, open_eval, rollback, step_drafts
 from featdiff.dump.records import Round
 from featdiff.llama.runtime import Context, Model
@@ -109,7 +109,8 @@ def run_flow(
     open_eval(st, rec, Phase.PREFILL, PREFILL_ROUND, positions, prompt[:-1])
     tgt.decode_tokens(prompt[:-1], positions, outputs=False)
     _process(tgt, dft, st, rec, prompt[:-1], positions, PREFILL_ROUND)
-    return each_round(rounds, lambda r: _round(tgt, dft, st, rec, cfg, r), on_round)
+    last = FIRST_ROUND + rounds - 1
+    return each_round(rounds, lambda r: _round(tgt, dft, st, rec, cfg, r, r == last), on_round)
 
 
 def _process(
@@ -126,7 +127,9 @@ def _process(
     st.verify_h, st.pending_h = hidden, hidden[-1].copy()
 
 
-def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int) -> Round:
+def _round(
+    tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int, is_last: bool = False
+) -> Round:
     pos0, anchor = st.n_past, st.id_last
     drafts = _draft(dft, st, rec, cfg, rnd)
     dft.seq_rm(pos0)  # speculative-simple: the head's cache back to the target's n_past
@@ -139,7 +142,8 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig
     accepted = accepted_length(drafts, target_tokens)
     st.pending_h = st.verify_h[min(accepted, len(verify) - 1)].copy()  # accept(): the row at the accepted length
     st.n_past, st.id_last = pos0 + accepted + 1, target_tokens[accepted]
-    rollback(tgt, st.n_past, len(verify) - (accepted + 1))
+    if not is_last:  # only a later verify reads the target's memory (qwen3next's cannot roll back: rounds.rollback)
+        rollback(tgt, st.n_past, len(verify) - (accepted + 1))
     dft.seq_rm(st.n_past)
     return close_round(rec, rnd, pos0, anchor, drafts, accepted, target_tokens)
 

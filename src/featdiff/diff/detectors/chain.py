@@ -47,11 +47,12 @@ def detect_wrong_source_of_chain_head(ref: Manifest, run: Manifest) -> Finding |
     step k at n_layer + k; the first round where a step's layer differs, with the whole round's
     mapping for the sentence."""
     ref_batches = batches(ref)
+    ref_heads, run_heads = _head_layers(ref), _head_layers(run)
     for key, batch in batches(run).items():
         ref_batch = ref_batches.get(key)
         if key[:2] != (ROLE_DRAFT, Phase.DRAFT) or ref_batch is None:
             continue
-        ref_layers, run_layers = _layers(ref, ref_batch), _layers(run, batch)
+        ref_layers, run_layers = _layers(ref_heads, ref_batch), _layers(run_heads, batch)
         if len(set(ref_layers) - {None}) < 2:
             continue  # not a chain: one head for every step
         pairs = [
@@ -65,14 +66,20 @@ def detect_wrong_source_of_chain_head(ref: Manifest, run: Manifest) -> Finding |
     return None
 
 
-def _layers(manifest: Manifest, batch: Batch) -> list[int | None]:
-    """The head layer each eval of the batch ran (None: no head record, or several layers)."""
-    by_eval: dict[int, set[int]] = {ev.eval: set() for ev in batch.evals}
+def _head_layers(manifest: Manifest) -> dict[int, set[int]]:
+    """eval -> the head layers its records name (`mtp_*-<il>`)."""
+    out: dict[int, set[int]] = {}
     for r in manifest.records:
         m = _HEAD_RECORD.match(r.name)
-        if m and r.eval in by_eval:
-            by_eval[r.eval].add(int(m.group(1)))
-    return [next(iter(s)) if len(s) == 1 else None for s in by_eval.values()]
+        if m:
+            out.setdefault(r.eval, set()).add(int(m.group(1)))
+    return out
+
+
+def _layers(heads: dict[int, set[int]], batch: Batch) -> list[int | None]:
+    """The head layer each eval of the batch ran (None: no head record, or several layers)."""
+    found = [heads.get(ev.eval, set()) for ev in batch.evals]
+    return [next(iter(s)) if len(s) == 1 else None for s in found]
 
 
 def _head_finding(
