@@ -16,7 +16,7 @@ import numpy as np
 
 from featdiff.core.errors import InputError
 from featdiff.diff import detectors, diagnose, positions
-from featdiff.diff.align import GroupKey, Pair, Plan, plan_pairs
+from featdiff.diff.align import GroupKey, Pair, Plan, drafter_arch, plan_pairs
 from featdiff.diff.aligned import pair_arrays
 from featdiff.diff.attribution import attributed, where_of
 from featdiff.diff.dependence import gap_of
@@ -43,6 +43,7 @@ from featdiff.diff.tolerance import FLOAT_TYPES, Tolerance, TypeInfo, describe, 
 from featdiff.dump.manifest import Manifest, flow_view
 from featdiff.dump.reader import read_dump
 from featdiff.dump.records import FlowInfo
+from featdiff.kinds import registry as kinds
 from featdiff.version import VERSION
 
 NOT_MEASURED = Measurement(
@@ -160,7 +161,7 @@ def _compare(
     tols = [pair_tolerance(p, types) for p in plan.pairs]
     measured = [measure_pair(ref_src, run_src, p) for p in plan.pairs]
     within = [m.within(t) for m, t in zip(measured, tols)]
-    walk = diagnose.find_roots(plan.pairs, within)
+    walk = diagnose.find_roots(plan.pairs, within, reads_own_cache=_is_step_drafter(ref_src.manifest, run_src.manifest))
     findings = _findings(ref_src, run_src, plan, walk, measured, tols, types, rules, export)
     metrics = tuple(
         pair_metrics(p, m, t, ok, i in walk.inherited)
@@ -187,6 +188,12 @@ def _compare(
         layer_match=match,
         row_shift=shift,
     )
+
+
+def _is_step_drafter(ref: Manifest, run: Manifest) -> bool:
+    """The drafter decodes one token per row against its own cache (EAGLE3, MTP: its kind's
+    `row_token`), not a block of features projected to K/V."""
+    return kinds.of_arch(drafter_arch(run) or drafter_arch(ref)).row_token is not None
 
 
 def _of_flow(flow: FlowInfo | None) -> str:

@@ -88,7 +88,9 @@ def detect_wrong_source_of_zero_rows(ev: Evidence) -> Finding | None:
         ev,
         f"{ev.tensor} at {at_positions(labels(ev, zero))} pairs the first token of a sequence with a hidden state "
         "where the head takes zeros (no position before it): the driver kept a pending row from an earlier request "
-        "or sequence; reset the pending hidden when a sequence starts",
+        "or sequence (upstream's MTP driver keeps its pending hidden, pending_h, past a llama-server request and "
+        "hands it to the slot's next prompt: common_speculative_impl_draft_mtp::process); reset the pending hidden "
+        "when a sequence starts",
         WrongSourceFields(source=STALE_PENDING_SOURCE, candidate=f"{ev.record} (zeros)"),
     )
 

@@ -57,7 +57,22 @@ def _shift_message(ev: Evidence, s: int) -> str:
             f"{said}; an MTP head pairs token p with the target's hidden of position p - 1 (the first token of a "
             "sequence with zeros): stage the hidden rows one position behind their tokens"
         )
+    if ev.kind.row_token is not None:
+        return f"{said}; {_step_row_advice(ev)}"
     return f"{said}; check the anchor row and the block offset"
+
+
+def _step_row_advice(ev: Evidence) -> str:
+    """A step drafter's rows pair a token with a hidden state of the row before (EAGLE3: token
+    p+1 with g p at p; MTP: token p with the hidden of p - 1): what a shift there points at."""
+    paired = "the token of p + 1 with the encoder row of p" if ev.kind.row_token else "token p with the hidden of p - 1"
+    kept = (
+        f" (this flow began with {ev.kept} positions kept from an earlier request: a drafter row kept or restored "
+        "apart from the target's shifts them)"
+        if ev.kept
+        else ""
+    )
+    return f"a {ev.kind.name} row at position p pairs {paired}: check which rows the driver stages together{kept}"
 
 
 def detect_misplaced_rows(ev: Evidence) -> Finding | None:

@@ -1,0 +1,65 @@
+"""A step drafter (EAGLE3's decoder, an MTP head) attends to the rows its earlier injects wrote:
+a row gone wrong in one inject (upstream's pending hidden of another request) is inherited by
+every later inject, never a root of its own; a block drafter's inject (features projected to K/V)
+reads no earlier inject. And a row shift on a step drafter is worded by its row pairing, not a
+DFlash block's anchor and offset (issue 46)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from featdiff.diff import detectors as d
+from featdiff.diff.align import Pair
+from featdiff.diff.detectors import Evidence
+from featdiff.diff.diagnose import find_roots
+from featdiff.diff.tolerance import Tolerance
+from featdiff.kinds import registry as kinds
+
+
+def _pair(phase: str, rnd: int, eval_: int, name: str, srcs: tuple[str, ...]) -> Pair:
+    """A pair of one drafter record of `eval_` whose node reads `srcs` (the walk reads no array)."""
+    side = SimpleNamespace(evals=(SimpleNamespace(eval=eval_),), records=(SimpleNamespace(op="ADD"),))
+    return Pair(("draft", phase, rnd), name, name, 0, side, side, None, (eval_, 0), srcs)  # type: ignore[arg-type]
+
+
+# round 0's inject: the head's input row wrong, its attention inherits it; round 1's inject:
+# the input right, the attention (over the cache round 0 wrote, an uncaptured node between) off
+PAIRS = (
+    _pair("inject", 0, 3, "mtp_hnorm-6", ()),
+    _pair("inject", 0, 3, "mtp_attn_residual-6", ("node_12",)),
+    _pair("inject", 1, 9, "mtp_hnorm-6", ()),
+    _pair("inject", 1, 9, "mtp_attn_residual-6", ("node_12",)),
+)
+WITHIN = [False, False, True, False]
+
+
+def test_a_later_inject_of_a_step_drafter_inherits_the_row_an_earlier_inject_wrote():
+    assert find_roots(PAIRS, WITHIN, reads_own_cache=True).roots == (0,)
+
+
+def test_a_block_drafters_later_inject_is_a_root_of_its_own():
+    assert find_roots(PAIRS, WITHIN).roots == (0, 3)
+
+
+def _shifted(kind: str, kept: int = 0) -> Evidence:
+    ref = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    run = np.roll(ref, 1, axis=0)  # run row i = ref row i - 1
+    positions = tuple(range(10, 18))
+    return Evidence(
+        tensor="inp_embd", ref=ref, run=run, tolerance=Tolerance(rel=1e-3, sources=("test",)), positions=positions,
+        ref_all=ref, ref_all_positions=positions, record="inp_embd", kind=kinds.by_name(kind), kept=kept,
+    )  # fmt: skip
+
+
+def test_a_row_shift_on_an_eagle3_run_names_its_row_pairing_not_a_block():
+    f = d.detect_row_shift(_shifted("eagle3", kept=9))
+    assert f is not None and f.fields["shift"] == -1
+    assert "anchor" not in f.message and "block" not in f.message, f.message
+    assert "token of p + 1 with the encoder row of p" in f.message and "9 positions kept" in f.message
+
+
+def test_a_row_shift_on_a_dflash_run_keeps_the_block_advice():
+    f = d.detect_row_shift(_shifted("dflash"))
+    assert f is not None and "check the anchor row and the block offset" in f.message
