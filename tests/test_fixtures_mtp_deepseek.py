@@ -18,6 +18,7 @@ from featdiff.factory.mtp_deepseek import (
     DEEPSEEK2_SPLIT,
     GGUF_FROM_HF_DEEPSEEK2,
     HF_KV_B,
+    INDEX_TOPK,
     KV_LORA_RANK,
     Q_LORA_RANK,
     QK_NOPE_HEAD_DIM,
@@ -84,3 +85,19 @@ def test_the_heads_values_are_the_checkpoints_and_kv_b_is_split_per_head(mtp_pai
     k_b, v_b = (array_from_tensor(m, n) for n in DEEPSEEK2_SPLIT)
     assert np.array_equal(k_b, per_head[:, :QK_NOPE_HEAD_DIM].transpose(0, 2, 1))
     assert np.array_equal(v_b, per_head[:, QK_NOPE_HEAD_DIM:])
+
+
+@pytest.mark.slow
+def test_the_deepseek32_target_carries_its_indexer_and_a_head_as_deepseek2s(mtp_pairs):
+    """DeepSeek-V3.2 (llama.cpp's deepseek32, converted by the pinned DeepseekV32Model, which keeps the
+    head): the indexer's keys (top-k above every test's context: its trunk attends densely), the
+    indexer in every block the head's included, and the head's MLA block as deepseek2's."""
+    m32, m2 = (read_gguf(mtp_pairs(v) / "target.gguf") for v in ("mtp-deepseek32", VARIANT))
+    arch = names.ARCH_DEEPSEEK32
+    assert m32.arch == arch
+    keys = {"nextn_predict_layers": 1, "attention.indexer.top_k": INDEX_TOPK, "attention.indexer.key_length": 64}
+    assert {k: int_meta(m32, f"{arch}.{k}") for k in keys} == keys
+    head = f"blk.{S.n_layer}."
+    assert {f"{head}indexer.proj.weight", f"{head}indexer.k_norm.bias"} <= set(m32.tensors)
+    block2 = {n: t.ne for n, t in m2.tensors.items() if n.startswith(head)}
+    assert {n: t.ne for n, t in m32.tensors.items() if n.startswith(head) and ".indexer." not in n} == block2

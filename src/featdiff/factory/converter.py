@@ -78,7 +78,8 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # drops the appended MTP layer (`skip_mtp = True`); its subclass Glm4MoeLiteModel (GLM-4.7-Flash, also
 # llama.cpp's deepseek2) keeps it and writes `nextn_predict_layers`, so DeepseekV3ForCausalLM is
 # converted with that class, its vocabulary (`_set_vocab_glm`) read from tokenizer.model
-# (factory/mtp_deepseek.py)
+# (factory/mtp_deepseek.py). "deepseek32" (DeepSeek-V3.2, whose class keeps its head): DeepseekV32Model's
+# set_vocab (AutoTokenizer, then the BPE route) read as `_set_vocab_sentencepiece`
 MIMO_N_NEXTN = 1
 # argv: [-c, bootstrap, script, args...]
 _BOOTSTRAP_HEAD = (
@@ -105,6 +106,10 @@ BOOTSTRAPS = {
     + "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n"
     + "from conversion.base import ModelBase\nfrom conversion.glm import Glm4MoeLiteModel\n"
     + "ModelBase.register('DeepseekV3ForCausalLM')(Glm4MoeLiteModel)\n"
+    + _BOOTSTRAP_RUN,
+    "deepseek32": _BOOTSTRAP_HEAD
+    + "from conversion.deepseek import DeepseekV32Model\n"
+    + "DeepseekV32Model.set_vocab = TextModel._set_vocab_sentencepiece\n"
     + _BOOTSTRAP_RUN,
 }
 

@@ -43,6 +43,7 @@ import numpy as np
 from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output_dir, replaced
+from featdiff.factory import mtp_deepseek as ds
 from featdiff.factory import pairs
 from featdiff.factory.converter import (
     CONVERTER,
@@ -70,7 +71,6 @@ from featdiff.factory.hf_families import (
     mimo2_layer_types,
 )
 from featdiff.factory.hf_targets import gain_of, write_hf_target
-from featdiff.factory.mtp_deepseek import BOOTSTRAP_DEEPSEEK, DEEPSEEK2_TARGET, GGUF_FROM_HF_DEEPSEEK2
 from featdiff.factory.mtp_qwen3next import QWEN3NEXT_TARGET
 from featdiff.factory.pairs import _linear, _norm
 
@@ -289,7 +289,8 @@ QWEN35MOE_MTP = MtpTarget(MOE_TARGET, QWEN35_HEAD, GGUF_FROM_HF_MOE, _SPM, norm_
 GLM4MOE_MTP = MtpTarget(GLM4MOE_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_GLM, BOOTSTRAP_GLM)
 MIMO2_MTP = MtpTarget(MIMO2_TARGET, MIMO2_HEAD, GGUF_FROM_HF_MIMO2, BOOTSTRAP_MIMO)
 # DeepSeek-V3 ships its head as GLM-4.5 does, one more decoder layer (factory/mtp_deepseek.py)
-DEEPSEEK2_MTP = MtpTarget(DEEPSEEK2_TARGET, GLM4MOE_HEAD, GGUF_FROM_HF_DEEPSEEK2, BOOTSTRAP_DEEPSEEK)
+DEEPSEEK2_MTP = MtpTarget(ds.DEEPSEEK2_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_DEEPSEEK2, ds.BOOTSTRAP_DEEPSEEK)
+DEEPSEEK32_MTP = MtpTarget(ds.DEEPSEEK32_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_DEEPSEEK32, ds.BOOTSTRAP_DEEPSEEK32)
 # Qwen3-Next's head is Qwen3.5-MoE's, its config.json without the count (factory/mtp_qwen3next.py)
 QWEN3NEXT_MTP = MtpTarget(QWEN3NEXT_TARGET, replace(QWEN35_HEAD, n_mtp_key=None), GGUF_FROM_HF_MOE, _SPM, 1.0)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
@@ -369,14 +370,8 @@ _VARIANTS = (
         has_separate_head=False,
         target=MIMO2_MTP,
     ),
-    MtpVariant(
-        "mtp-deepseek2",
-        f"DeepSeek-V3 target (MLA, a dense first layer, {N_EXPERT} experts top-{N_EXPERT_USED} by sigmoid + a choice "
-        "bias, a shared expert) with its MTP head, an MLA + MoE layer, inside target.gguf (as `mtp`; llama.cpp's "
-        "deepseek2)",
-        has_separate_head=False,
-        target=DEEPSEEK2_MTP,
-    ),
+    MtpVariant("mtp-deepseek2", ds.DEEPSEEK2_DOC, has_separate_head=False, target=DEEPSEEK2_MTP),
+    MtpVariant("mtp-deepseek32", ds.DEEPSEEK32_DOC, has_separate_head=False, target=DEEPSEEK32_MTP),
     MtpVariant(
         "mtp-qwen3next",
         f"Qwen3-Next target (gated delta-net, gated attention, {N_EXPERT} experts top-{N_EXPERT_USED} and a gated "

@@ -38,6 +38,7 @@ from featdiff.factory.hf_families import (
 )
 
 BOOTSTRAP_DEEPSEEK = "deepseek"  # converter.BOOTSTRAPS: DeepseekV3ForCausalLM converted keeping its head
+BOOTSTRAP_DEEPSEEK32 = "deepseek32"  # converter.BOOTSTRAPS: DeepseekV32Model's vocabulary from tokenizer.model
 # MLA at the tiny sizes (DeepSeek-V3's: q_lora 1536, kv_lora 512, nope 128, rope 64, v 128, 128 heads)
 Q_LORA_RANK = 32
 KV_LORA_RANK = 32
@@ -83,11 +84,47 @@ def deepseek_v3_config(sz: pairs.Sizes) -> object:
     return DeepseekV3Config(**fields)
 
 
+# DeepSeek-V3.2's sparse-attention indexer at the tiny sizes (V3.2's: 64 heads of 128, top 2048).
+# INDEX_TOPK is the number of cells each query attends to: llama.cpp's deepseek32 trunk takes
+# min(n_kv, top_k) (deepseek32.cpp), so below it the trunk attends to every cell, densely, as the
+# reference runs it (hf_taps refuses a batch whose indexer selects fewer cells than it sees); the
+# head's graph (graph_mtp) has no indexer at all: its attention is deepseek2's MLA
+INDEX_TOPK = 2048
+INDEX_HEAD_DIM = 64  # a multiple of 64 (the indexer keys' Hadamard rotation is 64 wide or more: llama-kv-cache.cpp)
+INDEX_N_HEADS = 2
+
+
+def deepseek_v32_config(sz: pairs.Sizes) -> object:
+    """DeepSeek-V3.2's model at the tiny sizes: DeepSeek-V3's (deepseek_v3_config) with the indexer."""
+    from transformers import DeepseekV32Config
+
+    v3 = deepseek_v3_config(sz).to_dict()  # type: ignore[attr-defined]
+    kept = {k: v for k, v in v3.items() if k not in ("model_type", "architectures", "transformers_version")}
+    index: dict[str, Any] = {"index_topk": INDEX_TOPK, "index_head_dim": INDEX_HEAD_DIM, "index_n_heads": INDEX_N_HEADS}
+    return DeepseekV32Config(**{**kept, **index})
+
+
+DEEPSEEK2_DOC = (
+    f"DeepSeek-V3 target (MLA, a dense first layer, {N_EXPERT} experts top-{N_EXPERT_USED} by sigmoid + a choice bias, "
+    "a shared expert) with its MTP head, an MLA + MoE layer, inside target.gguf (as `mtp`; llama.cpp's deepseek2)"
+)
+DEEPSEEK32_DOC = (
+    "DeepSeek-V3.2 target (DeepSeek-V3's plus the sparse-attention indexer, dense at these lengths) with its MTP head "
+    "(deepseek2's, no indexer) inside target.gguf (as `mtp`; llama.cpp's deepseek32)"
+)
 DEEPSEEK2_TARGET = Family(
     names.ARCH_DEEPSEEK2,
     f"DeepSeek-V3 target: MLA (low-rank q, compressed KV, decoupled RoPE), a dense first layer, then {N_EXPERT} "
     f"experts, top-{N_EXPERT_USED} by sigmoid + a choice bias, a shared expert",
     deepseek_v3_config,
+    gains=(("e_score_correction_bias", CHOICE_BIAS_GAIN),),
+    buffers=("e_score_correction_bias",),
+)
+
+DEEPSEEK32_TARGET = Family(
+    names.ARCH_DEEPSEEK32,
+    f"DeepSeek-V3.2 target: DeepSeek-V3's with the sparse-attention indexer (top-{INDEX_TOPK}: dense at these lengths)",
+    deepseek_v32_config,
     gains=(("e_score_correction_bias", CHOICE_BIAS_GAIN),),
     buffers=("e_score_correction_bias",),
 )
@@ -119,6 +156,15 @@ GGUF_FROM_HF_DEEPSEEK2 = {
         for p in ("gate", "up", "down")
         for x in range(N_EXPERT)
     },
+}
+# DeepSeek-V3.2's head layer also carries its indexer (the converter writes it; graph_mtp reads none of it)
+GGUF_FROM_HF_DEEPSEEK32 = {
+    **GGUF_FROM_HF_DEEPSEEK2,
+    _LAYER + "self_attn.indexer.k_norm.weight": _BLK + "indexer.k_norm.weight",
+    _LAYER + "self_attn.indexer.k_norm.bias": _BLK + "indexer.k_norm.bias",
+    _LAYER + "self_attn.indexer.weights_proj.weight": _BLK + "indexer.proj.weight",
+    _LAYER + "self_attn.indexer.wk.weight": _BLK + "indexer.attn_k.weight",
+    _LAYER + "self_attn.indexer.wq_b.weight": _BLK + "indexer.attn_q_b.weight",
 }
 HF_KV_B = _LAYER + "self_attn.kv_b_proj.weight"  # (n_head (nope + v), kv_lora): rows [k_nope, v] per head
 DEEPSEEK2_SPLIT = (_BLK + "attn_k_b.weight", _BLK + "attn_v_b.weight")  # (n_head, kv_lora, nope), (n_head, v, kv_lora)

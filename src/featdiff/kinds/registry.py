@@ -185,6 +185,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_MIMO2,
             names.ARCH_QWEN3NEXT,
             names.ARCH_DEEPSEEK2,
+            names.ARCH_DEEPSEEK32,
         ),
         row_token=0,
         shares_target_model=True,

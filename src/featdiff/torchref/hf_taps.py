@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 from featdiff.core import names
+from featdiff.core.errors import InputError
 from featdiff.torchref.attention import KvCache, attend
 
 
@@ -79,6 +80,32 @@ def _routers(layer: Any) -> list[tuple[Any, int]]:
         elif hasattr(m, "proj") and hasattr(m, "per_expert_scale") and hasattr(m, "config"):
             found.append((m.proj, int(m.config.top_k_experts)))
     return found
+
+
+@dataclass(frozen=True)
+class _DenseIndexer:
+    """DeepSeek-V3.2's sparse-attention indexer (transformers' DeepseekV32Indexer) run as llama.cpp's
+    deepseek32 graph runs it while the cache holds at most index_topk cells: its top-k
+    (min(n_kv, top_k), deepseek32.cpp) is then every cell, whatever the scores, so every cell is
+    chosen; more cells than index_topk are refused (the reference does not model the sparse choice)."""
+
+    index_topk: int
+
+    def __call__(self, hidden_states: torch.Tensor, q_resid: Any, position_embeddings: Any, mask: torch.Tensor,
+                 *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        n_batch, n_tokens, n_cells = mask.shape  # (1, n_tokens, n_cells)
+        if n_cells > self.index_topk:
+            raise InputError(
+                f"the target's sparse-attention indexer (DeepSeek-V3.2's DSA) chooses {self.index_topk} of {n_cells} "
+                "cells here; featdiff runs it dense, as llama.cpp does up to index_topk cells: keep the run shorter"
+            )
+        cells = torch.arange(n_cells, dtype=torch.int32, device=mask.device)  # (n_cells,)
+        return cells.expand(n_batch, n_tokens, n_cells)  # (1, n_tokens, n_cells): the top-k, every cell
+
+
+def dense_indexers(model: Any) -> list[tuple[Any, _DenseIndexer]]:
+    """The model's sparse-attention indexers (modules with `index_topk`), each with its dense stand-in."""
+    return [(m, _DenseIndexer(int(m.index_topk))) for m in model.modules() if hasattr(m, "index_topk")]
 
 
 def _margin_name(arch: str, il: int) -> str:

@@ -50,6 +50,7 @@ from featdiff.torchref.hf_taps import (
     _hf_layout,
     _margin_name,
     _register_attention,
+    dense_indexers,
     _routers,
     layer_out_name,
 )
@@ -75,6 +76,7 @@ HF_ARCHS = {
     "glm4_moe": "glm4moe",  # GLM-4.5: biased attention, sigmoid-routed experts (its MTP layer is left unloaded)
     "qwen3_next": "qwen3next",  # Qwen3-Next: Qwen3.5-MoE's trunk with fused linear-attention projections
     "mimo_v2_flash": "mimo2",  # MiMo-V2-Flash: sinks, narrower value heads (its model.mtp.* layers are left unloaded)
+    "deepseek_v32": "deepseek32",  # DeepSeek-V3.2: deepseek_v3's with the DSA indexer (dense here: hf_taps)
     "deepseek_v3": "deepseek2",  # DeepSeek-V3: MLA, sigmoid-routed experts (its MTP layer n_layer is left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
@@ -242,6 +244,9 @@ def forward_hf(
             mixer = _recurrent_mixer(layer)
             hooks.append(mixer.register_forward_pre_hook(rec.before, with_kwargs=True))
             hooks.append(mixer.register_forward_hook(rec.after))
+    indexers = dense_indexers(model)  # DeepSeek-V3.2's: every cell, as llama.cpp below index_topk cells
+    for module, dense in indexers:
+        module.forward = dense
     try:
         out = model(
             input_ids=tokens[None],
@@ -253,6 +258,8 @@ def forward_hf(
     finally:
         for h in hooks:
             h.remove()
+        for module, _ in indexers:
+            del module.forward
     if len(taps) != n_layer + 1:
         raise RuntimeError(f"{target.source.path}: tapped {len(taps)} layer inputs, expected {n_layer + 1}")
     rows = slice(None) if has_outputs else slice(0, 0)

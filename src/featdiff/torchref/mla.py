@@ -43,6 +43,9 @@ MLA_ATTENTION = (
     "attn_output",
     "ffn_norm",
 )
+# DeepSeek-V3.2's sparse-attention indexer (DSA) in a head block: the converter writes it, and
+# deepseek32.cpp's graph_mtp reads none of it (its head attends densely, as deepseek2's)
+DSA_INDEXER = ("indexer.k_norm", "indexer.k_norm.bias", "indexer.proj", "indexer.attn_k", "indexer.attn_q_b")
 MLA_PLAIN_Q = "attn_q"  # a model without q_lora (DeepSeek-V2-Lite): one projection to the heads
 
 

@@ -22,7 +22,7 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.kinds.mtp import HF_MTP_LAYERS, MTP_LAYERS_KEY, is_mtp_checkpoint
 from featdiff.torchref.mtp.head import MtpHead
-from featdiff.torchref.mtp.hf_mla import deepseek_head_tensors, deepseek_hparams
+from featdiff.torchref.mtp.hf_mla import deepseek32_head_tensors, deepseek_head_tensors, deepseek_hparams
 from featdiff.torchref.mtp.layer import MOE_CHOICE_BIAS, MOE_EXPERTS, MOE_ROUTER, MoeRouting
 from featdiff.torchref.weights import Hparams, Source
 
@@ -363,6 +363,15 @@ HF_HEADS = {
         1.0,
         _extra_layer,
         deepseek_head_tensors,
+        deepseek_hparams,
+        _extra_layer,
+    ),
+    "deepseek_v32": _HfHead(
+        names.ARCH_DEEPSEEK32,
+        MTP_LAYERS_KEY["deepseek_v32"],
+        1.0,
+        _extra_layer,
+        deepseek32_head_tensors,
         deepseek_hparams,
         _extra_layer,
     ),

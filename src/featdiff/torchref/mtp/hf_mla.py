@@ -85,3 +85,21 @@ def deepseek_hparams(text: dict[str, Any], kind: Any) -> Hparams:
         rope_type="normal",
         n_rot=n_rot,
     )
+
+
+# DeepSeek-V3.2's indexer in the head layer (HF names after the prefix) -> the block's GGUF keys
+# (torchref/mla.py DSA_INDEXER): read, so strict loading knows them, and unused, as graph_mtp leaves them
+DSA_INDEXER_TENSORS = {
+    "indexer.k_norm": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj": "self_attn.indexer.weights_proj.weight",
+    "indexer.attn_k": "self_attn.indexer.wk.weight",
+    "indexer.attn_q_b": "self_attn.indexer.wq_b.weight",
+}
+
+
+def deepseek32_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """DeepSeek-V3.2's head fields: DeepSeek-V3's (deepseek_head_tensors) plus its layer's indexer,
+    which deepseek32.cpp's graph_mtp does not use."""
+    fields = deepseek_head_tensors(hf, text, prefix)
+    return {**fields, "block": {**fields["block"], **{k: hf(prefix + v) for k, v in DSA_INDEXER_TENSORS.items()}}}

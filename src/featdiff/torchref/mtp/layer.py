@@ -20,7 +20,7 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
-from featdiff.torchref.mla import MLA_ATTENTION, mla_attention
+from featdiff.torchref.mla import DSA_INDEXER, MLA_ATTENTION, mla_attention
 from featdiff.torchref.numerics import linear, rms_norm, rope
 from featdiff.torchref.stack import scaled_output, windowed
 from featdiff.torchref.weights import Hparams
@@ -264,6 +264,10 @@ GRAPHS = {
     # deepseek2.cpp graph_mtp: MLA (torchref/mla.py), ffn_norm, the MoE FFN with its ungated shared expert
     names.ARCH_DEEPSEEK2: MtpGraph(
         mla_attention, MLA_ATTENTION, names.MTP_FFN_INP, _deepseek2_routing, ffn_norm="ffn_norm"
+    ),
+    # deepseek32.cpp graph_mtp: deepseek2's head; the block's indexer is loaded and left unused, as there
+    names.ARCH_DEEPSEEK32: MtpGraph(
+        mla_attention, MLA_ATTENTION + DSA_INDEXER, names.MTP_FFN_INP, _deepseek2_routing, ffn_norm="ffn_norm"
     ),
 }
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
