@@ -112,26 +112,42 @@ def test_the_flags_set_the_sampler_and_the_defaults_are_llama_cpps():
     )
 
 
-_REQUEST = (
-    '"temperature":0.8,"top_k":40,"top_p":0.9,"min_p":0.1,"seed":42,"samplers":["top_k","top_p","min_p","temperature"]'
-)
+def _launch(slot: int, chain: str, params: str, previous: str = "") -> str:
+    """llama-server's trace log of one launch on `slot` (server-context.cpp launch_slot_with_task)."""
+    head = f"0.01.254.504 D slot launch_slot_: id  {slot} | task -1 | "
+    params_json = f',"params":{{{previous}}}' if previous else ""
+    before = f'{{"id":{slot},"n_ctx":256{params_json}}}'
+    return (
+        f"{head}launching slot : {before}\n{head}sampler chain: logits -> {chain} -> dist \n{head}sampler params: \n"
+        "\trepeat_last_n = 64, repeat_penalty = 1.000, frequency_penalty = 0.000, presence_penalty = 0.000\n"
+        f"\t{params}\n\tmirostat = 0, mirostat_lr = 0.100, mirostat_ent = 5.000\n"
+        "0.01.254.569 I slot launch_slot_: id  1 | task 0 | processing task, is_child = 0\n"
+    )
+
+
+_ACTIVE = "?penalties -> ?dry -> ?top-n-sigma -> top-k -> ?typical -> top-p -> min-p -> ?xtc -> temp-ext"
 SERVER_LOG = (
-    'slot launch_slot_: id  1 | task 0 | launching slot : {"id":1,"params":{' + _REQUEST + "}}\n"
-    'slot launch_slot_: id  0 | task 1 | launching slot : {"id":0,"params":{"temperature":0.0,"seed":4294967295}}\n'
-    "slot launch_slot_: id  1 | task 2 | launching slot : not json\n"
+    _launch(1, _ACTIVE, "top_k = 40, top_p = 0.900, min_p = 0.100, typical_p = 1.000, temp = 0.800")
+    + _launch(0, "top-k -> temp-ext", "top_k = 40, top_p = 1.000, min_p = 0.000, temp = 0.000")
+    + _launch(1, _ACTIVE, "top_k = 40, top_p = 0.950, min_p = 0.050, temp = 0.700", previous='"seed":42')
+    + "slot launch_slot_: id  1 | task 2 | launching slot : not json\n"
 )
 
 
 def test_each_flow_takes_the_request_llama_server_launched_on_its_slot_in_order():
+    """The chain and parameters each launch logs are that request's; the seed, in the JSON a
+    slot's next launch logs, the previous request's."""
     assert sorted(launched_requests(SERVER_LOG)) == [0, 1]
-    found = flow_samplers(["llama-server", "--temp", "0.3"], {0: 1, 1: 0, 2: 1}, SERVER_LOG)
+    found = flow_samplers(["llama-server", "--temp", "0.3"], {0: 1, 1: 0, 2: 1, 3: 1}, SERVER_LOG)
     assert [(s.flow, s.source, s.temperature) for s in found] == [
         (0, "request", 0.8),
         (1, "request", 0.0),
-        (2, "command_line", 0.3),  # no line for a second request on slot 1: the server's defaults
+        (2, "request", 0.7),
+        (3, "command_line", 0.3),  # no launch logged for a third request on slot 1: the server's flags
     ]
     assert (found[0].top_p, found[0].min_p, found[0].seed) == (0.9, 0.1, 42)
-    assert found[0].samplers == ("top_k", "top_p", "min_p", "temperature")
+    assert found[2].seed == 4294967295  # the last request on its slot: no later launch wrote its seed
+    assert found[0].samplers == ("top_k", "top_p", "min_p", "temperature")  # the active stages, in order
     assert [s.temperature for s in flow_samplers(["llama-speculative-simple"], {0: 0}, None)] == [DEFAULT_TEMPERATURE]
     assert flow_samplers(["llama-simple", "--temp", "0.8"], {0: 0}, None) == ()  # its own greedy chain
 
