@@ -13,19 +13,38 @@ Evals carry the phases of driver/mtp.py: the head decodes of process() are `inje
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Protocol
+
 import numpy as np
 
 from featdiff.core import names
 from featdiff.core.blocks import accepted_length
 from featdiff.core.phases import PREFILL_ROUND, Phase
-from featdiff.driver.mtp import MtpConfig, _State
-from featdiff.driver.rounds import Recorder, close_round, each_round, open_eval, rollback, top1
+from featdiff.driver.rounds import Recorder, StepConfig, close_round, each_round, open_eval, rollback, top1
 from featdiff.dump.records import Round
 from featdiff.llama.runtime import Context
 
 
+class ChainConfig(StepConfig, Protocol):
+    """What the chain reads of driver/mtp.py's MtpConfig (which dispatches here)."""
+
+    @property
+    def n_heads(self) -> int: ...
+
+
+@dataclass
+class _State:
+    n_past: int
+    id_last: int
+    n_embd: int
+    pending_h: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    verify_h: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
+    n_evals: int = 0
+
+
 def run_chain_flow(
-    tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: MtpConfig, rec: Recorder, on_round=None
+    tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: ChainConfig, rec: Recorder, on_round=None
 ) -> list[Round]:
     """Prefill, then `rounds` x (chained draft, verify, process under every head); return the rounds."""
     st = _State(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=tgt.model.n_embd)
@@ -42,7 +61,7 @@ def _process(
     dft: Context,
     st: _State,
     rec: Recorder,
-    cfg: MtpConfig,
+    cfg: ChainConfig,
     tokens: list[int],
     positions: list[int],
     rnd: int,
@@ -61,7 +80,7 @@ def _process(
     st.verify_h, st.pending_h = hidden, hidden[-1].copy()
 
 
-def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int) -> Round:
+def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: ChainConfig, rnd: int) -> Round:
     pos0, anchor = st.n_past, st.id_last
     drafts = _draft(dft, st, rec, cfg, rnd)
     dft.seq_rm(pos0)  # speculative-simple: the head's cache back to the target's n_past
@@ -79,7 +98,7 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig
     return close_round(rec, rnd, pos0, anchor, drafts, accepted, target_tokens)
 
 
-def _draft(dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int) -> list[int]:
+def _draft(dft: Context, st: _State, rec: Recorder, cfg: ChainConfig, rnd: int) -> list[int]:
     """draft(): step k under head k over (id_last, pending) and each draft with its step's
     h_nextn, the round's rows from n_past re-decoded; top-1 of the sampler's top 10, stopping
     below p_min or at min(draft_max, the head count)."""
