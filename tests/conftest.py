@@ -63,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
     own, the demo, README's blocks) run torch on one thread too, as this process does
     (torch_on_one_thread): at torch's default of 2, its second OpenMP thread spins for a core it
     mostly waits for, and takes it from the builds behind the tests. `featdiff reference` of the
-    clean pair, 6 rounds: 31.1 s wall and 9.3 CPU seconds at the default, 11.7 s and 3.2 at one
+    clean pair, 6 rounds: 31.1 s wall and 9.6 CPU seconds at the default, 11.7 s and 3.5 at one
     thread (3 runs each, alternated, 2 busy cores). llama.cpp's programs are not affected: ggml
     names its OpenMP thread count (-t) at every parallel region. A value already set is kept."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
