@@ -28,6 +28,8 @@ ODD_TENSOR = {
     "mtp-glm4moe": "model.layers.6.mystery.weight",
     "mtp-mimo2": "model.mtp.layers.0.mystery.weight",
     "mtp-qwen3next": "mtp.layers.0.mlp.mystery.weight",
+    "mtp-deepseek2": "model.layers.6.self_attn.mystery.weight",
+    "mtp-deepseek32": "model.layers.6.self_attn.indexer.mystery.weight",
 }
 
 
