@@ -231,6 +231,8 @@ def test_the_variant_table_and_its_settings_agree():
         GLM: False,
         MIMO: False,
         QWEN3NEXT: False,
+        "mtp-deepseek2": False,
+        "mtp-deepseek32": False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -240,6 +242,8 @@ def test_the_variant_table_and_its_settings_agree():
         GLM: names.ARCH_GLM4MOE,
         MIMO: names.ARCH_MIMO2,
         QWEN3NEXT: names.ARCH_QWEN3NEXT,
+        "mtp-deepseek2": names.ARCH_DEEPSEEK2,
+        "mtp-deepseek32": names.ARCH_DEEPSEEK32,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())
