@@ -3,6 +3,7 @@ them through the pinned llama.cpp build, and their reference dumps (each made on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -98,6 +99,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _BACKGROUND = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """From the first test that needs a build on, the session waits for the builds left: they run
+    at normal priority from then on (ninja's next jobs too), where this user may raise a priority
+    (root, CAP_SYS_NICE); otherwise they stay at nice 19, which costs nothing where no other job
+    wants the cores (CI)."""
+    proc = item.config.stash.get(_BACKGROUND, None)
+    if proc is not None and proc.poll() is None and _build_needed(item) is not None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PGRP, proc.pid, 0)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
