@@ -1,6 +1,6 @@
 """Chained MTP heads (issue 44 item 2): MiMo-V2's three heads converted by the pinned converter
 (factory/mtp_chain.py), run in-process (driver/mtp_chain.py) and by unmodified
-`llama-speculative-simple --spec-type draft-mtp` under capture --exec (common/speculative.cpp
+`llama-speculative-simple` and `llama-server` (`--spec-type draft-mtp`) under capture --exec (common/speculative.cpp
 chain_heads: draft step k runs head k), compare clean against the reference that follows the run
 (torchref/mtp/chain.py); a chain missing a head block is refused by name; a GGUF whose head blocks are
 permuted, or all head 0, is named wrong_source `chain_head` with `where: export` against the
@@ -93,6 +93,14 @@ def test_a_gguf_with_other_heads_in_its_blocks_is_a_wrong_source_chain_head(
     f = errors[0]
     assert f.fields["candidate"].endswith(f"@head={ran}") and f.tensor.endswith(f"-{6 + own}")
     assert f"is what head {ran} computes" in f.message and f"block of head {own} holds head {ran}'s" in f.message
+
+
+def test_chained_heads_around_llama_server_compare_clean(tools, chain_pairs, tmp_path):
+    d = chain_pairs("mtp-mimo2-chain")
+    cmd = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), *SPEC_ARGS[:-2]]
+    run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", tokens="7,21,3,99,140,5,260,33", timeout_s=RUN_TIMEOUT_S)
+    c = compare_dumps(_follow(d, d / "target.gguf", run, tmp_path), run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
 
 
 def test_chained_heads_in_process_compare_clean(chain_pairs, tmp_path):

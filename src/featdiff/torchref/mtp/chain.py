@@ -30,7 +30,7 @@ from featdiff.core.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.dump.records import Round
 from featdiff.torchref.attention import KvCache, truncated
 from featdiff.torchref.mtp.flow import _target_eval
-from featdiff.torchref.mtp.head import MtpHead, check_mtp_pair, decode, mtp_from_gguf
+from featdiff.torchref.mtp.head import MtpHead, MtpPass, check_mtp_pair, decode, mtp_from_gguf
 from featdiff.torchref.mtp.hf import mimo_head_tensors, mtp_from_hf
 from featdiff.torchref.mtp.layer import GRAPHS
 from featdiff.torchref.numerics import Numerics
@@ -200,7 +200,7 @@ def _process(
     after, traces = [], []
     for k, (head, cache) in enumerate(zip(chain.heads, caches, strict=True)):
         mp = decode(head, ids, handed, at, cache, outputs=False)
-        records = (*mp.records, *_other_heads(chain, k, ids, handed, at, caches, outputs=False))
+        records = (*mp.records, *_other_heads(chain, k, mp, ids, handed, at, caches, outputs=False))
         traces.append(EvalTrace(_eval(first_eval + k, names.ROLE_DRAFT, phase, positions, tokens, r), records))
         after.append(mp.cache)
     return tuple(after), traces
@@ -278,7 +278,7 @@ def _draft(
         ids, at = _ids(tuple(tokens), numerics), _ids(positions, numerics)
         mp = decode(chain.heads[k], ids, h, at, state.caches[k])
         records = (*_last_rows(mp.records), Named(names.DRAFT_LOGITS, mp.logits[-1:]))
-        records += _other_heads(chain, k, ids, h, at, state.caches)
+        records += _other_heads(chain, k, mp, ids, h, at, state.caches)
         ev = _eval(first_eval + len(traces), names.ROLE_DRAFT, Phase.DRAFT, positions, tuple(tokens), r)
         traces.append(EvalTrace(ev, records))
         picks.append((int(mp.logits[-1].argmax()), top1_probability(mp.logits[-1]) < p_min))
@@ -310,6 +310,7 @@ def _last_rows(records: tuple[Named, ...]) -> tuple[Named, ...]:
 def _other_heads(
     chain: MtpChain,
     k: int,
+    own: MtpPass,
     ids: torch.Tensor,
     h: torch.Tensor,
     at: torch.Tensor,
@@ -318,10 +319,10 @@ def _other_heads(
 ) -> tuple[Named, ...]:
     """`<record>@head=<j>` of every head j: head k's decode had head j run it, under head k's
     record names, as a GGUF whose block n_layer + k holds head j's tensors computes it (its cache
-    then filled by head j's weights too: the reference's cache of head j)."""
+    then filled by head j's weights too: the reference's cache of head j); head k's own is `own`."""
     out: list[Named] = []
     for j, head in enumerate(chain.heads):
-        mp = decode(replace(head, il=chain.heads[k].il), ids, h, at, caches[j], outputs=outputs)
+        mp = own if j == k else decode(replace(head, il=chain.heads[k].il), ids, h, at, caches[j], outputs=outputs)
         rows = _last_rows(mp.records) if outputs else mp.records
         out += [
             Named(names.candidate_name(n.name, f"{names.HYP_HEAD}={j}"), n.array)
