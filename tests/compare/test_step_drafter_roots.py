@@ -77,3 +77,16 @@ def test_rows_decoded_with_other_sequences_are_judged_with_the_batched_term():
     # issue 46's EAGLE3 -np 2 report: ffn_inp-0 at NMSE 1.97e-05, over the one-sequence bound, within this one
     assert tolerance_for("ffn_inp-0", False, alone).nmse < 1.97e-5 < t.nmse
     assert tolerance_for("inp_embd", False, batched).rel == tolerance_for("inp_embd", False, alone).rel  # pre-attention
+
+
+def test_eagle3_rows_before_the_last_kept_one_of_another_prompt_are_a_restore_without_the_drafters_state():
+    """A `/slots` restore brings back the target's rows alone: the drafter's rows, decoded with
+    the slot's other prompt, differ before the last kept row too (not upstream's bridge row)."""
+    from featdiff.diff.detectors import detect_wrong_source_kept_row
+    from featdiff.dump.manifest import Manifest
+    from featdiff.dump.records import FlowInfo
+
+    restored = FlowInfo(2, 0, (10, 11, 12, 13, 14), 3, draft_cached=(40, 41, 42))  # another prompt's tokens
+    found = detect_wrong_source_kept_row(Manifest("llama.cpp", {}, {}, (), (), flows=(restored,)), row_token=1)
+    assert found is not None and found.fields["source"] == "another_saved_prompt", found
+    assert "positions 0" in found.message and "/slots" in found.message and "flow 2" in found.message

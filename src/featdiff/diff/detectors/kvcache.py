@@ -214,9 +214,29 @@ def detect_wrong_source_kept_row(run: Manifest, row_token: int) -> Finding | Non
         tokens = flow.prompt_tokens
         held = enumerate((flow.draft_cached or ())[: flow.n_cached])
         rows = [(p, d) for p, d in held if d >= 0 and p + row_token < len(tokens) and 0 <= tokens[p + row_token] != d]
+        if rows and rows[0][0] < flow.n_cached - row_token:
+            return _restored_step_rows_finding(flow, rows, row_token)
         if rows:
             return _kept_row_finding(flow, rows, row_token)
     return None
+
+
+def _restored_step_rows_finding(flow: FlowInfo, rows: list[tuple[int, int]], row_token: int) -> Finding:
+    """Rows before the last kept one pair other tokens: not upstream's bridge row, the drafter's
+    cache holds another prompt's rows (a `/slots` file holds the target's state alone)."""
+    p, d = rows[0]
+    detail = (
+        f"the drafter's rows at positions {span([r for r, _ in rows])} of the {flow.n_cached} the program "
+        f"restored or kept for flow {flow.flow} were decoded with other tokens than this flow's (position "
+        f"{p + row_token}: token {d}, where the prompt has {flow.prompt_tokens[p + row_token]})"
+    )
+    return Finding.of(
+        WrongSourceFields(source=RESTORED_SOURCE, candidate=f"token {d} at position {p + row_token}"),
+        tensor=KV_TENSOR,
+        message=f"{detail}: the target's state was restored without the drafter's (llama-server's /slots files "
+        "hold the target's state alone: llama_state_seq_save_file of the target's context), so the drafts attend "
+        "to another prompt's rows; save and restore both contexts' states together",
+    )
 
 
 def _kept_row_finding(flow: FlowInfo, rows: list[tuple[int, int]], row_token: int) -> Finding:
