@@ -92,7 +92,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     log = tools_dir() / BACKGROUND_LOG
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.tools", "--test-builds", *builds]
-    with open(log, "w") as out:
+    with open(log, "a") as out:  # appended: sessions run side by side on a shared machine
         session.config.stash[_BACKGROUND] = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
