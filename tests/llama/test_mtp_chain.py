@@ -103,14 +103,15 @@ def test_chained_heads_around_llama_server_compare_clean(tools, chain_pairs, tmp
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
 
 
-def test_chained_heads_in_process_compare_clean(chain_pairs, tmp_path):
+@pytest.mark.parametrize("head", ["target.gguf", "target-hf"])  # the GGUF's blocks, or model.mtp.layers.<k>
+def test_chained_heads_in_process_compare_clean(chain_pairs, head, tmp_path):
     d = chain_pairs("mtp-mimo2-chain")
     run = capture(d / "target.gguf", d / "target.gguf", tmp_path / "run.npz", tokens="7,21,3,99,140,5,260,33", rounds=3)
     with read_dump(run) as dump:
         m = dump.manifest
     inject = [e for e in m.evals if (e.role, e.phase, e.round) == (names.ROLE_DRAFT, "inject", 1)]
     assert len(inject) == N_CHAIN  # process() under every head
-    c = compare_dumps(_follow(d, d / "target.gguf", run, tmp_path), run)
+    c = compare_dumps(_follow(d, d / head, run, tmp_path), run)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
 
 
