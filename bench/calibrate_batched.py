@@ -125,7 +125,8 @@ def run_case(server: Path, kind: str, target: Path, draft: Path, slots: int, tog
         raise SystemExit(f"capture failed: {err.read_text()[-2000:]}")
     with read_dump(run) as dump:
         batched = dump.manifest.build_info.seqs_per_decode
-    ref = reference(target, draft, out / "ref.npz", prompt=None, tokens=None, rounds=0, dtype="float32",
+    ref_target = target.parent / "target-hf" if kind == "mtp" else target  # qwen35: transformers' model code
+    ref = reference(ref_target, draft, out / "ref.npz", prompt=None, tokens=None, rounds=0, dtype="float32",
                     device="cpu", kv_dtype="f16", llama_dir=None, follow=run)  # fmt: skip
     c = compare_dumps(ref, run)
     errors = sorted({f"{f.kind} {f.tensor}" for f in c.findings if f.severity == "error"})
