@@ -2,10 +2,11 @@
 test_check_step_faults.py leave out (issue 48): the graph faults of libllama around
 llama-speculative-simple (`log-snr-*` of 0003, `recurrent-keep-rejected` of 0004: the program's
 own libllama reads FEATDIFF_FAULT, so no process of featdiff's holds the pinned one), the long
-inject split in n_ubatch chunks (`inject-chunk0`), and a driver and a graph fault of EAGLE3 and of
-MTP around llama-server. Each exits 1 naming the finding docs/faults.md gives it, never 2 or 3,
-and keeps its dumps. The faults that need several sequences at once are checked on the capture of
-that traffic (`check --run`: tests/llama/test_server_traffic.py, test_server_clients.py)."""
+inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, `log-snr-swapped`,
+`recurrent-keep-rejected` and a driver and a graph fault of EAGLE3 and of MTP. Each exits 1
+naming the finding docs/faults.md gives it, never 2 or 3, and keeps its dumps. The faults that
+need several sequences at once are checked on the capture of that traffic (`check --run`:
+tests/llama/test_server_traffic.py, test_server_clients.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ SIMPLE = {
     "log-snr-swapped": ("log-snr", TRAINED, ["-p", PROMPT], "wrong_source"),
     "log-snr-after-norm": ("log-snr", TRAINED, ["-p", PROMPT], "wrong_source"),
     "recurrent-keep-rejected": ("qwen35", HF_TARGET, ["-p", PROMPT], "wrong_source"),
+}
+# fault -> (the DFlash pair, the reference's models, the finding check must name): libllama's graph faults
+SERVER_DFLASH = {
+    "log-snr-swapped": ("log-snr", TRAINED, "wrong_source"),
+    "recurrent-keep-rejected": ("qwen35", HF_TARGET, "wrong_source"),
 }
 # fault -> (drafter kind, the finding check must name): a driver fault (0009) and a graph fault of each
 SERVER = {
@@ -65,6 +71,17 @@ def _simple_args(tools, d: Path, ref: tuple[str, str], options: list[str]) -> li
 def test_check_names_each_graph_and_chunk_fault_around_the_program(tools, pairs, tmp_path, fault):
     variant, ref, options, finding = SIMPLE[fault]
     errors = check_names_fault(_simple_args(tools, pairs(variant), ref, options), fault, tmp_path, finding)
+    assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
+
+
+@pytest.mark.parametrize("fault", SERVER_DFLASH)
+def test_check_names_libllama_graph_faults_around_llama_server(tools, pairs, tmp_path, fault):
+    variant, ref, finding = SERVER_DFLASH[fault]
+    d, prompts = pairs(variant), tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")  # one request: the capture's, and the probe's
+    server = [tools.program("llama-server"), "-m", d / "target.gguf", "-md", d / "draft.gguf", *DFLASH]
+    args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", ref[0], d / ref[1], "--prompts", prompts]
+    errors = check_names_fault([*args, "--exec", "--", *server], fault, tmp_path, finding)
     assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
 
 
