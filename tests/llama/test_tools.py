@@ -68,6 +68,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0007-eagle3-graph-faults.patch",
         "0008-mtp-graph-faults.patch",
         "0009-step-faults.patch",
+        "0010-inputs-through-views.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}

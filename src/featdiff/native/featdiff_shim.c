@@ -275,16 +275,35 @@ static void follow_graph(struct fd_tag_state * s, const struct ggml_tensor * t) 
     graph_insert(g, t);
 }
 
-/* A graph input (leaf) is safe to read through a consumer that cannot overwrite it in place:
- * a matrix multiplication's operand, ROPE's position vector, GET_ROWS' row ids. A scheduler copy
- * (below) is taken as a MUL_MAT's second operand only: llama.cpp multiplies weight x activation,
- * and a model weight the scheduler copies to a device (op offload) is the first. */
+/* A graph input (leaf) is read when a consumer of it is evaluated, after that consumer ran: safe
+ * unless the consumer may have written the input's bytes. That is an in-place op (its result a
+ * view of the input: ggml_*_inplace, ggml_cpy's and ggml_set_rows' destination) or a consumer
+ * ggml-alloc handed the input's own memory (an op it may compute in place, the input's last
+ * reader); a view, a reshape, a permute or a transpose computes nothing. So an input read through
+ * a view or any other op is recorded as one read by a matrix multiplication is (issue 42 item 4). */
+static int is_view_op(enum ggml_op op) {
+    return op == GGML_OP_VIEW || op == GGML_OP_RESHAPE || op == GGML_OP_PERMUTE || op == GGML_OP_TRANSPOSE;
+}
+
+static int may_overwrite(const struct ggml_tensor * node, const struct ggml_tensor * src) {
+    if (is_view_op(node->op)) return 0;
+    if (node->view_src && (node->view_src == src || node->view_src == src->view_src)) return 1;
+    if (node->buffer != src->buffer || !node->data || !src->data) return 0;
+    const char * a = (const char *) node->data;
+    const char * b = (const char *) src->data;
+    return a < b + ggml_nbytes(src) && b < a + ggml_nbytes(node);
+}
+
+/* A scheduler copy (below) is taken as a MUL_MAT's second operand, ROPE's positions, GET_ROWS' row
+ * ids, or a view's source only: llama.cpp multiplies weight x activation, and a model weight the
+ * scheduler copies to a device (op offload) is a MUL_MAT's first operand. */
 static int is_safe_consumer(const struct ggml_tensor * node, int i, int is_copy) {
+    if (!is_copy) return !may_overwrite(node, node->src[i]);
     switch (node->op) {
-        case GGML_OP_MUL_MAT:  return !is_copy || i == 1;
+        case GGML_OP_MUL_MAT:  return i == 1;
         case GGML_OP_ROPE:     return i == 1;
         case GGML_OP_GET_ROWS: return i == 1;
-        default:               return 0;
+        default:               return is_view_op(node->op) && i == 0;
     }
 }
 
@@ -392,6 +411,18 @@ static char * host_array(const struct ggml_tensor * t, size_t * out_nbytes, cons
     return out;
 }
 
+/* The bytes of `t` where they lie, when they are already in the stored layout and in host memory
+ * (the CPU backend's buffers, a device's host buffer): written from there, with no copy and no
+ * allocation (a capture of every node writes each node's output once, and a fresh allocation of
+ * that size costs its page faults). NULL: read it with host_array. */
+static const void * stored_in_place(const struct ggml_tensor * t, size_t * nbytes, const char ** dtype) {
+    if (t->type != GGML_TYPE_F32 && !is_int_type(t->type)) return NULL;
+    if (!t->data || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !ggml_is_contiguous(t)) return NULL;
+    *nbytes = ggml_nbytes(t);
+    *dtype = t->type == GGML_TYPE_I32 ? "int32" : t->type == GGML_TYPE_I64 ? "int64" : "float32";
+    return t->data;
+}
+
 /* ---------------------------------------------------------------- index lines */
 
 /* The ggml device whose memory held `t` when it was read: "CPU" for host memory (where the CPU
@@ -469,11 +500,13 @@ static void record_tensor(fd_capture * cap, int ubatch, int role, const struct g
                           int occurrence, int is_leaf) {
     size_t nbytes = 0;
     const char * dtype = NULL;
-    char * data = host_array(t, &nbytes, &dtype);
-    if (!data) { cap->error = FD_ENOMEM; return; }
+    const void * lying = stored_in_place(t, &nbytes, &dtype);
+    char * data = lying ? NULL : host_array(t, &nbytes, &dtype);
+    if (!lying && !data) { cap->error = FD_ENOMEM; return; }
     struct ggml_tensor described = *t;
     snprintf(described.name, sizeof(described.name), "%s", name);
-    append_record(cap, data, nbytes, &described, ggml_op_desc(t), ubatch, role, occurrence, dtype, is_leaf);
+    append_record(cap, lying ? lying : data, nbytes, &described, ggml_op_desc(t), ubatch, role, occurrence, dtype,
+                  is_leaf);
     free(data);
 }
 
