@@ -151,3 +151,16 @@ def test_features_the_device_got_from_the_batch_before_are_named_stale_around_th
         assert comparison.ok, [f.message for f in errors]
         return
     assert [(f.kind, f.tensor) for f in errors][:1] == [("stale", "inp_target_features")], [f.message for f in errors]
+
+
+def test_check_names_the_device_only_fault_around_the_program(tools, on_vulkan_env, fixture_models, tmp_path):
+    """`featdiff check --exec` (issue 48) on the device-only fault, the pair on the device: exit 1
+    naming the stale features as compare does above, never 2 or 3, its dumps kept."""
+    from featdiff_process import check_names_fault
+
+    d = fixture_models("clean")
+    cmd = [tools.program("llama-speculative-simple"), "-m", d / "target.gguf", "-md", d / "draft.gguf", *SPEC_ARGS,
+           *PLACEMENTS["device"], "-p", PROMPT, "-n", "16", "--temp", "0"]  # fmt: skip
+    args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", "--ref-model", d / "draft-hf", "--exec", "--"]
+    errors = check_names_fault([*args, *cmd], "device-features-stale", tmp_path, "stale")
+    assert (errors[0]["kind"], errors[0]["tensor"]) == ("stale", "inp_target_features"), errors
