@@ -2,8 +2,8 @@
 test_check_step_faults.py leave out (issue 48): the graph faults of libllama around
 llama-speculative-simple (`log-snr-*` of 0003, `recurrent-keep-rejected` of 0004: the program's
 own libllama reads FEATDIFF_FAULT, so no process of featdiff's holds the pinned one), the long
-inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, `log-snr-swapped`,
-`recurrent-keep-rejected` and a driver and a graph fault of EAGLE3 and of MTP. Each exits 1
+inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those but
+`log-snr-after-norm`, and a driver and a graph fault of EAGLE3 and of MTP. Each exits 1
 naming the finding docs/faults.md gives it, never 2 or 3, and keeps its dumps. The faults that
 need several sequences at once are checked on the capture of that traffic (`check --run`:
 tests/llama/test_server_traffic.py, test_server_clients.py)."""
@@ -31,10 +31,12 @@ SIMPLE = {
     "log-snr-after-norm": ("log-snr", TRAINED, ["-p", PROMPT], "wrong_source"),
     "recurrent-keep-rejected": ("qwen35", HF_TARGET, ["-p", PROMPT], "wrong_source"),
 }
-# fault -> (the DFlash pair, the reference's models, the finding check must name): libllama's graph faults
+# fault -> (the DFlash pair, the reference's models, the server's own options, its one request, the
+# finding check must name): libllama's graph faults, and the long inject in chunks
 SERVER_DFLASH = {
-    "log-snr-swapped": ("log-snr", TRAINED, "wrong_source"),
-    "recurrent-keep-rejected": ("qwen35", HF_TARGET, "wrong_source"),
+    "inject-chunk0": ("clean", TRAINED, ["-ub", "4"], TWICE.strip(), "misplaced_rows"),
+    "log-snr-swapped": ("log-snr", TRAINED, [], PROMPT, "wrong_source"),
+    "recurrent-keep-rejected": ("qwen35", HF_TARGET, [], PROMPT, "wrong_source"),
 }
 # fault -> (drafter kind, the finding check must name): a driver fault (0009) and a graph fault of each
 SERVER = {
@@ -75,11 +77,11 @@ def test_check_names_each_graph_and_chunk_fault_around_the_program(tools, pairs,
 
 
 @pytest.mark.parametrize("fault", SERVER_DFLASH)
-def test_check_names_libllama_graph_faults_around_llama_server(tools, pairs, tmp_path, fault):
-    variant, ref, finding = SERVER_DFLASH[fault]
+def test_check_names_dflash_faults_around_llama_server(tools, pairs, tmp_path, fault):
+    variant, ref, options, prompt, finding = SERVER_DFLASH[fault]
     d, prompts = pairs(variant), tmp_path / "prompts.txt"
-    prompts.write_text(PROMPT + "\n")  # one request: the capture's, and the probe's
-    server = [tools.program("llama-server"), "-m", d / "target.gguf", "-md", d / "draft.gguf", *DFLASH]
+    prompts.write_text(prompt + "\n")  # one request: the capture's, and the probe's
+    server = [tools.program("llama-server"), "-m", d / "target.gguf", "-md", d / "draft.gguf", *DFLASH, *options]
     args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", ref[0], d / ref[1], "--prompts", prompts]
     errors = check_names_fault([*args, "--exec", "--", *server], fault, tmp_path, finding)
     assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
