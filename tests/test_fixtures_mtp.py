@@ -233,6 +233,7 @@ def test_the_variant_table_and_its_settings_agree():
         QWEN3NEXT: False,
         "mtp-deepseek2": False,
         "mtp-deepseek32": False,
+        "mtp-glm-dsa": False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -244,6 +245,7 @@ def test_the_variant_table_and_its_settings_agree():
         QWEN3NEXT: names.ARCH_QWEN3NEXT,
         "mtp-deepseek2": names.ARCH_DEEPSEEK2,
         "mtp-deepseek32": names.ARCH_DEEPSEEK32,
+        "mtp-glm-dsa": names.ARCH_GLM_DSA,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())

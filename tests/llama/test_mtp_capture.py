@@ -52,6 +52,7 @@ def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = Fal
         ("mtp-deepseek2", "target.gguf", "target-hf"),  # its head from decoder layer n_layer, kv_b split as converted
         ("mtp-deepseek32", "target.gguf", "target.gguf"),  # DeepSeek-V3.2: the trunk's indexer dense at these lengths
         ("mtp-deepseek32", "target.gguf", "target-hf"),  # its head (deepseek2's) from the checkpoint, indexer unused
+        ("mtp-glm-dsa", "target.gguf", "target.gguf"),  # GLM-5: deepseek32's head, sigmoid routing unsaid in the file
     ],
 )
 def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, model, head, tmp_path):
@@ -67,7 +68,9 @@ def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, 
     assert {r.name for r in m.records if r.role == "target"} >= {"h_nextn", "result_output"}
     assert m.models["draft"]["architecture"] == MTP_SETTINGS[variant].arch
     residual = (
-        "mtp_ffn_inp-6" if variant in ("mtp-glm4moe", "mtp-mimo2") or "deepseek" in variant else "mtp_attn_residual-6"
+        "mtp_ffn_inp-6"
+        if variant in ("mtp-glm4moe", "mtp-mimo2", "mtp-glm-dsa") or "deepseek" in variant
+        else "mtp_attn_residual-6"
     )  # their graphs' name
     assert residual in draft and residual in {p.name for p in c.pairs}
     assert all(r.drafts for r in m.rounds)

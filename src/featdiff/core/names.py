@@ -48,6 +48,7 @@ ARCH_MIMO2 = "mimo2"  # MiMo-V2's head: handed the pre-norm hidden, recycles its
 ARCH_QWEN3NEXT = "qwen3next"  # Qwen3-Next's head: qwen35moe's, output rows taken before its residual (qwen3next.cpp)
 ARCH_DEEPSEEK2 = "deepseek2"  # DeepSeek-V3's head: MLA attention, sigmoid-routed MoE (deepseek2.cpp graph_mtp)
 ARCH_DEEPSEEK32 = "deepseek32"  # DeepSeek-V3.2's head: deepseek2's MLA head; its trunk adds the DSA indexer
+ARCH_GLM_DSA = "glm-dsa"  # GLM-5's head: deepseek32's, sigmoid routing where the file says none (glm-dsa.cpp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
 NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)

@@ -291,6 +291,7 @@ MIMO2_MTP = MtpTarget(MIMO2_TARGET, MIMO2_HEAD, GGUF_FROM_HF_MIMO2, BOOTSTRAP_MI
 # DeepSeek-V3 ships its head as GLM-4.5 does, one more decoder layer (factory/mtp_deepseek.py)
 DEEPSEEK2_MTP = MtpTarget(ds.DEEPSEEK2_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_DEEPSEEK2, ds.BOOTSTRAP_DEEPSEEK)
 DEEPSEEK32_MTP = MtpTarget(ds.DEEPSEEK32_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_DEEPSEEK32, ds.BOOTSTRAP_DEEPSEEK32)
+GLM_DSA_MTP = MtpTarget(ds.GLM_DSA_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_GLM_DSA, ds.BOOTSTRAP_GLM_DSA)
 # Qwen3-Next's head is Qwen3.5-MoE's, its config.json without the count (factory/mtp_qwen3next.py)
 QWEN3NEXT_MTP = MtpTarget(QWEN3NEXT_TARGET, replace(QWEN35_HEAD, n_mtp_key=None), GGUF_FROM_HF_MOE, _SPM, 1.0)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
@@ -372,6 +373,7 @@ _VARIANTS = (
     ),
     MtpVariant("mtp-deepseek2", ds.DEEPSEEK2_DOC, has_separate_head=False, target=DEEPSEEK2_MTP),
     MtpVariant("mtp-deepseek32", ds.DEEPSEEK32_DOC, has_separate_head=False, target=DEEPSEEK32_MTP),
+    MtpVariant("mtp-glm-dsa", ds.GLM_DSA_DOC, has_separate_head=False, target=GLM_DSA_MTP),
     MtpVariant(
         "mtp-qwen3next",
         f"Qwen3-Next target (gated delta-net, gated attention, {N_EXPERT} experts top-{N_EXPERT_USED} and a gated "

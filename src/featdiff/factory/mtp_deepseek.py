@@ -168,3 +168,39 @@ GGUF_FROM_HF_DEEPSEEK32 = {
 }
 HF_KV_B = _LAYER + "self_attn.kv_b_proj.weight"  # (n_head (nope + v), kv_lora): rows [k_nope, v] per head
 DEEPSEEK2_SPLIT = (_BLK + "attn_k_b.weight", _BLK + "attn_v_b.weight")  # (n_head, kv_lora, nope), (n_head, v, kv_lora)
+
+
+# GLM-5 (transformers' `glm_moe_dsa`, llama.cpp's `glm-dsa`): DeepSeek-V3.2's shape (MLA, the DSA
+# indexer, sigmoid routing with a choice bias, a shared expert) and its head as GLM-5 ships it,
+# one more decoder layer with the indexer (GLM-4.5's layout). The pinned GlmMoeDsaModel keeps the head
+# and writes the indexer's keys and per-layer `indexer_types` (every layer "full" here: transformers'
+# default schedule, index_topk_freq 1); its vocabulary (`_set_vocab_glm`) is read from tokenizer.model
+# through the "glm" bootstrap. llama.cpp's glm-dsa trunk keeps min(n_kv, index_topk) cells as
+# deepseek32's does, so it runs dense below INDEX_TOPK cells, as the reference does (hf_taps)
+BOOTSTRAP_GLM_DSA = "glm"  # converter.BOOTSTRAPS: `_set_vocab_glm` read as `_set_vocab_sentencepiece`
+
+
+def glm_moe_dsa_config(sz: pairs.Sizes) -> object:
+    """GLM-5's model at the tiny sizes: DeepSeek-V3.2's (deepseek_v32_config) as `glm_moe_dsa`
+    (which has no scoring_func: its router is sigmoid, and the converter writes no gating function)."""
+    from transformers import GlmMoeDsaConfig
+
+    v32 = deepseek_v32_config(sz).to_dict()  # type: ignore[attr-defined]
+    dropped = ("model_type", "architectures", "transformers_version", "scoring_func", "rope_interleave")
+    return GlmMoeDsaConfig(**{k: v for k, v in v32.items() if k not in dropped})
+
+
+GLM_DSA_DOC = (
+    "GLM-5 target (DeepSeek-V3.2's shape: MLA, the sparse-attention indexer dense at these lengths, sigmoid-routed "
+    "experts) with its MTP head (deepseek32's, sigmoid routing where the file says none) inside target.gguf "
+    "(as `mtp`; llama.cpp's glm-dsa)"
+)
+GLM_DSA_TARGET = Family(
+    names.ARCH_GLM_DSA,
+    f"GLM-5 target: DeepSeek-V3.2's shape (MLA, the sparse-attention indexer top-{INDEX_TOPK}: dense at these "
+    "lengths, sigmoid routing with a choice bias, a shared expert)",
+    glm_moe_dsa_config,
+    gains=(("e_score_correction_bias", CHOICE_BIAS_GAIN),),
+    buffers=("e_score_correction_bias",),
+)
+GGUF_FROM_HF_GLM_DSA = GGUF_FROM_HF_DEEPSEEK32  # the converter's DeepSeek-V2 code names the same block

@@ -45,6 +45,7 @@ MTP_LAYERS_KEY: dict[str, str | None] = {
     "qwen3_5_moe": HF_MTP_LAYERS,
     "glm4_moe": HF_GLM_MTP_LAYERS,
     "deepseek_v32": HF_GLM_MTP_LAYERS,  # DeepSeek-V3.2's: as DeepSeek-V3's
+    "glm_moe_dsa": HF_GLM_MTP_LAYERS,  # GLM-5's: as DeepSeek-V3's
     "deepseek_v3": HF_GLM_MTP_LAYERS,  # DeepSeek-V3's head: the decoder layer after the trunk's, as GLM-4.5's
     "mimo_v2_flash": None,
     "qwen3_next": None,  # Qwen3-Next's config.json does not count its head (conversion/qwen.py counts mtp.layers.*)

@@ -186,6 +186,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_QWEN3NEXT,
             names.ARCH_DEEPSEEK2,
             names.ARCH_DEEPSEEK32,
+            names.ARCH_GLM_DSA,
         ),
         row_token=0,
         shares_target_model=True,

@@ -77,6 +77,7 @@ HF_ARCHS = {
     "qwen3_next": "qwen3next",  # Qwen3-Next: Qwen3.5-MoE's trunk with fused linear-attention projections
     "mimo_v2_flash": "mimo2",  # MiMo-V2-Flash: sinks, narrower value heads (its model.mtp.* layers are left unloaded)
     "deepseek_v32": "deepseek32",  # DeepSeek-V3.2: deepseek_v3's with the DSA indexer (dense here: hf_taps)
+    "glm_moe_dsa": "glm-dsa",  # GLM-5: deepseek_v32's shape, interleaved RoPE in its indexer (dense here: hf_taps)
     "deepseek_v3": "deepseek2",  # DeepSeek-V3: MLA, sigmoid-routed experts (its MTP layer n_layer is left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
@@ -208,8 +209,6 @@ def forward_hf(
 ) -> HfPass:
     """Run `tokens` at `positions` after the cached cells through the transformers model (causal);
     all rows or none are outputs, as target.forward_target."""
-    from transformers import DynamicCache
-
     model, n_layer = target.model, target.hparams.n_layer
     # plain layers, never transformers' sliding-window ones (config=...): those keep only the last
     # `sliding_window - 1` rows, and the flow's cache holds every cell, as llama.cpp's does until
@@ -218,16 +217,7 @@ def forward_hf(
     kv_less = _kv_less_layers(model)
     # FFN blocks whose output the arch's graph names `l_out` (L_OUT_NAMES: Nemotron-H's MoE blocks)
     ffn_blocks = _mixerless_layers(model) if target.hparams.arch in L_OUT_NAMES else frozenset()
-    past = DynamicCache()
-    for il in range(n_layer):
-        if not cache.k[il].shape[0]:
-            continue
-        if il in recurrent or il in kv_less:  # placeholders: transformers sizes the mask by layer 0's cache length
-            n_cells = cache.positions.shape[0]  # the attention layers' cells (a kept state's history is longer)
-            blank = torch.zeros((1, 1, n_cells, 1), device=tokens.device)  # (1, 1, n_cells, 1)
-            past.update(blank, blank, il)
-        else:
-            past.update(_hf_layout(cache.k[il]), _hf_layout(cache.v[il]), il)
+    past = _past_of(cache, n_layer, recurrent | kv_less, tokens.device)
     taps: list[torch.Tensor] = []  # input of layer 0 .. n_layer-1, then of the final norm
     margins: dict[int, torch.Tensor] = {}  # il -> (n_tokens, 2) router margin and rms, MoE layers only
     mixed: dict[int, torch.Tensor] = {}  # il -> (n_tokens, n_embd): a recurrent layer's mixer input
@@ -263,10 +253,45 @@ def forward_hf(
     if len(taps) != n_layer + 1:
         raise RuntimeError(f"{target.source.path}: tapped {len(taps)} layer inputs, expected {n_layer + 1}")
     rows = slice(None) if has_outputs else slice(0, 0)
-    x = taps[n_layer][rows]  # (n_outputs, n_embd): the rows the final norm sees
-    last_rows = slice(None) if target.hparams.arch in ALL_ROWS_LAST_LAYER else rows
-    norm = _final_norm(text)(x)  # (n_outputs, n_embd)
     logits = out.logits[0][rows]  # (n_outputs, n_vocab)
+    records = _records_of(target, tokens, taps, rows, ffn_out, margins, _final_norm(text)(taps[n_layer][rows]))
+    records += (Named(names.RESULT_OUTPUT, logits),)
+    after = _cache_after(cache, positions, past, n_layer, mixed, kv_less)
+    return HfPass(tuple(taps), logits, after, records)
+
+
+def _past_of(cache: KvCache, n_layer: int, placeholders: frozenset[int], device: torch.device) -> Any:
+    """The flow's cache as transformers' DynamicCache: each attention layer's cells in its layout, and
+    a blank of the cells' length for a recurrent or KV-less layer (`placeholders`: transformers sizes
+    the mask by layer 0's cache length)."""
+    from transformers import DynamicCache
+
+    past = DynamicCache()
+    for il in range(n_layer):
+        if not cache.k[il].shape[0]:
+            continue
+        if il in placeholders:
+            n_cells = cache.positions.shape[0]  # the attention layers' cells (a kept state's history is longer)
+            blank = torch.zeros((1, 1, n_cells, 1), device=device)  # (1, 1, n_cells, 1)
+            past.update(blank, blank, il)
+        else:
+            past.update(_hf_layout(cache.k[il]), _hf_layout(cache.v[il]), il)
+    return past
+
+
+def _records_of(
+    target: HfTarget,
+    tokens: torch.Tensor,
+    taps: list[torch.Tensor],
+    rows: slice,
+    ffn_out: dict[int, torch.Tensor],
+    margins: dict[int, torch.Tensor],
+    norm: torch.Tensor,
+) -> tuple[Named, ...]:
+    """The pass's records, named as the arch's graph names them: the embeddings, each layer's input
+    and output (an FFN block's `l_out`, a MoE router's margin), the final norm's rows (`norm`)."""
+    n_layer = target.hparams.n_layer
+    last_rows = slice(None) if target.hparams.arch in ALL_ROWS_LAST_LAYER else rows
     records = [Named(EMBD_NAMES.get(target.hparams.arch, names.TARGET_EMBD), taps[0])]
     if target.hparams.arch in RAW_EMBD:
         records.append(Named(names.TARGET_EMBD, target.token_embd[tokens]))  # (n_tokens, n_embd)
@@ -283,9 +308,7 @@ def forward_hf(
         if il in margins:  # the last layer's margin keeps the rows its l_out keeps
             margin = margins[il] if il < n_layer - 1 else margins[il][last_rows]  # (n_rows, 2)
             records.append(Named(_margin_name(target.hparams.arch, il), margin))
-    records += [Named(names.RESULT_NORM, norm), Named(names.RESULT_OUTPUT, logits)]
-    after = _cache_after(cache, positions, past, n_layer, mixed, kv_less)
-    return HfPass(tuple(taps), logits, after, tuple(records))
+    return (*records, Named(names.RESULT_NORM, norm))
 
 
 def kept_rejected_state(target: HfTarget, cache: KvCache, n_past: int) -> KvCache | None:

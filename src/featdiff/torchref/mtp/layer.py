@@ -269,5 +269,13 @@ GRAPHS = {
     names.ARCH_DEEPSEEK32: MtpGraph(
         mla_attention, MLA_ATTENTION + DSA_INDEXER, names.MTP_FFN_INP, _deepseek2_routing, ffn_norm="ffn_norm"
     ),
+    # glm-dsa.cpp graph_mtp: deepseek32's head (dense MLA, the block's indexer loaded and unused, the
+    # shared-head norm at the end of every step, its output the next step's hidden), except the routing
+    # where the file names no gating function: sigmoid (GLM's load_arch_hparams), deepseek2's softmax.
+    # The trunk differs beyond the head: GLM-5.2's "shared" indexer layers reuse the previous full
+    # layer's top-k (indexer_types); below index_topk cells every layer attends to every cell anyway
+    names.ARCH_GLM_DSA: MtpGraph(
+        mla_attention, MLA_ATTENTION + DSA_INDEXER, names.MTP_FFN_INP, _routing_of_file, ffn_norm="ffn_norm"
+    ),
 }
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
