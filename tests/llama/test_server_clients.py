@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -268,3 +269,80 @@ def test_two_requests_at_once_on_a_hybrid_target_compare_clean_flow_by_flow(tool
     )  # fmt: skip
     c = featdiff_process.two_flows_compared(models / "target-hf", models / "draft.gguf", run, tmp_path)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+
+
+# --- EAGLE3 and MTP on the same server machinery (issue 46) ------------------------------------
+
+# upstream's step drafters' behaviour across a llama-server slot's requests, as compare names it
+# (wrong_source's source): a state the flow's history does not prescribe, never a bare divergence
+UPSTREAM_STATE = ("another_request_row", "another_saved_prompt", "stale_pending")
+STEP_LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # > 512 tokens of the step pairs' vocabulary
+
+
+def _step_pair(kind: str, eagle3_pairs, mtp_pairs) -> tuple[Path, list[str], Path, Path]:
+    """(pair dir, the server's drafter flags, the reference's --target, its --model) of a step kind."""
+    if kind == "eagle3":
+        d = eagle3_pairs("eagle3")
+        return d, ["-md", str(d / "draft.gguf"), "--spec-type", "draft-eagle3"], d / "target.gguf", d / "draft.gguf"
+    d = mtp_pairs("mtp")
+    return d, ["--spec-type", "draft-mtp"], d / "target-hf", d / "target.gguf"
+
+
+def _step_capture(tmp: Path, d: Path, spec: list[str], server: Path, options: list[str], traffic, n: int) -> Path:
+    out, err, port = tmp / "run.npz", tmp / "stderr", free_port()
+    command = [str(server), "-m", str(d / "target.gguf"), *spec, "-t", "1", "-td", "1", *options, "--port", port]
+    proc = featdiff_process.start(["capture", "--exec", "-o", out, "--requests", n, "--", *command], err)
+    featdiff_process.wait_listening(proc, err, WAIT_S)
+    traffic(port)
+    assert proc.wait(timeout=WAIT_S * 2) == 0, err.read_text()[-3000:]
+    return out
+
+
+def _step_findings(tmp: Path, target: Path, model: Path, run: Path) -> dict:
+    made = _featdiff("reference", "--target", target, "--model", model, "--follow", run, "-o", tmp / "ref.npz")
+    assert made.returncode == 0, made.stderr[-3000:]
+    compared = _featdiff("compare", tmp / "ref.npz", run, "--json", "-")
+    assert compared.returncode in (0, 1), compared.stderr[-3000:]
+    return json.loads(compared.stdout)
+
+
+def _only_upstream_state(result: dict) -> list[dict]:
+    """The error findings, each asserted to name upstream's drafter state at its flow."""
+    errors = [f for f in result["findings"] if f["severity"] == "error"]
+    for f in errors:
+        assert f["kind"] == "wrong_source" and f["source"] in UPSTREAM_STATE and "flow" in f, f["message"]
+    assert not [
+        f
+        for f in result["findings"]
+        if f["kind"] in ("row_shift", "missing_tensor") or "the block offset" in f["message"]
+    ]
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_a_step_drafter_after_a_ram_cache_restore_is_clean_or_names_upstreams_state(
+    kind, tools, eagle3_pairs, mtp_pairs, tmp_path, monkeypatch
+):
+    """-np 1: two chats sharing a system prompt, a completion past the micro-batch, the first chat
+    again (restored from the RAM prompt cache): each flow compares clean or its error names the
+    state upstream's driver kept across requests, never a DFlash block's advice or a bare divergence."""
+    monkeypatch.setattr(sys.modules[__name__], "LONG_PROMPT", STEP_LONG_PROMPT)
+    d, spec, target, model = _step_pair(kind, eagle3_pairs, mtp_pairs)
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), ["-np", "1"], _traffic, N_REQUESTS)
+    result = _step_findings(tmp_path, target, model, run)
+    errors = _only_upstream_state(result)
+    with read_dump(run) as dump:
+        flows = dump.manifest.flow_ids()
+    # the slot's first request begins from nothing: only a later one can meet a state kept before it
+    assert len(flows) == N_REQUESTS and 0 not in {f["flow"] for f in errors}, errors
+
+
+def test_an_eagle3_slot_restored_from_its_file_names_the_drafters_rows_of_the_other_prompt(
+    tools, eagle3_pairs, mtp_pairs, tmp_path
+):
+    d, spec, target, model = _step_pair("eagle3", eagle3_pairs, mtp_pairs)
+    options = ["-np", "1", "--cache-ram", "0", "--slot-save-path", str(tmp_path)]
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, _slot_file_round_trip, 3)
+    errors = _only_upstream_state(_step_findings(tmp_path, target, model, run))
+    restored = [f for f in errors if f["flow"] == 2]
+    assert [f["source"] for f in restored] == ["another_saved_prompt"] and "/slots" in restored[0]["message"], errors
