@@ -53,6 +53,7 @@ def _run_and_ref(d: Path, model: Path, head: Path, tmp: Path, follow: bool = Fal
         ("mtp-deepseek32", "target.gguf", "target.gguf"),  # DeepSeek-V3.2: the trunk's indexer dense at these lengths
         ("mtp-deepseek32", "target.gguf", "target-hf"),  # its head (deepseek2's) from the checkpoint, indexer unused
         ("mtp-glm-dsa", "target.gguf", "target.gguf"),  # GLM-5: deepseek32's head, sigmoid routing unsaid in the file
+        ("mtp-glm-dsa", "target.gguf", "target-hf"),  # its head from the checkpoint's layer n_layer, routed by sigmoid
     ],
 )
 def test_a_correct_head_compares_clean_with_nothing_skipped(mtp_pairs, variant, model, head, tmp_path):

@@ -30,6 +30,7 @@ ODD_TENSOR = {
     "mtp-qwen3next": "mtp.layers.0.mlp.mystery.weight",
     "mtp-deepseek2": "model.layers.6.self_attn.mystery.weight",
     "mtp-deepseek32": "model.layers.6.self_attn.indexer.mystery.weight",
+    "mtp-glm-dsa": "model.layers.6.mlp.mystery.weight",
 }
 
 

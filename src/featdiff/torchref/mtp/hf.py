@@ -22,7 +22,12 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.kinds.mtp import HF_MTP_LAYERS, MTP_LAYERS_KEY, is_mtp_checkpoint
 from featdiff.torchref.mtp.head import MtpHead
-from featdiff.torchref.mtp.hf_mla import deepseek32_head_tensors, deepseek_head_tensors, deepseek_hparams
+from featdiff.torchref.mtp.hf_mla import (
+    deepseek32_head_tensors,
+    deepseek_head_tensors,
+    deepseek_hparams,
+    glm_dsa_head_tensors,
+)
 from featdiff.torchref.mtp.layer import MOE_CHOICE_BIAS, MOE_EXPERTS, MOE_ROUTER, MoeRouting
 from featdiff.torchref.weights import Hparams, Source
 
@@ -372,6 +377,16 @@ HF_HEADS = {
         1.0,
         _extra_layer,
         deepseek32_head_tensors,
+        deepseek_hparams,
+        _extra_layer,
+    ),
+    # GLM-5: DeepSeek-V3.2's head layer (its indexer unused), its routing sigmoid (hf_mla.glm_dsa_head_tensors)
+    "glm_moe_dsa": _HfHead(
+        names.ARCH_GLM_DSA,
+        MTP_LAYERS_KEY["glm_moe_dsa"],
+        1.0,
+        _extra_layer,
+        glm_dsa_head_tensors,
         deepseek_hparams,
         _extra_layer,
     ),

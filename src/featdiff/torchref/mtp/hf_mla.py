@@ -8,6 +8,7 @@ matrices stacked, norms as they are; for torchref/mtp/hf.py's HF_HEADS.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -103,3 +104,11 @@ def deepseek32_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, A
     which deepseek32.cpp's graph_mtp does not use."""
     fields = deepseek_head_tensors(hf, text, prefix)
     return {**fields, "block": {**fields["block"], **{k: hf(prefix + v) for k, v in DSA_INDEXER_TENSORS.items()}}}
+
+
+def glm_dsa_head_tensors(hf: Callable[[str], torch.Tensor], text: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """GLM-5's head fields: DeepSeek-V3.2's (deepseek32_head_tensors), routed by sigmoid: transformers'
+    glm_moe_dsa router is one (its config has no scoring_func), and glm-dsa.cpp reads a file without
+    expert_gating_func as sigmoid, where deepseek2.cpp reads softmax."""
+    fields = deepseek32_head_tensors(hf, text, prefix)
+    return {**fields, "routing": replace(fields["routing"], has_sigmoid_gating=True)}
