@@ -17,6 +17,7 @@ from featdiff.factory.mtp_deepseek import (
     BOOTSTRAP_DEEPSEEK,
     DEEPSEEK2_SPLIT,
     GGUF_FROM_HF_DEEPSEEK2,
+    GGUF_FROM_HF_GLM_DSA,
     HF_KV_B,
     INDEX_TOPK,
     KV_LORA_RANK,
@@ -101,3 +102,31 @@ def test_the_deepseek32_target_carries_its_indexer_and_a_head_as_deepseek2s(mtp_
     assert {f"{head}indexer.proj.weight", f"{head}indexer.k_norm.bias"} <= set(m32.tensors)
     block2 = {n: t.ne for n, t in m2.tensors.items() if n.startswith(head)}
     assert {n: t.ne for n, t in m32.tensors.items() if n.startswith(head) and ".indexer." not in n} == block2
+
+
+@pytest.mark.slow
+def test_the_glm_dsa_target_says_no_gating_and_holds_deepseek32s_head_as_the_checkpoint(mtp_pairs):
+    """GLM-5 (llama.cpp's glm-dsa, converted by the pinned GlmMoeDsaModel through the "glm" bootstrap):
+    no expert_gating_func in the file (glm-dsa.cpp then routes by sigmoid, deepseek2.cpp by softmax),
+    every trunk layer a full indexer layer, and the head block deepseek32's, its values the checkpoint's."""
+    from safetensors.numpy import load_file
+
+    d = mtp_pairs("mtp-glm-dsa")
+    m, m32 = read_gguf(d / "target.gguf"), read_gguf(mtp_pairs("mtp-deepseek32") / "target.gguf")
+    arch = names.ARCH_GLM_DSA
+    assert m.arch == arch and MTP_SETTINGS["mtp-glm-dsa"].target.bootstrap == "glm"
+    assert f"{arch}.expert_gating_func" not in m.reader.fields
+    assert (
+        int_meta(m, f"{arch}.nextn_predict_layers") == 1
+        and int_meta(m, f"{arch}.attention.indexer.top_k") == INDEX_TOPK
+    )
+    assert list(meta(m, f"{arch}.attention.indexer.types")) == [True] * S.n_layer
+    head = f"blk.{S.n_layer}."
+    block32 = {n: t.ne for n, t in m32.tensors.items() if n.startswith(head)}
+    assert {n: t.ne for n, t in m.tensors.items() if n.startswith(head)} == block32
+    w = load_file(str(d / "target-hf" / HF_SAFETENSORS))
+    for hf, name in GGUF_FROM_HF_GLM_DSA.items():
+        got = array_from_tensor(m, name)
+        if ".experts." in hf:
+            got = got[int(hf.split(".experts.")[1].split(".")[0])]
+        assert np.array_equal(got, w[hf]), hf
