@@ -5,7 +5,7 @@ then one that sends no sampling field (the server's defaults: llama.cpp's temper
 capture per kind holds the three scenarios (`-lv 5`: the server's log says each request's
 sampler); each request's sampler is recorded as it was sent, every flow compares clean against
 the reference that follows it (read as greedy, the same dump fails), and `check --run` passes.
-A planted driver fault on a sampled request is still named. Real
+A planted driver fault on a sampled request is still named, for DFlash, EAGLE3 and MTP. Real
 build, real fixture models, real HTTP."""
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_the_sampled_capture_compares_clean_and_check_run_passes(sampled):
     assert wrong and wrong[0]["kind"] == "divergence" and "argmax" in wrong[0]["message"], wrong[:1]
 
 
-@pytest.mark.parametrize("name", SCENARIO_KINDS)
+@pytest.mark.parametrize("name", list(KINDS))
 def test_a_driver_fault_is_named_on_a_sampled_request(name, tools, request, tmp_path):
     """(d): the kind's planted driver fault (FEATDIFF_FAULT) under a request at temperature 0.8."""
     kind = KINDS[name]
