@@ -15,14 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from featdiff.core.errors import InputError
-from featdiff.core.names import ROLE_DRAFT
 from featdiff.diff import detectors, diagnose, positions
 from featdiff.diff.align import GroupKey, Pair, Plan, drafter_arch, plan_pairs
 from featdiff.diff.aligned import pair_arrays
 from featdiff.diff.attribution import attributed, where_of
 from featdiff.diff.dependence import gap_of
-from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
-from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.evidence import (
     Source,
     build_evidence,
@@ -334,15 +331,15 @@ def _findings(
         detectors.detect_unexpected_tensor(plan, ref.manifest),
     ]
     misplaced = _misplaced_groups(batch_found)
-    state = next((f for f in batch_found if _names_drafter_state(f)), None)
+    state = next((f for f in batch_found if diagnose.names_drafter_state(f)), None)
     absent = diagnose.absent_records(plan, run.manifest)
     for i in walk.roots[: diagnose.MAX_ROOT_FINDINGS]:
         where = where_of(export.of_role(plan.pairs[i].group[0]))  # what the fix sentences follow
         ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()), where)
         root = diagnose.diagnose_root(ev, measured[i].nmse)
         # rows of a batch placed at offset positions look shifted: the position_offset above says why
-        root = _after_drafter_state(root, plan.pairs[i], state)
-        state = state or (root if _names_drafter_state(root) else None)
+        root = diagnose.after_drafter_state(root, plan.pairs[i], state)
+        state = state or (root if diagnose.names_drafter_state(root) else None)
         found.append(None if root.kind == "row_shift" and plan.pairs[i].group in misplaced else root)
     routed = diagnose.first_routed(found)  # where a MoE near-tie took other experts: faults may hide behind it
     found.append(_quantized_feature_check(ref, run, plan, walk, tols, types, routed))
@@ -361,34 +358,6 @@ def _findings(
     found += [unmodelled, noise, detectors.detect_unexpected_tensor_outside_wiring(plan)]
     named = _deduplicated([f for f in found if f is not None])
     return attributed(named, export, diagnose.graph_inputs(plan), diagnose.record_roles(plan))
-
-
-# wrong_source's sources that say the drafter's cache or pending state, when a flow began, was not
-# what its history prescribes (a prompt cache, a slot file, upstream's pending hidden)
-DRAFTER_STATE_SOURCES = (RESTORED_SOURCE, KEPT_ROW_SOURCE, STALE_PENDING_SOURCE)
-
-
-def _names_drafter_state(f: Finding) -> bool:
-    """`f` says the drafter's state when the flow began was not its history's."""
-    return f.severity == "error" and (
-        f.kind == "not_conditioned" or (f.kind == "wrong_source" and f.fields.get("source") in DRAFTER_STATE_SOURCES)
-    )
-
-
-def _after_drafter_state(root: Finding, pair: Pair, state: Finding | None) -> Finding:
-    """A drafter `divergence` no detector explains, in a flow whose drafter began with a state its
-    history does not prescribe (`state`, named above): the drafter attends to those rows, so the
-    difference follows from that state; information saying so, not a second error."""
-    if state is None or root.kind != "divergence" or pair.group[0] != ROLE_DRAFT:
-        return root
-    why = state.fields.get("source") or state.kind
-    return replace(
-        root,
-        severity="info",
-        message=f"{root.message.split(' and no known')[0]}, where the drafter began this flow with rows or a "
-        f"pending state its history does not prescribe ({state.kind} {why}, named above): it attends to them, so "
-        "the difference follows from that state",
-    )
 
 
 def _misplaced_groups(batch_found: tuple[Finding, ...]) -> set[GroupKey]:

@@ -29,6 +29,8 @@ from featdiff.diff import detectors as d
 from featdiff.diff.align import GroupKey, Pair, Plan
 from featdiff.diff.batches import batch_label
 from featdiff.diff.dependence import Gap
+from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
+from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.detectors.pairing import (
     absent_keys,
     explained_by_near_tie,
@@ -162,6 +164,34 @@ def diagnose_root(ev: d.Evidence, nmse: float) -> Finding:
         if finding is not None:
             return finding
     return d.detect_divergence(ev, nmse)
+
+
+# wrong_source's sources that say the drafter's cache or pending state, when a flow began, was not
+# what its history prescribes (a prompt cache, a slot file, upstream's pending hidden)
+DRAFTER_STATE_SOURCES = (RESTORED_SOURCE, KEPT_ROW_SOURCE, STALE_PENDING_SOURCE)
+
+
+def names_drafter_state(f: Finding) -> bool:
+    """`f` says the drafter's state when the flow began was not its history's."""
+    return f.severity == "error" and (
+        f.kind == "not_conditioned" or (f.kind == "wrong_source" and f.fields.get("source") in DRAFTER_STATE_SOURCES)
+    )
+
+
+def after_drafter_state(root: Finding, pair: Pair, state: Finding | None) -> Finding:
+    """A drafter `divergence` no detector explains, in a flow whose drafter began with a state its
+    history does not prescribe (`state`, named above): the drafter attends to those rows, so the
+    difference follows from that state; information saying so, not a second error."""
+    if state is None or root.kind != "divergence" or pair.group[0] != ROLE_DRAFT:
+        return root
+    why = state.fields.get("source") or state.kind
+    return replace(
+        root,
+        severity="info",
+        message=f"{root.message.split(' and no known')[0]}, where the drafter began this flow with rows or a "
+        f"pending state its history does not prescribe ({state.kind} {why}, named above): it attends to them, so "
+        "the difference follows from that state",
+    )
 
 
 def check_features(ev: d.Evidence) -> Finding | None:
