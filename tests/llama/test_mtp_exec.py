@@ -64,6 +64,7 @@ def _follow(d: Path, head: Path, run: Path, tmp: Path) -> Path:
         ("llama-server", "mtp-deepseek2"),
         ("llama-speculative-simple", "mtp-deepseek32"),  # DeepSeek-V3.2: deepseek2's head, the trunk's indexer dense
         ("llama-speculative-simple", "mtp-glm-dsa"),  # GLM-5: deepseek32's head, sigmoid routing unsaid in the file
+        ("llama-server", "mtp-glm-dsa"),
     ],
 )
 def test_mtp_around_the_program_compares_clean(tools, mtp_pairs, program, variant, tmp_path):
