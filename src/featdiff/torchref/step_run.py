@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from featdiff.core.blocks import DEFAULT_DRAFT_MAX, check_rounds_fit
 from featdiff.dump.reader import read_dump
@@ -63,29 +62,21 @@ def step_reference(
     """Compute the reference dump of a `kind` drafter; return its path (torchref.run.reference's contract)."""
     output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
     with output_lock(output):
-        numerics = dflash_run.numerics_from_options(dtype, device, kv_dtype)
-        plan = dflash_run.followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
-        run = Path(follow) if follow is not None else run
-        draft_max = _draft_max(block, Path(run) if run is not None else None)
-        p_min = p_min if p_min is not None else dflash_run.run_p_min(Path(run) if run is not None else None)
-        flows = dflash_run.run_flows(Path(run)) if run is not None else ()
-        prompt_ids = dflash_run.reference_prompt(flows, plan, target, model, prompt, tokens, llama_dir)
-        rounds = len(plan.rounds) if plan is not None else rounds
-        check_rounds_fit(
-            rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(prompt_ids)
+        r = dflash_run.read_replay(
+            target, model, prompt, tokens, rounds, dtype, device, kv_dtype, llama_dir, block, run, p_min, follow
         )
-        tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
-        dft = kind.load(Path(model), tgt, numerics, llama_dir)
-        check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
+        draft_max = _draft_max(block, r.run)
+        check_rounds_fit(
+            r.rounds, draft_max + 1, dflash_run.trained_context_of(Path(target)), Path(target), len(r.prompt_ids)
+        )
+        tgt = load_target(Path(target), r.numerics.dtype, r.numerics.device, llama_dir)
+        dft = kind.load(Path(model), tgt, r.numerics, llama_dir)
+        check_prompt(r.prompt_ids, tgt.hparams.n_vocab, Path(target))
         log.info(
             "reference: %d prompt tokens, %d rounds, up to %d drafts a round (%s)",
-            len(prompt_ids),
-            rounds,
-            draft_max,
-            kind.name,
+            *(len(r.prompt_ids), r.rounds, draft_max, kind.name),
         )
-        guide = dflash_run.guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None
-        steps = run_draft_steps(Path(run)) if run is not None else {}
+        steps = run_draft_steps(r.run) if r.run is not None else {}
 
         def replay(
             prompt_of: tuple[int, ...],
@@ -97,25 +88,13 @@ def step_reference(
             draft_cached: tuple[int, ...] | None = None,
         ) -> FlowTrace:
             return kind.run_flow(
-                tgt, dft, prompt_of, n, numerics, draft_max=draft_max, p_min=p_min, follow=follows, guide=guides,
+                tgt, dft, prompt_of, n, r.numerics, draft_max=draft_max, p_min=r.p_min, follow=follows, guide=guides,
                 cached=cached, draft_steps=steps.get(flow), draft_cached=draft_cached,
             )  # fmt: skip
 
-        with torch.no_grad(), dflash_run.followed_errors(follow):
-            if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
-                trace = dflash_run.flows_trace(
-                    flows,
-                    follow is not None,
-                    lambda f, n, fol, gui: replay(
-                        f.info.prompt_tokens, n, fol, gui, f.info.flow, f.info.n_cached, f.info.draft_cached
-                    ),
-                )
-            else:
-                trace = replay(prompt_ids, rounds, plan.rounds if plan is not None else None, guide)
-        followed = Path(follow) if follow is not None else None
         return dflash_run.write_reference(
-            output, trace, tgt, None, numerics, prompt_ids, draft_max + 1, p_min, followed,
-            flows=tuple(f.info for f in flows) if len(flows) > 1 else (), draft_entry=kind.entry(dft),
+            output, r.trace(replay), tgt, None, r.numerics, r.prompt_ids, draft_max + 1, r.p_min, r.followed,
+            flows=tuple(f.info for f in r.flows) if len(r.flows) > 1 else (), draft_entry=kind.entry(dft),
         )  # fmt: skip
 
 

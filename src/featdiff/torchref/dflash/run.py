@@ -71,64 +71,108 @@ def reference(
     """
     output = check_output(Path(output), (Path(target), Path(model), run, follow), "-o")
     with output_lock(output):  # held from the start: a second run to it refuses before any work
-        numerics = numerics_from_options(dtype, device, kv_dtype)
-        plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
-        run = Path(follow) if follow is not None else run
+        r = read_replay(
+            target, model, prompt, tokens, rounds, dtype, device, kv_dtype, llama_dir, block, run, p_min, follow
+        )
         # --block with --follow: a run that drafted no block that ran (followed_run allowed it)
-        asked = asked_block_rows(block, Path(run) if run is not None and (block is None or plan is None) else None)
-        p_min = p_min if p_min is not None else run_p_min(Path(run) if run is not None else None)
-        flows = run_flows(Path(run)) if run is not None else ()
-        prompt_ids = reference_prompt(flows, plan, target, model, prompt, tokens, llama_dir)
-        rounds = len(plan.rounds) if plan is not None else rounds
-        dft = load_draft(Path(model), numerics.dtype, numerics.device, llama_dir)
+        asked = asked_block_rows(block, r.run if r.run is not None and (block is None or r.plan is None) else None)
+        dft = load_draft(Path(model), r.numerics.dtype, r.numerics.device, llama_dir)
         rows = checked_block_rows(asked, dft.block_size, Path(model), first_draft_row(dft))
         # before the target's weights load: its trained context bounds the flow's positions
-        check_rounds_fit(rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(prompt_ids))
-        tgt = load_target(Path(target), numerics.dtype, numerics.device, llama_dir)
+        check_rounds_fit(r.rounds, rows.rows, trained_context_of(Path(target)), Path(target), len(r.prompt_ids))
+        tgt = load_target(Path(target), r.numerics.dtype, r.numerics.device, llama_dir)
         check_pair(tgt, dft)
-        check_prompt(prompt_ids, tgt.hparams.n_vocab, Path(target))
+        check_prompt(r.prompt_ids, tgt.hparams.n_vocab, Path(target))
         log.info(
             "reference: %d prompt tokens, %d rounds, draft blocks of %d rows (%s; block size %d)",
-            len(prompt_ids),
-            rounds,
-            rows.rows,
-            rows.origin,
-            dft.block_size,
+            *(len(r.prompt_ids), r.rounds, rows.rows, rows.origin, dft.block_size),
         )
-        with torch.no_grad(), followed_errors(follow):
-            if len(flows) > 1:  # a run of several requests or sequences: each flow replayed alone
 
-                def replay(f: RunFlow, n: int, rounds: tuple[Round, ...] | None, guide: tuple[Round, ...] | None):
-                    return run_flow(
-                        tgt, dft, f.info.prompt_tokens, n, numerics, block_rows=rows.rows, p_min=p_min,
-                        follow=rounds, guide=guide, cached=f.info.n_cached,
-                    )  # fmt: skip
+        def replay(
+            prompt_of: tuple[int, ...],
+            n: int,
+            follows: tuple[Round, ...] | None,
+            guides: tuple[Round, ...] | None,
+            flow: int = 0,
+            cached: int = 0,
+            draft_cached: tuple[int, ...] | None = None,
+        ) -> FlowTrace:
+            return run_flow(
+                tgt, dft, prompt_of, n, r.numerics, block_rows=rows.rows, p_min=r.p_min, follow=follows,
+                guide=guides, cached=cached,
+            )  # fmt: skip
 
-                trace = flows_trace(flows, follow is not None, replay)
-            else:
-                trace = run_flow(
-                    tgt,
-                    dft,
-                    prompt_ids,
-                    rounds,
-                    numerics,
-                    block_rows=rows.rows,
-                    p_min=p_min,
-                    follow=plan.rounds if plan is not None else None,
-                    guide=guided_rounds(Path(run), prompt_ids) if run is not None and plan is None else None,
-                )
+        trace = r.trace(replay)
         return write_reference(
-            output,
-            trace,
-            tgt,
-            dft,
-            numerics,
-            prompt_ids,
-            rows.rows,
-            p_min,
-            followed=Path(follow) if follow is not None else None,
-            flows=tuple(f.info for f in flows) if len(flows) > 1 else (),
-        )
+            output, trace, tgt, dft, r.numerics, r.prompt_ids, rows.rows, r.p_min, followed=r.followed,
+            flows=tuple(f.info for f in r.flows) if len(r.flows) > 1 else (),
+        )  # fmt: skip
+
+
+# replay(prompt, rounds, followed rounds, guiding rounds, flow, n_cached, draft_cached): one flow's trace
+Replayer = Callable[..., FlowTrace]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a reference replays, read from its options and from the run it follows (`--follow`)
+    or is guided by (`--run`): the numerics, the prompt, the rounds and the run's flows."""
+
+    numerics: Numerics
+    plan: FollowedRun | None  # --follow's run as a plan to replay
+    run: Path | None  # the run dump read: --follow's, else --run's
+    followed: Path | None
+    p_min: float
+    flows: tuple[RunFlow, ...]  # () for a run of one flow
+    prompt_ids: tuple[int, ...]
+    rounds: int
+
+    def trace(self, replay: Replayer) -> FlowTrace:
+        """The reference's trace: each flow of a run of several replayed alone, else the one flow
+        (followed, guided by the run's rounds, or deciding every round)."""
+        with torch.no_grad(), followed_errors(self.followed):
+            if len(self.flows) > 1:  # a run of several requests or sequences: each flow replayed alone
+                return flows_trace(
+                    self.flows,
+                    self.followed is not None,
+                    lambda f, n, fol, gui: replay(
+                        f.info.prompt_tokens, n, fol, gui, f.info.flow, f.info.n_cached, f.info.draft_cached
+                    ),
+                )
+            guide = guided_rounds(self.run, self.prompt_ids) if self.run is not None and self.plan is None else None
+            return replay(self.prompt_ids, self.rounds, self.plan.rounds if self.plan is not None else None, guide)
+
+
+def read_replay(
+    target: Path,
+    model: Path,
+    prompt: str | None,
+    tokens: str | None,
+    rounds: int,
+    dtype: str,
+    device: str,
+    kv_dtype: str,
+    llama_dir: Path | None,
+    block: int | None,
+    run: Path | None,
+    p_min: float | None,
+    follow: Path | None,
+) -> Replay:
+    """The options of `featdiff reference` (every kind's), checked and read with the run they name."""
+    numerics = numerics_from_options(dtype, device, kv_dtype)
+    plan = followed_run(Path(follow), prompt, tokens, block, run) if follow is not None else None
+    read = Path(follow) if follow is not None else Path(run) if run is not None else None
+    flows = run_flows(read) if read is not None else ()
+    return Replay(
+        numerics=numerics,
+        plan=plan,
+        run=read,
+        followed=Path(follow) if follow is not None else None,
+        p_min=p_min if p_min is not None else run_p_min(read),
+        flows=flows,
+        prompt_ids=tuple(reference_prompt(flows, plan, target, model, prompt, tokens, llama_dir)),
+        rounds=len(plan.rounds) if plan is not None else rounds,
+    )
 
 
 @contextmanager

@@ -160,20 +160,7 @@ def mtp_from_gguf(
     dequantized as load_gguf.target_from_gguf does; `offset`: head k of a chain (block n_layer + k,
     llama.cpp's nextn_layer_offset; torchref/mtp/chain.py), None: the file's single head."""
     g = read_gguf_weights(Path(path), llama_dir, ggml_dequant.load)
-    il = mtp_head_block(g)
-    if il is None:
-        raise InputError(
-            f"{path}: {names.KEY_NEXTN_LAYERS.format(arch=g.arch)} is missing or 0: no MTP head (converted with "
-            "--no-mtp?); re-convert the checkpoint without --no-mtp"
-        )
-    if offset is None and int_meta(g, names.KEY_NEXTN_LAYERS) != 1:
-        raise InputError(f"{path}: {int_meta(g, names.KEY_NEXTN_LAYERS)} MTP blocks; featdiff models a single head")
-    il += offset or 0  # a chain's head k: block n_layer + k
-    if g.arch not in MTP_ARCHS:
-        raise InputError(
-            f"{path}: an MTP head of architecture {g.arch!r}; featdiff models the heads of {', '.join(MTP_ARCHS)}"
-        )
-
+    il = _head_block(Path(path), g, offset)
     graph = GRAPHS[g.arch]
     read: set[str] = set()
 
@@ -216,6 +203,30 @@ def mtp_from_gguf(
         else tensor(names.T_OUTPUT if names.T_OUTPUT in g.tensors else names.T_TOKEN_EMBD),
         routing=graph.routing(g) if MOE_ROUTER in block else None,
     )
+    _refuse_unread(Path(path), g, prefix, read)
+    return head
+
+
+def _head_block(path: Path, g: GgufModel, offset: int | None) -> int:
+    """The block of the GGUF's MTP head (`offset`: head k of a chain, block n_layer + k); InputError
+    for a file without one, a chain read as one head, or an architecture featdiff does not model."""
+    il = mtp_head_block(g)
+    if il is None:
+        raise InputError(
+            f"{path}: {names.KEY_NEXTN_LAYERS.format(arch=g.arch)} is missing or 0: no MTP head (converted with "
+            "--no-mtp?); re-convert the checkpoint without --no-mtp"
+        )
+    if offset is None and int_meta(g, names.KEY_NEXTN_LAYERS) != 1:
+        raise InputError(f"{path}: {int_meta(g, names.KEY_NEXTN_LAYERS)} MTP blocks; featdiff models a single head")
+    if g.arch not in MTP_ARCHS:
+        raise InputError(
+            f"{path}: an MTP head of architecture {g.arch!r}; featdiff models the heads of {', '.join(MTP_ARCHS)}"
+        )
+    return il + (offset or 0)
+
+
+def _refuse_unread(path: Path, g: GgufModel, prefix: str, read: set[str]) -> None:
+    """InputError naming every tensor of the head block and nextn key the reference did not read."""
     unread = [t for t in g.tensors if t.startswith(prefix) and t not in read]  # the head block's, every one read
     unread += unread_nextn_keys(g)
     if unread:
@@ -223,7 +234,6 @@ def mtp_from_gguf(
             f"{path}: carries {', '.join(unread)} in the MTP block, which featdiff's MTP reference does not read (a "
             "comparison would silently leave it out); model it in src/featdiff/torchref/mtp/head.py, or re-convert"
         )
-    return head
 
 
 # The head's GGUF keys the reference reads: any other key of the arch naming nextn or mtp is unread
