@@ -84,9 +84,10 @@ def _routers(layer: Any) -> list[tuple[Any, int]]:
 
 @dataclass(frozen=True)
 class _DenseIndexer:
-    """DeepSeek-V3.2's sparse-attention indexer (transformers' DeepseekV32Indexer) run as llama.cpp's
-    deepseek32 graph runs it while the cache holds at most index_topk cells: its top-k
-    (min(n_kv, top_k), deepseek32.cpp) is then every cell, whatever the scores, so every cell is
+    """DeepSeek-V3.2's sparse-attention indexer (transformers' DeepseekV32Indexer; GLM-5's
+    GlmMoeDsaIndexer, the same call) run as llama.cpp's deepseek32 and glm-dsa graphs run it while
+    the cache holds at most index_topk cells: its top-k (min(n_kv, top_k), deepseek32.cpp,
+    glm-dsa.cpp) is then every cell, whatever the scores, so every cell is
     chosen; more cells than index_topk are refused (the reference does not model the sparse choice)."""
 
     index_topk: int
@@ -96,8 +97,9 @@ class _DenseIndexer:
         n_batch, n_tokens, n_cells = mask.shape  # (1, n_tokens, n_cells)
         if n_cells > self.index_topk:
             raise InputError(
-                f"the target's sparse-attention indexer (DeepSeek-V3.2's DSA) chooses {self.index_topk} of {n_cells} "
-                "cells here; featdiff runs it dense, as llama.cpp does up to index_topk cells: keep the run shorter"
+                f"the target's sparse-attention indexer (DeepSeek-V3.2's or GLM-5's DSA) chooses {self.index_topk} "
+                f"of {n_cells} cells here; featdiff runs it dense, as llama.cpp does up to index_topk cells: "
+                "keep the run shorter"
             )
         cells = torch.arange(n_cells, dtype=torch.int32, device=mask.device)  # (n_cells,)
         return cells.expand(n_batch, n_tokens, n_cells)  # (1, n_tokens, n_cells): the top-k, every cell
