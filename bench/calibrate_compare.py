@@ -25,7 +25,7 @@ the run (f32, K/V rounded to f16). Prints the worst pair and row relative error 
 shape, and the cases compare judged other than clean. About 25 minutes on 2 busy cores.
 
 `--vulkan`: the same held-out models and flows captured on ggml's Vulkan backend (the pinned tree
-built with -DGGML_VULKAN=ON, `featdiff.llama.tools.ensure_vulkan`) with every layer of both models
+built with -DGGML_VULKAN=ON, `featdiff.llama.extra_builds.ensure_vulkan`) with every layer of both models
 on the device (`-ngl 99 -ngld 99`, f16 cache), here Mesa's llvmpipe; against the same references.
 The figures behind tolerance.py's word on device backends.
 """
@@ -51,8 +51,9 @@ from featdiff.driver.capture import capture  # noqa: E402
 from featdiff.factory.fixtures import write_fixture  # noqa: E402
 from featdiff.factory.pairs import Shape, Sizes  # noqa: E402
 from featdiff.llama.binding import find_build  # noqa: E402
+from featdiff.llama.extra_builds import SOFTWARE_VULKAN_ENV, ensure_vulkan  # noqa: E402
 from featdiff.llama.options import parse_run_options  # noqa: E402
-from featdiff.llama.tools import SOFTWARE_VULKAN_ENV, ensure_tools, ensure_vulkan  # noqa: E402
+from featdiff.llama.tools import ensure_tools  # noqa: E402
 from featdiff.torchref.dflash.run import reference  # noqa: E402
 
 from quantize import quantize_gguf  # noqa: E402

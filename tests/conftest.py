@@ -24,7 +24,7 @@ THROUGH_SERVER = "through_server"  # a probe parameter: True runs it through the
 # fixtures whose models the pinned tree's converter makes (featdiff.factory.converter; cached per machine),
 # run through the transformers reference: tests/reference/test_hf_target.py, tests/test_converter.py
 CONVERTED_FIXTURES = ("qwen3moe", "qwen3moe_tied", "converted", "converted_feature")
-# fixture -> the build of featdiff.llama.tools.TEST_BUILDS it needs (the device fixture's Vulkan
+# fixture -> the build of featdiff.llama.extra_builds.TEST_BUILDS it needs (the device fixture's Vulkan
 # param only: CUDA's runs in `make test-cuda`), in the order they are built in the background and
 # their tests run, last: Vulkan first, its tests being the longest (llvmpipe's shader compiles)
 BUILD_OF_FIXTURE = {"vulkan": "vulkan", "device": "vulkan", "legacy": "release", "dl_prefix": "backend-dl"}
@@ -91,7 +91,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     log = tools_dir() / BACKGROUND_LOG
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.tools", "--test-builds", *builds]
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.extra_builds", *builds]
     with open(log, "a") as out:  # appended: sessions run side by side on a shared machine
         session.config.stash[_BACKGROUND] = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -124,8 +124,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def legacy():
     """The older llama.cpp (llama-cpp-python 0.3.35's, the batch API before llama_batch_ext),
-    built once per machine (featdiff.llama.tools.ensure_release; tests/llama/test_legacy_api.py)."""
-    from featdiff.llama.tools import ensure_release
+    built once per machine (featdiff.llama.extra_builds.ensure_release; tests/llama/test_legacy_api.py)."""
+    from featdiff.llama.extra_builds import ensure_release
 
     return ensure_release()
 

@@ -1,7 +1,7 @@
 """The device a device test runs on (tests/llama/test_device*.py): Vulkan on Mesa's llvmpipe in
 `make test` (`make vulkan` installs it), and CUDA in `make test-cuda` (marker `cuda`) where an
 NVIDIA GPU is present, each the pinned tree built once per machine with that backend
-(featdiff.llama.tools.ensure_device), or for CUDA the build $FEATDIFF_CUDA_LLAMA_DIR names."""
+(featdiff.llama.extra_builds.ensure_device), or for CUDA the build $FEATDIFF_CUDA_LLAMA_DIR names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from featdiff.llama.tools import CUDA, DEVICE_BACKENDS, VULKAN, ensure_device
+from featdiff.llama.extra_builds import CUDA, DEVICE_BACKENDS, VULKAN, ensure_device
 
 from devices import Device
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from featdiff.llama.tools import DeviceBackend, ToolBuild
+from featdiff.llama.extra_builds import DeviceBackend
+from featdiff.llama.tools import ToolBuild
 
 # label -> llama.cpp run options. The target has 6 layers and the drafter 2 (featdiff.factory.fixtures);
 # llama.cpp offloads the last N of the layers and the output (src/llama-model.cpp: i_gpu_start =
@@ -18,12 +19,12 @@ PLACEMENTS = {
     "target-on-device": ("-ngl", "99", "-ngld", "0"),
     "draft-on-device": ("-ngl", "0", "-ngld", "99"),
 }
-RUN_TIMEOUT_S = 600  # a first run on llvmpipe compiles its shaders (featdiff.llama.tools.SOFTWARE_VULKAN_ENV)
+RUN_TIMEOUT_S = 600  # a first run on llvmpipe compiles its shaders (featdiff.llama.extra_builds.SOFTWARE_VULKAN_ENV)
 
 
 @dataclass(frozen=True)
 class Device:
-    """A device backend's build of the pinned tree (featdiff.llama.tools.ensure_device)."""
+    """A device backend's build of the pinned tree (featdiff.llama.extra_builds.ensure_device)."""
 
     backend: DeviceBackend
     build: ToolBuild

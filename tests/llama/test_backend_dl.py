@@ -16,7 +16,7 @@ import pytest
 
 from featdiff.diff import compare_dumps
 from featdiff.dump.reader import read_dump
-from featdiff.llama.tools import BACKEND_DL_DIR, ensure_backend_dl
+from featdiff.llama.extra_builds import BACKEND_DL_DIR, ensure_backend_dl
 
 from real_flow import reference_of
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # builds a backend-loaded llama.cpp: not part of 
 
 @pytest.fixture(scope="session")
 def dl_prefix(tools) -> Path:
-    """An install prefix of the library built with GGML_BACKEND_DL=ON (featdiff.llama.tools.ensure_backend_dl)."""
+    """An install prefix of the library built with GGML_BACKEND_DL=ON (featdiff.llama.extra_builds.ensure_backend_dl)."""
     return ensure_backend_dl(tools.root / BACKEND_DL_DIR)
 
 

@@ -1,5 +1,5 @@
 """The test-only builds started in the background (tests/conftest.py, `python -m
-featdiff.llama.tools --test-builds`): the test that needs one waits for it under its build lock
+featdiff.llama.extra_builds`): the test that needs one waits for it under its build lock
 instead of building it twice, one that failed fails its test again naming the build's log, and
 one killed part-way leaves no stamp that a later run trusts. Each runs a real CMake and Ninja
 build of a tiny stand-in tree in the older release's place (its targets only write their files)."""
@@ -17,7 +17,8 @@ import pytest
 
 from featdiff.core.errors import InputError
 from featdiff.llama.binding import ENV_TOOLS_DIR
-from featdiff.llama.tools import LEGACY_SDIST, LEGACY_TARGETS, STAMP, ensure_release
+from featdiff.llama.extra_builds import LEGACY_SDIST, LEGACY_TARGETS, ensure_release
+from featdiff.llama.tools import STAMP
 
 RELEASE = f"release-{LEGACY_SDIST.split('==')[1]}"  # ensure_release's default root, beside the tools dir
 WAIT_S = 120
@@ -47,9 +48,9 @@ def _stand_in(tmp_path: Path, *, sleep: float = 0, body: str | None = None) -> P
 
 
 def _background(tmp_path: Path) -> subprocess.Popen:
-    """`--test-builds release` as tests/conftest.py starts it, with the tools dir in tmp_path."""
+    """`extra_builds release` as tests/conftest.py starts it, with the tools dir in tmp_path."""
     env = {**os.environ, ENV_TOOLS_DIR: str(tmp_path / "llama.cpp")}
-    cmd = [sys.executable, "-m", "featdiff.llama.tools", "--test-builds", "release"]
+    cmd = [sys.executable, "-m", "featdiff.llama.extra_builds", "release"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
 

@@ -27,7 +27,7 @@ from featdiff.core.names import BACKEND_HOST
 from featdiff.diff import compare_dumps
 from featdiff.dump.reader import read_dump
 from featdiff.factory.fixtures import PROMPTS_FILE
-from featdiff.llama.tools import VULKAN, VULKAN_UNFUSED, device_program_env
+from featdiff.llama.extra_builds import VULKAN, VULKAN_UNFUSED, device_program_env
 
 from devices import PLACEMENTS, RUN_TIMEOUT_S, Device
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
@@ -154,7 +154,7 @@ def test_other_drafters_inputs_on_the_device_compare_clean(variant, device, fixt
 
 
 # ggml-vulkan's fused kernels, on as users run it (the suite turns them off on llvmpipe for the time
-# llvmpipe takes to compile them, featdiff.llama.tools.SOFTWARE_VULKAN_ENV): fusing runs unobserved
+# llvmpipe takes to compile them, featdiff.llama.extra_builds.SOFTWARE_VULKAN_ENV): fusing runs unobserved
 # nodes as one kernel; every observed tensor still ends a graph split, so the records are the same
 # and compare clean
 def test_a_run_with_fused_kernels_records_the_same_and_compares_clean(vulkan, fixture_models, captured, tmp_path):

@@ -1,7 +1,7 @@
 """Capture around upstream programs on a device backend of ggml (tests/llama/conftest.py
 `device`: Vulkan on Mesa's llvmpipe, 25 or later, `make vulkan`; CUDA in `make test-cuda`):
 llama-speculative-simple and llama-server run against featdiff's device build of libllama and ggml
-(`featdiff.llama.tools.ensure_device`, `device_program_env`: the tools build's programs, whose code
+(`featdiff.llama.extra_builds.ensure_device`, `device_program_env`: the tools build's programs, whose code
 has no backend-specific line, with the device build's libraries), under the preload, as a user
 runs them on a GPU build. Each
 placement, the whole pair on the device, part of the target, the target or the drafter alone,
@@ -22,7 +22,8 @@ import pytest
 from families import FAULT_VAR
 from featdiff.diff import compare_dumps
 from featdiff.dump.reader import read_dump
-from featdiff.llama.tools import ToolBuild, device_program_env
+from featdiff.llama.extra_builds import device_program_env
+from featdiff.llama.tools import ToolBuild
 from featdiff.programs import exec as exec_capture
 
 from devices import PLACEMENTS, RUN_TIMEOUT_S, Device

@@ -340,9 +340,9 @@ HYP_CHAIN_POSTNORM = "h=chain_postnorm"
 # ...@h=batch_last: a target batch's first token paired with that batch's last hidden (a later
 # position's) instead of the pending row the batch before left
 HYP_H_BATCH_LAST = "h=batch_last"
-
 # <record>@head=<j>: a chained MTP drafter's draft step computed under trained head j (diff/detectors/chain.py)
 HYP_HEAD = "head"
+
 
 def candidate_name(record: str, hypothesis: str) -> str:
     """A reference-only hypothesis record: what `record` would be under a named wiring fault."""

@@ -69,7 +69,7 @@ REL_KV_UNKNOWN = 16 * REL_KV_Q8_0  # a cache type this table does not know: trea
 # alone, 4e-3, would leave 1.6x). Measured again on Mesa 25.0 (bookworm-backports, what `make
 # vulkan` installs since llama.cpp's programs crash on 22.3): 45 runs clean, worst 2.40e-3 (the same
 # result_output, 24 layers, 200 tokens), 4.5x under the bound; and with the suite's llvmpipe settings
-# (featdiff.llama.tools.SOFTWARE_VULKAN_ENV: ggml-vulkan's fusion off, no LLVM optimization passes):
+# (featdiff.llama.extra_builds.SOFTWARE_VULKAN_ENV: ggml-vulkan's fusion off, no LLVM optimization passes):
 # 45 runs clean, worst 2.40e-3, the same tensor, pre-attention bitwise. Keyed by the device's backend (its
 # name without the index); no other backend was measured (no GPU here): CUDA, Metal and the rest
 # take the Vulkan figure.
