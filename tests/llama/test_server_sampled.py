@@ -140,9 +140,10 @@ class Verdicts:
     greedy: dict  # compare --json of the same dump read as greedy (its samplers dropped)
 
 
-# MTP's three scenarios did not finish here in time (its capture's check --run on the hybrid
-# target is the slow part); (b) and (c) would run on a slot that served before, where upstream's
-# MTP driver keeps the slot's pending hidden (wrong_source stale_pending, test_mtp_exec.py)
+# MTP's scenarios are not here: run here (mtp pair), (b) and (c) on a slot that served before are
+# named wrong_source stale_pending (upstream's MTP driver keeps the slot's pending hidden,
+# test_mtp_exec.py), and (a) gets a flow_note error: the capture places an MTP round's accept by
+# the argmax of the target's logits, where a sampled verify accepted a draft its argmax did not
 SCENARIO_KINDS = ("dflash", "eagle3")
 
 
