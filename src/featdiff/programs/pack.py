@@ -28,6 +28,7 @@ from featdiff.dump.writer import DumpWriter
 from featdiff.llama import ggml_dequant, spool
 from featdiff.programs.memory import follow_memory
 from featdiff.programs.phases import (
+    argmax_notes,
     derive_rounds,
     flow_evals,
     flow_info,
@@ -81,6 +82,9 @@ class ExecFlow:
     memory_ops: tuple[MemoryOp, ...] = ()
     notes: tuple[str, ...] = ()
     flows: tuple[FlowInfo, ...] = ()  # a run of several flows (requests, sequences); () for one
+    # (flow, note): where the next decode starts against the target's argmax (phases.argmax_notes),
+    # kept for the flows whose target chose greedily (pack_exec: the samplers say which)
+    argmax_notes: tuple[tuple[int, str], ...] = ()
     seqs_per_decode: int = 1  # the most sequences one decode call of the run held (build.seqs_per_decode)
 
 
@@ -106,6 +110,7 @@ def read_flow(prefix: Path) -> ExecFlow:
     flows: list[FlowInfo] = []
     starts = {s.flow: s for s in follow_memory(log_, evals)}
     notes_of: dict[int, list[str]] = {}  # flow -> the notes about it
+    argmax_of: dict[int, list[str]] = {}  # flow -> its notes against the target's argmax
     for e, note in zip(seqs.noted_evals, seqs.notes):
         notes_of.setdefault(evals[e].flow, []).append(note)
     for k in sorted({e.flow for e in evals}):
@@ -114,11 +119,13 @@ def read_flow(prefix: Path) -> ExecFlow:
         greedy = greedy_tokens(log_, data, own)
         found = derive_rounds(merged, greedy)
         rounds += [replace(r, flow=k) for r in found]
-        notes_of.setdefault(k, []).extend(flow_notes(merged, found, greedy, one_token_steps(log_)))
+        notes_of.setdefault(k, []).extend(flow_notes(merged, found, one_token_steps(log_)))
+        argmax_of[k] = argmax_notes(merged, found, greedy)
         flows.append(flow_info(k, own, starts.get(k)))
     # a flow whose sequence was changed in a way featdiff does not follow (`unfollowed`: a context
     # shift, a state never seen saved) is named by compare as information: its own notes are moot
     notes = [n for f in flows if not f.unfollowed for n in notes_of.get(f.flow, [])]
+    by_argmax = tuple((f.flow, n) for f in flows if not f.unfollowed for n in argmax_of.get(f.flow, []))
     return ExecFlow(
         log_,
         evals,
@@ -127,7 +134,8 @@ def read_flow(prefix: Path) -> ExecFlow:
         memory_ops(log_, evals),
         tuple(notes),
         tuple(flows) if len(flows) > 1 else (),
-        seqs_per_decode(placed),
+        seqs_per_decode=seqs_per_decode(placed),
+        argmax_notes=by_argmax,
     )
 
 
@@ -143,6 +151,8 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any], log_path: Path 
     flow = read_flow(prefix)
     writer = DumpWriter(Path(output))
     written = spool.write_records(writer, flow.log.records, flow.evals, spool.spool_files(prefix)[1])
+    samplers = _samplers(flow, build, log_path)
+    sampled = {s.flow for s in samplers if not s.is_greedy}  # its verify accepts what it drew, not the argmax
     manifest = Manifest(
         source="llama.cpp",
         models=_models(flow),
@@ -152,9 +162,9 @@ def pack_exec(prefix: Path, output: Path, build: dict[str, Any], log_path: Path 
         rounds=flow.rounds,
         prompt_tokens=flow.prompt_tokens,
         memory_ops=flow.memory_ops,
-        flow_notes=flow.notes,
+        flow_notes=(*flow.notes, *(n for k, n in flow.argmax_notes if k not in sampled)),
         flows=flow.flows,
-        samplers=_samplers(flow, build, log_path),
+        samplers=samplers,
     )
     return spool.Packed.of(writer.close(manifest), written, flow.log.n_torn, flow.log.n_unreadable)
 

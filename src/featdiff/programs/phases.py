@@ -339,15 +339,13 @@ def memory_ops(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[MemoryOp, ...]:
     return tuple(op for after, op in sorted(ops, key=lambda x: x[0]) if after >= first)
 
 
-def flow_notes(
-    evals: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]], steps: bool = False
-) -> tuple[str, ...]:
+def flow_notes(evals: tuple[Eval, ...], rounds: tuple[Round, ...], steps: bool = False) -> tuple[str, ...]:
     """Where the phases and rounds above rest on a convention the run broke: one sentence each.
 
     docs/flow.md: a round's verify starts where its draft block starts, and the next target
-    decode starts inside the verified block at pos0 + accepted + 1, where `accepted` is what the
-    target's greedy tokens (`greedy`: verify eval -> argmax rows) took of the drafts. With one-token
-    `steps` (EAGLE3) a round's first draft decode is its seed, at pos0 - 1: no block to place."""
+    decode starts inside the verified block. With one-token `steps` (EAGLE3) a round's first draft
+    decode is its seed, at pos0 - 1: no block to place. Where the next decode starts against the
+    target's argmax is argmax_notes', for a flow whose target chose greedily."""
     real = tuple(e for e in evals if e.phase != Phase.WARMUP)
     n_drafts = sum(e.phase == Phase.DRAFT for e in real)
     unrounded = (
@@ -362,7 +360,7 @@ def flow_notes(
         *unrounded,
         *_refused_notes(real),
         *(_misplaced_block_notes(real) if not steps else ()),  # EAGLE3's seed sits before its verify
-        *_continuation_notes(evals, real, rounds, greedy),
+        *_continuation_notes(evals, real),
     )
 
 
@@ -392,13 +390,13 @@ def _misplaced_block_notes(real: tuple[Eval, ...]) -> list[str]:
     return out
 
 
-def _continuation_notes(
-    evals: tuple[Eval, ...], real: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]]
-) -> list[str]:
-    """A next target decode that does not start at pos0 + accepted + 1 of the verify before it."""
+def argmax_notes(evals: tuple[Eval, ...], rounds: tuple[Round, ...], greedy: dict[int, tuple[int, ...]]) -> list[str]:
+    """A next target decode that does not start at pos0 + accepted + 1 of the verify before it,
+    `accepted` being what the target's greedy tokens (`greedy`: verify eval -> argmax rows) took
+    of the drafts. Only for a flow whose target chose greedily: a sampled verify accepts what its
+    sampler drew, which need not be the argmax (programs/pack.py keeps these notes only then)."""
     by_round = {r.round: r for r in rounds}
     by_eval = {e.eval: e for e in evals}
-    targets = [e for e in real if e.role == names.ROLE_TARGET and e.positions]
     out = []
     for v, nxt in next_decodes(evals).items():
         ev, rnd = by_eval[v], by_round.get(by_eval[v].round)
@@ -411,6 +409,16 @@ def _continuation_notes(
                     f"{nxt.positions[0]} = {rnd.pos0} + {rnd.accepted} + 1: the run's n_past drifted by "
                     f"{rnd.accepted - took}; the rounds' accepted counts follow the positions"
                 )
+    return out
+
+
+def _continuation_notes(evals: tuple[Eval, ...], real: tuple[Eval, ...]) -> list[str]:
+    """A target decode after a verify that starts outside the verified block (not a new prompt)."""
+    by_eval = {e.eval: e for e in evals}
+    targets = [e for e in real if e.role == names.ROLE_TARGET and e.positions]
+    out = []
+    for v, nxt in next_decodes(evals).items():
+        ev = by_eval[v]
         later = next((e for e in targets if e.eval > v), None)
         if nxt is None and later is not None and later.phase == Phase.VERIFY:  # a prefill starts a new prompt
             out.append(
