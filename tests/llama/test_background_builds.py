@@ -110,7 +110,8 @@ def test_the_tests_that_need_a_test_build_run_last_in_the_order_they_are_built()
     tests = Path(__file__).parent
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
            str(tests / "test_backend_dl.py"), str(tests / "test_legacy_api.py"), str(tests / "test_tools.py")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, cwd=tests.parent.parent)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # -v would print a tree, not ids
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, cwd=tests.parent.parent, env=env)
     ids = [line for line in done.stdout.splitlines() if "::" in line]
     assert done.returncode == 0 and ids, done.stdout[-2000:]
     files = [i.split("::")[0].rsplit("/", 1)[-1] for i in ids]
