@@ -279,8 +279,10 @@ static void follow_graph(struct fd_tag_state * s, const struct ggml_tensor * t) 
  * unless the consumer may have written the input's bytes. That is an in-place op (its result a
  * view of the input: ggml_*_inplace, ggml_cpy's and ggml_set_rows' destination) or a consumer
  * ggml-alloc handed the input's own memory (an op it may compute in place, the input's last
- * reader); a view, a reshape, a permute or a transpose computes nothing. So an input read through
- * a view or any other op is recorded as one read by a matrix multiplication is (issue 42 item 4). */
+ * reader); a view, a reshape, a permute or a transpose computes nothing. The consumers taken are
+ * the same on the CPU and on a device (where the consumer reads the scheduler's copy): a matrix
+ * multiplication, ROPE's positions, GET_ROWS' row ids, and a view of the input (issue 42 item 4),
+ * so a capture of every node records the same inputs wherever the graph ran. */
 static int is_view_op(enum ggml_op op) {
     return op == GGML_OP_VIEW || op == GGML_OP_RESHAPE || op == GGML_OP_PERMUTE || op == GGML_OP_TRANSPOSE;
 }
@@ -298,9 +300,9 @@ static int may_overwrite(const struct ggml_tensor * node, const struct ggml_tens
  * ids, or a view's source only: llama.cpp multiplies weight x activation, and a model weight the
  * scheduler copies to a device (op offload) is a MUL_MAT's first operand. */
 static int is_safe_consumer(const struct ggml_tensor * node, int i, int is_copy) {
-    if (!is_copy) return !may_overwrite(node, node->src[i]);
+    if (may_overwrite(node, node->src[i])) return 0;
     switch (node->op) {
-        case GGML_OP_MUL_MAT:  return i == 1;
+        case GGML_OP_MUL_MAT:  return !is_copy || i == 1;
         case GGML_OP_ROPE:     return i == 1;
         case GGML_OP_GET_ROWS: return i == 1;
         default:               return is_view_op(node->op) && i == 0;
