@@ -22,7 +22,7 @@ catch-up decodes its `inject` evals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from featdiff.core import names
 from featdiff.core.blocks import accepted_length
 from featdiff.core.errors import InputError
 from featdiff.core.phases import FIRST_ROUND, PREFILL_ROUND, Phase
+from featdiff.driver.mtp_chain import MtpState, run_chain_flow
 from featdiff.driver.rounds import Recorder, close_round, each_round, open_eval, rollback, step_drafts
 from featdiff.dump.records import Round
 from featdiff.llama.runtime import Context, Model
@@ -84,26 +85,14 @@ def enable(tgt: Context, dft: Context, cfg: MtpConfig) -> None:
     lib.fd_set_embeddings_nextn(dft.ptr, True, True)
 
 
-@dataclass
-class _State:
-    n_past: int
-    id_last: int
-    n_embd: int
-    pending_h: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
-    verify_h: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
-    n_evals: int = 0
-
-
 def run_flow(
     tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: MtpConfig, rec: Recorder, on_round=None
 ) -> list[Round]:
     """Prefill, then `rounds` x (draft, verify, process); return the rounds."""
     if cfg.n_heads > 1:  # chained heads (common/speculative.cpp chain_heads): driver/mtp_chain.py
-        from featdiff.driver.mtp_chain import run_chain_flow
-
         return run_chain_flow(tgt, dft, prompt, rounds, cfg, rec, on_round)
     n_embd = tgt.model.n_embd
-    st = _State(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=n_embd)
+    st = MtpState(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=n_embd)
     st.pending_h = np.zeros(n_embd, dtype=np.float32)  # the first token of a sequence is paired with zeros
     positions = list(range(st.n_past))
     open_eval(st, rec, Phase.PREFILL, PREFILL_ROUND, positions, prompt[:-1])
@@ -114,7 +103,7 @@ def run_flow(
 
 
 def _process(
-    tgt: Context, dft: Context, st: _State, rec: Recorder, tokens: list[int], positions: list[int], rnd: int
+    tgt: Context, dft: Context, st: MtpState, rec: Recorder, tokens: list[int], positions: list[int], rnd: int
 ) -> None:
     """common_speculative_impl_draft_mtp::process of one target batch: the catch-up decode of
     (token k, hidden k-1), the first token with the pending row; keep the batch's hidden rows,
@@ -128,7 +117,7 @@ def _process(
 
 
 def _round(
-    tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int, is_last: bool = False
+    tgt: Context, dft: Context, st: MtpState, rec: Recorder, cfg: MtpConfig, rnd: int, is_last: bool = False
 ) -> Round:
     pos0, anchor = st.n_past, st.id_last
     drafts = _draft(dft, st, rec, cfg, rnd)
@@ -148,7 +137,7 @@ def _round(
     return close_round(rec, rnd, pos0, anchor, drafts, accepted, target_tokens)
 
 
-def _draft(dft: Context, st: _State, rec: Recorder, cfg: MtpConfig, rnd: int) -> list[int]:
+def _draft(dft: Context, st: MtpState, rec: Recorder, cfg: MtpConfig, rnd: int) -> list[int]:
     """draft(): the freshest target token with the pending row at n_past, then one decode per
     draft with the previous step's h_nextn (driver.step_drafts); the rows handed over are recorded
     as `mtp_h_input`."""

@@ -34,7 +34,10 @@ class ChainConfig(StepConfig, Protocol):
 
 
 @dataclass
-class _State:
+class MtpState:
+    """The MTP driver's flow state, single head (driver/mtp.py) or chained: n_past, the last token,
+    the pending hidden row (pending_h) and the last verify's rows (verify_h)."""
+
     n_past: int
     id_last: int
     n_embd: int
@@ -47,7 +50,7 @@ def run_chain_flow(
     tgt: Context, dft: Context, prompt: list[int], rounds: int, cfg: ChainConfig, rec: Recorder, on_round=None
 ) -> list[Round]:
     """Prefill, then `rounds` x (chained draft, verify, process under every head); return the rounds."""
-    st = _State(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=tgt.model.n_embd)
+    st = MtpState(n_past=len(prompt) - 1, id_last=prompt[-1], n_embd=tgt.model.n_embd)
     st.pending_h = np.zeros(st.n_embd, dtype=np.float32)  # the first token of a sequence is paired with zeros
     positions = list(range(st.n_past))
     open_eval(st, rec, Phase.PREFILL, PREFILL_ROUND, positions, prompt[:-1])
@@ -59,7 +62,7 @@ def run_chain_flow(
 def _process(
     tgt: Context,
     dft: Context,
-    st: _State,
+    st: MtpState,
     rec: Recorder,
     cfg: ChainConfig,
     tokens: list[int],
@@ -80,7 +83,7 @@ def _process(
     st.verify_h, st.pending_h = hidden, hidden[-1].copy()
 
 
-def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: ChainConfig, rnd: int) -> Round:
+def _round(tgt: Context, dft: Context, st: MtpState, rec: Recorder, cfg: ChainConfig, rnd: int) -> Round:
     pos0, anchor = st.n_past, st.id_last
     drafts = _draft(dft, st, rec, cfg, rnd)
     dft.seq_rm(pos0)  # speculative-simple: the head's cache back to the target's n_past
@@ -98,7 +101,7 @@ def _round(tgt: Context, dft: Context, st: _State, rec: Recorder, cfg: ChainConf
     return close_round(rec, rnd, pos0, anchor, drafts, accepted, target_tokens)
 
 
-def _draft(dft: Context, st: _State, rec: Recorder, cfg: ChainConfig, rnd: int) -> list[int]:
+def _draft(dft: Context, st: MtpState, rec: Recorder, cfg: ChainConfig, rnd: int) -> list[int]:
     """draft(): step k under head k over (id_last, pending) and each draft with its step's
     h_nextn, the round's rows from n_past re-decoded; top-1 of the sampler's top 10, stopping
     below p_min or at min(draft_max, the head count)."""
