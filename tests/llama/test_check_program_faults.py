@@ -3,7 +3,8 @@ test_check_step_faults.py leave out (issue 48): the graph faults of libllama aro
 llama-speculative-simple (`log-snr-*` of 0003, `recurrent-keep-rejected` of 0004: the program's
 own libllama reads FEATDIFF_FAULT, so no process of featdiff's holds the pinned one), the long
 inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those but
-`log-snr-after-norm`, and a driver and a graph fault of EAGLE3 and of MTP. Each exits 1
+`log-snr-after-norm`, and a driver and a graph fault of EAGLE3 and of MTP, and MTP's
+`mtp-boundary-future` on the server's prompt split in two target batches. Each exits 1
 naming the finding docs/faults.md gives it, never 2 or 3, and keeps its dumps. The faults that
 need several sequences at once are checked on the capture of that traffic (`check --run`:
 tests/llama/test_server_traffic.py, test_server_clients.py)."""
@@ -44,7 +45,10 @@ SERVER = {
     "eagle3-concat-swapped": ("eagle3", "slot_permutation"),
     "mtp-step-seed-state": ("mtp", "wrong_source"),
     "mtp-concat-swapped": ("mtp", "slot_permutation"),
+    "mtp-boundary-future": ("mtp", "wrong_source"),  # the server prefills the prompt in 25 + 4 tokens
 }
+# fault -> the source its wrong_source names, as in-process (docs/faults.md)
+SOURCE = {"mtp-boundary-future": "batch_last"}
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +111,5 @@ def test_check_names_eagle3_and_mtp_faults_around_llama_server(tools, eagle3_pai
     prompts.write_text(PROMPT + "\n")  # one request: the capture's, and the probe's
     errors = check_names_fault(_server_args(tools, kind, d, prompts), fault, tmp_path, finding)
     assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
+    if fault in SOURCE:
+        assert errors[0]["source"] == SOURCE[fault] and errors[0]["where"] == "driver", errors[0]["message"]

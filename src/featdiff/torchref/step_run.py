@@ -20,6 +20,7 @@ from featdiff.dump.reader import read_dump
 from featdiff.dump.records import Round
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output, output_lock
+from featdiff.core.names import ROLE_TARGET
 from featdiff.core.phases import Phase
 from featdiff.core.tokens import check_prompt
 from featdiff.torchref.dflash import run as dflash_run
@@ -39,6 +40,9 @@ class StepKind:
     load: Callable[[Path, Target, Numerics, Path | None], Any]  # (model, target, numerics, llama_dir) -> drafter
     run_flow: Callable[..., FlowTrace]  # eagle3_flow.run_flow's signature
     entry: Callable[[Any], dict]  # the drafter's manifest entry
+    # run_flow takes `target_batches`, the first position of each of the run's prefill decode calls
+    # (MTP: its batch_last candidate pairs by the run's batches)
+    reads_run_batches: bool = False
 
 
 def step_reference(
@@ -77,6 +81,7 @@ def step_reference(
             *(len(r.prompt_ids), r.rounds, draft_max, kind.name),
         )
         steps = run_draft_steps(r.run) if r.run is not None else {}
+        batches = run_target_batches(r.run) if r.run is not None and kind.reads_run_batches else None
 
         def replay(
             prompt_of: tuple[int, ...],
@@ -87,9 +92,10 @@ def step_reference(
             cached: int = 0,
             draft_cached: tuple[int, ...] | None = None,
         ) -> FlowTrace:
+            of_run = {} if batches is None else {"target_batches": batches.get(flow, ())}
             return kind.run_flow(
                 tgt, dft, prompt_of, n, r.numerics, draft_max=draft_max, p_min=r.p_min, follow=follows, guide=guides,
-                cached=cached, draft_steps=steps.get(flow), draft_cached=draft_cached,
+                cached=cached, draft_steps=steps.get(flow), draft_cached=draft_cached, **of_run,
             )  # fmt: skip
 
         return dflash_run.write_reference(
@@ -110,6 +116,18 @@ def run_draft_steps(run: Path) -> dict[int, dict[int, tuple[int, ...]]]:
         if e.phase == Phase.DRAFT and e.round in steps.get(e.flow, {}) and not e.rc:
             steps[e.flow][e.round] += e.token_ids
     return {f: {r: tuple(t) for r, t in rounds.items()} for f, rounds in steps.items()}
+
+
+def run_target_batches(run: Path) -> dict[int, tuple[int, ...]]:
+    """Flow -> the first position of each target decode call that prefilled its prompt (a call
+    computed as several ubatch graphs counts once: its first graph's)."""
+    with read_dump(run) as dump:
+        m = dump.manifest
+    firsts: dict[int, list[int]] = {}
+    for e in m.evals:
+        if e.role == ROLE_TARGET and e.phase == Phase.PREFILL and e.positions and not e.ubatch:
+            firsts.setdefault(e.flow, []).append(e.positions[0])
+    return {f: tuple(p) for f, p in firsts.items()}
 
 
 def _draft_max(block: int | None, run: Path | None) -> int:

@@ -88,16 +88,20 @@ def run_flow(
     cached: int = 0,
     draft_steps: Mapping[int, tuple[int, ...]] | None = None,
     draft_cached: tuple[int, ...] | None = None,
+    target_batches: tuple[int, ...] = (),
 ) -> FlowTrace:
     """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process.
     `draft_cached` (the run's kept head rows) changes nothing: a head row pairs token p with the
-    hidden of p - 1, both inside a kept prefix, so the warm-up writes every kept row as the run held it."""
+    hidden of p - 1, both inside a kept prefix, so the warm-up writes every kept row as the run held it.
+    `target_batches`: the first position of each decode call the run prefilled its prompt in
+    (llama-server splits a prompt, e.g. 25 + 4 tokens); the reference decodes the prompt in one
+    batch, the same values, and places its `batch_last` candidate at the run's boundaries."""
     check_mtp_pair(target, head)
     if len(prompt) < 2:
         raise InputError(f"prompt of {len(prompt)} tokens: an MTP flow needs at least 2 (a prefill and its next token)")
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: MTP drafts at least one token; pass 1 or more")
-    state, evals = _prefill(target, head, prompt, numerics, cached)
+    state, evals = _prefill(target, head, prompt, numerics, cached, target_batches)
 
     def one_round(state: _State, r: int, first_eval: int, plan: Round | None) -> tuple[_State, Round, list[EvalTrace]]:
         steps = draft_steps.get(r) if draft_steps is not None and plan is not None else None
@@ -136,10 +140,16 @@ def _target_eval(
 
 
 def _prefill(
-    target: Target, head: MtpHead, prompt: tuple[int, ...], numerics: Numerics, cached: int
+    target: Target,
+    head: MtpHead,
+    prompt: tuple[int, ...],
+    numerics: Numerics,
+    cached: int,
+    target_batches: tuple[int, ...],
 ) -> tuple[_State, list[EvalTrace]]:
     """The prompt but its last token through the target, each batch processed: positions
-    0 .. cached-1 as warm-up evals (the run's prompt cache), the rest as the prefill."""
+    0 .. cached-1 as warm-up evals (the run's prompt cache), the rest as the prefill; the
+    run's batches (`target_batches`, first positions) bound the `batch_last` candidate."""
     n = len(prompt) - 1
     t_cache, d_cache = _empty(target.hparams, numerics), _empty(head.hparams, numerics)
     zeros = torch.zeros((1, head.hparams.n_embd), dtype=numerics.dtype, device=numerics.device)
@@ -149,8 +159,9 @@ def _prefill(
         tp, hidden, records = _target_eval(target, tokens, positions, t_cache, False, numerics, _is_prenorm(head))
         evals.append(EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, tokens, PREFILL_ROUND), records))
         d_cache, trace = _process(
-            head, tokens, positions, hidden, pending, d_cache, len(evals), inject_after(phase), PREFILL_ROUND, numerics
-        )
+            head, tokens, positions, hidden, pending, d_cache, len(evals), inject_after(phase), PREFILL_ROUND, numerics,
+            target_batches,
+        )  # fmt: skip
         evals.append(trace)
         t_cache, pending = tp.cache, _Hidden(hidden.handed[-1:], hidden.other[-1:])
     return _State(t_cache, d_cache, n, prompt[n], pending), evals
@@ -167,16 +178,31 @@ def _process(
     phase: Phase,
     r: int,
     numerics: Numerics,
+    run_batches: tuple[int, ...] = (),
 ) -> tuple[KvCache, EvalTrace]:
     """process() of one target batch: (token k, hidden k-1) at position k, the first token with
-    the pending row; the candidates of the wrong-norm hand-over and of the first token paired
-    with the batch's last hidden."""
+    the pending row; the candidates of the wrong-norm hand-over and of each batch's first token
+    paired with that batch's last hidden (the batches: this one, cut where the run's
+    `run_batches` begin inside it)."""
     handed = torch.cat([pending.handed, hidden.handed[:-1]])  # (n_tokens, n_embd)
     other = torch.cat([pending.other, hidden.other[:-1]])  # (n_tokens, n_embd)
-    batch_last = torch.cat([hidden.handed[-1:], hidden.handed[:-1]])  # (n_tokens, n_embd): row 0 a later position's
+    batch_last = hidden.handed[batch_last_rows(positions, run_batches)]  # (n_tokens, n_embd)
     alternatives = {WRONG_NORM[_is_prenorm(head)][0]: other, names.HYP_H_BATCH_LAST: batch_last}
     mp = decode(head, _ids(tokens, numerics), handed, _ids(positions, numerics), cache, alternatives, outputs=False)
     return mp.cache, EvalTrace(_eval(index, names.ROLE_DRAFT, phase, positions, tokens, r), mp.records)
+
+
+def batch_last_rows(positions: tuple[int, ...], run_batches: tuple[int, ...]) -> list[int]:
+    """Which hidden row each row of a batch at `positions` reads under the `batch_last` hypothesis:
+    row k - 1's, but a batch's first row its last row's (a later position's). The batches are the
+    one at `positions`, cut where a run's batch begins inside it (`run_batches`, first positions:
+    the fault pairs by the run's decode calls, common/speculative.cpp's i_batch_beg/i_batch_end)."""
+    n = len(positions)
+    firsts = sorted({0} | {p - positions[0] for p in run_batches if 0 < p - positions[0] < n})
+    rows = list(range(-1, n - 1))  # row k reads k - 1; every batch's first row is set below
+    for first, end in zip(firsts, [*firsts[1:], n]):
+        rows[first] = end - 1
+    return rows
 
 
 def _round(

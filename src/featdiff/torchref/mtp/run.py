@@ -47,7 +47,8 @@ def run_any_flow(
     target: Target, draft: MtpHead | MtpChain, prompt: tuple[int, ...], rounds: int, numerics: Numerics, **options: Any
 ):
     """The single head's flow, or the chain's."""
-    if isinstance(draft, MtpChain):
+    if isinstance(draft, MtpChain):  # its heads take no batch_last candidate
+        options.pop("target_batches", None)
         return chain.run_chain_flow(target, draft, prompt, rounds, numerics, **options)
     return run_flow(target, draft, prompt, rounds, numerics, **options)
 
@@ -88,4 +89,4 @@ def probe_round(target: Target, draft: MtpHead, prompt: tuple[int, ...], numeric
     return run_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]
 
 
-MTP = StepKind("MTP", load_head, run_any_flow, mtp_models_entry)
+MTP = StepKind("MTP", load_head, run_any_flow, mtp_models_entry, reads_run_batches=True)
