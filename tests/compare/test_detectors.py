@@ -559,6 +559,64 @@ def test_a_block_drafters_sampler_reading_another_rows_logits_is_named_a_wrong_s
     assert f is not None and "positions 11 (" in f.message and "dspark_markov_bias" in f.message
 
 
+def _chain_tie(gap: float):
+    """A DSpark block of three rows whose reference row 0 has tokens 5 and 7 `gap` apart (5 first),
+    and a run whose chain took 7 there: rows 1 and 2 carry token 7's bias in the run."""
+    from featdiff.diff.aligned import comparable_values
+    from featdiff.kinds import registry as kinds
+
+    graph, bias, other = rows(3, 32, seed=3), rows(3, 32, seed=9), rows(3, 32, seed=11)
+    meant = graph + bias
+    meant[0, 5], meant[0, 7] = 4.0 + gap, 4.0  # the reference's chain takes 5
+    run = meant.copy()
+    run[0, 5], run[0, 7] = 4.0, 4.0 + gap  # the run's takes 7, within its noise
+    run[1:] = graph[1:] + other[1:]  # token 7's bias on the rows after
+    read = _top_k(run)
+    ref, blanked = comparable_values("draft_logits", meant, read)  # as compare pairs them
+    ev = evidence(ref, blanked, tensor="draft_logits", sampled=(read, graph), kind=kinds.by_name("dspark"))
+    return replace(ev, candidates={"dspark_markov_bias": bias})
+
+
+def test_a_dspark_chain_taking_the_other_token_of_a_near_tie_is_information():
+    """DSpark's Markov head chains each row's bias from the argmax of the row before (in the
+    graph); at a near-tie the run may take the other token, and the rows after differ rightly."""
+    from featdiff.diff.diagnose import diagnose_root
+
+    f = d.detect_chain_choice(_chain_tie(1e-5))
+    assert f is not None and (f.kind, f.severity) == ("chain_choice", "info")
+    assert (f.fields["position"], f.fields["expected"], f.fields["observed"], f.fields["rows"]) == (10, 5, 7, [11, 12])
+    assert f.fields["margin"] <= f.fields["bound"] and "not judged" in f.message
+    assert diagnose_root(_chain_tie(1e-5), 1.0).kind == "chain_choice"  # before the row-read-elsewhere detector
+
+
+def test_the_drafts_a_dspark_chain_biased_after_a_near_tie_are_not_judged():
+    """compare sets aside the partings of the rows a chain_choice names, in its round only."""
+    from featdiff.core.phases import Phase
+    from featdiff.diff import diagnose
+    from featdiff.diff.partings import Parting
+
+    root = d.detect_chain_choice(_chain_tie(1e-5))
+    assert root is not None
+    chained = diagnose.chain_rows(root, ("draft", "draft", 4))
+    assert chained == {(4, 11), (4, 12)}
+    draft = Parting(Phase.DRAFT, 4, 1, 11, 9, "draft_logits", 5, 7, 1.0, 1e-3)
+    later, verify = replace(draft, round=5), replace(draft, phase=Phase.VERIFY, tensor="result_output")
+    assert diagnose.judged_partings((draft, later, verify), None, chained) == (later, verify)
+    assert diagnose.chain_rows(replace(root, kind="near_tie"), ("draft", "draft", 4)) == frozenset()
+
+
+def test_a_dspark_chain_parting_beyond_the_noise_is_not_a_near_tie():
+    assert d.detect_chain_choice(_chain_tie(0.5)) is None  # 5 beats 7 by far: the run's chain is wrong
+    ev = _chain_tie(1e-5)
+    assert d.detect_chain_choice(replace(ev, candidates={})) is None  # no Markov head: nothing chains
+    first = ev.run.copy()
+    first[0] += 1.0  # row 0 itself differs: not the chain's choice
+    assert d.detect_chain_choice(replace(ev, run=first)) is None
+    from featdiff.kinds import registry as kinds
+
+    assert d.detect_chain_choice(replace(ev, kind=kinds.by_name("eagle3"))) is None
+
+
 def test_block_rows_read_elsewhere_are_those_not_read_as_the_drafter_means():
     """rows_read_elsewhere on synthetic blocks: each row's read values against its graph row plus
     the Markov bias (DSpark) or as computed (DFlash), judged only where the graph matches the ref."""

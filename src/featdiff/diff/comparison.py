@@ -333,6 +333,7 @@ def _findings(
     misplaced = _misplaced_groups(batch_found)
     state = next((f for f in batch_found if diagnose.names_drafter_state(f)), None)
     absent = diagnose.absent_records(plan, run.manifest)
+    chained: frozenset[tuple[int, int]] = frozenset()  # draft rows a DSpark chain biased after a near-tie
     for i in walk.roots[: diagnose.MAX_ROOT_FINDINGS]:
         where = where_of(export.of_role(plan.pairs[i].group[0]))  # what the fix sentences follow
         ev = build_evidence(ref, run, plan.pairs[i], tols[i], absent.get(plan.pairs[i].group, ()), where)
@@ -340,13 +341,15 @@ def _findings(
         # rows of a batch placed at offset positions look shifted: the position_offset above says why
         root = diagnose.after_drafter_state(root, plan.pairs[i], state)
         state = state or (root if diagnose.names_drafter_state(root) else None)
+        chained |= diagnose.chain_rows(root, plan.pairs[i].group)
         found.append(None if root.kind == "row_shift" and plan.pairs[i].group in misplaced else root)
     routed = diagnose.first_routed(found)  # where a MoE near-tie took other experts: faults may hide behind it
     found.append(_quantized_feature_check(ref, run, plan, walk, tols, types, routed))
     found.append(diagnose.check_positions(position_evidence(ref, run)))
     explained = any(f is not None and f.severity == "error" and f.kind not in UNEXPLAINING for f in found)
     partings = diagnose.parting_findings(
-        diagnose.judged_partings(find_partings(ref.manifest, ref.array, run.manifest, types), gap), explained
+        diagnose.judged_partings(find_partings(ref.manifest, ref.array, run.manifest, types), gap, chained),
+        explained,
     )
     near_tie = next((f for f in partings if f.kind == "near_tie"), None)
     found += partings

@@ -37,7 +37,7 @@ from featdiff.diff.detectors.pairing import (
     explained_by_unmodelled,
     is_wiring,
 )
-from featdiff.diff.fields import ExpertChoiceFields, UnmodelledFields
+from featdiff.diff.fields import ChainChoiceFields, ExpertChoiceFields, UnmodelledFields
 from featdiff.diff.partings import Parting
 from featdiff.diff.result import INFO_SKIPS, Finding, Skip
 from featdiff.dump.manifest import Manifest
@@ -63,6 +63,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_extra_term,
     d.detect_wrong_source_of_chain_weights,  # before the generic: a head's candidates name the head it ran
     d.detect_wrong_source,
+    d.detect_chain_choice,  # info: DSpark's in-graph chain on a near-tie, before a row read elsewhere is tried
     d.detect_wrong_source_of_sampled_block_rows,  # after the drafter's own hypotheses of a block's values
     d.detect_wrong_source_of_step_state,  # before stale rows: a step fed the seed's state repeats step 1's
     d.detect_wrong_source_of_chain_state,  # a chained step's rows all the pending row
@@ -265,12 +266,24 @@ def _set_name(p: Pair) -> str:
     return f"{p.name} ({batch_label(p.group)})"
 
 
-def judged_partings(partings: tuple[Parting, ...], gap: Gap | None) -> tuple[Parting, ...]:
+def judged_partings(
+    partings: tuple[Parting, ...], gap: Gap | None, chained: frozenset[tuple[int, int]] = frozenset()
+) -> tuple[Parting, ...]:
     """The partings compare may judge: not those on logits that depend on an unmodelled feature
-    (a drafted token, when the drafter's logits do)."""
+    (a drafted token, when the drafter's logits do), nor the drafts of rows a DSpark chain biased
+    after a near-tie (`chained`: (round, position), chain_rows)."""
+    kept = tuple(p for p in partings if not (p.phase == Phase.DRAFT and (p.round, p.position) in chained))
     if gap is None:
-        return partings
-    return tuple(p for p in partings if not gap.depends(role_of(p.phase), p.phase, p.tensor))
+        return kept
+    return tuple(p for p in kept if not gap.depends(role_of(p.phase), p.phase, p.tensor))
+
+
+def chain_rows(root: Finding, group: GroupKey) -> frozenset[tuple[int, int]]:
+    """The (round, position) of the draft rows a `chain_choice` root leaves unjudged (the rows
+    after the near-tie carry the other token's bias); none for another finding."""
+    if root.kind != ChainChoiceFields.KIND:
+        return frozenset()
+    return frozenset((group[2], p) for p in ChainChoiceFields.from_json(root.fields).rows)
 
 
 # --- wiring records the run's graph lacks, and those the plan could not pair ---------------------

@@ -270,6 +270,19 @@ class ExpertChoiceFields(Fields):
     bounds: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class ChainChoiceFields(Fields):
+    """DSpark's in-graph Markov chain took another token than the reference's at a near-tie."""
+
+    KIND: ClassVar[Kind] = "chain_choice"
+    position: int  # the row whose argmax the chain took
+    expected: int | None  # the reference's argmax there (never None here: one type per key)
+    observed: int | None  # the run's
+    margin: float | None
+    bound: float
+    rows: tuple[int, ...]  # the positions after it whose bias follows the other token: not judged
+
+
 # --- no specific cause ---------------------------------------------------------------------------
 
 
@@ -355,6 +368,7 @@ RECORDS: tuple[type[Fields], ...] = (
     MisplacedRowsFields,
     UnmodelledFields,
     ExpertChoiceFields,
+    ChainChoiceFields,
 )
 RECORD_OF: dict[str, type[Fields]] = {r.KIND: r for r in RECORDS}  # kind -> its record
 

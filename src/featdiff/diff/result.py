@@ -50,6 +50,7 @@ Kind = Literal[
     "misplaced_rows",
     "unmodelled",
     "expert_choice",
+    "chain_choice",
 ]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
 SkipSide = Literal["both", "ref", "run"]  # where the records of a skip are

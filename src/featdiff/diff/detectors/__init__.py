@@ -19,6 +19,7 @@ from featdiff.diff.detectors.chain import (
     detect_wrong_source_of_chain_weights,
 )
 from featdiff.diff.detectors.choices import (
+    detect_chain_choice,
     detect_divergence_by_margin,
     detect_expert_choice,
     detect_near_tie,
@@ -90,6 +91,7 @@ __all__ = [
     "detect_divergence_in_rope",
     "detect_duplicate_rows",
     "detect_expert_choice",
+    "detect_chain_choice",
     "detect_extra_term",
     "detect_flow_note",
     "detect_layer_offset",

@@ -12,6 +12,7 @@ from featdiff.core import names
 from featdiff.core.phases import Phase
 from featdiff.diff.detectors.base import Evidence, labels, same_shape
 from featdiff.diff.fields import (
+    ChainChoiceFields,
     DivergenceFields,
     ExpertChoiceFields,
     NearTieFields,
@@ -20,7 +21,7 @@ from featdiff.diff.fields import (
     WrongSourceFields,
 )
 from featdiff.diff.metrics import row_relative_error
-from featdiff.diff.partings import Parting
+from featdiff.diff.partings import MARGIN_SPREAD, Parting
 from featdiff.diff.result import Finding
 
 # The router's logits are a matrix times the layer's normed input, whose error on one row may reach
@@ -198,4 +199,49 @@ def detect_expert_choice(ev: Evidence) -> Finding | None:
         message=f"expert choice differs at layer {layer}, token {tokens[0]} (router margin {margin[rows[0]]:.3g} "
         f"<= noise bound {bound[rows[0]]:.3g}){more}: the router's top-k cut is a near-tie there, so either "
         f"expert is right and {ev.tensor} differs on those rows only; the layers after it inherit the difference",
+    )
+
+
+# --- DSpark's Markov chain: a near-tie between tokens inside the graph ---------------------------
+
+
+def detect_chain_choice(ev: Evidence) -> Finding | None:
+    """Hypothesis: DSpark's Markov head chained row i's bias from another token than the
+    reference's, on a near-tie: the graph takes `prev` = argmax of row i-1's biased logits
+    (upstream `build_dspark_markov_head`), so where two tokens are closer than the numerics can
+    tell apart either is right, and the rows after it carry the other token's bias. Evidence, at
+    `draft_logits` of a block drafter with the reference's `dspark_markov_bias`: the rows before
+    row i read what the reference computes; row i does not; the run's argmax of row i-1 (what its
+    sampler read back: `ev.sampled`) is not the reference's, by a reference margin at most the
+    row's noise bound (partings.MARGIN_SPREAD x the pair's rel x the rms of the row's logits, the
+    graph's row plus the bias: the reference's row as the pair blanks none of it)."""
+    bias = ev.candidates.get(names.DSPARK_MARKOV_BIAS)
+    if (ev.record or ev.tensor) != names.DRAFT_LOGITS or not ev.kind.block_flow or ev.sampled is None:
+        return None
+    read, graph = ev.sampled
+    if bias is None or not same_shape(ev) or ev.ref.ndim != 2 or not read.shape == graph.shape == bias.shape:
+        return None
+    differ = list(row_relative_error(ev.ref, ev.run) > ev.tolerance.row_rel)  # (R,)
+    if not any(differ) or differ.index(True) == 0:
+        return None
+    i = differ.index(True)
+    kept = np.isfinite(read[i - 1])  # (V,): the tokens the run's sampler read back
+    ref_row = np.where(kept, ev.ref[i - 1], -np.inf).astype(np.float64)
+    expected, observed = int(np.argmax(ref_row)), int(np.argmax(np.where(kept, read[i - 1], -np.inf)))
+    if expected == observed:
+        return None
+    full = (graph[i - 1] + bias[i - 1]).astype(np.float64)  # (V,)
+    margin = float(ref_row[expected] - ref_row[observed])
+    bound = MARGIN_SPREAD * ev.tolerance.rel * float(np.sqrt(np.mean(full * full)))
+    if not margin <= bound:
+        return None
+    where = labels(ev, np.arange(len(ev.ref)) == i - 1)[0]
+    after = labels(ev, np.arange(len(ev.ref)) >= i)
+    return Finding.of(
+        ChainChoiceFields(position=where, expected=expected, observed=observed, margin=margin, bound=bound, rows=after),
+        tensor=ev.tensor,
+        severity="info",
+        message=f"DSpark's Markov chain took token {observed} at position {where}, the reference {expected}, by a "
+        f"reference margin {margin:.3g} <= noise bound {bound:.3g}: either is right, and the rows after it "
+        f"({', '.join(map(str, after))}) carry that token's bias, so they are not judged",
     )
