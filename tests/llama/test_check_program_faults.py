@@ -2,12 +2,12 @@
 test_check_step_faults.py leave out (issue 48): the graph faults of libllama around
 llama-speculative-simple (`log-snr-*` of 0003, `recurrent-keep-rejected` of 0004: the program's
 own libllama reads FEATDIFF_FAULT, so no process of featdiff's holds the pinned one), the long
-inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those but
-`log-snr-after-norm`, and a driver and a graph fault of EAGLE3 and of MTP, and MTP's
-`mtp-boundary-future` on the server's prompt split in two target batches. Each exits 1
-naming the finding docs/faults.md gives it, never 2 or 3, and keeps its dumps. The faults that
-need several sequences at once are checked on the capture of that traffic (`check --run`:
-tests/llama/test_server_traffic.py, test_server_clients.py)."""
+inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those, and the driver
+and graph faults of EAGLE3 and of MTP that need one request (`mtp-boundary-future` on the
+server's prompt split in two target batches). Each exits 1 naming the finding docs/faults.md
+gives it, never 2 or 3, and keeps its dumps. The faults that need several sequences at once are
+checked on the capture of that traffic (`check --run`: tests/llama/test_server_traffic.py,
+test_server_clients.py)."""
 
 from __future__ import annotations
 
@@ -37,18 +37,26 @@ SIMPLE = {
 SERVER_DFLASH = {
     "inject-chunk0": ("clean", TRAINED, ["-ub", "4"], TWICE.strip(), "misplaced_rows"),
     "log-snr-swapped": ("log-snr", TRAINED, [], PROMPT, "wrong_source"),
+    "log-snr-after-norm": ("log-snr", TRAINED, [], PROMPT, "wrong_source"),
     "recurrent-keep-rejected": ("qwen35", HF_TARGET, [], PROMPT, "wrong_source"),
 }
-# fault -> (drafter kind, the finding check must name): a driver fault (0009) and a graph fault of each
+# fault -> (drafter kind, the finding check must name): driver faults (0002, 0009) and graph faults (0007, 0008)
 SERVER = {
     "eagle3-step-seed-state": ("eagle3", "wrong_source"),
     "eagle3-concat-swapped": ("eagle3", "slot_permutation"),
     "mtp-step-seed-state": ("mtp", "wrong_source"),
     "mtp-concat-swapped": ("mtp", "slot_permutation"),
     "mtp-boundary-future": ("mtp", "wrong_source"),  # the server prefills the prompt in 25 + 4 tokens
+    "eagle3-prenorm-after-norm": ("eagle3", "wrong_source"),
+    "mtp-hidden-prenorm": ("mtp", "wrong_source"),
 }
-# fault -> the source its wrong_source names, as in-process (docs/faults.md)
-SOURCE = {"mtp-boundary-future": "batch_last"}
+# fault -> the source its wrong_source names and where, as in-process (docs/faults.md)
+SOURCE = {
+    "mtp-boundary-future": ("batch_last", "driver"),
+    "eagle3-prenorm-after-norm": ("after_norm", "graph"),
+    "mtp-hidden-prenorm": ("prenorm", "graph"),
+    "log-snr-after-norm": ("after_norm", "graph"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +86,7 @@ def test_check_names_each_graph_and_chunk_fault_around_the_program(tools, pairs,
     variant, ref, options, finding = SIMPLE[fault]
     errors = check_names_fault(_simple_args(tools, pairs(variant), ref, options), fault, tmp_path, finding)
     assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
+    _assert_source(fault, errors[0])
 
 
 @pytest.mark.parametrize("fault", SERVER_DFLASH)
@@ -89,6 +98,7 @@ def test_check_names_dflash_faults_around_llama_server(tools, pairs, tmp_path, f
     args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", ref[0], d / ref[1], "--prompts", prompts]
     errors = check_names_fault([*args, "--exec", "--", *server], fault, tmp_path, finding)
     assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
+    _assert_source(fault, errors[0])
 
 
 def _server_args(tools, kind: str, d: Path, prompts: Path) -> list:
@@ -111,5 +121,10 @@ def test_check_names_eagle3_and_mtp_faults_around_llama_server(tools, eagle3_pai
     prompts.write_text(PROMPT + "\n")  # one request: the capture's, and the probe's
     errors = check_names_fault(_server_args(tools, kind, d, prompts), fault, tmp_path, finding)
     assert errors[0]["kind"] == finding, [(f["kind"], f["tensor"]) for f in errors]
+    _assert_source(fault, errors[0])
+
+
+def _assert_source(fault: str, error: dict) -> None:
+    """The first error names the source and the side (driver, graph) SOURCE gives the fault, if any."""
     if fault in SOURCE:
-        assert errors[0]["source"] == SOURCE[fault] and errors[0]["where"] == "driver", errors[0]["message"]
+        assert (error["source"], error["where"]) == SOURCE[fault], error["message"]
