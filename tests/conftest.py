@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,20 @@ BUILD_OF_FIXTURE = {"vulkan": "vulkan", "device": "vulkan", "legacy": "release",
 BUILD_ORDER = ("vulkan", "release", "backend-dl")
 BACKGROUND_BUILDS_ENV = "FEATDIFF_BACKGROUND_BUILDS"  # 0: no background builds (each fixture builds its own)
 BACKGROUND_LOG = "test-builds.log"  # in the tools dir, beside each build's own featdiff-build.log
+# the trained fixture variants (trained once per machine: a minute or two each on one core), the
+# session fixture that writes each and how a test module names it, in the order the suite reaches
+# them; a session whose tests use one has it trained in a background process (_start_warm_up)
+TRAINED_VARIANTS = (
+    ("trained", "fixture_models", re.compile(r'"trained(-(?!eagle3|mtp)[a-z0-9-]+)?"')),
+    ("trained-eagle3", "eagle3_pairs", re.compile(r'"trained-eagle3"')),
+    ("trained-mtp", "mtp_pairs", re.compile(r'"trained-mtp"')),
+)
+WARM_UP_NICE = "10"  # below the tests, above the builds (nice 19), which have their tests' slack
+WARM_UP_LOG = "test-warm-up.log"  # in the tools dir
+# writes each variant named after the directory into it: the training and conversion caches fill
+WARM_UP = "import sys; from pathlib import Path; from featdiff.factory import variants\n" + (
+    "for v in sys.argv[2:]: variants.write(Path(sys.argv[1]) / v, v)"
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,6 +95,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     other one and are done, or nearly, when their tests come. Each build holds its build lock
     (featdiff.llama.tools): the fixture that needs it waits for it, or finds it built; one that
     failed left no stamp, so the fixture builds again and fails naming the build's log."""
+    _start_warm_up(session)
     needed = {item: _build_needed(item) for item in session.items}
     builds = [b for b in BUILD_ORDER if b in needed.values()]
     if not builds:
@@ -99,6 +117,46 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _BACKGROUND = pytest.StashKey[subprocess.Popen]()
+_WARM_UP = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+
+
+def _trained_needed(items: list[pytest.Item]) -> list[str]:
+    """The TRAINED_VARIANTS the tests in `items` use: a test using the variant's pairs fixture
+    (directly or through another fixture) in a module that names the variant."""
+    sources: dict[Path, str] = {}
+    needed = []
+    for variant, fixture, named in TRAINED_VARIANTS:
+        for item in items:
+            if fixture in getattr(item, "fixturenames", ()):
+                path = Path(str(item.fspath))
+                if path not in sources:
+                    sources[path] = path.read_text()
+                if named.search(sources[path]):
+                    needed.append(variant)
+                    break
+    return needed
+
+
+def _start_warm_up(session: pytest.Session) -> None:
+    """Train the trained variants this session's tests use in one background process (nice
+    WARM_UP_NICE), from collection on: the suite keeps about one core busy, and the first test
+    that uses one comes minutes later. The caches' locks (featdiff.core.cache_dir.making) make a
+    fixture that asks meanwhile wait for the background's training, never train twice; one that
+    failed there leaves no entry, so the fixture trains it and fails in the test."""
+    variants = _trained_needed(session.items)
+    if not variants or session.config.option.collectonly or os.environ.get(BACKGROUND_BUILDS_ENV) == "0":
+        return
+    from featdiff.llama.binding import tools_dir
+
+    outdir = Path(tempfile.mkdtemp(prefix="featdiff-warm-up-"))
+    log = tools_dir() / WARM_UP_LOG
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = ["nice", "-n", WARM_UP_NICE, sys.executable, "-c", WARM_UP, str(outdir), *variants]
+    with open(log, "a") as out:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    session.config.stash[_WARM_UP] = (proc, outdir)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -113,12 +171,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Stop the background builds a session leaves unfinished (one stopped by -x or ^C): a build
-    killed part-way has no stamp, so the next run builds on from it rather than trusting it."""
+    """Stop the background builds and warm-up a session leaves unfinished (one stopped by -x or
+    ^C): a build killed part-way has no stamp, so the next run builds on from it rather than
+    trusting it; a training or conversion killed part-way stored no cache entry."""
     proc = session.config.stash.get(_BACKGROUND, None)
     if proc is not None and proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
+    warm_up = session.config.stash.get(_WARM_UP, None)
+    if warm_up is not None:  # a training stopped part-way stored nothing (training.cache.store)
+        if warm_up[0].poll() is None:
+            os.killpg(warm_up[0].pid, signal.SIGTERM)
+            warm_up[0].wait()
+        shutil.rmtree(warm_up[1], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

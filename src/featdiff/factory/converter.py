@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from featdiff.core import names
-from featdiff.core.cache_dir import cache_root
+from featdiff.core.cache_dir import cache_root, making
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output_dir, replaced
 from featdiff.factory import pairs
@@ -269,10 +269,10 @@ def convert_checkpoint(
     flags = tuple(flag for flag, on in ((NO_MTP_FLAG, no_mtp), (MTP_ONLY_FLAG, mtp_only)) if on)
     key = conversion_key(hf_dir, target_dir, tree) + route + "".join(_KEY_OF_FLAG[f] for f in flags)
     cached = cache_root() / CACHE_SUBDIR / f"{key}.gguf"
-    if not cached.is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with replaced(cached) as tmp:
-            _run_converter(tree, hf_dir, tmp, target_dir, bootstrap, flags)
+    with making(cached):  # another process converting the same inputs: wait for its GGUF
+        if not cached.is_file():
+            with replaced(cached) as tmp:
+                _run_converter(tree, hf_dir, tmp, target_dir, bootstrap, flags)
     with replaced(Path(out)) as tmp:
         shutil.copyfile(cached, tmp)
     return Path(out)

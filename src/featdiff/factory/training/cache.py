@@ -17,7 +17,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from featdiff.factory.pairs import BLOCK_SIZE, Sizes
-from featdiff.core.cache_dir import cache_root
+from featdiff.core.cache_dir import cache_root, making
 from featdiff.factory.training.train import DEFAULT_CONFIG, TRAINED_SIZES, TrainConfig, TrainedPair, train_pair
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,17 @@ LAYER_PREFIX = "layers."
 def trained_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = DEFAULT_CONFIG) -> TrainedPair:
     """The trained pair of `seed`: from the cache, else trained (about 30 s) and cached."""
     path = cache_dir() / cache_key(seed, sizes, config)
-    if not (path / META_FILE).is_file():
-        log.info("training the tiny DFlash and DSpark drafters of seed %d (once; cached in %s)", seed, path)
-        pair = train_pair(seed, sizes, config)
-        log.info(
-            "trained in %.1f s; held-out mean accepted length, %d drafts a block (reference): %s",
-            pair.meta["train_seconds"],
-            BLOCK_SIZE - 1,
-            pair.meta["held_out_mean_accepted_length"],
-        )
-        _store(pair, path)
+    with making(path):  # another process training the same key: wait for its files
+        if not (path / META_FILE).is_file():
+            log.info("training the tiny DFlash and DSpark drafters of seed %d (once; cached in %s)", seed, path)
+            pair = train_pair(seed, sizes, config)
+            log.info(
+                "trained in %.1f s; held-out mean accepted length, %d drafts a block (reference): %s",
+                pair.meta["train_seconds"],
+                BLOCK_SIZE - 1,
+                pair.meta["held_out_mean_accepted_length"],
+            )
+            _store(pair, path)
     return _load(path)
 
 

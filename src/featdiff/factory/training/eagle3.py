@@ -31,6 +31,7 @@ from safetensors.numpy import load_file
 from torch.nn.functional import cross_entropy
 
 from featdiff.core import names
+from featdiff.core.cache_dir import making
 from featdiff.factory import pairs
 from featdiff.factory.pairs import Sizes
 from featdiff.torchref.attention import attend
@@ -122,16 +123,17 @@ def target_weights(seed: int, sizes: Sizes = TRAINED_SIZES) -> dict:
 def trained_eagle3(seed: int, sizes: Sizes = TRAINED_SIZES, config: Eagle3Config = DEFAULT_CONFIG) -> TrainedEagle3:
     """The trained EAGLE3 drafter of `seed`: from the cache, else trained (about 45 s) and cached."""
     path = cache.cache_dir() / cache_key(seed, sizes, config)
-    if not (path / cache.META_FILE).is_file():
-        log.info("training the tiny EAGLE3 drafter of seed %d (once; cached in %s)", seed, path)
-        trained = train_eagle3(seed, sizes, config)
-        log.info(
-            "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
-            trained.meta["train_seconds"],
-            DRAFT_MAX,
-            trained.meta["held_out_mean_accepted"],
-        )
-        _store(trained, path)
+    with making(path):  # another process training the same key: wait for its files
+        if not (path / cache.META_FILE).is_file():
+            log.info("training the tiny EAGLE3 drafter of seed %d (once; cached in %s)", seed, path)
+            trained = train_eagle3(seed, sizes, config)
+            log.info(
+                "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
+                trained.meta["train_seconds"],
+                DRAFT_MAX,
+                trained.meta["held_out_mean_accepted"],
+            )
+            _store(trained, path)
     meta = json.loads((path / cache.META_FILE).read_text())
     return TrainedEagle3(target=target_weights(seed, sizes), draft=load_file(str(path / DRAFT_FILE)), meta=meta)
 

@@ -33,6 +33,7 @@ from safetensors.numpy import load_file
 from torch.nn.functional import cross_entropy
 
 from featdiff.core import names
+from featdiff.core.cache_dir import making
 from featdiff.factory import pairs
 from featdiff.torchref.attention import empty_cache, truncated
 from featdiff.torchref.load import load_target
@@ -88,16 +89,17 @@ def trained_mtp(hf: Path, seed: int, config: MtpConfig = DEFAULT_CONFIG) -> Trai
     """The MTP head of the checkpoint `hf` trained on its target: from the cache, else trained
     (about a minute) and cached."""
     path = cache.cache_dir() / cache_key(hf, seed, config)
-    if not (path / cache.META_FILE).is_file():
-        log.info("training the tiny MTP head of seed %d (once; cached in %s)", seed, path)
-        trained = train_mtp(hf, seed, config)
-        log.info(
-            "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
-            trained.meta["train_seconds"],
-            DRAFT_MAX,
-            trained.meta["held_out_mean_accepted"],
-        )
-        _store(trained, path)
+    with making(path):  # another process training the same key: wait for its files
+        if not (path / cache.META_FILE).is_file():
+            log.info("training the tiny MTP head of seed %d (once; cached in %s)", seed, path)
+            trained = train_mtp(hf, seed, config)
+            log.info(
+                "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
+                trained.meta["train_seconds"],
+                DRAFT_MAX,
+                trained.meta["held_out_mean_accepted"],
+            )
+            _store(trained, path)
     return TrainedMtp(head=load_file(str(path / HEAD_FILE)), meta=json.loads((path / cache.META_FILE).read_text()))
 
 
