@@ -2,8 +2,8 @@
 test_check_step_faults.py leave out (issue 48): the graph faults of libllama around
 llama-speculative-simple (`log-snr-*` of 0003, `recurrent-keep-rejected` of 0004: the program's
 own libllama reads FEATDIFF_FAULT, so no process of featdiff's holds the pinned one), the long
-inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those, and the driver
-and graph faults of EAGLE3 and of MTP that need one request (`mtp-boundary-future` on the
+inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those, and every
+driver and graph fault of EAGLE3 and of MTP that one request shows (`mtp-boundary-future` on the
 server's prompt split in two target batches). Each exits 1 naming the finding docs/faults.md
 gives it, never 2 or 3, and keeps its dumps. The faults that need several sequences at once are
 checked on the capture of that traffic (`check --run`: tests/llama/test_server_traffic.py,
@@ -40,7 +40,8 @@ SERVER_DFLASH = {
     "log-snr-after-norm": ("log-snr", TRAINED, [], PROMPT, "wrong_source"),
     "recurrent-keep-rejected": ("qwen35", HF_TARGET, [], PROMPT, "wrong_source"),
 }
-# fault -> (drafter kind, the finding check must name): driver faults (0002, 0009) and graph faults (0007, 0008)
+# fault -> (drafter kind, the finding check must name): every driver (0002, 0009) and graph (0007, 0008)
+# fault of EAGLE3 and MTP that one request shows
 SERVER = {
     "eagle3-step-seed-state": ("eagle3", "wrong_source"),
     "eagle3-concat-swapped": ("eagle3", "slot_permutation"),
@@ -49,12 +50,18 @@ SERVER = {
     "mtp-boundary-future": ("mtp", "wrong_source"),  # the server prefills the prompt in 25 + 4 tokens
     "eagle3-prenorm-after-norm": ("eagle3", "wrong_source"),
     "mtp-hidden-prenorm": ("mtp", "wrong_source"),
+    "eagle3-no-shift": ("eagle3", "row_shift"),
+    "eagle3-step-pos": ("eagle3", "position_offset"),
+    "mtp-no-shift": ("mtp", "row_shift"),
+    "mtp-recycle-prenorm": ("mtp", "wrong_source"),
+    "mtp-step-pos": ("mtp", "position_offset"),
 }
 # fault -> the source its wrong_source names and where, as in-process (docs/faults.md)
 SOURCE = {
     "mtp-boundary-future": ("batch_last", "driver"),
     "eagle3-prenorm-after-norm": ("after_norm", "graph"),
     "mtp-hidden-prenorm": ("prenorm", "graph"),
+    "mtp-recycle-prenorm": ("chain_prenorm", "graph"),
     "log-snr-after-norm": ("after_norm", "graph"),
 }
 

@@ -44,15 +44,14 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output_dir, replaced
 from featdiff.factory import mtp_deepseek as ds
+from featdiff.factory import mtp_nemotron as nh
 from featdiff.factory import pairs
 from featdiff.factory.converter import (
     CONVERTER,
     DRAFT_GGUF,
     TARGET_GGUF,
     TARGET_HF,
-    TOKENIZER_MODEL,
     convert_checkpoint,
-    write_spm_tokenizer,
 )
 from featdiff.factory.fixtures import PROMPTS_FILE, _write_held_out_prompts
 from featdiff.factory.hf_families import (
@@ -63,6 +62,7 @@ from featdiff.factory.hf_families import (
     FAMILIES,
     N_EXPERT,
     N_EXPERT_USED,
+    TOKENIZER_BYTE_BPE,
     TOKENIZER_SPM,
     Family,
     _glm4moe_config,
@@ -294,6 +294,11 @@ DEEPSEEK32_MTP = MtpTarget(ds.DEEPSEEK32_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_D
 GLM_DSA_MTP = MtpTarget(ds.GLM_DSA_TARGET, GLM4MOE_HEAD, ds.GGUF_FROM_HF_GLM_DSA, ds.BOOTSTRAP_GLM_DSA)
 # Qwen3-Next's head is Qwen3.5-MoE's, its config.json without the count (factory/mtp_qwen3next.py)
 QWEN3NEXT_MTP = MtpTarget(QWEN3NEXT_TARGET, replace(QWEN35_HEAD, n_mtp_key=None), GGUF_FROM_HF_MOE, _SPM, 1.0)
+# Nemotron-H's head as the pinned converter expects it, two sub-layers (factory/mtp_nemotron.py)
+NEMOTRON_H_HEAD = HeadLayout(nh.HF_N_MTP, nh.HF_MTP, nh.HF_FC, nh.HF_NORMS, nh.nemotron_head_shapes)
+NEMOTRON_H_MOE_MTP = MtpTarget(
+    nh.NEMOTRON_H_MOE_TARGET, NEMOTRON_H_HEAD, nh.GGUF_FROM_HF_NEMOTRON, BOOTSTRAP_OF[TOKENIZER_BYTE_BPE]
+)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
 MTP_STREAM = 4
@@ -381,6 +386,7 @@ _VARIANTS = (
         has_separate_head=False,
         target=QWEN3NEXT_MTP,
     ),
+    MtpVariant("mtp-nemotron-h-moe", nh.NEMOTRON_H_MOE_DOC, has_separate_head=False, target=NEMOTRON_H_MOE_MTP),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
 MTP_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
@@ -402,7 +408,7 @@ def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -
     v = checked_mtp_variant(variant)
     out = check_output_dir(Path(outdir), (), "OUTDIR")
     hf = write_hf_target(out / TARGET_HF, v.target.family, seed)
-    write_spm_tokenizer(hf / TOKENIZER_MODEL, pairs.TINY.n_vocab)
+    nh.write_target_tokenizer(hf, v.target.family)
     if v.is_trained:
         faint_trunk(hf)
     add_mtp_head(hf, seed, v.target)

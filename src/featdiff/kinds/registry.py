@@ -187,6 +187,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_DEEPSEEK2,
             names.ARCH_DEEPSEEK32,
             names.ARCH_GLM_DSA,
+            names.ARCH_NEMOTRON_H_MOE,
         ),
         row_token=0,
         shares_target_model=True,

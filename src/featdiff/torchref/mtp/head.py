@@ -119,13 +119,15 @@ def decode(
     post = rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)
     ffn = moe_ffn(b, post, head.routing) if head.routing else swiglu(post, b["ffn_gate"], b["ffn_up"], b["ffn_down"])
     post_ffn = ffn + residual
-    normed = rms_norm(post_ffn, head.head_norm, hp.rms_eps)
+    normed = graph.head_norm(post_ffn, head.head_norm, hp.rms_eps)
     logits = linear(normed if outputs else normed[:0], head.output)  # (n_outputs, n_vocab)
     # mimo2.cpp takes the output rows before naming h_nextn; the post-norm graphs name all rows
     h_nextn, other = (post_ffn, normed) if graph.is_prenorm else (normed, post_ffn)
     h_nextn_rows = h_nextn if outputs or not graph.is_prenorm else h_nextn[:0]  # (n_outputs or n_tokens, n_embd)
     if graph.has_early_rows and not outputs:  # qwen3next.cpp: no output rows from the residual on
         residual, post_ffn, h_nextn_rows = residual[:0], post_ffn[:0], h_nextn_rows[:0]  # (0, n_embd) each
+    if graph.has_rows_before_ffn and not outputs:  # nemotron-h-moe.cpp: the residual keeps every row
+        post_ffn, h_nextn_rows = post_ffn[:0], h_nextn_rows[:0]  # (0, n_embd) each
     layer = lambda base: names.layer_name(base, il)  # noqa: E731
     candidates = [Named(names.candidate_name(layer(names.MTP_CONCAT), names.slots_hypothesis((1, 0))),
                         torch.cat([h_norm, e_norm], dim=1))]  # fmt: skip
@@ -247,7 +249,7 @@ def _block_keys(g: GgufModel, il: int) -> list[str]:
     in_block = {t[len(prefix) :].removesuffix(".weight") for t in g.tensors if t.startswith(prefix)}
     graph = GRAPHS[g.arch]
     attention = [*graph.attention_tensors, *(k for k in ATTENTION_OPTIONAL if k in in_block)]
-    ffn = _moe_tensors(in_block) if MOE_ROUTER in in_block else list(DENSE_FFN)
+    ffn = _moe_tensors(in_block, graph.experts) if MOE_ROUTER in in_block else list(DENSE_FFN)
     return [*attention, *ffn]
 
 
@@ -275,11 +277,11 @@ def _block_tensor(prefix: str, key: str) -> str:
     return f"{prefix}{key}" if key.endswith(BIAS_SUFFIX) else f"{prefix}{key}.weight"
 
 
-def _moe_tensors(in_block: set[str]) -> list[str]:
+def _moe_tensors(in_block: set[str], separate: tuple[str, ...]) -> list[str]:
     """A MoE block's FFN tensors as the file has them: the router, its choice bias where there is
     one, the experts (separate or fused gate and up), and the shared expert and its gate where
     there are."""
-    experts = [MOE_GATE_UP, MOE_EXPERTS[2]] if MOE_GATE_UP in in_block else list(MOE_EXPERTS)
+    experts = [MOE_GATE_UP, MOE_EXPERTS[2]] if MOE_GATE_UP in in_block else list(separate)
     optional = [k for k in (MOE_CHOICE_BIAS, *MOE_SHARED) if k in in_block]
     return [MOE_ROUTER, *experts, *optional]
 
@@ -303,9 +305,9 @@ def _block_hparams(g: GgufModel, il: int) -> Hparams:
         n_head=n_head,
         n_head_kv=_of_block(meta(g, names.KEY_HEAD_COUNT_KV, n_head), il),
         n_embd_head=n_embd_head,
-        n_ff=int(meta(g, names.KEY_FEED_FORWARD_LENGTH, 0)),  # a MoE model writes its experts' widths instead
+        n_ff=_of_block(meta(g, names.KEY_FEED_FORWARD_LENGTH, 0), il),  # per block (nemotron_h); MoE: experts instead
         n_vocab=int(g.tensors[names.T_TOKEN_EMBD].ne[1]),
-        rms_eps=float(meta(g, names.KEY_RMS_EPS)),
+        rms_eps=float(meta(g, names.KEY_RMS_EPS, None) or meta(g, names.KEY_NORM_EPS)),  # nemotron_h: the latter only
         rope_base=float(meta(g, names.KEY_ROPE_FREQ_BASE_SWA, base)) if is_swa else base,
         rope_type="neox",
         rope_scaling=_rope_scaling(g, n_rot),

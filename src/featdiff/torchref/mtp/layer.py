@@ -69,6 +69,8 @@ class MoeRouting:
     expert_scale: float = 0.0  # {arch}.expert_weights_scale: scales the routed weights unless 0 or 1
     has_sigmoid_gating: bool = False  # probabilities: sigmoid of the router's logits, else softmax
     has_weights_norm: bool = True  # the chosen weights renormalized to sum 1 (norm_w)
+    # experts and shared expert LLM_FFN_RELU_SQR without a gate (nemotron-h-moe.cpp), else SwiGLU
+    is_relu_sqr: bool = False
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -77,13 +79,35 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return linear(g / (1.0 + torch.exp(-g)) * linear(x, up), down)
 
 
+def relu_sqr(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`down(relu(up x)^2)` (LLM_FFN_RELU_SQR, no gate: Nemotron-H's experts)."""
+    return linear(torch.relu(linear(x, up)) ** 2, down)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml_norm times `weight` (LLM_NORM without a bias): each row less its mean over its RMS."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred * torch.rsqrt(centred.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def _expert(
+    b: dict[str, torch.Tensor], kind: str, x: torch.Tensor, routing: MoeRouting, e: int | None = None
+) -> torch.Tensor:
+    """Expert `e` of the block's `kind` ("exps"; "shexp": the shared one, e None) on rows `x`."""
+    w = {p: b[f"ffn_{p}_{kind}"] if e is None else b[f"ffn_{p}_{kind}"][e] for p in ("up", "down")}
+    if routing.is_relu_sqr:
+        return relu_sqr(x, w["up"], w["down"])
+    gate = b[f"ffn_gate_{kind}"] if e is None else b[f"ffn_gate_{kind}"][e]
+    return swiglu(x, gate, w["up"], w["down"])
+
+
 def moe_ffn(b: dict[str, torch.Tensor], x: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
     """The block `b`'s MoE FFN as build_moe_ffn computes it: probabilities from the router's
     logits (softmax, or sigmoid), the top n_expert_used experts chosen by them plus the choice
     bias where the block has one (left out of the weights), weighted by their probabilities
     (renormalized to sum 1 where the routing says, scaled by expert_weights_scale unless 0 or 1),
-    each a SwiGLU; plus the shared expert's SwiGLU, gated by sigmoid of its own router row where
-    the block has one."""
+    each a SwiGLU (Nemotron-H's: squared ReLU, is_relu_sqr); plus the shared expert's, gated by
+    sigmoid of its own router row where the block has one."""
     logits = linear(x, b[MOE_ROUTER])  # (n_tokens, n_expert)
     probs = torch.sigmoid(logits) if routing.has_sigmoid_gating else torch.softmax(logits, dim=-1)
     choice = probs + b[MOE_CHOICE_BIAS] if MOE_CHOICE_BIAS in b else probs  # (n_tokens, n_expert)
@@ -98,11 +122,10 @@ def moe_ffn(b: dict[str, torch.Tensor], x: torch.Tensor, routing: MoeRouting) ->
         row = x[t : t + 1]  # (1, n_embd)
         for k in range(routing.n_expert_used):
             e = int(chosen[t, k])
-            expert = swiglu(row, b["ffn_gate_exps"][e], b["ffn_up_exps"][e], b["ffn_down_exps"][e])
-            out[t] += weights[t, k] * expert[0]
+            out[t] += weights[t, k] * _expert(b, "exps", row, routing, e)[0]
     if "ffn_up_shexp" not in b:
         return out
-    shared = swiglu(x, b["ffn_gate_shexp"], b["ffn_up_shexp"], b["ffn_down_shexp"])  # (n_tokens, n_embd)
+    shared = _expert(b, "shexp", x, routing)  # (n_tokens, n_embd)
     if "ffn_gate_inp_shexp" in b:  # one logit per token, stored (1, n_embd) or (n_embd,)
         shared = shared * torch.sigmoid(x @ b["ffn_gate_inp_shexp"].reshape(-1))[:, None]
     return out + shared
@@ -166,6 +189,22 @@ def _fused_sink_attention(
     return scaled_output(hp, linear(kqv, b["attn_output"])), cache_with(cache, positions, [k_all], [v_all])
 
 
+def _nope_attention(
+    hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+) -> tuple[torch.Tensor, KvCache]:
+    """Nemotron-H's attention (nemotron-h-moe.cpp graph_mtp): q/k/v projections (build_qkv, their
+    biases where the block has them), no RoPE, causal attention through the cache, attn_output.
+    Returns the output `(n_tokens, n_embd)` and the cache with this eval's K/V."""
+    n_tokens, d = x.shape[0], hp.n_embd_head
+    q = _projected(x, b, "attn_q").reshape(n_tokens, hp.n_head, d)
+    k = _projected(x, b, "attn_k").reshape(n_tokens, hp.n_head_kv, d)
+    v = _projected(x, b, "attn_v").reshape(n_tokens, hp.n_head_kv, d)
+    k_all, v_all = layer_kv(cache, 0, k, v)
+    kv_pos = torch.cat([cache.positions, positions])  # (n_cells + n_tokens,)
+    kqv = attend(q, positions, k_all, v_all, kv_pos, causal=True)  # (n_tokens, n_head * d)
+    return linear(kqv, b["attn_output"]), cache_with(cache, positions, [k_all], [v_all])
+
+
 def _projected(x: torch.Tensor, b: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """`name`'s projection of `x`, plus its bias where the block has one."""
     y = linear(x, b[name])
@@ -212,6 +251,13 @@ def _routing_of_file(g: GgufModel, unsaid: int = GATING_SIGMOID) -> MoeRouting:
     )
 
 
+def _nemotron_routing(g: GgufModel) -> MoeRouting:
+    """nemotron-h-moe.cpp's routing: sigmoid whatever the file says (build_moe_ffn is given
+    LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID), the file's expert_weights_norm and scale, and
+    squared-ReLU experts without a gate."""
+    return replace(_routing_of_file(g), has_sigmoid_gating=True, is_relu_sqr=True)
+
+
 def _deepseek2_routing(g: GgufModel) -> MoeRouting:
     """deepseek2.cpp's routing: glm4-moe.cpp's, softmax where the file says none (load_arch_hparams)."""
     return _routing_of_file(g, unsaid=GATING_SOFTMAX)
@@ -241,6 +287,11 @@ class MtpGraph:
     # the attention output and its input), so the residual, mtp_post_ffn and h_nextn hold the output
     # rows only; the others take them after h_nextn, for the logits
     has_early_rows: bool = False
+    # the output rows taken after the attention's residual, before the FFN (nemotron-h-moe.cpp
+    # graph_mtp's crop_before_ffn in a masked draft context): mtp_post_ffn and h_nextn hold them only
+    has_rows_before_ffn: bool = False
+    experts: tuple[str, ...] = MOE_EXPERTS  # a MoE block's separate expert tensors
+    head_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm  # (rows, weight, eps)
 
 
 QWEN35_GRAPH = MtpGraph(_gated_attention, QWEN35_ATTENTION, names.MTP_ATTN_RESIDUAL, _softmax_renormalized)
@@ -276,6 +327,18 @@ GRAPHS = {
     # layer's top-k (indexer_types); below index_topk cells every layer attends to every cell anyway
     names.ARCH_GLM_DSA: MtpGraph(
         mla_attention, MLA_ATTENTION + DSA_INDEXER, names.MTP_FFN_INP, _routing_of_file, ffn_norm="ffn_norm"
+    ),
+    # nemotron-h-moe.cpp graph_mtp: NoPE attention, the MoE sub-layer's squared-ReLU experts routed by
+    # sigmoid + a choice bias and its ungated shared expert, the head's own LayerNorm (LLM_NORM, its eps
+    # f_norm_eps: the converter writes layer_norm_epsilon only, which llama.cpp reads for its RMS norms too)
+    names.ARCH_NEMOTRON_H_MOE: MtpGraph(
+        _nope_attention,
+        GLM4MOE_ATTENTION,
+        names.MTP_ATTN_RESIDUAL,
+        _nemotron_routing,
+        has_rows_before_ffn=True,
+        experts=MOE_EXPERTS[1:],
+        head_norm=layer_norm,
     ),
 }
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
