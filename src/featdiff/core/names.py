@@ -49,6 +49,7 @@ ARCH_QWEN3NEXT = "qwen3next"  # Qwen3-Next's head: qwen35moe's, output rows take
 ARCH_DEEPSEEK2 = "deepseek2"  # DeepSeek-V3's head: MLA attention, sigmoid-routed MoE (deepseek2.cpp graph_mtp)
 ARCH_DEEPSEEK32 = "deepseek32"  # DeepSeek-V3.2's head: deepseek2's MLA head; its trunk adds the DSA indexer
 ARCH_NEMOTRON_H_MOE = "nemotron_h_moe"  # Nemotron-H's head: NoPE attention + relu^2 MoE, LayerNorm head norm
+ARCH_STEP35 = "step35"  # Step-3.5's chained heads: gated attention, sigmoid MoE, pre-norm state (step35.cpp)
 ARCH_GLM_DSA = "glm-dsa"  # GLM-5's head: deepseek32's, sigmoid routing where the file says none (glm-dsa.cpp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm

@@ -79,7 +79,11 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # llama.cpp's deepseek2) keeps it and writes `nextn_predict_layers`, so DeepseekV3ForCausalLM is
 # converted with that class, its vocabulary (`_set_vocab_glm`) read from tokenizer.model
 # (factory/mtp_deepseek.py). "deepseek32" (DeepSeek-V3.2, whose class keeps its head): DeepseekV32Model's
-# set_vocab (AutoTokenizer, then the BPE route) read as `_set_vocab_sentencepiece`
+# set_vocab (AutoTokenizer, then the BPE route) read as `_set_vocab_sentencepiece`. "step35" (Step-3.5, as
+# "spm"): the converter's pinned transformers (CONVERTER_REQUIREMENTS) knows no `step3p5`, so the converter
+# reads config.json as written; transformers 5.23 maps `step3p5` to its Step3p7TextConfig, whose dict
+# renames the keys Step35Model reads (num_attention_groups, moe_num_experts, ...): that config is read
+# as the pinned one reads it (factory/mtp_step35.py)
 MIMO_N_NEXTN = 1
 # argv: [-c, bootstrap, script, args...]
 _BOOTSTRAP_HEAD = (
@@ -106,6 +110,13 @@ BOOTSTRAPS = {
     + "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n"
     + "from conversion.base import ModelBase\nfrom conversion.glm import Glm4MoeLiteModel\n"
     + "ModelBase.register('DeepseekV3ForCausalLM')(Glm4MoeLiteModel)\n"
+    + _BOOTSTRAP_RUN,
+    "step35": _BOOTSTRAP_HEAD
+    + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
+    + "import conversion.base as _base\n"
+    + "def _read_config(dir_model, *args, **kwargs):\n"
+    + "    raise ValueError('step3p5: read config.json as the pinned transformers does')\n"
+    + "_base.AutoConfig = type('AutoConfig', (), {'from_pretrained': staticmethod(_read_config)})\n"
     + _BOOTSTRAP_RUN,
     "deepseek32": _BOOTSTRAP_HEAD
     + "from conversion.deepseek import DeepseekV32Model\n"

@@ -110,7 +110,8 @@ def reorder_heads(gguf: Path, order: tuple[int, ...]) -> Path:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
-    n_layer = int(reader.fields[names.KEY_BLOCK_COUNT.format(arch=names.ARCH_MIMO2)].contents()) - len(order)
+    arch = str(reader.fields[names.KEY_ARCH].contents())  # mimo2, step35
+    n_layer = int(reader.fields[names.KEY_BLOCK_COUNT.format(arch=arch)].contents()) - len(order)
     blocks = [names.GGUF_LAYER_PREFIX.format(il=n_layer + k) for k in range(len(order))]
     held = {t.name: np.array(t.data) for t in reader.tensors if t.name.startswith(tuple(blocks))}
     moved = {

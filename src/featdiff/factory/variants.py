@@ -2,7 +2,7 @@
 of featdiff.factory.pairs (factory/fixtures.py), the DFlash2 pair (factory/dflash2.py), the target families run
 through transformers with the clean drafter (factory/hf_targets.py), the EAGLE3 pairs the pinned
 converter makes (factory/eagle3.py) and the Qwen3.5, Qwen3.5-MoE, GLM-4.5 and MiMo-V2 targets with an
-MTP head (factory/mtp.py)."""
+MTP head (factory/mtp.py), chained heads (factory/mtp_chain.py, factory/mtp_step35.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from featdiff.factory import fixtures, hf_targets
 from featdiff.factory import hf_families as factory_hf_families
 from featdiff.factory import mtp as fixtures_mtp
 from featdiff.factory import mtp_chain as fixtures_mtp_chain
+from featdiff.factory import mtp_step35 as fixtures_mtp_step35
 
 DFLASH2 = "dflash2"
 DFLASH2_DOC = "DFlash2 drafter (local convolutions, candidate lattice) on the qwen3 target"
@@ -32,6 +33,7 @@ def _others() -> dict[str, str]:
         **fixtures_eagle3.EAGLE3_VARIANTS,
         **fixtures_mtp.MTP_VARIANTS,
         **fixtures_mtp_chain.CHAIN_VARIANTS,
+        **fixtures_mtp_step35.STEP35_VARIANTS,
     }
 
 
@@ -48,6 +50,8 @@ def write(outdir: Path, variant: str, seed: int = 0) -> Path:
         return fixtures_mtp.write_mtp_fixture(outdir, variant, seed)
     if variant in fixtures_mtp_chain.CHAIN_VARIANTS:
         return fixtures_mtp_chain.write_mtp_chain_fixture(outdir, variant, seed)
+    if variant in fixtures_mtp_step35.STEP35_VARIANTS:
+        return fixtures_mtp_step35.write_step35_fixture(outdir, variant, seed)
     if variant == DFLASH2:
         return fixtures_dflash2.write_dflash2_fixture(outdir, seed)
     if variant in factory_hf_families.FAMILIES:

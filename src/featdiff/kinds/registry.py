@@ -187,6 +187,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_DEEPSEEK2,
             names.ARCH_DEEPSEEK32,
             names.ARCH_GLM_DSA,
+            names.ARCH_STEP35,  # chained heads (torchref/mtp/step35.py)
             names.ARCH_NEMOTRON_H_MOE,
         ),
         row_token=0,

@@ -29,7 +29,7 @@ from featdiff.core.errors import InputError
 from featdiff.core.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.dump.records import Round
 from featdiff.torchref.attention import KvCache, truncated
-from featdiff.torchref.mtp.flow import _target_eval
+from featdiff.torchref.mtp.flow import _Hidden, _target_eval
 from featdiff.torchref.mtp.head import MtpHead, MtpPass, check_mtp_pair, decode, mtp_from_gguf
 from featdiff.torchref.mtp.hf import mimo_head_tensors, mtp_from_hf
 from featdiff.torchref.mtp.layer import GRAPHS
@@ -48,6 +48,7 @@ from featdiff.torchref.rounds import (
 )
 from featdiff.torchref.stack import Named
 from featdiff.torchref.steps import next_token, own_drafts, top1_probability
+from featdiff.torchref.target import TargetPass
 from featdiff.torchref.weights import Target
 
 # a step's records of its output rows only (mimo2.cpp takes the rows before naming h_nextn)
@@ -163,6 +164,21 @@ def _is_prenorm(chain: MtpChain) -> bool:
     return GRAPHS[chain.first.hparams.arch].is_prenorm
 
 
+def _chain_target_eval(
+    target: Target,
+    chain: MtpChain,
+    tokens: tuple[int, ...],
+    positions: tuple[int, ...],
+    cache: KvCache,
+    outputs: bool,
+    numerics: Numerics,
+) -> tuple[TargetPass, _Hidden, tuple[Named, ...]]:
+    """flow._target_eval with the target's records under the names the arch's graph gives them (MtpGraph.trunk_names)."""
+    tp, hidden, records = _target_eval(target, tokens, positions, cache, outputs, numerics, _is_prenorm(chain))
+    rename = GRAPHS[chain.first.hparams.arch].trunk_names
+    return tp, hidden, rename(records) if rename else records
+
+
 def _prefill(
     target: Target, chain: MtpChain, prompt: tuple[int, ...], numerics: Numerics, cached: int
 ) -> tuple[_State, list[EvalTrace]]:
@@ -171,7 +187,7 @@ def _prefill(
     pending = torch.zeros((1, chain.first.hparams.n_embd), dtype=numerics.dtype, device=numerics.device)
     evals: list[EvalTrace] = []
     for phase, tokens, positions in prefill_batches(prompt, cached):
-        tp, hidden, records = _target_eval(target, tokens, positions, t_cache, False, numerics, _is_prenorm(chain))
+        tp, hidden, records = _chain_target_eval(target, chain, tokens, positions, t_cache, False, numerics)
         evals.append(EvalTrace(_eval(len(evals), names.ROLE_TARGET, phase, positions, tokens, PREFILL_ROUND), records))
         caches, traces = _process(
             chain, tokens, positions, hidden.handed, pending, caches, len(evals), inject_after(phase), 0
@@ -229,9 +245,7 @@ def _round(
     drafts = own if plan is None else tuple(plan.drafts)
     verify = (state.id_last,) + drafts
     positions = tuple(range(state.n_past, state.n_past + len(verify)))
-    tp, hidden, records = _target_eval(
-        target, verify, positions, state.target_cache, True, numerics, _is_prenorm(chain)
-    )
+    tp, hidden, records = _chain_target_eval(target, chain, verify, positions, state.target_cache, True, numerics)
     traces.append(
         EvalTrace(_eval(first_eval + len(traces), names.ROLE_TARGET, Phase.VERIFY, positions, verify, r), records)
     )

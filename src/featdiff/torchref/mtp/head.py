@@ -292,7 +292,7 @@ def _block_hparams(g: GgufModel, il: int) -> Hparams:
     qwen35's M-RoPE with every section at the same text position, glm4moe's plain NeoX RoPE), one
     layer; a block the sliding-window pattern marks (mimo2's) attends within the window, with the
     sliding layers' RoPE base (llama_model::get_rope_freq_base), and mimo2's value scale."""
-    n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), int(meta(g, names.KEY_HEAD_COUNT))
+    n_embd, n_head = int(meta(g, names.KEY_EMBEDDING_LENGTH)), _of_block(meta(g, names.KEY_HEAD_COUNT), il)
     n_embd_head = int(meta(g, names.KEY_KEY_LENGTH, n_embd // n_head))
     n_rot = int(meta(g, names.KEY_ROPE_DIMS, n_embd_head))
     pattern = meta(g, names.KEY_SLIDING_WINDOW_PATTERN_ARCH, None)

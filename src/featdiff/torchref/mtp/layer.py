@@ -22,7 +22,8 @@ from featdiff.core.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.mla import DSA_INDEXER, MLA_ATTENTION, mla_attention
 from featdiff.torchref.numerics import linear, rms_norm, rope
-from featdiff.torchref.stack import scaled_output, windowed
+from featdiff.torchref.mtp.step35 import STEP35_ATTENTION, refuse_unmodelled, step35_attention, trunk_names
+from featdiff.torchref.stack import Named, scaled_output, windowed
 from featdiff.torchref.weights import Hparams
 
 DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
@@ -258,6 +259,13 @@ def _nemotron_routing(g: GgufModel) -> MoeRouting:
     return replace(_routing_of_file(g), has_sigmoid_gating=True, is_relu_sqr=True)
 
 
+def _step35_routing(g: GgufModel) -> MoeRouting:
+    """step35.cpp's routing: glm4-moe.cpp's (sigmoid where the file says none), refusing by name what of
+    the file the reference does not compute (torchref/mtp/step35.py)."""
+    refuse_unmodelled(g)
+    return _routing_of_file(g)
+
+
 def _deepseek2_routing(g: GgufModel) -> MoeRouting:
     """deepseek2.cpp's routing: glm4-moe.cpp's, softmax where the file says none (load_arch_hparams)."""
     return _routing_of_file(g, unsaid=GATING_SOFTMAX)
@@ -287,6 +295,9 @@ class MtpGraph:
     # the attention output and its input), so the residual, mtp_post_ffn and h_nextn hold the output
     # rows only; the others take them after h_nextn, for the logits
     has_early_rows: bool = False
+    # the target's records under the names its graph gives them where they are not embd / l_out-<il>
+    # (step35.cpp's attn_norm_in-<il>: torchref/mtp/step35.py); None: those names
+    trunk_names: Callable[[tuple[Named, ...]], tuple[Named, ...]] | None = None
     # the output rows taken after the attention's residual, before the FFN (nemotron-h-moe.cpp
     # graph_mtp's crop_before_ffn in a masked draft context): mtp_post_ffn and h_nextn hold them only
     has_rows_before_ffn: bool = False
@@ -341,4 +352,17 @@ GRAPHS = {
         head_norm=layer_norm,
     ),
 }
+# step35.cpp graph_mtp: one full decoder layer per head (chained: draft step k runs head k), its
+# attention gated per head (torchref/mtp/step35.py), the MoE routed by sigmoid plus exp_probs_b with an
+# ungated shared expert; the target hands over its trunk output before the final norm and each step
+# recycles mtp_post_ffn (the output rows), the shared-head norm (else output_norm) only before the logits
+GRAPHS[names.ARCH_STEP35] = MtpGraph(
+    step35_attention,
+    STEP35_ATTENTION,
+    names.MTP_ATTN_RESIDUAL,
+    _step35_routing,
+    is_prenorm=True,
+    ffn_norm="ffn_norm",
+    trunk_names=trunk_names,
+)
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
