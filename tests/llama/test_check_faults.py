@@ -32,16 +32,16 @@ EXIT_FAIL = 1
 # fault -> (the programs it is planted around, the finding check must name); as test_driver_faults
 FAULTS = {
     "anchor-mask": (("llama-speculative-simple", "llama-server"), "block_token"),
-    "anchor-stale": (("llama-speculative-simple",), "block_token"),
-    "draft-pos": (("llama-speculative-simple",), "position_offset"),
+    "anchor-stale": (("llama-speculative-simple", "llama-server"), "block_token"),
+    "draft-pos": (("llama-speculative-simple", "llama-server"), "position_offset"),
     "inject-pos": (("llama-speculative-simple", "llama-server"), "position_offset"),
-    "layer-major": (("llama-speculative-simple",), "layout_transpose"),
-    "slots-reversed": (("llama-speculative-simple",), "slot_permutation"),
-    "layers-plus1": (("llama-speculative-simple",), "layer_offset"),
-    "no-inject": (("llama-speculative-simple",), "not_conditioned"),
-    "inject-twice": (("llama-speculative-simple",), "duplicate_rows"),
+    "layer-major": (("llama-speculative-simple", "llama-server"), "layout_transpose"),
+    "slots-reversed": (("llama-speculative-simple", "llama-server"), "slot_permutation"),
+    "layers-plus1": (("llama-speculative-simple", "llama-server"), "layer_offset"),
+    "no-inject": (("llama-speculative-simple", "llama-server"), "not_conditioned"),
+    "inject-twice": (("llama-speculative-simple", "llama-server"), "duplicate_rows"),
     "keep-rejected": (("llama-speculative-simple", "llama-server"), "stale"),
-    "npast-drift": (("llama-speculative-simple",), "position_offset"),
+    "npast-drift": (("llama-speculative-simple",), "position_offset"),  # planted in speculative-simple.cpp's loop only
 }
 CASES = [pytest.param(fault, program, id=f"{fault}@{program}") for fault, (ps, _) in FAULTS.items() for program in ps]
 
