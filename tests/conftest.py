@@ -4,6 +4,7 @@ them through the pinned llama.cpp build, and their reference dumps (each made on
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import shutil
@@ -34,14 +35,9 @@ BUILD_OF_FIXTURE = {"vulkan": "vulkan", "device": "vulkan", "legacy": "release",
 BUILD_ORDER = ("vulkan", "release", "backend-dl")
 BACKGROUND_BUILDS_ENV = "FEATDIFF_BACKGROUND_BUILDS"  # 0: no background builds (each fixture builds its own)
 BACKGROUND_LOG = "test-builds.log"  # in the tools dir, beside each build's own featdiff-build.log
-# the trained fixture variants (trained once per machine: a minute or two each on one core), the
-# session fixture that writes each and how a test module names it, in the order the suite reaches
-# them; a session whose tests use one has it trained in a background process (_start_warm_up)
-TRAINED_VARIANTS = (
-    ("trained", "fixture_models", re.compile(r'"trained(-(?!eagle3|mtp)[a-z0-9-]+)?"')),
-    ("trained-eagle3", "eagle3_pairs", re.compile(r'"trained-eagle3"')),
-    ("trained-mtp", "mtp_pairs", re.compile(r'"trained-mtp"')),
-)
+# the DFlash pairs a session fixture writes without the converter take a second, except the trained
+# ones (one training, a minute or two on one core): how a test module names one
+TRAINED_DFLASH = re.compile(r'"trained(-(?!eagle3|mtp)[a-z0-9-]+)?"')
 WARM_UP_NICE = "10"  # below the tests, above the builds (nice 19), which have their tests' slack
 WARM_UP_LOG = "test-warm-up.log"  # in the tools dir
 # writes each variant named after the directory into it: the training and conversion caches fill
@@ -120,31 +116,50 @@ _BACKGROUND = pytest.StashKey[subprocess.Popen]()
 _WARM_UP = pytest.StashKey[tuple[subprocess.Popen, Path]]()
 
 
-def _trained_needed(items: list[pytest.Item]) -> list[str]:
-    """The TRAINED_VARIANTS the tests in `items` use: a test using the variant's pairs fixture
-    (directly or through another fixture) in a module that names the variant."""
-    sources: dict[Path, str] = {}
-    needed = []
-    for variant, fixture, named in TRAINED_VARIANTS:
-        for item in items:
-            if fixture in getattr(item, "fixturenames", ()):
-                path = Path(str(item.fspath))
-                if path not in sources:
-                    sources[path] = path.read_text()
-                if named.search(sources[path]):
-                    needed.append(variant)
-                    break
-    return needed
+def _warm_up_variants(items: list[pytest.Item]) -> list[str]:
+    """The fixture variants worth making ahead of the tests in `items`, in the order they first
+    use them: each EAGLE3 and MTP variant (the pinned converter's: 15 CPU seconds a conversion,
+    a training for the trained ones) that a test using its pairs fixture (directly or through
+    another fixture) names in its own source or as a parameter, and the trained DFlash pair when
+    one names it. A variant a test reaches otherwise is made by its fixture, as before."""
+    from featdiff.factory.eagle3 import EAGLE3_VARIANTS
+    from featdiff.factory.mtp import MTP_VARIANTS
+
+    named_by = {
+        "fixture_models": (("trained", TRAINED_DFLASH),),
+        "eagle3_pairs": tuple((v, re.compile(re.escape(f'"{v}"'))) for v in EAGLE3_VARIANTS),
+        "mtp_pairs": tuple((v, re.compile(re.escape(f'"{v}"'))) for v in MTP_VARIANTS),
+    }
+    chosen: list[str] = []
+    for item in items:
+        fixtures = set(named_by) & set(getattr(item, "fixturenames", ()))
+        words = _test_words(item) if fixtures else ""
+        for fixture in fixtures:
+            chosen += [v for v, named in named_by[fixture] if v not in chosen and named.search(words)]
+    return chosen
+
+
+def _test_words(item: pytest.Item) -> str:
+    """The test function's source (from its `def`: a parametrize decorator names every case's
+    variant) and its own parameters' string values, each quoted."""
+    callspec = getattr(item, "callspec", None)
+    params = [f'"{v}"' for v in callspec.params.values() if isinstance(v, str)] if callspec else []
+    function = getattr(item, "function", None)
+    source = inspect.getsource(function) if function is not None else ""
+    return " ".join([source[source.find(f"def {getattr(function, '__name__', '')}(") :], *params])
 
 
 def _start_warm_up(session: pytest.Session) -> None:
-    """Train the trained variants this session's tests use in one background process (nice
-    WARM_UP_NICE), from collection on: the suite keeps about one core busy, and the first test
-    that uses one comes minutes later. The caches' locks (featdiff.core.cache_dir.making) make a
-    fixture that asks meanwhile wait for the background's training, never train twice; one that
-    failed there leaves no entry, so the fixture trains it and fails in the test."""
-    variants = _trained_needed(session.items)
-    if not variants or session.config.option.collectonly or os.environ.get(BACKGROUND_BUILDS_ENV) == "0":
+    """Make the converted and trained variants this session's tests use (_warm_up_variants) in
+    one background process (nice WARM_UP_NICE), from collection on, into the per-machine caches:
+    the suite keeps about one core busy, and most of those tests come minutes later. The caches'
+    locks (featdiff.core.cache_dir.making) make a fixture that asks meanwhile wait for the
+    background's conversion or training, never make it twice; one that failed there leaves no
+    entry, so the fixture makes it and fails in the test."""
+    if session.config.option.collectonly or os.environ.get(BACKGROUND_BUILDS_ENV) == "0":
+        return
+    variants = _warm_up_variants(session.items)
+    if not variants:
         return
     from featdiff.llama.binding import tools_dir
 
