@@ -1,0 +1,93 @@
+"""Nemotron-H's MTP head (issue 44, llama.cpp's nemotron_h_moe): the `mtp-nemotron-h-moe` fixture as
+the pinned converter writes it (transformers has no model code for the head: its `mtp.layers.0/1`
+are laid out as conversion/nemotron.py expects and folded into block n_layer), and the correct pair
+compared clean in-process (rounds with rejected drafts: nemotron_h_moe rolls its Mamba2 state back,
+llm_arch_supports_rs_rollback) and around llama-speculative-simple and llama-server."""
+
+from __future__ import annotations
+
+import pytest
+
+from featdiff.core import names
+from featdiff.core.gguf_reader import int_meta, meta, read_gguf
+from featdiff.diff import compare_dumps
+from featdiff.driver.capture import capture
+from featdiff.dump.reader import read_dump
+from featdiff.factory.hf_families import N_EXPERT
+from featdiff.factory.pairs import TINY
+from featdiff.programs import exec as exec_capture
+from featdiff.torchref.kind import reference
+
+pytestmark = pytest.mark.slow  # the pinned converter makes the pair (cached per machine)
+
+VARIANT = "mtp-nemotron-h-moe"
+ARCH = names.ARCH_NEMOTRON_H_MOE
+TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+RUN_TIMEOUT_S = 120
+IL = TINY.target.n_layer  # the head's block
+HEAD = f"mtp_post_ffn-{IL}"
+
+
+def test_the_converter_folds_both_sub_layers_into_one_block(mtp_pairs):
+    """Block n_layer holds the input fusion, the NoPE attention, the MoE sub-layer (squared-ReLU
+    experts: up and down only, a choice bias, an ungated shared expert) and the head's LayerNorm."""
+    m = read_gguf(mtp_pairs(VARIANT) / "target.gguf")
+    assert m.arch == ARCH
+    assert int_meta(m, names.KEY_NEXTN_LAYERS.format(arch=ARCH)) == 1
+    assert int_meta(m, names.KEY_BLOCK_COUNT.format(arch=ARCH)) == IL + 1
+    block = {t.removeprefix(f"blk.{IL}.") for t in m.tensors if t.startswith(f"blk.{IL}.")}
+    nextn = {f"nextn.{n}.weight" for n in (names.NEXTN_EH_PROJ, "enorm", "hnorm", "shared_head_norm")}
+    attention = {f"attn_{p}.weight" for p in ("norm", "q", "k", "v", "output")}
+    moe = {f"ffn_{p}.weight" for p in ("up_exps", "down_exps", "up_shexp", "down_shexp", "gate_inp")}
+    assert block == nextn | attention | moe | {"post_attention_norm.weight", "exp_probs_b.bias"}
+    assert m.tensors[f"blk.{IL}.ffn_up_exps.weight"].ne[2] == N_EXPERT
+    assert f"{ARCH}.attention.layer_norm_rms_epsilon" not in m.reader.fields  # the head norm's eps serves all
+    assert meta(m, names.KEY_NORM_EPS) > 0
+
+
+def test_the_in_process_flow_compares_clean(mtp_pairs, tmp_path):
+    """Three rounds in-process (every draft rejected by the random head, so the target's Mamba2
+    state is rolled back each round) compare clean, nothing skipped; the catch-up decodes crop
+    their rows before the head's FFN: mtp_post_ffn has none, mtp_attn_residual all."""
+    d = mtp_pairs(VARIANT)
+    run = capture(d / "target.gguf", d / "target.gguf", tmp_path / "run.npz", tokens=TOKENS, rounds=3)
+    ref = reference(
+        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=TOKENS, rounds=3,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert not c.skipped
+    paired = {(p.name, p.phase) for p in c.pairs}
+    assert {("mtp_h_input", "draft"), (HEAD, "draft"), (names.H_NEXTN, "draft"), (names.H_NEXTN, "verify")} <= paired
+    with read_dump(run) as dump:
+        m = dump.manifest
+    assert m.models["draft"]["architecture"] == ARCH and len([r for r in m.rounds if r.drafts]) == 3
+    catch_up = [r for r in m.records if r.phase == "inject" and r.name in (HEAD, f"mtp_attn_residual-{IL}")]
+    assert {r.shape[0] == 0 for r in catch_up if r.name == HEAD} == {True}
+    assert {r.shape[0] > 0 for r in catch_up if r.name != HEAD} == {True}
+
+
+@pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
+def test_around_the_program_compares_clean(tools, mtp_pairs, tmp_path, program):
+    """llama-speculative-simple and llama-server with `--spec-type draft-mtp` on the pair compare
+    clean against the reference that follows the run."""
+    d, is_server = mtp_pairs(VARIANT), program == "llama-server"
+    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *SPEC_ARGS]
+    cmd += [] if is_server else ["-p", "hello world", "-n", "16", "--temp", "0"]
+    run = exec_capture.capture_exec(
+        cmd, tmp_path / "run.npz", tokens=TOKENS if is_server else None, timeout_s=RUN_TIMEOUT_S
+    )
+    with read_dump(run) as dump:
+        m = dump.manifest
+    assert m.models["draft"]["architecture"] == ARCH and any(r.drafts for r in m.rounds)
+    assert {(r.role, r.name) for r in m.records} >= {("target", names.H_NEXTN), ("draft", HEAD)}
+    ref = reference(
+        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    expected = ("a warm-up or probe decode", "output no rows")  # llama-server samples its prefill's last row
+    assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
