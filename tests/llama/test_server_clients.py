@@ -346,3 +346,126 @@ def test_an_eagle3_slot_restored_from_its_file_names_the_drafters_rows_of_the_ot
     errors = _only_upstream_state(_step_findings(tmp_path, target, model, run))
     restored = [f for f in errors if f["flow"] == 2]
     assert [f["source"] for f in restored] == ["another_saved_prompt"] and "/slots" in restored[0]["message"], errors
+
+
+# --- --cache-reuse and several slots for the step drafters (issue 46) ---------------------------
+
+REUSED = "The quick brown fox jumps over the lazy dog near the river bank. " * 3  # a chunk past --cache-reuse 16
+HEAD = "Notes for the day. "  # the two prompts' shared prefix (the slot's own cache)
+REUSE_PROMPTS = (HEAD + "Something else entirely, said at some length first. " * 2 + REUSED, HEAD + REUSED)
+
+
+def _reused_chunk(port: int) -> None:
+    """A completion, then one that keeps its prefix and reuses a later chunk of it (the server
+    shifts that chunk's rows down with seq_add, on the target and the drafter alike)."""
+    client = _client(port)
+    for prompt in REUSE_PROMPTS:
+        client.completions.create(model="m", prompt=prompt, max_tokens=N_PREDICT, temperature=0)
+
+
+def _step_verdicts(tmp: Path, target: Path, model: Path, run: Path) -> tuple[dict, subprocess.CompletedProcess]:
+    """compare of a step drafter's run against `reference --follow` of it, and `check --run` of it."""
+    result = _step_findings(tmp, target, model, run)
+    # an MTP head is the target GGUF's own block: check runs it from the GGUF, its reference from the HF target
+    models = (
+        ["--target", model, "--model", model, "--ref-target", target]
+        if target.is_dir()
+        else ["--target", target, "--model", model]
+    )
+    check = _featdiff("check", *models, "--run", run, "--json", tmp / "check.json")
+    return result, check
+
+
+def _summary(result: dict) -> list[tuple]:
+    """(kind, severity, flow, source, message) of each finding, for a failing assertion."""
+    return [(f["kind"], f["severity"], f.get("flow"), f.get("source"), f["message"][:160]) for f in result["findings"]]
+
+
+def _errors(findings: list[dict]) -> list[tuple]:
+    """(kind, source, flow) of each error finding, in order."""
+    return [(f["kind"], f.get("source"), f.get("flow")) for f in findings if f["severity"] == "error"]
+
+
+def _checked(tmp: Path, check: subprocess.CompletedProcess, expected: list[tuple]) -> None:
+    """`check --run` exits by the errors compare found (none: 0) and names the same ones."""
+    assert check.returncode == (1 if expected else 0), check.stdout[-3000:] + check.stderr[-2000:]
+    checked = json.loads((tmp / "check.json").read_text())["comparison"]["findings"]
+    assert sorted(_errors(checked), key=str) == sorted(expected, key=str), _errors(checked)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_cache_reuse_on_a_step_drafter_judges_each_flow_or_names_what_it_met(
+    kind, tools, eagle3_pairs, mtp_pairs, tmp_path
+):
+    """--cache-reuse 16, -np 1: a completion, then one keeping its prefix and reusing a later chunk
+    of it. EAGLE3: the server shifts that chunk's rows (seq_add on the target and the drafter), so
+    the second flow alone is set aside (information naming the shift), the first compares clean and
+    check --run passes. MTP: Qwen3.5's recurrent state holds the last position only, so with no
+    checkpoint at the reused rows the server reprocesses the whole prompt (its "forcing full prompt
+    re-processing"); both flows are followed from position 0, and the second, on a slot that served
+    before, meets upstream's pending hidden kept across requests (stale_pending), named by compare
+    and check."""
+    d, spec, target, model = _step_pair(kind, eagle3_pairs, mtp_pairs)
+    options = ["-np", "1", "--cache-ram", "0", "--cache-reuse", "16"]
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, _reused_chunk, 2)
+    with read_dump(run) as dump:
+        flows = [dump.manifest.flow_info(k) for k in dump.manifest.flow_ids()]
+    why = [f.why_unreplayable() for f in flows]
+    result, check = _step_verdicts(tmp_path, target, model, run)
+    notes = [(f["severity"], f["flow"]) for f in result["findings"] if f["kind"] == "flow_note"]
+    assert result["coverage"]["pairs_skipped"] == 0 and result["coverage"]["rows_skipped"] == 0
+    if kind == "eagle3":
+        assert len(why) == 2 and not why[0] and "seq_add" in why[1] and "--cache-reuse" in why[1], why
+        assert notes == [("info", 1)] and result["ok"] and not _errors(result["findings"]), _summary(result)
+        _checked(tmp_path, check, [])
+    else:
+        assert why == ["", ""] and [f.n_cached for f in flows] == [0, 0] and not notes, (why, notes)
+        assert _errors(result["findings"]) == [("wrong_source", "stale_pending", 1)], _summary(result)
+        _checked(tmp_path, check, [("wrong_source", "stale_pending", 1)])
+
+
+def _later_on_their_slot(m) -> dict[int, int]:
+    """flow -> its n_cached, for each flow that is not the first its sequence (slot) served."""
+    seen: set[int] = set()
+    later: dict[int, int] = {}
+    for k in m.flow_ids():
+        f = m.flow_info(k)
+        if f.seq_id in seen:
+            later[k] = f.n_cached
+        seen.add(f.seq_id)
+    return later
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_several_slots_on_a_step_drafter_compare_clean_or_name_upstreams_state(
+    kind, slots, tools, eagle3_pairs, mtp_pairs, tmp_path, monkeypatch
+):
+    """-np 2: two chats at once, the long completion, the first chat again; -np 4: four clients at
+    once, one dropping its stream. Each slot's first request compares clean (rows batched with
+    other slots judged with the batched-rows tolerance); a later request on a slot is MTP's
+    stale_pending (upstream's pending hidden outlives the request), and EAGLE3's only where it kept
+    a prefix (another_request_row); check --run names the same. EAGLE3 drafts on the CPU here
+    (--no-spec-draft-backend-sampling: the backend-sampling bug is named elsewhere)."""
+    monkeypatch.setattr(sys.modules[__name__], "LONG_PROMPT", STEP_LONG_PROMPT)
+    d, spec, target, model = _step_pair(kind, eagle3_pairs, mtp_pairs)
+    options = ["-np", str(slots)] + (["--no-spec-draft-backend-sampling"] if kind == "eagle3" else [])
+    traffic, n = (_traffic, N_REQUESTS) if slots == 2 else (_four_clients, 4)
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, traffic, n)
+    with read_dump(run) as dump:
+        m = dump.manifest
+        later, seqs = _later_on_their_slot(m), {m.flow_info(k).seq_id for k in m.flow_ids()}
+        n_flows = len(m.flow_ids())
+    assert n_flows == n and len(seqs) >= min(slots, 3), (n_flows, seqs)
+    result, check = _step_verdicts(tmp_path, target, model, run)
+    errors = _errors(result["findings"])
+    _only_upstream_state(result)
+    assert result["coverage"]["pairs_skipped"] == 0 and result["coverage"]["rows_skipped"] == 0
+    assert not [f for f in result["findings"] if f["kind"] == "flow_note"], _summary(result)
+    if kind == "mtp":
+        stale = [("wrong_source", "stale_pending", k) for k in sorted(later)]
+        assert sorted(errors) == stale, (later, _summary(result))
+    else:
+        assert {k for *_, k in errors} <= {k for k, n_cached in later.items() if n_cached}, (later, _summary(result))
+        assert {s for _, s, _ in errors} <= {"another_request_row"}, _summary(result)
+    _checked(tmp_path, check, errors)
