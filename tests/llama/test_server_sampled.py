@@ -237,7 +237,8 @@ def test_the_sampled_capture_compares_clean_and_check_run_passes(sampled):
 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_a_driver_fault_is_named_on_a_sampled_request(name, tools, request, tmp_path):
-    """(d): the kind's planted driver fault (FEATDIFF_FAULT) under a request at temperature 0.8."""
+    """(d): the kind's planted driver fault (FEATDIFF_FAULT) under a request at temperature 0.8:
+    compare names it first, and `check --run` fails on it."""
     kind = KINDS[name]
     d = request.getfixturevalue(kind.pairs)(kind.variant)
     run = _capture(
@@ -255,6 +256,9 @@ def test_a_driver_fault_is_named_on_a_sampled_request(name, tools, request, tmp_
     assert not [
         f for f in errors if f["kind"] == "divergence" and "argmax" in f["message"]
     ]  # the sample is judged as one
+    check = _featdiff("check", *kind.check_models(d), "--run", run, "--json", "-")
+    reasons = json.loads(check.stdout)["reasons"] if check.stdout.strip() else check.stderr[-3000:]
+    assert check.returncode == 1 and reasons[0].startswith(f"{kind.finding} at "), reasons
 
 
 def _one_slot_twice(port: int) -> None:
