@@ -234,6 +234,7 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-deepseek2": False,
         "mtp-deepseek32": False,
         "mtp-glm-dsa": False,
+        "mtp-nemotron-h-moe": False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -246,6 +247,7 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-deepseek2": names.ARCH_DEEPSEEK2,
         "mtp-deepseek32": names.ARCH_DEEPSEEK32,
         "mtp-glm-dsa": names.ARCH_GLM_DSA,
+        "mtp-nemotron-h-moe": names.ARCH_NEMOTRON_H_MOE,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())
