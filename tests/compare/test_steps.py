@@ -155,3 +155,35 @@ def test_step_state_silent_on_other_records_other_rows_and_rows_not_step_1s():
     gap = replace(ev, positions=(20, 21, 22, 30))  # not one round of consecutive steps
     assert d.detect_wrong_source_of_step_state(gap) is None
     assert d.detect_wrong_source_of_step_state(_evidence("g_norm-0", ref[:2], run[:2])) is None  # no step 2
+
+
+def test_steps_fed_a_state_row_never_written_are_zeros_from_the_driver():
+    for record in ("g_norm-0", "mtp_h_input", "mtp_hnorm-6"):
+        ref = _round_rows()
+        run = ref.copy()
+        run[1:] = 0.0
+        f = d.detect_zeros_of_step_state(_evidence(record, ref, run))
+        assert f is not None and (f.kind, f.tensor, f.fields) == ("zeros", record, {"rows": [21, 22, 23]}), record
+        assert f.message.startswith(f"{record} of draft steps 1, 2, 3 (positions 21, 22, 23) is all zeros")
+        assert place(f, Export({}, {}), ()).where == "driver"
+    ref = _round_rows(3)
+    run = ref.copy()
+    run[2] = 0.0
+    f = d.detect_zeros_of_step_state(_evidence("g_norm-0", ref, run))
+    assert f is not None and f.fields["rows"] == [22] and "draft step 2 (position 22)" in f.message
+
+
+def test_step_zeros_silent_on_other_records_the_seed_and_other_errors():
+    ref = _round_rows()
+    run = ref.copy()
+    run[1:] = 0.0
+    assert d.detect_zeros_of_step_state(_evidence("l_out-0", ref, run)) is None  # not a fed state
+    assert d.detect_zeros_of_step_state(_evidence("g_norm-0", ref, ref.copy())) is None  # clean
+    seed_too = run.copy()
+    seed_too[0] = 0.0
+    assert d.detect_zeros_of_step_state(_evidence("g_norm-0", ref, seed_too)) is None  # the seed's row: not a step's
+    other = run.copy()
+    other[0] = _round_rows(1, seed=1)[0]
+    assert d.detect_zeros_of_step_state(_evidence("g_norm-0", ref, other)) is None  # another row wrong too
+    gap = replace(_evidence("g_norm-0", ref, run), positions=(20, 21, 22, 30))  # not one round of steps
+    assert d.detect_zeros_of_step_state(gap) is None

@@ -1,9 +1,10 @@
-"""The draft-step faults of 0009-step-faults.patch (issue 42, items 2 and 5), captured around
-`llama-speculative-simple` of the patched build with `FEATDIFF_FAULT` set and compared with the
-reference that follows the run, as a user would: each is named with its kind, tensor and `where`
-(docs/faults.md). EAGLE3's and MTP's steps are one-token decodes: steps one position late are
-`position_offset` at the first late step; a step past the first fed the seed's state again is
-`wrong_source` `seed_state` at the state it was fed."""
+"""The draft-step faults of 0009-step-faults.patch and 0011-step-faults-2.patch (issue 42, items 2
+and 5), captured around `llama-speculative-simple` of the patched build with `FEATDIFF_FAULT` set
+and compared with the reference that follows the run, as a user would: each is named with its
+kind, tensor and `where` (docs/faults.md). EAGLE3's and MTP's steps are one-token decodes: steps one
+position late (or early) are `position_offset` at the first step off; a step past the first fed
+the seed's state again is `wrong_source` `seed_state` at the state it was fed; steps fed a state
+row never written are `zeros` there."""
 
 from __future__ import annotations
 
@@ -73,6 +74,46 @@ def test_steps_fed_the_seeds_state_are_a_wrong_source_seed_state(
     assert errors, "the steps fed the seed's state were not named"
     first = errors[0]
     assert (first.kind, first.tensor, first.fields.get("source")) == ("wrong_source", tensor, "seed_state"), [
+        f.message for f in errors
+    ]
+    assert first.fields["where"] == "driver", first.fields["where_reason"]
+
+
+@pytest.mark.parametrize("kind, tensor", [("eagle3", "g_norm-0"), ("mtp", "mtp_hnorm-6")])
+def test_steps_fed_a_state_row_never_written_are_zeros_from_the_driver(
+    tools, eagle3_pairs, mtp_pairs, kind, tensor, tmp_path, monkeypatch
+):
+    pair = _eagle3(tools, eagle3_pairs("eagle3")) if kind == "eagle3" else _mtp(tools, mtp_pairs("mtp"))
+    errors = _errors(tools, pair, f"{kind}-step-zero-state", tmp_path, monkeypatch)  # 0011
+    assert errors, "the steps fed zeros were not named"
+    first = errors[0]
+    assert (first.kind, first.tensor) == ("zeros", tensor), [f.message for f in errors]
+    assert first.message.startswith(f"{tensor} of draft steps 1, 2 "), first.message  # not the seed's row
+    assert len(first.fields["rows"]) == 2
+    assert first.fields["where"] == "driver", first.fields["where_reason"]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_draft_steps_one_position_early_are_a_position_offset_of_minus_1(
+    tools, eagle3_pairs, mtp_pairs, kind, tmp_path, monkeypatch
+):
+    pair = _eagle3(tools, eagle3_pairs("eagle3")) if kind == "eagle3" else _mtp(tools, mtp_pairs("mtp"))
+    errors = _errors(tools, pair, f"{kind}-step-pos-early", tmp_path, monkeypatch)  # 0011: on the seed's position
+    assert errors, "the early steps were not named"
+    first = errors[0]
+    assert (first.kind, first.tensor) == ("position_offset", "inp_pos"), [f.message for f in errors]
+    assert (first.fields["offset"], first.fields["role"], first.fields["phase"]) == (-1, "draft", "draft")
+    assert first.message.startswith("draft step 1") and "one position early" in first.message, first.message
+    assert first.fields["where"] == "driver", first.fields["where_reason"]
+
+
+def test_eagle3_tokens_paired_two_rows_ahead_are_a_row_shift_of_plus_1(tools, eagle3_pairs, tmp_path, monkeypatch):
+    """0011's `eagle3-shift-2`: the catch-up pairs token k + 2 with the encoder row of k, one past
+    the t+1 convention (eagle3-no-shift, 0002, is the shift the other way)."""
+    errors = _errors(tools, _eagle3(tools, eagle3_pairs("eagle3")), "eagle3-shift-2", tmp_path, monkeypatch)
+    assert errors, "the pairing was not named"
+    first = errors[0]
+    assert (first.kind, first.tensor, first.fields["shift"]) == ("row_shift", "inp_embd", 1), [
         f.message for f in errors
     ]
     assert first.fields["where"] == "driver", first.fields["where_reason"]

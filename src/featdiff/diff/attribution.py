@@ -23,7 +23,7 @@ from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.detectors.readback import SOURCE_ANOTHER_OUTPUT_ROW
-from featdiff.diff.detectors.steps import SEED_STATE_SOURCE
+from featdiff.diff.detectors.steps import SEED_STATE_SOURCE, is_step_state
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
@@ -84,7 +84,7 @@ def _with_where(f: Finding, where: WhereFields) -> Finding:
 
 def place(f: Finding, export: Export, inputs: Collection[str]) -> WhereFields:
     """Where one error finding's fault lives, by the rules of the module docstring."""
-    if f.kind in FED_KINDS or _fed_source(f):
+    if f.kind in FED_KINDS or _fed_source(f) or _fed_zeros(f):
         return WhereFields("driver", FED.format(what=_what_fed(f)))
     if f.tensor in inputs and f.kind != "wrong_source":  # another node's state handed over: the graph chose it
         return _input_place(f, export)
@@ -101,6 +101,11 @@ def _fed_source(f: Finding) -> bool:
     return f.kind == "wrong_source" and (source in FED_SOURCES or source.startswith(FED_SOURCE_PREFIXES))
 
 
+def _fed_zeros(f: Finding) -> bool:
+    """Zeros in the state a draft step is fed: a row the driver handed over (set_embd), never written."""
+    return f.kind == "zeros" and is_step_state(f.tensor)
+
+
 def _what_fed(f: Finding) -> str:
     if f.kind == "position_offset":
         return "positions"
@@ -108,6 +113,8 @@ def _what_fed(f: Finding) -> str:
         return "tokens or evals"
     if f.kind == "wrong_source":
         return f"a state or row: {f.fields.get('source')}"
+    if f.kind == "zeros":
+        return "a state row never written"
     return "rows"
 
 

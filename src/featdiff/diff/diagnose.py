@@ -52,6 +52,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_wrong_source_of_vocabulary,  # before nonfinite: a head scattered to other ids leaves -inf where it wrote
     d.detect_wrong_source_of_sampled_logits,
     d.detect_nonfinite,
+    d.detect_zeros_of_step_state,  # before zeros: a draft step fed a state row the driver never wrote
     d.detect_zeros,
     d.detect_wrong_source_of_zero_rows,  # the inverse: a sequence's zero first row (MTP) holding a state
     d.detect_wrong_source_of_pending_row,  # the first row past a kept prefix (MTP) handed another request's hidden

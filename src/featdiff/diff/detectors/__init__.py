@@ -70,7 +70,11 @@ from featdiff.diff.detectors.rows import (
     detect_position_offset_of_record,
     detect_row_shift,
 )
-from featdiff.diff.detectors.steps import detect_position_offset_of_steps, detect_wrong_source_of_step_state
+from featdiff.diff.detectors.steps import (
+    detect_position_offset_of_steps,
+    detect_wrong_source_of_step_state,
+    detect_zeros_of_step_state,
+)
 from featdiff.diff.detectors.wiring import (
     best_assignment,
     detect_extra_term,
@@ -134,6 +138,7 @@ __all__ = [
     "detect_wrong_source_of_chain_weights",
     "detect_wrong_source_of_vocabulary",
     "detect_zeros",
+    "detect_zeros_of_step_state",
     "explains",
     "rotate",
     "same_shape",

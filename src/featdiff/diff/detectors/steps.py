@@ -1,8 +1,8 @@
 """Detectors of a one-token-step drafter's round (EAGLE3, MTP: docs/flow.md): the seed decode and
 each draft step after it, one eval each. `detect_position_offset_of_steps` reads the two
-manifests only; `detect_wrong_source_of_step_state` one divergent pair's evidence. Both pure; each
-sentence a finding says is written beside its detector. (A block's positions, one batch per
-round: positions.detect_position_offset_of_batch.)
+manifests only; `detect_wrong_source_of_step_state` and `detect_zeros_of_step_state` one divergent
+pair's evidence. All pure; each sentence a finding says is written beside its detector. (A block's
+positions, one batch per round: positions.detect_position_offset_of_batch.)
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from featdiff.core import names
 from featdiff.core.names import ROLE_DRAFT
 from featdiff.core.phases import Phase
 from featdiff.diff.batches import Batch, batches, decoded_alike
-from featdiff.diff.detectors.base import Evidence, error_finding, same_shape
-from featdiff.diff.fields import PositionOffsetFields, WrongSourceFields
+from featdiff.diff.detectors.base import Evidence, error_finding, explains, labels, same_shape
+from featdiff.diff.fields import PositionOffsetFields, WrongSourceFields, ZerosFields
 from featdiff.diff.metrics import row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.dump import Manifest
@@ -143,4 +143,30 @@ def detect_wrong_source_of_step_state(ev: Evidence) -> Finding | None:
         f"step 1 was fed, the one the seed made (position {int(pos[0])}): the driver hands every step after the "
         "first the seed's state again; hand step k the state step k - 1 made (its output row)",
         WrongSourceFields(source=SEED_STATE_SOURCE, candidate=f"{ev.record} of step 1 (position {int(pos[1])})"),
+    )
+
+
+def detect_zeros_of_step_state(ev: Evidence) -> Finding | None:
+    """Hypothesis: a one-token-step drafter's draft steps were fed a state row the driver never
+    wrote (zeros) instead of the state the step before made. Evidence: at a record holding the
+    state a step is fed, in a round of one row per position (the seed at p0, step k at p0 + k),
+    all-zero run rows where the reference's are not, none of them the seed's, every other row
+    within tolerance. (The step before made its state right: this is the first divergence.)"""
+    if not is_step_state(ev.record) or not same_shape(ev) or len(ev.positions) < 2:
+        return None
+    pos = np.asarray(ev.positions)
+    if not np.array_equal(pos, pos[0] + np.arange(len(pos))):
+        return None
+    zero = ~np.any(ev.run, axis=1) & np.any(ev.ref, axis=1)  # (n_tokens,)
+    if zero[0] or not zero.any() or not explains(ev.ref[~zero], ev.run[~zero], ev.tolerance):
+        return None
+    steps = [int(k) for k in np.flatnonzero(zero)]
+    which = f"draft step {steps[0]}" if len(steps) == 1 else "draft steps " + ", ".join(map(str, steps))
+    rows = labels(ev, zero)
+    return error_finding(
+        ev,
+        f"{ev.tensor} of {which} (position{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}) is all "
+        "zeros: the driver fed the step a state row it never wrote, where the step before made its state right; "
+        "hand step k the state step k - 1 made (its output row)",
+        ZerosFields(rows=rows),
     )
