@@ -9,6 +9,8 @@ whose head blocks are permuted is named wrong_source `chain_head` against the cl
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from featdiff.diff import compare_dumps
 from featdiff.diff.detectors.chain import CHAIN_HEAD_SOURCE
 from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
+from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.factory.mtp_chain import reorder_heads
 from featdiff.factory.mtp_step35 import N_HEADS, N_LAYER, TARGET_REF, write_step35_fixture
 from featdiff.programs import exec as exec_capture
@@ -93,3 +96,21 @@ def test_permuted_step35_heads_are_a_wrong_source_chain_head(step35, tmp_path):
     errors = [f for f in c.findings if f.severity == "error"]
     assert [(f.kind, f.fields["source"]) for f in errors] == [("wrong_source", CHAIN_HEAD_SOURCE)], _errors(c)
     assert errors[0].fields["candidate"].endswith("@head=2") and errors[0].tensor.endswith(f"-{N_LAYER}")
+
+
+def _reference_cli(d: Path, model: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from featdiff.cli import main; main()", "reference", "--target", str(d / TARGET_REF),
+         "--model", str(model), "--tokens", "7,21,3", "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_a_swiglu_clamp_and_the_checkpoints_heads_are_refused_by_name(step35, tmp_path):
+    clamp = [0.0] * N_LAYER + [7.0] + [0.0] * (N_HEADS - 1)
+    clamped = rewrite_gguf(step35 / "target.gguf", tmp_path / "clamp.gguf", keys={"step35.swiglu_clamp_exp": clamp})
+    for model, said in ((clamped, "step35.swiglu_clamp_exp = "), (step35 / "target-hf", "model_type 'step3p5'")):
+        done = _reference_cli(step35, model, tmp_path / "ref.npz")
+        lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("Loading weights")]
+        assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
+        assert not (tmp_path / "ref.npz").exists()

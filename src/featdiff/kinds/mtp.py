@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from featdiff.core import names
+from featdiff.core.errors import InputError
 
 # An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
 # token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
@@ -52,11 +53,56 @@ MTP_LAYERS_KEY: dict[str, str | None] = {
 }
 
 
+# checkpoint families whose MTP heads featdiff reads from the converted GGUF only: model_type -> why
+GGUF_ONLY_HEADS = {
+    "step3p5": "Step-3.5's MTP heads are read from its converted GGUF only (no loader of the checkpoint's heads)",
+}
+
+
 def is_mtp_checkpoint(config: Mapping[str, Any]) -> bool:
-    """A checkpoint that declares MTP layers (config.json, or its `text_config`: MTP_LAYERS_KEY)."""
+    """A checkpoint that declares MTP layers (config.json, or its `text_config`: MTP_LAYERS_KEY);
+    InputError for one whose heads are read from its GGUF only (GGUF_ONLY_HEADS)."""
     text = config.get("text_config", config)
     model_type = text.get(names.HF_MODEL_TYPE)
+    if model_type in GGUF_ONLY_HEADS and int(text.get(HF_GLM_MTP_LAYERS, 0) or 0) > 0:
+        raise InputError(
+            f"{names.HF_CONFIG}: model_type {model_type!r}: {GGUF_ONLY_HEADS[model_type]}; pass the converted "
+            "GGUF as --model"
+        )
     if model_type not in MTP_LAYERS_KEY:
         return False
     key = MTP_LAYERS_KEY[model_type]
     return key is None or int(text.get(key, 0) or 0) > 0
+
+
+# docs/modelled.md's MTP rows: per head architecture, what the reference computes as the pinned
+# graph_mtp does, and what it refuses by name (one line, exit 2). Every head also refuses a tensor
+# of its block it does not read (torchref/mtp/head.py); docs/guide-eagle3-mtp.md tells each head.
+HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
+    (
+        "step35",
+        "Step-3.5's chained heads (step35.cpp graph_mtp: draft step k runs head k, block n_layer + k): q/k/v, "
+        "q/k RMS norms, NeoX RoPE on half the head's dims on a full-attention block (all of them within the "
+        "window on a sliding one), the per-head sigmoid gate `attn_gate`, experts routed by sigmoid (the "
+        "file's gating where it says one) plus `exp_probs_b`, an ungated shared expert, the hidden state "
+        "handed over and recycled before the norms; from the GGUF",
+        "a non-zero `step35.swiglu_clamp_exp` / `swiglu_clamp_shexp`; `rope_freqs.weight` (llama3 RoPE "
+        "factors); the heads from a checkpoint directory (read them from the GGUF). transformers 5.23 has no "
+        "causal-LM class for `step3p5`: the trunk runs as a transformers stand-in of the same math "
+        "(`featdiff fixture --variant mtp-step35`: `target-ref/`, qwen3_moe, a dense sliding-window trunk)",
+    ),
+)
+
+
+def markdown_section() -> list[str]:
+    """MTP's lines of docs/modelled.md (featdiff.kinds.registry.render_markdown joins them)."""
+    return [
+        "## MTP heads (`nextn` blocks)",
+        "",
+        "From `src/featdiff/kinds/mtp.py`: per head architecture, what the reference computes as the",
+        "pinned graph does and what `featdiff reference` refuses by name (exit 2).",
+        "",
+        "| arch | modelled | refused |",
+        "|---|---|---|",
+        *(f"| `{arch}` | {modelled} | {refused} |" for arch, modelled, refused in HEAD_DOCS),
+    ]

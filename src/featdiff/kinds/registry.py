@@ -46,6 +46,7 @@ from featdiff.kinds.dflash.modelled_doc import markdown_section as dflash_markdo
 from featdiff.kinds.eagle3 import EAGLE3_WIRING, is_eagle3_config, unmodelled_eagle3
 from featdiff.kinds.eagle3 import markdown_section as eagle3_markdown
 from featdiff.kinds.mtp import MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint
+from featdiff.kinds.mtp import markdown_section as mtp_markdown
 from featdiff.kinds.problems import Severity
 
 
@@ -196,7 +197,7 @@ KINDS: tuple[DrafterKind, ...] = (
         unmodelled=None,
         is_checkpoint=is_mtp_checkpoint,
         first_draft_row=None,
-        modelled_doc=None,
+        modelled_doc=mtp_markdown,
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
