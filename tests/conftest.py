@@ -38,6 +38,7 @@ BACKGROUND_LOG = "test-builds.log"  # in the tools dir, beside each build's own 
 # the DFlash pairs a session fixture writes without the converter take a second, except the trained
 # ones (one training, a minute or two on one core): how a test module names one
 TRAINED_DFLASH = re.compile(r'"trained(-(?!eagle3|mtp)[a-z0-9-]+)?"')
+FAMILY_WRITER = "write_family_fixture("  # featdiff.factory.hf_targets': module fixtures call it
 WARM_UP_NICE = "10"  # below the tests, above the builds (nice 19), which have their tests' slack
 WARM_UP_LOG = "test-warm-up.log"  # in the tools dir
 # writes each variant named after the directory into it: the training and conversion caches fill
@@ -121,8 +122,10 @@ def _warm_up_variants(items: list[pytest.Item]) -> list[str]:
     use them: each EAGLE3 and MTP variant (the pinned converter's: 15 CPU seconds a conversion,
     a training for the trained ones) that a test using its pairs fixture (directly or through
     another fixture) names in its own source or as a parameter, and the trained DFlash pair when
-    one names it. A variant a test reaches otherwise is made by its fixture, as before."""
+    one names it; and each transformers family (the converter's too) a module that writes one
+    with FAMILY_WRITER names. A variant a test reaches otherwise is made by its fixture, as before."""
     from featdiff.factory.eagle3 import EAGLE3_VARIANTS
+    from featdiff.factory.hf_families import FAMILIES
     from featdiff.factory.mtp import MTP_VARIANTS
 
     named_by = {
@@ -130,12 +133,18 @@ def _warm_up_variants(items: list[pytest.Item]) -> list[str]:
         "eagle3_pairs": tuple((v, re.compile(re.escape(f'"{v}"'))) for v in EAGLE3_VARIANTS),
         "mtp_pairs": tuple((v, re.compile(re.escape(f'"{v}"'))) for v in MTP_VARIANTS),
     }
+    families = tuple((v, re.compile(re.escape(f'"{v}"'))) for v in FAMILIES)
     chosen: list[str] = []
+    sources: dict[Path, str] = {}
     for item in items:
         fixtures = set(named_by) & set(getattr(item, "fixturenames", ()))
         words = _test_words(item) if fixtures else ""
         for fixture in fixtures:
             chosen += [v for v, named in named_by[fixture] if v not in chosen and named.search(words)]
+        path = Path(str(item.fspath))
+        source = sources.setdefault(path, path.read_text())
+        if FAMILY_WRITER in source:  # a module fixture writes the family its module names
+            chosen += [v for v, named in families if v not in chosen and named.search(source)]
     return chosen
 
 
