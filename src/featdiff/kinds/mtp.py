@@ -56,6 +56,7 @@ MTP_LAYERS_KEY: dict[str, str | None] = {
 # checkpoint families whose MTP heads featdiff reads from the converted GGUF only: model_type -> why
 GGUF_ONLY_HEADS = {
     "step3p5": "Step-3.5's MTP heads are read from its converted GGUF only (no loader of the checkpoint's heads)",
+    "nemotron_h": "Nemotron-H's MTP head is read from its converted GGUF only (transformers has no model code for it)",
 }
 
 
@@ -90,6 +91,16 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "factors); the heads from a checkpoint directory (read them from the GGUF). transformers 5.23 has no "
         "causal-LM class for `step3p5`: the trunk runs as a transformers stand-in of the same math "
         "(`featdiff fixture --variant mtp-step35`: `target-ref/`, qwen3_moe, a dense sliding-window trunk)",
+    ),
+    (
+        "nemotron_h_moe",
+        "Nemotron-H's head (nemotron-h-moe.cpp graph_mtp, block n_layer: the converter folds `mtp.layers.0` "
+        "and `mtp.layers.1` into it): eh_proj over [enorm(e), hnorm(h)], q/k/v attention without RoPE, "
+        "squared-ReLU experts without a gate routed by sigmoid (whatever the file says) plus `exp_probs_b`, "
+        "an ungated shared expert, the head's LayerNorm (`layer_norm_epsilon`), output rows cropped before "
+        "the FFN; the trunk's Mamba2 state rolled back; from the GGUF",
+        "a latent MoE (`ffn_latent_down` / `ffn_latent_up`: tensors the reference does not read); the head "
+        "from a checkpoint directory (read it from the GGUF): transformers 5.23 has no model code for it",
     ),
 )
 
