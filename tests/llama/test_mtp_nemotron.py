@@ -6,13 +6,17 @@ llm_arch_supports_rs_rollback) and around llama-speculative-simple and llama-ser
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from featdiff.cli import app
 from featdiff.core import names
 from featdiff.core.gguf_reader import int_meta, meta, read_gguf
 from featdiff.diff import compare_dumps
 from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
+from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.factory.hf_families import N_EXPERT
 from featdiff.factory.pairs import TINY
 from featdiff.programs import exec as exec_capture
@@ -91,3 +95,18 @@ def test_around_the_program_compares_clean(tools, mtp_pairs, tmp_path, program):
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
     expected = ("a warm-up or probe decode", "output no rows")  # llama-server samples its prefill's last row
     assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
+
+
+def test_a_latent_moe_and_the_checkpoints_head_are_refused_by_name(mtp_pairs, tmp_path):
+    """What the reference does not compute is refused in one line, exit 2, no dump written: a head
+    block with Nemotron 3 Super's latent MoE projections (`ffn_latent_down`, not read), and the head
+    from the checkpoint directory (transformers has no model code for it: read it from the GGUF)."""
+    d = mtp_pairs(VARIANT)
+    latent = {f"blk.{IL}.ffn_latent_down.weight": np.zeros((TINY.target.n_embd, TINY.target.n_embd), np.float32)}
+    widened = rewrite_gguf(d / "target.gguf", tmp_path / "latent.gguf", tensors=latent)
+    for model, said in ((widened, f"blk.{IL}.ffn_latent_down.weight"), (d / "target-hf", "model_type 'nemotron_h'")):
+        args = ["reference", "--target", str(d / "target-hf"), "--model", str(model), "--tokens", "7,21,3"]
+        result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "ref.npz")])
+        errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
+        assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
+        assert not (tmp_path / "ref.npz").exists()
