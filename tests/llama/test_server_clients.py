@@ -329,8 +329,9 @@ def test_a_step_drafter_after_a_ram_cache_restore_is_clean_or_names_upstreams_st
     monkeypatch.setattr(sys.modules[__name__], "LONG_PROMPT", STEP_LONG_PROMPT)
     d, spec, target, model = _step_pair(kind, eagle3_pairs, mtp_pairs)
     run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), ["-np", "1"], _traffic, N_REQUESTS)
-    result = _step_findings(tmp_path, target, model, run)
+    result, check = _step_verdicts(tmp_path, target, model, run)
     errors = _only_upstream_state(result)
+    _checked(tmp_path, check, _errors(errors))  # check --run exits by these and names the same
     with read_dump(run) as dump:
         flows = dump.manifest.flow_ids()
     # the slot's first request begins from nothing: only a later one can meet a state kept before it
@@ -343,7 +344,9 @@ def test_an_eagle3_slot_restored_from_its_file_names_the_drafters_rows_of_the_ot
     d, spec, target, model = _step_pair("eagle3", eagle3_pairs, mtp_pairs)
     options = ["-np", "1", "--cache-ram", "0", "--slot-save-path", str(tmp_path)]
     run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, _slot_file_round_trip, 3)
-    errors = _only_upstream_state(_step_findings(tmp_path, target, model, run))
+    result, check = _step_verdicts(tmp_path, target, model, run)
+    errors = _only_upstream_state(result)
+    _checked(tmp_path, check, _errors(errors))
     restored = [f for f in errors if f["flow"] == 2]
     assert [f["source"] for f in restored] == ["another_saved_prompt"] and "/slots" in restored[0]["message"], errors
 
