@@ -1,5 +1,5 @@
 """`featdiff check --exec` survives the EAGLE3 and MTP faults it exists to catch (issue 48): each
-fault the project plants in the EAGLE3 and MTP drivers (0002, 0009) and graphs (0007, 0008),
+fault the project plants in the EAGLE3 and MTP drivers (0002, 0009, 0011) and graphs (0007, 0008),
 chosen at run time by FEATDIFF_FAULT around llama-speculative-simple, exits 1 naming the finding
 docs/faults.md gives it, never 2 or 3, and keeps its dumps. check's reference is its own (the
 run's prompt and rounds, guided by the run), not the one test_eagle3_exec.py and
@@ -22,6 +22,9 @@ EAGLE3 = {
     "eagle3-prenorm-after-norm": "wrong_source",
     "eagle3-step-pos": "position_offset",
     "eagle3-step-seed-state": "wrong_source",
+    "eagle3-shift-2": "row_shift",  # 0011
+    "eagle3-step-pos-early": "position_offset",
+    "eagle3-step-zero-state": "zeros",
 }
 MTP = {
     "mtp-no-shift": "row_shift",
@@ -31,6 +34,8 @@ MTP = {
     "mtp-recycle-prenorm": "wrong_source",
     "mtp-step-pos": "position_offset",
     "mtp-step-seed-state": "wrong_source",
+    "mtp-step-pos-early": "position_offset",  # 0011
+    "mtp-step-zero-state": "zeros",
 }
 CASES = [pytest.param("eagle3", f, k, id=f) for f, k in EAGLE3.items()]
 CASES += [pytest.param("mtp", f, k, id=f) for f, k in MTP.items()]
