@@ -6,6 +6,8 @@ llm_arch_supports_rs_rollback) and around llama-speculative-simple and llama-ser
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -73,24 +75,35 @@ def test_the_in_process_flow_compares_clean(mtp_pairs, tmp_path):
     assert {r.shape[0] > 0 for r in catch_up if r.name != HEAD} == {True}
 
 
+def _program_run(tools, program: str, d: Path, tmp_path: Path) -> Path:
+    """`capture --exec` of `program` with `--spec-type draft-mtp` on the pair in `d` (llama-server:
+    one request of TOKENS; llama-speculative-simple: 16 tokens of a prompt, greedy)."""
+    is_server = program == "llama-server"
+    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *SPEC_ARGS]
+    cmd += [] if is_server else ["-p", "hello world", "-n", "16", "--temp", "0"]
+    tokens = TOKENS if is_server else None
+    return exec_capture.capture_exec(cmd, tmp_path / "run.npz", tokens=tokens, timeout_s=RUN_TIMEOUT_S)
+
+
+def _follow(d: Path, run: Path, tmp_path: Path) -> Path:
+    """The reference that follows the run, its head read from target.gguf."""
+    return reference(
+        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
+        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
 def test_around_the_program_compares_clean(tools, mtp_pairs, tmp_path, program):
     """llama-speculative-simple and llama-server with `--spec-type draft-mtp` on the pair compare
     clean against the reference that follows the run."""
-    d, is_server = mtp_pairs(VARIANT), program == "llama-server"
-    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *SPEC_ARGS]
-    cmd += [] if is_server else ["-p", "hello world", "-n", "16", "--temp", "0"]
-    run = exec_capture.capture_exec(
-        cmd, tmp_path / "run.npz", tokens=TOKENS if is_server else None, timeout_s=RUN_TIMEOUT_S
-    )
+    d = mtp_pairs(VARIANT)
+    run = _program_run(tools, program, d, tmp_path)
     with read_dump(run) as dump:
         m = dump.manifest
     assert m.models["draft"]["architecture"] == ARCH and any(r.drafts for r in m.rounds)
     assert {(r.role, r.name) for r in m.records} >= {("target", names.H_NEXTN), ("draft", HEAD)}
-    ref = reference(
-        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
-    )  # fmt: skip
+    ref = _follow(d, run, tmp_path)
     c = compare_dumps(ref, run)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
     expected = ("a warm-up or probe decode", "output no rows")  # llama-server samples its prefill's last row
@@ -110,3 +123,17 @@ def test_a_latent_moe_and_the_checkpoints_head_are_refused_by_name(mtp_pairs, tm
         errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
         assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
         assert not (tmp_path / "ref.npz").exists()
+
+
+def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp_path):
+    """0002-driver-faults.patch's `mtp-no-shift` (common/speculative.cpp pairs token p with the hidden
+    of p, not p - 1) around llama-speculative-simple on this pair: row_shift at mtp_hnorm-<il>, where: driver."""
+    d = mtp_pairs(VARIANT)
+    monkeypatch.setenv("FEATDIFF_FAULT", "mtp-no-shift")
+    run = _program_run(tools, "llama-speculative-simple", d, tmp_path)
+    ref = _follow(d, run, tmp_path)
+    errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
+    assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", f"mtp_hnorm-{IL}"), [
+        f.message for f in errors
+    ]
+    assert errors[0].fields["where"] == "driver", errors[0].fields["where_reason"]
