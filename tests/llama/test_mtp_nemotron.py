@@ -6,6 +6,7 @@ llm_arch_supports_rs_rollback) and around llama-speculative-simple and llama-ser
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,14 @@ from typer.testing import CliRunner
 
 from featdiff.cli import app
 from featdiff.core import names
-from featdiff.core.gguf_reader import int_meta, meta, read_gguf
+from featdiff.core.gguf_reader import array_from_tensor, int_meta, meta, read_gguf
 from featdiff.diff import compare_dumps
 from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
 from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.factory.hf_families import N_EXPERT
+from featdiff.factory.mtp import HF_SAFETENSORS
+from featdiff.factory.mtp_nemotron import GGUF_FROM_HF_NEMOTRON
 from featdiff.factory.pairs import TINY
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
@@ -50,6 +53,29 @@ def test_the_converter_folds_both_sub_layers_into_one_block(mtp_pairs):
     assert m.tensors[f"blk.{IL}.ffn_up_exps.weight"].ne[2] == N_EXPERT
     assert f"{ARCH}.attention.layer_norm_rms_epsilon" not in m.reader.fields  # the head norm's eps serves all
     assert meta(m, names.KEY_NORM_EPS) > 0
+
+
+def test_the_heads_values_are_the_checkpoints(mtp_pairs):
+    """The converter writes every tensor of the head block from the checkpoint's `mtp.layers.0/1` as it
+    is (norms too: Nemotron-H's are plain weights; expert x: slice x of the stacked experts), but q
+    and k, whose rows it reorders per head for RoPE (GraniteHybridModel.undo_permute: LlamaModel.permute)
+    though the head has none: both the same way, so the NoPE attention's scores are the checkpoint's."""
+    from safetensors.numpy import load_file
+
+    d = mtp_pairs(VARIANT)
+    w, m = load_file(str(d / "target-hf" / HF_SAFETENSORS)), read_gguf(d / "target.gguf")
+    assert set(GGUF_FROM_HF_NEMOTRON.values()) == {t for t in m.tensors if t.startswith(f"blk.{IL}.")}
+    for hf, name in GGUF_FROM_HF_NEMOTRON.items():
+        got = array_from_tensor(m, name)
+        if expert := re.search(r"\.experts\.(\d+)\.", hf):
+            got = got[int(expert.group(1))]
+        heads = {"attn_q": TINY.target.n_head, "attn_k": TINY.target.n_head_kv}.get(name.split(".")[2])
+        assert np.array_equal(got, w[hf] if heads is None else _rope_permuted(w[hf], heads)), hf
+
+
+def _rope_permuted(w: np.ndarray, n_head: int) -> np.ndarray:
+    """LlamaModel.permute: each head's rows [first half, second half] interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
 def test_the_in_process_flow_compares_clean(mtp_pairs, tmp_path):
