@@ -12,7 +12,9 @@ NemotronHModel: `num_nextn_predict_layers` 1 in config.json, `_MTP_SPECIAL_RENAM
   squared-ReLU experts `mixer.experts.<x>.{up,down}_proj`, the shared expert) shaped as a trunk MoE
   block, and the head's final LayerNorm `final_layernorm`.
 The converter folds both into one block, n_layer, registered as an attention and an MLP layer
-(src/models/nemotron-h-moe.cpp graph_mtp reads it; nemotron-h.cpp load_arch_tensors). The
+(src/models/nemotron-h-moe.cpp graph_mtp reads it; nemotron-h.cpp load_arch_tensors), every tensor
+as it is but q and k, whose rows it reorders per head for RoPE (GraniteHybridModel.undo_permute)
+though the head has none: both alike, so the attention's scores stay the checkpoint's. The
 checkpoint's tokenizer is the family's GPT-2 byte-level one (the "pre" bootstrap).
 """
 
