@@ -36,6 +36,7 @@ MTP = {
     "mtp-step-seed-state": "wrong_source",
     "mtp-step-pos-early": "position_offset",  # 0011
     "mtp-step-zero-state": "zeros",
+    "mtp-pending-stale": "stale",
 }
 CASES = [pytest.param("eagle3", f, k, id=f) for f, k in EAGLE3.items()]
 CASES += [pytest.param("mtp", f, k, id=f) for f, k in MTP.items()]

@@ -4,7 +4,7 @@ and compared with the reference that follows the run, as a user would: each is n
 kind, tensor and `where` (docs/faults.md). EAGLE3's and MTP's steps are one-token decodes: steps one
 position late (or early) are `position_offset` at the first step off; a step past the first fed
 the seed's state again is `wrong_source` `seed_state` at the state it was fed; steps fed a state
-row never written are `zeros` there."""
+row never written are `zeros` there; an MTP pending row never refreshed is `stale`."""
 
 from __future__ import annotations
 
@@ -116,4 +116,16 @@ def test_eagle3_tokens_paired_two_rows_ahead_are_a_row_shift_of_plus_1(tools, ea
     assert (first.kind, first.tensor, first.fields["shift"]) == ("row_shift", "inp_embd", 1), [
         f.message for f in errors
     ]
+    assert first.fields["where"] == "driver", first.fields["where_reason"]
+
+
+def test_an_mtp_pending_row_never_refreshed_is_stale(tools, mtp_pairs, tmp_path, monkeypatch):
+    """0011's `mtp-pending-stale`: the row a catch-up's first token and each seed read stays the
+    one the prompt left; the second round's seed reads the row the first round's catch-up read."""
+    errors = _errors(tools, _mtp(tools, mtp_pairs("mtp")), "mtp-pending-stale", tmp_path, monkeypatch)
+    assert errors, "the stale pending row was not named"
+    first = errors[0]
+    assert (first.kind, first.tensor) == ("stale", "mtp_hnorm-6"), [f.message for f in errors]
+    assert len(first.fields["rows"]) == 1 and first.fields["source_eval"] is not None  # the seed's one row
+    assert "an earlier round" in first.message, first.message
     assert first.fields["where"] == "driver", first.fields["where_reason"]
