@@ -472,3 +472,20 @@ def test_several_slots_on_a_step_drafter_compare_clean_or_name_upstreams_state(
         assert {k for *_, k in errors} <= {k for k, n_cached in later.items() if n_cached}, (later, _summary(result))
         assert {s for _, s, _ in errors} <= {"another_request_row"}, _summary(result)
     _checked(tmp_path, check, errors)
+
+
+def test_an_mtp_slot_restored_from_its_file_is_followed_or_names_upstreams_state(
+    tools, eagle3_pairs, mtp_pairs, tmp_path
+):
+    """The /slots round trip on an MTP head (-np 1, one request at a time): the slot's first
+    request compares clean; each later one, the restored request included, begins with the
+    pending hidden upstream's MTP driver kept from the request before (`pending_h`, never reset
+    on a slot), named `stale_pending` at its flow, in compare and check --run alike; nothing else."""
+    d, spec, target, model = _step_pair("mtp", eagle3_pairs, mtp_pairs)
+    options = ["-np", "1", "--cache-ram", "0", "--slot-save-path", str(tmp_path)]
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, _slot_file_round_trip, 3)
+    result, check = _step_verdicts(tmp_path, target, model, run)
+    errors = _only_upstream_state(result)
+    _checked(tmp_path, check, _errors(errors))
+    expected = [("wrong_source", "stale_pending", 1), ("wrong_source", "stale_pending", 2)]
+    assert sorted(_errors(errors), key=str) == expected, _summary(result)
