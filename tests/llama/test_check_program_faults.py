@@ -55,6 +55,13 @@ SERVER = {
     "mtp-no-shift": ("mtp", "row_shift"),
     "mtp-recycle-prenorm": ("mtp", "wrong_source"),
     "mtp-step-pos": ("mtp", "position_offset"),
+    # 0011's, in the same common/speculative.cpp llama-server drafts through
+    "eagle3-shift-2": ("eagle3", "row_shift"),
+    "eagle3-step-pos-early": ("eagle3", "position_offset"),
+    "mtp-step-pos-early": ("mtp", "position_offset"),
+    "eagle3-step-zero-state": ("eagle3", "zeros"),
+    "mtp-step-zero-state": ("mtp", "zeros"),
+    "mtp-pending-stale": ("mtp", "stale"),
 }
 # fault -> the source its wrong_source names and where, as in-process (docs/faults.md)
 SOURCE = {
