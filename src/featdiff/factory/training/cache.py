@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,6 +47,26 @@ def trained_pair(seed: int, sizes: Sizes = TRAINED_SIZES, config: TrainConfig = 
             )
             _store(pair, path)
     return _load(path)
+
+
+def trained_once(key: str, what: str, train: Callable[[], tuple[dict[str, dict[str, np.ndarray]], dict]]) -> Path:
+    """The cache entry `key` (a directory): made by `train()` (weight files and META_FILE, as
+    `store` takes them) unless another process or an earlier run made it; `what` names the
+    model in the log. A drafter's meta states `train_seconds`, `held_out_mean_accepted` and
+    `held_out.draft_max`."""
+    path = cache_dir() / key
+    with making(path):  # another process training the same key: wait for its files
+        if not (path / META_FILE).is_file():
+            log.info("training the tiny %s (once; cached in %s)", what, path)
+            files, meta = train()
+            log.info(
+                "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
+                meta["train_seconds"],
+                meta["held_out"]["draft_max"],
+                meta["held_out_mean_accepted"],
+            )
+            store(path, files, meta)
+    return path
 
 
 def cache_dir() -> Path:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,6 @@ from safetensors.numpy import load_file
 from torch.nn.functional import cross_entropy
 
 from featdiff.core import names
-from featdiff.core.cache_dir import making
 from featdiff.factory import pairs
 from featdiff.factory.pairs import Sizes
 from featdiff.torchref.attention import attend
@@ -46,7 +45,6 @@ from featdiff.factory.training.records import _array, _hparams, _tensor, target_
 from featdiff.factory.training.target import lookback_target
 from featdiff.factory.training.train import TRAINED_SIZES, _fit, _torch_threads
 
-log = logging.getLogger(__name__)
 
 STREAM_EAGLE3 = 6  # rng stream per seed of the drafter's init (corpus.py holds 1, 2; train.py 3 to 5)
 DRAFT_MAX = 3  # llama.cpp's --spec-draft-n-max default: drafts a held-out round makes
@@ -122,18 +120,9 @@ def target_weights(seed: int, sizes: Sizes = TRAINED_SIZES) -> dict:
 
 def trained_eagle3(seed: int, sizes: Sizes = TRAINED_SIZES, config: Eagle3Config = DEFAULT_CONFIG) -> TrainedEagle3:
     """The trained EAGLE3 drafter of `seed`: from the cache, else trained (about 45 s) and cached."""
-    path = cache.cache_dir() / cache_key(seed, sizes, config)
-    with making(path):  # another process training the same key: wait for its files
-        if not (path / cache.META_FILE).is_file():
-            log.info("training the tiny EAGLE3 drafter of seed %d (once; cached in %s)", seed, path)
-            trained = train_eagle3(seed, sizes, config)
-            log.info(
-                "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
-                trained.meta["train_seconds"],
-                DRAFT_MAX,
-                trained.meta["held_out_mean_accepted"],
-            )
-            _store(trained, path)
+    path = cache.trained_once(
+        cache_key(seed, sizes, config), f"EAGLE3 drafter of seed {seed}", partial(_files, seed, sizes, config)
+    )
     meta = json.loads((path / cache.META_FILE).read_text())
     return TrainedEagle3(target=target_weights(seed, sizes), draft=load_file(str(path / DRAFT_FILE)), meta=meta)
 
@@ -379,5 +368,7 @@ def _with_vocabulary(w: dict[str, np.ndarray], n_vocab: int) -> dict[str, np.nda
     return {**w, D2T: np.zeros(n_vocab, dtype=np.int64), T2D: np.ones(n_vocab, dtype=np.bool_)}
 
 
-def _store(trained: TrainedEagle3, path: Path) -> None:
-    cache.store(path, {DRAFT_FILE: trained.draft}, trained.meta)
+def _files(seed: int, sizes: Sizes, config: Eagle3Config) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+    """The trained drafter as its cache entry holds it (training.cache.store): files and meta."""
+    trained = train_eagle3(seed, sizes, config)
+    return {DRAFT_FILE: trained.draft}, trained.meta

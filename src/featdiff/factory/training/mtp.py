@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,6 @@ from safetensors.numpy import load_file
 from torch.nn.functional import cross_entropy
 
 from featdiff.core import names
-from featdiff.core.cache_dir import making
 from featdiff.factory import pairs
 from featdiff.torchref.attention import empty_cache, truncated
 from featdiff.torchref.load import load_target
@@ -47,7 +46,6 @@ from featdiff.factory.training import cache
 from featdiff.factory.training.corpus import CPU, Corpus, f32_cache, held_out_prompts, prompts
 from featdiff.factory.training.train import _fit, _torch_threads
 
-log = logging.getLogger(__name__)
 
 STREAM_MTP = 7  # rng stream per seed of the batches (corpus.py holds 1, 2; train.py 3 to 5; eagle3.py 6)
 DRAFT_MAX = 3  # llama.cpp's --spec-draft-n-max default: drafts a held-out round makes
@@ -88,18 +86,9 @@ class TrainedMtp:
 def trained_mtp(hf: Path, seed: int, config: MtpConfig = DEFAULT_CONFIG) -> TrainedMtp:
     """The MTP head of the checkpoint `hf` trained on its target: from the cache, else trained
     (about a minute) and cached."""
-    path = cache.cache_dir() / cache_key(hf, seed, config)
-    with making(path):  # another process training the same key: wait for its files
-        if not (path / cache.META_FILE).is_file():
-            log.info("training the tiny MTP head of seed %d (once; cached in %s)", seed, path)
-            trained = train_mtp(hf, seed, config)
-            log.info(
-                "trained in %.1f s; held-out mean accepted drafts of %d (reference): %s",
-                trained.meta["train_seconds"],
-                DRAFT_MAX,
-                trained.meta["held_out_mean_accepted"],
-            )
-            _store(trained, path)
+    path = cache.trained_once(
+        cache_key(hf, seed, config), f"MTP head of seed {seed}", partial(_files, hf, seed, config)
+    )
     return TrainedMtp(head=load_file(str(path / HEAD_FILE)), meta=json.loads((path / cache.META_FILE).read_text()))
 
 
@@ -306,5 +295,7 @@ def _losses(
         yield mtp_loss(head_with(base, w), corpus, seqs, anchors, config.ttt_steps, config.ttt_decay)
 
 
-def _store(trained: TrainedMtp, path: Path) -> None:
-    cache.store(path, {HEAD_FILE: trained.head}, trained.meta)
+def _files(hf: Path, seed: int, config: MtpConfig) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+    """The trained head as its cache entry holds it (training.cache.store): files and meta."""
+    trained = train_mtp(hf, seed, config)
+    return {HEAD_FILE: trained.head}, trained.meta
