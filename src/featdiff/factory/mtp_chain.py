@@ -52,17 +52,23 @@ class ChainVariant:
     order: tuple[int, ...] | None = None
 
 
+def permuted(clean: ChainVariant, name: str) -> ChainVariant:
+    """The variant `name`: `clean`'s export fault with the GGUF's heads in reverse block order (of N_CHAIN heads)."""
+    return ChainVariant(
+        name,
+        f"`{clean.name}` with the GGUF's heads in reverse block order (export fault: head 2 - k runs for step k)",
+        order=(2, 1, 0),
+    )
+
+
 _CLEAN_DOC = (
     f"MiMo-V2-Flash target (as `mtp-mimo2`) with its {N_CHAIN} chained MTP heads inside target.gguf: draft step k "
     f"runs head k (common/speculative.cpp chain_heads; --spec-draft-n-max capped at {N_CHAIN})"
 )
+_CLEAN = ChainVariant("mtp-mimo2-chain", _CLEAN_DOC)
 _VARIANTS = (
-    ChainVariant("mtp-mimo2-chain", _CLEAN_DOC),
-    ChainVariant(
-        "mtp-mimo2-chain-permuted",
-        "`mtp-mimo2-chain` with the GGUF's heads in reverse block order (export fault: head 2 - k runs for step k)",
-        order=(2, 1, 0),
-    ),
+    _CLEAN,
+    permuted(_CLEAN, "mtp-mimo2-chain-permuted"),
     ChainVariant(
         "mtp-mimo2-chain-same",
         "`mtp-mimo2-chain` with head 0 in every head block of the GGUF (export fault: the same head for every step)",
@@ -84,6 +90,12 @@ def write_mtp_chain_fixture(outdir: str | Path, variant: str = "mtp-mimo2-chain"
     (out / PROMPTS_FILE).unlink(missing_ok=True)
     (out / DRAFT_GGUF).unlink(missing_ok=True)
     gguf = convert_checkpoint(hf, out / TARGET_GGUF, bootstrap=BOOTSTRAP_OF[TOKENIZER_SPM])  # the converter's count
+    return export_chain(gguf, v, out)
+
+
+def export_chain(gguf: Path, v: ChainVariant, out: Path) -> Path:
+    """The converted `gguf` with `v`'s head order planted (none: as converted) and `out`'s VARIANT
+    file naming `v`; return `out`."""
     if v.order is not None:
         reorder_heads(gguf, v.order)
     with replaced(out / VARIANT_FILE) as tmp:

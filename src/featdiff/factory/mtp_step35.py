@@ -16,16 +16,14 @@ Qwen3-MoE's names (norms as llama.cpp multiplies them). The heads are read from 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from featdiff.core import names
-from featdiff.core.outputs import check_output_dir, replaced
+from featdiff.core.outputs import check_output_dir
 from featdiff.factory import pairs
 from featdiff.factory.converter import (
-    CONVERTER,
     TARGET_GGUF,
     TARGET_HF,
     TOKENIZER_MODEL,
@@ -33,8 +31,8 @@ from featdiff.factory.converter import (
     write_spm_tokenizer,
 )
 from featdiff.factory.hf_families import N_EXPERT, N_EXPERT_USED, N_FF_EXPERT
-from featdiff.factory.mtp import HF_SAFETENSORS, VARIANT_FILE
-from featdiff.factory.mtp_chain import reorder_heads
+from featdiff.factory.mtp import HF_SAFETENSORS
+from featdiff.factory.mtp_chain import ChainVariant, export_chain, permuted
 
 BOOTSTRAP_STEP35 = "step35"  # converter.BOOTSTRAPS: config.json read as written, tokenizer.model as the vocabulary
 TARGET_REF = "target-ref"  # the trunk as transformers' qwen3_moe runs it (the reference's --target)
@@ -45,26 +43,13 @@ SHARED_FF = 32  # share_expert_dim
 NORM_SPREAD = 0.1  # zero-centred norm weights drawn around 0 (the converter adds 1)
 
 
-@dataclass(frozen=True)
-class Step35Variant:
-    name: str
-    doc: str
-    order: tuple[int, ...] | None = None  # block n_layer + k of the GGUF holds head order[k]
-
-
 _CLEAN_DOC = (
     f"Step-3.5 target (a dense sliding-window trunk) with its {N_HEADS} chained MTP heads (gated attention, "
     "sigmoid-routed experts + a shared expert) inside target.gguf, converted from the converter's own layout "
     "(no transformers code); draft step k runs head k"
 )
-_VARIANTS = (
-    Step35Variant("mtp-step35", _CLEAN_DOC),
-    Step35Variant(
-        "mtp-step35-chain-permuted",
-        "`mtp-step35` with the GGUF's heads in reverse block order (export fault: head 2 - k runs for step k)",
-        order=(2, 1, 0),
-    ),
-)
+_CLEAN = ChainVariant("mtp-step35", _CLEAN_DOC)
+_VARIANTS = (_CLEAN, permuted(_CLEAN, "mtp-step35-chain-permuted"))
 STEP35_SETTINGS = {v.name: v for v in _VARIANTS}
 STEP35_VARIANTS = {v.name: v.doc for v in _VARIANTS}
 
@@ -77,12 +62,7 @@ def write_step35_fixture(outdir: str | Path, variant: str = "mtp-step35", seed: 
     hf = _write_checkpoint(out / TARGET_HF, _step35_config(), weights)
     write_spm_tokenizer(hf / TOKENIZER_MODEL, pairs.TINY.n_vocab)
     _write_checkpoint(out / TARGET_REF, _qwen3moe_config(), qwen3moe_weights(weights))
-    gguf = convert_checkpoint(hf, out / TARGET_GGUF, bootstrap=BOOTSTRAP_STEP35)
-    if v.order is not None:
-        reorder_heads(gguf, v.order)
-    with replaced(out / VARIANT_FILE) as tmp:
-        tmp.write_text(f"{v.name}: {v.doc} (converted by {CONVERTER})\n")
-    return out
+    return export_chain(convert_checkpoint(hf, out / TARGET_GGUF, bootstrap=BOOTSTRAP_STEP35), v, out)
 
 
 def _step35_config() -> dict:
