@@ -235,6 +235,7 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-deepseek32": False,
         "mtp-glm-dsa": False,
         "mtp-nemotron-h-moe": False,
+        "mtp-hy-v3": False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -248,6 +249,7 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-deepseek32": names.ARCH_DEEPSEEK32,
         "mtp-glm-dsa": names.ARCH_GLM_DSA,
         "mtp-nemotron-h-moe": names.ARCH_NEMOTRON_H_MOE,
+        "mtp-hy-v3": names.ARCH_HY_V3,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())

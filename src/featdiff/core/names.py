@@ -51,6 +51,7 @@ ARCH_DEEPSEEK32 = "deepseek32"  # DeepSeek-V3.2's head: deepseek2's MLA head; it
 ARCH_NEMOTRON_H_MOE = "nemotron_h_moe"  # Nemotron-H's head: NoPE attention + relu^2 MoE, LayerNorm head norm
 ARCH_STEP35 = "step35"  # Step-3.5's chained heads: gated attention, sigmoid MoE, pre-norm state (step35.cpp)
 ARCH_GLM_DSA = "glm-dsa"  # GLM-5's head: deepseek32's, sigmoid routing where the file says none (glm-dsa.cpp)
+ARCH_HY_V3 = "hy_v3"  # Hy3's head: q/k-normed attention, sigmoid MoE + shared expert, its own final norm (hy-v3.cpp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
 NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)

@@ -57,6 +57,7 @@ MTP_LAYERS_KEY: dict[str, str | None] = {
 GGUF_ONLY_HEADS = {
     "step3p5": "Step-3.5's MTP heads are read from its converted GGUF only (no loader of the checkpoint's heads)",
     "nemotron_h": "Nemotron-H's MTP head is read from its converted GGUF only (transformers has no model code for it)",
+    "hy_v3": "Hy3's MTP head is read from its converted GGUF only (transformers has no model code for it)",
 }
 
 
@@ -101,6 +102,17 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "the FFN; the trunk's Mamba2 state rolled back; from the GGUF",
         "a latent MoE (`ffn_latent_down` / `ffn_latent_up`: tensors the reference does not read); the head "
         "from a checkpoint directory (read it from the GGUF): transformers 5.23 has no model code for it",
+    ),
+    (
+        "hy_v3",
+        "Hy3's head (hy-v3.cpp graph_mtp, block n_layer): eh_proj over [enorm(e), hnorm(h)], q/k/v attention "
+        "with per-head q/k RMS norms and NeoX RoPE on the whole head, experts routed by sigmoid (the file's "
+        "gating where it says one) plus the bare `exp_probs_b`, renormalized and times "
+        "`expert_weights_scale`, an ungated shared expert; "
+        "the head norm `nextn.shared_head_norm` (else `output_norm`) on every row, which the next step is "
+        "handed (the target hands its `output_norm` rows); from the GGUF",
+        "a gating function other than softmax or sigmoid; the head from a checkpoint directory (read it from "
+        "the GGUF): transformers 5.23 has the trunk's model code (`hy_v3`), not the head's",
     ),
 )
 

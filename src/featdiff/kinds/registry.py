@@ -190,6 +190,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_GLM_DSA,
             names.ARCH_STEP35,  # chained heads (torchref/mtp/step35.py)
             names.ARCH_NEMOTRON_H_MOE,
+            names.ARCH_HY_V3,
         ),
         row_token=0,
         shares_target_model=True,

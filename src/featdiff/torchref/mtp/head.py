@@ -177,7 +177,9 @@ def mtp_from_gguf(
         return tensor(full) if full in g.tensors else None
 
     prefix = names.GGUF_LAYER_PREFIX.format(il=il)
-    block = {k: tensor(_block_tensor(prefix, k)) for k in _block_keys(g, il)}
+    block = {k: tensor(_block_tensor(prefix, k, graph.choice_bias)) for k in _block_keys(g, il)}
+    if graph.choice_bias in block:  # under the one name moe_ffn reads
+        block[MOE_CHOICE_BIAS] = block.pop(graph.choice_bias)
     if MOE_GATE_UP in block:  # the fused experts: gate rows first (build_moe_ffn's views)
         block["ffn_gate_exps"], block["ffn_up_exps"] = block.pop(MOE_GATE_UP).chunk(2, dim=1)
     required = {k: nextn(k) for k in (names.NEXTN_EH_PROJ, "enorm", "hnorm")}
@@ -249,7 +251,7 @@ def _block_keys(g: GgufModel, il: int) -> list[str]:
     in_block = {t[len(prefix) :].removesuffix(".weight") for t in g.tensors if t.startswith(prefix)}
     graph = GRAPHS[g.arch]
     attention = [*graph.attention_tensors, *(k for k in ATTENTION_OPTIONAL if k in in_block)]
-    ffn = _moe_tensors(in_block, graph.experts) if MOE_ROUTER in in_block else list(DENSE_FFN)
+    ffn = _moe_tensors(in_block, graph.experts, graph.choice_bias) if MOE_ROUTER in in_block else list(DENSE_FFN)
     return [*attention, *ffn]
 
 
@@ -258,7 +260,10 @@ def unread_head_tensors(g: GgufModel, il: int) -> list[str]:
     no weight is read): not the block's attention or FFN, a nextn tensor, or mimo2's head norm."""
     prefix = names.GGUF_LAYER_PREFIX.format(il=il)
     nextn = (names.NEXTN_EH_PROJ, "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head")
-    read = {_block_tensor(prefix, k) for k in _block_keys(g, il)} | {names.T_NEXTN.format(il=il, name=n) for n in nextn}
+    bias = GRAPHS[g.arch].choice_bias
+    read = {_block_tensor(prefix, k, bias) for k in _block_keys(g, il)} | {
+        names.T_NEXTN.format(il=il, name=n) for n in nextn
+    }
     fallback = GRAPHS[g.arch].head_norm_fallback
     if fallback and names.T_NEXTN.format(il=il, name="shared_head_norm") not in g.tensors:
         read.add(_block_tensor(prefix, fallback))
@@ -272,17 +277,18 @@ def unread_nextn_keys(g: GgufModel) -> list[str]:
     return [k for k in mine if k not in read]
 
 
-def _block_tensor(prefix: str, key: str) -> str:
-    """The GGUF name of the block's tensor `key`: `<prefix><key>` for a bias, else `<prefix><key>.weight`."""
-    return f"{prefix}{key}" if key.endswith(BIAS_SUFFIX) else f"{prefix}{key}.weight"
+def _block_tensor(prefix: str, key: str, bare: str = MOE_CHOICE_BIAS) -> str:
+    """The GGUF name of the block's tensor `key`: `<prefix><key>` for a bias or the graph's `bare`
+    choice bias (MtpGraph.choice_bias), else `<prefix><key>.weight`."""
+    return f"{prefix}{key}" if key.endswith(BIAS_SUFFIX) or key == bare else f"{prefix}{key}.weight"
 
 
-def _moe_tensors(in_block: set[str], separate: tuple[str, ...]) -> list[str]:
+def _moe_tensors(in_block: set[str], separate: tuple[str, ...], choice_bias: str = MOE_CHOICE_BIAS) -> list[str]:
     """A MoE block's FFN tensors as the file has them: the router, its choice bias where there is
     one, the experts (separate or fused gate and up), and the shared expert and its gate where
     there are."""
     experts = [MOE_GATE_UP, MOE_EXPERTS[2]] if MOE_GATE_UP in in_block else list(separate)
-    optional = [k for k in (MOE_CHOICE_BIAS, *MOE_SHARED) if k in in_block]
+    optional = [k for k in (choice_bias, *MOE_SHARED) if k in in_block]
     return [MOE_ROUTER, *experts, *optional]
 
 

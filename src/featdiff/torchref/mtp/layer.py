@@ -22,6 +22,7 @@ from featdiff.core.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.mla import DSA_INDEXER, MLA_ATTENTION, mla_attention
 from featdiff.torchref.numerics import linear, rms_norm, rope
+from featdiff.torchref.mtp.hy_v3 import HY_V3_ATTENTION, HY_V3_CHOICE_BIAS, hy_v3_attention
 from featdiff.torchref.mtp.step35 import STEP35_ATTENTION, refuse_unmodelled, step35_attention, trunk_names
 from featdiff.torchref.stack import Named, scaled_output, windowed
 from featdiff.torchref.weights import Hparams
@@ -302,6 +303,8 @@ class MtpGraph:
     # graph_mtp's crop_before_ffn in a masked draft context): mtp_post_ffn and h_nextn hold them only
     has_rows_before_ffn: bool = False
     experts: tuple[str, ...] = MOE_EXPERTS  # a MoE block's separate expert tensors
+    # a MoE block's choice bias as the file names it in the block (hy-v3.cpp's has no `.bias` suffix)
+    choice_bias: str = MOE_CHOICE_BIAS
     head_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm  # (rows, weight, eps)
 
 
@@ -364,5 +367,16 @@ GRAPHS[names.ARCH_STEP35] = MtpGraph(
     is_prenorm=True,
     ffn_norm="ffn_norm",
     trunk_names=trunk_names,
+)
+# hy-v3.cpp graph_mtp: a full Hy3 decoder layer (q/k-normed attention, torchref/mtp/hy_v3.py), ffn_norm,
+# the MoE routed by sigmoid where the file says none plus its bare `exp_probs_b`, an ungated shared
+# expert; handed the target's post-norm rows, each step recycling the shared-head norm's, as GLM-4.5's
+GRAPHS[names.ARCH_HY_V3] = MtpGraph(
+    hy_v3_attention,
+    HY_V3_ATTENTION,
+    names.MTP_FFN_INP,
+    _routing_of_file,
+    ffn_norm="ffn_norm",
+    choice_bias=HY_V3_CHOICE_BIAS,
 )
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
