@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from featdiff.diff import compare_dumps
+from featdiff.dump.reader import read_dump
+from featdiff.dump.records import Eval
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
 
@@ -129,3 +132,27 @@ def test_an_mtp_pending_row_never_refreshed_is_stale(tools, mtp_pairs, tmp_path,
     assert len(first.fields["rows"]) == 1 and first.fields["source_eval"] is not None  # the seed's one row
     assert "an earlier round" in first.message, first.message
     assert first.fields["where"] == "driver", first.fields["where_reason"]
+    # issue 42: source_eval is the run's eval (its numbering has the warm-ups the reference lacks),
+    # the first round's catch-up, whose row of the stale position is, bit for bit, the stale row
+    source, (position,) = first.fields["source_eval"], first.fields["rows"]
+    rows = _rows_by_eval(tmp_path / "run.npz", first.tensor)
+    assert rows[source][0].phase == "inject" and rows[source][0].round == 1, rows[source][0]
+    repeated = [
+        e.eval
+        for e, held in rows.values()
+        if e.eval > source
+        and position in e.positions
+        and any(np.array_equal(held[e.positions.index(position)], r) for r in rows[source][1])
+    ]
+    assert repeated, (source, position)
+
+
+def _rows_by_eval(run: Path, name: str) -> dict[int, tuple[Eval, np.ndarray]]:
+    """The run's record `name` (its first occurrence) of each eval: the eval and its rows, (n_tokens, D)."""
+    with read_dump(run) as dump:
+        evals = {e.eval: e for e in dump.manifest.evals}
+        return {
+            r.eval: (evals[r.eval], dump.array(r).reshape(len(evals[r.eval].positions), -1))  # (n_tokens, D)
+            for r in dump.manifest.records
+            if r.name == name and r.occurrence == 0
+        }

@@ -73,7 +73,7 @@ def build_evidence(
     al = pair.alignment
     ref_rows, run_rows = pair_arrays(al, ref_all, run_all, pair.name) if al.comparable else (ref_all, run_all)
     n_extract = _n_extract(ref.manifest, ref_rows.shape[1])
-    earlier, earlier_evals = _earlier(ref, pair)
+    earlier, earlier_evals = _earlier(ref, run, pair)
     return Evidence(
         tensor=pair.run_name,
         ref=ref_rows,
@@ -172,9 +172,9 @@ def _is_candidate_for(name: str, pair_name: str) -> bool:
     return names.current_name(name) in names.TERM_RECORDS and names.current_name(name) != pair_name
 
 
-def _earlier(ref: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[int, ...]]:
+def _earlier(ref: Source, run: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[int | None, ...]]:
     """Rows of the same ref record in earlier evals of the same role and phase, latest first,
-    (E, D), and the eval of each row."""
+    (E, D), and for each row the run's eval that computed it (run_eval_of; None: none did)."""
     if not pair.alignment.positions:
         return None, ()
     role, phase, _ = pair.group
@@ -187,16 +187,26 @@ def _earlier(ref: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[int, ...
         and r.role == role
         and r.phase == phase
     ]
+    in_run = run_eval_of(run.manifest)
     rows: list[np.ndarray] = []
-    evals: list[int] = []
+    evals: list[int | None] = []
     for r in records:
         if len(evals) >= MAX_STALE_ROWS:
             break
         rows.append(side_rows([ref.array(r)]))  # (n_tokens, D)
-        evals += [r.eval] * len(rows[-1])
+        ev = ref.evals[r.eval]
+        at = ev.positions if len(ev.positions) == len(rows[-1]) else (None,) * len(rows[-1])
+        evals += [in_run.get((ev.role, ev.phase, ev.round, p)) for p in at]
     if not rows:
         return None, ()
     return np.concatenate(rows, axis=0), tuple(evals)  # (E, D)
+
+
+def run_eval_of(run: Manifest) -> dict[tuple[str, str, int, int | None], int]:
+    """(role, phase, round, position) -> the run's latest eval of that role, phase and round that
+    computed the row of that position: where a reference row's values sit in the run's numbering
+    (the two sides number their evals apart: a run has warm-ups, a reference follows its flow)."""
+    return {(e.role, e.phase, e.round, p): e.eval for e in run.evals for p in e.positions}
 
 
 def _rope(manifest: Manifest, pair: Pair) -> Rope | None:

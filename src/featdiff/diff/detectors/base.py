@@ -43,7 +43,7 @@ class Evidence:
     run_raw: np.ndarray | None = None  # the run record as stored, for layout checks
     candidates: Mapping[str, np.ndarray] = field(default_factory=dict)  # ref-only, aligned rows
     earlier: np.ndarray | None = None  # (E, D) ref rows of this record in earlier evals
-    earlier_evals: tuple[int, ...] = ()  # eval of each earlier row
+    earlier_evals: tuple[int | None, ...] = ()  # the run's eval of each earlier row (None: the run has none)
     layers: LayerMatch | None = None
     n_extract: int = 0
     rope: Rope | None = None

@@ -120,7 +120,8 @@ def detect_wrong_source_of_pending_row(ev: Evidence) -> Finding | None:
 
 def detect_stale_rows(ev: Evidence) -> Finding | None:
     """Hypothesis: rows hold data of an earlier eval (a buffer not refreshed). Evidence: every
-    divergent run row equals, within tolerance, a ref row of this record from an earlier eval.
+    divergent run row equals, within tolerance, a ref row of this record from an earlier eval;
+    `source_eval` is the run's eval that computed that row (the run's numbering, docs/findings.md).
     (The draft KV cache's stale rows: kvcache.detect_stale_cache.) Not on token rows (EAGLE3's
     decoder `inp_embd`): the same token embeds alike in every round, and token ids are compared
     exactly (diff/positions.py)."""
@@ -131,10 +132,11 @@ def detect_stale_rows(ev: Evidence) -> Finding | None:
     if not bad.any() or not np.all(err <= ev.tolerance.row_rel):
         return None
     rows = labels(ev, bad)
-    source = int(ev.earlier_evals[int(best[0])]) if ev.earlier_evals else -1
+    source = ev.earlier_evals[int(best[0])] if ev.earlier_evals else None
+    came_from = f"eval {source}, an earlier round" if source is not None else "an earlier round the run has no eval of"
     return error_finding(
         ev,
-        f"{ev.tensor} at {at_positions(rows)} repeats data from eval {source}, an earlier round; "
+        f"{ev.tensor} at {at_positions(rows)} repeats data from {came_from}; "
         f"the buffer is not refreshed before this eval",
         StaleFields(rows=rows, source_eval=source),
     )
