@@ -75,6 +75,7 @@ def follow_memory(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[FlowStart, ...
     target_ctx: int | None = None
     active: dict[int, int] = {}  # sequence -> the flow it serves now
     broken: dict[int, str] = {}  # flow -> the change made to its sequence while it ran
+    failed: dict[int, list[tuple[str, int, int]]] = {}  # broken flow -> (role, first position, rc) of a failed decode
     last = {e.flow: ev.eval for ev, e in zip(log.evals, evals) if e.phase != Phase.WARMUP}  # flow -> its last eval
     for ev, e in zip(log.evals, evals):
         while pending and pending[0].after_eval < ev.eval:
@@ -88,9 +89,24 @@ def follow_memory(log: ExecLog, evals: tuple[Eval, ...]) -> tuple[FlowStart, ...
                 starts[e.flow] = _start(mem, e, ev.ctx, draft_ctx, n_cached.get(e.flow, 0))
         if e.phase != Phase.WARMUP:
             active.update({s: e.flow for s in e.seq_ids})
+        if e.flow in broken and ev.rc not in (0, None):
+            failed.setdefault(e.flow, []).append((role, ev.positions[0] if ev.positions else -1, ev.rc))
         if (ev.rc == 0 or ev.rc is None) and ev.call != names.CALL_ENCODE:  # an encoder call writes no cache
             _write(mem, ev.ctx, role, ev.positions, ev.seq_ids, ev.token_ids, target_ctx, ev.ctx in steps)
-    return tuple(_broken(starts[k], broken.get(k, "")) for k in sorted(starts))
+    return tuple(_broken(starts[k], broken.get(k, "") + _failed_after(failed.get(k, []))) for k in sorted(starts))
+
+
+def _failed_after(failed: list[tuple[str, int, int]]) -> str:
+    """The decodes of a shifted flow that failed after the shift, for the sentence that names it
+    (upstream's EAGLE3 driver keeps the position it last drafted from unshifted, and its next
+    draft decode meets positions the shift left non-consecutive: llama-server fails the request)."""
+    if not failed:
+        return ""
+    role, pos, rc = failed[0]
+    return (
+        f"; after it {len(failed)} decode{'s' if len(failed) > 1 else ''} of the flow failed, the first of the "
+        f"{role} context at position {pos} (return code {rc}), so the program did not complete the flow either"
+    )
 
 
 def _note_midflow(

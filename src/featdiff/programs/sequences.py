@@ -14,7 +14,9 @@ with a stream per sequence, `split_equal(n_ubatch, sequential=true)`: each graph
 rows of consecutive sequence ids starting from the first unused row's, as many of each; an
 encoder call (llama_encode) is one graph of all its rows. A decode
 whose records do not fit that model (another split, a record with no row per token) is kept
-whole and a note says why: its rows are then compared together, never guessed.
+whole and a note says why: its rows are then compared together, never guessed. Graphs that each
+hold all of a batch's rows are one graph the shim cut where a node's address came round again
+(a memory update's K-shift computed before it in the same call), and are taken as one.
 """
 
 from __future__ import annotations
@@ -298,12 +300,24 @@ def _graphs(ev: ExecEval, records: list[RecordEvent], split: Split) -> tuple[Row
         return fitting[0]
     if len(set(ev.seq_ids)) == 1 and seen <= len(guess):
         return guess  # one sequence's rows, in batch order whatever the split: its graphs as guessed
+    if _one_graph_cut(sizes, seen, n):
+        return (tuple(range(n)),)
     shape = ", ".join(str(sizes.get(u, "?")) for u in range(seen))
     if not fitting:
         return f"was computed as {seen} graphs of {shape} rows, as none of llama.cpp's splits featdiff models"
     return (
         f"was computed as {seen} graphs of {shape} rows, as {len(fitting)} of llama.cpp's splits would, with other rows"
     )
+
+
+def _one_graph_cut(sizes: dict[int, int], seen: int, n: int) -> bool:
+    """Whether the records' graphs are one graph of all `n` rows that the shim cut in two or more:
+    every graph they show holds all the batch's rows, which graphs that split a batch never do (they
+    share its rows out). The shim starts a graph where a node's address comes round again, and a
+    graph llama.cpp computed earlier in the same call leaves its addresses for the batch's graph to
+    reuse: the K-shift of llama_context::memory_update, run before the batch after a seq_add (a
+    context shift, --cache-reuse) whose context decoded nothing since."""
+    return seen > 1 and len(sizes) == seen and all(rows == n for rows in sizes.values())
 
 
 def _graph_sizes(records: list[RecordEvent]) -> dict[int, int]:
