@@ -63,6 +63,13 @@ def test_the_head_is_block_n_layer_with_the_checkpoints_values(mtp_pairs):
         assert np.array_equal(got, w[hf]), hf
 
 
+def test_lint_finds_nothing_unread_in_the_head(mtp_pairs):
+    """lint reads the head block as the reference does: the bare `exp_probs_b` is read, nothing is left."""
+    head = mtp_pairs(VARIANT) / "target.gguf"
+    out = CliRunner().invoke(app, ["lint", str(head), "--target", str(head)])
+    assert out.exit_code == 0 and out.output.strip() == f"{head}: ok", out.output
+
+
 def test_the_in_process_flow_compares_clean(mtp_pairs, tmp_path):
     """Three rounds in-process compare clean, nothing skipped: the head and its hand-over (the
     target's h_nextn at verify, each draft step's at draft) paired."""
