@@ -13,6 +13,7 @@ from featdiff.diff.tolerance import (
     REL_F32,
     REL_KV_F16,
     REL_KV_Q8_0,
+    REL_RECURRENT,
     SAFETY,
     Tolerance,
     TypeInfo,
@@ -110,6 +111,25 @@ def test_q8_0_cache_bound_is_looser_than_f16_and_names_its_source():
     assert post.rel == pytest.approx(SAFETY * np.hypot(REL_F32, REL_KV_Q8_0)) and "q8_0 KV cache" in post.sources
     assert post.rel > tolerance_for("l_out-3", False, f16).rel
     assert tolerance_for("inp_noise_embd", False, q8) == tolerance_for("inp_noise_embd", False, f16)  # before attention
+
+
+def test_a_target_with_recurrent_state_adds_its_term_after_attention_only():
+    def run_of(arch: str) -> Manifest:
+        return Manifest("llama.cpp", {"target": {"architecture": arch, "weight_types": ["f32"]}}, {}, (), ())
+
+    ref = Manifest("reference", {}, {}, (), ())
+    hybrid, dense = type_info(ref, run_of("qwen35")), type_info(ref, run_of("qwen3"))
+    assert (hybrid.recurrent_arch, dense.recurrent_arch) == ("qwen35", "")
+    assert type_info(ref, run_of("nemotron_h_moe")).recurrent_arch == "nemotron_h_moe"
+    post = tolerance_for("mtp_hnorm-6", False, hybrid)
+    rec = REL_RECURRENT["qwen35"]
+    assert post.rel == pytest.approx(SAFETY * np.sqrt(REL_F32**2 + REL_KV_F16**2 + rec**2))
+    # a recurrent architecture not measured takes the largest figure
+    kimi = tolerance_for("l_out-3", False, type_info(ref, run_of("kimi-linear")))
+    assert kimi.rel == pytest.approx(SAFETY * np.sqrt(REL_F32**2 + REL_KV_F16**2 + max(REL_RECURRENT.values()) ** 2))
+    assert "qwen35 recurrent state" in post.sources and post.rel > tolerance_for("mtp_hnorm-6", False, dense).rel
+    # the token embeddings never pass through the state
+    assert tolerance_for("inp_embd", False, hybrid) == tolerance_for("inp_embd", False, dense)
 
 
 def test_sketches_are_deterministic_and_find_the_layer():

@@ -144,11 +144,11 @@ def _assert_source(fault: str, error: dict) -> None:
         assert (error["source"], error["where"]) == SOURCE[fault], error["message"]
 
 
-# a clean request's prompt: "hello world" keeps clear of the position where the qwen35
-# reference's gated delta-net fallback computes a noisier target row that the head's chain of
-# drafts carries on ("The quick brown fox" meets it at position 32: NMSE 2.7e-05 at a draft step's
-# mtp_hnorm-6, tolerance 1.6e-05; tests/llama/test_mtp_exec.py)
-CLEAN_PROMPT = "hello world"
+# a clean request's prompt: "The quick brown fox" meets, at position 32, a target row whose
+# gated delta-net state llama.cpp scans noisier than the f16 cache alone explains (NMSE 2.7e-05 at
+# a draft step's mtp_hnorm-6): a false FAIL before the recurrent-state term (REL_RECURRENT in
+# diff/tolerance.py, bench/calibrate_recurrent.py)
+CLEAN_PROMPT = "The quick brown fox"
 
 
 def test_check_passes_a_clean_mtp_pair_around_llama_server(tools, mtp_pairs, tmp_path):

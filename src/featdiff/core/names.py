@@ -53,6 +53,17 @@ ARCH_STEP35 = "step35"  # Step-3.5's chained heads: gated attention, sigmoid MoE
 ARCH_GLM_DSA = "glm-dsa"  # GLM-5's head: deepseek32's, sigmoid routing where the file says none (glm-dsa.cpp)
 ARCH_HY_V3 = "hy_v3"  # Hy3's head: q/k-normed attention, sigmoid MoE + shared expert, its own final norm (hy-v3.cpp)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
+# Architectures whose memory keeps a recurrent state beside (or instead of) a KV cache
+# (llama-arch.cpp llm_arch_is_recurrent and llm_arch_is_hybrid): a row's hidden state depends on
+# every row before it through that state, and llama.cpp scans it in its own order
+RECURRENT_ARCHS = frozenset(
+    {
+        "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7",  # recurrent
+        "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
+        "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
+        "deepseek4", "minimax-01",  # hybrid
+    }
+)  # fmt: skip
 T_NEXTN = "blk.{il}.nextn.{name}.weight"  # eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm
 NEXTN_EH_PROJ = "eh_proj"  # what makes a block an MTP head (common_speculative_types_from_gguf)
 # llama.cpp's RoPE base when `{arch}.rope.freq_base` is absent (HF: `rope_theta` absent)
