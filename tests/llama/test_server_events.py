@@ -16,7 +16,6 @@ from test_exec_memory import A, _follow, _request
 from test_exec_memory import _log as _memory_log
 from test_sequences import _log, _record
 from test_server_clients import (
-    _capture,
     _checked,
     _client,
     _errors,
@@ -40,6 +39,7 @@ REUSED = list(range(150, 190))  # a chunk past CACHE_REUSE both prompts carry af
 # its two contexts, so a text prompt never meets a chunk of CACHE_REUSE equal tokens there
 REUSE_PROMPTS = (HEAD + DROPPED + REUSED, HEAD + REUSED)
 REUSED_LOG = f"reusing chunk with size {len(REUSED)}"  # server-context.cpp's trace line (-lv 4)
+SPEC_TYPES = {"clean": "draft-dflash", "dspark": "draft-dspark"}  # --spec-type of a DFlash-family fixture
 SHIFT_LOG = "slot context shift"  # server-context.cpp's warning, with n_keep and n_discard
 NO_SHIFT_LOG = "ctx_shift is not supported by this context"  # a target whose memory cannot shift
 
@@ -56,14 +56,19 @@ def _server_log(run: Path) -> str:
 
 
 @pytest.mark.slow
-def test_cache_reuse_moving_a_chunk_on_a_dflash_pair_sets_aside_that_flow_alone(tools, fixture_models, tmp_path):
+@pytest.mark.parametrize("variant", ["clean", "dspark"])
+def test_cache_reuse_moving_a_chunk_on_a_dflash_pair_sets_aside_that_flow_alone(
+    variant, tools, fixture_models, tmp_path
+):
     """--cache-reuse 16, -np 1: the server moves the reused chunk's rows by -len(DROPPED) on the
     target and the drafter (seq_add: keys and values computed at other positions, which a replay
     from position 0 does not compute); the second flow is set aside as information naming
-    --cache-reuse, the first compares clean and check --run passes."""
-    models = fixture_models("clean")
+    --cache-reuse, the first compares clean and check --run passes; on DFlash and on DSpark (its
+    Markov head modelled) alike."""
+    models = fixture_models(variant)
     options = ["-np", "1", "--cache-ram", "0", "--cache-reuse", str(CACHE_REUSE), "-lv", "4"]
-    run = _capture(tmp_path, models, tools.program("llama-server"), options, traffic=_reused_chunk, n=2)
+    spec = ["-md", str(models / "draft.gguf"), "--spec-type", SPEC_TYPES[variant]]
+    run = _step_capture(tmp_path, models, spec, tools.program("llama-server"), options, _reused_chunk, 2)
     assert REUSED_LOG in _server_log(run)  # the server did reuse the chunk
     with read_dump(run) as dump:
         flows = [dump.manifest.flow_info(k) for k in dump.manifest.flow_ids()]
