@@ -41,7 +41,7 @@ REUSE_PROMPTS = (HEAD + DROPPED + REUSED, HEAD + REUSED)
 REUSED_LOG = f"reusing chunk with size {len(REUSED)}"  # server-context.cpp's trace line (-lv 4)
 SPEC_TYPES = {"clean": "draft-dflash", "dspark": "draft-dspark"}  # --spec-type of a DFlash-family fixture
 SHIFT_LOG = "slot context shift"  # server-context.cpp's warning, with n_keep and n_discard
-NO_SHIFT_LOG = "ctx_shift is not supported by this context"  # a target whose memory cannot shift
+NO_SHIFT_LOG = "KV cache shifting is not supported for this context"  # common_init_from_params: memory cannot shift
 
 
 def _reused_chunk(port: int) -> None:
@@ -148,8 +148,7 @@ def test_decodes_failing_after_a_context_shift_are_said_with_the_shift():
 
 
 # the MTP pairs with a memory that can shift: GLM-4.5's attention target (mtp-glm4moe). The `mtp`
-# pair's Qwen3.5 target cannot (its recurrent state): the server disables --context-shift there
-# ("ctx_shift is not supported by this context") and stops the request at its context, unshifted.
+# pair's Qwen3.5 target cannot (its recurrent state): see the test after this one.
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle3", "mtp-glm4moe"])
 def test_a_context_shift_on_a_step_drafter_sets_aside_that_flow_alone(kind, tools, eagle3_pairs, mtp_pairs, tmp_path):
@@ -184,3 +183,29 @@ def test_a_context_shift_on_a_step_drafter_sets_aside_that_flow_alone(kind, tool
         assert traffic.first == "length, 300 tokens" and "failed" not in why[0], (traffic.first, why)
         assert _errors(result["findings"]) == [("wrong_source", "stale_pending", 1)], _summary(result)
         _checked(tmp_path, check, [("wrong_source", "stale_pending", 1)])
+
+
+@pytest.mark.slow
+def test_context_shift_asked_of_a_qwen35_mtp_pair_shifts_nothing_and_both_flows_are_followed(
+    tools, eagle3_pairs, mtp_pairs, tmp_path
+):
+    """The same traffic on the `mtp` pair: Qwen3.5's recurrent state cannot shift, so llama.cpp
+    disables --context-shift and the server stops the long request at its context (finish reason
+    length, fewer than the 300 tokens asked). Nothing moved: both flows are followed and compared
+    (the first to the context's end, within the recurrent-state tolerance), the second is
+    upstream's pending hidden kept across requests (stale_pending), in compare and check alike."""
+    d, spec, target, model = _shift_pair("mtp", eagle3_pairs, mtp_pairs)
+    traffic = _PastTheContext()
+    options = ["-np", "1", "-c", "128", "--context-shift", "--cache-ram", "0"]
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, traffic, 2)
+    assert NO_SHIFT_LOG in _server_log(run) and SHIFT_LOG not in _server_log(run)
+    reason, n_tokens = traffic.first.split(", ")
+    assert reason == "length" and int(n_tokens.split()[0]) < 300, traffic.first  # the context, not max_tokens
+    with read_dump(run) as dump:
+        flows = [dump.manifest.flow_info(k) for k in dump.manifest.flow_ids()]
+    assert [f.why_unreplayable() for f in flows] == ["", ""], [f.why_unreplayable() for f in flows]
+    result, check = _step_verdicts(tmp_path, target, model, run)
+    assert not [f for f in result["findings"] if f["kind"] == "flow_note"], _summary(result)
+    assert result["coverage"]["pairs_skipped"] == 0 and result["coverage"]["rows_skipped"] == 0
+    assert _errors(result["findings"]) == [("wrong_source", "stale_pending", 1)], _summary(result)
+    _checked(tmp_path, check, [("wrong_source", "stale_pending", 1)])
