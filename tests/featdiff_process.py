@@ -1,6 +1,7 @@
 """featdiff run as its console script runs it (cli.main, with its signal handlers), in a process
 of its own: for the tests that capture around a llama-server and talk to it while it runs; and
-the check of a planted fault the check fault tests share (check_names_fault)."""
+the check of a planted fault the check fault tests share (check_names_fault); `featdiff check`
+processes run at once (checks_at_once)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,36 @@ import pytest
 
 FEATDIFF = [sys.executable, "-c", "import sys; from featdiff.cli import main; sys.argv[0] = 'featdiff'; main()"]
 LISTENING = "send your requests now"  # featdiff's line once the server answers /health
+CHECK_WAIT_S = 600  # one check of a trained pair: about 100 s on two loaded cores
 
 
 def start(args: list, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """featdiff with `args`, its stderr to the file `stderr`."""
     with open(stderr, "w") as err:
         return subprocess.Popen([*FEATDIFF, *map(str, args)], stdout=subprocess.DEVNULL, stderr=err, env=env)
+
+
+def checks_at_once(args: list, envs: list[dict[str, str]], tmp: Path) -> list[subprocess.CompletedProcess[str]]:
+    """`featdiff check ARGS` under each of `envs`, the processes run at once (each on a core of
+    its own where the machine has them free; each writes to its own temporary directory): their
+    exit codes and outputs, in the order of `envs`. None is left running when this returns."""
+    command = [*FEATDIFF, "check", *map(str, args)]
+    outs = [(tmp / f"check{i}.out", tmp / f"check{i}.err") for i in range(len(envs))]
+    procs = []
+    try:
+        for env, (out, err) in zip(envs, outs, strict=True):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                procs.append(subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env))
+        codes = [p.wait(timeout=CHECK_WAIT_S) for p in procs]
+    finally:  # a timeout or an error here leaves no check running
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [
+        subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
+        for code, (out, err) in zip(codes, outs, strict=True)
+    ]
 
 
 def wait_listening(proc: subprocess.Popen, stderr: Path, wait_s: float) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
 from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.torchref.kind import reference
+from featdiff_process import checks_at_once
 
 from eagle3_real import ROUNDS, TOKENS, run_and_ref
 
@@ -119,39 +119,6 @@ def test_an_eagle3_graph_fault_of_the_patched_library_is_named(
         assert list(first.fields["permutation"]) == [1, 0]
 
 
-def _checks(d: Path, envs: list[dict[str, str]], tmp: Path) -> list[subprocess.CompletedProcess[str]]:
-    """`featdiff check` of `d` under each of `envs`, the processes run at once (each on a core of
-    its own where the machine has them free; each writes to its own temporary directory)."""
-    command = [
-        sys.executable,
-        "-c",
-        "from featdiff.cli import main; main()",
-        "check",
-        "--target",
-        str(d / "target.gguf"),
-        "--model",
-        str(d / "draft.gguf"),
-        "--prompts",
-        str(d / "prompts.txt"),
-    ]
-    outs = [(tmp / f"check{i}.out", tmp / f"check{i}.err") for i in range(len(envs))]
-    procs = []
-    try:
-        for env, (out, err) in zip(envs, outs, strict=True):
-            with open(out, "w") as stdout, open(err, "w") as stderr:
-                procs.append(subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env))
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:  # a timeout or an error here leaves no check running
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [
-        subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
-        for code, (out, err) in zip(codes, outs, strict=True)
-    ]
-
-
 def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(eagle3_pairs, tmp_path):
     """`featdiff check` on the trained pair: the wiring compares clean and the run accepts as the
     reference does (about 3.9 tokens per block of 3 drafts); with the recycled state taken after
@@ -160,7 +127,8 @@ def test_check_passes_the_trained_eagle3_pair_and_fails_it_with_a_planted_fault(
 
     d = eagle3_pairs("trained-eagle3")
     env = {k: v for k, v in os.environ.items() if k != "FEATDIFF_FAULT"}
-    done, faulty = _checks(d, [env, {**env, "FEATDIFF_FAULT": "eagle3-prenorm-after-norm"}], tmp_path)
+    args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", "--prompts", d / "prompts.txt"]
+    done, faulty = checks_at_once(args, [env, {**env, "FEATDIFF_FAULT": "eagle3-prenorm-after-norm"}], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS" in done.stdout and "agree" in done.stdout
     assert faulty.returncode == 1, faulty.stdout + faulty.stderr

@@ -17,6 +17,7 @@ from featdiff.driver.capture import capture
 from featdiff.dump.reader import read_dump
 from featdiff.factory.mtp import MTP_SETTINGS
 from featdiff.torchref.kind import reference
+from featdiff_process import checks_at_once
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
@@ -134,41 +135,6 @@ def _refused_capture(gguf: Path, tmp_path: Path) -> str:
     return lines[0]
 
 
-def _checks(d: Path, envs: list[dict[str, str]], tmp: Path) -> list[subprocess.CompletedProcess[str]]:
-    """`featdiff check` of `d` under each of `envs`, the processes run at once (each on a core of
-    its own where the machine has them free; each writes to its own temporary directory)."""
-    command = [
-        sys.executable,
-        "-c",
-        "from featdiff.cli import main; main()",
-        "check",
-        "--target",
-        str(d / "target.gguf"),
-        "--model",
-        str(d / "target.gguf"),
-        "--ref-target",
-        str(d / "target-hf"),
-        "--prompts",
-        str(d / "prompts.txt"),
-    ]
-    outs = [(tmp / f"check{i}.out", tmp / f"check{i}.err") for i in range(len(envs))]
-    procs = []
-    try:
-        for env, (out, err) in zip(envs, outs, strict=True):
-            with open(out, "w") as stdout, open(err, "w") as stderr:
-                procs.append(subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env))
-        codes = [p.wait(timeout=600) for p in procs]
-    finally:  # a timeout or an error here leaves no check running
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [
-        subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
-        for code, (out, err) in zip(codes, outs, strict=True)
-    ]
-
-
 def test_check_passes_the_trained_head_and_fails_it_with_a_planted_fault(mtp_pairs, tmp_path):
     """`featdiff check` on the trained head (the target's reference from its checkpoint: a Qwen3.5
     target runs through transformers): the wiring compares clean and the run accepts as the
@@ -177,7 +143,9 @@ def test_check_passes_the_trained_head_and_fails_it_with_a_planted_fault(mtp_pai
 
     d = mtp_pairs("trained-mtp")
     env = {k: v for k, v in os.environ.items() if k != "FEATDIFF_FAULT"}
-    done, faulty = _checks(d, [env, {**env, "FEATDIFF_FAULT": "mtp-concat-swapped"}], tmp_path)
+    model = d / "target.gguf"  # the head inside the target's GGUF
+    args = ["--target", model, "--model", model, "--ref-target", d / "target-hf", "--prompts", d / "prompts.txt"]
+    done, faulty = checks_at_once(args, [env, {**env, "FEATDIFF_FAULT": "mtp-concat-swapped"}], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS" in done.stdout and "agree" in done.stdout
     assert faulty.returncode == 1, faulty.stdout + faulty.stderr
