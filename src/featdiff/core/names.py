@@ -52,6 +52,7 @@ ARCH_NEMOTRON_H_MOE = "nemotron_h_moe"  # Nemotron-H's head: NoPE attention + re
 ARCH_STEP35 = "step35"  # Step-3.5's chained heads: gated attention, sigmoid MoE, pre-norm state (step35.cpp)
 ARCH_GLM_DSA = "glm-dsa"  # GLM-5's head: deepseek32's, sigmoid routing where the file says none (glm-dsa.cpp)
 ARCH_HY_V3 = "hy_v3"  # Hy3's head: q/k-normed attention, sigmoid MoE + shared expert, its own final norm (hy-v3.cpp)
+ARCH_COHERE2MOE = "cohere2moe"  # Cohere2-MoE's head: a parallel block (attention and MoE on one norm), scaled logits
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 # Architectures whose memory keeps a recurrent state beside (or instead of) a KV cache
 # (llama-arch.cpp llm_arch_is_recurrent and llm_arch_is_hybrid): a row's hidden state depends on
@@ -125,6 +126,7 @@ MTP_EH_PROJ = "mtp_eh_proj"
 MTP_ATTN_RESIDUAL = "mtp_attn_residual"
 MTP_FFN_INP = "mtp_ffn_inp"  # glm4-moe.cpp's name of the same sum (attention's output + its input)
 MTP_POST_FFN = "mtp_post_ffn"
+MTP_ATTN_OUT = "mtp_attn_out"  # cohere2moe.cpp's attention output alone (its parallel block has no attention residual)
 H_NEXTN = "h_nextn"
 MTP_SHARED_HEAD_NORM = "mtp_shared_head_norm"
 

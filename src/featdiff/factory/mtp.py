@@ -43,6 +43,7 @@ import numpy as np
 from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output_dir, replaced
+from featdiff.factory import mtp_cohere2moe as cm
 from featdiff.factory import mtp_deepseek as ds
 from featdiff.factory import mtp_hy_v3 as hy
 from featdiff.factory import mtp_nemotron as nh
@@ -303,6 +304,10 @@ NEMOTRON_H_MOE_MTP = MtpTarget(
 # Hy3 ships its head as GLM-4.5 does, one more decoder layer (factory/mtp_hy_v3.py)
 HY_V3_HEAD = replace(GLM4MOE_HEAD, fc=hy.HF_FC, norms=hy.HF_NORMS)
 HY_V3_MTP = MtpTarget(hy.HY_V3_TARGET, HY_V3_HEAD, hy.GGUF_FROM_HF_HY_V3, BOOTSTRAP_OF[TOKENIZER_BYTE_BPE])
+# Cohere2-MoE's head as the pinned converter reads it, GLM-4.5's layout (factory/mtp_cohere2moe.py)
+COHERE2MOE_MTP = MtpTarget(
+    cm.COHERE2MOE_TARGET, GLM4MOE_HEAD, cm.GGUF_FROM_HF_COHERE2MOE, BOOTSTRAP_OF[TOKENIZER_BYTE_BPE]
+)
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
 MTP_STREAM = 4
@@ -392,6 +397,7 @@ _VARIANTS = (
     ),
     MtpVariant("mtp-nemotron-h-moe", nh.NEMOTRON_H_MOE_DOC, has_separate_head=False, target=NEMOTRON_H_MOE_MTP),
     MtpVariant("mtp-hy-v3", hy.HY_V3_DOC, has_separate_head=False, target=HY_V3_MTP),
+    MtpVariant("mtp-cohere2moe", cm.COHERE2MOE_DOC, has_separate_head=False, target=COHERE2MOE_MTP),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
 MTP_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}

@@ -58,6 +58,7 @@ GGUF_ONLY_HEADS = {
     "step3p5": "Step-3.5's MTP heads are read from its converted GGUF only (no loader of the checkpoint's heads)",
     "nemotron_h": "Nemotron-H's MTP head is read from its converted GGUF only (transformers has no model code for it)",
     "hy_v3": "Hy3's MTP head is read from its converted GGUF only (transformers has no model code for it)",
+    "cohere2_moe": "Cohere2-MoE's MTP head is read from its converted GGUF only (transformers has no model code for it)",
 }
 
 
@@ -113,6 +114,19 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "handed (the target hands its `output_norm` rows); from the GGUF",
         "a gating function other than softmax or sigmoid; the head from a checkpoint directory (read it from "
         "the GGUF): transformers 5.23 has the trunk's model code (`hy_v3`), not the head's",
+    ),
+    (
+        "cohere2moe",
+        "Cohere2-MoE's head (cohere2moe.cpp graph_mtp, block n_layer): eh_proj over [enorm(e), hnorm(h)], "
+        "Cohere's parallel layer: attention (q/k/v, interleaved RoPE on the whole head whatever the trunk's "
+        "pattern) and the MoE both on `attn_norm`'s rows, experts routed by sigmoid (the file's gating where "
+        "it says one), renormalized where the file says, the shared expert averaged in, the output FFN + "
+        "input + attention output (`mtp_attn_out`, the attention's output alone, asked for by `--filter`); "
+        "the head norm `nextn.shared_head_norm` (else `output_norm`) on every row, which the next step is "
+        "handed; the logits times `logit_scale`; from the GGUF",
+        "LayerNorm heads (`layer_norm_rms_epsilon` missing or 0: llama.cpp runs LLM_NORM); a gating function "
+        "other than softmax or sigmoid; the head from a checkpoint directory (read it from the GGUF): "
+        "transformers 5.23 has the trunk's model code (`cohere2_moe`), not the head's",
     ),
 )
 

@@ -191,6 +191,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_STEP35,  # chained heads (torchref/mtp/step35.py)
             names.ARCH_NEMOTRON_H_MOE,
             names.ARCH_HY_V3,
+            names.ARCH_COHERE2MOE,
         ),
         row_token=0,
         shares_target_model=True,

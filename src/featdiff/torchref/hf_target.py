@@ -80,6 +80,7 @@ HF_ARCHS = {
     "glm_moe_dsa": "glm-dsa",  # GLM-5: deepseek_v32's shape, interleaved RoPE in its indexer (dense here: hf_taps)
     "deepseek_v3": "deepseek2",  # DeepSeek-V3: MLA, sigmoid-routed experts (its MTP layer n_layer is left unloaded)
     "hy_v3": "hy_v3",  # Hy3: q/k norms, sigmoid-routed experts, a shared expert (its MTP layer n_layer is left unloaded)
+    "cohere2_moe": "cohere2moe",  # Cohere2-MoE: parallel blocks, NoPE full layers (its MTP layer n_layer is left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
 }

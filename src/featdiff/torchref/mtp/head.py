@@ -81,6 +81,9 @@ class MtpHead:
     token_embd: torch.Tensor  # (n_vocab, n_embd): nextn.embed_tokens, else the model's table
     output: torch.Tensor  # (n_vocab, n_embd): nextn.shared_head_head, else the model's head
     routing: MoeRouting | None = None  # a MoE block's (block holds MOE_ROUTER); None: a dense FFN
+    logit_scale: float = (
+        0.0  # the logits' factor where the graph applies the file's (MtpGraph.logit_scale_key); 0: none
+    )
 
 
 @dataclass(frozen=True)
@@ -107,20 +110,18 @@ def decode(
     an output, or none (`outputs`: process()'s catch-up decode, whose `result_output` has no rows).
     `alternatives`: hypothesis -> the rows `(n_tokens, n_embd)` the head would be handed under it,
     recorded as `mtp_h_input@<hypothesis>` and `mtp_hnorm-<il>@<hypothesis>`."""
-    hp, b, il = head.hparams, head.block, head.il
+    hp, il = head.hparams, head.il
     e = head.token_embd[tokens]  # (n_tokens, n_embd)
     h_norm = rms_norm(h, head.hnorm, hp.rms_eps)
     e_norm = rms_norm(e, head.enorm, hp.rms_eps)
     concat = torch.cat([e_norm, h_norm], dim=1)  # (n_tokens, 2 * n_embd): ggml_concat(e_norm, h_norm, 0)
     x = linear(concat, head.eh_proj)  # (n_tokens, n_embd)
     graph = GRAPHS[hp.arch]
-    attn_out, cache_after = graph.attention(hp, b, rms_norm(x, b["attn_norm"], hp.rms_eps), positions, cache)
-    residual = attn_out + x
-    post = rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)
-    ffn = moe_ffn(b, post, head.routing) if head.routing else swiglu(post, b["ffn_gate"], b["ffn_up"], b["ffn_down"])
-    post_ffn = ffn + residual
+    residual, post_ffn, cache_after = _decoder_layer(head, x, positions, cache)
     normed = graph.head_norm(post_ffn, head.head_norm, hp.rms_eps)
     logits = linear(normed if outputs else normed[:0], head.output)  # (n_outputs, n_vocab)
+    if head.logit_scale:  # cohere2moe.cpp scales the head's logits by f_logit_scale
+        logits = logits * head.logit_scale
     # mimo2.cpp takes the output rows before naming h_nextn; the post-norm graphs name all rows
     h_nextn, other = (post_ffn, normed) if graph.is_prenorm else (normed, post_ffn)
     h_nextn_rows = h_nextn if outputs or not graph.is_prenorm else h_nextn[:0]  # (n_outputs or n_tokens, n_embd)
@@ -150,6 +151,28 @@ def decode(
         *candidates,
     )
     return MtpPass(logits, h_nextn, other, records, cache_after)
+
+
+def _decoder_layer(
+    head: MtpHead, x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+) -> tuple[torch.Tensor, torch.Tensor, KvCache]:
+    """The head's decoder layer on the eh_proj rows `x` `(n_tokens, n_embd)`: the record under the
+    graph's residual name, mtp_post_ffn's rows and the cache after the attention. Sequential (the
+    FFN reads ffn_norm of the attention's residual) or parallel (cohere2moe.cpp: attention and FFN
+    both read attn_norm's rows, the residual record is the attention's output alone)."""
+    hp, b, graph = head.hparams, head.block, GRAPHS[head.hparams.arch]
+    attn_in = rms_norm(x, b["attn_norm"], hp.rms_eps)
+    attn_out, cache_after = graph.attention(hp, b, attn_in, positions, cache)
+    if graph.is_parallel:
+        return attn_out, _ffn(head, attn_in) + x + attn_out, cache_after
+    residual = attn_out + x
+    return residual, _ffn(head, rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)) + residual, cache_after
+
+
+def _ffn(head: MtpHead, rows: torch.Tensor) -> torch.Tensor:
+    """The block's MoE FFN (head.routing set), else its dense SwiGLU, on `rows` `(n_tokens, n_embd)`."""
+    b = head.block
+    return moe_ffn(b, rows, head.routing) if head.routing else swiglu(rows, b["ffn_gate"], b["ffn_up"], b["ffn_down"])
 
 
 # --- from the GGUF ----------------------------------------------------------------------------
@@ -206,6 +229,7 @@ def mtp_from_gguf(
         if head_w is not None
         else tensor(names.T_OUTPUT if names.T_OUTPUT in g.tensors else names.T_TOKEN_EMBD),
         routing=graph.routing(g) if MOE_ROUTER in block else None,
+        logit_scale=float(meta(g, graph.logit_scale_key.format(arch=g.arch), 0.0)) if graph.logit_scale_key else 0.0,
     )
     _refuse_unread(Path(path), g, prefix, read)
     return head

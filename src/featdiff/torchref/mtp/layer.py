@@ -22,6 +22,12 @@ from featdiff.core.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.mla import DSA_INDEXER, MLA_ATTENTION, mla_attention
 from featdiff.torchref.numerics import linear, rms_norm, rope
+from featdiff.torchref.mtp.cohere2moe import (
+    COHERE2MOE_ATTENTION,
+    KEY_LOGIT_SCALE,
+    cohere2moe_attention,
+    refuse_layer_norm,
+)
 from featdiff.torchref.mtp.hy_v3 import HY_V3_ATTENTION, HY_V3_CHOICE_BIAS, hy_v3_attention
 from featdiff.torchref.mtp.step35 import STEP35_ATTENTION, refuse_unmodelled, step35_attention, trunk_names
 from featdiff.torchref.stack import Named, scaled_output, windowed
@@ -71,6 +77,8 @@ class MoeRouting:
     expert_scale: float = 0.0  # {arch}.expert_weights_scale: scales the routed weights unless 0 or 1
     has_sigmoid_gating: bool = False  # probabilities: sigmoid of the router's logits, else softmax
     has_weights_norm: bool = True  # the chosen weights renormalized to sum 1 (norm_w)
+    # the shared expert averaged with the routed ones, (routed + shared) / 2 (cohere2moe.cpp), else added
+    is_shared_averaged: bool = False
     # experts and shared expert LLM_FFN_RELU_SQR without a gate (nemotron-h-moe.cpp), else SwiGLU
     is_relu_sqr: bool = False
 
@@ -130,7 +138,7 @@ def moe_ffn(b: dict[str, torch.Tensor], x: torch.Tensor, routing: MoeRouting) ->
     shared = _expert(b, "shexp", x, routing)  # (n_tokens, n_embd)
     if "ffn_gate_inp_shexp" in b:  # one logit per token, stored (1, n_embd) or (n_embd,)
         shared = shared * torch.sigmoid(x @ b["ffn_gate_inp_shexp"].reshape(-1))[:, None]
-    return out + shared
+    return (out + shared) * 0.5 if routing.is_shared_averaged else out + shared
 
 
 def _gated_attention(
@@ -306,6 +314,10 @@ class MtpGraph:
     # a MoE block's choice bias as the file names it in the block (hy-v3.cpp's has no `.bias` suffix)
     choice_bias: str = MOE_CHOICE_BIAS
     head_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm  # (rows, weight, eps)
+    # Cohere's parallel block (cohere2moe.cpp graph_mtp): the FFN reads attn_norm's rows, not a norm of
+    # the attention's residual, and the layer's output is FFN + input + attention output
+    is_parallel: bool = False
+    logit_scale_key: str | None = None  # the file's key whose value scales the head's logits (unless 0)
 
 
 QWEN35_GRAPH = MtpGraph(_gated_attention, QWEN35_ATTENTION, names.MTP_ATTN_RESIDUAL, _softmax_renormalized)
@@ -378,5 +390,26 @@ GRAPHS[names.ARCH_HY_V3] = MtpGraph(
     _routing_of_file,
     ffn_norm="ffn_norm",
     choice_bias=HY_V3_CHOICE_BIAS,
+)
+
+
+def _cohere2moe_routing(g: GgufModel) -> MoeRouting:
+    """cohere2moe.cpp's routing: glm4-moe.cpp's (sigmoid where the file says none), the shared expert
+    averaged in; a LayerNorm file refused by name (torchref/mtp/cohere2moe.py)."""
+    refuse_layer_norm(g)
+    return replace(_routing_of_file(g), is_shared_averaged=True)
+
+
+# cohere2moe.cpp graph_mtp: Cohere's parallel decoder layer (attention with interleaved RoPE on the
+# whole head, torchref/mtp/cohere2moe.py, and the MoE both on attn_norm's rows), the shared expert
+# averaged in, the logits times the file's logit_scale; handed the target's post-norm rows, each step
+# recycling the shared-head norm's, as GLM-4.5's
+GRAPHS[names.ARCH_COHERE2MOE] = MtpGraph(
+    cohere2moe_attention,
+    COHERE2MOE_ATTENTION,
+    names.MTP_ATTN_OUT,
+    _cohere2moe_routing,
+    is_parallel=True,
+    logit_scale_key=KEY_LOGIT_SCALE,
 )
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
