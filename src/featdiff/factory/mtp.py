@@ -68,11 +68,17 @@ from featdiff.factory.hf_families import (
     TOKENIZER_SPM,
     Family,
     _glm4moe_config,
-    _mimo2_config,
     _qwen35moe_config,
-    mimo2_layer_types,
 )
 from featdiff.factory.hf_targets import gain_of, write_hf_target
+from featdiff.factory.mtp_mimo2 import (
+    GGUF_FROM_HF_MIMO2,
+    HF_MIMO_FC,
+    HF_MIMO_NORMS,
+    MIMO2_TARGET,
+    MIMO_LAYER,
+    mimo2_layer,
+)
 from featdiff.factory.mtp_qwen3next import QWEN3NEXT_TARGET
 from featdiff.factory.pairs import _linear, _norm
 
@@ -185,38 +191,6 @@ GGUF_FROM_HF_GLM = {
         for x in range(N_EXPERT)
     },
 }
-# MiMo-V2's target (hf_targets._mimo2_config), llama.cpp's mimo2 (not one of hf_targets.FAMILIES)
-MIMO2_TARGET = Family(
-    names.ARCH_MIMO2,
-    f"MiMo-V2-Flash target: sliding-window layers with sinks between full-attention ones, value heads narrower "
-    f"than query/key heads, a dense first layer, then {N_EXPERT} experts, top-{N_EXPERT_USED} by sigmoid + a "
-    "choice bias",
-    _mimo2_config,
-    gains=(("e_score_correction_bias", CHOICE_BIAS_GAIN),),
-    buffers=("e_score_correction_bias",),
-)
-# MiMo-V2 ships its heads as `model.mtp.layers.{i}.*` (3 chained heads; the fixture one, see
-# converter.MIMO_N_NEXTN), a count its config.json does not say. Each is a sliding-window layer
-# (the converter extends hybrid_layer_pattern with 1s for them) with q/k/v fused in `qkv_proj`
-# (mimo2.cpp graph_mtp requires attn_qkv), sinks and a dense FFN, holding `eh_proj` over
-# [enorm(embed(token)), hnorm(h)] and the head norm `final_layernorm` (the GGUF's
-# layer_output_norm, which graph_mtp reads when there is no shared_head_norm). The converter's
-# MimoV2Model moves the layer to block n_layer; norms are written as they are.
-_MIMO_LAYER = "model.mtp.layers.0."
-HF_MIMO_FC = _MIMO_LAYER + "eh_proj.weight"
-HF_MIMO_NORMS = tuple(_MIMO_LAYER + f"{n}.weight" for n in ("enorm", "hnorm", "final_layernorm"))
-GGUF_FROM_HF_MIMO2 = {
-    HF_MIMO_FC: names.T_NEXTN.format(il=_IL, name=names.NEXTN_EH_PROJ),
-    HF_MIMO_NORMS[0]: names.T_NEXTN.format(il=_IL, name="enorm"),
-    HF_MIMO_NORMS[1]: names.T_NEXTN.format(il=_IL, name="hnorm"),
-    HF_MIMO_NORMS[2]: _BLK + "layer_output_norm.weight",
-    _MIMO_LAYER + "input_layernorm.weight": _BLK + "attn_norm.weight",
-    _MIMO_LAYER + "self_attn.qkv_proj.weight": _BLK + "attn_qkv.weight",  # rows [q, k, v]
-    _MIMO_LAYER + "self_attn.o_proj.weight": _BLK + "attn_output.weight",
-    _MIMO_LAYER + "self_attn.attention_sink_bias": _BLK + "attn_sinks.weight",
-    _MIMO_LAYER + "post_attention_layernorm.weight": _BLK + "ffn_norm.weight",
-    **{f"{_MIMO_LAYER}mlp.{p}_proj.weight": f"{_BLK}ffn_{p}.weight" for p in ("gate", "up", "down")},
-}
 
 
 def _first_full_attention(config: dict) -> int:
@@ -237,24 +211,6 @@ def _copied_layer(
     return {head_layer + k[len(layer) :]: a.shape for k, a in target.items() if k.startswith(layer)}
 
 
-def _mimo2_layer(config: dict, target: dict[str, np.ndarray], head_layer: str) -> dict[str, tuple[int, ...]]:
-    """MiMo-V2's head layer: a sliding layer's attention (its KV heads, sinks) with q, k and v fused
-    in qkv_proj, rows [q, k, v] `(n_head d_k + n_head_kv (d_k + d_v), n_embd)`, and a dense FFN as
-    the first layer's."""
-    sliding = mimo2_layer_types(int(config["num_hidden_layers"])).index("sliding_attention")
-    attn = f"{HF_LAYER_PREFIX}{sliding}.self_attn."
-    q, k, v = (target[f"{attn}{p}_proj.weight"].shape for p in "qkv")  # (n_out, n_embd) each
-    dense = f"{HF_LAYER_PREFIX}0."
-    return {
-        head_layer + "input_layernorm.weight": (config["hidden_size"],),
-        head_layer + "post_attention_layernorm.weight": (config["hidden_size"],),
-        head_layer + "self_attn.qkv_proj.weight": (q[0] + k[0] + v[0], q[1]),
-        head_layer + "self_attn.o_proj.weight": target[f"{attn}o_proj.weight"].shape,
-        head_layer + "self_attn.attention_sink_bias": target[f"{attn}attention_sink_bias"].shape,
-        **{head_layer + n[len(dense) :]: a.shape for n, a in target.items() if n.startswith(dense + "mlp.")},
-    }
-
-
 @dataclass(frozen=True)
 class HeadLayout:
     """Where a family's checkpoints keep an MTP head, and how its decoder layer is shaped."""
@@ -269,7 +225,7 @@ class HeadLayout:
 
 QWEN35_HEAD = HeadLayout(HF_N_MTP, _LAYER, HF_FC, HF_NORMS, partial(_copied_layer, _first_full_attention))
 GLM4MOE_HEAD = HeadLayout(HF_GLM_N_MTP, _GLM_LAYER, HF_GLM_FC, HF_GLM_NORMS, partial(_copied_layer, _last_layer))
-MIMO2_HEAD = HeadLayout(None, _MIMO_LAYER, HF_MIMO_FC, HF_MIMO_NORMS, _mimo2_layer)
+MIMO2_HEAD = HeadLayout(None, MIMO_LAYER, HF_MIMO_FC, HF_MIMO_NORMS, mimo2_layer)
 
 
 @dataclass(frozen=True)
