@@ -7,10 +7,10 @@ what the reference does not compute refused by name, and a planted driver fault 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+from mtp_head_runs import PROGRAMS, TOKENS, assert_clean_around, follow, program_run
 from typer.testing import CliRunner
 
 from featdiff.cli import app
@@ -26,16 +26,12 @@ from featdiff.factory.mtp import HF_SAFETENSORS
 from featdiff.factory.mtp_cohere2moe import COHERE2MOE_LOGIT_SCALE, GGUF_FROM_HF_COHERE2MOE
 from featdiff.factory.pairs import TINY
 from featdiff.kinds.mtp import MTP_TARGET_WIRING, MTP_WIRING
-from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pair (cached per machine)
 
 VARIANT = "mtp-cohere2moe"
 ARCH = names.ARCH_COHERE2MOE
-TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
-RUN_TIMEOUT_S = 120
 IL = TINY.target.n_layer  # the head's block
 HEAD = f"mtp_post_ffn-{IL}"
 GATING_SIGMOID = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID, as the converter writes expert_selection_fn "sigmoid"
@@ -94,39 +90,11 @@ def test_the_in_process_flow_compares_clean(mtp_pairs, tmp_path):
     assert m.models["draft"]["architecture"] == ARCH and len([r for r in m.rounds if r.drafts]) == 3
 
 
-def _program_run(tools, program: str, d: Path, tmp_path: Path) -> Path:
-    """`capture --exec` of `program` with `--spec-type draft-mtp` on the pair in `d` (llama-server:
-    one request of TOKENS; llama-speculative-simple: 16 tokens of a prompt, greedy)."""
-    is_server = program == "llama-server"
-    cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *SPEC_ARGS]
-    cmd += [] if is_server else ["-p", "hello world", "-n", "16", "--temp", "0"]
-    tokens = TOKENS if is_server else None
-    return exec_capture.capture_exec(cmd, tmp_path / "run.npz", tokens=tokens, timeout_s=RUN_TIMEOUT_S)
-
-
-def _follow(d: Path, run: Path, tmp_path: Path) -> Path:
-    """The reference that follows the run, its head read from target.gguf."""
-    return reference(
-        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=None, rounds=0,
-        dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, follow=run,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("program", ["llama-speculative-simple", "llama-server"])
+@pytest.mark.parametrize("program", PROGRAMS)
 def test_around_the_program_compares_clean(tools, mtp_pairs, tmp_path, program):
     """llama-speculative-simple and llama-server with `--spec-type draft-mtp` on the pair compare
     clean against the reference that follows the run."""
-    d = mtp_pairs(VARIANT)
-    run = _program_run(tools, program, d, tmp_path)
-    with read_dump(run) as dump:
-        m = dump.manifest
-    assert m.models["draft"]["architecture"] == ARCH and any(r.drafts for r in m.rounds)
-    assert {(r.role, r.name) for r in m.records} >= {("target", names.H_NEXTN), ("draft", HEAD)}
-    ref = _follow(d, run, tmp_path)
-    c = compare_dumps(ref, run)
-    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
-    expected = ("a warm-up or probe decode", "output no rows")  # llama-server samples its prefill's last row
-    assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
+    assert_clean_around(tools, program, mtp_pairs(VARIANT), tmp_path, ARCH, HEAD)
 
 
 def test_what_the_reference_does_not_compute_is_refused_by_name(mtp_pairs, tmp_path):
@@ -157,8 +125,8 @@ def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp
     of p, not p - 1) around llama-speculative-simple on this pair: row_shift at mtp_hnorm-<il>, where: driver."""
     d = mtp_pairs(VARIANT)
     monkeypatch.setenv("FEATDIFF_FAULT", "mtp-no-shift")
-    run = _program_run(tools, "llama-speculative-simple", d, tmp_path)
-    ref = _follow(d, run, tmp_path)
+    run = program_run(tools, "llama-speculative-simple", d, tmp_path)
+    ref = follow(d, run, tmp_path)
     errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
     assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", f"mtp_hnorm-{IL}"), [
         f.message for f in errors
