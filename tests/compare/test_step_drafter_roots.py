@@ -90,3 +90,21 @@ def test_eagle3_rows_before_the_last_kept_one_of_another_prompt_are_a_restore_wi
     found = detect_wrong_source_kept_row(Manifest("llama.cpp", {}, {}, (), (), flows=(restored,)), row_token=1)
     assert found is not None and found.fields["source"] == "another_saved_prompt", found
     assert "positions 0" in found.message and "/slots" in found.message and "flow 2" in found.message
+
+
+# one inject of an MTP head: the handed row wrong (a graph fault), the head norm bringing the
+# difference back under the tolerance for the concat, the projection after it over the tolerance
+# again; and a branch that reads nothing of the wrong row
+CHAIN = (
+    _pair("inject", 0, 3, "mtp_h_input", ()),
+    _pair("inject", 0, 3, "mtp_hnorm-6", ("mtp_h_input",)),
+    _pair("inject", 0, 3, "mtp_concat-6", ("mtp_hnorm-6",)),
+    _pair("inject", 0, 3, "mtp_eh_proj-6", ("mtp_concat-6",)),
+    _pair("inject", 0, 3, "mtp_enorm-6", ()),
+    _pair("inject", 0, 3, "mtp_embd_scaled-6", ("mtp_enorm-6",)),
+)
+
+
+def test_a_record_computed_from_a_divergent_one_through_one_within_tolerance_inherits_it():
+    walk = find_roots(CHAIN, [False, False, True, False, True, False])
+    assert walk.roots == (0, 5) and walk.inherited == (1, 3)  # the branch that reads none of it is its own root

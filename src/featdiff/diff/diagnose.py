@@ -127,18 +127,26 @@ def record_roles(plan: Plan) -> dict[str, Role]:
 
 
 def find_roots(pairs: tuple[Pair, ...], within: list[bool], reads_own_cache: bool = False) -> Walk:
-    """Walk pairs in order; a divergent pair is a root when none of its inputs diverges.
+    """Walk pairs in order; a divergent pair is a root when none of its inputs diverges, nor carries
+    what a divergent pair before it in its eval computed (a norm or a concat can bring a wrong row
+    back under the tolerance for one record: what follows still inherits it).
     `reads_own_cache`: the drafter's inject attends to the rows its earlier injects wrote (a step
     drafter: EAGLE3's decoder, an MTP head), so a row gone wrong there feeds every later inject."""
     roots: list[int] = []
     inherited: list[int] = []
+    carried: set[int] = set()  # within tolerance, but computed from a divergent pair of its eval
     by_group: dict[tuple, list[int]] = {}
     first_bad: dict[tuple[str, str], int] = {}  # (role, phase) -> first eval holding a divergence
     for i, pair in enumerate(pairs):
         earlier = by_group.setdefault(pair.group, [])
+        same_eval, reads_others = _inputs(pair, earlier, pairs)
+        # carried only along the graph's own edges: a node whose sources were not captured is
+        # judged, as before, by whether anything before it in its eval diverged
+        carries = not reads_others and any(j in carried for j in same_eval)
+        bad_input = carries or any(not within[j] for j in same_eval)
+        if within[i] and bad_input and not reads_others:
+            carried.add(i)
         if not within[i]:
-            same_eval, reads_others = _inputs(pair, earlier, pairs)
-            bad_input = any(not within[j] for j in same_eval)
             bad_feeder = reads_others and any(
                 first_bad.get(f, pair.first_eval) < pair.first_eval
                 for f in _feeders(pair.group[:2], reads_own_cache) or tuple(first_bad)
