@@ -49,3 +49,30 @@ def assert_clean_around(tools, program: str, d: Path, tmp_path: Path, arch: str,
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
     expected = ("a warm-up or probe decode", "output no rows")  # llama-server samples its prefill's last row
     assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
+
+
+def assert_refused(d: Path, model: Path, said: str, tmp_path: Path) -> None:
+    """`featdiff reference` of the head `model` on `d`'s target exits 2 with one error line that
+    says `said`, and writes no dump."""
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    args = ["reference", "--target", str(d / "target-hf"), "--model", str(model), "--tokens", "7,21,3"]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "ref.npz")])
+    errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
+    assert not (tmp_path / "ref.npz").exists()
+
+
+def assert_no_shift_named(tools, d: Path, tmp_path: Path, il: int) -> None:
+    """0002-driver-faults.patch's `mtp-no-shift` (common/speculative.cpp pairs token p with the
+    hidden of p, not p - 1; FEATDIFF_FAULT set by the caller) around llama-speculative-simple on
+    the pair in `d`: row_shift at mtp_hnorm-<il>, where: driver."""
+    run = program_run(tools, "llama-speculative-simple", d, tmp_path)
+    ref = follow(d, run, tmp_path)
+    errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
+    assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", f"mtp_hnorm-{il}"), [
+        f.message for f in errors
+    ]
+    assert errors[0].fields["where"] == "driver", errors[0].fields["where_reason"]

@@ -10,7 +10,13 @@ import re
 
 import numpy as np
 import pytest
-from mtp_head_runs import PROGRAMS, TOKENS, assert_clean_around, follow, program_run
+from mtp_head_runs import (
+    PROGRAMS,
+    TOKENS,
+    assert_clean_around,
+    assert_no_shift_named,
+    assert_refused,
+)
 from typer.testing import CliRunner
 
 from featdiff.cli import app
@@ -113,11 +119,7 @@ def test_what_the_reference_does_not_compute_is_refused_by_name(mtp_pairs, tmp_p
         (d / "target-hf", "model_type 'cohere2_moe'"),
     )
     for model, said in cases:
-        args = ["reference", "--target", str(d / "target-hf"), "--model", str(model), "--tokens", "7,21,3"]
-        result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "ref.npz")])
-        errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
-        assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
-        assert not (tmp_path / "ref.npz").exists()
+        assert_refused(d, model, said, tmp_path)
 
 
 def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp_path):
@@ -125,10 +127,4 @@ def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp
     of p, not p - 1) around llama-speculative-simple on this pair: row_shift at mtp_hnorm-<il>, where: driver."""
     d = mtp_pairs(VARIANT)
     monkeypatch.setenv("FEATDIFF_FAULT", "mtp-no-shift")
-    run = program_run(tools, "llama-speculative-simple", d, tmp_path)
-    ref = follow(d, run, tmp_path)
-    errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
-    assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", f"mtp_hnorm-{IL}"), [
-        f.message for f in errors
-    ]
-    assert errors[0].fields["where"] == "driver", errors[0].fields["where_reason"]
+    assert_no_shift_named(tools, d, tmp_path, IL)

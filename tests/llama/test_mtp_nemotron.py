@@ -10,10 +10,14 @@ import re
 
 import numpy as np
 import pytest
-from mtp_head_runs import PROGRAMS, TOKENS, assert_clean_around, follow, program_run
-from typer.testing import CliRunner
+from mtp_head_runs import (
+    PROGRAMS,
+    TOKENS,
+    assert_clean_around,
+    assert_no_shift_named,
+    assert_refused,
+)
 
-from featdiff.cli import app
 from featdiff.core import names
 from featdiff.core.gguf_reader import array_from_tensor, int_meta, meta, read_gguf
 from featdiff.diff import compare_dumps
@@ -112,11 +116,7 @@ def test_a_latent_moe_and_the_checkpoints_head_are_refused_by_name(mtp_pairs, tm
     latent = {f"blk.{IL}.ffn_latent_down.weight": np.zeros((TINY.target.n_embd, TINY.target.n_embd), np.float32)}
     widened = rewrite_gguf(d / "target.gguf", tmp_path / "latent.gguf", tensors=latent)
     for model, said in ((widened, f"blk.{IL}.ffn_latent_down.weight"), (d / "target-hf", "model_type 'nemotron_h'")):
-        args = ["reference", "--target", str(d / "target-hf"), "--model", str(model), "--tokens", "7,21,3"]
-        result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "ref.npz")])
-        errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
-        assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
-        assert not (tmp_path / "ref.npz").exists()
+        assert_refused(d, model, said, tmp_path)
 
 
 def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp_path):
@@ -124,10 +124,4 @@ def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp
     of p, not p - 1) around llama-speculative-simple on this pair: row_shift at mtp_hnorm-<il>, where: driver."""
     d = mtp_pairs(VARIANT)
     monkeypatch.setenv("FEATDIFF_FAULT", "mtp-no-shift")
-    run = program_run(tools, "llama-speculative-simple", d, tmp_path)
-    ref = follow(d, run, tmp_path)
-    errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
-    assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", f"mtp_hnorm-{IL}"), [
-        f.message for f in errors
-    ]
-    assert errors[0].fields["where"] == "driver", errors[0].fields["where_reason"]
+    assert_no_shift_named(tools, d, tmp_path, IL)
