@@ -86,6 +86,29 @@ def test_cache_reuse_moving_a_chunk_on_a_dflash_pair_sets_aside_that_flow_alone(
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_cache_reuse_moving_a_chunk_on_an_mtp_head_sets_aside_that_flow_alone(tools, eagle3_pairs, mtp_pairs, tmp_path):
+    """--cache-reuse 16, -np 1, on GLM-4.5's MTP head (an attention target, which can shift: the
+    `mtp` pair's Qwen3.5 state cannot, test_server_clients): the server moves the reused chunk's
+    rows on the target (seq_add), so the second flow alone is set aside as information naming
+    --cache-reuse (upstream's pending hidden it would meet there is not judged either), the first
+    compares clean and check --run passes."""
+    d, spec, target, model = _shift_pair("mtp-glm4moe", eagle3_pairs, mtp_pairs)
+    options = ["-np", "1", "--cache-ram", "0", "--cache-reuse", str(CACHE_REUSE), "-lv", "4"]
+    run = _step_capture(tmp_path, d, spec, tools.program("llama-server"), options, _reused_chunk, 2)
+    assert REUSED_LOG in _server_log(run)  # the server did reuse the chunk
+    with read_dump(run) as dump:
+        flows = [dump.manifest.flow_info(k) for k in dump.manifest.flow_ids()]
+    why = [f.why_unreplayable() for f in flows]
+    assert len(why) == 2 and not why[0] and "seq_add" in why[1] and "--cache-reuse" in why[1], why
+    result, check = _step_verdicts(tmp_path, target, model, run)
+    notes = [f for f in result["findings"] if f["kind"] == "flow_note"]
+    assert [(f["severity"], f["flow"]) for f in notes] == [("info", 1)], _summary(result)
+    assert result["ok"] and not _errors(result["findings"]), _summary(result)
+    assert result["coverage"]["pairs"] > 0 and result["coverage"]["pairs_skipped"] == 0
+    _checked(tmp_path, check, [])
+
+
 class _PastTheContext:
     """A completion longer than the slot's context (256: llama.cpp pads -c 128 up), then a short
     one; what the server answered the first (its finish reason, or its error: a request the server
