@@ -70,6 +70,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0009-step-faults.patch",
         "0010-inputs-through-views.patch",
         "0011-step-faults-2.patch",
+        "0012-block-sample-other-slot.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -85,7 +86,12 @@ def test_the_project_patches_name_the_files_they_change():
         "src/models/glm4-moe.cpp",
         "src/models/mimo2.cpp",
     }
-    assert touched["0009-step-faults.patch"] == touched["0011-step-faults-2.patch"] == {"common/speculative.cpp"}
+    assert (
+        touched["0009-step-faults.patch"]
+        == touched["0011-step-faults-2.patch"]
+        == touched["0012-block-sample-other-slot.patch"]
+        == {"common/speculative.cpp"}
+    )
     # the Vulkan backend's file only, which the CPU builds never compile
     vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
     assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan
