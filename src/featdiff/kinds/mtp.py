@@ -7,6 +7,7 @@ from typing import Any
 
 from featdiff.core import names
 from featdiff.core.errors import InputError
+from featdiff.core.gguf_reader import GgufModel, int_meta
 
 # An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
 # token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
@@ -62,12 +63,46 @@ GGUF_ONLY_HEADS = {
 }
 
 
+# MTP heads llama.cpp runs and featdiff does not model, by GGUF architecture: what their graph_mtp
+# computes that the reference cannot (lint and reference refuse the head in one line naming it)
+UNMODELLED_HEADS: dict[str, str] = {
+    names.ARCH_DEEPSEEK4: (
+        "DeepSeek-V4's head (deepseek4.cpp graph_mtp) is not modelled: its hyper-connections (the hidden "
+        "handed over and recycled as `hyper_connection.count` streams of n_embd, mixed by hc_attn_* / "
+        "hc_ffn_* through Sinkhorn and folded by output_hc_*), its attention (one shared key-value head "
+        "with sinks, RoPE on the last dims undone on the output, a grouped low-rank output) and its "
+        "sqrt-softplus routing with clamped SwiGLU, after a trunk whose compressed attention state (CSA / "
+        "HCA, the lightning indexer) the reference cannot replay"
+    ),
+}
+# checkpoint model_type -> the GGUF architecture of its unmodelled head (UNMODELLED_HEADS)
+UNMODELLED_CHECKPOINT_HEADS = {"deepseek_v4": names.ARCH_DEEPSEEK4}
+
+
+def unmodelled_head(arch: str, n_heads: int) -> str | None:
+    """The line refusing a file of architecture `arch` carrying `n_heads` MTP heads featdiff does
+    not model (UNMODELLED_HEADS), without the file's name; None for any other."""
+    if n_heads <= 0 or arch not in UNMODELLED_HEADS:
+        return None
+    return f"an MTP head of architecture {arch!r}: {UNMODELLED_HEADS[arch]}; docs/modelled.md lists the heads it models"
+
+
+def refused_head(g: GgufModel) -> str | None:
+    """unmodelled_head of the GGUF `g`: its architecture and the heads it declares (nextn_predict_layers)."""
+    return unmodelled_head(g.arch, int_meta(g, names.KEY_NEXTN_LAYERS, 0))
+
+
 def is_mtp_checkpoint(config: Mapping[str, Any]) -> bool:
     """A checkpoint that declares MTP layers (config.json, or its `text_config`: MTP_LAYERS_KEY);
-    InputError for one whose heads are read from its GGUF only (GGUF_ONLY_HEADS)."""
+    InputError for one whose heads are read from its GGUF only (GGUF_ONLY_HEADS) or not modelled
+    (UNMODELLED_CHECKPOINT_HEADS)."""
     text = config.get("text_config", config)
     model_type = text.get(names.HF_MODEL_TYPE)
-    if model_type in GGUF_ONLY_HEADS and int(text.get(HF_GLM_MTP_LAYERS, 0) or 0) > 0:
+    n_declared = int(text.get(HF_GLM_MTP_LAYERS, 0) or 0)
+    refused = unmodelled_head(UNMODELLED_CHECKPOINT_HEADS.get(str(model_type), ""), n_declared)
+    if refused is not None:
+        raise InputError(f"{names.HF_CONFIG}: model_type {model_type!r}: {refused}")
+    if model_type in GGUF_ONLY_HEADS and n_declared > 0:
         raise InputError(
             f"{names.HF_CONFIG}: model_type {model_type!r}: {GGUF_ONLY_HEADS[model_type]}; pass the converted "
             "GGUF as --model"
@@ -127,6 +162,18 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "LayerNorm heads (`layer_norm_rms_epsilon` missing or 0: llama.cpp runs LLM_NORM); a gating function "
         "other than softmax or sigmoid; the head from a checkpoint directory (read it from the GGUF): "
         "transformers 5.23 has the trunk's model code (`cohere2_moe`), not the head's",
+    ),
+    (
+        names.ARCH_DEEPSEEK4,
+        "nothing: DeepSeek-V4's head (deepseek4.cpp graph_mtp) is refused whole",
+        "every `deepseek4` head, in one line (`lint` and `reference`, exit 2; its checkpoint directory too): "
+        "the hidden it is handed and recycles is `hyper_connection.count` streams of n_embd (the trunk's "
+        "state before `hc_head`), mixed before and after its attention and FFN by `hc_attn_*` / `hc_ffn_*` "
+        "(sigmoid pre / post weights, a Sinkhorn-normalized combination) and folded by `output_hc_*` before "
+        "the head norm; its attention is one shared key-value head with `attn_sinks`, RoPE on the last "
+        "`rope.dimension_count` dims undone on the output and a grouped low-rank output (`attn_output_a` / "
+        "`attn_output_b`); its experts are routed by sqrt-softplus with clamped SwiGLU; and its trunk's "
+        "compressed attention state (CSA / HCA and the lightning indexer) is none the reference can replay",
     ),
 )
 

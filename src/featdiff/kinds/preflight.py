@@ -35,6 +35,7 @@ from featdiff.core.gguf_reader import (
 from featdiff.kinds import registry as kinds
 from featdiff.kinds.dflash.checks import log_snr_problems
 from featdiff.kinds.dflash.dspark import DSPARK_FILE_TENSORS, dspark_key_problems, dspark_problems
+from featdiff.kinds.mtp import refused_head
 from featdiff.kinds.problems import ADVISORY, FATAL, UNMODELLED, Problem, Severity, d2t_problems, layer_id_problems
 from featdiff.kinds.unmodelled import gguf_unmodelled
 
@@ -63,7 +64,11 @@ def preflight(
 
 def drafter_problems(d: GgufModel, t: GgufModel | None) -> list[Problem]:
     """Every problem of the drafter `d` (and its fit to the target `t`), each with its severity:
-    the checks of its kind's architecture (featdiff.kinds)."""
+    the checks of its kind's architecture (featdiff.kinds); an MTP head featdiff does not model,
+    named (kinds.mtp.UNMODELLED_HEADS)."""
+    refused = refused_head(d)
+    if refused is not None:
+        return [Problem(refused, FATAL)]
     if d.arch not in kinds.ALL_DRAFTER_ARCHS:
         return [
             Problem(

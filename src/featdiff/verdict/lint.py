@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import read_gguf
+from featdiff.kinds.mtp import refused_head
 from featdiff.kinds.preflight import drafter_problems, mtp_head_block
 from featdiff.llama import ggml_dequant
 from featdiff.torchref.mtp.head import unread_head_tensors, unread_nextn_keys
@@ -19,8 +21,12 @@ from featdiff.torchref.mtp.layer import MTP_ARCHS
 
 
 def lint_gguf(model: Path, target: Path | None) -> list[str]:
-    """Problems of the drafter GGUF `model` (and its fit to `target`), one line each; [] when clean."""
+    """Problems of the drafter GGUF `model` (and its fit to `target`), one line each; [] when clean.
+    InputError for an MTP head featdiff does not model (kinds.mtp.UNMODELLED_HEADS)."""
     d = read_gguf(Path(model), ggml_dequant.load)
+    refused = refused_head(d)
+    if refused is not None:  # nothing of it to check: the whole head is refused (exit 2)
+        raise InputError(f"{model}: {refused}")
     t = read_gguf(Path(target), ggml_dequant.load) if target is not None else None
     lines = [f"{model}: {p.text}" for p in drafter_problems(d, t)]
     il = mtp_head_block(d) if d.arch in MTP_ARCHS else None

@@ -43,6 +43,7 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, array_from_tensor, int_meta, meta, read_gguf_weights
 from featdiff.llama import ggml_dequant
+from featdiff.kinds.mtp import refused_head
 from featdiff.kinds.preflight import mtp_head_block
 from featdiff.torchref.attention import KvCache
 from featdiff.torchref.load_gguf import _rope_scaling
@@ -246,6 +247,9 @@ def _head_block(path: Path, g: GgufModel, offset: int | None) -> int:
         )
     if offset is None and int_meta(g, names.KEY_NEXTN_LAYERS) != 1:
         raise InputError(f"{path}: {int_meta(g, names.KEY_NEXTN_LAYERS)} MTP blocks; featdiff models a single head")
+    refused = refused_head(g)
+    if refused is not None:
+        raise InputError(f"{path}: {refused}")
     if g.arch not in MTP_ARCHS:
         raise InputError(
             f"{path}: an MTP head of architecture {g.arch!r}; featdiff models the heads of {', '.join(MTP_ARCHS)}"
