@@ -197,6 +197,13 @@ def test_layer_offset_reports_the_first_wrong_slot_only():
     assert (f.fields["slot"], f.fields["delta"]) == (1, 1)
 
 
+def test_layer_offset_names_every_slot_off_when_they_share_a_layer():
+    """Every slot on the first slot's layer (a driver that never advanced the layer with the slot)."""
+    f = d.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((2, 2, 2), expected=(2, 4, 5))))
+    assert (f.fields["slot"], f.fields["observed_layers"]) == (1, [2, 2, 2])
+    assert "(slots 1, 2 are the inputs of layers 2, 2)" in f.message, f.message
+
+
 def test_layer_offset_silent_when_slots_are_only_reordered():
     assert d.detect_layer_offset(evidence(rows(), rows(seed=1), layers=layer_match((4, 2)))) is None
 

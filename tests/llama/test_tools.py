@@ -71,6 +71,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0010-inputs-through-views.patch",
         "0011-step-faults-2.patch",
         "0012-block-sample-other-slot.patch",
+        "0013-step-faults-3.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -92,6 +93,12 @@ def test_the_project_patches_name_the_files_they_change():
         == touched["0012-block-sample-other-slot.patch"]
         == {"common/speculative.cpp"}
     )
+    assert touched["0013-step-faults-3.patch"] == {
+        "common/speculative.cpp",
+        "src/models/eagle3.cpp",
+        "src/models/glm4-moe.cpp",
+        "src/models/qwen3.cpp",
+    }
     # the Vulkan backend's file only, which the CPU builds never compile
     vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
     assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan

@@ -50,6 +50,7 @@ MAX_ROOT_FINDINGS = 8  # roots diagnosed; later ones are almost always the same 
 # The detector chain, most specific evidence first; the first to return a Finding names the cause.
 CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_wrong_source_of_vocabulary,  # before nonfinite: a head scattered to other ids leaves -inf where it wrote
+    d.detect_wrong_source_of_vocabulary_map,  # the same, the map inferred from the values (d2t dropped, shifted)
     d.detect_wrong_source_of_sampled_logits,
     d.detect_nonfinite,
     d.detect_zeros_of_step_state,  # before zeros: a draft step fed a state row the driver never wrote

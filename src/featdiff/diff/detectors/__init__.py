@@ -7,8 +7,8 @@ One module per family: numeric.py (values: NaN, zeros, stale rows, scale, RoPE a
 noise), rows.py (shifted or misplaced rows, layouts, a record's positions), wiring.py (feature
 slots, terms, sources), readback.py (the logits a drafter's sampler read), choices.py (tokens and
 experts chosen on a near-tie), positions.py (token ids and positions of the run's batches),
-kvcache.py (the draft KV cache), chain.py (chained MTP heads), pairing.py (what was not compared,
-and why); base.py holds the `Evidence` the value detectors share. Which detector runs when is the orchestration's:
+kvcache.py (the draft KV cache), chain.py (chained MTP heads), vocabulary.py (a reduced head's d2t
+map), pairing.py (what was not compared, and why); base.py holds the `Evidence` the value detectors share. Which detector runs when is the orchestration's:
 diagnose.py, positions.py, comparison.py.
 """
 
@@ -75,6 +75,7 @@ from featdiff.diff.detectors.steps import (
     detect_wrong_source_of_step_state,
     detect_zeros_of_step_state,
 )
+from featdiff.diff.detectors.vocabulary import detect_wrong_source_of_vocabulary_map
 from featdiff.diff.detectors.wiring import (
     best_assignment,
     detect_extra_term,
@@ -137,6 +138,7 @@ __all__ = [
     "detect_wrong_source_of_chain_state",
     "detect_wrong_source_of_chain_weights",
     "detect_wrong_source_of_vocabulary",
+    "detect_wrong_source_of_vocabulary_map",
     "detect_zeros",
     "detect_zeros_of_step_state",
     "explains",

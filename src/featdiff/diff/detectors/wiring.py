@@ -57,6 +57,10 @@ def detect_layer_offset(ev: Evidence) -> Finding | None:
     delta = observed[k] - lm.expected_layers[k]
     same = all(observed[j] - lm.expected_layers[j] == delta for j in range(len(observed)))
     hint = f" (every slot is off by {delta:+d}: {_layer_rule(ev, lm.expected_layers)})" if same else ""
+    if not same and len(off) > 1:  # name every slot off, e.g. all of them on one layer
+        hint = (
+            f" (slots {', '.join(map(str, off))} are the inputs of layers {', '.join(str(observed[j]) for j in off)})"
+        )
     return error_finding(
         ev,
         f"slot {k} of {ev.tensor} is the input of target layer {observed[k]}; "
