@@ -63,8 +63,9 @@ GGUF_ONLY_HEADS = {
 }
 
 
-# MTP heads llama.cpp runs and featdiff does not model, by GGUF architecture: what their graph_mtp
-# computes that the reference cannot (lint and reference refuse the head in one line naming it)
+# MTP heads of the pinned tree featdiff does not model, by GGUF architecture: what their graph_mtp
+# computes that the reference cannot, or why none runs (lint, capture and reference refuse the head in
+# one line naming it; so does a capture around a program drafting with it: programs/exec.check_pair)
 UNMODELLED_HEADS: dict[str, str] = {
     names.ARCH_DEEPSEEK4: (
         "DeepSeek-V4's head (deepseek4.cpp graph_mtp) is not modelled: its hyper-connections (the hidden "
@@ -73,6 +74,12 @@ UNMODELLED_HEADS: dict[str, str] = {
         "with sinks, RoPE on the last dims undone on the output, a grouped low-rank output) and its "
         "sqrt-softplus routing with clamped SwiGLU, after a trunk whose compressed attention state (CSA / "
         "HCA, the lightning indexer) the reference cannot replay"
+    ),
+    names.ARCH_DOTS3NOTE: (
+        "the pinned llama.cpp loads no MTP graph for dots3note: dots3note.cpp loads the nextn block's tensors "
+        "as skipped (TENSOR_SKIP: 'model has unused tensor ... -- ignoring') and builds no graph_mtp, so an MTP "
+        "context (--spec-type draft-mtp) gets the trunk's graph over a KV cache holding the nextn block alone, "
+        "and no head drafts to compare"
     ),
 }
 # checkpoint model_type -> the GGUF architecture of its unmodelled head (UNMODELLED_HEADS)
@@ -174,6 +181,16 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "`rope.dimension_count` dims undone on the output and a grouped low-rank output (`attn_output_a` / "
         "`attn_output_b`); its experts are routed by sqrt-softplus with clamped SwiGLU; and its trunk's "
         "compressed attention state (CSA / HCA and the lightning indexer) is none the reference can replay",
+    ),
+    (
+        names.ARCH_DOTS3NOTE,
+        "nothing: the pinned llama.cpp loads no MTP graph for dots3note (dots3note.cpp), so no head drafts",
+        "every `dots3note` file declaring nextn blocks, in one line (`lint`, `capture` and `reference`, exit 2; "
+        "`capture --exec` of a program run with `--spec-type draft-mtp` on it too): its loader reads the "
+        "nextn block's tensors with TENSOR_SKIP (left unloaded, 'model has unused tensor') and its "
+        "build_arch_graph has no graph_mtp, so an MTP context gets the trunk's graph, which reads its "
+        "memory as the trunk's DSA + sliding-window cache while that context keeps a plain KV cache of "
+        "the nextn block alone",
     ),
 )
 

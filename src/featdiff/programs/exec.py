@@ -27,6 +27,7 @@ from featdiff.core.filters import FilterSet, capture_filters
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.core.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
 from featdiff.kinds import registry as kinds
+from featdiff.kinds.mtp import refused_head
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
 from featdiff.llama.options import options_of_command
@@ -153,8 +154,9 @@ def check_pair(command: list[str], environ: Mapping[str, str]) -> None:
     lint's fatal problems, one line), as an in-process capture does; say so when llama-server
     runs without a drafter. A drafter of no drafter architecture (a plain small model drafting
     for a large one: classic speculative decoding) or a file that is not there is the program's
-    business."""
+    business. A head featdiff refuses by name (kinds.mtp.UNMODELLED_HEADS) is refused here too."""
     target, drafter = command_models(command, environ)
+    _refuse_unmodelled_head(drafter if drafter is not None or _shared_model_kind(command) is None else target)
     if drafter is None:
         if server.is_server(command) and _shared_model_kind(command) is None:
             log.warning(
@@ -175,6 +177,20 @@ def check_pair(command: list[str], environ: Mapping[str, str]) -> None:
     if kind.shares_target_model and kind.spec_type not in spec_types(command):
         return  # a target-architecture model drafting as a plain small model, not as an MTP head
     preflight(drafter, target, ggml=ggml_dequant.load)
+
+
+def _refuse_unmodelled_head(path: Path | None) -> None:
+    """InputError, before the program starts, for the file that drafts (its -md, else the target
+    whose own head --spec-type draft-mtp runs) when it is a head featdiff refuses by name, as lint,
+    capture's preflight and the reference refuse it (kinds.mtp.refused_head)."""
+    if path is None or not path.is_file():
+        return
+    try:
+        refused = refused_head(read_gguf(path))
+    except (InputError, OSError):
+        return  # not a GGUF featdiff reads: llama.cpp says what it makes of it
+    if refused is not None:
+        raise InputError(f"{path}: {refused}")
 
 
 def program_version(program: Path) -> str:
