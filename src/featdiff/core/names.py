@@ -55,6 +55,7 @@ ARCH_HY_V3 = "hy_v3"  # Hy3's head: q/k-normed attention, sigmoid MoE + shared e
 ARCH_COHERE2MOE = "cohere2moe"  # Cohere2-MoE's head: a parallel block (attention and MoE on one norm), scaled logits
 ARCH_DEEPSEEK4 = "deepseek4"  # DeepSeek-V4's head: hyper-connections, sink attention; refused (kinds/mtp.py)
 ARCH_DOTS3NOTE = "dots3note"  # dots3-note: nextn blocks loaded as skipped, no graph_mtp; refused (kinds/mtp.py)
+ARCH_GEMMA4_ASSISTANT = "gemma4-assistant"  # Gemma 4's assistant: queries over the target's KV; refused (kinds/mtp.py)
 KEY_NEXTN_LAYERS = "{arch}.nextn_predict_layers"
 # Architectures whose memory keeps a recurrent state beside (or instead of) a KV cache
 # (llama-arch.cpp llm_arch_is_recurrent and llm_arch_is_hybrid): a row's hidden state depends on

@@ -2,7 +2,8 @@
 of featdiff.factory.pairs (factory/fixtures.py), the DFlash2 pair (factory/dflash2.py), the target families run
 through transformers with the clean drafter (factory/hf_targets.py), the EAGLE3 pairs the pinned
 converter makes (factory/eagle3.py) and the Qwen3.5, Qwen3.5-MoE, GLM-4.5 and MiMo-V2 targets with an
-MTP head (factory/mtp.py), chained heads (factory/mtp_chain.py, factory/mtp_step35.py)."""
+MTP head (factory/mtp.py), chained heads (factory/mtp_chain.py, factory/mtp_step35.py), and Gemma 4's
+assistant drafter (factory/gemma4_assistant.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from featdiff.core.errors import InputError
 from featdiff.factory import dflash2 as fixtures_dflash2
 from featdiff.factory import eagle3 as fixtures_eagle3
 from featdiff.factory import fixtures, hf_targets
+from featdiff.factory import gemma4_assistant as fixtures_gemma4_assistant
 from featdiff.factory import hf_families as factory_hf_families
 from featdiff.factory import mtp as fixtures_mtp
 from featdiff.factory import mtp_chain as fixtures_mtp_chain
@@ -34,6 +36,7 @@ def _others() -> dict[str, str]:
         **fixtures_mtp.MTP_VARIANTS,
         **fixtures_mtp_chain.CHAIN_VARIANTS,
         **fixtures_mtp_step35.STEP35_VARIANTS,
+        **fixtures_gemma4_assistant.GEMMA4_ASSISTANT_VARIANTS,
     }
 
 
@@ -52,6 +55,8 @@ def write(outdir: Path, variant: str, seed: int = 0) -> Path:
         return fixtures_mtp_chain.write_mtp_chain_fixture(outdir, variant, seed)
     if variant in fixtures_mtp_step35.STEP35_VARIANTS:
         return fixtures_mtp_step35.write_step35_fixture(outdir, variant, seed)
+    if variant in fixtures_gemma4_assistant.GEMMA4_ASSISTANT_VARIANTS:
+        return fixtures_gemma4_assistant.write_gemma4_assistant_fixture(outdir, variant, seed)
     if variant == DFLASH2:
         return fixtures_dflash2.write_dflash2_fixture(outdir, seed)
     if variant in factory_hf_families.FAMILIES:

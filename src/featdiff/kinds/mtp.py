@@ -81,9 +81,22 @@ UNMODELLED_HEADS: dict[str, str] = {
         "context (--spec-type draft-mtp) gets the trunk's graph over a KV cache holding the nextn block alone, "
         "and no head drafts to compare"
     ),
+    names.ARCH_GEMMA4_ASSISTANT: (
+        "Gemma 4's assistant drafter (gemma4-assistant.cpp, run as -md with --spec-type draft-mtp) is not "
+        "modelled: its layers have queries only and attend over the target's own KV cache (target layer "
+        "n_layer - 2's for its sliding layers, n_layer - 1's for its full ones), it is handed the target's "
+        "scaled embedding row of each token beside the target's hidden, and every draft step decodes at one "
+        "position with no catch-up; featdiff's MTP flow and reference compute a head with a KV cache of its own"
+    ),
 }
 # checkpoint model_type -> the GGUF architecture of its unmodelled head (UNMODELLED_HEADS)
 UNMODELLED_CHECKPOINT_HEADS = {"deepseek_v4": names.ARCH_DEEPSEEK4}
+# a drafter checkpoint's own model_type (its config.json's top level) -> the GGUF architecture the
+# pinned converter writes it as (conversion/gemma.py Gemma4AssistantModel), refused (UNMODELLED_HEADS)
+UNMODELLED_CHECKPOINT_DRAFTERS = {
+    "gemma4_assistant": names.ARCH_GEMMA4_ASSISTANT,
+    "gemma4_unified_assistant": names.ARCH_GEMMA4_ASSISTANT,
+}
 
 
 def unmodelled_head(arch: str, n_heads: int) -> str | None:
@@ -102,7 +115,11 @@ def refused_head(g: GgufModel) -> str | None:
 def is_mtp_checkpoint(config: Mapping[str, Any]) -> bool:
     """A checkpoint that declares MTP layers (config.json, or its `text_config`: MTP_LAYERS_KEY);
     InputError for one whose heads are read from its GGUF only (GGUF_ONLY_HEADS) or not modelled
-    (UNMODELLED_CHECKPOINT_HEADS)."""
+    (UNMODELLED_CHECKPOINT_HEADS, UNMODELLED_CHECKPOINT_DRAFTERS)."""
+    drafter = config.get(names.HF_MODEL_TYPE)
+    if drafter in UNMODELLED_CHECKPOINT_DRAFTERS:
+        refused = unmodelled_head(UNMODELLED_CHECKPOINT_DRAFTERS[drafter], 1)
+        raise InputError(f"{names.HF_CONFIG}: model_type {drafter!r}: {refused}")
     text = config.get("text_config", config)
     model_type = text.get(names.HF_MODEL_TYPE)
     n_declared = int(text.get(HF_GLM_MTP_LAYERS, 0) or 0)
@@ -191,6 +208,19 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "build_arch_graph has no graph_mtp, so an MTP context gets the trunk's graph, which reads its "
         "memory as the trunk's DSA + sliding-window cache while that context keeps a plain KV cache of "
         "the nextn block alone",
+    ),
+    (
+        names.ARCH_GEMMA4_ASSISTANT,
+        "nothing: Gemma 4's assistant drafter (gemma4-assistant.cpp, `-md` with `--spec-type draft-mtp`) is "
+        "refused whole",
+        "every `gemma4-assistant` GGUF, in one line (`lint`, `capture`, `capture --exec` and `reference`, "
+        "exit 2; its `gemma4_assistant` checkpoint directory too): its layers have queries only and attend "
+        "over the target's KV cache (llama-model.cpp shares its sliding layers' cache with target layer "
+        "n_layer - 2, its full layers' with n_layer - 1), its input is `pre_projection` over [the target's "
+        "token embedding times sqrt(target n_embd), the target's hidden], its `h_nextn` is "
+        "`post_projection` of its final norm, and every draft step decodes at the first draft's position "
+        "with no catch-up (common/speculative.cpp is_mem_shared). `featdiff fixture --variant "
+        "gemma4-assistant` is a pair the pinned tree drafts with",
     ),
 )
 
