@@ -237,6 +237,7 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-nemotron-h-moe": False,
         "mtp-hy-v3": False,
         "mtp-cohere2moe": False,
+        "mtp-bailingmoe3": False,
     }
     assert {name: v.arch for name, v in MTP_SETTINGS.items()} == {
         "mtp": names.ARCH_QWEN35,
@@ -252,6 +253,7 @@ def test_the_variant_table_and_its_settings_agree():
         "mtp-nemotron-h-moe": names.ARCH_NEMOTRON_H_MOE,
         "mtp-hy-v3": names.ARCH_HY_V3,
         "mtp-cohere2moe": names.ARCH_COHERE2MOE,
+        "mtp-bailingmoe3": names.ARCH_BAILINGMOE3,
     }
     assert set(GGUF_FROM_HF.values()) == set(_expected_block())
     assert set(GGUF_FROM_HF_MOE.values()) == set(_expected_moe_block())

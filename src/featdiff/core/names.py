@@ -53,6 +53,7 @@ ARCH_STEP35 = "step35"  # Step-3.5's chained heads: gated attention, sigmoid MoE
 ARCH_GLM_DSA = "glm-dsa"  # GLM-5's head: deepseek32's, sigmoid routing where the file says none (glm-dsa.cpp)
 ARCH_HY_V3 = "hy_v3"  # Hy3's head: q/k-normed attention, sigmoid MoE + shared expert, its own final norm (hy-v3.cpp)
 ARCH_COHERE2MOE = "cohere2moe"  # Cohere2-MoE's head: a parallel block (attention and MoE on one norm), scaled logits
+ARCH_BAILINGMOE3 = "bailingmoe3"  # Ling 3.0's head: MLA with a head-wise gate, sigmoid MoE + shared expert
 ARCH_DEEPSEEK4 = "deepseek4"  # DeepSeek-V4's head: hyper-connections, sink attention; refused (kinds/mtp.py)
 ARCH_DOTS3NOTE = "dots3note"  # dots3-note: nextn blocks loaded as skipped, no graph_mtp; refused (kinds/mtp.py)
 ARCH_GEMMA4_ASSISTANT = "gemma4-assistant"  # Gemma 4's assistant: queries over the target's KV; refused (kinds/mtp.py)

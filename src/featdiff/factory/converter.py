@@ -83,7 +83,9 @@ _KEY_OF_FLAG = {NO_MTP_FLAG: "-nomtp", MTP_ONLY_FLAG: "-mtponly"}
 # "spm"): the converter's pinned transformers (CONVERTER_REQUIREMENTS) knows no `step3p5`, so the converter
 # reads config.json as written; transformers 5.23 maps `step3p5` to its Step3p7TextConfig, whose dict
 # renames the keys Step35Model reads (num_attention_groups, moe_num_experts, ...): that config is read
-# as the pinned one reads it (factory/mtp_step35.py)
+# as the pinned one reads it (factory/mtp_step35.py). "bailingmoe3" (Ling 3.0, as "pre"): the same for
+# transformers 5.23's `bailing_hybrid`, whose dict renames keys BailingMoeV3Model reads (norm_topk_prob
+# as moe_renormalize, ...): config.json read as written (factory/mtp_bailingmoe3.py)
 MIMO_N_NEXTN = 1
 # argv: [-c, bootstrap, script, args...]
 _BOOTSTRAP_HEAD = (
@@ -91,15 +93,28 @@ _BOOTSTRAP_HEAD = (
     "sys.path[0:0] = [str(tree), str(tree / 'gguf-py')]\nfrom conversion.base import TextModel\n"
 )
 _BOOTSTRAP_RUN = "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
-BOOTSTRAPS = {
-    "spm": _BOOTSTRAP_HEAD + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n" + _BOOTSTRAP_RUN,
-    "pre": _BOOTSTRAP_HEAD
-    + "known = TextModel.get_vocab_base_pre\n"
+_PRE_VOCAB = (  # an unrecognized pre-tokenizer hash named "default" instead of raising
+    "known = TextModel.get_vocab_base_pre\n"
     + "def pre(self, tokenizer):\n"
     + "    try:\n        return known(self, tokenizer)\n"
     + "    except NotImplementedError:\n        return 'default'\n"
     + "TextModel.get_vocab_base_pre = pre\n"
-    + _BOOTSTRAP_RUN,
+)
+
+
+def _raw_config(model_type: str) -> str:
+    """A bootstrap's lines reading config.json as written (the pinned transformers knows no `model_type`)."""
+    return (
+        "import conversion.base as _base\n"
+        + "def _read_config(dir_model, *args, **kwargs):\n"
+        + f"    raise ValueError('{model_type}: read config.json as the pinned transformers does')\n"
+        + "_base.AutoConfig = type('AutoConfig', (), {'from_pretrained': staticmethod(_read_config)})\n"
+    )
+
+
+BOOTSTRAPS = {
+    "spm": _BOOTSTRAP_HEAD + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n" + _BOOTSTRAP_RUN,
+    "pre": _BOOTSTRAP_HEAD + _PRE_VOCAB + _BOOTSTRAP_RUN,
     "glm": _BOOTSTRAP_HEAD + "TextModel._set_vocab_glm = TextModel._set_vocab_sentencepiece\n" + _BOOTSTRAP_RUN,
     "mimo": _BOOTSTRAP_HEAD
     + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
@@ -113,11 +128,9 @@ BOOTSTRAPS = {
     + _BOOTSTRAP_RUN,
     "step35": _BOOTSTRAP_HEAD
     + "TextModel._set_vocab_gpt2 = TextModel._set_vocab_sentencepiece\n"
-    + "import conversion.base as _base\n"
-    + "def _read_config(dir_model, *args, **kwargs):\n"
-    + "    raise ValueError('step3p5: read config.json as the pinned transformers does')\n"
-    + "_base.AutoConfig = type('AutoConfig', (), {'from_pretrained': staticmethod(_read_config)})\n"
+    + _raw_config("step3p5")
     + _BOOTSTRAP_RUN,
+    "bailingmoe3": _BOOTSTRAP_HEAD + _PRE_VOCAB + _raw_config("bailing_hybrid") + _BOOTSTRAP_RUN,
     "deepseek32": _BOOTSTRAP_HEAD
     + "from conversion.deepseek import DeepseekV32Model\n"
     + "DeepseekV32Model.set_vocab = TextModel._set_vocab_sentencepiece\n"

@@ -37,12 +37,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.outputs import check_output_dir, replaced
+from featdiff.factory import mtp_bailingmoe3 as bm
 from featdiff.factory import mtp_cohere2moe as cm
 from featdiff.factory import mtp_deepseek as ds
 from featdiff.factory import mtp_hy_v3 as hy
@@ -239,6 +241,7 @@ class MtpTarget:
     gguf_from_hf: dict[str, str]
     bootstrap: str | None
     norm_offset: float = 0.0
+    config_json: tuple[tuple[str, Any], ...] = ()  # config.json's keys beside what transformers saves
 
 
 _SPM = BOOTSTRAP_OF[TOKENIZER_SPM]
@@ -263,6 +266,14 @@ HY_V3_MTP = MtpTarget(hy.HY_V3_TARGET, HY_V3_HEAD, hy.GGUF_FROM_HF_HY_V3, BOOTST
 # Cohere2-MoE's head as the pinned converter reads it, GLM-4.5's layout (factory/mtp_cohere2moe.py)
 COHERE2MOE_MTP = MtpTarget(
     cm.COHERE2MOE_TARGET, GLM4MOE_HEAD, cm.GGUF_FROM_HF_COHERE2MOE, BOOTSTRAP_OF[TOKENIZER_BYTE_BPE]
+)
+# Ling 3.0's head, GLM-4.5's layout, config.json as a Ling checkpoint's (factory/mtp_bailingmoe3.py)
+BAILINGMOE3_MTP = MtpTarget(
+    bm.BAILINGMOE3_TARGET,
+    replace(GLM4MOE_HEAD, fc=bm.HF_FC, norms=bm.HF_NORMS),
+    bm.GGUF_FROM_HF_BAILINGMOE3,
+    bm.BOOTSTRAP_BAILINGMOE3,
+    config_json=tuple(bm.CONFIG_JSON.items()),
 )
 # the head's weights: rng [seed, MTP_STREAM], apart from the pair's (seed), DFlash2's ([seed, 2])
 # and EAGLE3's ([seed, 3]); the target's (hf_targets._seeded on seed) stay the qwen35 family's
@@ -354,6 +365,7 @@ _VARIANTS = (
     MtpVariant("mtp-nemotron-h-moe", nh.NEMOTRON_H_MOE_DOC, has_separate_head=False, target=NEMOTRON_H_MOE_MTP),
     MtpVariant("mtp-hy-v3", hy.HY_V3_DOC, has_separate_head=False, target=HY_V3_MTP),
     MtpVariant("mtp-cohere2moe", cm.COHERE2MOE_DOC, has_separate_head=False, target=COHERE2MOE_MTP),
+    MtpVariant("mtp-bailingmoe3", bm.BAILINGMOE3_DOC, has_separate_head=False, target=BAILINGMOE3_MTP),
 )
 MTP_SETTINGS: dict[str, MtpVariant] = {v.name: v for v in _VARIANTS}
 MTP_VARIANTS: dict[str, str] = {v.name: v.doc for v in _VARIANTS}
@@ -398,7 +410,7 @@ def write_mtp_fixture(outdir: str | Path, variant: str = "mtp", seed: int = 0) -
 def add_mtp_head(hf: Path, seed: int, mtp: MtpTarget = QWEN35_MTP) -> None:
     """The checkpoint `hf` (`mtp`'s target as write_hf_target saves it) given an MTP head laid out
     as its family ships it: the count (`mtp_num_hidden_layers`, GLM's `num_nextn_predict_layers`)
-    in its config.json and `mtp_weights` in its safetensors file."""
+    and the family's `config_json` keys in its config.json, and `mtp_weights` in its safetensors file."""
     from safetensors.numpy import load_file
 
     config_path = hf / names.HF_CONFIG
@@ -407,7 +419,8 @@ def add_mtp_head(hf: Path, seed: int, mtp: MtpTarget = QWEN35_MTP) -> None:
     if mtp.head.n_mtp_key is None:  # MiMo's config.json does not count its heads
         return
     with replaced(config_path) as tmp:
-        tmp.write_text(json.dumps({**config, mtp.head.n_mtp_key: N_MTP}, indent=2, sort_keys=True) + "\n")
+        written = {**config, **dict(mtp.config_json), mtp.head.n_mtp_key: N_MTP}
+        tmp.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
 
 
 def faint_trunk(hf: Path) -> None:

@@ -60,6 +60,7 @@ GGUF_ONLY_HEADS = {
     "nemotron_h": "Nemotron-H's MTP head is read from its converted GGUF only (transformers has no model code for it)",
     "hy_v3": "Hy3's MTP head is read from its converted GGUF only (transformers has no model code for it)",
     "cohere2_moe": "Cohere2-MoE's MTP head is read from its converted GGUF only (transformers has no model code for it)",
+    "bailing_hybrid": "Ling 3.0's MTP head is read from its converted GGUF only (transformers has no model code for it)",
 }
 
 
@@ -186,6 +187,20 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "LayerNorm heads (`layer_norm_rms_epsilon` missing or 0: llama.cpp runs LLM_NORM); a gating function "
         "other than softmax or sigmoid; the head from a checkpoint directory (read it from the GGUF): "
         "transformers 5.23 has the trunk's model code (`cohere2_moe`), not the head's",
+    ),
+    (
+        "bailingmoe3",
+        "Ling 3.0's head (bailingmoe3.cpp graph_mtp, block n_layer): eh_proj over [enorm(e), hnorm(h)], the "
+        "trunk's full-attention layer: MLA (`attn_q`, or the low-rank `attn_q_a`/`attn_q_b`; the compressed KV, "
+        "RoPE on the decoupled dims in interleaved pairs) with each head's output times sigmoid of its "
+        "`attn_gate` row, `ffn_norm`, experts routed by the file's gating function plus `exp_probs_b`, "
+        "renormalized and times `expert_weights_scale` where the file says, an ungated shared expert; the head "
+        "norm `layer_output_norm` on every row, which the next step is handed (the target hands its "
+        "`output_norm` rows); the graph names `mtp_eh_proj` alone of the layer; the trunk's KDA state rolled "
+        "back; from the GGUF",
+        "group-limited routing (`expert_group_count` above 1); a VL file's M-RoPE (`rope.dimension_sections`); "
+        "a gating function other than softmax or sigmoid; the head from a checkpoint directory (read it from "
+        "the GGUF): transformers 5.23 has the trunk's model code (`bailing_hybrid`), not the head's",
     ),
     (
         names.ARCH_DEEPSEEK4,

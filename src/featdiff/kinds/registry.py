@@ -192,6 +192,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_NEMOTRON_H_MOE,
             names.ARCH_HY_V3,
             names.ARCH_COHERE2MOE,
+            names.ARCH_BAILINGMOE3,
         ),
         row_token=0,
         shares_target_model=True,

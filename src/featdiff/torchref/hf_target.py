@@ -81,6 +81,7 @@ HF_ARCHS = {
     "deepseek_v3": "deepseek2",  # DeepSeek-V3: MLA, sigmoid-routed experts (its MTP layer n_layer is left unloaded)
     "hy_v3": "hy_v3",  # Hy3: q/k norms, sigmoid-routed experts, a shared expert (its MTP layer n_layer is left unloaded)
     "cohere2_moe": "cohere2moe",  # Cohere2-MoE: parallel blocks, NoPE full layers (its MTP layer n_layer is left unloaded)
+    "bailing_hybrid": "bailingmoe3",  # Ling 3.0: KDA and gated-MLA layers (its MTP layer n_layer is left unloaded)
     "qwen3": "qwen3",
     "llama": "llama",
 }
@@ -91,7 +92,7 @@ GGUF_ARCHS = frozenset(HF_ARCHS.values()) | {"nemotron_h_moe"}
 # only before the final norm (src/models/openai-moe.cpp, qwen35.cpp, gemma4.cpp: the last layer's
 # get_rows only under embeddings_nextn_masked, which a target context never sets): their last
 # `l_out` has all rows. The others select before the last layer's FFN, as target.py says.
-ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "qwen35moe", "qwen3next", "gemma4", "nemotron_h"})
+ALL_ROWS_LAST_LAYER = frozenset({"gpt-oss", "qwen35", "qwen35moe", "qwen3next", "gemma4", "nemotron_h", "bailingmoe3"})
 # The graph callback name of layer 0's input where an arch renames llama-graph.cpp's `embd`:
 # qwen35.cpp `cb(inpL, "model.input_embed", -1)`; gemma4.cpp scales the looked-up rows by
 # sqrt(n_embd) into `inp_scaled` (its `embd` is the unscaled lookup, which transformers' scaled
@@ -100,6 +101,7 @@ EMBD_NAMES = {
     "qwen35": "model.input_embed",
     "qwen35moe": "model.input_embed",
     "qwen3next": "model.embed_tokens",  # qwen3next.cpp's name of it
+    "bailingmoe3": "model.input_embed",  # bailingmoe3.cpp's
     "gemma4": "inp_scaled",
 }
 # Architectures whose graph also names the unscaled lookup `embd` (gemma4.cpp): the reference
@@ -376,8 +378,12 @@ def _final_norm(text: Any) -> Any:
 
 
 def _recurrent_mixer(layer: Any) -> Any:
-    """A recurrent layer's token mixer: Qwen3.5's `linear_attn`, Nemotron-H's Mamba2 `mixer`."""
-    return layer.linear_attn if hasattr(layer, "linear_attn") else layer.mixer
+    """A recurrent layer's token mixer: Qwen3.5's `linear_attn`, Nemotron-H's Mamba2 `mixer`, Ling 3.0's
+    KDA `self_attn` (its layers name either mixer so)."""
+    for name in ("linear_attn", "mixer"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    return layer.self_attn
 
 
 def _recurrent_layers(model: Any) -> frozenset[int]:

@@ -54,6 +54,15 @@ def mla_attention(
 ) -> tuple[torch.Tensor, KvCache]:
     """MLA over the attention norm's rows `x` `(n_tokens, n_embd)` at `positions`, causal over the
     cache (module docstring). Returns the output `(n_tokens, n_embd)` and the cache with this eval's rows."""
+    heads, cache_after = mla_heads(hp, b, x, positions, cache)  # (n_tokens, n_head, v)
+    return linear(heads.reshape(x.shape[0], -1), b["attn_output"]), cache_after
+
+
+def mla_heads(
+    hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+) -> tuple[torch.Tensor, KvCache]:
+    """mla_attention before its output projection: each head's output `(n_tokens, n_head, v)`
+    (v_b of its attention over the latent), and the cache with this eval's rows."""
     n_tokens, n_rot = x.shape[0], int(hp.n_rot or 0)
     k_b, v_b = b["attn_k_b"], b["attn_v_b"]  # (n_head, kv_lora, nope), (n_head, v, kv_lora)
     n_head, kv_lora, nope = k_b.shape
@@ -73,8 +82,7 @@ def mla_attention(
         q_full, positions, k_all, v_all, kv_pos, causal=True, scale=kq_scale
     )  # (n_tokens, n_head * kv_lora)
     heads = torch.einsum("thr,hvr->thv", latent.reshape(n_tokens, n_head, kv_lora), v_b)  # (n_tokens, n_head, v)
-    out = linear(heads.reshape(n_tokens, -1), b["attn_output"])  # (n_tokens, n_embd)
-    return out, cache_with(cache, positions, [k_all], [v_all])
+    return heads, cache_with(cache, positions, [k_all], [v_all])
 
 
 def _query(hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

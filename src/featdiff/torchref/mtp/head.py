@@ -151,7 +151,13 @@ def decode(
         Named(names.RESULT_OUTPUT, logits),
         *candidates,
     )
-    return MtpPass(logits, h_nextn, other, records, cache_after)
+    return MtpPass(logits, h_nextn, other, _named(records, graph.unnamed, il), cache_after)
+
+
+def _named(records: tuple[Named, ...], unnamed: tuple[str, ...], il: int) -> tuple[Named, ...]:
+    """`records` less those of the `unnamed` layer records (and their candidates): what the graph names."""
+    left_out = tuple(names.layer_name(base, il) for base in unnamed)
+    return tuple(r for r in records if r.name.split(names.CANDIDATE_SEP)[0] not in left_out)
 
 
 def _decoder_layer(
@@ -278,7 +284,8 @@ def _block_keys(g: GgufModel, il: int) -> list[str]:
     prefix = names.GGUF_LAYER_PREFIX.format(il=il)
     in_block = {t[len(prefix) :].removesuffix(".weight") for t in g.tensors if t.startswith(prefix)}
     graph = GRAPHS[g.arch]
-    attention = [*graph.attention_tensors, *(k for k in ATTENTION_OPTIONAL if k in in_block)]
+    optional = (*ATTENTION_OPTIONAL, *graph.optional_tensors)
+    attention = [*graph.attention_tensors, *(k for k in optional if k in in_block)]
     ffn = _moe_tensors(in_block, graph.experts, graph.choice_bias) if MOE_ROUTER in in_block else list(DENSE_FFN)
     return [*attention, *ffn]
 

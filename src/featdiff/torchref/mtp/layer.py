@@ -22,6 +22,12 @@ from featdiff.core.gguf_reader import GgufModel, int_meta, meta
 from featdiff.torchref.attention import KvCache, attend, cache_with, layer_kv
 from featdiff.torchref.mla import DSA_INDEXER, MLA_ATTENTION, mla_attention
 from featdiff.torchref.numerics import linear, rms_norm, rope
+from featdiff.torchref.mtp.bailingmoe3 import (
+    BAILINGMOE3_ATTENTION,
+    BAILINGMOE3_QUERY,
+    bailingmoe3_attention,
+    refuse_unmodelled as refuse_bailingmoe3,
+)
 from featdiff.torchref.mtp.cohere2moe import (
     COHERE2MOE_ATTENTION,
     KEY_LOGIT_SCALE,
@@ -318,6 +324,12 @@ class MtpGraph:
     # the attention's residual, and the layer's output is FFN + input + attention output
     is_parallel: bool = False
     logit_scale_key: str | None = None  # the file's key whose value scales the head's logits (unless 0)
+    # the block's attention tensors read where the file has them, beyond ATTENTION_OPTIONAL (bailingmoe3's
+    # query: attn_q, or the low-rank attn_q_a / attn_q_a_norm / attn_q_b)
+    optional_tensors: tuple[str, ...] = ()
+    # the records of the head's layer the graph gives no callback name (bailingmoe3.cpp names mtp_eh_proj
+    # alone): left out of the reference, as the run can hold none of them
+    unnamed: tuple[str, ...] = ()
 
 
 QWEN35_GRAPH = MtpGraph(_gated_attention, QWEN35_ATTENTION, names.MTP_ATTN_RESIDUAL, _softmax_renormalized)
@@ -411,5 +423,36 @@ GRAPHS[names.ARCH_COHERE2MOE] = MtpGraph(
     _cohere2moe_routing,
     is_parallel=True,
     logit_scale_key=KEY_LOGIT_SCALE,
+)
+
+
+def _bailingmoe3_routing(g: GgufModel) -> MoeRouting:
+    """bailingmoe3.cpp's routing: the file's gating function (load_arch_hparams requires one),
+    expert_weights_norm and scale; refusing by name what the reference does not compute
+    (torchref/mtp/bailingmoe3.py)."""
+    refuse_bailingmoe3(g)
+    return _routing_of_file(g)
+
+
+# bailingmoe3.cpp graph_mtp: the trunk's full-attention layer (MLA with a head-wise sigmoid output gate,
+# torchref/mtp/bailingmoe3.py), ffn_norm, the MoE routed plus exp_probs_b with an ungated shared expert;
+# the head norm is the block's layer_output_norm on every row, which the next step is handed (the target
+# hands its output_norm rows), as GLM-4.5's. Of the layer the graph names mtp_eh_proj alone
+GRAPHS[names.ARCH_BAILINGMOE3] = MtpGraph(
+    bailingmoe3_attention,
+    BAILINGMOE3_ATTENTION,
+    names.MTP_FFN_INP,
+    _bailingmoe3_routing,
+    ffn_norm="ffn_norm",
+    head_norm_fallback="layer_output_norm",
+    optional_tensors=BAILINGMOE3_QUERY,
+    unnamed=(
+        names.MTP_TOK_EMBD,
+        names.MTP_HNORM,
+        names.MTP_ENORM,
+        names.MTP_CONCAT,
+        names.MTP_FFN_INP,
+        names.MTP_POST_FFN,
+    ),
 )
 MTP_ARCHS = tuple(GRAPHS)  # the graph_mtp heads modelled here
