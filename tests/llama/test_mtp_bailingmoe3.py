@@ -112,18 +112,22 @@ def test_around_the_program_compares_clean(tools, mtp_pairs, tmp_path, program):
 
 def test_what_the_reference_does_not_compute_is_refused_by_name(mtp_pairs, tmp_path):
     """One line, exit 2, no dump written: group-limited routing (expert_group_count 2), a VL file's
-    M-RoPE sections, a tensor of the head block it does not read, and the head from the checkpoint
-    directory (transformers has the trunk's model code, not the head's: read it from the GGUF)."""
+    M-RoPE sections, a SwiGLU clamp on the head's layer, a tensor of the head block it does not read,
+    and the head from the checkpoint directory (transformers has the trunk's model code, not the
+    head's: read it from the GGUF)."""
     d = mtp_pairs(VARIANT)
     groups = rewrite_gguf(d / "target.gguf", tmp_path / "groups.gguf", keys={f"{ARCH}.expert_group_count": 2})
     sections = rewrite_gguf(
         d / "target.gguf", tmp_path / "mrope.gguf", keys={f"{ARCH}.rope.dimension_sections": [4, 2, 2, 0]}
     )
+    clamp = [0.0] * IL + [7.0]  # Ling's expert_swiglu_limit_list with a limit on the head's layer
+    clamped = rewrite_gguf(d / "target.gguf", tmp_path / "clamp.gguf", keys={f"{ARCH}.swiglu_clamp_exp": clamp})
     extra = {f"blk.{IL}.ffn_latent_down.weight": np.zeros((TINY.target.n_embd, TINY.target.n_embd), np.float32)}
     unread = rewrite_gguf(d / "target.gguf", tmp_path / "unread.gguf", tensors=extra)
     cases = (
         (groups, f"{ARCH}.expert_group_count = 2"),
         (sections, f"{ARCH}.rope.dimension_sections is set"),
+        (clamped, f"{ARCH}.swiglu_clamp_exp = "),
         (unread, f"blk.{IL}.ffn_latent_down.weight"),
         (d / "target-hf", "model_type 'bailing_hybrid'"),
     )

@@ -199,6 +199,7 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "`output_norm` rows); the graph names `mtp_eh_proj` alone of the layer; the trunk's KDA state rolled "
         "back; from the GGUF",
         "group-limited routing (`expert_group_count` above 1); a VL file's M-RoPE (`rope.dimension_sections`); "
+        "a non-zero `swiglu_clamp_exp` / `swiglu_clamp_shexp`; "
         "a gating function other than softmax or sigmoid; the head from a checkpoint directory (read it from "
         "the GGUF): transformers 5.23 has the trunk's model code (`bailing_hybrid`), not the head's",
     ),

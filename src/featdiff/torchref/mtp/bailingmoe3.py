@@ -43,6 +43,9 @@ BAILINGMOE3_QUERY = ("attn_q", "attn_q_a", "attn_q_a_norm", "attn_q_b")
 # keys whose values the reference does not compute (refuse_unmodelled)
 KEY_GROUP_COUNT = "{arch}.expert_group_count"  # build_moe_ffn's group-limited routing above 1
 KEY_ROPE_SECTIONS = "{arch}.rope.dimension_sections"  # a VL file: M-RoPE (llama_model_rope_type)
+# per-layer SwiGLU clamps of the experts and the shared expert (Ling's expert_swiglu_limit_list): build_moe_ffn
+# and build_ffn clamp a layer whose entry is non-zero, the head's block among them
+KEYS_SWIGLU_CLAMP = ("{arch}.swiglu_clamp_exp", "{arch}.swiglu_clamp_shexp")
 
 
 def bailingmoe3_attention(
@@ -59,8 +62,16 @@ def bailingmoe3_attention(
 def refuse_unmodelled(g: GgufModel) -> None:
     """InputError naming what of a bailingmoe3 file the reference does not compute: group-limited
     routing (expert_group_count above 1: build_moe_ffn then picks the top groups first), M-RoPE
-    (a VL file's rope sections: bailingmoe3 then ropes with LLAMA_ROPE_TYPE_MROPE), a head block
-    without a query projection (llama.cpp would not load it)."""
+    (a VL file's rope sections: bailingmoe3 then ropes with LLAMA_ROPE_TYPE_MROPE), a non-zero
+    SwiGLU clamp (llama.cpp clamps that layer's experts; transformers' bailing_hybrid trunk never
+    does), a head block without a query projection (llama.cpp would not load it)."""
+    for key in (k.format(arch=g.arch) for k in KEYS_SWIGLU_CLAMP):
+        value = meta(g, key, None)
+        if value is not None and any(float(x) != 0.0 for x in (value if isinstance(value, list) else [value])):
+            raise InputError(
+                f"{g.path}: {key} = {value}; featdiff's bailingmoe3 reference does not clamp SwiGLU (transformers' "
+                "bailing_hybrid trunk has no clamp either); convert a checkpoint without expert_swiglu_limit_list"
+            )
     groups = int_meta(g, KEY_GROUP_COUNT.format(arch=g.arch), 0)
     if groups > 1:
         raise InputError(
