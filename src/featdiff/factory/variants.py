@@ -17,6 +17,7 @@ from featdiff.factory import gemma4_assistant as fixtures_gemma4_assistant
 from featdiff.factory import hf_families as factory_hf_families
 from featdiff.factory import mtp as fixtures_mtp
 from featdiff.factory import mtp_chain as fixtures_mtp_chain
+from featdiff.factory import mtp_deepseek4 as fixtures_mtp_deepseek4
 from featdiff.factory import mtp_step35 as fixtures_mtp_step35
 
 DFLASH2 = "dflash2"
@@ -36,6 +37,7 @@ def _others() -> dict[str, str]:
         **fixtures_mtp.MTP_VARIANTS,
         **fixtures_mtp_chain.CHAIN_VARIANTS,
         **fixtures_mtp_step35.STEP35_VARIANTS,
+        **fixtures_mtp_deepseek4.DEEPSEEK4_VARIANTS,
         **fixtures_gemma4_assistant.GEMMA4_ASSISTANT_VARIANTS,
     }
 
@@ -55,6 +57,8 @@ def write(outdir: Path, variant: str, seed: int = 0) -> Path:
         return fixtures_mtp_chain.write_mtp_chain_fixture(outdir, variant, seed)
     if variant in fixtures_mtp_step35.STEP35_VARIANTS:
         return fixtures_mtp_step35.write_step35_fixture(outdir, variant, seed)
+    if variant in fixtures_mtp_deepseek4.DEEPSEEK4_VARIANTS:
+        return fixtures_mtp_deepseek4.write_deepseek4_fixture(outdir, variant, seed)
     if variant in fixtures_gemma4_assistant.GEMMA4_ASSISTANT_VARIANTS:
         return fixtures_gemma4_assistant.write_gemma4_assistant_fixture(outdir, variant, seed)
     if variant == DFLASH2:
