@@ -1,6 +1,6 @@
 """`featdiff check --exec` survives the EAGLE3 and MTP faults it exists to catch (issue 48): each
-fault the project plants in the EAGLE3 and MTP drivers (0002, 0009, 0011) and graphs (0007, 0008),
-chosen at run time by FEATDIFF_FAULT around llama-speculative-simple, exits 1 naming the finding
+fault the project plants in the EAGLE3 and MTP drivers (0002, 0009, 0011, 0013) and graphs (0007,
+0008, 0013), chosen at run time by FEATDIFF_FAULT around llama-speculative-simple, exits 1 naming the finding
 docs/faults.md gives it, never 2 or 3, and keeps its dumps. check's reference is its own (the
 run's prompt and rounds, guided by the run), not the one test_eagle3_exec.py and
 test_step_faults.py make with --follow, so this also shows the verdict does not hang on how the
@@ -25,6 +25,10 @@ EAGLE3 = {
     "eagle3-shift-2": "row_shift",  # 0011
     "eagle3-step-pos-early": "position_offset",
     "eagle3-step-zero-state": "zeros",
+    "eagle3-slots-one-layer": "layer_offset",  # 0013
+    "eagle3-tap-normed": "wrong_source",
+    "eagle3-d2t-dropped": "wrong_source",
+    "eagle3-d2t-shifted": "wrong_source",
 }
 MTP = {
     "mtp-no-shift": "row_shift",
@@ -38,8 +42,13 @@ MTP = {
     "mtp-step-zero-state": "zeros",
     "mtp-pending-stale": "stale",
 }
-CASES = [pytest.param("eagle3", f, k, id=f) for f, k in EAGLE3.items()]
-CASES += [pytest.param("mtp", f, k, id=f) for f, k in MTP.items()]
+GLM4MOE = {  # 0013, in glm4-moe.cpp: run on the mtp-glm4moe pair
+    "mtp-glm4moe-norms-swapped": "scale",
+    "mtp-glm4moe-hidden-layer-before": "layer_offset",
+}
+CASES = [pytest.param("eagle3", "eagle3", f, k, id=f) for f, k in EAGLE3.items()]
+CASES += [pytest.param("mtp", "mtp", f, k, id=f) for f, k in MTP.items()]
+CASES += [pytest.param("mtp", "mtp-glm4moe", f, k, id=f) for f, k in GLM4MOE.items()]
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
@@ -58,9 +67,9 @@ def _args(tools, kind: str, d: Path) -> list[str]:
     return [*models, "--exec", "--", *cmd, "-n", "16", "--temp", "0"]
 
 
-@pytest.mark.parametrize("kind, fault, finding", CASES)
+@pytest.mark.parametrize("kind, variant, fault, finding", CASES)
 def test_check_names_each_eagle3_and_mtp_fault_and_exits_1(
-    tools, eagle3_pairs, mtp_pairs, tmp_path, kind, fault, finding
+    tools, eagle3_pairs, mtp_pairs, tmp_path, kind, variant, fault, finding
 ):
-    d = eagle3_pairs("eagle3") if kind == "eagle3" else mtp_pairs("mtp")
+    d = eagle3_pairs(variant) if kind == "eagle3" else mtp_pairs(variant)
     check_names_fault(_args(tools, kind, d), fault, tmp_path, finding)

@@ -348,6 +348,9 @@ HYP_FC_NORM_NONE = "fc_norm=none"  # fc_out@fc_norm=none: fc of the raw features
 HYP_D2T_OFFSETS = "d2t=offsets"
 # g_norm-0@g=after_norm: an EAGLE3 draft step fed the previous step's result_norm, not its eagle3_prenorm
 HYP_G_AFTER_NORM = "g=after_norm"
+# inp_target_features@tap=attn_norm: each slot the output of its target layer's attention norm (the
+# layer's normed input), not the residual stream entering the layer (torchref/eagle3/flow.py)
+HYP_TAP_ATTN_NORM = "tap=attn_norm"
 # MTP (torchref/mtp/head.py): mtp_h_input@h=prenorm, mtp_hnorm-<il>@h=prenorm: the head handed the
 # target's hidden before its final norm;
 # ...@h=chain_prenorm: a draft step handed the previous step's state before the head norm;
@@ -361,6 +364,16 @@ HYP_CHAIN_POSTNORM = "h=chain_postnorm"
 # ...@h=batch_last: a target batch's first token paired with that batch's last hidden (a later
 # position's) instead of the pending row the batch before left
 HYP_H_BATCH_LAST = "h=batch_last"
+# ...@h=l_out-<il>: the head handed the output of target layer il, a layer before the trunk's last,
+# under the hand-over's norm (the reference records the two layers before the last)
+HYP_H_LAYER = "h=l_out-"
+
+
+def h_layer_hypothesis(il: int) -> str:
+    """`h=l_out-<il>`: the head handed target layer il's output in place of the trunk's last."""
+    return f"{HYP_H_LAYER}{il}"
+
+
 # <record>@head=<j>: a chained MTP drafter's draft step computed under trained head j (diff/detectors/chain.py)
 HYP_HEAD = "head"
 

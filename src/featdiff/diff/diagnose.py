@@ -60,6 +60,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_layout_transpose,
     d.detect_expert_choice,  # info: a MoE near-tie, before any fault is tried on its few rows
     d.detect_layer_offset,
+    d.detect_layer_offset_of_handed_state,  # an MTP head handed an earlier layer's output (its candidates)
     d.detect_slot_permutation,
     d.detect_missing_term,
     d.detect_extra_term,

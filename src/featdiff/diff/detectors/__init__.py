@@ -8,8 +8,9 @@ noise), rows.py (shifted or misplaced rows, layouts, a record's positions), wiri
 slots, terms, sources), readback.py (the logits a drafter's sampler read), choices.py (tokens and
 experts chosen on a near-tie), positions.py (token ids and positions of the run's batches),
 kvcache.py (the draft KV cache), chain.py (chained MTP heads), vocabulary.py (a reduced head's d2t
-map), pairing.py (what was not compared, and why); base.py holds the `Evidence` the value detectors share. Which detector runs when is the orchestration's:
-diagnose.py, positions.py, comparison.py.
+map), handover.py (the layer an MTP head's hidden comes from), pairing.py (what was not compared,
+and why); base.py holds the `Evidence` the value detectors share. Which detector runs when is the
+orchestration's: diagnose.py, positions.py, comparison.py.
 """
 
 from featdiff.diff.detectors.base import Evidence, Rope, explains, rotate, same_shape
@@ -27,6 +28,7 @@ from featdiff.diff.detectors.choices import (
     detect_unmodelled_sampler,
     detect_wrong_source_of_drafts,
 )
+from featdiff.diff.detectors.handover import detect_layer_offset_of_handed_state
 from featdiff.diff.detectors.kvcache import (
     detect_duplicate_rows,
     detect_not_conditioned_restored,
@@ -100,6 +102,7 @@ __all__ = [
     "detect_extra_term",
     "detect_flow_note",
     "detect_layer_offset",
+    "detect_layer_offset_of_handed_state",
     "detect_layout_transpose",
     "detect_misplaced_rows",
     "detect_missing_tensor",

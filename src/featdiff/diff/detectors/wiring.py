@@ -329,6 +329,13 @@ GRAPH_FIXES = {
 
 def _placed_message(ev: Evidence, key: str, value: str, candidate: str) -> str:
     """_source_message, or, where the evidence clears the GGUF of an export hypothesis, the graph's fix."""
+    if f"{key}={value}" == names.HYP_TAP_ATTN_NORM:
+        layers = ", ".join(f"attn_norm-{L}" for L in ev.layers.expected_layers) if ev.layers else "attn_norm-<L>"
+        return (
+            f"{ev.tensor} carries, in each slot, its target layer's attention norm output ({layers}), not the "
+            f"layer's input (it matches the reference's {candidate}): the target hands over the normed state; tap "
+            "the residual stream entering the layer (llama.cpp's t_layer_inp, set before the layer's attn_norm)"
+        )
     fix = GRAPH_FIXES.get(f"{key}={value}")
     if ev.weights_where != "graph" or fix is None:
         return _source_message(ev.tensor, key, value, candidate)

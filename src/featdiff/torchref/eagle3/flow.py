@@ -24,7 +24,7 @@ from featdiff.core.errors import InputError
 from featdiff.core.phases import PREFILL_ROUND, Phase, inject_after
 from featdiff.torchref.attention import KvCache, truncated
 from featdiff.torchref.eagle3.graph import DecodePass, Eagle3Draft, check_eagle3_pair, decode, encode, encode_candidates
-from featdiff.torchref.numerics import Numerics
+from featdiff.torchref.numerics import Numerics, rms_norm
 from featdiff.torchref.rounds import (
     EvalTrace,
     FlowTrace,
@@ -106,6 +106,20 @@ def features(tp: TargetPass, draft: Eagle3Draft) -> torch.Tensor:
     return torch.cat([tp.layer_inputs[il] for il in draft.target_layers], dim=1)  # (n_tokens, 3 * n_embd_tgt)
 
 
+def normed_taps(target: Target, tp: TargetPass, draft: Eagle3Draft) -> tuple[Named, ...]:
+    """`inp_target_features@tap=attn_norm`: the feature rows were each slot its layer's attention
+    norm output (rms_norm of the layer's input with its attn_norm weight) in place of the layer's
+    input; none where a slot taps the trunk's output (no layer norm there) or the target runs
+    through transformers (no per-layer weights here)."""
+    layers = getattr(target, "layers", None)
+    if layers is None or any(il >= len(layers) for il in draft.target_layers):
+        return ()
+    eps = target.hparams.rms_eps
+    normed = [rms_norm(tp.layer_inputs[il], layers[il].attn_norm, eps) for il in draft.target_layers]
+    name = names.candidate_name(names.INP_TARGET_FEATURES, names.HYP_TAP_ATTN_NORM)
+    return (Named(name, torch.cat(normed, dim=1)),)  # (n_tokens, 3 * n_embd_tgt)
+
+
 def kept_row(draft_cached: tuple[int, ...] | None, cached: int) -> int | None:
     """The token the run's drafter row at the last cached position was decoded with, where it
     kept one (upstream's process() leaves a held row be: its bridge writes only where no cell
@@ -177,7 +191,7 @@ def _process(
     adds the last row (that token with the last g), as a run that kept it there holds it."""
     rows = features(tp, draft)  # (n_tokens, 3 * n_embd_tgt)
     g, enc_records = encode(draft, rows)
-    enc_records += encode_candidates(draft, rows)
+    enc_records += encode_candidates(draft, rows) + normed_taps(target, tp, draft)
     # the encoder uses no positions: process() numbers its rows on from the draft cache's last one
     start = int(cache.positions.max()) + 1 if cache.positions.numel() else 0
     enc_positions = tuple(range(start, start + len(tokens)))

@@ -57,12 +57,20 @@ WRONG_NORM = {
 }
 
 
+SHALLOWER_LAYERS = 2  # the handed-layer hypotheses: the outputs of the layers this far before the last
+
+
 @dataclass(frozen=True)
 class _Hidden:
-    """A row the head is handed, and the one the wrong-norm hypothesis would hand in its place."""
+    """A row the head is handed, the one the wrong-norm hypothesis would hand in its place, and the
+    rows the layers before the trunk's last would hand (its `h=l_out-<il>` hypotheses)."""
 
     handed: torch.Tensor  # (n, n_embd): as the arch's target graph hands it (its h_nextn)
     other: torch.Tensor  # (n, n_embd): on the other side of the final norm
+    shallower: tuple[tuple[int, torch.Tensor], ...] = ()  # (il, (n, n_embd)): layer il's output, handed alike
+
+    def rows(self, at: slice) -> _Hidden:
+        return _Hidden(self.handed[at], self.other[at], tuple((il, h[at]) for il, h in self.shallower))
 
 
 @dataclass(frozen=True)
@@ -113,12 +121,20 @@ def run_flow(
 def target_hidden(target: Target, tp: TargetPass, is_prenorm: bool) -> _Hidden:
     """Every row's hidden as the target's graph hands it to the head (`h_nextn`: after the final
     norm, or before it where `is_prenorm`), and on the other side of that norm."""
-    pre = tp.layer_inputs[target.hparams.n_layer]  # (n_tokens, n_embd): the final norm's input
-    if isinstance(target, HfTarget):
-        post = final_norm(target)(pre)
-    else:
-        post = rms_norm(pre, target.output_norm, target.hparams.rms_eps)
-    return _Hidden(pre, post) if is_prenorm else _Hidden(post, pre)
+    n = target.hparams.n_layer
+    norm = final_norm(target) if isinstance(target, HfTarget) else None
+
+    def normed(x: torch.Tensor) -> torch.Tensor:
+        return norm(x) if norm is not None else rms_norm(x, target.output_norm, target.hparams.rms_eps)
+
+    pre = tp.layer_inputs[n]  # (n_tokens, n_embd): the final norm's input
+    post = normed(pre)
+    # layer il's output is layer il + 1's input, handed over under the arch's convention
+    shallower = tuple(
+        (il, tp.layer_inputs[il + 1] if is_prenorm else normed(tp.layer_inputs[il + 1]))
+        for il in range(n - 2, max(n - 2 - SHALLOWER_LAYERS, -1), -1)
+    )
+    return _Hidden(pre, post, shallower) if is_prenorm else _Hidden(post, pre, shallower)
 
 
 def _target_eval(
@@ -163,7 +179,7 @@ def _prefill(
             target_batches,
         )  # fmt: skip
         evals.append(trace)
-        t_cache, pending = tp.cache, _Hidden(hidden.handed[-1:], hidden.other[-1:])
+        t_cache, pending = tp.cache, hidden.rows(slice(-1, None))
     return _State(t_cache, d_cache, n, prompt[n], pending), evals
 
 
@@ -188,6 +204,10 @@ def _process(
     other = torch.cat([pending.other, hidden.other[:-1]])  # (n_tokens, n_embd)
     batch_last = hidden.handed[batch_last_rows(positions, run_batches)]  # (n_tokens, n_embd)
     alternatives = {WRONG_NORM[_is_prenorm(head)][0]: other, names.HYP_H_BATCH_LAST: batch_last}
+    before = dict(pending.shallower)  # the pending row's own layers (zeros before the first batch)
+    for il, rows in hidden.shallower:
+        first = before.get(il, pending.handed)  # (1, n_embd)
+        alternatives[names.h_layer_hypothesis(il)] = torch.cat([first, rows[:-1]])  # (n_tokens, n_embd)
     mp = decode(head, _ids(tokens, numerics), handed, _ids(positions, numerics), cache, alternatives, outputs=False)
     return mp.cache, EvalTrace(_eval(index, names.ROLE_DRAFT, phase, positions, tokens, r), mp.records)
 
@@ -239,7 +259,7 @@ def _round(
         truncated(d_cache, n_past),
         n_past,
         best[accepted],
-        _Hidden(hidden.handed[i_h : i_h + 1], hidden.other[i_h : i_h + 1]),
+        hidden.rows(slice(i_h, i_h + 1)),
     )
     return after, played_round(r, state, drafts, accepted, best), traces
 
