@@ -57,14 +57,15 @@ def wait_listening(proc: subprocess.Popen, stderr: Path, wait_s: float) -> None:
 
 
 def capture_server(
-    command: list, tmp_path: Path, n_requests: int, wait_s: float
+    command: list, tmp_path: Path, n_requests: int, wait_s: float, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, Path, Path, int]:
     """`featdiff capture --exec` of the llama-server `command` (without --port) until it served
-    `n_requests`, listening: (the featdiff process, its -o, its stderr file, the server's port)."""
+    `n_requests`, listening: (the featdiff process, its -o, its stderr file, the server's port).
+    `env`: the process's whole environment (default: this one's)."""
     from featdiff.programs.server import free_port
 
     out, err, port = tmp_path / "run.npz", tmp_path / "stderr", free_port()
-    proc = start(["capture", "--exec", "-o", out, "--requests", n_requests, "--", *command, "--port", port], err)
+    proc = start(["capture", "--exec", "-o", out, "--requests", n_requests, "--", *command, "--port", port], err, env)
     wait_listening(proc, err, wait_s)
     return proc, out, err, port
 

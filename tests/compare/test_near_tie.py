@@ -160,7 +160,8 @@ def test_q8_0_near_tie_compares_clean_with_the_near_tie_as_information(near_tie_
 
 def test_the_same_parting_under_an_f16_bound_is_an_error(near_tie_pair, synth_ref, synth_run, tmp_path):
     """A margin within q8_0's noise but beyond f16's: the bound follows the run's KV type. (The
-    f16 run's logits are the reference's: its token is not their argmax.)"""
+    f16 run's logits are the reference's: its token is not their argmax, so the draft was not
+    sampled from its own row: wrong_source another_row_sampled, in the driver.)"""
     ref, q8_run = near_tie_pair(0.3)
     margin = 0.3 * _bound(ref, q8_run) * LOGIT_SCALE
     f16_run = _with_logits(synth_run(), tmp_path / "f16-run.npz", margin)
@@ -168,7 +169,8 @@ def test_the_same_parting_under_an_f16_bound_is_an_error(near_tie_pair, synth_re
     c = compare_dumps(ref, f16_run)
     assert exit_code(c) == 1
     (f,) = [f for f in c.findings if f.severity == "error"]
-    assert f.kind == "divergence" and f.fields["metric"] == "margin" and f.fields["round"] == NEAR_TIE_ROUND
+    assert (f.kind, f.fields["source"], f.fields["where"]) == ("wrong_source", "another_row_sampled", "driver")
+    assert f"round {NEAR_TIE_ROUND}, row {NEAR_TIE_ROW}" in f.message
 
 
 def test_a_parting_well_outside_the_noise_stays_an_error(near_tie_pair):
@@ -177,9 +179,20 @@ def test_a_parting_well_outside_the_noise_stays_an_error(near_tie_pair):
     assert exit_code(c) == 1
     assert not [f for f in c.findings if f.kind == "near_tie"]
     (f,) = [f for f in c.findings if f.severity == "error"]
-    assert f.kind == "divergence" and f.tensor == DRAFT_LOGITS
-    assert (f.fields["expected"], f.fields["row"], f.fields["round"]) == (OTHER_TOKEN, NEAR_TIE_ROW, NEAR_TIE_ROUND)
-    assert f.fields["value"] > f.fields["tolerance"]
+    # the run's own row puts the reference's token first: the draft came from elsewhere (the driver)
+    assert (f.kind, f.tensor, f.fields["source"]) == ("wrong_source", DRAFT_LOGITS, "another_row_sampled")
+    assert f"put token {OTHER_TOKEN} first (the reference's argmax too)" in f.message
+
+
+def test_a_parting_the_runs_own_logits_make_is_a_divergence_by_margin(near_tie_pair):
+    """The run's logits flipped with its token (it chose what its own row puts first), beyond the
+    noise from the reference's: the numbers part, not the driver's choice."""
+    ref, run = near_tie_pair(20.0, run_sign=-1.0)
+    c = compare_dumps(ref, run)
+    errors = [f for f in c.findings if f.severity == "error" and f.tensor == DRAFT_LOGITS]
+    assert errors and not [f for f in errors if f.fields.get("source") == "another_row_sampled"], [
+        f.message for f in errors
+    ]
 
 
 def test_a_row_shift_beside_a_near_tie_is_still_named(near_tie_pair):

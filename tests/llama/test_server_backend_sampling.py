@@ -3,10 +3,15 @@
 (the draft's top-k sampled on the backend). Where a slot's drafts were read from logits its
 graph did not compute for that row, compare names it `wrong_source` / `another_output_row` at
 `draft_logits` in that flow, with the positions and the advice, never a bare `divergence`; with
-`--no-spec-draft-backend-sampling` the same traffic compares clean. Real build, real HTTP."""
+`--no-spec-draft-backend-sampling` the same traffic compares clean. The behaviour did not show
+on the tiny pairs, so patch 0012 plants it twice: in libllama (what the sampler reads back is
+another row's: another_output_row, the upstream behaviour's finding) and in the driver (the
+sampler handed another block's row index: another_row_sampled, `where: driver`). Real build,
+real HTTP."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +33,11 @@ PROMPTS = [
 SPEC = ["--spec-draft-n-max", "3", "-c", "1024", "-t", "1", "-td", "1", "-np", "4"]
 
 
-def _compared(tools, models: Path, options: list[str], tmp_path: Path, spec_type: str = "draft-dflash"):
-    """compare of the capture of PROMPTS sent at once, against the reference that follows it."""
+def _compared(
+    tools, models: Path, options: list[str], tmp_path: Path, spec_type: str = "draft-dflash", fault: str | None = None
+):
+    """compare of the capture of PROMPTS sent at once, against the reference that follows it;
+    `fault` planted (FEATDIFF_FAULT) in the server."""
     from featdiff.diff import compare_dumps
     from featdiff.torchref.kind import reference
 
@@ -45,7 +53,8 @@ def _compared(tools, models: Path, options: list[str], tmp_path: Path, spec_type
         *SPEC,
         *options,
     ]
-    proc, out, err, port = featdiff_process.capture_server(command, tmp_path, len(PROMPTS), WAIT_S)
+    env = {**os.environ, featdiff_process.FAULT_VAR: fault} if fault else None
+    proc, out, err, port = featdiff_process.capture_server(command, tmp_path, len(PROMPTS), WAIT_S, env)
     featdiff_process.complete_together(port, PROMPTS, N_PREDICT, WAIT_S)
     assert proc.wait(timeout=WAIT_S) == 0, err.read_text()[-3000:]
     ref = reference(
@@ -78,6 +87,47 @@ def test_a_dflash_slot_drafting_from_another_rows_logits_is_never_a_bare_diverge
             and "position" in e.message
         )
     assert not [f for f in c.findings if f.kind == "divergence"], [f.message for f in c.findings]
+
+
+def test_a_block_driver_sampling_another_slots_rows_is_named_in_those_slots_flows(tools, fixture_models, tmp_path):
+    """The same traffic with patch 0012's block-sample-other-slot planted: every sequence after the
+    first of a draft batch samples its block from the first block's rows (the behaviour the
+    pinned server shows for EAGLE3's steps), the drafter's graph computing every row right.
+    compare names it wrong_source / another_output_row at draft_logits, only in flows whose
+    slot shared a draft batch with a lower one, never a divergence; check --run names it too."""
+    from featdiff.dump import read_dump
+
+    d = fixture_models("trained")
+    c, run = _compared(tools, d, [], tmp_path, fault="block-sample-other-slot")
+    with read_dump(run) as dump:
+        assert featdiff_process.served_together(dump.manifest.evals)
+    named = _only_wrong_source(c, "another_row_sampled")
+    assert all(e.fields["seq_id"] > 0 and e.fields["where"] == "driver" for e in named), [e.message for e in named]
+    args = ["--target", d / "target.gguf", "--model", d / "draft.gguf", "--ref-model", d / "draft-hf", "--run", run]
+    checked = featdiff_process.check_names_fault(args, None, tmp_path / "check", "wrong_source")
+    assert {f.get("source") for f in checked} == {"another_row_sampled"}, checked
+
+
+def test_a_library_handing_a_row_another_rows_sampled_logits_is_another_output_row(tools, fixture_models, tmp_path):
+    """Patch 0012's sampled-row-behind: libllama hands each backend-sampled draft row the sampled
+    data of the output row before it, so what the drafter's sampler reads back is another row's,
+    as the pinned server does for EAGLE3's steps on two slots. compare names it wrong_source /
+    another_output_row at draft_logits with the advice, the upstream behaviour's finding, never a
+    divergence."""
+    c, _ = _compared(tools, fixture_models("trained"), [], tmp_path, fault="sampled-row-behind")
+    named = _only_wrong_source(c, "another_output_row")
+    assert all("--no-spec-draft-backend-sampling" in e.message for e in named), [e.message for e in named]
+
+
+def _only_wrong_source(c, source: str) -> list:
+    """The error findings of `c`, each wrong_source at draft_logits from `source`, at least one;
+    no divergence among the findings."""
+    errors = [f for f in c.findings if f.severity == "error"]
+    named = [e for e in errors if e.kind == "wrong_source" and e.fields.get("source") == source]
+    assert named and len(named) == len(errors), [(e.kind, e.tensor, e.message) for e in errors]
+    assert all(e.tensor == "draft_logits" for e in named), [e.message for e in named]
+    assert not [f for f in c.findings if f.kind == "divergence"], [f.message for f in c.findings]
+    return named
 
 
 def test_the_same_traffic_sampled_on_the_cpu_compares_clean(tools, fixture_models, tmp_path):

@@ -19,7 +19,7 @@ from dataclasses import replace
 from featdiff.core import names
 from featdiff.core.names import ROLES, Role
 from featdiff.diff.detectors.chain import CHAIN_STATE_SOURCE
-from featdiff.diff.detectors.choices import DRAFT_ROWS_SOURCE
+from featdiff.diff.detectors.choices import ANOTHER_ROW_SAMPLED, DRAFT_ROWS_SOURCE
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.detectors.readback import SOURCE_ANOTHER_OUTPUT_ROW
@@ -38,6 +38,7 @@ LAYER_FIELD = "target_layers"
 # wrong_source sources that name another row, eval, request or state, not another weight or node
 FED_SOURCES = (
     SOURCE_ANOTHER_OUTPUT_ROW,
+    ANOTHER_ROW_SAMPLED,
     STALE_PENDING_SOURCE,
     RESTORED_SOURCE,
     KEPT_ROW_SOURCE,

@@ -348,7 +348,7 @@ def _findings(
     found.append(diagnose.check_positions(position_evidence(ref, run)))
     explained = any(f is not None and f.severity == "error" and f.kind not in UNEXPLAINING for f in found)
     partings = diagnose.parting_findings(
-        diagnose.judged_partings(find_partings(ref.manifest, ref.array, run.manifest, types), gap, chained),
+        diagnose.judged_partings(find_partings(ref.manifest, ref.array, run.manifest, types, run.array), gap, chained),
         explained,
     )
     near_tie = next((f for f in partings if f.kind == "near_tie"), None)

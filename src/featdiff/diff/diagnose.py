@@ -83,6 +83,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
 PARTING_CHAIN: tuple[Callable[[Parting], Finding | None], ...] = (
     d.detect_position_offset_after_accept,  # a kept draft, then the target's token: n_past past the accept
     d.detect_wrong_source_of_drafts,
+    d.detect_wrong_source_of_sampled_draft,
     d.detect_divergence_by_margin,
 )
 

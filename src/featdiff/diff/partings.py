@@ -60,16 +60,24 @@ class Parting:
     # the stages of a sampled run's chain featdiff does not compute (Sampler.unmodelled): the
     # choice is not judged, and says so (an info finding); () otherwise
     unmodelled: tuple[str, ...] = ()
+    # a draft row: the token the run's own `draft_logits` row (the logits its sampler read back for
+    # that row) puts first, and by how much over `observed` there (inf: `observed` was not among
+    # them); None where the run recorded no such row
+    own_choice: int | None = None
+    own_margin: float = 0.0
 
     @property
     def is_near_tie(self) -> bool:
         return self.margin <= self.bound
 
 
-def find_partings(ref: Manifest, read: Reader, run: Manifest, types: TypeInfo) -> tuple[Parting, ...]:
+def find_partings(
+    ref: Manifest, read: Reader, run: Manifest, types: TypeInfo, read_run: Reader | None = None
+) -> tuple[Parting, ...]:
     """The first parting of each round's draft block and of its verify, in flow order, while
     the two sides' rounds start alike and the reference decoded the run's tokens. `read` reads
-    the reference's records."""
+    the reference's records, `read_run` the run's (a draft parting then says what the run's own
+    row put first: `Parting.own_choice`)."""
     if ref.prompt_tokens != run.prompt_tokens:
         return ()
     ref_rounds = {r.round: r for r in ref.rounds}
@@ -89,7 +97,7 @@ def find_partings(ref: Manifest, read: Reader, run: Manifest, types: TypeInfo) -
             _verify_parting(ref, read, ref_evals.get((Phase.VERIFY, rr.round)), rr, rf, types, sampler),
         ):
             if parting is not None:
-                found.append(_at_run_eval(parting, run_evals))
+                found.append(_own_choice(_at_run_eval(parting, run_evals), run, read_run))
         if (rf.drafts, rf.accepted) != (rr.drafts, rr.accepted):
             break  # the reference decided otherwise and did not follow: later rounds share no history
     return tuple(found)
@@ -106,6 +114,22 @@ def _first_draft_row(m: Manifest) -> int | None:
 
 def _at_run_eval(p: Parting, run_evals: dict[tuple[str, int], int]) -> Parting:
     return replace(p, eval=run_evals.get((p.phase, p.round), -1))
+
+
+def _own_choice(p: Parting, run: Manifest, read_run: Reader | None) -> Parting:
+    """A draft parting with what the run's own read-back row of that draft (`draft_logits` of the
+    run's eval, the same rows as the reference's) put first."""
+    if p.phase != Phase.DRAFT or p.eval < 0 or read_run is None:
+        return p
+    ev = next((e for e in run.evals if e.eval == p.eval), None)
+    logits = _logits(run, read_run, ev, names.DRAFT_LOGITS)
+    if logits is None or p.row >= len(logits) or not np.isfinite(logits[p.row]).any():
+        return p
+    row = logits[p.row]
+    own = int(np.argmax(row))
+    observed = row[p.observed] if 0 <= p.observed < len(row) else -math.inf
+    margin = float(row[own] - observed) if np.isfinite(observed) else math.inf
+    return replace(p, own_choice=own, own_margin=margin)
 
 
 def _logits(ref: Manifest, read: Reader, ev: Eval | None, name: str) -> np.ndarray | None:

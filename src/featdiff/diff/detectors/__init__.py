@@ -27,6 +27,7 @@ from featdiff.diff.detectors.choices import (
     detect_position_offset_after_accept,
     detect_unmodelled_sampler,
     detect_wrong_source_of_drafts,
+    detect_wrong_source_of_sampled_draft,
 )
 from featdiff.diff.detectors.handover import detect_layer_offset_of_handed_state
 from featdiff.diff.detectors.kvcache import (
@@ -134,6 +135,7 @@ __all__ = [
     "detect_wrong_source_of_pending_row",
     "detect_wrong_source_of_zero_rows",
     "detect_wrong_source_of_drafts",
+    "detect_wrong_source_of_sampled_draft",
     "detect_wrong_source_of_sampled_block_rows",
     "detect_wrong_source_of_sampled_logits",
     "detect_wrong_source_of_step_state",

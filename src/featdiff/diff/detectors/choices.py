@@ -29,6 +29,8 @@ from featdiff.diff.result import Finding
 # (as partings.MARGIN_SPREAD): a margin below sqrt(2) x row_rel x rms(router logits) is a near-tie.
 # wrong_source's `source` of drafts read from another first row of a correct block
 DRAFT_ROWS_SOURCE = "rows from {row}"
+# wrong_source's `source` of a draft that is not what its own row, as the run's sampler read it, puts first
+ANOTHER_ROW_SAMPLED = "another_row_sampled"
 ROUTER_MARGIN_SPREAD = float(np.sqrt(2.0))
 
 
@@ -163,6 +165,32 @@ def detect_wrong_source_of_drafts(p: Parting) -> Finding | None:
         f"{p.other_first_row} on ({reading}), where this drafter's drafts start at row {own} "
         f"({names.KEY_SAMPLE_FROM_ANCHOR} of the GGUF): the block is computed right and read from the wrong "
         "rows; a DSpark drafter needs llama.cpp's --spec-type draft-dspark (draft-dflash reads DFlash's rows)",
+    )
+
+
+def detect_wrong_source_of_sampled_draft(p: Parting) -> Finding | None:
+    """Hypothesis: the driver sampled this draft from another row than the block's own (another
+    slot's block in the same batch, an index off by some rows): the graph computed the row right,
+    its own logits say another token. Evidence: the logits the run's sampler read back for this
+    row (`draft_logits` of the run, `Parting.own_choice`) put another token first than the run
+    drafted, by more than the noise bound on a margin; the reference's argmax is then beside the
+    point (the run's own numbers already disagree with its choice)."""
+    if p.phase != Phase.DRAFT or p.own_choice is None or p.own_choice == p.observed or p.own_margin <= p.bound:
+        return None
+    own = "the reference's argmax too" if p.own_choice == p.expected else f"the reference's is {p.expected}"
+    by = (
+        f"by a margin {p.own_margin:.3g}"
+        if np.isfinite(p.own_margin)
+        else f"and do not hold token {p.observed} among their candidates"
+    )
+    return Finding.of(
+        WrongSourceFields(source=ANOTHER_ROW_SAMPLED, candidate=p.tensor),
+        tensor=p.tensor,
+        message=f"at {_parting_where(p)} the run drafted token {p.observed}, where that row's own logits, as the "
+        f"run's sampler read them back, put token {p.own_choice} first ({own}) {by}: "
+        "the graph computed the row, and the draft was sampled from another row; check the row index the "
+        "driver hands its sampler for each sequence's block (common_sampler_sample's idx: the sequence's "
+        "first block row plus the draft's offset)",
     )
 
 
