@@ -132,3 +132,18 @@ def test_a_borrowed_table_fix_follows_where(where, says):
     f = detect_wrong_source(ev)
     assert f is not None and f.fields["source"] == "target"
     assert (says in f.message) if says else "the graph embeds" not in f.message
+
+
+def test_a_divergence_whose_inputs_were_not_captured_is_not_placed_in_the_graph():
+    """A plain divergence at a node none of whose inputs were captured (the graph leaves the nodes
+    before it unnamed: bailingmoe3's MTP head names only mtp_eh_proj) has no evidence that its
+    inputs agree: unknown, saying why; the same divergence with its inputs compared is the graph's,
+    and an export difference still places it in the export."""
+    from featdiff.diff.fields import DivergenceFields
+
+    f = Finding.of(DivergenceFields(metric="nmse", value=0.9, tolerance=1e-3), tensor="mtp_eh_proj-6", message="m")
+    unplaced = attributed((f,), SAME, (), unchecked={"mtp_eh_proj-6"})[0]
+    assert unplaced.fields["where"] == "unknown" and "inputs were not captured" in unplaced.fields["where_reason"]
+    assert attributed((f,), SAME, ())[0].fields["where"] == "graph"
+    assert attributed((f,), FC_DIFFERS, (), unchecked={"mtp_eh_proj-6"})[0].fields["where"] == "export"
+    assert attributed((_scale("mtp_eh_proj-6"),), SAME, (), unchecked={"mtp_eh_proj-6"})[0].fields["where"] == "graph"

@@ -139,9 +139,11 @@ def test_a_driver_fault_is_caught_on_this_head(tools, mtp_pairs, monkeypatch, tm
     """0002-driver-faults.patch's `mtp-no-shift` (common/speculative.cpp pairs token p with the hidden
     of p, not p - 1) around llama-speculative-simple on this pair: the first error is at the head's
     first named record, mtp_eh_proj-<il>. It is not named row_shift: bailingmoe3.cpp's graph names no
-    record of the hidden rows alone (mtp_hnorm), and eh_proj mixes them with the token's, unshifted."""
+    record of the hidden rows alone (mtp_hnorm), and eh_proj mixes them with the token's, unshifted.
+    Nor is it placed in the graph: eh_proj's inputs were not captured, so `where` is unknown."""
     d = mtp_pairs(VARIANT)
     monkeypatch.setenv("FEATDIFF_FAULT", "mtp-no-shift")
     run = program_run(tools, "llama-speculative-simple", d, tmp_path)
     errors = [f for f in compare_dumps(follow(d, run, tmp_path), run).findings if f.severity == "error"]
     assert errors and (errors[0].kind, errors[0].tensor) == ("divergence", HEAD), [f.message for f in errors]
+    assert errors[0].fields["where"] == "unknown" and "inputs were not captured" in errors[0].fields["where_reason"]

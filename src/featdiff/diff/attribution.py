@@ -55,19 +55,41 @@ KEYED_DETAILS = ("rope",)
 KEYED_SOURCES = (names.HYP_FULL_ATTENTION.partition("=")[2],)
 
 FED = "the graph computed right from what it was given; what it was given ({what}) is not what the flow prescribes"
+UNCHECKED_INPUTS = (
+    "the reference read the same weights, but {tensor}'s inputs were not captured (a node the graph leaves "
+    "unnamed lies between them), so a wrong input (rows or a state the driver handed over) and a wrong node "
+    "look the same here; the graph naming the nodes before it (its cb() names) would decide it"
+)
 NOT_CHECKED = "export not checked: the reference did not record which model it read; pass the checkpoint with --model"
 
 
 def attributed(
-    findings: tuple[Finding, ...], export: Export, inputs: Collection[str], roles: Mapping[str, Role] | None = None
+    findings: tuple[Finding, ...],
+    export: Export,
+    inputs: Collection[str],
+    roles: Mapping[str, Role] | None = None,
+    unchecked: Collection[str] = (),
 ) -> tuple[Finding, ...]:
     """Every error finding with `where` and `where_reason` (those that carry them already keep
     theirs); info findings unchanged. `inputs`: the run's graph inputs (leaves) among the records;
-    `roles`: the role of each record name of one role only, whose model's evidence places it."""
+    `roles`: the role of each record name of one role only, whose model's evidence places it;
+    `unchecked`: the records whose inputs were not captured (a divergence there is not the graph's
+    on that evidence: UNCHECKED_INPUTS)."""
     roles = roles or {}
     return tuple(
-        _with_where(f, place(f, export.of_role(_role(f, roles)), inputs)) if _needs_where(f) else f for f in findings
+        _with_where(f, _unless_unchecked(f, place(f, export.of_role(_role(f, roles)), inputs), unchecked))
+        if _needs_where(f)
+        else f
+        for f in findings
     )
+
+
+def _unless_unchecked(f: Finding, where: WhereFields, unchecked: Collection[str]) -> WhereFields:
+    """A plain divergence placed in the graph, at a record whose inputs were not captured: unknown,
+    since a wrong input (rows, states the driver handed over) would look the same."""
+    if f.kind != "divergence" or where.where != "graph" or f.tensor not in unchecked:
+        return where
+    return WhereFields("unknown", UNCHECKED_INPUTS.format(tensor=f.tensor))
 
 
 def _role(f: Finding, roles: Mapping[str, Role]) -> Role | None:

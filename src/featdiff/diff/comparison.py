@@ -360,7 +360,8 @@ def _findings(
     found = [_settled(f, explained) for f in found if f is not None]
     found += [unmodelled, noise, detectors.detect_unexpected_tensor_outside_wiring(plan)]
     named = _deduplicated([f for f in found if f is not None])
-    return attributed(named, export, diagnose.graph_inputs(plan), diagnose.record_roles(plan))
+    unchecked = diagnose.inputs_uncompared(plan, walk.roots)
+    return attributed(named, export, diagnose.graph_inputs(plan), diagnose.record_roles(plan), unchecked)
 
 
 def _misplaced_groups(batch_found: tuple[Finding, ...]) -> set[GroupKey]:

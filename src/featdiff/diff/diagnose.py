@@ -114,6 +114,20 @@ def _inputs(pair: Pair, earlier: list[int], pairs: tuple[Pair, ...]) -> tuple[li
     return earlier, True  # an uncaptured node in between: anything before it may feed it
 
 
+def inputs_uncompared(plan: Plan, roots: tuple[int, ...]) -> frozenset[str]:
+    """The run names of the `roots` (indices into the plan's pairs) whose inputs were not all
+    captured and compared in their eval (a node unnamed between them and it): that its inputs
+    agree with the reference, the graph's evidence, is not known for them. Graph inputs excluded."""
+    out = set()
+    for i in roots:
+        pair = plan.pairs[i]
+        earlier = [j for j in range(i) if plan.pairs[j].group == pair.group]
+        leaf = not pair.run_srcs and pair.run.records[0].op in LEAF_OPS
+        if not leaf and _inputs(pair, earlier, plan.pairs)[1]:
+            out.add(pair.run_name)
+    return frozenset(out)
+
+
 def graph_inputs(plan: Plan) -> frozenset[str]:
     """The run names of the paired graph inputs: leaves (no recorded source, op NONE) whose values
     were copied in (the features, positions, a recycled state), not computed by the graph."""
