@@ -56,3 +56,17 @@ def test_eagle3_features_tapped_after_the_layers_norm_are_a_wrong_source_naming_
     f = d.detect_wrong_source(ev)
     assert f is not None and (f.kind, f.fields["source"]) == ("wrong_source", "attn_norm"), f
     assert "(attn_norm-1, attn_norm-3, attn_norm-5)" in f.message and "t_layer_inp" in f.message, f.message
+
+
+@pytest.mark.parametrize(
+    "where, words", [("graph", "the graph norms the MTP head's two inputs"), ("export", "re-export")]
+)
+def test_an_mtp_heads_norms_crossed_are_a_wrong_source_with_the_fix_of_their_place(where, words):
+    e_norm = RNG.standard_normal((5, 16)).astype(np.float32)
+    ev = Evidence(
+        tensor="mtp_enorm-6", record="mtp_enorm-6", ref=REF, run=e_norm + 1e-6, tolerance=TOL,
+        candidates={"mtp_enorm-6@norm=hnorm": e_norm}, weights_where=where,
+    )  # fmt: skip
+    f = d.detect_wrong_source(ev)
+    assert f is not None and (f.kind, f.fields["source"]) == ("wrong_source", "hnorm"), f
+    assert words in f.message, f.message

@@ -43,7 +43,7 @@ MTP = {
     "mtp-pending-stale": "stale",
 }
 GLM4MOE = {  # 0013, in glm4-moe.cpp: run on the mtp-glm4moe pair
-    "mtp-glm4moe-norms-swapped": "scale",
+    "mtp-glm4moe-norms-swapped": "wrong_source",
     "mtp-glm4moe-hidden-layer-before": "layer_offset",
 }
 CASES = [pytest.param("eagle3", "eagle3", f, k, id=f) for f, k in EAGLE3.items()]

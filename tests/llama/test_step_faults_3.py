@@ -1,10 +1,12 @@
 """The wiring faults of 0013-step-faults-3.patch (issue 42 item 5), each captured from the patched
 build with `FEATDIFF_FAULT` set, in-process where it lives in libllama's graphs and around
 `llama-speculative-simple` (with the reference that follows the run), and named with its kind,
-tensor and `where` (docs/faults.md): EAGLE3's reduced-vocabulary map (d2t never applied, read one
-entry ahead: `wrong_source` at `result_output`, never `nonfinite`), the layers its driver taps
-(every slot on the first: `layer_offset`), and GLM-4.5's MTP head (its two norms crossed: `scale`
-per channel at `mtp_enorm-<il>`, in the graph)."""
+tensor and `where` (docs/faults.md): EAGLE3's reduced-vocabulary map in its graph (d2t never
+applied, read one entry ahead: `wrong_source` at `result_output`, never `nonfinite`), the layers it
+is handed (every slot on the first, in the driver: `layer_offset`; each slot its layer's attention
+norm, in the qwen3 graph: `wrong_source`), and GLM-4.5's graphs (the head's two norms crossed:
+`wrong_source` naming the other norm; the hidden of the layer before the trunk's last handed over:
+`layer_offset`)."""
 
 from __future__ import annotations
 
@@ -108,9 +110,11 @@ def test_every_eagle3_slot_tapping_the_first_layer_is_a_layer_offset_from_the_dr
 
 
 @pytest.mark.parametrize("where", ["in-process", "around the program"])
-def test_glm4moe_mtp_norms_crossed_in_the_graph_are_a_per_channel_scale_of_the_graph(
+def test_glm4moe_mtp_norms_crossed_in_the_graph_are_a_wrong_source_naming_the_other_norm(
     tools, mtp_pairs, tmp_path, monkeypatch, where
 ):
+    """The head's hidden normed with enorm's weight and its embedding with hnorm's (the reference's
+    `mtp_enorm-<il>@norm=hnorm`), the GGUF the reference's own: the graph's fix, not the converter's."""
     d, fault = mtp_pairs("mtp-glm4moe"), "mtp-glm4moe-norms-swapped"
     if where == "in-process":
         errors = in_process("mtp", d, fault, tmp_path, monkeypatch)
@@ -118,10 +122,12 @@ def test_glm4moe_mtp_norms_crossed_in_the_graph_are_a_per_channel_scale_of_the_g
         errors = around_program(tools, "mtp", d, fault, tmp_path, monkeypatch)
     assert errors, "the crossed norms were not named"
     first = errors[0]
-    assert (first.kind, first.tensor) == ("scale", "mtp_enorm-6"), [f.message for f in errors]
-    assert "per channel" in first.message and "check which norm tensor the graph reads" in first.message
+    assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", "mtp_enorm-6", "hnorm"), [
+        f.message for f in errors
+    ]
+    assert "the graph norms the MTP head's two inputs each with the other's weight" in first.message, first.message
     assert first.fields["where"] == "graph", first.fields["where_reason"]
-    assert "converter" not in first.message and "GGUF's weights are the reference's" in first.message
+    assert "re-export" not in first.message and "converter" not in first.message
 
 
 @pytest.mark.parametrize("where, tensor", [("in-process", "mtp_h_input"), ("around the program", "mtp_hnorm-6")])

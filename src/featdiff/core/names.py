@@ -364,6 +364,10 @@ HYP_CHAIN_POSTNORM = "h=chain_postnorm"
 # ...@h=batch_last: a target batch's first token paired with that batch's last hidden (a later
 # position's) instead of the pending row the batch before left
 HYP_H_BATCH_LAST = "h=batch_last"
+# mtp_hnorm-<il>@norm=enorm, mtp_enorm-<il>@norm=hnorm: the head's two input norms each with the other's
+# weight (the hidden normed with enorm, the embedding with hnorm)
+HYP_NORM_ENORM = "norm=enorm"
+HYP_NORM_HNORM = "norm=hnorm"
 # ...@h=l_out-<il>: the head handed the output of target layer il, a layer before the trunk's last,
 # under the hand-over's norm (the reference records the two layers before the last)
 HYP_H_LAYER = "h=l_out-"

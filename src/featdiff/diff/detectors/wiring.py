@@ -324,6 +324,10 @@ GRAPH_FIXES = {
     "absolute target ids: read d2t as it is",
     names.HYP_TABLE_TARGET: "embeds with the target's table although the GGUF ships its own token_embd: read the "
     "drafter's table",
+    names.HYP_NORM_HNORM: "norms the MTP head's two inputs each with the other's weight although the GGUF's hnorm "
+    "and enorm are the checkpoint's: the hidden takes hnorm, the token embedding enorm",
+    names.HYP_NORM_ENORM: "norms the MTP head's two inputs each with the other's weight although the GGUF's hnorm "
+    "and enorm are the checkpoint's: the hidden takes hnorm, the token embedding enorm",
 }
 
 
@@ -385,6 +389,12 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
         )
     if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_FC_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
         return _eagle3_export_message(tensor, f"{key}={value}", candidate)
+    if f"{key}={value}" in (names.HYP_NORM_HNORM, names.HYP_NORM_ENORM):
+        return (
+            f"{tensor} is normed with the head's {value} weight (it matches the reference's {candidate}): the "
+            "GGUF's nextn hnorm and enorm hold each other's weights; re-export them, hnorm the hidden's norm and "
+            "enorm the embedding's"
+        )
     if f"{key}={value}" in _MTP_WRONG_NORM:
         return _mtp_wrong_norm_message(tensor, f"{key}={value}", candidate)
     if f"{key}={value}" == names.HYP_H_BATCH_LAST:

@@ -14,9 +14,11 @@ and its GGUF loader (the checkpoint's is torchref/mtp/hf.py):
 `h` is the target's post-final-norm hidden of the previous position (the target graph's
 `h_nextn`), or the previous draft step's `h_nextn`. Besides the graph's names each eval records
 the candidates compare names faults from (docs/records.md): `mtp_concat-<il>@slots=1,0` (the
-halves as [h, e]), and `mtp_h_input@h=prenorm` / `mtp_hnorm-<il>@h=prenorm` (the head handed the
-target's hidden before its final norm) or `@h=chain_prenorm` (a step handed the previous step's
-`mtp_post_ffn`, before the head norm), given those rows.
+halves as [h, e]), `mtp_hnorm-<il>@norm=enorm` / `mtp_enorm-<il>@norm=hnorm` (the two norms each
+with the other's weight), and `mtp_h_input@h=prenorm` / `mtp_hnorm-<il>@h=prenorm` (the head handed
+the target's hidden before its final norm), `@h=l_out-<il>` (an earlier layer's) or
+`@h=chain_prenorm` (a step handed the previous step's `mtp_post_ffn`, before the head norm), given
+those rows.
 
 What differs by architecture is in mtp_layer.GRAPHS: glm4moe's decoder layer is GLM-4.5's (q/k/v
 with biases, no output gate, RoPE on the first n_rot dims), its residual is named
@@ -132,7 +134,11 @@ def decode(
         post_ffn, h_nextn_rows = post_ffn[:0], h_nextn_rows[:0]  # (0, n_embd) each
     layer = lambda base: names.layer_name(base, il)  # noqa: E731
     candidates = [Named(names.candidate_name(layer(names.MTP_CONCAT), names.slots_hypothesis((1, 0))),
-                        torch.cat([h_norm, e_norm], dim=1))]  # fmt: skip
+                        torch.cat([h_norm, e_norm], dim=1)),
+                  Named(names.candidate_name(layer(names.MTP_HNORM), names.HYP_NORM_ENORM),
+                        rms_norm(h, head.enorm, hp.rms_eps)),
+                  Named(names.candidate_name(layer(names.MTP_ENORM), names.HYP_NORM_HNORM),
+                        rms_norm(e, head.hnorm, hp.rms_eps))]  # fmt: skip
     for hypothesis, rows in (alternatives or {}).items():
         candidates += [
             Named(names.candidate_name(names.MTP_H_INPUT, hypothesis), rows),
