@@ -178,3 +178,17 @@ def check_names_fault(args: list, fault: str | None, out: Path, finding: str) ->
     run = Path(args[args.index("--run") + 1]) if "--run" in args else out / "dumps" / "run.npz"
     assert run.is_file() and (out / "dumps" / "ref.npz").is_file()
     return errors
+
+
+def refused_in_one_line(args: list[str], said: str) -> str:
+    """`featdiff ARGS` (through typer's CliRunner) exits 2 with exactly one error line, which says
+    `said`, and no traceback: that line."""
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+
+    result = CliRunner().invoke(app, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
+    assert "Traceback" not in result.output
+    return errors[0]

@@ -12,14 +12,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from featdiff.cli import app
 from featdiff.core import names
 from featdiff.core.gguf_reader import int_meta, read_gguf
 from featdiff.factory.converter import DRAFT_GGUF, DRAFT_HF, TARGET_GGUF, TARGET_HF
 from featdiff.factory.gemma4_assistant import ASSISTANT_LAYER_TYPES, write_gemma4_assistant_fixture
 from featdiff.factory.pairs import TINY
+from featdiff_process import refused_in_one_line
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pair
 
@@ -33,14 +32,6 @@ RUN_TIMEOUT_S = 120
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Path:
     return write_gemma4_assistant_fixture(tmp_path_factory.mktemp("gemma4-assistant"))
-
-
-def _refused_in_one_line(args: list[str]) -> str:
-    result = CliRunner().invoke(app, args)
-    errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
-    assert result.exit_code == 2 and len(errors) == 1 and SAID in errors[0], result.output
-    assert "Traceback" not in result.output
-    return errors[0]
 
 
 def test_the_converter_writes_an_assistant_reading_the_targets_kv(pair):
@@ -72,14 +63,14 @@ def test_llama_speculative_simple_drafts_with_it(tools, pair, tmp_path):
 
 def test_lint_refuses_it_by_name(pair):
     draft = pair / DRAFT_GGUF
-    line = _refused_in_one_line(["lint", str(draft), "--target", str(pair / TARGET_GGUF)])
+    line = refused_in_one_line(["lint", str(draft), "--target", str(pair / TARGET_GGUF)], SAID)
     assert line.startswith(f"featdiff: error: {draft}: ") and "queries only" in line
 
 
 def test_capture_refuses_it_before_llama_cpp_loads_it(pair, tmp_path):
     out = tmp_path / "run.npz"
     args = ["capture", "--target", str(pair / TARGET_GGUF), "--model", str(pair / DRAFT_GGUF), "--tokens", "7,21,3"]
-    _refused_in_one_line([*args, "-o", str(out)])
+    refused_in_one_line([*args, "-o", str(out)], SAID)
     assert not out.exists()
 
 
@@ -89,7 +80,7 @@ def test_capture_exec_refuses_it_before_the_program_runs(tools, pair, tmp_path):
     out = tmp_path / "run.npz"
     cmd = [str(tools.program("llama-speculative-simple")), "-m", str(pair / TARGET_GGUF)]
     cmd += ["-md", str(pair / DRAFT_GGUF), *SPEC, *RUN]
-    _refused_in_one_line(["capture", "-o", str(out), "--exec", "--", *cmd])
+    refused_in_one_line(["capture", "-o", str(out), "--exec", "--", *cmd], SAID)
     assert not list(tmp_path.iterdir())
 
 
@@ -98,6 +89,6 @@ def test_reference_refuses_it_by_name(pair, tmp_path, model):
     """On its GGUF, and on its checkpoint directory (config.json model_type gemma4_assistant)."""
     out = tmp_path / "ref.npz"
     args = ["reference", "--target", str(pair / TARGET_HF), "--model", str(pair / model), "--tokens", "7,21,3"]
-    line = _refused_in_one_line([*args, "-o", str(out)])
+    line = refused_in_one_line([*args, "-o", str(out)], SAID)
     assert ("model_type 'gemma4_assistant'" in line) == (model == DRAFT_HF)
     assert not out.exists()

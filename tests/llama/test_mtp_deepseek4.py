@@ -12,9 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 from mtp_head_runs import SPEC_ARGS, assert_refused
-from typer.testing import CliRunner
 
-from featdiff.cli import app
 from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import array_from_tensor, int_meta, read_gguf_weights
@@ -29,6 +27,7 @@ from featdiff.factory.mtp_deepseek4 import (
 from featdiff.factory.pairs import TINY
 from featdiff.llama import ggml_dequant
 from featdiff.programs import exec as exec_capture
+from featdiff_process import refused_in_one_line
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pair (cached per machine)
 
@@ -82,9 +81,7 @@ def test_llama_speculative_simple_drafts_with_the_head(tools, pair):
 def test_lint_reference_and_capture_refuse_the_converted_head_by_name(tools, pair, tmp_path):
     """One line, exit 2, no dump: lint of the pair, the reference of draft.gguf and of the checkpoint,
     and `capture --exec` of llama-speculative-simple drafting with it (before the program starts)."""
-    result = CliRunner().invoke(app, ["lint", str(pair / DRAFT_GGUF), "--target", str(pair / TARGET_GGUF)])
-    errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
-    assert result.exit_code == 2 and len(errors) == 1 and SAID in errors[0], result.output
+    refused_in_one_line(["lint", str(pair / DRAFT_GGUF), "--target", str(pair / TARGET_GGUF)], SAID)
     assert_refused(pair, pair / DRAFT_GGUF, SAID, tmp_path)
     assert_refused(pair, pair / TARGET_HF, f"model_type 'deepseek_v4': {SAID}", tmp_path)
     program = str(tools.program("llama-speculative-simple"))

@@ -69,6 +69,13 @@ def in_process(kind: str, d: Path, fault: str, tmp: Path, monkeypatch) -> list[F
     return [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
 
 
+def planted(where: str, tools, kind: str, d: Path, fault: str, tmp: Path, monkeypatch) -> list[Finding]:
+    """The error findings of `fault` captured `where`: "in-process" or "around the program"."""
+    if where == "in-process":
+        return in_process(kind, d, fault, tmp, monkeypatch)
+    return around_program(tools, kind, d, fault, tmp, monkeypatch)
+
+
 D2T = [
     ("eagle3-d2t-dropped", "no_d2t", "row i sits at target id i"),
     ("eagle3-d2t-shifted", "d2t_shift+1", "d2t[i + 1]"),
@@ -81,10 +88,7 @@ def test_a_d2t_map_off_is_a_wrong_source_at_the_lookup_never_nonfinite(
     tools, eagle3_pairs, tmp_path, monkeypatch, where, fault, source, words
 ):
     d = eagle3_pairs("eagle3")  # drafts a reduced vocabulary: half the target's ids
-    if where == "in-process":
-        errors = in_process("eagle3", d, fault, tmp_path, monkeypatch)
-    else:
-        errors = around_program(tools, "eagle3", d, fault, tmp_path, monkeypatch)
+    errors = planted(where, tools, "eagle3", d, fault, tmp_path, monkeypatch)
     assert errors and not [f for f in errors if f.kind == "nonfinite"], [f.message for f in errors]
     first = errors[0]
     assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", "result_output", source), [
@@ -116,10 +120,7 @@ def test_glm4moe_mtp_norms_crossed_in_the_graph_are_a_wrong_source_naming_the_ot
     """The head's hidden normed with enorm's weight and its embedding with hnorm's (the reference's
     `mtp_enorm-<il>@norm=hnorm`), the GGUF the reference's own: the graph's fix, not the converter's."""
     d, fault = mtp_pairs("mtp-glm4moe"), "mtp-glm4moe-norms-swapped"
-    if where == "in-process":
-        errors = in_process("mtp", d, fault, tmp_path, monkeypatch)
-    else:
-        errors = around_program(tools, "mtp", d, fault, tmp_path, monkeypatch)
+    errors = planted(where, tools, "mtp", d, fault, tmp_path, monkeypatch)
     assert errors, "the crossed norms were not named"
     first = errors[0]
     assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", "mtp_enorm-6", "hnorm"), [
@@ -137,10 +138,7 @@ def test_glm4moe_handing_its_head_an_earlier_layers_hidden_is_a_layer_offset_nam
     """The glm4-moe target hands its head the last trunk layer's input under the final norm: layer
     4's output where the trunk's last is 5 (the reference's `@h=l_out-<il>` candidates)."""
     d, fault = mtp_pairs("mtp-glm4moe"), "mtp-glm4moe-hidden-layer-before"
-    if where == "in-process":
-        errors = in_process("mtp", d, fault, tmp_path, monkeypatch)
-    else:
-        errors = around_program(tools, "mtp", d, fault, tmp_path, monkeypatch)
+    errors = planted(where, tools, "mtp", d, fault, tmp_path, monkeypatch)
     assert errors, "the earlier layer's hidden was not named"
     first = errors[0]
     assert (first.kind, first.tensor) == ("layer_offset", tensor), [f.message for f in errors]
@@ -155,10 +153,7 @@ def test_eagle3_features_tapped_after_each_layers_norm_are_a_wrong_source_naming
 ):
     """The qwen3 target hands over, as each tapped layer's input, its attention norm's output."""
     d, fault = eagle3_pairs("eagle3"), "eagle3-tap-normed"
-    if where == "in-process":
-        errors = in_process("eagle3", d, fault, tmp_path, monkeypatch)
-    else:
-        errors = around_program(tools, "eagle3", d, fault, tmp_path, monkeypatch)
+    errors = planted(where, tools, "eagle3", d, fault, tmp_path, monkeypatch)
     assert errors, "the normed taps were not named"
     first = errors[0]
     assert (first.kind, first.tensor, first.fields["source"]) == ("wrong_source", "inp_embd", "attn_norm"), [

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from featdiff_process import refused_in_one_line
 from typer.testing import CliRunner
 
 from featdiff.cli import app
@@ -71,18 +72,10 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return _gguf(d / "target.gguf", 1, 0), _gguf(d / "mtp-tiny.gguf", 1, 1)
 
 
-def _refused_in_one_line(args: list[str], said: str) -> str:
-    result = CliRunner().invoke(app, args)
-    errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
-    assert result.exit_code == 2 and len(errors) == 1 and said in errors[0], result.output
-    assert "Traceback" not in result.output
-    return errors[0]
-
-
 def test_lint_refuses_the_head_by_name(pair):
     """lint of the head against its target: exit 2, one line naming the file and what is not modelled."""
     target, head = pair
-    line = _refused_in_one_line(["lint", str(head), "--target", str(target)], SAID)
+    line = refused_in_one_line(["lint", str(head), "--target", str(target)], SAID)
     assert line.startswith(f"featdiff: error: {head}: ") and "hyper-connections" in line and "Sinkhorn" in line
 
 
@@ -90,7 +83,7 @@ def test_reference_refuses_the_head_by_name_and_writes_no_dump(pair, tmp_path):
     target, head = pair
     out = tmp_path / "ref.npz"
     args = ["reference", "--target", str(target), "--model", str(head), "--tokens", "7,21,3", "-o", str(out)]
-    assert f"{head}: " in _refused_in_one_line(args, SAID)
+    assert f"{head}: " in refused_in_one_line(args, SAID)
     assert not out.exists()
 
 
@@ -110,7 +103,7 @@ def test_the_checkpoint_directory_is_refused_by_name(pair, tmp_path):
     config = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "num_nextn_predict_layers": 1}
     (ckpt / "config.json").write_text(json.dumps(config))
     args = ["reference", "--target", str(target), "--model", str(ckpt), "--tokens", "7,21,3"]
-    _refused_in_one_line([*args, "-o", str(tmp_path / "ref.npz")], f"model_type 'deepseek_v4': {SAID}")
+    refused_in_one_line([*args, "-o", str(tmp_path / "ref.npz")], f"model_type 'deepseek_v4': {SAID}")
 
 
 def test_the_trunk_without_a_head_is_not_refused_as_a_head(pair):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from featdiff_process import refused_in_one_line
 from typer.testing import CliRunner
 
 from featdiff.cli import app
@@ -61,18 +62,10 @@ def files(tmp_path_factory) -> tuple[Path, Path]:
     return _gguf(d / "with-head.gguf", 1), _gguf(d / "trunk.gguf", 0)
 
 
-def _refused_in_one_line(args: list[str]) -> str:
-    result = CliRunner().invoke(app, args)
-    errors = [line for line in result.output.splitlines() if line.startswith("featdiff: error:")]
-    assert result.exit_code == 2 and len(errors) == 1 and SAID in errors[0], result.output
-    assert "Traceback" not in result.output
-    return errors[0]
-
-
 def test_lint_refuses_the_head_by_name(files):
     """lint of the file as its own head (target and model alike, as an MTP pair is given)."""
     model, _ = files
-    line = _refused_in_one_line(["lint", str(model), "--target", str(model)])
+    line = refused_in_one_line(["lint", str(model), "--target", str(model)], SAID)
     assert line.startswith(f"featdiff: error: {model}: ") and "TENSOR_SKIP" in line and "graph_mtp" in line
 
 
@@ -80,7 +73,7 @@ def test_reference_refuses_the_head_by_name_and_writes_no_dump(files, tmp_path):
     model, _ = files
     out = tmp_path / "ref.npz"
     args = ["reference", "--target", str(model), "--model", str(model), "--tokens", "7,21,3", "-o", str(out)]
-    assert f"{model}: " in _refused_in_one_line(args)
+    assert f"{model}: " in refused_in_one_line(args, SAID)
     assert not out.exists()
 
 
@@ -89,7 +82,7 @@ def test_capture_refuses_the_head_before_llama_cpp_loads_it(files, tmp_path):
     model, _ = files
     out = tmp_path / "run.npz"
     args = ["capture", "--target", str(model), "--model", str(model), "--tokens", "7,21,3", "-o", str(out)]
-    _refused_in_one_line(args)
+    refused_in_one_line(args, SAID)
     assert not out.exists()
     with pytest.raises(InputError) as e:
         preflight(model, model)
@@ -105,7 +98,7 @@ def test_capture_exec_refuses_a_program_drafting_with_the_head(files, tmp_path):
     program = shutil.which("true")
     assert program is not None
     cmd = [program, "-m", str(model), "--spec-type", "draft-mtp", "-p", "hello", "-n", "4"]
-    _refused_in_one_line(["capture", "-o", str(out), "--exec", "--", *cmd])
+    refused_in_one_line(["capture", "-o", str(out), "--exec", "--", *cmd], SAID)
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
