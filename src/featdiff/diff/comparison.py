@@ -360,7 +360,7 @@ def _findings(
     found = [_settled(f, explained) for f in found if f is not None]
     found += [unmodelled, noise, detectors.detect_unexpected_tensor_outside_wiring(plan)]
     named = _deduplicated([f for f in found if f is not None])
-    unchecked = diagnose.inputs_uncompared(plan, walk.roots)
+    unchecked = frozenset(plan.pairs[i].run_name for i in walk.unchecked)
     return attributed(named, export, diagnose.graph_inputs(plan), diagnose.record_roles(plan), unchecked)
 
 

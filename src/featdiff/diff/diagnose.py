@@ -94,6 +94,9 @@ class Walk:
 
     roots: tuple[int, ...]
     inherited: tuple[int, ...]
+    # the roots whose inputs were not all captured in their eval (a node left unnamed between them
+    # and it): that its inputs agree with the reference, the graph's evidence, is not known for them
+    unchecked: tuple[int, ...] = ()
 
     @property
     def first_divergence(self) -> int | None:
@@ -107,31 +110,22 @@ def _is_resolved(src: str, captured: set[str]) -> bool:
 def _inputs(pair: Pair, earlier: list[int], pairs: tuple[Pair, ...]) -> tuple[list[int], bool]:
     """The earlier pairs of its own eval `pair` reads, and whether it reads other evals' data."""
     captured = {pairs[i].name for i in earlier}
-    if not pair.run_srcs and pair.run.records[0].op in LEAF_OPS:
+    if _is_leaf(pair):
         return [], True  # a graph input: its data was copied in from another eval (the features)
     if pair.run_srcs and all(_is_resolved(s, captured) for s in pair.run_srcs):
         return [i for i in earlier if pairs[i].name in pair.run_srcs], False
     return earlier, True  # an uncaptured node in between: anything before it may feed it
 
 
-def inputs_uncompared(plan: Plan, roots: tuple[int, ...]) -> frozenset[str]:
-    """The run names of the `roots` (indices into the plan's pairs) whose inputs were not all
-    captured and compared in their eval (a node unnamed between them and it): that its inputs
-    agree with the reference, the graph's evidence, is not known for them. Graph inputs excluded."""
-    out = set()
-    for i in roots:
-        pair = plan.pairs[i]
-        earlier = [j for j in range(i) if plan.pairs[j].group == pair.group]
-        leaf = not pair.run_srcs and pair.run.records[0].op in LEAF_OPS
-        if not leaf and _inputs(pair, earlier, plan.pairs)[1]:
-            out.add(pair.run_name)
-    return frozenset(out)
+def _is_leaf(pair: Pair) -> bool:
+    """A paired graph input: no recorded source, op NONE."""
+    return not pair.run_srcs and pair.run.records[0].op in LEAF_OPS
 
 
 def graph_inputs(plan: Plan) -> frozenset[str]:
     """The run names of the paired graph inputs: leaves (no recorded source, op NONE) whose values
     were copied in (the features, positions, a recycled state), not computed by the graph."""
-    return frozenset(p.run_name for p in plan.pairs if not p.run_srcs and p.run.records[0].op in LEAF_OPS)
+    return frozenset(p.run_name for p in plan.pairs if _is_leaf(p))
 
 
 def record_roles(plan: Plan) -> dict[str, Role]:
@@ -151,6 +145,7 @@ def find_roots(pairs: tuple[Pair, ...], within: list[bool], reads_own_cache: boo
     drafter: EAGLE3's decoder, an MTP head), so a row gone wrong there feeds every later inject."""
     roots: list[int] = []
     inherited: list[int] = []
+    unchecked: list[int] = []
     carried: set[int] = set()  # within tolerance, but computed from a divergent pair of its eval
     by_group: dict[tuple, list[int]] = {}
     first_bad: dict[tuple[str, str], int] = {}  # (role, phase) -> first eval holding a divergence
@@ -168,10 +163,15 @@ def find_roots(pairs: tuple[Pair, ...], within: list[bool], reads_own_cache: boo
                 first_bad.get(f, pair.first_eval) < pair.first_eval
                 for f in _feeders(pair.group[:2], reads_own_cache) or tuple(first_bad)
             )
-            (inherited if bad_input or bad_feeder else roots).append(i)
+            if bad_input or bad_feeder:
+                inherited.append(i)
+            else:
+                roots.append(i)
+                if reads_others and not _is_leaf(pair):
+                    unchecked.append(i)
             first_bad.setdefault(pair.group[:2], pair.first_eval)
         earlier.append(i)
-    return Walk(tuple(roots), tuple(inherited))
+    return Walk(tuple(roots), tuple(inherited), tuple(unchecked))
 
 
 def _feeders(group: tuple[str, str], reads_own_cache: bool) -> tuple[tuple[str, str], ...] | None:
@@ -280,7 +280,7 @@ def set_aside_unmodelled(plan: Plan, walk: Walk, gap: Gap | None) -> tuple[Plan,
         skips=tuple(s for s in plan.skips if not gap.depends(s.role, s.phase, s.name)),
     )
     judged = Walk(
-        roots=tuple(i for i in walk.roots if i not in out), inherited=tuple(i for i in walk.inherited if i not in out)
+        *(tuple(i for i in indices if i not in out) for indices in (walk.roots, walk.inherited, walk.unchecked))
     )
     finding = d.detect_unmodelled(
         gap, tuple(_set_name(plan.pairs[i]) for i in sorted(out)), tuple(_set_name(plan.pairs[i]) for i in diverged)
