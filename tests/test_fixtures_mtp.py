@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,6 +55,7 @@ from featdiff.factory.mtp import (
     write_mtp_fixture,
 )
 from featdiff.factory.pairs import TINY
+from featdiff_process import drafted_counts
 
 S = TINY.target
 KEY_BLOCK_COUNT = names.KEY_BLOCK_COUNT.format(arch=names.ARCH_QWEN35)
@@ -70,10 +70,6 @@ MIMO_SWA_KV = 2 * 1  # the tiny MiMo's full layers have 1 KV head, its sliding o
 # the trunk's tensors outside any block, which the converter's --mtp output keeps for the head
 SHARED = {"token_embd.weight", "output.weight", "output_norm.weight"}
 SPEC_PROMPT, SPEC_N_PREDICT, SPEC_N_DRAFT, SPEC_N_CTX, N_THREADS = "hello world", 8, 3, 256, 2
-RUN_TIMEOUT_S = 120  # one run takes ~0.1 s
-# runs of one command until its summary lines are read: common/log.cpp writes from a worker thread,
-# and in the fresh-clone suite one run exited before its last lines (n_drafted ...) were written
-LOG_TRIES = 3
 
 
 def _expected_block() -> dict[str, tuple[int, ...]]:
@@ -503,13 +499,5 @@ def test_llama_cpp_drafts_with_the_head(made, tools, variant):
     argv = [str(tools.program("llama-speculative-simple")), "-m", str(d / "target.gguf"), *draft]
     argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(SPEC_N_DRAFT), "-c", str(SPEC_N_CTX)]
     argv += ["-p", SPEC_PROMPT, "-n", str(SPEC_N_PREDICT), "--temp", "0", "-t", str(N_THREADS)]
-    for _ in range(LOG_TRIES):  # llama.cpp's log is written by a thread: a loaded machine can lose its last lines
-        done = subprocess.run(
-            argv, capture_output=True, text=True, errors="replace", timeout=RUN_TIMEOUT_S, check=False
-        )
-        log = done.stdout + done.stderr
-        assert done.returncode == 0, log[-2000:]
-        counts = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", log))
-        if "n_drafted" in counts:
-            break
-    assert int(counts.get("n_drafted", 0)) > 0 and "n_accept" in counts, log[-3000:]
+    counts, log = drafted_counts(argv)
+    assert counts.get("n_drafted", 0) > 0 and "n_accept" in counts, log[-3000:]

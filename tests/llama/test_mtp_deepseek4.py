@@ -7,7 +7,6 @@ not modelled, so no comparison of it is made."""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from featdiff.factory.mtp_deepseek4 import (
 from featdiff.factory.pairs import TINY
 from featdiff.llama import ggml_dequant
 from featdiff.programs import exec as exec_capture
-from featdiff_process import refused_in_one_line
+from featdiff_process import drafted_counts, refused_in_one_line
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pair (cached per machine)
 
@@ -67,15 +66,8 @@ def test_llama_speculative_simple_drafts_with_the_head(tools, pair):
     """The pinned build runs the head: `--spec-type draft-mtp -md draft.gguf` drafts (n_drafted > 0)."""
     program = tools.program("llama-speculative-simple")
     cmd = [str(program), "-m", str(pair / TARGET_GGUF), "-md", str(pair / DRAFT_GGUF), *SPEC_ARGS]
-    done = subprocess.run(
-        [*cmd, "-p", "hello world", "-n", "16", "--temp", "0"],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=120,
-    )
-    drafted = re.search(r"n_drafted\s*=\s*(\d+)", done.stderr + done.stdout)
-    assert done.returncode == 0 and drafted and int(drafted.group(1)) > 0, done.stderr[-2000:]
+    counts, log = drafted_counts([*cmd, "-p", "hello world", "-n", "16", "--temp", "0"])
+    assert counts.get("n_drafted", 0) > 0, log[-2000:]
 
 
 def test_lint_reference_and_capture_refuse_the_converted_head_by_name(tools, pair, tmp_path):
