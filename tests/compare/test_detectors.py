@@ -566,6 +566,46 @@ def test_a_block_drafters_sampler_reading_another_rows_logits_is_named_a_wrong_s
     assert f is not None and "positions 11 (" in f.message and "dspark_markov_bias" in f.message
 
 
+def _ids_swapped(meant: np.ndarray, rows_from: dict[int, int], k: int = 3) -> np.ndarray:
+    """A backend sampler's read-back where row i (a key of `rows_from`) holds its own top-k values
+    under row rows_from[i]'s top-k ids (the pinned llama-server's DSpark block on a loaded machine)."""
+    out = _top_k(meant, k)
+    for i, j in rows_from.items():
+        out[i] = -np.inf
+        out[i, np.argsort(meant[j])[::-1][:k]] = np.sort(meant[i])[::-1][:k]
+    return out
+
+
+def test_rows_read_with_another_rows_ids_name_the_row_whose_ids_they_carry():
+    """ids_taken_from: a row read under another row's top-k ids, its values its own, names that row;
+    a row read right, or read whole from another row (ids and values), names none."""
+    from featdiff.diff.detectors.readback import ids_taken_from
+
+    meant = rows(3, 32, seed=3)
+    assert ids_taken_from(_top_k(meant), meant, TOL) == (None, None, None)
+    assert ids_taken_from(_ids_swapped(meant, {0: 2, 1: 2}), meant, TOL) == (2, 2, None)
+    assert ids_taken_from(_top_k(meant[[2, 1, 2]]), meant, TOL) == (None, None, None)  # values not its own
+    assert ids_taken_from(_ids_swapped(meant, {1: 0}, k=5), meant, TOL) == (None, 0, None)
+
+
+def test_a_block_read_under_another_rows_ids_says_whose_ids_it_read():
+    """A DSpark block whose rows 0 and 1 hold their own top-k values under row 2's ids (measured on
+    the pinned llama-server): another_output_row, with `ids_from` and the sentence saying so."""
+    from featdiff.kinds import registry as kinds
+
+    graph, bias = rows(3, 32, seed=3), rows(3, 32, seed=9)
+    read = _ids_swapped(graph + bias, {0: 2, 1: 2})
+    ev = evidence(noisy(graph + bias), read, tensor="draft_logits", sampled=(read, graph), kind=kinds.by_name("dspark"))
+    f = d.detect_wrong_source_of_sampled_block_rows(replace(ev, candidates={"dspark_markov_bias": bias}))
+    assert f is not None and f.fields == {
+        "source": "another_output_row",
+        "candidate": "result_output",
+        "ids_from": [12, 12],
+    }
+    assert "positions 10..11 (" in f.message and "own top-k values under the token ids" in f.message
+    assert "(10, 11 under 12's)" in f.message
+
+
 def _chain_tie(gap: float):
     """A DSpark block of three rows whose reference row 0 has tokens 5 and 7 `gap` apart (5 first),
     and a run whose chain took 7 there: rows 1 and 2 carry token 7's bias in the run."""

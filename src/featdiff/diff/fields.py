@@ -97,6 +97,9 @@ class WrongSourceFields(Fields):
     KIND: ClassVar[Kind] = "wrong_source"
     source: str
     candidate: str  # the reference record matched
+    # another_output_row, where each named row read its own top-k values with another row's token
+    # ids: per named row, the position whose ids it carries
+    ids_from: tuple[int, ...] | Absent = ABSENT
 
 
 @dataclass(frozen=True)

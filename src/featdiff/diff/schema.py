@@ -52,6 +52,9 @@ KEY_NOTES: dict[str, dict[str, Any]] = {
     "seq_id": {"description": "new: the llama.cpp sequence that served that flow"},
     "where": {"description": "new (every error finding): where the fault lives, by the evidence (docs/findings.md)"},
     "where_reason": {"description": "new (with `where`): the evidence that places it there, or what would decide it"},
+    "ids_from": {
+        "description": "new (wrong_source another_output_row): per named row, the position whose top-k token ids it read"
+    },
 }
 
 

@@ -6,6 +6,8 @@ the row its own graph computed (`result_output`, as the drafter means it to be r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from featdiff.core import names
@@ -29,7 +31,8 @@ def detect_wrong_source_of_sampled_logits(ev: Evidence) -> Finding | None:
         return None
     read, graph = sampled
     kept = np.isfinite(read)  # (R, V)
-    return _read_elsewhere(ev, tuple(not _agree(graph[i], read[i], kept[i], ev.tolerance) for i in range(len(read))))
+    elsewhere = tuple(not _agree(graph[i], read[i], kept[i], ev.tolerance) for i in range(len(read)))
+    return _read_elsewhere(ev, elsewhere, ids_taken_from(read, graph, ev.tolerance))
 
 
 def detect_wrong_source_of_sampled_block_rows(ev: Evidence) -> Finding | None:
@@ -43,7 +46,9 @@ def detect_wrong_source_of_sampled_block_rows(ev: Evidence) -> Finding | None:
         return None
     read, graph = sampled
     bias = ev.candidates.get(names.DSPARK_MARKOV_BIAS)
-    return _read_elsewhere(ev, rows_read_elsewhere(read, graph, bias, ev.ref, ev.tolerance), bias is not None)
+    elsewhere = rows_read_elsewhere(read, graph, bias, ev.ref, ev.tolerance)
+    meant = graph if bias is None or bias.shape != graph.shape else graph + bias  # (R, V)
+    return _read_elsewhere(ev, elsewhere, ids_taken_from(read, meant, ev.tolerance), bias is not None)
 
 
 def _sampled(ev: Evidence) -> tuple[np.ndarray, np.ndarray] | None:
@@ -56,21 +61,70 @@ def _sampled(ev: Evidence) -> tuple[np.ndarray, np.ndarray] | None:
     return read, graph
 
 
-def _read_elsewhere(ev: Evidence, elsewhere: tuple[bool, ...], biased: bool = False) -> Finding | None:
-    """The finding for the rows a sampler read from elsewhere; None if there are none."""
+def _read_elsewhere(
+    ev: Evidence, elsewhere: tuple[bool, ...], ids_from: tuple[int | None, ...], biased: bool = False
+) -> Finding | None:
+    """The finding for the rows a sampler read from elsewhere; None if there are none. Where each
+    of those rows read its own top-k values under another row's token ids (`ids_from`), it says so."""
     if not any(elsewhere):
         return None
-    where = [ev.positions[i] if ev.positions else i for i, bad in enumerate(elsewhere) if bad]
+    at = [i for i, bad in enumerate(elsewhere) if bad]
+    where = [_position(ev, i) for i in at]
     head = f" plus the Markov head's bias ({names.DSPARK_MARKOV_BIAS})" if biased else ""
+    took = "the sampler took its candidates from another row"
+    fields = WrongSourceFields(source=SOURCE_ANOTHER_OUTPUT_ROW, candidate=names.RESULT_OUTPUT)
+    owners = [ids_from[i] for i in at]
+    if all(j is not None for j in owners):
+        sources = tuple(_position(ev, j) for j in owners if j is not None)
+        took = (
+            "the sampler read each row's own top-k values under the token ids of another row's top-k "
+            f"({_said_pairs(where, sources)})"
+        )
+        fields = replace(fields, ids_from=sources)
     return error_finding(
         ev,
         f"{ev.tensor}, the logits the drafter's sampler read, are not its graph's own result_output{head} at "
-        f"{'positions' if ev.positions else 'rows'} {span(where)} (the graph's rows match the reference): the "
-        "sampler took its candidates from another row; llama.cpp's backend sampler (the draft's default) "
-        "views each sequence's row of the graph's output, and --no-spec-draft-backend-sampling samples "
-        "those rows on the CPU instead",
-        WrongSourceFields(source=SOURCE_ANOTHER_OUTPUT_ROW, candidate=names.RESULT_OUTPUT),
+        f"{'positions' if ev.positions else 'rows'} {span(where)} (the graph's rows match the reference): "
+        f"{took}; llama.cpp's backend sampler (the draft's default) views each sequence's row of the "
+        "graph's output, and --no-spec-draft-backend-sampling samples those rows on the CPU instead",
+        fields,
     )
+
+
+def _position(ev: Evidence, row: int) -> int:
+    return ev.positions[row] if ev.positions else row
+
+
+def _said_pairs(where: list[int], sources: tuple[int, ...]) -> str:
+    """'6, 7 under 8's' or '6 under 8's, 7 under 9's'."""
+    if len(set(sources)) == 1:
+        return f"{', '.join(map(str, where))} under {sources[0]}'s"
+    return ", ".join(f"{w} under {s}'s" for w, s in zip(where, sources))
+
+
+def ids_taken_from(read: np.ndarray, meant: np.ndarray, tol: Tolerance) -> tuple[int | None, ...]:
+    """Per row of a read-back draft batch (`read`: a backend sampler's top-k, -inf elsewhere; `meant`:
+    what the sampler should have read, (R, V) each): the other row j whose top-k token ids row i
+    was read under while its values are row i's own top-k (sorted, within tolerance), the ids
+    and values of the sampled candidates read from two rows; None where that is not so. Measured on
+    the pinned llama-server (DSpark, five requests on -np 4, a loaded machine): rows 0 and 1 of a
+    block held their own top-10 values under row 2's ids, and drafted row 2's token."""
+    out: list[int | None] = []
+    kept = np.isfinite(read)  # (R, V)
+    for i in range(len(read)):
+        n = int(kept[i].sum())
+        own = np.sort(meant[i])[::-1][:n] if n else meant[i][:0]  # (n,): row i's own top-k values
+        values_own = n > 0 and explains(own[None], np.sort(read[i][kept[i]])[::-1][None], tol)
+        owner = None
+        if values_own and not _agree(meant[i], read[i], kept[i], tol):
+            ids = set(np.flatnonzero(kept[i]).tolist())
+            owner = next((j for j in range(len(read)) if j != i and set(_top_ids(meant[j], n)) == ids), None)
+        out.append(owner)
+    return tuple(out)
+
+
+def _top_ids(row: np.ndarray, n: int) -> list[int]:
+    return np.argsort(row)[::-1][:n].tolist()
 
 
 def rows_read_elsewhere(
