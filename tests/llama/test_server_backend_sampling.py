@@ -139,7 +139,7 @@ def test_dspark_rows_read_with_their_markov_bias_are_not_another_row(tools, fixt
     """DSpark's graph adds its Markov bias before sampling, so every row the backend sampler reads
     differs from result_output; the reference's bias accounts for it (measured: 330 of 330 rows
     differ, the run compares clean). The one error this traffic may show is the pinned server's
-    own (1 run of 7 on a loaded machine here, 1 of the fresh-clone suite's): a block whose rows
+    own (3 runs of 12 on a loaded machine here, 1 of the fresh-clone suite's): a block whose rows
     read their own top-k values under another row's token ids, named as such, never a
     divergence."""
     from featdiff.core import names
