@@ -3,8 +3,10 @@ test_check_step_faults.py leave out (issue 48): the graph faults of libllama aro
 llama-speculative-simple (`log-snr-*` of 0003, `recurrent-keep-rejected` of 0004: the program's
 own libllama reads FEATDIFF_FAULT, so no process of featdiff's holds the pinned one), the long
 inject split in n_ubatch chunks (`inject-chunk0`); around llama-server, those, and every
-driver and graph fault of EAGLE3 and of MTP that one request shows (`mtp-boundary-future` on the
-server's prompt split in two target batches). Each exits 1 naming the finding docs/faults.md
+driver and graph fault of EAGLE3 and of MTP that one request shows (0002, 0007, 0008, 0009, 0011,
+0013: `mtp-boundary-future` on the server's prompt split in two target batches; 0013's EAGLE3 taps
+and d2t on the eagle3 pair, its GLM-4.5 graph faults on the `mtp-glm4moe` pair, each with the kind,
+source and `where` it has in-process). Each exits 1 naming the finding docs/faults.md
 gives it, never 2 or 3, and keeps its dumps. The faults that need several sequences at once are
 checked on the capture of that traffic (`check --run`: tests/llama/test_server_traffic.py,
 test_server_clients.py)."""
@@ -40,8 +42,8 @@ SERVER_DFLASH = {
     "log-snr-after-norm": ("log-snr", TRAINED, [], PROMPT, "wrong_source"),
     "recurrent-keep-rejected": ("qwen35", HF_TARGET, [], PROMPT, "wrong_source"),
 }
-# fault -> (drafter kind, the finding check must name): every driver (0002, 0009) and graph (0007, 0008)
-# fault of EAGLE3 and MTP that one request shows
+# fault -> (drafter kind, the finding check must name): every driver (0002, 0009, 0011, 0013) and graph
+# (0007, 0008, 0013) fault of EAGLE3 and MTP that one request shows
 SERVER = {
     "eagle3-step-seed-state": ("eagle3", "wrong_source"),
     "eagle3-concat-swapped": ("eagle3", "slot_permutation"),
@@ -62,10 +64,26 @@ SERVER = {
     "eagle3-step-zero-state": ("eagle3", "zeros"),
     "mtp-step-zero-state": ("mtp", "zeros"),
     "mtp-pending-stale": ("mtp", "stale"),
+    # 0013's: the taps of common/speculative.cpp, EAGLE3's d2t and qwen3 graphs, GLM-4.5's
+    "eagle3-slots-one-layer": ("eagle3", "layer_offset"),
+    "eagle3-tap-normed": ("eagle3", "wrong_source"),
+    "eagle3-d2t-dropped": ("eagle3", "wrong_source"),
+    "eagle3-d2t-shifted": ("eagle3", "wrong_source"),
+    "mtp-glm4moe-norms-swapped": ("mtp", "wrong_source"),
+    "mtp-glm4moe-hidden-layer-before": ("mtp", "layer_offset"),
 }
-# fault -> the source its wrong_source names and where, as in-process (docs/faults.md)
+# fault -> the pair it runs on, where not its drafter kind's own ("eagle3", "mtp")
+PAIR = {"mtp-glm4moe-norms-swapped": "mtp-glm4moe", "mtp-glm4moe-hidden-layer-before": "mtp-glm4moe"}
+# fault -> the source its wrong_source names (None: a kind with no source) and where, as in-process
+# (docs/faults.md)
 SOURCE = {
     "mtp-boundary-future": ("batch_last", "driver"),
+    "eagle3-slots-one-layer": (None, "driver"),
+    "eagle3-tap-normed": ("attn_norm", "graph"),
+    "eagle3-d2t-dropped": ("no_d2t", "graph"),
+    "eagle3-d2t-shifted": ("d2t_shift+1", "graph"),
+    "mtp-glm4moe-norms-swapped": ("hnorm", "graph"),
+    "mtp-glm4moe-hidden-layer-before": (None, "graph"),
     "eagle3-prenorm-after-norm": ("after_norm", "graph"),
     "mtp-hidden-prenorm": ("prenorm", "graph"),
     "mtp-recycle-prenorm": ("chain_prenorm", "graph"),
@@ -130,7 +148,7 @@ def _server_args(tools, kind: str, d: Path, prompts: Path) -> list:
 @pytest.mark.parametrize("fault", SERVER)
 def test_check_names_eagle3_and_mtp_faults_around_llama_server(tools, eagle3_pairs, mtp_pairs, tmp_path, fault):
     kind, finding = SERVER[fault]
-    d = eagle3_pairs("eagle3") if kind == "eagle3" else mtp_pairs("mtp")
+    d = eagle3_pairs(PAIR.get(fault, kind)) if kind == "eagle3" else mtp_pairs(PAIR.get(fault, kind))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(PROMPT + "\n")  # one request: the capture's, and the probe's
     errors = check_names_fault(_server_args(tools, kind, d, prompts), fault, tmp_path, finding)
@@ -141,7 +159,7 @@ def test_check_names_eagle3_and_mtp_faults_around_llama_server(tools, eagle3_pai
 def _assert_source(fault: str, error: dict) -> None:
     """The first error names the source and the side (driver, graph) SOURCE gives the fault, if any."""
     if fault in SOURCE:
-        assert (error["source"], error["where"]) == SOURCE[fault], error["message"]
+        assert (error.get("source"), error["where"]) == SOURCE[fault], error["message"]
 
 
 # a clean request's prompt: "The quick brown fox" meets, at position 32, a target row whose
