@@ -1,6 +1,7 @@
 """The state a target hands its MTP head tested against the layers before the trunk's last (issue 42
 item 2): rows that match the reference's `<record>@h=l_out-<il>` candidate are a `layer_offset`
-naming layer il and the last; rows that match none are left to the other detectors."""
+naming layer il and the last; rows that match none are left to the other detectors. Also EAGLE3's
+taps (`@tap=attn_norm`) and its bridge row's g (`g_norm-0@g=batch_last`, from the driver)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,32 @@ def test_an_mtp_heads_norms_crossed_are_a_wrong_source_with_the_fix_of_their_pla
     f = d.detect_wrong_source(ev)
     assert f is not None and (f.kind, f.fields["source"]) == ("wrong_source", "hnorm"), f
     assert words in f.message, f.message
+
+
+def test_an_eagle3_batchs_first_token_on_its_last_g_is_a_wrong_source_from_the_driver():
+    """The EAGLE3 reference's `g_norm-0@g=batch_last` (process()'s bridge row on the batch's own last
+    g, a later position's): the one row that differs matches it, and the driver is told to fix it."""
+    from featdiff.diff.attribution import place
+    from featdiff.diff.export import Export, RoleExport
+
+    last = REF.copy()
+    last[0] = REF[4]  # (n_embd,): the bridge row on the batch's last g
+    ev = Evidence(
+        tensor="g_norm-0", record="g_norm-0", ref=REF, run=last + 1e-6, tolerance=TOL,
+        candidates={"g_norm-0@g=batch_last": last}, weights_where="graph",
+    )  # fmt: skip
+    f = d.detect_wrong_source(ev)
+    assert f is not None and (f.kind, f.fields["source"]) == ("wrong_source", "batch_last"), f
+    assert "the batch's last g row" in f.message and "pending_g_last" in f.message, f.message
+    same = Export(roles={"draft": RoleExport("same_file", complete=True)}, gguf={"draft": "d.gguf"})
+    assert place(f, same, inputs=()).where == "driver"
+
+
+def test_an_eagle3_g_norm_no_candidate_explains_is_not_a_batch_last():
+    last = REF.copy()
+    last[0] = REF[4]
+    ev = Evidence(
+        tensor="g_norm-0", record="g_norm-0", ref=REF, run=RNG.standard_normal((5, 16)).astype(np.float32),
+        tolerance=TOL, candidates={"g_norm-0@g=batch_last": last},
+    )  # fmt: skip
+    assert d.detect_wrong_source(ev) is None

@@ -184,3 +184,19 @@ def test_check_passes_a_clean_mtp_pair_around_llama_server(tools, mtp_pairs, tmp
     result = CliRunner().invoke(app, args, env={FAULT_VAR: None, "GITHUB_STEP_SUMMARY": None})
     assert result.exit_code == 0, result.output[-3000:]
     assert len(run_target_batches(tmp_path / "dumps" / "run.npz")[0]) >= 2  # the prompt split, as a fault sees it
+
+
+def test_check_names_the_pinned_servers_eagle3_bridge_on_a_prompt_cut_in_batches(tools, eagle3_pairs, tmp_path):
+    """No fault planted: llama-server with `-b 8` prefills the 30-token prompt in four decode calls,
+    and the pinned common/speculative.cpp pairs each later call's first token with that call's last
+    g row (its bridge row's g a view of pending_g_last, which the refresh overwrites before the
+    decode). compare names it at the drafter's g norm, as MTP's `mtp-boundary-future`."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    args = [*_server_args(tools, "eagle3", eagle3_pairs("eagle3"), prompts), "-b", "8", "-ub", "8"]
+    errors = check_names_fault(args, None, tmp_path, "wrong_source")
+    first = errors[0]
+    assert (first["kind"], first["tensor"], first["source"], first["where"]) == (
+        "wrong_source", "g_norm-0", "batch_last", "driver"
+    ), first["message"]  # fmt: skip
+    assert "pending_g_last" in first["message"], first["message"]

@@ -4,7 +4,7 @@ call's first token with that call's last hidden, where the reference decodes the
 
 from __future__ import annotations
 
-from featdiff.torchref.mtp.flow import batch_last_rows
+from featdiff.torchref.rounds import batch_last_rows
 
 
 def test_one_batch_pairs_its_first_row_with_its_last():

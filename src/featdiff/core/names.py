@@ -348,6 +348,9 @@ HYP_FC_NORM_NONE = "fc_norm=none"  # fc_out@fc_norm=none: fc of the raw features
 HYP_D2T_OFFSETS = "d2t=offsets"
 # g_norm-0@g=after_norm: an EAGLE3 draft step fed the previous step's result_norm, not its eagle3_prenorm
 HYP_G_AFTER_NORM = "g=after_norm"
+# g_norm-0@g=batch_last: a target batch's first token paired with that batch's last g row (a later
+# position's) instead of the pending row the batch before left (process()'s cross-ubatch bridge)
+HYP_G_BATCH_LAST = "g=batch_last"
 # inp_target_features@tap=attn_norm: each slot the output of its target layer's attention norm (the
 # layer's normed input), not the residual stream entering the layer (torchref/eagle3/flow.py)
 HYP_TAP_ATTN_NORM = "tap=attn_norm"

@@ -109,6 +109,20 @@ def prefill_batches(prompt: tuple[int, ...], cached: int) -> list[tuple[Phase, t
     return [(phase, prompt[start:end], tuple(range(start, end))) for phase, start, end in parts if end > start]
 
 
+def batch_last_rows(positions: tuple[int, ...], run_batches: tuple[int, ...]) -> list[int]:
+    """Which hidden (MTP) or g (EAGLE3) row the token of each row of a batch at `positions` is
+    paired with under the `batch_last` hypothesis: row k - 1's, but a batch's first token its last
+    row's (a later position's). The batches are the one at `positions`, cut where a run's batch
+    begins inside it (`run_batches`, first positions: the pairing goes by the run's decode calls,
+    common/speculative.cpp's i_batch_beg/i_batch_end)."""
+    n = len(positions)
+    firsts = sorted({0} | {p - positions[0] for p in run_batches if 0 < p - positions[0] < n})
+    rows = list(range(-1, n - 1))  # row k reads k - 1; every batch's first row is set below
+    for first, end in zip(firsts, [*firsts[1:], n]):
+        rows[first] = end - 1
+    return rows
+
+
 def accept(
     r: int, plan: Round | None, own: tuple[int, ...], drafts: tuple[int, ...], logits: torch.Tensor
 ) -> tuple[int, tuple[int, ...]]:

@@ -41,7 +41,7 @@ class StepKind:
     run_flow: Callable[..., FlowTrace]  # eagle3_flow.run_flow's signature
     entry: Callable[[Any], dict]  # the drafter's manifest entry
     # run_flow takes `target_batches`, the first position of each of the run's prefill decode calls
-    # (MTP: its batch_last candidate pairs by the run's batches)
+    # (EAGLE3's and MTP's batch_last candidates pair by the run's batches)
     reads_run_batches: bool = False
 
 

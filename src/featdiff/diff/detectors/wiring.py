@@ -403,6 +403,14 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
             f"position's (it matches the reference's {candidate}): a batch's first token takes the pending row the "
             "batch before left (zeros before the first batch; ikawrakow/ik_llama.cpp#2222)"
         )
+    if f"{key}={value}" == names.HYP_G_BATCH_LAST:
+        return (
+            f"{tensor} pairs the first token of this target batch with the batch's last g row, a later position's "
+            f"(it matches the reference's {candidate}): process()'s cross-ubatch bridge row must take the pending g "
+            "the batch before left; a row whose g is a view of pending_g_last (common_batch::set_embd keeps no copy) "
+            "reads it after this batch's refresh overwrote it: copy the pending row before the refresh, or decode "
+            "the batch before it"
+        )
     return (
         f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
         f"uses its own: ship it in the GGUF or fix which {key} the run reads"

@@ -32,6 +32,7 @@ from featdiff.torchref.rounds import (
     _eval,
     _ids,
     accept,
+    batch_last_rows,
     check_plan,
     play_rounds,
     prefill_batches,
@@ -76,6 +77,7 @@ def run_flow(
     cached: int = 0,
     draft_steps: Mapping[int, tuple[int, ...]] | None = None,
     draft_cached: tuple[int, ...] | None = None,
+    target_batches: tuple[int, ...] = (),
 ) -> FlowTrace:
     """Prefill `prompt[:-1]` and process it, then `rounds` rounds of draft / verify / process; a
     round drafts up to `draft_max` tokens (`--draft-max`) and stops below `p_min` (`--spec-draft-p-min`).
@@ -85,13 +87,16 @@ def run_flow(
     cuts the drafts to its budget after: common_speculative_draft), none where the run made none.
     `draft_cached` (the run's flow: the token each cached drafter row was decoded with): where the
     run's drafter kept its row at the last cached position, the warm-up holds that row as the run
-    did, and the prefill does not decode it again (compare names a row kept from another prompt)."""
+    did, and the prefill does not decode it again (compare names a row kept from another prompt).
+    `target_batches`: the first position of each decode call the run prefilled its prompt in
+    (llama-server cuts a prompt longer than its n_batch); the reference prefills in one batch, the
+    same values, and places its `batch_last` candidate at the run's boundaries."""
     check_eagle3_pair(target, draft)
     if len(prompt) < 2:
         raise InputError(f"prompt of {len(prompt)} tokens: an EAGLE3 flow needs at least 2 (pairs of token t+1, g t)")
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: EAGLE3 drafts at least one token; pass 1 or more")
-    state, evals = _prefill(target, draft, prompt, numerics, cached, kept_row(draft_cached, cached))
+    state, evals = _prefill(target, draft, prompt, numerics, cached, kept_row(draft_cached, cached), target_batches)
 
     def one_round(state: _State, r: int, first_eval: int, plan: Round | None) -> tuple[_State, Round, list[EvalTrace]]:
         steps = draft_steps.get(r) if draft_steps is not None and plan is not None else None
@@ -136,11 +141,13 @@ def _prefill(
     numerics: Numerics,
     cached: int,
     kept: int | None = None,
+    target_batches: tuple[int, ...] = (),
 ) -> tuple[_State, list[EvalTrace]]:
     """The prompt but its last token through the target, each batch processed: positions
     0 .. cached-1 as warm-up evals (the run's prompt cache), the rest as the prefill. `kept`: the
     token of the row the run's drafter kept at position cached-1, which the warm-up writes there
-    (with that position's g) in place of leaving it pending."""
+    (with that position's g) in place of leaving it pending; the run's batches (`target_batches`,
+    first positions) bound the `batch_last` candidate."""
     n = len(prompt) - 1
     t_cache, d_cache = _empty(target.hparams, numerics), _empty(draft.hparams, numerics)
     pending: tuple[int, torch.Tensor] | None = None
@@ -163,6 +170,7 @@ def _prefill(
             PREFILL_ROUND,
             numerics,
             kept if phase == Phase.WARMUP else None,
+            target_batches,
         )
         evals += done.traces
         t_cache, d_cache, pending = tp.cache, done.cache, (positions[-1], done.g[-1])
@@ -184,11 +192,15 @@ def _process(
     r: int,
     numerics: Numerics,
     kept: int | None = None,
+    run_batches: tuple[int, ...] = (),
 ) -> _Processed:
     """process() of one target batch: the encoder eval, then the decoder eval of the rows
     (token k+1, g k) at position k, after the cross-ubatch bridge row (the first token with the
     pending g) when the pending position is the one before the batch and no cell holds it; `kept`
-    adds the last row (that token with the last g), as a run that kept it there holds it."""
+    adds the last row (that token with the last g), as a run that kept it there holds it. The
+    decoder eval also records the `batch_last` candidate of its g norm (each batch's first token
+    paired with that batch's last g; the batches: this one, cut where the run's `run_batches`
+    begin inside it), where it differs from the rows'."""
     rows = features(tp, draft)  # (n_tokens, 3 * n_embd_tgt)
     g, enc_records = encode(draft, rows)
     enc_records += encode_candidates(draft, rows) + normed_taps(target, tp, draft)
@@ -198,12 +210,15 @@ def _process(
     traces = [
         EvalTrace(_eval(first_eval, names.ROLE_DRAFT, phase, enc_positions, (), r, call=names.CALL_ENCODE), enc_records)
     ]
+    last = batch_last_rows(positions, run_batches)  # token k's g row under `batch_last`
     row_tokens, row_positions, row_g = list(tokens[1:]), list(positions[:-1]), [g[:-1]]
+    last_g = [g[last[1:]]]  # (n_tokens - 1, n_embd)
     if kept is not None:
         row_tokens, row_positions, row_g = [*row_tokens, kept], [*row_positions, positions[-1]], [g]
+        last_g = [*last_g, g[-1:]]
     if pending is not None and pending[0] + 1 == positions[0] and pending[0] >= start:
         row_tokens, row_positions = [tokens[0], *row_tokens], [pending[0], *row_positions]
-        row_g = [pending[1][None, :], *row_g]
+        row_g, last_g = [pending[1][None, :], *row_g], [g[last[:1]], *last_g]
     if not row_tokens:
         return _Processed(cache, g, traces)
     dp = decode(
@@ -215,7 +230,17 @@ def _process(
         cache,
     )
     ev = _eval(first_eval + 1, names.ROLE_DRAFT, phase, tuple(row_positions), tuple(row_tokens), r)
-    return _Processed(dp.cache, g, traces + [EvalTrace(ev, dp.records)])
+    records = dp.records + _batch_last_records(draft, torch.cat(row_g), torch.cat(last_g))
+    return _Processed(dp.cache, g, traces + [EvalTrace(ev, records)])
+
+
+def _batch_last_records(draft: Eagle3Draft, g: torch.Tensor, last_g: torch.Tensor) -> tuple[Named, ...]:
+    """`g_norm-0@g=batch_last`: the decoder's g norm of the rows `last_g` (each batch's first token
+    paired with that batch's last g), where any row differs from the rows' own `g`."""
+    if torch.equal(g, last_g):
+        return ()
+    g_norm = rms_norm(last_g, draft.attn_norm_2, draft.hparams.rms_eps)  # (n_rows, n_embd)
+    return (Named(names.candidate_name(names.layer_name(names.EAGLE3_G_NORM, 0), names.HYP_G_BATCH_LAST), g_norm),)
 
 
 def _round(

@@ -58,4 +58,4 @@ def probe_round(
     return run_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]
 
 
-EAGLE3 = StepKind("EAGLE3", load_eagle3, run_flow, eagle3_models_entry)
+EAGLE3 = StepKind("EAGLE3", load_eagle3, run_flow, eagle3_models_entry, reads_run_batches=True)

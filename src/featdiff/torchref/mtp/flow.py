@@ -38,6 +38,7 @@ from featdiff.torchref.rounds import (
     _eval,
     _ids,
     accept,
+    batch_last_rows,
     check_plan,
     play_rounds,
     prefill_batches,
@@ -210,19 +211,6 @@ def _process(
         alternatives[names.h_layer_hypothesis(il)] = torch.cat([first, rows[:-1]])  # (n_tokens, n_embd)
     mp = decode(head, _ids(tokens, numerics), handed, _ids(positions, numerics), cache, alternatives, outputs=False)
     return mp.cache, EvalTrace(_eval(index, names.ROLE_DRAFT, phase, positions, tokens, r), mp.records)
-
-
-def batch_last_rows(positions: tuple[int, ...], run_batches: tuple[int, ...]) -> list[int]:
-    """Which hidden row each row of a batch at `positions` reads under the `batch_last` hypothesis:
-    row k - 1's, but a batch's first row its last row's (a later position's). The batches are the
-    one at `positions`, cut where a run's batch begins inside it (`run_batches`, first positions:
-    the fault pairs by the run's decode calls, common/speculative.cpp's i_batch_beg/i_batch_end)."""
-    n = len(positions)
-    firsts = sorted({0} | {p - positions[0] for p in run_batches if 0 < p - positions[0] < n})
-    rows = list(range(-1, n - 1))  # row k reads k - 1; every batch's first row is set below
-    for first, end in zip(firsts, [*firsts[1:], n]):
-        rows[first] = end - 1
-    return rows
 
 
 def _round(
