@@ -13,7 +13,7 @@ from featdiff.core.phases import Phase
 from featdiff.diff import detectors as d
 from featdiff.diff import positions
 from featdiff.diff.attribution import place
-from featdiff.diff.detectors.steps import SEED_STATE_SOURCE
+from featdiff.diff.detectors.steps import ANOTHER_SEQUENCE_SOURCE, SEED_STATE_SOURCE
 from featdiff.diff.export import Export
 from featdiff.diff.tolerance import Tolerance
 from featdiff.dump import Manifest
@@ -187,3 +187,39 @@ def test_step_zeros_silent_on_other_records_the_seed_and_other_errors():
     assert d.detect_zeros_of_step_state(_evidence("g_norm-0", ref, other)) is None  # another row wrong too
     gap = replace(_evidence("g_norm-0", ref, run), positions=(20, 21, 22, 30))  # not one round of steps
     assert d.detect_zeros_of_step_state(gap) is None
+
+
+def test_steps_fed_another_sequences_state_name_that_sequence():
+    """Two sequences drafting in the same decodes; this flow's steps 1.. were handed the rows the
+    other sequence's steps made (patch 0014's `*-step-other-seq`): wrong_source another_sequence,
+    naming the flow and sequence, placed in the driver."""
+    for record in ("g_norm-0", "mtp_h_input", "mtp_hnorm-6"):
+        ref, other = _round_rows(), _round_rows(seed=5)
+        run = ref.copy()
+        run[1:] = other[1:]
+        labels = tuple((0, 0, p) for p in range(20, 24))
+        ev = replace(_evidence(record, ref, run), siblings=other, sibling_rows=labels)
+        f = d.detect_wrong_source_of_another_sequence(ev)
+        assert f is not None and (f.kind, f.tensor) == ("wrong_source", record), record
+        assert f.fields == {"source": ANOTHER_SEQUENCE_SOURCE, "candidate": "flow 0 (sequence 0)"}
+        assert f.message.startswith(f"{record} at positions 21, 22, 23 holds another sequence's state")
+        assert place(f, Export({}, {}), ()).where == "driver"
+
+
+def test_another_sequence_silent_without_siblings_or_where_the_rows_are_no_siblings():
+    ref, other = _round_rows(), _round_rows(seed=5)
+    run = ref.copy()
+    run[1:] = other[1:]
+    labels = tuple((0, 0, p) for p in range(20, 24))
+    ev = replace(_evidence("g_norm-0", ref, run), siblings=other, sibling_rows=labels)
+    assert d.detect_wrong_source_of_another_sequence(replace(ev, siblings=None, sibling_rows=())) is None  # one flow
+    assert d.detect_wrong_source_of_another_sequence(replace(ev, record="l_out-0")) is None  # not a fed state
+    assert d.detect_wrong_source_of_another_sequence(replace(ev, run=ref.copy())) is None  # clean
+    noise = ref.copy()
+    noise[1:] = _round_rows(seed=9)[1:]
+    assert d.detect_wrong_source_of_another_sequence(replace(ev, run=noise)) is None  # nobody's rows
+    same = replace(ev, siblings=ref.copy())  # the other sequence's rows are this one's own (same prompt)
+    assert d.detect_wrong_source_of_another_sequence(replace(same, run=noise)) is None
+    zeros = ref.copy()
+    zeros[1:] = 0.0  # every sequence's steps fed zeros: zeros' finding, not another sequence's
+    assert d.detect_wrong_source_of_another_sequence(replace(ev, run=zeros, siblings=np.zeros_like(ref))) is None

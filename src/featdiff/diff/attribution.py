@@ -23,7 +23,7 @@ from featdiff.diff.detectors.choices import ANOTHER_ROW_SAMPLED, DRAFT_ROWS_SOUR
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.detectors.readback import SOURCE_ANOTHER_OUTPUT_ROW
-from featdiff.diff.detectors.steps import SEED_STATE_SOURCE, is_step_state
+from featdiff.diff.detectors.steps import ANOTHER_SEQUENCE_SOURCE, SEED_STATE_SOURCE, is_step_state
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
@@ -43,6 +43,7 @@ FED_SOURCES = (
     RESTORED_SOURCE,
     KEPT_ROW_SOURCE,
     SEED_STATE_SOURCE,
+    ANOTHER_SEQUENCE_SOURCE,
     CHAIN_STATE_SOURCE,
     names.HYP_H_BATCH_LAST.partition("=")[2],  # a hypothesis' value is the source
     names.HYP_RECURRENT_KEPT.partition("=")[2],

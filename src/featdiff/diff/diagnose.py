@@ -57,6 +57,7 @@ CHAIN: tuple[Callable[[d.Evidence], Finding | None], ...] = (
     d.detect_zeros,
     d.detect_wrong_source_of_zero_rows,  # the inverse: a sequence's zero first row (MTP) holding a state
     d.detect_wrong_source_of_pending_row,  # the first row past a kept prefix (MTP) handed another request's hidden
+    d.detect_wrong_source_of_another_sequence,  # a step fed the row another sequence's step made beside it
     d.detect_layout_transpose,
     d.detect_expert_choice,  # info: a MoE near-tie, before any fault is tried on its few rows
     d.detect_layer_offset,

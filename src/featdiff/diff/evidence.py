@@ -74,6 +74,7 @@ def build_evidence(
     ref_rows, run_rows = pair_arrays(al, ref_all, run_all, pair.name) if al.comparable else (ref_all, run_all)
     n_extract = _n_extract(ref.manifest, ref_rows.shape[1])
     earlier, earlier_evals = _earlier(ref, run, pair)
+    siblings, sibling_rows = _siblings(run, pair)
     return Evidence(
         tensor=pair.run_name,
         ref=ref_rows,
@@ -97,6 +98,8 @@ def build_evidence(
         checkpoint=_checkpoint(ref.manifest),
         weights_where=weights_where,
         kept=_kept(run.manifest),
+        siblings=siblings,
+        sibling_rows=sibling_rows,
     )
 
 
@@ -200,6 +203,44 @@ def _earlier(ref: Source, run: Source, pair: Pair) -> tuple[np.ndarray | None, t
     if not rows:
         return None, ()
     return np.concatenate(rows, axis=0), tuple(evals)  # (E, D)
+
+
+def _siblings(run: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[tuple[int, int, int | None], ...]]:
+    """In a run of several flows: the run's rows of the pair's record in the evals of the other
+    flows beside each of the pair's run evals (within as many evals as the run has flows: the
+    other sequences of a decode the program split per sequence, docs/flow.md), (S, D), and each
+    row's (flow, sequence, position)."""
+    whole = run.dump.manifest
+    if run.view is None or not whole.flows or not pair.alignment.positions:
+        return None, ()
+    own = {e.flow for e in run.manifest.evals}
+    seq_of = {f.flow: f.seq_id for f in whole.flows}
+    window = len(whole.flows)
+    near = {e for r in pair.run.records for e in range(r.eval - window, r.eval + window + 1)}
+    by_eval = {e.eval: e for e in whole.evals}
+    rows: list[np.ndarray] = []
+    labels: list[tuple[int, int, int | None]] = []
+    for r in whole.records:
+        ev = by_eval.get(r.eval)
+        if (
+            ev is None
+            or r.eval not in near
+            or ev.flow in own
+            or ev.flow is None
+            or r.name != pair.run_name
+            or r.occurrence != pair.run.records[0].occurrence
+            or (ev.role, ev.phase) != (pair.run.evals[0].role, pair.run.evals[0].phase)
+        ):
+            continue
+        block = side_rows([run.array(r)])  # (n_tokens, D)
+        if block.shape[1:] != (pair.run.width,):
+            continue
+        at = ev.positions if len(ev.positions) == len(block) else (None,) * len(block)
+        rows.append(block)
+        labels += [(ev.flow, seq_of.get(ev.flow, -1), p) for p in at]
+    if not rows:
+        return None, ()
+    return np.concatenate(rows, axis=0), tuple(labels)  # (S, D)
 
 
 def run_eval_of(run: Manifest) -> dict[tuple[str, str, int, int | None], int]:

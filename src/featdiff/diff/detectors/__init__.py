@@ -75,6 +75,7 @@ from featdiff.diff.detectors.rows import (
 )
 from featdiff.diff.detectors.steps import (
     detect_position_offset_of_steps,
+    detect_wrong_source_of_another_sequence,
     detect_wrong_source_of_step_state,
     detect_zeros_of_step_state,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "detect_wrong_source_of_sampled_draft",
     "detect_wrong_source_of_sampled_block_rows",
     "detect_wrong_source_of_sampled_logits",
+    "detect_wrong_source_of_another_sequence",
     "detect_wrong_source_of_step_state",
     "detect_wrong_source_of_chain_head",
     "detect_wrong_source_of_chain_state",

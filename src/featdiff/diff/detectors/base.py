@@ -64,6 +64,11 @@ class Evidence:
     # the positions the flow's sequence held from an earlier request when its prefill began (its
     # `n_cached`: a prompt cache kept or restored them); 0: none, or a dump of one flow from position 0
     kept: int = 0
+    # in a run of several flows: the run's rows of the same record in the other flows' evals beside
+    # the pair's (the other sequences of the decodes a program split per sequence), (S, D), and
+    # each row's (flow, sequence, position); None: one flow, or none beside it
+    siblings: np.ndarray | None = None
+    sibling_rows: tuple[tuple[int, int, int | None], ...] = ()
 
 
 def same_shape(ev: Evidence) -> bool:

@@ -22,6 +22,9 @@ from featdiff.dump import Manifest
 # wrong_source's `source` when a draft step past the first was fed the state the seed made (the
 # state step 1 was fed) instead of the previous step's (docs/findings.md)
 SEED_STATE_SOURCE = "seed_state"
+# wrong_source's `source` when a draft step of one sequence was fed another sequence's state (the
+# row that sequence's step made, in the same decode)
+ANOTHER_SEQUENCE_SOURCE = "another_sequence"
 # the records that hold the state a draft step is fed: EAGLE3's g (normed, as its first layer reads
 # it), the MTP head's hidden input and its norm
 STEP_STATE_RECORDS = (names.MTP_H_INPUT,)
@@ -169,4 +172,36 @@ def detect_zeros_of_step_state(ev: Evidence) -> Finding | None:
         "zeros: the driver fed the step a state row it never wrote, where the step before made its state right; "
         "hand step k the state step k - 1 made (its output row)",
         ZerosFields(rows=rows),
+    )
+
+
+def detect_wrong_source_of_another_sequence(ev: Evidence) -> Finding | None:
+    """Hypothesis: in a run of several sequences, a one-token-step drafter's draft steps were fed
+    another sequence's state: the row that sequence's own step made, handed on in the same decode.
+    Evidence: at a record holding the state a step is fed, every divergent run row equals, within
+    tolerance, a run row of another flow beside it (`siblings`), while the reference's row there
+    is not that row; the rows within tolerance of the reference stay so."""
+    if not is_step_state(ev.record) or not same_shape(ev) or ev.siblings is None or not len(ev.siblings):
+        return None
+    bad = row_relative_error(ev.ref, ev.run) > ev.tolerance.row_rel  # (R,)
+    if not bad.any() or not np.any(ev.run[bad], axis=1).all():
+        return None  # a zero row is nobody's state (zeros' finding)
+    owners = []
+    for i in np.flatnonzero(bad):
+        errors = row_relative_error(ev.siblings, np.repeat(ev.run[i : i + 1], len(ev.siblings), axis=0))  # (S,)
+        j = int(np.argmin(errors))
+        if errors[j] > ev.tolerance.row_rel or explains(ev.ref[i : i + 1], ev.siblings[j : j + 1], ev.tolerance):
+            return None
+        owners.append(ev.sibling_rows[j])
+    flows = sorted({(f, s) for f, s, _ in owners})
+    whose = ", ".join(f"flow {f} (sequence {s})" for f, s in flows)
+    rows = labels(ev, bad)
+    return error_finding(
+        ev,
+        f"{ev.tensor} at position{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))} holds another "
+        f"sequence's state: the row {whose} made in the same decode, where this sequence's own step made "
+        "another; the driver handed this sequence's draft step another sequence's row (an index into the "
+        "decode's rows, or a buffer kept per drafter instead of per sequence); hand each sequence's step "
+        "the row its own step made",
+        WrongSourceFields(source=ANOTHER_SEQUENCE_SOURCE, candidate=whose),
     )
