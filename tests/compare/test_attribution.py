@@ -50,10 +50,13 @@ def _scale(tensor: str = "fc_out") -> Finding:
         (Finding.of(RowShiftFields(shift=1), tensor="fc_out", message="m"), LAYERS_DIFFER, "driver"),
         (Finding.of(WrongSourceFields("stale_pending", "x"), tensor="mtp_h_input", message="m"), SAME, "driver"),
         (Finding.of(WrongSourceFields("prenorm", "x"), tensor="mtp_h_input", message="m"), SAME, "graph"),
+        (_layer_offset("mtp_h_input"), SAME, "graph"),  # the target graph exposes the layer the head is handed
+        (_layer_offset("mtp_h_input"), FC_DIFFERS, "export"),
+        (Finding.of(RowShiftFields(shift=1), tensor="mtp_h_input", message="m"), SAME, "driver"),
     ],
 )
 def test_each_finding_is_placed_by_its_evidence(finding, export, where):
-    placed = place(finding, export, inputs={"inp_target_features"})
+    placed = place(finding, export, inputs={"inp_target_features", "mtp_h_input"})
     assert placed.where == where, placed.where_reason
     assert placed.where_reason
 

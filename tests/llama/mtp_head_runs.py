@@ -61,14 +61,16 @@ def assert_refused(d: Path, model: Path, said: str, tmp_path: Path) -> None:
     assert not (tmp_path / "ref.npz").exists()
 
 
-def assert_no_shift_named(tools, d: Path, tmp_path: Path, il: int) -> None:
+def assert_no_shift_named(tools, d: Path, tmp_path: Path) -> None:
     """0002-driver-faults.patch's `mtp-no-shift` (common/speculative.cpp pairs token p with the
     hidden of p, not p - 1; FEATDIFF_FAULT set by the caller) around llama-speculative-simple on
-    the pair in `d`: row_shift at mtp_hnorm-<il>, where: driver."""
+    the pair in `d`: row_shift by one at the head's input mtp_h_input (a graph input only the head's
+    norm reads, captured since issue 42), where: driver."""
     run = program_run(tools, "llama-speculative-simple", d, tmp_path)
     ref = follow(d, run, tmp_path)
     errors = [f for f in compare_dumps(ref, run).findings if f.severity == "error"]
-    assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", f"mtp_hnorm-{il}"), [
+    assert errors and (errors[0].kind, errors[0].tensor) == ("row_shift", names.MTP_H_INPUT), [
         f.message for f in errors
     ]
     assert errors[0].fields["where"] == "driver", errors[0].fields["where_reason"]
+    assert errors[0].fields["shift"] == 1

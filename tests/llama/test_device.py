@@ -23,11 +23,12 @@ from typer.testing import CliRunner
 
 from families import FAULT_VAR
 from featdiff.cli import app
-from featdiff.core.names import BACKEND_HOST
+from featdiff.core.names import BACKEND_HOST, MTP_H_INPUT
 from featdiff.diff import compare_dumps
 from featdiff.dump.reader import read_dump
 from featdiff.factory.fixtures import PROMPTS_FILE
 from featdiff.llama.extra_builds import VULKAN, VULKAN_UNFUSED, device_program_env
+from featdiff.torchref.kind import reference
 
 from devices import PLACEMENTS, RUN_TIMEOUT_S, Device
 from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS, reference_of
@@ -36,13 +37,19 @@ pytestmark = pytest.mark.slow  # builds the device llama.cpp: not part of `make 
 
 
 def device_capture(
-    device: Device, d: Path, out: Path, *options: str, filters: tuple[str, ...] = (), env: dict[str, str] | None = None
+    device: Device,
+    d: Path,
+    out: Path,
+    *options: str,
+    filters: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    model: str = "draft.gguf",
 ) -> Path:
-    """`featdiff capture` of the fixture pair in `d` on the device build (in `env`, default this
-    process's with the device's settings)."""
+    """`featdiff capture` of the fixture pair in `d` (its drafter `model`) on the device build (in
+    `env`, default this process's with the device's settings)."""
     flags = [f for g in filters for f in ("--filter", g)]
     done = subprocess.run([sys.executable, "-c", "from featdiff.cli import main; main()", "capture", "--llama-dir",
-                           str(device.build.root), "--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf"),
+                           str(device.build.root), "--target", str(d / "target.gguf"), "--model", str(d / model),
                            "--tokens", DEFAULT_TOKENS, "--rounds", str(DEFAULT_ROUNDS), *flags, "-o", str(out), *options],
                           capture_output=True, text=True, errors="replace", timeout=RUN_TIMEOUT_S,
                           env=env or {**os.environ, **device.backend.env})  # fmt: skip
@@ -218,3 +225,26 @@ def test_check_passes_the_trained_pair_on_the_device(mode, device, tools, fixtur
     verdict = json.loads((tmp_path / "check.json").read_text())
     assert verdict["verdict"] == "pass" and verdict["accept"]["matches"], json.dumps(verdict)[:2000]
     assert verdict["comparison"]["types"]["devices"] == [device.name]  # the run computed on the device
+
+
+def test_an_input_only_a_norm_reads_is_recorded_on_the_device_as_on_the_cpu(device, mtp_pairs, tmp_path):
+    """An MTP head's `mtp_h_input`, which only the head's hnorm reads (issue 42: read before the norm
+    runs, since ggml-alloc may compute RMS_NORM in its source's memory), is recorded on the device
+    from the scheduler's copy as on the CPU: every named tensor the same, its records from the
+    device's memory, and the run compares clean against the reference. (The head inside the
+    target's GGUF runs where the target's layers do: -ngl, not -ngld.)"""
+    d = mtp_pairs("mtp")
+    cpu, run = (
+        device_capture(device, d, tmp_path / f"{p}.npz", *PLACEMENTS[p], filters=("*",), model="target.gguf")
+        for p in ("cpu", "device")
+    )
+    assert _record_set(run) == _record_set(cpu)
+    assert _backends(cpu)[("draft", MTP_H_INPUT)] == {BACKEND_HOST}
+    assert _backends(run)[("draft", MTP_H_INPUT)] == {device.name}
+    ref = reference(
+        d / "target-hf", d / "target.gguf", tmp_path / "ref.npz", prompt=None, tokens=DEFAULT_TOKENS,
+        rounds=DEFAULT_ROUNDS, dtype="float32", device="cpu", kv_dtype="f16", llama_dir=None, run=run,
+    )  # fmt: skip
+    c = compare_dumps(ref, run)
+    assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+    assert {p.phase for p in c.pairs if p.name == MTP_H_INPUT} == {"inject", "draft"}

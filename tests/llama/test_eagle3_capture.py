@@ -34,6 +34,9 @@ def test_a_correct_pair_compares_clean_with_nothing_skipped(eagle3_pairs, varian
         m = dump.manifest
     names = {r.name for r in m.records if r.role == "draft"}
     assert {"inp_embd", "fc_out", "concat_embd-0", "eagle3_prenorm-0", "result_output", "draft_logits"} <= names
+    # the encoder's features from its graph, also where only enc_input_norm reads them (issue 42)
+    encodes = {e.eval for e in m.evals if e.call == "encode"}
+    assert encodes and {r.op for r in m.records if r.name == "inp_embd" and r.eval in encodes} == {"NONE"}
     assert m.models["draft"]["architecture"] == "eagle3" and len(m.models["draft"]["target_layers"]) == 3
     # every round drafted, one token an eval (the seed, then the steps), each eval's rows compared
     assert all(r.drafts for r in m.rounds)

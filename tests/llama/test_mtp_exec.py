@@ -108,8 +108,9 @@ def test_a_correct_mtp_run_compares_clean_against_a_reference_of_its_tokens(tool
 @pytest.mark.parametrize(
     "fault, kind, tensor",
     [
-        ("mtp-no-shift", "row_shift", "mtp_hnorm-6"),  # token p with the hidden of p: rows one later
-        ("mtp-boundary-future", "wrong_source", "mtp_hnorm-6"),  # a batch's first row reads that batch's last
+        # at the head's input itself (a graph input only its norm reads, captured since issue 42)
+        ("mtp-no-shift", "row_shift", "mtp_h_input"),  # token p with the hidden of p: rows one later
+        ("mtp-boundary-future", "wrong_source", "mtp_h_input"),  # a batch's first row reads that batch's last
     ],
 )
 def test_the_mtp_driver_faults_are_named(tools, mtp_pairs, monkeypatch, fault, kind, tensor, tmp_path):
@@ -158,7 +159,7 @@ def test_a_pending_row_kept_from_the_slots_last_request_is_named(tools, mtp_pair
     errors = [f for f in c.findings if f.severity == "error"]
     assert errors and (errors[0].kind, errors[0].tensor, errors[0].fields["source"]) == (
         "wrong_source",
-        "mtp_hnorm-6",
+        "mtp_h_input",
         "stale_pending",
     ), [f.message for f in errors]
     assert errors[0].message.startswith("flow 1") and not any(f.message.startswith("flow 0") for f in errors)

@@ -121,7 +121,7 @@ def test_a_latent_moe_and_the_checkpoints_head_are_refused_by_name(mtp_pairs, tm
 
 def test_a_driver_fault_is_named_on_this_head(tools, mtp_pairs, monkeypatch, tmp_path):
     """0002-driver-faults.patch's `mtp-no-shift` (common/speculative.cpp pairs token p with the hidden
-    of p, not p - 1) around llama-speculative-simple on this pair: row_shift at mtp_hnorm-<il>, where: driver."""
+    of p, not p - 1) around llama-speculative-simple on this pair: row_shift at mtp_h_input, where: driver."""
     d = mtp_pairs(VARIANT)
     monkeypatch.setenv("FEATDIFF_FAULT", "mtp-no-shift")
-    assert_no_shift_named(tools, d, tmp_path, IL)
+    assert_no_shift_named(tools, d, tmp_path)

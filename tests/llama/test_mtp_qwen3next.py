@@ -114,7 +114,7 @@ def test_the_checkpoint_replay_of_each_program_is_named(tools, mtp_pairs, tmp_pa
     """llama-speculative-simple and llama-server on qwen3next (no partial removal: a state
     checkpoint before each verify and, on a partial accept, a restore and a replay of the accepted
     tokens). The first flow, up to the first restore, compares clean; each replay is named at its
-    first row as wrong_source `stale_pending` at mtp_hnorm-6 (where: driver): the head is handed the
+    first row as wrong_source `stale_pending` at mtp_h_input (where: driver): the head is handed the
     pending hidden of the rejected verify instead of the hidden of the last kept position."""
     d, is_server = mtp_pairs(VARIANT), program == "llama-server"
     cmd = [str(tools.program(program)), "-m", str(d / "target.gguf"), *SPEC_ARGS]
@@ -131,7 +131,7 @@ def test_the_checkpoint_replay_of_each_program_is_named(tools, mtp_pairs, tmp_pa
     errors = [f for f in c.findings if f.severity == "error"]
     assert errors, "the replays' stale pending rows were not named"
     named = {(f.kind, f.tensor, f.fields["source"], f.fields["where"]) for f in errors}
-    assert named == {("wrong_source", "mtp_hnorm-6", "stale_pending", "driver")}, [f.message for f in errors]
+    assert named == {("wrong_source", names.MTP_H_INPUT, "stale_pending", "driver")}, [f.message for f in errors]
     assert not any(f.message.startswith("flow 0 ") for f in errors)  # the run before its first restore
     noise = [f for f in c.findings if f.kind == "numeric_noise"]
     assert noise and all(f.severity == "info" for f in noise)

@@ -67,7 +67,7 @@ def test_draft_steps_one_position_late_are_a_position_offset_of_the_draft(
 
 @pytest.mark.parametrize(
     "kind, tensor",
-    [("eagle3", "g_norm-0"), ("mtp", "mtp_hnorm-6")],  # around a program the head's input is seen normed
+    [("eagle3", "g_norm-0"), ("mtp", "mtp_h_input")],  # the head's input itself, read before its norm (issue 42)
 )
 def test_steps_fed_the_seeds_state_are_a_wrong_source_seed_state(
     tools, eagle3_pairs, mtp_pairs, kind, tensor, tmp_path, monkeypatch
@@ -82,7 +82,7 @@ def test_steps_fed_the_seeds_state_are_a_wrong_source_seed_state(
     assert first.fields["where"] == "driver", first.fields["where_reason"]
 
 
-@pytest.mark.parametrize("kind, tensor", [("eagle3", "g_norm-0"), ("mtp", "mtp_hnorm-6")])
+@pytest.mark.parametrize("kind, tensor", [("eagle3", "g_norm-0"), ("mtp", "mtp_h_input")])
 def test_steps_fed_a_state_row_never_written_are_zeros_from_the_driver(
     tools, eagle3_pairs, mtp_pairs, kind, tensor, tmp_path, monkeypatch
 ):
@@ -128,7 +128,7 @@ def test_an_mtp_pending_row_never_refreshed_is_stale(tools, mtp_pairs, tmp_path,
     errors = _errors(tools, _mtp(tools, mtp_pairs("mtp")), "mtp-pending-stale", tmp_path, monkeypatch)
     assert errors, "the stale pending row was not named"
     first = errors[0]
-    assert (first.kind, first.tensor) == ("stale", "mtp_hnorm-6"), [f.message for f in errors]
+    assert (first.kind, first.tensor) == ("stale", "mtp_h_input"), [f.message for f in errors]
     assert len(first.fields["rows"]) == 1 and first.fields["source_eval"] is not None  # the seed's one row
     assert "an earlier round" in first.message, first.message
     assert first.fields["where"] == "driver", first.fields["where_reason"]

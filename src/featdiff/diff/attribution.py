@@ -61,6 +61,12 @@ UNCHECKED_INPUTS = (
     "unnamed lies between them), so a wrong input (rows or a state the driver handed over) and a wrong node "
     "look the same here; the graph naming the nodes before it (its cb() names) would decide it"
 )
+# The layer an MTP head is handed is its target graph's choice: no GGUF key names it, and the driver
+# copies the rows the graph exposes (t_h_nextn, read by llama_get_embeddings_nextn)
+HANDED_LAYER = (
+    "the head is handed the rows its target's graph exposes as t_h_nextn (the driver copies them, no GGUF key "
+    "names the layer), and the reference read the same weights: the target graph chose that layer"
+)
 NOT_CHECKED = "export not checked: the reference did not record which model it read; pass the checkpoint with --model"
 
 
@@ -110,6 +116,8 @@ def place(f: Finding, export: Export, inputs: Collection[str]) -> WhereFields:
     """Where one error finding's fault lives, by the rules of the module docstring."""
     if f.kind in FED_KINDS or _fed_source(f) or _fed_zeros(f):
         return WhereFields("driver", FED.format(what=_what_fed(f)))
+    if f.kind in LAYER_KINDS and f.tensor == names.MTP_H_INPUT:
+        return _handed_layer_place(export)
     if f.tensor in inputs and f.kind != "wrong_source":  # another node's state handed over: the graph chose it
         return _input_place(f, export)
     return weights_place(export, keyed=_keyed(f))
@@ -151,6 +159,13 @@ def _input_place(f: Finding, export: Export) -> WhereFields:
     if f.kind in LAYER_KINDS and not _layers_known(export):
         return WhereFields("unknown", NOT_CHECKED)
     return WhereFields("driver", FED.format(what=f"the values of the graph input {f.tensor}"))
+
+
+def _handed_layer_place(export: Export) -> WhereFields:
+    """Another layer handed to an MTP head (`mtp_h_input`, a graph input since issue 42): the
+    target graph's, where the weights place a node's fault in the graph (HANDED_LAYER)."""
+    where = weights_place(export)
+    return WhereFields("graph", HANDED_LAYER) if where.where == "graph" else where
 
 
 def _layers_known(export: Export) -> bool:

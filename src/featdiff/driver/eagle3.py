@@ -39,9 +39,6 @@ class Eagle3Config:
     target_layers: tuple[int, ...]  # layer-input ids (eagle3.target_layers), slot k = target_layers[k]
     draft_max: int  # drafts per round: --spec-draft-n-max
     p_min: float = 0.0  # --spec-draft-p-min: drafting stops below this top-1 probability
-    # eagle3.norm_before_fc: the encoder's input is read only by its norm, through which the shim
-    # cannot read it (an in-place op may overwrite it): the driver records the rows it staged
-    features_readback: bool = False
     kind: str = "eagle3"
 
     @property
@@ -64,9 +61,7 @@ def flow_config(draft: Model, draft_max: int, p_min: float = 0.0) -> Eagle3Confi
         )
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: expected >= 1 draft per round (llama.cpp's --spec-draft-n-max)")
-    return Eagle3Config(
-        layers, draft_max, p_min, features_readback=draft.meta(names.KEY_EAGLE3_NORM_BEFORE_FC) == "true"
-    )
+    return Eagle3Config(layers, draft_max, p_min)
 
 
 def enable(tgt: Context, dft: Context, cfg: Eagle3Config) -> None:
@@ -118,8 +113,6 @@ def _process(
     for start in range(0, len(positions), dft.n_ubatch):
         end = min(start + dft.n_ubatch, len(positions))
         open_eval(st, rec, Phase.INJECT, rnd, positions[start:end], [], call=names.CALL_ENCODE)
-        if cfg.features_readback:
-            rec.readback(names.ENC_INP_EMBD, feats[start:end])  # (n_chunk, 3 * n_embd_tgt)
         first = dft.pos_max() + 1  # the encoder reads no positions: upstream's placeholders
         chunks.append(dft.process_encode(feats[start:end], list(range(first, first + end - start))))
     g = np.concatenate(chunks)  # (n_tokens, n_embd)

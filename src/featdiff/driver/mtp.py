@@ -111,7 +111,6 @@ def _process(
     hidden = tgt.nextn_rows(len(positions))  # (n_tokens, n_embd): unmasked, one per batch row
     rows = np.concatenate([st.pending_h[None, :], hidden[:-1]])  # (n_tokens, n_embd)
     open_eval(st, rec, Phase.INJECT, rnd, positions, tokens)
-    rec.readback(names.MTP_H_INPUT, rows)  # what the head is handed (a graph input no safe consumer reads)
     dft.decode_tokens_embd(tokens, rows, positions, outputs=False)
     st.verify_h, st.pending_h = hidden, hidden[-1].copy()
 
@@ -139,6 +138,6 @@ def _round(
 
 def _draft(dft: Context, st: MtpState, rec: Recorder, cfg: MtpConfig, rnd: int) -> list[int]:
     """draft(): the freshest target token with the pending row at n_past, then one decode per
-    draft with the previous step's h_nextn (driver.step_drafts); the rows handed over are recorded
-    as `mtp_h_input`."""
-    return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past, staged=names.MTP_H_INPUT)
+    draft with the previous step's h_nextn (driver.step_drafts); the capture records the rows handed
+    over as the graph's input `mtp_h_input`."""
+    return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past)

@@ -77,7 +77,6 @@ def _process(
         dft.seq_rm(positions[0])
         dft.set_nextn_layer_offset(k)
         open_eval(st, rec, Phase.INJECT, rnd, positions, tokens)
-        rec.readback(names.MTP_H_INPUT, rows)  # what the head is handed (a graph input no safe consumer reads)
         dft.decode_tokens_embd(tokens, rows, positions, outputs=False)
     dft.set_nextn_layer_offset(0)  # the default for non-draft decodes
     st.verify_h, st.pending_h = hidden, hidden[-1].copy()
@@ -115,7 +114,6 @@ def _draft(dft: Context, st: MtpState, rec: Recorder, cfg: ChainConfig, rnd: int
         dft.seq_rm(st.n_past)
         dft.set_nextn_layer_offset(k)
         open_eval(st, rec, Phase.DRAFT, rnd, positions, tokens)
-        rec.readback(names.MTP_H_INPUT, rows)
         dft.decode_tokens_embd(tokens, rows, positions, outputs=True, last_only=True)
         logits = dft.logits(-1)  # the last row: the step's only output
         rec.readback(names.DRAFT_LOGITS, logits[None, :])  # (1, n_vocab)

@@ -145,18 +145,14 @@ def step_drafts(
     token: int,
     row: np.ndarray,
     pos: int,
-    staged: str | None = None,
 ) -> list[int]:
     """A round's draft steps of a one-token-per-decode drafter (EAGLE3's, MTP's draft()): `token`
     with the state `row` (n_embd,) at `pos`, then one decode per draft, each with the previous
     step's nextn row at the next position; top-1 of the sampler's top 10, stopping below `p_min`
-    or at `draft_max`. Each step's logits are recorded as `draft_logits`, and the row it was
-    handed as `staged` when named (a graph input the shim cannot read)."""
+    or at `draft_max`. Each step's logits are recorded as `draft_logits`."""
     drafts: list[int] = []
     while True:
         open_eval(st, rec, Phase.DRAFT, rnd, [pos], [token])
-        if staged is not None:
-            rec.readback(staged, row[None, :])  # (1, n_embd)
         dft.decode_tokens_embd([token], row[None, :], [pos], outputs=True)
         logits = dft.logits(0)
         rec.readback(names.DRAFT_LOGITS, logits[None, :])  # (1, n_vocab)

@@ -20,8 +20,9 @@ EAGLE3_WIRING: tuple[str, ...] = (
     names.ENC_INP_EMBD,  # the encoder's features; the decoder's token rows
     names.EAGLE3_ENC_INPUT_NORM,  # only with eagle3.norm_before_fc
     names.EAGLE3_FC_OUT,
-    # not inp_g_embeddings: the decoder's input itself, which only a norm and an add read (the shim
-    # reads inputs through consumers that cannot overwrite them); g_norm-0 carries it
+    # not inp_g_embeddings: the decoder's input itself (read by g_norm's norm and an add; a capture
+    # records it with --filter since issue 42), which g_norm-0 and ffn_inp-0 carry: as a wiring name
+    # it would make every capture before that a missing_tensor
     "embd_norm-*",
     "g_norm-*",
     "concat_embd-*",

@@ -10,10 +10,9 @@ from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, int_meta
 
 # An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
-# token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits. Not
-# mtp_h_input, the hidden rows it is handed: only a norm reads them (the shim reads inputs through
-# consumers that cannot overwrite them); mtp_hnorm-<il> carries them, and the in-process driver
-# records the rows it stages under that name (a read-back)
+# token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits, and
+# mtp_h_input, the hidden rows it is handed: a graph input only the head's hnorm reads (the shim reads a norm's
+# source before the norm runs); captures before issue 42 have it in-process only, read back through the API
 MTP_WIRING: tuple[str, ...] = (
     "mtp_tok_embd-*",
     "mtp_hnorm-*",
@@ -26,7 +25,7 @@ MTP_WIRING: tuple[str, ...] = (
     names.H_NEXTN,
     names.RESULT_OUTPUT,
     names.DRAFT_LOGITS,
-    names.MTP_H_INPUT,  # a read-back in-process (above)
+    names.MTP_H_INPUT,  # a graph input (above)
 )
 # what an MTP head reads of its target: the post-final-norm hidden of every row (mimo2's: before the final norm; llama.cpp's
 # llama_set_embeddings_nextn, unmasked), and the verify logits

@@ -3,7 +3,8 @@
  *
  * The scheduler calls the callback twice per node: ask=true before computing (return true to be
  * called again), then ask=false once the node's data is ready. Each node we ask for ends a
- * sub-graph and forces a backend synchronize, so the ask phase decides from the filters alone.
+ * sub-graph and forces a backend synchronize, so the ask phase decides from the filters alone; it
+ * records only a graph input read before its consumer runs (a norm's source, read_point below).
  */
 #define _GNU_SOURCE
 #include "featdiff_shim.h"
@@ -275,14 +276,27 @@ static void follow_graph(struct fd_tag_state * s, const struct ggml_tensor * t) 
     graph_insert(g, t);
 }
 
-/* A graph input (leaf) is read when a consumer of it is evaluated, after that consumer ran: safe
- * unless the consumer may have written the input's bytes. That is an in-place op (its result a
- * view of the input: ggml_*_inplace, ggml_cpy's and ggml_set_rows' destination) or a consumer
- * ggml-alloc handed the input's own memory (an op it may compute in place, the input's last
- * reader); a view, a reshape, a permute or a transpose computes nothing. The consumers taken are
- * the same on the CPU and on a device (where the consumer reads the scheduler's copy): a matrix
- * multiplication, ROPE's positions, GET_ROWS' row ids, and a view of the input (issue 42 item 4),
- * so a capture of every node records the same inputs wherever the graph ran. */
+/* A graph input (leaf) is read where a consumer of it is evaluated, from the tensor that consumer
+ * reads: the input, or on another backend the scheduler's copy of it (below). The consumers taken
+ * are the same on the CPU and on a device, so a capture of every node records the same inputs
+ * wherever the graph ran:
+ *  - after the consumer ran (FD_READ_AFTER): a matrix multiplication, ROPE's positions, GET_ROWS'
+ *    row ids, and a view of the input (issue 42 item 4), unless the consumer may have written the
+ *    input's bytes. That is an in-place op (its result a view of the input: ggml_*_inplace,
+ *    ggml_cpy's and ggml_set_rows' destination) or a consumer ggml-alloc handed the input's own
+ *    memory (an op it may compute in place, the input's last reader); a view, a reshape, a permute
+ *    or a transpose computes nothing.
+ *  - before the consumer runs (FD_READ_BEFORE): a norm's source (RMS_NORM, NORM; issue 42, an input
+ *    only a norm reads, as an MTP head's mtp_h_input). ggml-alloc computes RMS_NORM in place, in
+ *    the memory of its source when the norm is its last reader, so after the norm the input may be
+ *    gone. Before it, the input is whole: the scheduler asks about a node once the nodes before it
+ *    that it asked for have run (and their backend synchronized), the graph inputs were set before
+ *    the graph ran and their copies made, synchronously, before the split's first node is asked
+ *    about (ggml_backend_sched_compute_splits), and no earlier node was given the input's memory
+ *    (ggml-alloc gives it only to its last reader, and the norm reads it later). A norm that is
+ *    not computed (a branch ggml_build_forward_select left out) reads nothing. */
+enum { FD_READ_NEVER, FD_READ_AFTER, FD_READ_BEFORE };
+
 static int is_view_op(enum ggml_op op) {
     return op == GGML_OP_VIEW || op == GGML_OP_RESHAPE || op == GGML_OP_PERMUTE || op == GGML_OP_TRANSPOSE;
 }
@@ -296,16 +310,24 @@ static int may_overwrite(const struct ggml_tensor * node, const struct ggml_tens
     return a < b + ggml_nbytes(src) && b < a + ggml_nbytes(node);
 }
 
-/* A scheduler copy (below) is taken as a MUL_MAT's second operand, ROPE's positions, GET_ROWS' row
- * ids, or a view's source only: llama.cpp multiplies weight x activation, and a model weight the
- * scheduler copies to a device (op offload) is a MUL_MAT's first operand. */
-static int is_safe_consumer(const struct ggml_tensor * node, int i, int is_copy) {
-    if (may_overwrite(node, node->src[i])) return 0;
+/* When src[i] of `node` may be read (FD_READ_*). A scheduler copy (below) is taken as a MUL_MAT's
+ * second operand, ROPE's positions, GET_ROWS' row ids, a view's source or a norm's source only:
+ * never a model weight. llama.cpp multiplies weight x activation, so a weight the scheduler copies
+ * to a device (op offload) is a MUL_MAT's first operand; a norm's source is the activation it
+ * normalizes (build_norm multiplies by the norm's weight after it, in a MUL). */
+static int read_point(const struct ggml_tensor * node, int i, int is_copy) {
     switch (node->op) {
-        case GGML_OP_MUL_MAT:  return !is_copy || i == 1;
-        case GGML_OP_ROPE:     return i == 1;
-        case GGML_OP_GET_ROWS: return i == 1;
-        default:               return is_view_op(node->op) && i == 0;
+        case GGML_OP_RMS_NORM:
+        case GGML_OP_NORM:
+            return i == 0 && (node->flags & GGML_TENSOR_FLAG_COMPUTE) ? FD_READ_BEFORE : FD_READ_NEVER;
+        default: break;
+    }
+    if (may_overwrite(node, node->src[i])) return FD_READ_NEVER;
+    switch (node->op) {
+        case GGML_OP_MUL_MAT:  return !is_copy || i == 1 ? FD_READ_AFTER : FD_READ_NEVER;
+        case GGML_OP_ROPE:
+        case GGML_OP_GET_ROWS: return i == 1 ? FD_READ_AFTER : FD_READ_NEVER;
+        default:               return is_view_op(node->op) && i == 0 ? FD_READ_AFTER : FD_READ_NEVER;
     }
 }
 
@@ -339,21 +361,26 @@ static int was_computed(const struct fd_tag_state * s, const char * name) {
     return 0;
 }
 
-/* Whether src[i] of `node` is a graph input (ggml_set_input, not a model weight nor a computed
- * node) read safely through this consumer; `name` gets the input's own name. The input itself
- * carries the flag; a scheduler copy of it is one unless the graph computed a node of that name
- * (then it is a copy of that node's output, recorded as the node). */
+static void record_tensor(fd_capture * cap, int ubatch, int role, const struct ggml_tensor * t, const char * name,
+                          int occurrence, int is_leaf);
+
+/* Where src[i] of `node` may be read (FD_READ_*) when it is a graph input (ggml_set_input, not a
+ * model weight nor a computed node); `name` gets the input's own name. The input itself carries
+ * the flag; a scheduler copy of it is one unless the graph computed a node of that name (then it
+ * is a copy of that node's output, recorded as the node). */
 static int input_source(const struct fd_tag_state * s, const struct ggml_tensor * node, int i,
                         char name[GGML_MAX_NAME]) {
     const struct ggml_tensor * src = node->src[i];
-    if (!src || src->op != GGML_OP_NONE || !src->buffer) return 0;
-    if (copied_from(src->name, name)) return is_safe_consumer(node, i, 1) && !was_computed(s, name);
+    if (!src || src->op != GGML_OP_NONE || !src->buffer) return FD_READ_NEVER;
+    if (copied_from(src->name, name)) return was_computed(s, name) ? FD_READ_NEVER : read_point(node, i, 1);
     snprintf(name, GGML_MAX_NAME, "%s", src->name);
-    return (src->flags & GGML_TENSOR_FLAG_INPUT) && is_safe_consumer(node, i, 0);
+    return src->flags & GGML_TENSOR_FLAG_INPUT ? read_point(node, i, 0) : FD_READ_NEVER;
 }
 
 /* The inputs of `node` to record (each once per graph, under its own name, from whichever
- * tensor holds its data: the input, or the scheduler's copy on the consumer's backend). */
+ * tensor holds its data: the input, or the scheduler's copy on the consumer's backend): those
+ * read before `node` runs are recorded now, in the ask phase; the others are left pending for
+ * the phase after it. */
 static void select_leafs(struct fd_tag_state * s, const struct ggml_tensor * node) {
     fd_capture * cap = s->tag.cap;
     if (s->leaf_eval != cap->eval) {
@@ -363,10 +390,16 @@ static void select_leafs(struct fd_tag_state * s, const struct ggml_tensor * nod
     s->pending.n_leafs = 0;
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
         char * name = s->pending.leaf_names[s->pending.n_leafs];
-        if (!input_source(s, node, i, name) || leaf_done(s, name) || !matches(cap, s->tag.role, name)) continue;
+        const int when = input_source(s, node, i, name);
+        if (when == FD_READ_NEVER || leaf_done(s, name) || !matches(cap, s->tag.role, name)) continue;
         if (s->n_leafs_done == FD_MAX_LEAFS) break;
         memcpy(s->leafs_done[s->n_leafs_done++], name, strlen(name) + 1);   /* < GGML_MAX_NAME */
-        s->pending.leafs[s->pending.n_leafs++] = node->src[i];
+        if (when == FD_READ_BEFORE) {
+            record_tensor(cap, s->graph.ubatch, s->tag.role, node->src[i], name,
+                          next_occurrence(cap, s->tag.role, name), 1);
+        } else {
+            s->pending.leafs[s->pending.n_leafs++] = node->src[i];
+        }
     }
 }
 
