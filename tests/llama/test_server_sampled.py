@@ -286,11 +286,11 @@ def test_mtp_a_sampled_request_on_a_slot_that_served_names_stale_pending(tools, 
     compared = _featdiff("compare", ref, run, "--json", "-")
     errors = [f for f in json.loads(compared.stdout)["findings"] if f["severity"] == "error"]
     named = [(f["kind"], f["tensor"], f.get("source"), f.get("flow")) for f in errors]
-    assert compared.returncode == 1 and named == [("wrong_source", "mtp_hnorm-6", "stale_pending", 1)], [
+    assert compared.returncode == 1 and named == [("wrong_source", "mtp_h_input", "stale_pending", 1)], [
         f["message"] for f in errors
     ]
     assert "pending_h" in errors[0]["message"]
     check = _featdiff("check", *kind.check_models(d), "--run", run)
     out = check.stdout + check.stderr
-    assert check.returncode == 1 and "wrong_source at mtp_hnorm-6" in out and "pending_h" in out, out[-3000:]
+    assert check.returncode == 1 and "wrong_source at mtp_h_input" in out and "pending_h" in out, out[-3000:]
     assert "- divergence at" not in out, out[-3000:]
