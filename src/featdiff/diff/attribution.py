@@ -27,6 +27,7 @@ from featdiff.diff.detectors.steps import ANOTHER_SEQUENCE_SOURCE, SEED_STATE_SO
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
+from featdiff.kinds import registry as kinds
 
 # Kinds about what the graph was handed (rows, positions, tokens, the flow): the driver's
 FED_KINDS: tuple[str, ...] = ("row_shift", "misplaced_rows", "position_offset", "stale", "duplicate_rows")
@@ -61,8 +62,9 @@ UNCHECKED_INPUTS = (
     "unnamed lies between them), so a wrong input (rows or a state the driver handed over) and a wrong node "
     "look the same here; the graph naming the nodes before it (its cb() names) would decide it"
 )
-# The layer an MTP head is handed is its target graph's choice: no GGUF key names it, and the driver
-# copies the rows the graph exposes (t_h_nextn, read by llama_get_embeddings_nextn)
+# The layer a graph-handed input holds (a kind's `graph_handed`: an MTP head's hidden) is its target
+# graph's choice: no GGUF key names it, and the driver copies the rows the graph exposes (t_h_nextn,
+# read by llama_get_embeddings_nextn)
 HANDED_LAYER = (
     "the head is handed the rows its target's graph exposes as t_h_nextn (the driver copies them, no GGUF key "
     "names the layer), and the reference read the same weights: the target graph chose that layer"
@@ -116,7 +118,7 @@ def place(f: Finding, export: Export, inputs: Collection[str]) -> WhereFields:
     """Where one error finding's fault lives, by the rules of the module docstring."""
     if f.kind in FED_KINDS or _fed_source(f) or _fed_zeros(f):
         return WhereFields("driver", FED.format(what=_what_fed(f)))
-    if f.kind in LAYER_KINDS and f.tensor == names.MTP_H_INPUT:
+    if f.kind in LAYER_KINDS and f.tensor in kinds.ALL_GRAPH_HANDED:
         return _handed_layer_place(export)
     if f.tensor in inputs and f.kind != "wrong_source":  # another node's state handed over: the graph chose it
         return _input_place(f, export)

@@ -93,6 +93,9 @@ class DrafterKind:
     first_draft_row: Callable[[GgufModel], int] | None = gguf_first_draft_row
     # its section of docs/modelled.md (the module docstring); the DFlash graph's by default
     modelled_doc: Callable[[], list[str]] | None = dflash_markdown
+    # graph inputs whose rows the target's graph chooses and the driver only copies (an MTP head's
+    # handed hidden, t_h_nextn): another layer there is the target graph's (diff/attribution.py)
+    graph_handed: tuple[str, ...] = ()
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -201,6 +204,7 @@ KINDS: tuple[DrafterKind, ...] = (
         is_checkpoint=is_mtp_checkpoint,
         first_draft_row=None,
         modelled_doc=mtp_markdown,
+        graph_handed=(names.MTP_H_INPUT,),
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
@@ -210,6 +214,8 @@ DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS if k.stand
 ALL_DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS for a in k.archs))
 # every kind's drafter records: what a capture around a program keeps before it knows the drafter
 ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g in k.wiring))
+# every kind's graph-handed inputs (`graph_handed`)
+ALL_GRAPH_HANDED: tuple[str, ...] = tuple(dict.fromkeys(r for k in KINDS for r in k.graph_handed))
 
 
 def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> DrafterKind:
