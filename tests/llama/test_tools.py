@@ -72,6 +72,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0011-step-faults-2.patch",
         "0012-block-sample-other-slot.patch",
         "0013-step-faults-3.patch",
+        "0014-step-other-seq.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -87,7 +88,12 @@ def test_the_project_patches_name_the_files_they_change():
         "src/models/glm4-moe.cpp",
         "src/models/mimo2.cpp",
     }
-    assert touched["0009-step-faults.patch"] == touched["0011-step-faults-2.patch"] == {"common/speculative.cpp"}
+    assert (
+        touched["0009-step-faults.patch"]
+        == touched["0011-step-faults-2.patch"]
+        == touched["0014-step-other-seq.patch"]
+        == {"common/speculative.cpp"}
+    )
     # the DFlash driver's rows and libllama's backend-sampled rows
     assert touched["0012-block-sample-other-slot.patch"] == {"common/speculative.cpp", "src/llama-context.cpp"}
     assert touched["0013-step-faults-3.patch"] == {
