@@ -223,3 +223,12 @@ def test_another_sequence_silent_without_siblings_or_where_the_rows_are_no_sibli
     zeros = ref.copy()
     zeros[1:] = 0.0  # every sequence's steps fed zeros: zeros' finding, not another sequence's
     assert d.detect_wrong_source_of_another_sequence(replace(ev, run=zeros, siblings=np.zeros_like(ref))) is None
+
+
+def test_the_step_state_records_are_each_step_drafter_kinds_own():
+    """The kinds registry says which records hold a step's state: EAGLE3's g (per layer) and the MTP
+    head's hidden input and its norm; nothing else, and no name that merely starts alike."""
+    from featdiff.kinds.registry import is_step_state
+
+    assert all(map(is_step_state, ["g_norm-0", "mtp_h_input", "mtp_hnorm-6", "mtp_hnorm-48"]))
+    assert not any(map(is_step_state, ["g_norm", "mtp_h_input-2", "mtp_hnormx", "result_output", "l_out-3"]))

@@ -46,7 +46,7 @@ def _compared(tools, eagle3_pairs, mtp_pairs, kind: str, tmp_path: Path):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_step_fed_another_sequences_state_is_named_with_that_sequence(tools, eagle3_pairs, mtp_pairs, kind, tmp_path):
-    from featdiff.diff.detectors.steps import is_step_state
+    from featdiff.kinds.registry import is_step_state
     from featdiff.dump import read_dump
 
     c, d, run = _compared(tools, eagle3_pairs, mtp_pairs, kind, tmp_path)

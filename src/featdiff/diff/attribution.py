@@ -23,7 +23,7 @@ from featdiff.diff.detectors.choices import ANOTHER_ROW_SAMPLED, DRAFT_ROWS_SOUR
 from featdiff.diff.detectors.kvcache import KEPT_ROW_SOURCE, RESTORED_SOURCE
 from featdiff.diff.detectors.numeric import STALE_PENDING_SOURCE
 from featdiff.diff.detectors.readback import SOURCE_ANOTHER_OUTPUT_ROW
-from featdiff.diff.detectors.steps import ANOTHER_SEQUENCE_SOURCE, SEED_STATE_SOURCE, is_step_state
+from featdiff.diff.detectors.steps import ANOTHER_SEQUENCE_SOURCE, SEED_STATE_SOURCE
 from featdiff.diff.export import Export
 from featdiff.diff.fields import Where, WhereFields
 from featdiff.diff.result import Finding
@@ -137,7 +137,7 @@ def _fed_source(f: Finding) -> bool:
 
 def _fed_zeros(f: Finding) -> bool:
     """Zeros in the state a draft step is fed: a row the driver handed over (set_embd), never written."""
-    return f.kind == "zeros" and is_step_state(f.tensor)
+    return f.kind == "zeros" and kinds.is_step_state(f.tensor)
 
 
 def _what_fed(f: Finding) -> str:

@@ -17,7 +17,6 @@ from featdiff.diff.align import Pair, Side, drafter_arch, row_contexts
 from featdiff.diff.aligned import pair_arrays, side_rows
 from featdiff.diff.arrays import MemberIndex, index_members, read_array
 from featdiff.diff.detectors.base import Evidence, Rope
-from featdiff.diff.detectors.steps import is_step_state
 from featdiff.diff.fields import Where
 from featdiff.diff.sketch import LayerMatch, compare_sketches, projection, sample_rows, sketch, slot_sketches
 from featdiff.diff.tolerance import EXACT, Tolerance
@@ -212,7 +211,7 @@ def _siblings(run: Source, pair: Pair) -> tuple[np.ndarray | None, tuple[tuple[i
     other sequences of a decode the program split per sequence, docs/flow.md), (S, D), and each
     row's (flow, sequence, position)."""
     whole = run.dump.manifest
-    if run.view is None or not whole.flows or not pair.alignment.positions or not is_step_state(pair.name):
+    if run.view is None or not whole.flows or not pair.alignment.positions or not kinds.is_step_state(pair.name):
         return None, ()  # only the state a draft step is fed is held against its siblings
     own = {e.flow for e in run.manifest.evals}
     seq_of = {f.flow: f.seq_id for f in whole.flows}

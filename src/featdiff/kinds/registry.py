@@ -96,6 +96,9 @@ class DrafterKind:
     # graph inputs whose rows the target's graph chooses and the driver only copies (an MTP head's
     # handed hidden, t_h_nextn): another layer there is the target graph's (diff/attribution.py)
     graph_handed: tuple[str, ...] = ()
+    # the records holding the state a one-token draft step is fed (a name, or a prefix ending in "-"
+    # for a per-layer record): what the step-state detectors judge (diff/detectors/steps.py)
+    step_state: tuple[str, ...] = ()
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -168,6 +171,7 @@ KINDS: tuple[DrafterKind, ...] = (
         is_checkpoint=is_eagle3_config,
         first_draft_row=None,
         modelled_doc=eagle3_markdown,
+        step_state=(f"{names.EAGLE3_G_NORM}-",),  # g, normed as its first layer reads it
     ),
     DrafterKind(
         MTP,
@@ -205,6 +209,7 @@ KINDS: tuple[DrafterKind, ...] = (
         first_draft_row=None,
         modelled_doc=mtp_markdown,
         graph_handed=(names.MTP_H_INPUT,),
+        step_state=(names.MTP_H_INPUT, f"{names.MTP_HNORM}-"),  # the head's hidden input and its norm
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
@@ -216,6 +221,13 @@ ALL_DRAFTER_ARCHS: tuple[str, ...] = tuple(dict.fromkeys(a for k in KINDS for a 
 ALL_DRAFT_WIRING: tuple[str, ...] = tuple(dict.fromkeys(g for k in KINDS for g in k.wiring))
 # every kind's graph-handed inputs (`graph_handed`)
 ALL_GRAPH_HANDED: tuple[str, ...] = tuple(dict.fromkeys(r for k in KINDS for r in k.graph_handed))
+# every kind's step-state records (`step_state`)
+ALL_STEP_STATE: tuple[str, ...] = tuple(dict.fromkeys(r for k in KINDS for r in k.step_state))
+
+
+def is_step_state(record: str) -> bool:
+    """Whether `record` holds the state a one-token draft step is fed, in some kind (`step_state`)."""
+    return any(record == s or (s.endswith("-") and record.startswith(s)) for s in ALL_STEP_STATE)
 
 
 def kind_of(arch: str, tensors: object = (), where: str = "the drafter") -> DrafterKind:

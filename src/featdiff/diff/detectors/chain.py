@@ -19,11 +19,11 @@ from featdiff.core.names import ROLE_DRAFT
 from featdiff.core.phases import Phase
 from featdiff.diff.batches import Batch, batches
 from featdiff.diff.detectors.base import Evidence, error_finding, explains, fix_by_place, same_shape
-from featdiff.diff.detectors.steps import is_step_state
 from featdiff.diff.fields import WhereFields, WrongSourceFields
 from featdiff.diff.metrics import row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.dump import Manifest
+from featdiff.kinds.registry import is_step_state
 
 # wrong_source's `source` when a draft step ran another trained head than its own (docs/findings.md)
 CHAIN_HEAD_SOURCE = "chain_head"

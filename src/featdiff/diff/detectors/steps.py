@@ -18,6 +18,7 @@ from featdiff.diff.fields import PositionOffsetFields, WrongSourceFields, ZerosF
 from featdiff.diff.metrics import row_relative_error
 from featdiff.diff.result import Finding
 from featdiff.dump import Manifest
+from featdiff.kinds.registry import is_step_state
 
 # wrong_source's `source` when a draft step past the first was fed the state the seed made (the
 # state step 1 was fed) instead of the previous step's (docs/findings.md)
@@ -25,10 +26,6 @@ SEED_STATE_SOURCE = "seed_state"
 # wrong_source's `source` when a draft step of one sequence was fed another sequence's state (the
 # row that sequence's step made, in the same decode)
 ANOTHER_SEQUENCE_SOURCE = "another_sequence"
-# the records that hold the state a draft step is fed: EAGLE3's g (normed, as its first layer reads
-# it), the MTP head's hidden input and its norm
-STEP_STATE_RECORDS = (names.MTP_H_INPUT,)
-STEP_STATE_PREFIXES = (f"{names.EAGLE3_G_NORM}-", f"{names.MTP_HNORM}-")
 
 
 # --- the positions of the seed and each step -----------------------------------------------------
@@ -113,10 +110,6 @@ def _step_finding(batch: Batch, ref_batch: Batch, step: int, k: int) -> Finding:
 
 
 # --- the state each step is fed -------------------------------------------------------------------
-
-
-def is_step_state(record: str) -> bool:
-    return record in STEP_STATE_RECORDS or record.startswith(STEP_STATE_PREFIXES)
 
 
 def detect_wrong_source_of_step_state(ev: Evidence) -> Finding | None:
