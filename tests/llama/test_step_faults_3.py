@@ -6,7 +6,7 @@ applied, read one entry ahead: `wrong_source` at `result_output`, never `nonfini
 is handed (every slot on the first, in the driver: `layer_offset`; each slot its layer's attention
 norm, in the qwen3 graph: `wrong_source`), and GLM-4.5's graphs (the head's two norms crossed:
 `wrong_source` naming the other norm; the hidden of the layer before the trunk's last handed over:
-`layer_offset`)."""
+`layer_offset`), and 0015's first layer's hidden handed over, five layers back: `layer_offset`."""
 
 from __future__ import annotations
 
@@ -131,21 +131,32 @@ def test_glm4moe_mtp_norms_crossed_in_the_graph_are_a_wrong_source_naming_the_ot
     assert "re-export" not in first.message and "converter" not in first.message
 
 
+# fault -> the target layer whose output the head is handed (the trunk's last is 5) and the words
+LAYER_FAULTS = {
+    "mtp-glm4moe-hidden-layer-before": (4, "1 layer before"),  # 0013: the last layer's input
+    "mtp-glm4moe-hidden-layer-first": (0, "5 layers before"),  # 0015: the first layer's output
+}
+
+
+@pytest.mark.parametrize("fault", LAYER_FAULTS)
 @pytest.mark.parametrize("where", ["in-process", "around the program"])
 def test_glm4moe_handing_its_head_an_earlier_layers_hidden_is_a_layer_offset_naming_the_layers(
-    tools, mtp_pairs, tmp_path, monkeypatch, where
+    tools, mtp_pairs, tmp_path, monkeypatch, where, fault
 ):
-    """The glm4-moe target hands its head the last trunk layer's input under the final norm: layer
-    4's output where the trunk's last is 5 (the reference's `@h=l_out-<il>` candidates), named at
-    the head's input `mtp_h_input` in-process and around the program alike (a graph input only the
-    head's norm reads, captured since issue 42), in the target's graph, which exposes that layer."""
-    d, fault = mtp_pairs("mtp-glm4moe"), "mtp-glm4moe-hidden-layer-before"
+    """The glm4-moe target hands its head an earlier layer's output under the final norm: layer 4's
+    (the last trunk layer's input, 0013) or layer 0's (the first's, 0015) where the trunk's last is 5
+    (the reference's `@h=l_out-<il>` candidates, every layer of this trunk), named at the head's
+    input `mtp_h_input` in-process and around the program alike (a graph input only the head's norm
+    reads, captured since issue 42), in the target's graph, which exposes that layer."""
+    d, (layer, before) = mtp_pairs("mtp-glm4moe"), LAYER_FAULTS[fault]
     errors = planted(where, tools, "mtp", d, fault, tmp_path, monkeypatch)
     assert errors, "the earlier layer's hidden was not named"
     first = errors[0]
     assert (first.kind, first.tensor) == ("layer_offset", "mtp_h_input"), [f.message for f in errors]
-    assert (first.fields["observed_layer"], first.fields["expected_layer"], first.fields["delta"]) == (4, 5, -1)
-    assert "target layer 4's output" in first.message and "t_h_nextn" in first.message, first.message
+    assert (first.fields["observed_layer"], first.fields["expected_layer"]) == (layer, 5)
+    assert first.fields["delta"] == layer - 5
+    assert f"target layer {layer}'s output" in first.message and before in first.message, first.message
+    assert "t_h_nextn" in first.message, first.message
     assert first.fields["where"] == "graph", first.fields["where_reason"]
 
 

@@ -13,9 +13,10 @@ from featdiff.torchref.attention import empty_cache
 from featdiff.torchref.mtp.head import decode, mtp_from_gguf
 from featdiff.torchref.numerics import rms_norm
 
-pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
+SLOW = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
 
+@SLOW
 @pytest.mark.parametrize("variant", ["mtp", "mtp-glm4moe"])
 def test_one_decode_records_the_crossed_norms_and_each_handed_layer(mtp_pairs, variant):
     head = mtp_from_gguf(mtp_pairs(variant) / "target.gguf", torch.float32, torch.device("cpu"))
@@ -31,3 +32,18 @@ def test_one_decode_records_the_crossed_norms_and_each_handed_layer(mtp_pairs, v
     assert torch.equal(got[f"mtp_enorm-{il}@norm=hnorm"], rms_norm(e, head.hnorm, eps))
     assert torch.equal(got["mtp_h_input@h=l_out-4"], earlier)
     assert torch.equal(got[f"mtp_hnorm-{il}@h=l_out-4"], rms_norm(earlier, head.hnorm, eps))
+
+
+@pytest.mark.parametrize(
+    ("n_layer", "n_embd", "layers"),
+    [
+        (6, 32, [4, 3, 2, 1, 0]),  # the fixtures: every layer before the last
+        (1, 32, []),  # no layer before the last
+        (61, 7168, [59 - k for k in range(9)]),  # DeepSeek-V3's width: the 9 nearest fit in 65536 values
+        (40, 65536, [38, 37]),  # wider than the budget: still the two nearest
+    ],
+)
+def test_the_handed_layer_hypotheses_cover_every_layer_that_fits(n_layer, n_embd, layers):
+    from featdiff.torchref.mtp.flow import shallower_layers
+
+    assert list(shallower_layers(n_layer, n_embd)) == layers

@@ -372,7 +372,7 @@ HYP_H_BATCH_LAST = "h=batch_last"
 HYP_NORM_ENORM = "norm=enorm"
 HYP_NORM_HNORM = "norm=hnorm"
 # ...@h=l_out-<il>: the head handed the output of target layer il, a layer before the trunk's last,
-# under the hand-over's norm (the reference records the two layers before the last)
+# under the hand-over's norm (the reference records every layer before the last that fits its budget)
 HYP_H_LAYER = "h=l_out-"
 
 

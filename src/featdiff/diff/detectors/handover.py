@@ -2,7 +2,7 @@
 Consumes one pair's `Evidence` (the head's input `mtp_h_input`, or its norm `mtp_hnorm-<il>` where a
 program's capture sees the input normed) and the reference's `<record>@h=l_out-<il>` candidates:
 the rows the head would be handed were it given target layer il's output (the reference records the
-layers just before the last, so the deepest candidate's layer + 1 is the last). Returns `Finding | None`.
+layers before the last, nearest first, so the nearest candidate's layer + 1 is the last). Returns `Finding | None`.
 """
 
 from __future__ import annotations

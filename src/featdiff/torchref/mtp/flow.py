@@ -58,7 +58,18 @@ WRONG_NORM = {
 }
 
 
-SHALLOWER_LAYERS = 2  # the handed-layer hypotheses: the outputs of the layers this far before the last
+# the handed-layer hypotheses (`h=l_out-<il>`): every layer before the trunk's last, nearest first, as
+# long as they add at most this many values per handed row; a wide trunk keeps the nearest that fit
+# (at least MIN_SHALLOWER), so a real model's reference does not grow by n_layer rows per state row
+SHALLOWER_VALUES = 1 << 16
+MIN_SHALLOWER = 2
+
+
+def shallower_layers(n_layer: int, n_embd: int) -> range:
+    """The layers whose output the reference hands the head as `h=l_out-<il>` hypotheses, nearest
+    the trunk's last first: all n_layer - 1 of them where they fit in SHALLOWER_VALUES per row."""
+    count = min(n_layer - 1, max(MIN_SHALLOWER, SHALLOWER_VALUES // max(n_embd, 1)))
+    return range(n_layer - 2, n_layer - 2 - count, -1)
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,7 @@ def target_hidden(target: Target, tp: TargetPass, is_prenorm: bool) -> _Hidden:
     # layer il's output is layer il + 1's input, handed over under the arch's convention
     shallower = tuple(
         (il, tp.layer_inputs[il + 1] if is_prenorm else normed(tp.layer_inputs[il + 1]))
-        for il in range(n - 2, max(n - 2 - SHALLOWER_LAYERS, -1), -1)
+        for il in shallower_layers(n, pre.shape[-1])
     )
     return _Hidden(pre, post, shallower) if is_prenorm else _Hidden(post, pre, shallower)
 
