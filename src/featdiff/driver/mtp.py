@@ -16,6 +16,10 @@ Mirrors upstream `examples/speculative-simple` with `--spec-type draft-mtp` and
   position, top-1 of the sampler's top 10, stopping below `p_min` or at `draft_max`;
 * `accept()`: the pending row becomes the verify's hidden row at the accepted length.
 
+Gemma 4's assistant (`gemma4-assistant`, `MtpConfig.shares_memory`: its context's memory is the
+target's, `ctx_other`; common/speculative.cpp `is_mem_shared`) decodes no catch-up rows and drafts
+every step at n_past, its own h_nextn (the target's width) recycled.
+
 Evals carry the DFlash phases (featdiff.core.phases): the steps are the round's `draft` evals, the
 catch-up decodes its `inject` evals.
 """
@@ -42,6 +46,7 @@ class MtpConfig:
     p_min: float = 0.0  # --spec-draft-p-min: drafting stops below this top-1 probability
     n_heads: int = 1  # llama_model_n_layer_nextn: more than one are chained (driver/mtp_chain.py)
     kind: str = "mtp"
+    shares_memory: bool = False  # Gemma 4's assistant: attends over the target's KV cache (is_mem_shared)
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -67,6 +72,7 @@ def nextn_layers(model: Model) -> int:
 def flow_config(draft: Model, draft_max: int, p_min: float = 0.0) -> MtpConfig:
     """The settings common_speculative_impl_draft_mtp reads from the head's model."""
     n_heads = nextn_layers(draft)
+    shared = draft.meta(names.KEY_ARCH) == names.ARCH_GEMMA4_ASSISTANT  # all its layers in one graph
     if n_heads < 1:
         raise InputError(
             f"{draft.path}: {n_heads} MTP blocks; featdiff models a trained head (re-convert without --no-mtp to "
@@ -74,7 +80,7 @@ def flow_config(draft: Model, draft_max: int, p_min: float = 0.0) -> MtpConfig:
         )
     if draft_max < 1:
         raise InputError(f"--draft-max {draft_max}: expected >= 1 draft per round (llama.cpp's --spec-draft-n-max)")
-    return MtpConfig(draft_max, p_min, n_heads)
+    return MtpConfig(draft_max, p_min, 1 if shared else n_heads, shares_memory=shared)
 
 
 def enable(tgt: Context, dft: Context, cfg: MtpConfig) -> None:
@@ -109,9 +115,10 @@ def _process(
     (token k, hidden k-1), the first token with the pending row; keep the batch's hidden rows,
     the last one pending."""
     hidden = tgt.nextn_rows(len(positions))  # (n_tokens, n_embd): unmasked, one per batch row
-    rows = np.concatenate([st.pending_h[None, :], hidden[:-1]])  # (n_tokens, n_embd)
-    open_eval(st, rec, Phase.INJECT, rnd, positions, tokens)
-    dft.decode_tokens_embd(tokens, rows, positions, outputs=False)
+    if not _shares_memory(dft):  # the assistant reads the target's own cache: nothing to catch up
+        rows = np.concatenate([st.pending_h[None, :], hidden[:-1]])  # (n_tokens, n_embd)
+        open_eval(st, rec, Phase.INJECT, rnd, positions, tokens)
+        dft.decode_tokens_embd(tokens, rows, positions, outputs=False)
     st.verify_h, st.pending_h = hidden, hidden[-1].copy()
 
 
@@ -139,5 +146,12 @@ def _round(
 def _draft(dft: Context, st: MtpState, rec: Recorder, cfg: MtpConfig, rnd: int) -> list[int]:
     """draft(): the freshest target token with the pending row at n_past, then one decode per
     draft with the previous step's h_nextn (driver.step_drafts); the capture records the rows handed
-    over as the graph's input `mtp_h_input`."""
+    over as the graph's input `mtp_h_input`. Gemma 4's assistant drafts every step at n_past."""
+    if cfg.shares_memory:
+        return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past, advance=0, width=st.n_embd)
     return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past)
+
+
+def _shares_memory(dft: Context) -> bool:
+    """The draft context attends over the target's KV cache (Gemma 4's assistant: is_mem_shared)."""
+    return dft.model.meta(names.KEY_ARCH) == names.ARCH_GEMMA4_ASSISTANT

@@ -145,11 +145,15 @@ def step_drafts(
     token: int,
     row: np.ndarray,
     pos: int,
+    advance: int = 1,
+    width: int | None = None,
 ) -> list[int]:
     """A round's draft steps of a one-token-per-decode drafter (EAGLE3's, MTP's draft()): `token`
     with the state `row` (n_embd,) at `pos`, then one decode per draft, each with the previous
-    step's nextn row at the next position; top-1 of the sampler's top 10, stopping below `p_min`
-    or at `draft_max`. Each step's logits are recorded as `draft_logits`."""
+    step's nextn row (`width` floats, default the drafter's n_embd) `advance` positions on (0: Gemma
+    4's assistant drafts every step at `pos`, its rows at the target's width);
+    top-1 of the sampler's top 10, stopping below `p_min` or at `draft_max`. Each step's logits
+    are recorded as `draft_logits`."""
     drafts: list[int] = []
     while True:
         open_eval(st, rec, Phase.DRAFT, rnd, [pos], [token])
@@ -162,7 +166,7 @@ def step_drafts(
         drafts.append(token)
         if len(drafts) >= cfg.draft_max:
             return drafts
-        row, pos = dft.nextn_row(0), pos + 1
+        row, pos = dft.nextn_row(0, width), pos + advance
 
 
 def top1(logits: np.ndarray) -> tuple[int, float]:

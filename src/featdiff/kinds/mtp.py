@@ -27,6 +27,27 @@ MTP_WIRING: tuple[str, ...] = (
     names.DRAFT_LOGITS,
     names.MTP_H_INPUT,  # a graph input (above)
 )
+# Gemma 4's assistant's graph (gemma4-assistant.cpp): the target's scaled token rows, their concat with
+# the handed hidden and pre_projection, per layer its norm, query (normed, roped), attention output and
+# the residuals around the FFN, the final norm, the logits and h_nextn (torchref/mtp/gemma4_assistant.py)
+GEMMA4_ASSISTANT_WIRING: tuple[str, ...] = (
+    "inp_embd_target",
+    "inp_xh",
+    "pre_proj",
+    "attn_norm-*",
+    "Qcur_pos-*",
+    "kqv_out-*",
+    "attn_post_norm-*",
+    "attn_out-*",
+    "ffn_out-*",
+    "out_scaled-*",
+    names.RESULT_NORM,
+    names.H_NEXTN,
+    names.RESULT_OUTPUT,
+    names.DRAFT_LOGITS,
+)
+# the drafter records of an MTP architecture whose graph is not graph_mtp's (MTP_WIRING)
+ARCH_WIRING: dict[str, tuple[str, ...]] = {names.ARCH_GEMMA4_ASSISTANT: GEMMA4_ASSISTANT_WIRING}
 # what an MTP head reads of its target: the post-final-norm hidden of every row (mimo2's: before the final norm; llama.cpp's
 # llama_set_embeddings_nextn, unmasked), and the verify logits
 MTP_TARGET_WIRING: tuple[str, ...] = (names.H_NEXTN, names.RESULT_OUTPUT)
@@ -81,22 +102,29 @@ UNMODELLED_HEADS: dict[str, str] = {
         "context (--spec-type draft-mtp) gets the trunk's graph over a KV cache holding the nextn block alone, "
         "and no head drafts to compare"
     ),
+}
+# heads featdiff models in its in-process flow (capture --target --model, then reference --follow) and
+# not around a program (capture --exec refuses them in one line: programs/exec.check_pair)
+IN_PROCESS_HEADS: dict[str, str] = {
     names.ARCH_GEMMA4_ASSISTANT: (
-        "Gemma 4's assistant drafter (gemma4-assistant.cpp, run as -md with --spec-type draft-mtp) is not "
-        "modelled: its layers have queries only and attend over the target's own KV cache (target layer "
-        "n_layer - 2's for its sliding layers, n_layer - 1's for its full ones), it is handed the target's "
-        "scaled embedding row of each token beside the target's hidden, and every draft step decodes at one "
-        "position with no catch-up; featdiff's MTP flow and reference compute a head with a KV cache of its own"
+        "Gemma 4's assistant drafter (gemma4-assistant.cpp, run as -md with --spec-type draft-mtp) is modelled "
+        "in-process only (featdiff capture --target T.gguf --model D.gguf): a capture around a program would "
+        "have to tell its draft steps apart, all at one position over the target's own KV cache, from the "
+        "program's other decodes, which featdiff does not do yet"
     ),
 }
 # checkpoint model_type -> the GGUF architecture of its unmodelled head (UNMODELLED_HEADS)
 UNMODELLED_CHECKPOINT_HEADS = {"deepseek_v4": names.ARCH_DEEPSEEK4}
 # a drafter checkpoint's own model_type (its config.json's top level) -> the GGUF architecture the
-# pinned converter writes it as (conversion/gemma.py Gemma4AssistantModel), refused (UNMODELLED_HEADS)
+# pinned converter writes it as (conversion/gemma.py Gemma4AssistantModel), read from that GGUF only
 UNMODELLED_CHECKPOINT_DRAFTERS = {
     "gemma4_assistant": names.ARCH_GEMMA4_ASSISTANT,
     "gemma4_unified_assistant": names.ARCH_GEMMA4_ASSISTANT,
 }
+GGUF_ONLY_DRAFTER = (
+    "Gemma 4's assistant is read from its converted GGUF only (conversion/gemma.py Gemma4AssistantModel writes "
+    "it); pass draft.gguf as --model"
+)
 
 
 def unmodelled_head(arch: str, n_heads: int) -> str | None:
@@ -107,8 +135,11 @@ def unmodelled_head(arch: str, n_heads: int) -> str | None:
     return f"an MTP head of architecture {arch!r}: {UNMODELLED_HEADS[arch]}; docs/modelled.md lists the heads it models"
 
 
-def refused_head(g: GgufModel) -> str | None:
-    """unmodelled_head of the GGUF `g`: its architecture and the heads it declares (nextn_predict_layers)."""
+def refused_head(g: GgufModel, in_process: bool = True) -> str | None:
+    """unmodelled_head of the GGUF `g`: its architecture and the heads it declares (nextn_predict_layers);
+    around a program (`in_process` False) a head modelled in-process only too (IN_PROCESS_HEADS)."""
+    if not in_process and g.arch in IN_PROCESS_HEADS:
+        return f"an MTP head of architecture {g.arch!r}: {IN_PROCESS_HEADS[g.arch]}; docs/modelled.md lists the heads it models"
     return unmodelled_head(g.arch, int_meta(g, names.KEY_NEXTN_LAYERS, 0))
 
 
@@ -118,8 +149,7 @@ def is_mtp_checkpoint(config: Mapping[str, Any]) -> bool:
     (UNMODELLED_CHECKPOINT_HEADS, UNMODELLED_CHECKPOINT_DRAFTERS)."""
     drafter = config.get(names.HF_MODEL_TYPE)
     if drafter in UNMODELLED_CHECKPOINT_DRAFTERS:
-        refused = unmodelled_head(UNMODELLED_CHECKPOINT_DRAFTERS[drafter], 1)
-        raise InputError(f"{names.HF_CONFIG}: model_type {drafter!r}: {refused}")
+        raise InputError(f"{names.HF_CONFIG}: model_type {drafter!r}: {GGUF_ONLY_DRAFTER}")
     text = config.get("text_config", config)
     model_type = text.get(names.HF_MODEL_TYPE)
     n_declared = int(text.get(HF_GLM_MTP_LAYERS, 0) or 0)
@@ -226,16 +256,17 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         names.ARCH_GEMMA4_ASSISTANT,
-        "nothing: Gemma 4's assistant drafter (gemma4-assistant.cpp, `-md` with `--spec-type draft-mtp`) is "
-        "refused whole",
-        "every `gemma4-assistant` GGUF, in one line (`lint`, `capture`, `capture --exec` and `reference`, "
-        "exit 2; its `gemma4_assistant` checkpoint directory too): its layers have queries only and attend "
-        "over the target's KV cache (llama-model.cpp shares its sliding layers' cache with target layer "
-        "n_layer - 2, its full layers' with n_layer - 1), its input is `pre_projection` over [the target's "
-        "token embedding times sqrt(target n_embd), the target's hidden], its `h_nextn` is "
-        "`post_projection` of its final norm, and every draft step decodes at the first draft's position "
-        "with no catch-up (common/speculative.cpp is_mem_shared). `featdiff fixture --variant "
-        "gemma4-assistant` is a pair the pinned tree drafts with",
+        "Gemma 4's assistant drafter (gemma4-assistant.cpp, `-md` with `--spec-type draft-mtp`; "
+        "torchref/mtp/gemma4_assistant.py): `pre_projection` over [the target's token row times sqrt(target "
+        "n_embd), the handed hidden]; per layer a query only (its RMS norm, NeoX RoPE, `rope_freqs` on the full "
+        "layers) attending at scale 1 over the target's own cache (a sliding layer over target layer n_layer - 2's "
+        "cells within the window, a full one over n_layer - 1's), the post-attention norm and residual, the "
+        "tanh-GELU gated FFN between `ffn_norm` and `post_ffw_norm`, times `layer_output_scale`; the logits "
+        "through its tied `token_embd` and `h_nextn` = `post_projection` of `output_norm`; its flow with no "
+        "catch-up and every draft step at the round's first position (common/speculative.cpp is_mem_shared), "
+        "in-process; from the GGUF",
+        "`capture --exec` of a program drafting with it (one line, exit 2: modelled in-process only); its "
+        "`gemma4_assistant` checkpoint directory (read it from the converted GGUF)",
     ),
 )
 

@@ -365,6 +365,8 @@ def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
             f"{key} is missing or 0: this GGUF carries no MTP head (converted with --no-mtp?); "
             "re-convert the checkpoint without --no-mtp, or with --mtp for a separate head GGUF"
         ]
+    if d.arch == names.ARCH_GEMMA4_ASSISTANT:
+        return _assistant_problems(d, t)
     il = mtp_head_block(d)  # more than one: chained heads, head k at block il + k (common/speculative.cpp chain_heads)
     if il is None:
         return [f"{names.KEY_BLOCK_COUNT.format(arch=d.arch)} is missing: re-convert the checkpoint"]
@@ -378,6 +380,22 @@ def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     n_embd_tgt = _n_embd(t) if t is not None else None
     if n_embd_tgt is not None and n_embd_tgt != _n_embd(d):
         return [f"the head is {_n_embd(d)} wide, the target {n_embd_tgt}: pair the MTP GGUF with its own target"]
+    return []
+
+
+def _assistant_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
+    """Gemma 4's assistant (gemma4-assistant.cpp): its pre / post projections, handed and handing
+    back the target's width (`embedding_length_out`), for a Gemma 4 target."""
+    missing = [n for n in ("nextn.pre_projection.weight", "nextn.post_projection.weight") if n not in d.tensors]
+    if missing:
+        return [f"{missing[0]} is missing: re-convert the assistant (conversion/gemma.py Gemma4AssistantModel)"]
+    if t is None:
+        return []
+    if t.arch != "gemma4":
+        return [f"Gemma 4's assistant drafts for a gemma4 target; the target is {t.arch!r}"]
+    out = int_meta(d, f"{d.arch}.embedding_length_out", 0)
+    if out != _n_embd(t):
+        return [f"the assistant hands back {out} wide rows (embedding_length_out), the target is {_n_embd(t)} wide"]
     return []
 
 

@@ -45,7 +45,7 @@ from featdiff.kinds.dflash.modelled import unmodelled_in
 from featdiff.kinds.dflash.modelled_doc import markdown_section as dflash_markdown
 from featdiff.kinds.eagle3 import EAGLE3_WIRING, is_eagle3_config, unmodelled_eagle3
 from featdiff.kinds.eagle3 import markdown_section as eagle3_markdown
-from featdiff.kinds.mtp import MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint
+from featdiff.kinds.mtp import ARCH_WIRING, MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint
 from featdiff.kinds.mtp import markdown_section as mtp_markdown
 from featdiff.kinds.problems import Severity
 
@@ -200,6 +200,7 @@ KINDS: tuple[DrafterKind, ...] = (
             names.ARCH_HY_V3,
             names.ARCH_COHERE2MOE,
             names.ARCH_BAILINGMOE3,
+            names.ARCH_GEMMA4_ASSISTANT,  # a separate drafter over the target's KV cache (torchref/mtp/gemma4_assistant.py)
         ),
         row_token=0,
         shares_target_model=True,
@@ -268,8 +269,14 @@ def wiring_names(arch: str | None) -> tuple[str, ...]:
     """The records compare expects on both sides of a run whose drafter has architecture `arch`
     (names.WIRING_NAMES for the DFlash graph, also when the dump does not say): the kind's drafter
     wiring and every target layer, without the API read-backs (older dumps lack them)."""
-    wiring = dict.fromkeys(of_arch(arch).wiring + names.TARGET_ALL_LAYERS)
+    wiring = dict.fromkeys(drafter_wiring(arch) + names.TARGET_ALL_LAYERS)
     return tuple(n for n in wiring if n not in names.READBACK_RECORDS)
+
+
+def drafter_wiring(arch: str | None) -> tuple[str, ...]:
+    """The drafter records of architecture `arch`: its kind's, or its own graph's where that is
+    another (Gemma 4's assistant: kinds.mtp.ARCH_WIRING)."""
+    return ARCH_WIRING.get(arch or "", of_arch(arch).wiring)
 
 
 def render_markdown() -> str:

@@ -385,12 +385,14 @@ class Context:
             raise RuntimeError(f"{self.model.path.name}: no nextn output at row {i}")
         return float(ptr[0])
 
-    def nextn_row(self, i: int) -> np.ndarray:
-        """Output row `i`'s nextn embedding, n_embd floats: a DFlash2 drafter's lattice row."""
+    def nextn_row(self, i: int, width: int | None = None) -> np.ndarray:
+        """Output row `i`'s nextn embedding, n_embd floats (`width`, where the model's is another:
+        Gemma 4's assistant hands back the target's width): a DFlash2 drafter's lattice row."""
         ptr = self.rt.lib.fd_get_embeddings_nextn_ith(self.ptr, i)
         if ptr == self.rt.ffi.NULL:
             raise RuntimeError(f"{self.model.path.name}: no nextn output at row {i}")
-        return np.frombuffer(self.rt.ffi.buffer(ptr, 4 * self.model.n_embd), dtype=np.float32).copy()
+        n = self.model.n_embd if width is None else width
+        return np.frombuffer(self.rt.ffi.buffer(ptr, 4 * n), dtype=np.float32).copy()
 
     def layer_input(self, layer: int, n_tokens: int) -> np.ndarray:
         """The tapped input of target layer `layer` for the last batch: (n_tokens, n_embd)."""

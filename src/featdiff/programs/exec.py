@@ -186,7 +186,7 @@ def _refuse_unmodelled_head(path: Path | None) -> None:
     if path is None or not path.is_file():
         return
     try:
-        refused = refused_head(read_gguf(path))
+        refused = refused_head(read_gguf(path), in_process=False)
     except (InputError, OSError):
         return  # not a GGUF featdiff reads: llama.cpp says what it makes of it
     if refused is not None:

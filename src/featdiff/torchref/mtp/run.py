@@ -19,6 +19,8 @@ from featdiff.dump.model_info import model_info
 from featdiff.dump.manifest_fields import ModelInfo
 from featdiff.torchref.mtp import chain
 from featdiff.torchref.mtp.chain import MtpChain
+from featdiff.torchref.mtp import gemma4_assistant as assistant
+from featdiff.torchref.mtp.gemma4_assistant import Assistant
 from featdiff.torchref.mtp.head import MtpHead, check_mtp_pair, mtp_from_gguf
 from featdiff.torchref.mtp.hf import mtp_from_hf
 from featdiff.torchref.mtp.flow import run_flow
@@ -32,9 +34,14 @@ def reference(target: Path, model: Path, output: Path, **options: Any) -> Path:
     return step_reference(MTP, target, model, output, **options)
 
 
-def load_head(model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None) -> MtpHead | MtpChain:
+def load_head(
+    model: Path, target: Target, numerics: Numerics, llama_dir: Path | None = None
+) -> MtpHead | MtpChain | Assistant:
     """The MTP head at `model` (a GGUF carrying one, or a Qwen3.5, GLM-4.5 or MiMo-V2 checkpoint
-    directory), or its chained heads where it carries several (torchref/mtp/chain.py)."""
+    directory), or its chained heads where it carries several (torchref/mtp/chain.py), or Gemma 4's
+    assistant (torchref/mtp/gemma4_assistant.py)."""
+    if assistant.is_assistant_gguf(Path(model)):
+        return assistant.load_assistant(Path(model), numerics.dtype, numerics.device, llama_dir)
     n_heads = chain.n_heads(Path(model))
     if n_heads > 1:
         return chain.load_chain(Path(model), n_heads, numerics.dtype, numerics.device, llama_dir)
@@ -44,17 +51,26 @@ def load_head(model: Path, target: Target, numerics: Numerics, llama_dir: Path |
 
 
 def run_any_flow(
-    target: Target, draft: MtpHead | MtpChain, prompt: tuple[int, ...], rounds: int, numerics: Numerics, **options: Any
+    target: Target,
+    draft: MtpHead | MtpChain | Assistant,
+    prompt: tuple[int, ...],
+    rounds: int,
+    numerics: Numerics,
+    **options: Any,
 ):
-    """The single head's flow, or the chain's."""
+    """The single head's flow, the chain's, or Gemma 4's assistant's."""
+    if isinstance(draft, Assistant):
+        return assistant.run_flow(target, draft, prompt, rounds, numerics, **options)
     if isinstance(draft, MtpChain):  # its heads take no batch_last candidate
         options.pop("target_batches", None)
         return chain.run_chain_flow(target, draft, prompt, rounds, numerics, **options)
     return run_flow(target, draft, prompt, rounds, numerics, **options)
 
 
-def mtp_models_entry(draft: MtpHead | MtpChain) -> dict[str, Any]:
+def mtp_models_entry(draft: MtpHead | MtpChain | Assistant) -> dict[str, Any]:
     """The manifest's `models` entry of the head's model, as capture describes it (`ModelInfo`)."""
+    if isinstance(draft, Assistant):
+        return assistant.assistant_entry(draft)
     head = draft.first if isinstance(draft, MtpChain) else draft
     n_heads = len(draft.heads) if isinstance(draft, MtpChain) else 1
     if head.source.is_gguf:
@@ -78,6 +94,8 @@ def mtp_models_entry(draft: MtpHead | MtpChain) -> dict[str, Any]:
 def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> MtpHead:
     """The head at `model`, checked against `target`."""
     head = load_head(Path(model), target, numerics)
+    if isinstance(head, Assistant):
+        raise InputError(f"{model}: Gemma 4's assistant; the accept probe models a single MTP head")
     if isinstance(head, MtpChain):
         raise InputError(f"{model}: {len(head.heads)} chained MTP heads; the accept probe models a single head")
     check_mtp_pair(target, head)
