@@ -2,8 +2,8 @@
 fixture pair: the tiny Gemma 4 target of the `gemma4` family (factory/hf_families.py) and a tiny
 `Gemma4AssistantForCausalLM` for it, both converted by the pinned converter (conversion/gemma.py
 Gemma4AssistantModel writes `draft.gguf`). llama.cpp drafts with it as `-md draft.gguf --spec-type
-draft-mtp`; featdiff refuses it by name (kinds.mtp.UNMODELLED_HEADS), and the pair is what that
-refusal is tested on.
+draft-mtp`; featdiff models it (torchref/mtp/gemma4_assistant.py), and the pair is what that is
+tested on (tests/llama/test_gemma4_assistant.py).
 
 The assistant's attention has queries only: it reads the target's KV cache (the pinned loader shares
 its sliding layers with the target's layer n_layer - 2 and its full ones with n_layer - 1), so its
@@ -43,7 +43,7 @@ from featdiff.factory.hf_targets import write_hf_target
 GEMMA4_ASSISTANT = "gemma4-assistant"
 GEMMA4_ASSISTANT_DOC = (
     "Gemma 4 target (as `gemma4`) with Gemma 4's assistant drafter as draft.gguf (2 query-only layers over the "
-    "target's KV cache, its own 32-wide embeddings; -md with --spec-type draft-mtp; featdiff refuses it by name)"
+    "target's KV cache, its own 32-wide embeddings; -md with --spec-type draft-mtp)"
 )
 GEMMA4_ASSISTANT_VARIANTS = {GEMMA4_ASSISTANT: GEMMA4_ASSISTANT_DOC}
 ASSISTANT_N_EMBD, ASSISTANT_N_FF = 32, 64  # narrower than the target's 64, as the published assistants are

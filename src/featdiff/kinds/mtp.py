@@ -103,16 +103,6 @@ UNMODELLED_HEADS: dict[str, str] = {
         "and no head drafts to compare"
     ),
 }
-# heads featdiff models in its in-process flow (capture --target --model, then reference --follow) and
-# not around a program (capture --exec refuses them in one line: programs/exec.check_pair)
-IN_PROCESS_HEADS: dict[str, str] = {
-    names.ARCH_GEMMA4_ASSISTANT: (
-        "Gemma 4's assistant drafter (gemma4-assistant.cpp, run as -md with --spec-type draft-mtp) is modelled "
-        "in-process only (featdiff capture --target T.gguf --model D.gguf): a capture around a program would "
-        "have to tell its draft steps apart, all at one position over the target's own KV cache, from the "
-        "program's other decodes, which featdiff does not do yet"
-    ),
-}
 # checkpoint model_type -> the GGUF architecture of its unmodelled head (UNMODELLED_HEADS)
 UNMODELLED_CHECKPOINT_HEADS = {"deepseek_v4": names.ARCH_DEEPSEEK4}
 # a drafter checkpoint's own model_type (its config.json's top level) -> the GGUF architecture the
@@ -135,11 +125,8 @@ def unmodelled_head(arch: str, n_heads: int) -> str | None:
     return f"an MTP head of architecture {arch!r}: {UNMODELLED_HEADS[arch]}; docs/modelled.md lists the heads it models"
 
 
-def refused_head(g: GgufModel, in_process: bool = True) -> str | None:
-    """unmodelled_head of the GGUF `g`: its architecture and the heads it declares (nextn_predict_layers);
-    around a program (`in_process` False) a head modelled in-process only too (IN_PROCESS_HEADS)."""
-    if not in_process and g.arch in IN_PROCESS_HEADS:
-        return f"an MTP head of architecture {g.arch!r}: {IN_PROCESS_HEADS[g.arch]}; docs/modelled.md lists the heads it models"
+def refused_head(g: GgufModel) -> str | None:
+    """unmodelled_head of the GGUF `g`: its architecture and the heads it declares (nextn_predict_layers)."""
     return unmodelled_head(g.arch, int_meta(g, names.KEY_NEXTN_LAYERS, 0))
 
 
@@ -264,9 +251,8 @@ HEAD_DOCS: tuple[tuple[str, str, str], ...] = (
         "tanh-GELU gated FFN between `ffn_norm` and `post_ffw_norm`, times `layer_output_scale`; the logits "
         "through its tied `token_embd` and `h_nextn` = `post_projection` of `output_norm`; its flow with no "
         "catch-up and every draft step at the round's first position (common/speculative.cpp is_mem_shared), "
-        "in-process; from the GGUF",
-        "`capture --exec` of a program drafting with it (one line, exit 2: modelled in-process only); its "
-        "`gemma4_assistant` checkpoint directory (read it from the converted GGUF)",
+        "in-process and around llama-speculative-simple and llama-server; from the GGUF",
+        "its `gemma4_assistant` checkpoint directory (read it from the converted GGUF)",
     ),
 )
 

@@ -83,10 +83,13 @@ def read_index(index_path: Path) -> SpoolEvents:
 def dims_by_name(records: tuple[RecordEvent, ...], n_tokens: dict[int, int]) -> dict[str, int]:
     """Dimension count of each name in multi-token evals: a one-token eval's token dimension is 1
     and would otherwise vanish, turning (1, n_embd) into (n_embd,). API read-backs (their rows are
-    output rows, not tokens) keep two dimensions on their own."""
+    output rows, not tokens) keep two dimensions on their own. A one-dimensional record of a
+    multi-token eval that is not one value per token says nothing: it is that eval's one output row,
+    its row dimension vanished too (a program's warm-up decode of two tokens, one an output)."""
     dims: dict[str, int] = {}
     for e in records:
-        if n_tokens.get(e.eval, 0) > 1 and e.op != API_OP:
+        n = n_tokens.get(e.eval, 0)
+        if n > 1 and e.op != API_OP and not (n_dims(e.ne) == 1 and e.ne[0] != n):
             dims[e.name] = max(dims.get(e.name, 1), n_dims(e.ne))
     return dims
 

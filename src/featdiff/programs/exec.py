@@ -27,7 +27,7 @@ from featdiff.core.filters import FilterSet, capture_filters
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.core.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
 from featdiff.kinds import registry as kinds
-from featdiff.kinds.mtp import refused_head
+from featdiff.kinds.mtp import ARCH_WIRING, refused_head
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
 from featdiff.llama.options import options_of_command
@@ -117,7 +117,22 @@ def command_filters(filters: list[str] | None, command: list[str]) -> FilterSet:
     kind = drafter_kind(command)
     if kind is None:
         return capture_filters(filters, wiring=names.DRAFT_WIRING)
-    return capture_filters(filters, None, kind.wiring, kind.target_wiring)
+    return capture_filters(filters, None, _arch_wiring(command) or kind.wiring, kind.target_wiring)
+
+
+def _arch_wiring(command: list[str]) -> tuple[str, ...] | None:
+    """The drafter records of a GGUF the command names whose graph is its own, not its kind's
+    (kinds.mtp.ARCH_WIRING: Gemma 4's assistant); None when it names none."""
+    for f in command_files(command):
+        if f.suffix != ".gguf":
+            continue
+        try:
+            arch = read_gguf(f).arch
+        except (InputError, OSError):
+            continue
+        if arch in ARCH_WIRING:
+            return ARCH_WIRING[arch]
+    return None
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None, log_path: Path) -> int:
@@ -186,7 +201,7 @@ def _refuse_unmodelled_head(path: Path | None) -> None:
     if path is None or not path.is_file():
         return
     try:
-        refused = refused_head(read_gguf(path), in_process=False)
+        refused = refused_head(read_gguf(path))
     except (InputError, OSError):
         return  # not a GGUF featdiff reads: llama.cpp says what it makes of it
     if refused is not None:
