@@ -25,11 +25,23 @@ LAYERS_DIFFER = Export(
 )
 FC_DIFFERS = Export(roles={"draft": RoleExport("other_gguf", differs=("fc.weight",), complete=True)}, gguf={})
 NOTHING = Export(roles={}, gguf={})
+# the run's own GGUF, keys and all (role_export's same_file)
+SAME_FILE = Export(
+    roles={"draft": RoleExport("same_file", complete=True, keys_complete=True)}, gguf={"draft": "d.gguf"}
+)
+# a checkpoint whose every tensor was found in the GGUF, its keys compared only through the manifests
+TENSORS_AGREE = Export(roles={"draft": RoleExport("checkpoint", complete=True)}, gguf={"draft": "d.gguf"})
 F32 = Tolerance(rel=1e-4, sources=("f32",))
 
 
 def _layer_offset(tensor: str = "inp_target_features") -> Finding:
     return Finding.of(LayerOffsetFields(0, 2, 3, 1, (3, 5), (2, 4)), tensor=tensor, message="m")
+
+
+def _routed() -> Finding:
+    return Finding.of(
+        WrongSourceFields("softmax", "mtp_post_ffn-6@routing=softmax"), tensor="mtp_post_ffn-6", message="m"
+    )
 
 
 def _scale(tensor: str = "fc_out") -> Finding:
@@ -53,6 +65,9 @@ def _scale(tensor: str = "fc_out") -> Finding:
         (_layer_offset("mtp_h_input"), SAME, "graph"),  # the target graph exposes the layer the head is handed
         (_layer_offset("mtp_h_input"), FC_DIFFERS, "export"),
         (Finding.of(RowShiftFields(shift=1), tensor="mtp_h_input", message="m"), SAME, "driver"),
+        (_routed(), SAME_FILE, "graph"),  # the same file's expert_gating_func: the graph chose the other function
+        (_routed(), LAYERS_DIFFER, "export"),
+        (_routed(), TENSORS_AGREE, "unknown"),  # the key that decides it was not compared
     ],
 )
 def test_each_finding_is_placed_by_its_evidence(finding, export, where):
@@ -150,3 +165,33 @@ def test_a_divergence_whose_inputs_were_not_captured_is_not_placed_in_the_graph(
     assert attributed((f,), SAME, ())[0].fields["where"] == "graph"
     assert attributed((f,), FC_DIFFERS, (), unchecked={"mtp_eh_proj-6"})[0].fields["where"] == "export"
     assert attributed((_scale("mtp_eh_proj-6"),), SAME, (), unchecked={"mtp_eh_proj-6"})[0].fields["where"] == "graph"
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        (
+            "graph",
+            "the graph routes the head's experts by softmax although the GGUF and the checkpoint route by sigmoid",
+        ),
+        ("export", "write <arch>.expert_gating_func = 2 (sigmoid) into the GGUF"),
+    ],
+)
+def test_a_head_routed_by_the_other_gating_function_is_named_and_its_fix_follows_where(where, says):
+    """An MTP head's MoE block whose rows are the reference's `@routing=softmax` candidate (GLM-5's
+    head run under DeepSeek's reading of a file without expert_gating_func): wrong_source `softmax`;
+    the graph's fix where the GGUF was cleared, the key's where it was not."""
+    rng = np.random.default_rng(3)
+    rows, crossed = rng.standard_normal((4, 16)), rng.standard_normal((4, 16))  # (R, D) each
+    ev = Evidence(
+        tensor="mtp_post_ffn-6", ref=rows, run=crossed, tolerance=F32, record="mtp_post_ffn-6",
+        candidates={"mtp_post_ffn-6@routing=softmax": crossed}, weights_where=where,
+    )  # fmt: skip
+    f = detect_wrong_source(ev)
+    assert f is not None and (f.kind, f.fields["source"]) == ("wrong_source", "softmax")
+    assert says in f.message, f.message
+    other = Evidence(
+        tensor="mtp_post_ffn-6", ref=rows, run=rng.standard_normal((4, 16)), tolerance=F32, record="mtp_post_ffn-6",
+        candidates={"mtp_post_ffn-6@routing=softmax": crossed}, weights_where=where,
+    )  # fmt: skip
+    assert detect_wrong_source(other) is None  # rows neither function makes

@@ -46,8 +46,8 @@ def _compared(tools, eagle3_pairs, mtp_pairs, kind: str, tmp_path: Path):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_step_fed_another_sequences_state_is_named_with_that_sequence(tools, eagle3_pairs, mtp_pairs, kind, tmp_path):
-    from featdiff.kinds.registry import is_step_state
     from featdiff.dump import read_dump
+    from featdiff.kinds.registry import is_step_state
 
     c, d, run = _compared(tools, eagle3_pairs, mtp_pairs, kind, tmp_path)
     errors = [f for f in c.findings if f.severity == "error"]

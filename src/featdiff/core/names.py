@@ -329,6 +329,11 @@ HYP_TERM_AFTER_NORM = "term=after_norm"  # dspark_draft_embd_snr@term=after_norm
 HYP_ANCHOR_BONUS = "anchor=bonus"  # draft_logits@anchor=bonus: the Markov chain laid out bonus-anchor (from row 1)
 HYP_ANCHOR_FIRST = "anchor=first"  # draft_logits@anchor=first: the Markov chain laid out anchor-first (from row 0)
 HYP_FULL_ATTENTION = "attention=full"  # l_out-<il>@attention=full: a sliding-window layer over the whole context
+# ...@routing=<softmax|sigmoid>: an MoE block (an MTP head's) with its experts chosen and weighted by
+# the other gating function than the one its GGUF's expert_gating_func (or the graph's default) says
+HYP_ROUTING = "routing"
+HYP_ROUTING_SOFTMAX = "routing=softmax"
+HYP_ROUTING_SIGMOID = "routing=sigmoid"
 # l_out-<il>@recurrent=kept_rejected: a hybrid target's layer run on a recurrent state that kept the
 # last verify's rejected rows (the position rolled back, not the state)
 HYP_RECURRENT_KEPT = "recurrent=kept_rejected"

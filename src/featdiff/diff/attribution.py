@@ -52,9 +52,12 @@ FED_SOURCES = (
 FED_SOURCE_PREFIXES = (DRAFT_ROWS_SOURCE.format(row=""),)
 
 # Faults GGUF keys decide that no manifest field states: the RoPE (divergence `rope`), a sliding
-# window run as full attention (wrong_source `full`, names.HYP_FULL_ATTENTION)
+# window run as full attention (wrong_source `full`, names.HYP_FULL_ATTENTION), an MoE block routed
+# by the other gating function (wrong_source `softmax` / `sigmoid`, expert_gating_func)
 KEYED_DETAILS = ("rope",)
-KEYED_SOURCES = (names.HYP_FULL_ATTENTION.partition("=")[2],)
+KEYED_SOURCES = tuple(
+    h.partition("=")[2] for h in (names.HYP_FULL_ATTENTION, names.HYP_ROUTING_SOFTMAX, names.HYP_ROUTING_SIGMOID)
+)
 
 FED = "the graph computed right from what it was given; what it was given ({what}) is not what the flow prescribes"
 UNCHECKED_INPUTS = (
@@ -186,7 +189,8 @@ def weights_place(export: Export, keyed: bool = False) -> WhereFields:
     if keyed and roles and all(e.complete for e in roles) and not all(e.keys_complete for e in roles):
         return WhereFields(
             "unknown",
-            "the GGUF's tensors agree with the checkpoint's, but the keys that decide this (RoPE, sliding window) "
+            "the GGUF's tensors agree with the checkpoint's, but the keys that decide this (RoPE, sliding window, "
+            "expert gating) "
             "were not compared with it: check them against its config.json, or make a second reference from the "
             "run's own GGUF (if the run agrees with that one, the export is wrong, else the graph)",
         )

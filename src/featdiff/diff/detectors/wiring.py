@@ -328,6 +328,10 @@ GRAPH_FIXES = {
     "and enorm are the checkpoint's: the hidden takes hnorm, the token embedding enorm",
     names.HYP_NORM_ENORM: "norms the MTP head's two inputs each with the other's weight although the GGUF's hnorm "
     "and enorm are the checkpoint's: the hidden takes hnorm, the token embedding enorm",
+    names.HYP_ROUTING_SOFTMAX: "routes the head's experts by softmax although the GGUF and the checkpoint route by "
+    "sigmoid: pass build_moe_ffn the file's expert_gating_func (the graph's own default where the file has none)",
+    names.HYP_ROUTING_SIGMOID: "routes the head's experts by sigmoid although the GGUF and the checkpoint route by "
+    "softmax: pass build_moe_ffn the file's expert_gating_func (the graph's own default where the file has none)",
 }
 
 
@@ -397,6 +401,13 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
         )
     if f"{key}={value}" in _MTP_WRONG_NORM:
         return _mtp_wrong_norm_message(tensor, f"{key}={value}", candidate)
+    if key == names.HYP_ROUTING:
+        trained = "sigmoid" if value == "softmax" else "softmax"
+        return (
+            f"{tensor} is the head's block with its experts chosen and weighted by {value} (it matches the "
+            f"reference's {candidate}) where the checkpoint routes by {trained}: write <arch>.expert_gating_func "
+            f"= {_GATING_FUNC[trained]} ({trained}) into the GGUF (a file without it takes the graph's default)"
+        )
     if f"{key}={value}" == names.HYP_H_BATCH_LAST:
         return (
             f"{tensor} pairs the first token of this target batch with the batch's last hidden state, a later "
@@ -444,6 +455,9 @@ def _eagle3_export_message(tensor: str, hypothesis: str, candidate: str) -> str:
         "it must hold absolute target ids, offset + row index, as the pinned converter writes them"
     )
 
+
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* value of each gating function (src/llama-hparams.h)
+_GATING_FUNC = {"softmax": 1, "sigmoid": 2}
 
 # the MTP wrong-norm hypotheses (torchref/mtp_flow.WRONG_NORM)
 _MTP_WRONG_NORM = (names.HYP_H_PRENORM, names.HYP_CHAIN_PRENORM, names.HYP_H_POSTNORM, names.HYP_CHAIN_POSTNORM)

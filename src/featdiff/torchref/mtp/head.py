@@ -36,7 +36,7 @@ checkpoint's zero-centred norms plus one, as the converter writes them).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -120,7 +120,7 @@ def decode(
     concat = torch.cat([e_norm, h_norm], dim=1)  # (n_tokens, 2 * n_embd): ggml_concat(e_norm, h_norm, 0)
     x = linear(concat, head.eh_proj)  # (n_tokens, n_embd)
     graph = GRAPHS[hp.arch]
-    residual, post_ffn, cache_after = _decoder_layer(head, x, positions, cache)
+    residual, post_ffn, crossed, cache_after = _decoder_layer(head, x, positions, cache)
     normed = graph.head_norm(post_ffn, head.head_norm, hp.rms_eps)
     logits = linear(normed if outputs else normed[:0], head.output)  # (n_outputs, n_vocab)
     if head.logit_scale:  # cohere2moe.cpp scales the head's logits by f_logit_scale
@@ -139,6 +139,11 @@ def decode(
                         rms_norm(h, head.enorm, hp.rms_eps)),
                   Named(names.candidate_name(layer(names.MTP_ENORM), names.HYP_NORM_HNORM),
                         rms_norm(e, head.hnorm, hp.rms_eps))]  # fmt: skip
+    if crossed is not None:  # the MoE block routed by the other gating function (names.HYP_ROUTING)
+        routed_by = (
+            names.HYP_ROUTING_SOFTMAX if head.routing and head.routing.has_sigmoid_gating else names.HYP_ROUTING_SIGMOID
+        )
+        candidates.append(Named(names.candidate_name(layer(names.MTP_POST_FFN), routed_by), crossed[: len(post_ffn)]))
     for hypothesis, rows in (alternatives or {}).items():
         candidates += [
             Named(names.candidate_name(names.MTP_H_INPUT, hypothesis), rows),
@@ -168,24 +173,33 @@ def _named(records: tuple[Named, ...], unnamed: tuple[str, ...], il: int) -> tup
 
 def _decoder_layer(
     head: MtpHead, x: torch.Tensor, positions: torch.Tensor, cache: KvCache
-) -> tuple[torch.Tensor, torch.Tensor, KvCache]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KvCache]:
     """The head's decoder layer on the eh_proj rows `x` `(n_tokens, n_embd)`: the record under the
-    graph's residual name, mtp_post_ffn's rows and the cache after the attention. Sequential (the
+    graph's residual name, mtp_post_ffn's rows, those rows with a MoE block routed by the other
+    gating function (None for a dense FFN) and the cache after the attention. Sequential (the
     FFN reads ffn_norm of the attention's residual) or parallel (cohere2moe.cpp: attention and FFN
     both read attn_norm's rows, the residual record is the attention's output alone)."""
     hp, b, graph = head.hparams, head.block, GRAPHS[head.hparams.arch]
     attn_in = rms_norm(x, b["attn_norm"], hp.rms_eps)
     attn_out, cache_after = graph.attention(hp, b, attn_in, positions, cache)
-    if graph.is_parallel:
-        return attn_out, _ffn(head, attn_in) + x + attn_out, cache_after
     residual = attn_out + x
-    return residual, _ffn(head, rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)) + residual, cache_after
+    ffn_in = attn_in if graph.is_parallel else rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)
+    ffn_out, crossed = _ffn(head, ffn_in)
+    return (attn_out if graph.is_parallel else residual), ffn_out + residual, _plus(crossed, residual), cache_after
 
 
-def _ffn(head: MtpHead, rows: torch.Tensor) -> torch.Tensor:
-    """The block's MoE FFN (head.routing set), else its dense SwiGLU, on `rows` `(n_tokens, n_embd)`."""
-    b = head.block
-    return moe_ffn(b, rows, head.routing) if head.routing else swiglu(rows, b["ffn_gate"], b["ffn_up"], b["ffn_down"])
+def _ffn(head: MtpHead, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block's MoE FFN (head.routing set), else its dense SwiGLU, on `rows` `(n_tokens, n_embd)`;
+    and a MoE FFN's output routed by the other gating function (sigmoid for softmax, and back)."""
+    b, routing = head.block, head.routing
+    if routing is None:
+        return swiglu(rows, b["ffn_gate"], b["ffn_up"], b["ffn_down"]), None
+    crossed = replace(routing, has_sigmoid_gating=not routing.has_sigmoid_gating)
+    return moe_ffn(b, rows, routing), moe_ffn(b, rows, crossed)
+
+
+def _plus(rows: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor | None:
+    return None if rows is None else rows + residual
 
 
 # --- from the GGUF ----------------------------------------------------------------------------
