@@ -182,6 +182,30 @@ def check_names_fault(args: list, fault: str | None, out: Path, finding: str) ->
     return errors
 
 
+def check_passes(args: list, out: Path) -> dict:
+    """`featdiff check ARGS` (through typer's CliRunner), nothing planted, its verdict in
+    out/check.json; the test fails unless it exits 0 with no error finding and the accept probe
+    paired at least the blocks an accept comparison needs. The verdict's JSON."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from featdiff.cli import app
+    from featdiff.verdict.result import MIN_BLOCKS
+
+    out.mkdir(parents=True, exist_ok=True)
+    result = CliRunner().invoke(
+        app,
+        ["check", "--json", str(out / "check.json"), *map(str, args)],
+        env={FAULT_VAR: None, "GITHUB_STEP_SUMMARY": None},
+    )
+    assert result.exit_code == 0, (result.exit_code, result.output[-3000:])
+    verdict = json.loads((out / "check.json").read_text())
+    assert verdict["verdict"] == "pass" and not verdict["reasons"], verdict["reasons"]
+    assert verdict["accept"]["blocks"] >= MIN_BLOCKS, verdict["accept"]
+    return verdict
+
+
 def refused_in_one_line(args: list[str], said: str) -> str:
     """`featdiff ARGS` (through typer's CliRunner) exits 2 with exactly one error line, which says
     `said`, and no traceback: that line."""

@@ -27,7 +27,7 @@ from featdiff.factory.gguf_rewrite import rewrite_gguf
 from featdiff.factory.pairs import TINY
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
-from featdiff_process import drafted_counts, refused_in_one_line
+from featdiff_process import check_passes, drafted_counts, refused_in_one_line
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pair
 
@@ -148,6 +148,15 @@ def test_around_the_program_compares_clean(tools, pair, tmp_path, program):
     assert not [s for s in c.skipped if not any(e in s for e in expected)], c.skipped
     assert {"kqv_out-0", "out_scaled-1", names.H_NEXTN} <= {p.name for p in c.pairs if p.role == names.ROLE_DRAFT}
     assert max(p.nmse for p in c.pairs) < CLEAN_NMSE
+
+
+def test_check_around_the_program_passes_and_measures_the_accept(tools, pair, tmp_path):
+    """`featdiff check --exec -- llama-speculative-simple` on the correct pair: the wiring compares
+    clean and the accept probe replays the assistant's rounds beside the run's (before: exit 2, the
+    probe modelled a single MTP head only)."""
+    cmd = [str(tools.program("llama-speculative-simple")), "-m", str(pair / TARGET_GGUF), "-md", str(pair / DRAFT_GGUF)]
+    args = ["--target", pair / TARGET_GGUF, "--model", pair / DRAFT_GGUF, "--ref-target", pair / TARGET_HF]
+    check_passes([*args, "--exec", "--", *cmd, *SPEC, *RUN], tmp_path)
 
 
 def test_its_checkpoint_directory_is_refused_by_name(pair, tmp_path):

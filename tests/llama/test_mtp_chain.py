@@ -24,6 +24,7 @@ from featdiff.factory.gguf_rewrite import DROP, rewrite_gguf
 from featdiff.factory.mtp_chain import N_CHAIN, write_mtp_chain_fixture
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
+from featdiff_process import check_passes
 
 SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "--temp", "0"]
 RUN_TIMEOUT_S = 120
@@ -74,6 +75,16 @@ def test_chained_heads_around_the_program_compare_clean(tools, chain_pairs, tmp_
     assert heads == {f"mtp_enorm-{il}" for il in (6, 7, 8)}  # one head per step
     c = compare_dumps(_follow(d, d / "target.gguf", run, tmp_path), run)
     assert c.ok, [f.message for f in c.findings if f.severity == "error"]
+
+
+def test_check_around_the_program_passes_and_measures_the_accept(tools, chain_pairs, tmp_path):
+    """`featdiff check --exec -- llama-speculative-simple` on MiMo-V2's three chained heads: the
+    wiring compares clean and the accept probe replays the chain's rounds (before: exit 2, the
+    probe modelled a single head only)."""
+    d = chain_pairs("mtp-mimo2-chain")
+    cmd = [str(tools.program("llama-speculative-simple")), "-m", str(d / "target.gguf"), *SPEC_ARGS]
+    args = ["--target", d / "target.gguf", "--model", d / "target.gguf", "--ref-target", d / "target-hf"]
+    check_passes([*args, "--exec", "--", *cmd, "-p", "hello world", "-n", "16"], tmp_path)
 
 
 @pytest.mark.parametrize(

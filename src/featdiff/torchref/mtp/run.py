@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from featdiff.core.errors import InputError
 from featdiff.dump.records import Round
 from featdiff.dump.model_info import model_info
 from featdiff.dump.manifest_fields import ModelInfo
@@ -91,20 +90,21 @@ def mtp_models_entry(draft: MtpHead | MtpChain | Assistant) -> dict[str, Any]:
 # --- the accept probe's side of the MTP kind (featdiff.verdict.probe, through featdiff.kinds) -----------
 
 
-def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> MtpHead:
-    """The head at `model`, checked against `target`."""
-    head = load_head(Path(model), target, numerics)
-    if isinstance(head, Assistant):
-        raise InputError(f"{model}: Gemma 4's assistant; the accept probe models a single MTP head")
-    if isinstance(head, MtpChain):
-        raise InputError(f"{model}: {len(head.heads)} chained MTP heads; the accept probe models a single head")
-    check_mtp_pair(target, head)
-    return head
+def load_pair_draft(target: Target, model: Path, numerics: Numerics) -> MtpHead | MtpChain | Assistant:
+    """The head at `model`, its chained heads, or Gemma 4's assistant (load_head); a single head
+    checked against `target` here, a chain and an assistant by their own flows."""
+    draft = load_head(Path(model), target, numerics)
+    if isinstance(draft, MtpHead):
+        check_mtp_pair(target, draft)
+    return draft
 
 
-def probe_round(target: Target, draft: MtpHead, prompt: tuple[int, ...], numerics: Numerics, block_rows: int) -> Round:
-    """The reference's one round after `prompt`: up to `block_rows` - 1 drafts, verified."""
-    return run_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]
+def probe_round(
+    target: Target, draft: MtpHead | MtpChain | Assistant, prompt: tuple[int, ...], numerics: Numerics, block_rows: int
+) -> Round:
+    """The reference's one round after `prompt`: up to `block_rows` - 1 drafts, verified (a chain
+    caps them at its head count, as the driver does)."""
+    return run_any_flow(target, draft, prompt, 1, numerics, draft_max=block_rows - 1).rounds[0]
 
 
 MTP = StepKind("MTP", load_head, run_any_flow, mtp_models_entry, reads_run_batches=True)
