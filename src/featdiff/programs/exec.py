@@ -17,7 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,12 @@ def drafter_kind(command: list[str]) -> kinds.DrafterKind | None:
     shared = _shared_model_kind(command)
     if shared is not None:
         return shared
-    found = set()
+    found = {kinds.of_arch(arch).name for arch in _gguf_archs(command) if kinds.is_drafter_arch(arch)}
+    return kinds.by_name(found.pop()) if len(found) == 1 else None
+
+
+def _gguf_archs(command: list[str]) -> Iterator[str]:
+    """The architecture of each readable GGUF file the command names (the others left out)."""
     for f in command_files(command):
         if f.suffix != ".gguf":
             continue
@@ -98,9 +103,7 @@ def drafter_kind(command: list[str]) -> kinds.DrafterKind | None:
             arch = read_gguf(f).arch
         except (InputError, OSError):
             continue
-        if kinds.is_drafter_arch(arch):
-            found.add(kinds.of_arch(arch).name)
-    return kinds.by_name(found.pop()) if len(found) == 1 else None
+        yield arch
 
 
 def _shared_model_kind(command: list[str]) -> kinds.DrafterKind | None:
@@ -123,16 +126,7 @@ def command_filters(filters: list[str] | None, command: list[str]) -> FilterSet:
 def _arch_wiring(command: list[str]) -> tuple[str, ...] | None:
     """The drafter records of a GGUF the command names whose graph is its own, not its kind's
     (kinds.mtp.ARCH_WIRING: Gemma 4's assistant); None when it names none."""
-    for f in command_files(command):
-        if f.suffix != ".gguf":
-            continue
-        try:
-            arch = read_gguf(f).arch
-        except (InputError, OSError):
-            continue
-        if arch in ARCH_WIRING:
-            return ARCH_WIRING[arch]
-    return None
+    return next((ARCH_WIRING[arch] for arch in _gguf_archs(command) if arch in ARCH_WIRING), None)
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None, log_path: Path) -> int:
