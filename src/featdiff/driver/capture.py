@@ -26,7 +26,6 @@ from featdiff.driver import dflash as driver
 from featdiff.dump.model_info import model_info
 from featdiff.dump.records import Eval, Round
 from featdiff.kinds import registry as kinds
-from featdiff.kinds.mtp import ARCH_WIRING
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
 from featdiff.llama.options import RunOptions
@@ -113,7 +112,7 @@ def capture(
             ids = prompt_ids(models[0], prompt, tokens)  # speculative-simple tokenizes with the target
             cfg = flow_config(models[1], DEFAULT_DRAFT_MAX if draft_max is None else draft_max, p_min or 0.0)
             kind = kinds.by_name(cfg.kind)
-            wiring = ARCH_WIRING.get(models[1].meta(names.KEY_ARCH) or "", kind.wiring)  # Gemma 4's assistant's own
+            wiring = kind.wiring_of(models[1].meta(names.KEY_ARCH))  # Gemma 4's assistant's graph is its own
             kept = capture_filters(filters, cfg.target_layers, wiring, kind.target_wiring)
             packed = _spooled(rt, models, ids, cfg, rounds, kept, output, options)
         finally:

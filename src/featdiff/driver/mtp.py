@@ -103,19 +103,26 @@ def run_flow(
     positions = list(range(st.n_past))
     open_eval(st, rec, Phase.PREFILL, PREFILL_ROUND, positions, prompt[:-1])
     tgt.decode_tokens(prompt[:-1], positions, outputs=False)
-    _process(tgt, dft, st, rec, prompt[:-1], positions, PREFILL_ROUND)
+    _process(tgt, dft, st, rec, prompt[:-1], positions, PREFILL_ROUND, catch_up=not cfg.shares_memory)
     last = FIRST_ROUND + rounds - 1
     return each_round(rounds, lambda r: _round(tgt, dft, st, rec, cfg, r, r == last), on_round)
 
 
 def _process(
-    tgt: Context, dft: Context, st: MtpState, rec: Recorder, tokens: list[int], positions: list[int], rnd: int
+    tgt: Context,
+    dft: Context,
+    st: MtpState,
+    rec: Recorder,
+    tokens: list[int],
+    positions: list[int],
+    rnd: int,
+    catch_up: bool,
 ) -> None:
     """common_speculative_impl_draft_mtp::process of one target batch: the catch-up decode of
-    (token k, hidden k-1), the first token with the pending row; keep the batch's hidden rows,
-    the last one pending."""
+    (token k, hidden k-1), the first token with the pending row (none where the head shares the
+    target's memory: `catch_up` false); keep the batch's hidden rows, the last one pending."""
     hidden = tgt.nextn_rows(len(positions))  # (n_tokens, n_embd): unmasked, one per batch row
-    if not _shares_memory(dft):  # the assistant reads the target's own cache: nothing to catch up
+    if catch_up:  # Gemma 4's assistant reads the target's own cache: nothing to catch up
         rows = np.concatenate([st.pending_h[None, :], hidden[:-1]])  # (n_tokens, n_embd)
         open_eval(st, rec, Phase.INJECT, rnd, positions, tokens)
         dft.decode_tokens_embd(tokens, rows, positions, outputs=False)
@@ -133,7 +140,7 @@ def _round(
     open_eval(st, rec, Phase.VERIFY, rnd, positions, verify)
     tgt.decode_tokens(verify, positions, outputs=True)
     target_tokens = [int(np.argmax(tgt.logits(i))) for i in range(len(verify))]
-    _process(tgt, dft, st, rec, verify, positions, rnd)
+    _process(tgt, dft, st, rec, verify, positions, rnd, catch_up=not cfg.shares_memory)
     accepted = accepted_length(drafts, target_tokens)
     st.pending_h = st.verify_h[min(accepted, len(verify) - 1)].copy()  # accept(): the row at the accepted length
     st.n_past, st.id_last = pos0 + accepted + 1, target_tokens[accepted]
@@ -150,8 +157,3 @@ def _draft(dft: Context, st: MtpState, rec: Recorder, cfg: MtpConfig, rnd: int) 
     if cfg.shares_memory:
         return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past, advance=0, width=st.n_embd)
     return step_drafts(dft, st, rec, cfg, rnd, st.id_last, st.pending_h, st.n_past)
-
-
-def _shares_memory(dft: Context) -> bool:
-    """The draft context attends over the target's KV cache (Gemma 4's assistant: is_mem_shared)."""
-    return dft.model.meta(names.KEY_ARCH) == names.ARCH_GEMMA4_ASSISTANT

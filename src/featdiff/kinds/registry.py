@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -99,6 +99,13 @@ class DrafterKind:
     # the records holding the state a one-token draft step is fed (a name, or a prefix ending in "-"
     # for a per-layer record): what the step-state detectors judge (diff/detectors/steps.py)
     step_state: tuple[str, ...] = ()
+    # the drafter records of an architecture of this kind whose graph is its own, not the kind's
+    # (Gemma 4's assistant: kinds.mtp.ARCH_WIRING); every other architecture's are `wiring`
+    arch_wiring: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False, compare=False)
+
+    def wiring_of(self, arch: str | None) -> tuple[str, ...]:
+        """The drafter records of this kind's architecture `arch`: its own graph's, else the kind's."""
+        return self.arch_wiring.get(arch or "", self.wiring)
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -211,6 +218,7 @@ KINDS: tuple[DrafterKind, ...] = (
         modelled_doc=mtp_markdown,
         graph_handed=(names.MTP_H_INPUT,),
         step_state=(names.MTP_H_INPUT, f"{names.MTP_HNORM}-"),  # the head's hidden input and its norm
+        arch_wiring=ARCH_WIRING,
     ),
 )
 # the architectures whose GGUFs are drafters only: a file of any other is a target (or carries MTP
@@ -269,14 +277,8 @@ def wiring_names(arch: str | None) -> tuple[str, ...]:
     """The records compare expects on both sides of a run whose drafter has architecture `arch`
     (names.WIRING_NAMES for the DFlash graph, also when the dump does not say): the kind's drafter
     wiring and every target layer, without the API read-backs (older dumps lack them)."""
-    wiring = dict.fromkeys(drafter_wiring(arch) + names.TARGET_ALL_LAYERS)
+    wiring = dict.fromkeys(of_arch(arch).wiring_of(arch) + names.TARGET_ALL_LAYERS)
     return tuple(n for n in wiring if n not in names.READBACK_RECORDS)
-
-
-def drafter_wiring(arch: str | None) -> tuple[str, ...]:
-    """The drafter records of architecture `arch`: its kind's, or its own graph's where that is
-    another (Gemma 4's assistant: kinds.mtp.ARCH_WIRING)."""
-    return ARCH_WIRING.get(arch or "", of_arch(arch).wiring)
 
 
 def render_markdown() -> str:

@@ -27,7 +27,7 @@ from featdiff.core.filters import FilterSet, capture_filters
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.core.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
 from featdiff.kinds import registry as kinds
-from featdiff.kinds.mtp import ARCH_WIRING, refused_head
+from featdiff.kinds.mtp import refused_head
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
 from featdiff.llama.options import options_of_command
@@ -120,13 +120,9 @@ def command_filters(filters: list[str] | None, command: list[str]) -> FilterSet:
     kind = drafter_kind(command)
     if kind is None:
         return capture_filters(filters, wiring=names.DRAFT_WIRING)
-    return capture_filters(filters, None, _arch_wiring(command) or kind.wiring, kind.target_wiring)
-
-
-def _arch_wiring(command: list[str]) -> tuple[str, ...] | None:
-    """The drafter records of a GGUF the command names whose graph is its own, not its kind's
-    (kinds.mtp.ARCH_WIRING: Gemma 4's assistant); None when it names none."""
-    return next((ARCH_WIRING[arch] for arch in _gguf_archs(command) if arch in ARCH_WIRING), None)
+    # a GGUF the command names whose graph is its own, not its kind's (Gemma 4's assistant)
+    own = next((arch for arch in _gguf_archs(command) if arch in kind.arch_wiring), None)
+    return capture_filters(filters, None, kind.wiring_of(own), kind.target_wiring)
 
 
 def run_program(command: list[str], pre: Preload, timeout_s: float | None, log_path: Path) -> int:

@@ -328,10 +328,12 @@ GRAPH_FIXES = {
     "and enorm are the checkpoint's: the hidden takes hnorm, the token embedding enorm",
     names.HYP_NORM_ENORM: "norms the MTP head's two inputs each with the other's weight although the GGUF's hnorm "
     "and enorm are the checkpoint's: the hidden takes hnorm, the token embedding enorm",
-    names.HYP_ROUTING_SOFTMAX: "routes the head's experts by softmax although the GGUF and the checkpoint route by "
-    "sigmoid: pass build_moe_ffn the file's expert_gating_func (the graph's own default where the file has none)",
-    names.HYP_ROUTING_SIGMOID: "routes the head's experts by sigmoid although the GGUF and the checkpoint route by "
-    "softmax: pass build_moe_ffn the file's expert_gating_func (the graph's own default where the file has none)",
+    **{
+        f"{names.HYP_ROUTING}={used}": f"routes the head's experts by {used} although the GGUF and the checkpoint "
+        f"route by {trained}: pass build_moe_ffn the file's expert_gating_func (the graph's own default where the "
+        "file has none)"
+        for used, trained in (("softmax", "sigmoid"), ("sigmoid", "softmax"))
+    },
 }
 
 
