@@ -1,6 +1,6 @@
 """`featdiff check --exec` survives the EAGLE3 and MTP faults it exists to catch (issue 48): each
 fault the project plants in the EAGLE3 and MTP drivers (0002, 0009, 0011, 0013) and graphs (0007,
-0008, 0013, 0015, 0016), chosen at run time by FEATDIFF_FAULT around llama-speculative-simple, exits 1 naming the finding
+0008, 0013, 0015, 0016, 0017), chosen at run time by FEATDIFF_FAULT around llama-speculative-simple, exits 1 naming the finding
 docs/faults.md gives it, never 2 or 3, and keeps its dumps. check's reference is its own (the
 run's prompt and rounds, guided by the run), not the one test_eagle3_exec.py and
 test_step_faults.py make with --follow, so this also shows the verdict does not hang on how the
@@ -51,10 +51,12 @@ GLM_DSA = {  # 0016, in glm-dsa.cpp: run on the mtp-glm-dsa pair (GLM-5's head)
     "mtp-glm-dsa-raw-state": "wrong_source",
     "mtp-glm-dsa-softmax-routing": "wrong_source",
 }
+DEEPSEEK2 = {"mtp-deepseek2-rope-halves": "wrong_source"}  # 0017, in deepseek2.cpp: the mtp-deepseek2 pair
 CASES = [pytest.param("eagle3", "eagle3", f, k, id=f) for f, k in EAGLE3.items()]
 CASES += [pytest.param("mtp", "mtp", f, k, id=f) for f, k in MTP.items()]
 CASES += [pytest.param("mtp", "mtp-glm4moe", f, k, id=f) for f, k in GLM4MOE.items()]
 CASES += [pytest.param("mtp", "mtp-glm-dsa", f, k, id=f) for f, k in GLM_DSA.items()]
+CASES += [pytest.param("mtp", "mtp-deepseek2", f, k, id=f) for f, k in DEEPSEEK2.items()]
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 

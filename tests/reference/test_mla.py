@@ -1,7 +1,9 @@
 """torchref/mla.py: llama.cpp's absorbed MLA equals DeepSeek's decompressed multi-head attention
 (kv_b applied to the latent, per-head K/V) on seeded weights, over two evals through the cache;
-and the DeepSeek-V3.2 indexer stand-in (hf_taps._DenseIndexer) keeps every cell up to index_topk
-and refuses more by name."""
+the halves read the other way (`rope_first`, the candidate `@halves=rope_first` names a fault by) are
+the attention of a file whose query and compressed KV rows are reordered [rope, nope]; and the
+DeepSeek-V3.2 indexer stand-in (hf_taps._DenseIndexer) keeps every cell up to index_topk and refuses
+more by name."""
 
 from __future__ import annotations
 
@@ -72,6 +74,25 @@ def test_absorbed_mla_equals_deepseeks_decompressed_attention_through_the_cache(
     want = _decompressed(block, kv_b, x, pos)
     assert torch.allclose(torch.cat([first, second]), want, atol=AGREE, rtol=AGREE)
     assert cache.k[0].shape == (7, 1, KV_LORA + ROT) and cache.v[0].shape == (7, 1, KV_LORA)  # the latent, one head
+
+
+def test_the_halves_read_rope_first_are_the_attention_of_rows_reordered_rope_first():
+    g = torch.Generator().manual_seed(1)
+    block, _ = _block(g)
+    x = torch.randn(6, N_EMBD, generator=g)
+    pos = torch.arange(6)
+    cache = empty_cache(1, 1, KV_LORA + ROT, "f32", torch.device("cpu"))
+    # the rows each half would be read from under [rope, nope], moved to where [nope, rope] reads them
+    reordered = dict(block)
+    q_b = block["attn_q_b"].reshape(N_HEAD, NOPE + ROT, Q_LORA)
+    reordered["attn_q_b"] = torch.cat([q_b[:, ROT:], q_b[:, :ROT]], dim=1).reshape(-1, Q_LORA)
+    kv_a = block["attn_kv_a_mqa"]
+    reordered["attn_kv_a_mqa"] = torch.cat([kv_a[ROT:], kv_a[:ROT]])
+    crossed, _ = mla_attention(HP, block, x, pos, cache, rope_first=True)
+    want, _ = mla_attention(HP, reordered, x, pos, cache)
+    assert torch.allclose(crossed, want, atol=AGREE, rtol=AGREE)
+    right, _ = mla_attention(HP, block, x, pos, cache)
+    assert not torch.allclose(crossed, right, atol=1e-2)  # the hypothesis differs from the right attention
 
 
 def test_the_dense_indexer_keeps_every_cell_and_refuses_more_than_its_top_k():

@@ -50,16 +50,28 @@ MLA_PLAIN_Q = "attn_q"  # a model without q_lora (DeepSeek-V2-Lite): one project
 
 
 def mla_attention(
-    hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+    hp: Hparams,
+    b: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KvCache,
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, KvCache]:
     """MLA over the attention norm's rows `x` `(n_tokens, n_embd)` at `positions`, causal over the
-    cache (module docstring). Returns the output `(n_tokens, n_embd)` and the cache with this eval's rows."""
-    heads, cache_after = mla_heads(hp, b, x, positions, cache)  # (n_tokens, n_head, v)
+    cache (module docstring). Returns the output `(n_tokens, n_embd)` and the cache with this eval's
+    rows. `rope_first`: each head's query and the compressed KV row read as [rope, nope] instead
+    (the hypothesis names.HYP_HALVES_ROPE_FIRST)."""
+    heads, cache_after = mla_heads(hp, b, x, positions, cache, rope_first)  # (n_tokens, n_head, v)
     return linear(heads.reshape(x.shape[0], -1), b["attn_output"]), cache_after
 
 
 def mla_heads(
-    hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor, cache: KvCache
+    hp: Hparams,
+    b: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cache: KvCache,
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, KvCache]:
     """mla_attention before its output projection: each head's output `(n_tokens, n_head, v)`
     (v_b of its attention over the latent), and the cache with this eval's rows."""
@@ -67,12 +79,14 @@ def mla_heads(
     k_b, v_b = b["attn_k_b"], b["attn_v_b"]  # (n_head, kv_lora, nope), (n_head, v, kv_lora)
     n_head, kv_lora, nope = k_b.shape
     q = _query(hp, b, x).reshape(n_tokens, n_head, nope + n_rot)  # per head [q_nope, q_pe]
-    kv = linear(x, b["attn_kv_a_mqa"])  # (n_tokens, kv_lora + n_rot)
-    c = rms_norm(kv[:, :kv_lora], b["attn_kv_a_norm"], hp.rms_eps)  # (n_tokens, kv_lora)
+    kv = linear(x, b["attn_kv_a_mqa"])  # (n_tokens, kv_lora + n_rot): [c, k_pe]
+    q_nope, q_pe = _halves(q, nope, rope_first)  # (n_tokens, n_head, nope), (n_tokens, n_head, n_rot)
+    latent, k_pe = _halves(kv[:, None, :], kv_lora, rope_first)  # (n_tokens, 1, kv_lora), (n_tokens, 1, n_rot)
+    c = rms_norm(latent[:, 0], b["attn_kv_a_norm"], hp.rms_eps)  # (n_tokens, kv_lora)
     normal = replace(hp, rope_type="normal", n_rot=n_rot)  # deepseek2: LLAMA_ROPE_TYPE_NORM
-    q_pe = rope(q[..., nope:], positions, normal)  # (n_tokens, n_head, n_rot)
-    k_pe = rope(kv[:, None, kv_lora:], positions, normal)  # (n_tokens, 1, n_rot)
-    absorbed = torch.einsum("thn,hrn->thr", q[..., :nope], k_b)  # (n_tokens, n_head, kv_lora): k_b q_nope
+    q_pe = rope(q_pe, positions, normal)  # (n_tokens, n_head, n_rot)
+    k_pe = rope(k_pe, positions, normal)  # (n_tokens, 1, n_rot)
+    absorbed = torch.einsum("thn,hrn->thr", q_nope, k_b)  # (n_tokens, n_head, kv_lora): k_b q_nope
     q_full = torch.cat([absorbed, q_pe], dim=-1)  # (n_tokens, n_head, kv_lora + n_rot)
     k = torch.cat([c[:, None, :], k_pe], dim=-1)  # (n_tokens, 1, kv_lora + n_rot)
     k_all, v_all = layer_kv(cache, 0, k, c[:, None, :])  # V: the cached latent, (n_cells, 1, kv_lora)
@@ -83,6 +97,15 @@ def mla_heads(
     )  # (n_tokens, n_head * kv_lora)
     heads = torch.einsum("thr,hvr->thv", latent.reshape(n_tokens, n_head, kv_lora), v_b)  # (n_tokens, n_head, v)
     return heads, cache_with(cache, positions, [k_all], [v_all])
+
+
+def _halves(rows: torch.Tensor, first: int, rope_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `(..., first + n_rot)` laid out [nope, rope] split into their no-RoPE part (`first`
+    wide) and their RoPE part; `rope_first`: the same widths read from a [rope, nope] layout."""
+    n_rot = rows.shape[-1] - first
+    if rope_first:
+        return rows[..., n_rot:], rows[..., :n_rot]
+    return rows[..., :first], rows[..., first:]
 
 
 def _query(hp: Hparams, b: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -334,6 +334,9 @@ GRAPH_FIXES = {
         "file has none)"
         for used, trained in (("softmax", "sigmoid"), ("sigmoid", "softmax"))
     },
+    names.HYP_HALVES_ROPE_FIRST: "reads each head's query and the compressed KV row as [rope, nope] although the "
+    "GGUF lays them out [nope, rope], as the checkpoint does: view q_nope and the latent from the front of each "
+    "row, q_pe and k_pe behind them",
 }
 
 
@@ -409,6 +412,12 @@ def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
             f"{tensor} is the head's block with its experts chosen and weighted by {value} (it matches the "
             f"reference's {candidate}) where the checkpoint routes by {trained}: write <arch>.expert_gating_func "
             f"= {_GATING_FUNC[trained]} ({trained}) into the GGUF (a file without it takes the graph's default)"
+        )
+    if f"{key}={value}" == names.HYP_HALVES_ROPE_FIRST:
+        return (
+            f"{tensor} is the head's MLA attention with each head's query and the compressed KV row read as [rope, "
+            f"nope] (it matches the reference's {candidate}) where the checkpoint lays them out [nope, rope]: the "
+            "GGUF's attn_q_b and attn_kv_a_mqa rows were reordered; re-convert them in the checkpoint's order"
         )
     if f"{key}={value}" == names.HYP_H_BATCH_LAST:
         return (

@@ -18,7 +18,9 @@ halves as [h, e]), `mtp_hnorm-<il>@norm=enorm` / `mtp_enorm-<il>@norm=hnorm` (th
 with the other's weight), and `mtp_h_input@h=prenorm` / `mtp_hnorm-<il>@h=prenorm` (the head handed
 the target's hidden before its final norm), `@h=l_out-<il>` (an earlier layer's) or
 `@h=chain_prenorm` (a step handed the previous step's `mtp_post_ffn`, before the head norm), given
-those rows.
+those rows; a MoE block's `mtp_post_ffn-<il>@routing=<softmax|sigmoid>` (routed by the other gating
+function) and an MLA block's `mtp_ffn_inp-<il>@halves=rope_first` (its query and compressed KV rows
+read as [rope, nope]).
 
 What differs by architecture is in mtp_layer.GRAPHS: glm4moe's decoder layer is GLM-4.5's (q/k/v
 with biases, no output gate, RoPE on the first n_rot dims), its residual is named
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -120,7 +123,8 @@ def decode(
     concat = torch.cat([e_norm, h_norm], dim=1)  # (n_tokens, 2 * n_embd): ggml_concat(e_norm, h_norm, 0)
     x = linear(concat, head.eh_proj)  # (n_tokens, n_embd)
     graph = GRAPHS[hp.arch]
-    residual, post_ffn, crossed, cache_after = _decoder_layer(head, x, positions, cache)
+    out = _decoder_layer(head, x, positions, cache)
+    residual, post_ffn, cache_after = out.residual, out.post_ffn, out.cache
     normed = graph.head_norm(post_ffn, head.head_norm, hp.rms_eps)
     logits = linear(normed if outputs else normed[:0], head.output)  # (n_outputs, n_vocab)
     if head.logit_scale:  # cohere2moe.cpp scales the head's logits by f_logit_scale
@@ -139,11 +143,20 @@ def decode(
                         rms_norm(h, head.enorm, hp.rms_eps)),
                   Named(names.candidate_name(layer(names.MTP_ENORM), names.HYP_NORM_HNORM),
                         rms_norm(e, head.hnorm, hp.rms_eps))]  # fmt: skip
-    if crossed is not None:  # the MoE block routed by the other gating function (names.HYP_ROUTING)
+    if out.crossed is not None:  # the MoE block routed by the other gating function (names.HYP_ROUTING)
         routed_by = (
             names.HYP_ROUTING_SOFTMAX if head.routing and head.routing.has_sigmoid_gating else names.HYP_ROUTING_SIGMOID
         )
-        candidates.append(Named(names.candidate_name(layer(names.MTP_POST_FFN), routed_by), crossed[: len(post_ffn)]))
+        candidates.append(
+            Named(names.candidate_name(layer(names.MTP_POST_FFN), routed_by), out.crossed[: len(post_ffn)])
+        )
+    if out.other_halves is not None:  # MLA's rows read [rope, nope] (names.HYP_HALVES_ROPE_FIRST)
+        candidates.append(
+            Named(
+                names.candidate_name(layer(graph.residual), names.HYP_HALVES_ROPE_FIRST),
+                out.other_halves[: len(residual)],
+            )
+        )
     for hypothesis, rows in (alternatives or {}).items():
         candidates += [
             Named(names.candidate_name(names.MTP_H_INPUT, hypothesis), rows),
@@ -171,21 +184,32 @@ def _named(records: tuple[Named, ...], unnamed: tuple[str, ...], il: int) -> tup
     return tuple(r for r in records if r.name.split(names.CANDIDATE_SEP)[0] not in left_out)
 
 
-def _decoder_layer(
-    head: MtpHead, x: torch.Tensor, positions: torch.Tensor, cache: KvCache
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KvCache]:
-    """The head's decoder layer on the eh_proj rows `x` `(n_tokens, n_embd)`: the record under the
-    graph's residual name, mtp_post_ffn's rows, those rows with a MoE block routed by the other
-    gating function (None for a dense FFN) and the cache after the attention. Sequential (the
-    FFN reads ffn_norm of the attention's residual) or parallel (cohere2moe.cpp: attention and FFN
-    both read attn_norm's rows, the residual record is the attention's output alone)."""
+class LayerOut(NamedTuple):
+    """The head's decoder layer on one eval's eh_proj rows."""
+
+    residual: torch.Tensor  # the record under the graph's residual name
+    post_ffn: torch.Tensor  # mtp_post_ffn's rows
+    crossed: torch.Tensor | None  # mtp_post_ffn with a MoE block routed by the other gating function
+    other_halves: torch.Tensor | None  # the residual with the attention's rows read the other way (graph.other_halves)
+    cache: KvCache  # the cache after the attention
+
+
+def _decoder_layer(head: MtpHead, x: torch.Tensor, positions: torch.Tensor, cache: KvCache) -> LayerOut:
+    """The head's decoder layer on the eh_proj rows `x` `(n_tokens, n_embd)` (LayerOut), with the
+    candidates' rows where the block has them (None otherwise): a MoE block routed by the other
+    gating function (sigmoid for softmax, and back), the attention's halves read the other way.
+    Sequential (the FFN reads ffn_norm of the attention's residual) or parallel (cohere2moe.cpp:
+    attention and FFN both read attn_norm's rows, the residual record is the attention's output alone)."""
     hp, b, graph = head.hparams, head.block, GRAPHS[head.hparams.arch]
     attn_in = rms_norm(x, b["attn_norm"], hp.rms_eps)
     attn_out, cache_after = graph.attention(hp, b, attn_in, positions, cache)
     residual = attn_out + x
     ffn_in = attn_in if graph.is_parallel else rms_norm(residual, b[graph.ffn_norm], hp.rms_eps)
     ffn_out, crossed = _ffn(head, ffn_in)
-    return (attn_out if graph.is_parallel else residual), ffn_out + residual, _plus(crossed, residual), cache_after
+    other = graph.other_halves(hp, b, attn_in, positions, cache)[0] + x if graph.other_halves else None
+    return LayerOut(
+        attn_out if graph.is_parallel else residual, ffn_out + residual, _plus(crossed, residual), other, cache_after
+    )
 
 
 def _ffn(head: MtpHead, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -330,8 +331,12 @@ class MtpGraph:
     # the records of the head's layer the graph gives no callback name (bailingmoe3.cpp names mtp_eh_proj
     # alone): left out of the reference, as the run can hold none of them
     unnamed: tuple[str, ...] = ()
+    # the attention with the other layout of its rows' halves, recorded as the residual's candidate
+    # `@halves=rope_first` (names.HYP_HALVES_ROPE_FIRST): MLA's query and compressed KV read [rope, nope]
+    other_halves: Attention | None = None
 
 
+MLA_ROPE_FIRST = partial(mla_attention, rope_first=True)  # the MLA heads' other_halves
 QWEN35_GRAPH = MtpGraph(_gated_attention, QWEN35_ATTENTION, names.MTP_ATTN_RESIDUAL, _softmax_renormalized)
 GRAPHS = {
     names.ARCH_QWEN35: QWEN35_GRAPH,
@@ -352,11 +357,21 @@ GRAPHS = {
     ),
     # deepseek2.cpp graph_mtp: MLA (torchref/mla.py), ffn_norm, the MoE FFN with its ungated shared expert
     names.ARCH_DEEPSEEK2: MtpGraph(
-        mla_attention, MLA_ATTENTION, names.MTP_FFN_INP, _deepseek2_routing, ffn_norm="ffn_norm"
+        mla_attention,
+        MLA_ATTENTION,
+        names.MTP_FFN_INP,
+        _deepseek2_routing,
+        ffn_norm="ffn_norm",
+        other_halves=MLA_ROPE_FIRST,
     ),
     # deepseek32.cpp graph_mtp: deepseek2's head; the block's indexer is loaded and left unused, as there
     names.ARCH_DEEPSEEK32: MtpGraph(
-        mla_attention, MLA_ATTENTION + DSA_INDEXER, names.MTP_FFN_INP, _deepseek2_routing, ffn_norm="ffn_norm"
+        mla_attention,
+        MLA_ATTENTION + DSA_INDEXER,
+        names.MTP_FFN_INP,
+        _deepseek2_routing,
+        ffn_norm="ffn_norm",
+        other_halves=MLA_ROPE_FIRST,
     ),
     # glm-dsa.cpp graph_mtp: deepseek32's head (dense MLA, the block's indexer loaded and unused, the
     # shared-head norm at the end of every step, its output the next step's hidden), except the routing
@@ -364,7 +379,12 @@ GRAPHS = {
     # The trunk differs beyond the head: GLM-5.2's "shared" indexer layers reuse the previous full
     # layer's top-k (indexer_types); below index_topk cells every layer attends to every cell anyway
     names.ARCH_GLM_DSA: MtpGraph(
-        mla_attention, MLA_ATTENTION + DSA_INDEXER, names.MTP_FFN_INP, _routing_of_file, ffn_norm="ffn_norm"
+        mla_attention,
+        MLA_ATTENTION + DSA_INDEXER,
+        names.MTP_FFN_INP,
+        _routing_of_file,
+        ffn_norm="ffn_norm",
+        other_halves=MLA_ROPE_FIRST,
     ),
     # nemotron-h-moe.cpp graph_mtp: NoPE attention, the MoE sub-layer's squared-ReLU experts routed by
     # sigmoid + a choice bias and its ungated shared expert, the head's own LayerNorm (LLM_NORM, its eps
