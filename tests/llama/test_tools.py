@@ -75,6 +75,7 @@ def test_the_project_patches_name_the_files_they_change():
         "0014-step-other-seq.patch",
         "0015-hidden-layer-first.patch",
         "0016-glm-dsa-conventions.patch",
+        "0017-mla-rope-halves.patch",
     ]
     assert all(p.parent == PATCH_DIR for p in patch_files())
     touched = {p.name: set(patched_paths(p)) for p in patch_files()}
@@ -106,6 +107,7 @@ def test_the_project_patches_name_the_files_they_change():
     }
     assert touched["0015-hidden-layer-first.patch"] == {"common/speculative.cpp", "src/models/glm4-moe.cpp"}
     assert touched["0016-glm-dsa-conventions.patch"] == {"common/speculative.cpp", "src/models/glm-dsa.cpp"}
+    assert touched["0017-mla-rope-halves.patch"] == {"common/speculative.cpp", "src/models/deepseek2.cpp"}
     # the Vulkan backend's file only, which the CPU builds never compile
     vulkan = {"ggml/src/ggml-vulkan/ggml-vulkan.cpp"}
     assert touched["0005-vulkan-older-headers.patch"] == touched["0006-vulkan-device-fault.patch"] == vulkan
