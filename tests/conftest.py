@@ -41,6 +41,7 @@ TRAINED_DFLASH = re.compile(r'"trained(-(?!eagle3|mtp)[a-z0-9-]+)?"')
 FAMILY_WRITER = "write_family_fixture("  # featdiff.factory.hf_targets': module fixtures call it
 WARM_UP_NICE = "10"  # below the tests, above the builds (nice 19), which have their tests' slack
 WARM_UP_LOG = "test-warm-up.log"  # in the tools dir
+THREADS_ENV = "LLAMA_ARG_THREADS"  # featdiff.llama.options.THREADS_ENV: llama.cpp's threads (pytest_configure)
 # writes each variant named after the directory into it: the training and conversion caches fill
 WARM_UP = "import sys; from pathlib import Path; from featdiff.factory import variants\n" + (
     "for v in sys.argv[2:]: variants.write(Path(sys.argv[1]) / v, v)"
@@ -80,8 +81,17 @@ def pytest_configure(config: pytest.Config) -> None:
     mostly waits for, and takes it from the builds behind the tests. `featdiff reference` of the
     clean pair, 6 rounds: 31.1 s wall and 9.6 CPU seconds at the default, 11.7 s and 3.5 at one
     thread (3 runs each, alternated, 2 busy cores). llama.cpp's programs are not affected: ggml
-    names its OpenMP thread count (-t) at every parallel region. A value already set is kept."""
+    names its OpenMP thread count (-t) at every parallel region.
+
+    llama.cpp itself computes on one thread too: the programs the tests start without -t (and the
+    tests' own command lines say -t 1) through LLAMA_ARG_THREADS, which they read, and featdiff's
+    in-process captures, which follow it (featdiff.llama.options.run_threads). ggml's threads wait
+    for each other at every node by spinning, so on 2 cores shared with the warm-up (nice 10) a
+    2-thread tiny model stalls whenever one of its threads is preempted: `test_check_faults.py -k
+    "anchor-mask or keep-rejected"` (4 checks around both programs) took 69.6 s beside one nice-10
+    busy loop at -t 2 and 33.7 s at -t 1, 8 s alone either way. A value already set is kept."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault(THREADS_ENV, "1")
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal's --collect-only listing

@@ -233,8 +233,8 @@ def test_conversion_key_follows_the_inputs_and_the_converter(tmp_path):
     assert len({key, changed_converter, conversion_key(d / "draft-hf", d / "target-hf", tree)}) == 3
 
 
-# llama-server as tests/llama/test_exec.py runs it: DFlash drafts of 3, a small context, 2 threads
-SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+# llama-server as tests/llama/test_exec.py runs it: DFlash drafts of 3, a small context, 1 thread
+SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 SERVER_TIMEOUT_S = 120
 
 

@@ -1,13 +1,22 @@
 """llama.cpp run options as featdiff reads them: strictly for an in-process capture, leniently
-from a program's command line."""
+from a program's command line; an in-process run's threads."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from featdiff.core.errors import InputError
 from featdiff.dump.manifest import CacheTypes
-from featdiff.llama.options import RunOptions, options_of_command, parse_run_options
+from featdiff.llama.options import (
+    MAX_THREADS,
+    THREADS_ENV,
+    RunOptions,
+    options_of_command,
+    parse_run_options,
+    run_threads,
+)
 
 
 def test_in_process_options_are_read_as_llama_cpp_spells_them():
@@ -83,3 +92,17 @@ def test_no_build_at_all_is_one_line_naming_make_setup(monkeypatch, tmp_path):
     with pytest.raises(InputError) as e:
         binding.find_build(None)
     assert "\n" not in str(e.value) and "make setup" in str(e.value) and str(tmp_path) in str(e.value)
+
+
+def test_an_in_process_runs_threads_are_its_t_else_llama_arg_threads_else_the_cores():
+    told = parse_run_options(["-t", "3"])
+    assert run_threads(told, {THREADS_ENV: "1"}) == 3  # the command line wins, as in llama.cpp's programs
+    assert run_threads(parse_run_options([]), {THREADS_ENV: "1"}) == 1
+    assert run_threads(parse_run_options([]), {}) == min(os.cpu_count() or 1, MAX_THREADS)
+    with pytest.raises(InputError, match=f"{THREADS_ENV} lots: expected an integer >= 1"):
+        run_threads(parse_run_options([]), {THREADS_ENV: "lots"})
+
+
+def test_a_programs_threads_from_its_environment_are_recorded():
+    assert options_of_command(["llama-server", "-m", "t.gguf"], {THREADS_ENV: "1"}).threads == 1
+    assert options_of_command(["llama-server", "-t", "2"], {THREADS_ENV: "1"}).threads == 2

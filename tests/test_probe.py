@@ -19,7 +19,7 @@ ACCEPTING_PROMPTS = ("tokens: 232,209,318,41,446,463,10,311,497,58", "tokens: 20
 # KV cache's noise) where the run and the reference may draft either token; these two do not.
 DRAFT_MAX_2_PROMPTS = (ACCEPTING_PROMPTS[0], "The quick brown fox")
 ROUNDS = 8
-SERVER_ARGS = ["--spec-type", "draft-dflash", "-c", "256", "-t", "2", "-td", "2"]
+SERVER_ARGS = ["--spec-type", "draft-dflash", "-c", "256", "-t", "1", "-td", "1"]
 DRAFT_MAX = 3  # llama.cpp's default; the fixtures' block_size 4 allows 1 .. 3
 
 

@@ -13,7 +13,7 @@ from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "1"]
 RUN_TIMEOUT_S = 120
 PROGRAMS = ["llama-speculative-simple", "llama-server"]
 

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow  # real programs, real references; the converted p
 
 PROMPT = "The quick brown fox"
 TWICE = "the quick brown fox jumps over the lazy dog " * 2  # 18 tokens: 5 chunks of -ub 4
-DFLASH = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
-STEPS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
+DFLASH = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
+STEPS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "1"]
 TRAINED = ("--ref-model", "draft-hf")  # the reference drafter: the pair's trained checkpoint
 HF_TARGET = ("--ref-target", "target-hf")  # qwen35's target through transformers' model code
 # fault -> (the pair it runs on, the reference's models, the program's own options, the finding check must name)
@@ -138,7 +138,7 @@ def _server_args(tools, kind: str, d: Path, prompts: Path) -> list:
     server = [tools.program("llama-server"), "-m", d / "target.gguf"]
     if kind == "eagle3":
         models = ["--target", d / "target.gguf", "--model", d / "draft.gguf"]
-        server += ["-md", d / "draft.gguf", "--spec-type", "draft-eagle3", *STEPS, "-td", "2"]
+        server += ["-md", d / "draft.gguf", "--spec-type", "draft-eagle3", *STEPS, "-td", "1"]
     else:  # the head inside the target's GGUF; the reference reads the target's checkpoint
         models = ["--target", d / "target.gguf", "--model", d / "target.gguf", "--ref-target", d / "target-hf"]
         server += ["--spec-type", "draft-mtp", *STEPS]

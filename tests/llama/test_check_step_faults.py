@@ -14,7 +14,7 @@ import pytest
 
 from featdiff_process import check_names_fault
 
-DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
+DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "1"]
 # fault -> the finding check must name (docs/faults.md), by drafter kind
 EAGLE3 = {
     "eagle3-no-shift": "row_shift",
@@ -67,7 +67,7 @@ def _args(tools, kind: str, d: Path) -> list[str]:
     if kind == "eagle3":
         models = ["--target", str(d / "target.gguf"), "--model", str(d / "draft.gguf")]
         cmd = [program, "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"), "--spec-type", "draft-eagle3"]
-        cmd += [*DRAFT_ARGS, "-td", "2", "-p", "The quick brown fox"]
+        cmd += [*DRAFT_ARGS, "-td", "1", "-p", "The quick brown fox"]
     else:  # the head inside the target's GGUF; the reference reads the target's checkpoint
         models = ["--target", str(d / "target.gguf"), "--model", str(d / "target.gguf")]
         models += ["--ref-target", str(d / "target-hf")]

@@ -215,7 +215,7 @@ def test_check_passes_the_trained_pair_on_the_device(mode, device, tools, fixtur
         args += ["--llama-dir", str(device.build.root)]
     else:
         server = [str(tools.program("llama-server")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"),
-                  "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2",
+                  "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1",
                   "-ngl", "99", "-ngld", "99"]  # fmt: skip
         args += ["--exec", "--", *server]
         env = device_program_env(device.build, device.backend, os.environ)

@@ -23,7 +23,7 @@ from real_flow import DEFAULT_ROUNDS, DEFAULT_TOKENS
 from test_exec import RUN_TIMEOUT_S, TOKENS
 
 CLEAN = ("dspark", "dspark-no-conf", "dspark-bonus", "dspark-d2t")
-SERVER_ARGS = ["--spec-type", "draft-dspark", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+SERVER_ARGS = ["--spec-type", "draft-dspark", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 # the sampled logits and confidences come after the whole drafter: only float32 rounding and the
 # f16 KV cache separate the two sides (measured: NMSE <= 1e-7)
 MAX_NMSE = 1e-5

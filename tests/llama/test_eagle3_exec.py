@@ -19,7 +19,7 @@ from featdiff.programs.run_log import ExecContext, ExecEval, ExecLog
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-SPEC_ARGS = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+SPEC_ARGS = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 RUN_TIMEOUT_S = 120
 
 

@@ -23,7 +23,7 @@ from real_flow import DEFAULT_TOKENS
 
 TOKENS = DEFAULT_TOKENS  # the server request
 PROMPT = "The quick brown fox"
-SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 RUN_TIMEOUT_S = 120
 FLOW_PHASES = ("prefill", "inject", "draft", "verify")
 

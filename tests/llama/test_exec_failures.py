@@ -26,7 +26,7 @@ from featdiff.verdict.lint import lint_gguf
 
 from real_flow import DEFAULT_TOKENS
 
-SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 SIMPLE = "llama-simple"  # the target alone, its own arguments: `-m T.gguf -n N PROMPT`
 OTHER_N_VOCAB = 256  # the crafted drafter's vocabulary; the fixture target's is pairs.N_VOCAB (512)
 BACKTRACE_FRAME = "#1 "  # how gdb's frames open, which ggml_abort prints into the program's output

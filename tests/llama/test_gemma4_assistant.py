@@ -32,7 +32,7 @@ from featdiff_process import check_passes, drafted_counts, refused_in_one_line
 pytestmark = pytest.mark.slow  # the pinned converter makes the pair
 
 ARCH = names.ARCH_GEMMA4_ASSISTANT
-SPEC = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+SPEC = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "1"]
 RUN = ["-p", "hello world", "-n", "16", "--temp", "0"]
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"  # 12 tokens: the window (8) leaves the first cells out
 ROUNDS = 3

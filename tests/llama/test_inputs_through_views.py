@@ -66,7 +66,7 @@ def test_around_a_program_eagle3s_input_read_through_a_transpose_is_recorded(
     d = eagle3_pairs("eagle3")
     cmd = [str(tools.program("llama-speculative-simple")), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf")]
     cmd += ["--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256"]
-    cmd += ["-t", "2", "-td", "2", "-p", "The quick brown fox", "-n", "16", "--temp", "0"]
+    cmd += ["-t", "1", "-td", "1", "-p", "The quick brown fox", "-n", "16", "--temp", "0"]
     plain = exec_capture.capture_exec(cmd, tmp_path / "plain.npz", timeout_s=RUN_TIMEOUT_S)
     monkeypatch.setenv(FAULT_VAR, THROUGH_VIEW)
     viewed = exec_capture.capture_exec(cmd, tmp_path / "viewed.npz", timeout_s=RUN_TIMEOUT_S)

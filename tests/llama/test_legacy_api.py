@@ -115,7 +115,7 @@ def test_exec_capture_around_the_older_generations_program(legacy, spm_models, t
     program = legacy.program("llama-speculative-simple")
     done = _featdiff("capture", "--exec", "--llama-dir", str(legacy.source), "-o", str(run), "--",
                      str(program), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf"),
-                     "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2",
+                     "--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1",
                      "-p", "The quick brown fox", "-n", "16", "--temp", "0")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     with read_dump(run) as dump:
@@ -140,7 +140,7 @@ def test_exec_of_an_older_program_compiles_the_preload_against_its_own_headers(l
     run = tmp_path / "run.npz"
     done = _featdiff("capture", "--exec", "-o", str(run), "--", str(program), "-m", str(d / "target.gguf"),
                      "-md", str(d / "draft.gguf"), "--spec-type", "draft-dflash", "--spec-draft-n-max", "3",
-                     "-c", "256", "-t", "2", "-p", "The quick brown fox", "-n", "8", "--temp", "0")  # fmt: skip
+                     "-c", "256", "-t", "1", "-p", "The quick brown fox", "-n", "8", "--temp", "0")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     with read_dump(run) as dump:
         assert any(ev.call == "encode" for ev in dump.manifest.evals)

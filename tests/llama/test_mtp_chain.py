@@ -26,7 +26,7 @@ from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
 from featdiff_process import check_passes
 
-SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "--temp", "0"]
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "--temp", "0"]
 RUN_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)

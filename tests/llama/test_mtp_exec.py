@@ -18,7 +18,7 @@ from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import reference
 
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "1"]
 RUN_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
@@ -60,9 +60,13 @@ def _follow(d: Path, head: Path, run: Path, tmp: Path) -> Path:
         ("llama-server", "mtp-separate"),
         ("llama-speculative-simple", "mtp-mimo2"),  # MiMo-V2: the head handed the pre-norm hidden
         ("llama-server", "mtp-mimo2"),
+        ("llama-speculative-simple", "mtp-qwen35moe"),  # Qwen3.5-MoE: the head's FFN routed over experts
+        ("llama-server", "mtp-qwen35moe"),
+        ("llama-speculative-simple", "mtp-glm4moe"),  # GLM-4.5 (llama-server: two slots at once, below)
         ("llama-speculative-simple", "mtp-deepseek2"),  # DeepSeek-V3: MLA, its head an MoE layer
         ("llama-server", "mtp-deepseek2"),
         ("llama-speculative-simple", "mtp-deepseek32"),  # DeepSeek-V3.2: deepseek2's head, the trunk's indexer dense
+        ("llama-server", "mtp-deepseek32"),
         ("llama-speculative-simple", "mtp-glm-dsa"),  # GLM-5: deepseek32's head, sigmoid routing unsaid in the file
         ("llama-server", "mtp-glm-dsa"),
     ],

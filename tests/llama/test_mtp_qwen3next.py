@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # the pinned converter makes the pair (cached per
 VARIANT = "mtp-qwen3next"
 ARCH = names.ARCH_QWEN3NEXT
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
-SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "1"]
 RUN_TIMEOUT_S = 120
 S = TINY.target
 

@@ -28,7 +28,7 @@ from featdiff.factory.mtp_step35 import N_HEADS, N_LAYER, TARGET_REF, write_step
 from featdiff.programs import exec as exec_capture
 from featdiff.torchref.kind import drafter_kind, reference
 
-SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "2"]
+SPEC_ARGS = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3", "-c", "256", "-t", "1"]
 TOKENS = "7,21,3,99,140,5"
 RUN_TIMEOUT_S = 120
 

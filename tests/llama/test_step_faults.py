@@ -22,14 +22,14 @@ from featdiff.torchref.kind import reference
 RUN_TIMEOUT_S = 120
 PROGRAM = "llama-speculative-simple"
 # three drafts a round (the seed and two steps), none stopped early by the draft's confidence
-DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
+DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "1"]
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
 
 
 def _eagle3(tools, d: Path) -> tuple[list[str], Path, Path]:
     cmd = [str(tools.program(PROGRAM)), "-m", str(d / "target.gguf"), "-md", str(d / "draft.gguf")]
-    cmd += ["--spec-type", "draft-eagle3", *DRAFT_ARGS, "-td", "2", "-p", "The quick brown fox", "-n", "16"]
+    cmd += ["--spec-type", "draft-eagle3", *DRAFT_ARGS, "-td", "1", "-p", "The quick brown fox", "-n", "16"]
     return [*cmd, "--temp", "0"], d / "target.gguf", d / "draft.gguf"
 
 

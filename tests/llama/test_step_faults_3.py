@@ -23,7 +23,7 @@ from eagle3_real import run_and_ref
 
 RUN_TIMEOUT_S = 120
 PROGRAM = "llama-speculative-simple"
-DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2"]
+DRAFT_ARGS = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "1"]
 TOKENS = "7,21,3,99,140,5,260,33,18,402,77,9"
 
 pytestmark = pytest.mark.slow  # the pinned converter makes the pairs (cached per machine)
@@ -33,7 +33,7 @@ def _program(tools, kind: str, d: Path) -> tuple[list[str], Path, Path]:
     """llama-speculative-simple's command line on the pair `d`, and the reference's target and model."""
     cmd = [str(tools.program(PROGRAM)), "-m", str(d / "target.gguf")]
     if kind == "eagle3":
-        cmd += ["-md", str(d / "draft.gguf"), "--spec-type", "draft-eagle3", *DRAFT_ARGS, "-td", "2"]
+        cmd += ["-md", str(d / "draft.gguf"), "--spec-type", "draft-eagle3", *DRAFT_ARGS, "-td", "1"]
         return [*cmd, "-p", "The quick brown fox", "-n", "16", "--temp", "0"], d / "target.gguf", d / "draft.gguf"
     cmd += ["--spec-type", "draft-mtp", *DRAFT_ARGS, "-p", "hello world", "-n", "16", "--temp", "0"]
     return cmd, d / "target-hf", d / "target.gguf"

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # real server, the pinned converter's pairs (cach
 RUN_TIMEOUT_S = 180
 PROMPTS = ["hello world and more words", "The quick brown fox"]
 N_PREDICT = 24
-COMMON = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "2", "-np", "2"]
+COMMON = ["--spec-draft-n-max", "3", "--spec-draft-p-min", "0", "-c", "256", "-t", "1", "-np", "2"]
 # kind -> (pair, the drafter's options, the reference's target and model, the records a step is fed)
 KINDS = {
     # the draft's sampling on the CPU: with backend sampling the pinned server samples both slots'

@@ -152,7 +152,7 @@ def test_a_ubatch_smaller_than_the_draft_block_is_refused(fixture_models, tmp_pa
 # ---------------------------------------------------------------- around the programs
 
 LONG_TEXT = " ".join(f"word{i % 97} and the quick brown fox number {i}" for i in range(90))  # > 600 tokens
-SPEC = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "2048", "-t", "2", "-td", "2"]
+SPEC = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "2048", "-t", "1", "-td", "1"]
 
 
 def _exec_and_compare(tools, models, tmp_path, program: str, extra: list[str], **capture_kw):

@@ -47,7 +47,7 @@ def spec_run(d2_dir, tools, tmp_path_factory) -> Path:
 
     cmd = [str(tools.program("llama-speculative-simple")), "-m", str(d2_dir / "target.gguf")]
     cmd += ["-md", str(d2_dir / "draft.gguf"), "--spec-type", "draft-dflash", "--spec-draft-n-max", "3"]
-    cmd += ["-c", "256", "-t", "2", "-td", "2", "-p", "hello world", "-n", str(N_PREDICT), "--temp", "0"]
+    cmd += ["-c", "256", "-t", "1", "-td", "1", "-p", "hello world", "-n", str(N_PREDICT), "--temp", "0"]
     out = tmp_path_factory.mktemp("dflash2-run") / "run.npz"
     return exec_capture.capture_exec(cmd, out, filters=["*"], timeout_s=RUN_TIMEOUT_S)
 
@@ -137,7 +137,7 @@ def test_dflash2_around_llama_server_compares_clean(d2_dir, tools, tmp_path):
     from featdiff.programs import exec as exec_capture
 
     cmd = [str(tools.program("llama-server")), "-m", str(d2_dir / "target.gguf"), "-md", str(d2_dir / "draft.gguf")]
-    cmd += ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+    cmd += ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
     run = exec_capture.capture_exec(cmd, tmp_path / "run.npz", tokens="7,21,3,99,140,5,260,33", timeout_s=RUN_TIMEOUT_S)
     with read_dump(run) as dump:
         kept = {r.name for r in dump.records()}

@@ -17,7 +17,7 @@ ROUNDS = 6
 MIN_MEAN_ACCEPTED_LENGTH = 2.0  # issue 7: at least 2 tokens per verify step, blocks of 4, greedy
 COLLAPSE = 0.5  # a broken export accepts fewer than this share of the drafts the reference accepts
 COMPARE_ROUNDS = 3
-SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "2", "-td", "2"]
+SERVER_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", "3", "-c", "256", "-t", "1", "-td", "1"]
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from featdiff.dump.records import Eval, Round
 from featdiff.kinds import registry as kinds
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
-from featdiff.llama.options import RunOptions
+from featdiff.llama.options import RunOptions, run_threads
 from featdiff.llama.runtime import Context, Model, Runtime, Spool
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,6 @@ DEFAULT_N_UBATCH = 512  # -ub: common/common.h common_params.n_ubatch (llama_con
 
 CTX_MIN = 256
 CTX_SLACK = 16
-MAX_THREADS = 8
 
 
 @dataclass
@@ -212,7 +211,7 @@ def new_contexts(
     DFlash switched on and the run's KV types, flash attention and threads; `tags` are the shim's
     callback tags (None: no callback)."""
     n_ctx = max(CTX_MIN, flow_positions(n_prompt, rounds, cfg.block_rows) + CTX_SLACK, options.n_ctx or 0)
-    threads = options.threads or min(os.cpu_count() or 1, MAX_THREADS)
+    threads = run_threads(options, os.environ)
     ub, fa = n_ubatch(options), options.flash_attn
     check_ubatch(ub, cfg.noncausal_rows)
     # n_rs_seq: common.cpp common_context_params_to_llama sets the target's to the draft length

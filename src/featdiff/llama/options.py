@@ -10,6 +10,7 @@ known ones are read; produces one `RunOptions`, which a manifest records in `bui
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ FLASH_ATTN_FLAGS = ("-fa", "--flash-attn")
 GPU_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
 GPU_LAYERS_DRAFT_FLAGS = ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl")
 THREADS_FLAGS = ("-t", "--threads")
+THREADS_ENV = "LLAMA_ARG_THREADS"  # llama.cpp's programs read -t from it where the command line has none
+MAX_THREADS = 8  # an in-process run's threads without -t or THREADS_ENV: the cores, at most this
 CTX_FLAGS = ("-c", "--ctx-size")
 UBATCH_FLAGS = ("-ub", "--ubatch-size")  # a batch larger than this is computed as several graphs
 
@@ -89,6 +92,14 @@ def parse_run_options(args: Sequence[str]) -> RunOptions:
     return _options(lambda flags: next((values[f] for f in reversed(list(values)) if f in flags), None), {})
 
 
+def run_threads(options: RunOptions, environ: Mapping[str, str]) -> int:
+    """The CPU threads an in-process run computes on: its -t, else THREADS_ENV where set (as
+    llama.cpp's programs read it), else the cores, at most MAX_THREADS."""
+    if options.threads:
+        return options.threads
+    return _int(environ.get(THREADS_ENV) or None, THREADS_ENV, 1) or min(os.cpu_count() or 1, MAX_THREADS)
+
+
 def options_of_command(command: Sequence[str], environ: Mapping[str, str]) -> RunOptions:
     """A program's options from its command line (its last `-flag VALUE` of each) and environment;
     flags featdiff does not read, and values it cannot read (`bash -c SCRIPT` is no context size),
@@ -112,7 +123,7 @@ def _options(value_of, environ: Mapping[str, str]) -> RunOptions:
         flash_attn=fa,
         n_gpu_layers=_int(value_of(GPU_LAYERS_FLAGS), "-ngl"),
         n_gpu_layers_draft=_int(value_of(GPU_LAYERS_DRAFT_FLAGS), "-ngld"),
-        threads=_int(value_of(THREADS_FLAGS), "-t", 1),
+        threads=_int(value_of(THREADS_FLAGS) or environ.get(THREADS_ENV), "-t", 1),
         n_ctx=_int(value_of(CTX_FLAGS), "-c", 0),
         n_ubatch=_int(value_of(UBATCH_FLAGS), "-ub", 1),
     )
