@@ -99,7 +99,8 @@ def test_an_in_process_runs_threads_are_its_t_else_llama_arg_threads_else_the_co
     assert run_threads(told, {THREADS_ENV: "1"}) == 3  # the command line wins, as in llama.cpp's programs
     assert run_threads(parse_run_options([]), {THREADS_ENV: "1"}) == 1
     assert run_threads(parse_run_options([]), {}) == min(os.cpu_count() or 1, MAX_THREADS)
-    with pytest.raises(InputError, match=f"{THREADS_ENV} lots: expected an integer >= 1"):
+    assert run_threads(parse_run_options([]), {THREADS_ENV: "0"}) == min(os.cpu_count() or 1, MAX_THREADS)
+    with pytest.raises(InputError, match=f"{THREADS_ENV}=lots: expected a thread count"):
         run_threads(parse_run_options([]), {THREADS_ENV: "lots"})
 
 

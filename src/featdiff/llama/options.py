@@ -93,11 +93,17 @@ def parse_run_options(args: Sequence[str]) -> RunOptions:
 
 
 def run_threads(options: RunOptions, environ: Mapping[str, str]) -> int:
-    """The CPU threads an in-process run computes on: its -t, else THREADS_ENV where set (as
-    llama.cpp's programs read it), else the cores, at most MAX_THREADS."""
+    """The CPU threads an in-process run computes on: its -t, else THREADS_ENV where set to a
+    positive count (llama.cpp's programs read it so, and take 0 or less as the cores), else the
+    cores, at most MAX_THREADS."""
     if options.threads:
         return options.threads
-    return _int(environ.get(THREADS_ENV) or None, THREADS_ENV, 1) or min(os.cpu_count() or 1, MAX_THREADS)
+    value = environ.get(THREADS_ENV, "").strip()
+    try:
+        n = int(value) if value else 0
+    except ValueError:
+        raise InputError(f"{THREADS_ENV}={value}: expected a thread count (an integer), as llama.cpp's -t") from None
+    return n if n > 0 else min(os.cpu_count() or 1, MAX_THREADS)
 
 
 def options_of_command(command: Sequence[str], environ: Mapping[str, str]) -> RunOptions:
