@@ -107,3 +107,4 @@ def test_an_in_process_runs_threads_are_its_t_else_llama_arg_threads_else_the_co
 def test_a_programs_threads_from_its_environment_are_recorded():
     assert options_of_command(["llama-server", "-m", "t.gguf"], {THREADS_ENV: "1"}).threads == 1
     assert options_of_command(["llama-server", "-t", "2"], {THREADS_ENV: "1"}).threads == 2
+    assert options_of_command(["llama-server"], {THREADS_ENV: "lots"}).threads is None  # the program's to judge

@@ -129,10 +129,16 @@ def _options(value_of, environ: Mapping[str, str]) -> RunOptions:
         flash_attn=fa,
         n_gpu_layers=_int(value_of(GPU_LAYERS_FLAGS), "-ngl"),
         n_gpu_layers_draft=_int(value_of(GPU_LAYERS_DRAFT_FLAGS), "-ngld"),
-        threads=_int(value_of(THREADS_FLAGS) or environ.get(THREADS_ENV), "-t", 1),
+        threads=_int(value_of(THREADS_FLAGS), "-t", 1) or _env_threads(environ),
         n_ctx=_int(value_of(CTX_FLAGS), "-c", 0),
         n_ubatch=_int(value_of(UBATCH_FLAGS), "-ub", 1),
     )
+
+
+def _env_threads(environ: Mapping[str, str]) -> int | None:
+    """A program's THREADS_ENV where it is a positive count; anything else is the program's to judge."""
+    value = environ.get(THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _kv(value_of, environ: Mapping[str, str], role: names.Role, part: str) -> str:
