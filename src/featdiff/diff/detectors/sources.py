@@ -52,81 +52,68 @@ def placed_message(ev: Evidence, key: str, value: str, candidate: str) -> str:
     )
 
 
+# The sentence of each hypothesis whose fix says no more than its tensor and candidate (`{tensor}`,
+# `{candidate}`); the others are written in _source_message
+SOURCE_MESSAGES = {
+    names.HYP_G_AFTER_NORM: "{tensor} of this draft step normalizes the previous step's result_norm (it matches the "
+    "reference's {candidate}): the state handed from step to step must be eagle3_prenorm, before the output norm "
+    "(upstream eagle3.cpp sets t_h_nextn before build_norm); hand on the pre-norm state",
+    names.HYP_TERM_AFTER_NORM: "{tensor} is the first layer's attention norm plus the log-SNR term (it matches the "
+    "reference's {candidate}): add dspark_log_snr_fc2 to the noise embeddings before the first layer, so the "
+    "residual stream carries it and the norm sees it",
+    names.HYP_FULL_ATTENTION: "{tensor} is the layer computed over the whole context (it matches the reference's "
+    "{candidate}) where the checkpoint's layer slides over a window: write "
+    + names.ARCH_DFLASH
+    + ".attention.sliding_window and _pattern into the GGUF (a converter that leaves them out runs the window as "
+    "full attention)",
+    names.HYP_RECURRENT_KEPT: "{tensor} is the layer run on a recurrent state that kept the last verify's rejected "
+    "drafts (it matches the reference's {candidate}): the rollback moved the position back but not the state; "
+    "restore the state of the last accepted row (llama_memory_seq_rm on a context whose n_rs_seq covers the draft "
+    "length restores its snapshot)",
+    names.HYP_LEVELS_SWAPPED: "{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it "
+    "matches the reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
+    "max_log_snr and every mask row at min_log_snr",
+    names.HYP_HALVES_ROPE_FIRST: "{tensor} is the head's MLA attention with each head's query and the compressed KV "
+    "row read as [rope, nope] (it matches the reference's {candidate}) where the checkpoint lays them out [nope, "
+    "rope]: the GGUF's attn_q_b and attn_kv_a_mqa rows were reordered; re-convert them in the checkpoint's order",
+    names.HYP_H_BATCH_LAST: "{tensor} pairs the first token of this target batch with the batch's last hidden "
+    "state, a later position's (it matches the reference's {candidate}): a batch's first token takes the pending "
+    "row the batch before left (zeros before the first batch; ikawrakow/ik_llama.cpp#2222)",
+    names.HYP_G_BATCH_LAST: "{tensor} pairs the first token of this target batch with the batch's last g row, a "
+    "later position's (it matches the reference's {candidate}): process()'s cross-ubatch bridge row must take the "
+    "pending g the batch before left; a row whose g is a view of pending_g_last (common_batch::set_embd keeps no "
+    "copy) reads it after this batch's refresh overwrote it: copy the pending row before the refresh, or decode "
+    "the batch before it",
+}
+
+
 def _source_message(tensor: str, key: str, value: str, candidate: str) -> str:
-    if f"{key}={value}" == names.HYP_G_AFTER_NORM:
-        return (
-            f"{tensor} of this draft step normalizes the previous step's result_norm (it matches the reference's "
-            f"{candidate}): the state handed from step to step must be eagle3_prenorm, before the output norm "
-            "(upstream eagle3.cpp sets t_h_nextn before build_norm); hand on the pre-norm state"
-        )
-    if f"{key}={value}" == names.HYP_TERM_AFTER_NORM:
-        return (
-            f"{tensor} is the first layer's attention norm plus the log-SNR term (it matches the reference's "
-            f"{candidate}): add dspark_log_snr_fc2 to the noise embeddings before the first layer, so the "
-            f"residual stream carries it and the norm sees it"
-        )
-    if f"{key}={value}" in (names.HYP_ANCHOR_BONUS, names.HYP_ANCHOR_FIRST):
+    hypothesis = f"{key}={value}"
+    if hypothesis in SOURCE_MESSAGES:
+        return SOURCE_MESSAGES[hypothesis].format(tensor=tensor, candidate=candidate)
+    if hypothesis in (names.HYP_ANCHOR_BONUS, names.HYP_ANCHOR_FIRST):
         trained, run = ("anchor-first", "bonus-anchor") if value == "bonus" else ("bonus-anchor", "anchor-first")
         return (
             f"{tensor} carries the Markov chain laid out {run} (it matches the reference's {candidate}) but "
             f"the checkpoint was trained {trained}: set {names.KEY_SAMPLE_FROM_ANCHOR} = "
             f"{'true' if trained == 'anchor-first' else 'false'} in the drafter's GGUF"
         )
-    if f"{key}={value}" == names.HYP_FULL_ATTENTION:
-        return (
-            f"{tensor} is the layer computed over the whole context (it matches the reference's {candidate}) where "
-            f"the checkpoint's layer slides over a window: write {names.ARCH_DFLASH}.attention.sliding_window and "
-            f"_pattern into the GGUF (a converter that leaves them out runs the window as full attention)"
-        )
-    if f"{key}={value}" == names.HYP_RECURRENT_KEPT:
-        return (
-            f"{tensor} is the layer run on a recurrent state that kept the last verify's rejected drafts (it matches "
-            f"the reference's {candidate}): the rollback moved the position back but not the state; restore the "
-            "state of the last accepted row (llama_memory_seq_rm on a context whose n_rs_seq covers the draft "
-            "length restores its snapshot)"
-        )
-    if f"{key}={value}" == names.HYP_LEVELS_SWAPPED:
-        return (
-            f"{tensor} puts the anchor row at min_log_snr and the mask rows at max_log_snr (it matches the "
-            f"reference's {candidate}); GIDD conditions the anchor (a token that is not the mask) at "
-            f"max_log_snr and every mask row at min_log_snr"
-        )
-    if f"{key}={value}" in (names.HYP_NORM_NONE, names.HYP_FC_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
-        return _eagle3_export_message(tensor, f"{key}={value}", candidate)
-    if f"{key}={value}" in (names.HYP_NORM_HNORM, names.HYP_NORM_ENORM):
+    if hypothesis in (names.HYP_NORM_NONE, names.HYP_FC_NORM_NONE, names.HYP_NORM_UNIT, names.HYP_D2T_OFFSETS):
+        return _eagle3_export_message(tensor, hypothesis, candidate)
+    if hypothesis in (names.HYP_NORM_HNORM, names.HYP_NORM_ENORM):
         return (
             f"{tensor} is normed with the head's {value} weight (it matches the reference's {candidate}): the "
             "GGUF's nextn hnorm and enorm hold each other's weights; re-export them, hnorm the hidden's norm and "
             "enorm the embedding's"
         )
-    if f"{key}={value}" in _MTP_WRONG_NORM:
-        return _mtp_wrong_norm_message(tensor, f"{key}={value}", candidate)
+    if hypothesis in _MTP_WRONG_NORM:
+        return _mtp_wrong_norm_message(tensor, hypothesis, candidate)
     if key == names.HYP_ROUTING:
         trained = "sigmoid" if value == "softmax" else "softmax"
         return (
             f"{tensor} is the head's block with its experts chosen and weighted by {value} (it matches the "
             f"reference's {candidate}) where the checkpoint routes by {trained}: write <arch>.expert_gating_func "
             f"= {_GATING_FUNC[trained]} ({trained}) into the GGUF (a file without it takes the graph's default)"
-        )
-    if f"{key}={value}" == names.HYP_HALVES_ROPE_FIRST:
-        return (
-            f"{tensor} is the head's MLA attention with each head's query and the compressed KV row read as [rope, "
-            f"nope] (it matches the reference's {candidate}) where the checkpoint lays them out [nope, rope]: the "
-            "GGUF's attn_q_b and attn_kv_a_mqa rows were reordered; re-convert them in the checkpoint's order"
-        )
-    if f"{key}={value}" == names.HYP_H_BATCH_LAST:
-        return (
-            f"{tensor} pairs the first token of this target batch with the batch's last hidden state, a later "
-            f"position's (it matches the reference's {candidate}): a batch's first token takes the pending row the "
-            "batch before left (zeros before the first batch; ikawrakow/ik_llama.cpp#2222)"
-        )
-    if f"{key}={value}" == names.HYP_G_BATCH_LAST:
-        return (
-            f"{tensor} pairs the first token of this target batch with the batch's last g row, a later position's "
-            f"(it matches the reference's {candidate}): process()'s cross-ubatch bridge row must take the pending g "
-            "the batch before left; a row whose g is a view of pending_g_last (common_batch::set_embd keeps no copy) "
-            "reads it after this batch's refresh overwrote it: copy the pending row before the refresh, or decode "
-            "the batch before it"
         )
     return (
         f"{tensor} comes from the {value} {key} (it matches the reference's {candidate}); the checkpoint "
