@@ -41,7 +41,6 @@ TRAINED_DFLASH = re.compile(r'"trained(-(?!eagle3|mtp)[a-z0-9-]+)?"')
 FAMILY_WRITER = "write_family_fixture("  # featdiff.factory.hf_targets': module fixtures call it
 WARM_UP_NICE = "10"  # below the tests, above the builds (nice 19), which have their tests' slack
 WARM_UP_LOG = "test-warm-up.log"  # in the tools dir
-THREADS_ENV = "LLAMA_ARG_THREADS"  # featdiff.llama.options.THREADS_ENV: llama.cpp's threads (pytest_configure)
 # writes each variant named after the directory into it: the training and conversion caches fill
 WARM_UP = "import sys; from pathlib import Path; from featdiff.factory import variants\n" + (
     "for v in sys.argv[2:]: variants.write(Path(sys.argv[1]) / v, v)"
@@ -91,6 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
     "anchor-mask or keep-rejected"` (4 checks around both programs) took 69.6 s beside one nice-10
     busy loop at -t 2 and 33.7 s at -t 1, 8 s alone either way. A value already set is kept."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from featdiff.llama.options import THREADS_ENV
+
     os.environ.setdefault(THREADS_ENV, "1")
 
 

@@ -336,7 +336,6 @@ HYP_ROUTING_SOFTMAX = "routing=softmax"
 HYP_ROUTING_SIGMOID = "routing=sigmoid"
 # mtp_ffn_inp-<il>@halves=rope_first: an MLA head (DeepSeek's, GLM-5's) with each head's query and the
 # compressed KV row read as [rope, nope], where the checkpoint lays them out [nope, rope]
-HYP_HALVES = "halves"
 HYP_HALVES_ROPE_FIRST = "halves=rope_first"
 # l_out-<il>@recurrent=kept_rejected: a hybrid target's layer run on a recurrent state that kept the
 # last verify's rejected rows (the position rolled back, not the state)

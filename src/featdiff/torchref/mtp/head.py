@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
