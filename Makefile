@@ -55,9 +55,13 @@ lint: setup
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
-# The 20 slowest tests printed at the end: where a fresh clone's time goes.
+# The 20 slowest tests printed at the end: where a fresh clone's time goes. TEST_WORKERS pytest
+# processes (pytest-xdist) take the test modules one at a time, in the suite's order (its
+# conftest.py runs the modules that wait on a background build last); TEST_WORKERS=0 runs the
+# suite in one process. The tests' llama.cpp and torch compute on one thread each.
+TEST_WORKERS ?= 2
 test: setup lint browser vulkan tools
-	$(BIN)/python -m pytest -q -m "not cuda" --durations=20
+	$(BIN)/python -m pytest -q -m "not cuda" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 # Everything that needs neither the tools build nor a browser (markers in pyproject.toml,
 # tests/conftest.py) and nothing `slow`: measured 133 s (880 tests) on 2 idle cores after set-up, caches warm.

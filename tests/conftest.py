@@ -34,6 +34,7 @@ CONVERTED_FIXTURES = ("qwen3moe", "qwen3moe_tied", "converted", "converted_featu
 BUILD_OF_FIXTURE = {"vulkan": "vulkan", "device": "vulkan", "legacy": "release", "dl_prefix": "backend-dl"}
 BUILD_ORDER = ("vulkan", "release", "backend-dl")
 BACKGROUND_BUILDS_ENV = "FEATDIFF_BACKGROUND_BUILDS"  # 0: no background builds (each fixture builds its own)
+XDIST_WORKER_ENV = "PYTEST_XDIST_WORKER"  # pytest-xdist's worker id (gw0, gw1, ...), unset in a session of one process
 BACKGROUND_LOG = "test-builds.log"  # in the tools dir, beside each build's own featdiff-build.log
 # the DFlash pairs a session fixture writes without the converter take a second, except the trained
 # ones (one training, a minute or two on one core): how a test module names one
@@ -97,31 +98,55 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal's --collect-only listing
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Run the tests that need a build of their own (the older release, Vulkan, the backend-loaded
-    library: minutes each on 2 cores) last, and start those builds now, in one niced background
-    process: the suite keeps about one core busy (torch on one thread), so the builds take the
-    other one and are done, or nearly, when their tests come. Each build holds its build lock
-    (featdiff.llama.tools): the fixture that needs it waits for it, or finds it built; one that
-    failed left no stamp, so the fixture builds again and fails naming the build's log."""
+    """Run the modules whose tests need a build of their own (the older release, Vulkan, the
+    backend-loaded library: minutes each on 2 cores) last, whole (`make test`'s two workers take a
+    module at a time, in this order: pytest-xdist's --dist loadscope --no-loadscope-reorder), and
+    start those builds now, in one niced background process: the suite keeps the cores busy with
+    tests that need no build, so the builds take what the tests leave and are done, or nearly,
+    when their tests come. Each build holds its build lock (featdiff.llama.tools): the fixture
+    that needs it waits for it, or finds it built; one that failed left no stamp, so the fixture
+    builds again and fails naming the build's log."""
     _start_warm_up(session)
-    needed = {item: _build_needed(item) for item in session.items}
-    builds = [b for b in BUILD_ORDER if b in needed.values()]
+    builds = _builds_by_module(session.items)
     if not builds:
         return
-    session.items[:] = [i for i in session.items if needed[i] is None] + [
-        i for b in builds for i in session.items if needed[i] == b
-    ]
-    if session.config.option.collectonly or os.environ.get(BACKGROUND_BUILDS_ENV) == "0":
+    last = {m: BUILD_ORDER.index(b) for m, b in builds.items()}
+    session.items.sort(key=lambda item: last.get(_module(item), -1))  # stable: in order otherwise
+    if session.config.option.collectonly or not _starts_background():
         return
     from featdiff.llama.binding import tools_dir
 
     log = tools_dir() / BACKGROUND_LOG
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.extra_builds", *builds]
+    needed = [b for b in BUILD_ORDER if b in {_build_needed(i) for i in session.items}]
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.extra_builds", *needed]
     with open(log, "a") as out:  # appended: sessions run side by side on a shared machine
         session.config.stash[_BACKGROUND] = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _builds_by_module(items: list[pytest.Item]) -> dict[str, str]:
+    """Each module with a test that needs a build (_build_needed): the first of BUILD_ORDER its
+    tests need."""
+    builds: dict[str, str] = {}
+    for item in items:
+        build = _build_needed(item)
+        if build is not None:
+            known = builds.get(_module(item), build)
+            builds[_module(item)] = min(build, known, key=BUILD_ORDER.index)
+    return builds
+
+
+def _starts_background() -> bool:
+    """Whether this process starts the background builds and warm-up: the session's own, or the
+    first of pytest-xdist's workers (gw0; every worker collects the same tests), unless
+    BACKGROUND_BUILDS_ENV says none."""
+    return os.environ.get(BACKGROUND_BUILDS_ENV) != "0" and os.environ.get(XDIST_WORKER_ENV, "gw0") == "gw0"
 
 
 _BACKGROUND = pytest.StashKey[subprocess.Popen]()
@@ -176,7 +201,7 @@ def _start_warm_up(session: pytest.Session) -> None:
     locks (featdiff.core.cache_dir.making) make a fixture that asks meanwhile wait for the
     background's conversion or training, never make it twice; one that failed there leaves no
     entry, so the fixture makes it and fails in the test."""
-    if session.config.option.collectonly or os.environ.get(BACKGROUND_BUILDS_ENV) == "0":
+    if session.config.option.collectonly or not _starts_background():
         return
     variants = _warm_up_variants(session.items)
     if not variants:
@@ -205,19 +230,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             os.setpriority(os.PRIO_PGRP, proc.pid, 0)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop the background builds and warm-up a session leaves unfinished (one stopped by -x or
     ^C): a build killed part-way has no stamp, so the next run builds on from it rather than
-    trusting it; a training or conversion killed part-way stored no cache entry."""
-    proc = session.config.stash.get(_BACKGROUND, None)
-    if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
+    trusting it; a training or conversion killed part-way stored no cache entry. A pytest-xdist
+    worker that ran out of tests while the other still runs waits for them instead, unless
+    interrupted: what they make is for the other worker's tests."""
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    waits = XDIST_WORKER_ENV in os.environ and not interrupted
+    for proc in (session.config.stash.get(_BACKGROUND, None), session.config.stash.get(_WARM_UP, (None,))[0]):
+        if proc is not None and proc.poll() is None:
+            if not waits:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
     warm_up = session.config.stash.get(_WARM_UP, None)
     if warm_up is not None:  # a training stopped part-way stored nothing (training.cache.store)
-        if warm_up[0].poll() is None:
-            os.killpg(warm_up[0].pid, signal.SIGTERM)
-            warm_up[0].wait()
         shutil.rmtree(warm_up[1], ignore_errors=True)
 
 

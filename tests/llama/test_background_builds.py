@@ -120,3 +120,19 @@ def test_the_tests_that_need_a_test_build_run_last_in_the_order_they_are_built()
     assert files[-1] == "test_backend_dl.py" and files[: files.count("test_tools.py")] == [
         "test_tools.py"
     ] * files.count("test_tools.py")
+
+
+def test_a_module_with_a_test_that_needs_a_build_runs_last_whole():
+    """`make test`'s workers (pytest-xdist, --dist loadscope) take a module at a time in the
+    suite's order: a module whose Vulkan case waits on the background build goes to the end
+    with its CPU cases, not split in two."""
+    tests = Path(__file__).parent
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+           str(tests / "test_device.py"), str(tests / "test_tools.py")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, cwd=tests.parent.parent, env=env)
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    assert done.returncode == 0 and ids, done.stdout[-2000:]
+    device = [i for i in ids if i.split("::")[0].endswith("test_device.py")]
+    assert any("vulkan" in i for i in device) and any("vulkan" not in i for i in device), device
+    assert ids[-len(device) :] == device, ids
