@@ -4,6 +4,8 @@ moved or renamed module would otherwise fail only when a run of that kind reache
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from featdiff.kinds import KINDS
@@ -54,3 +56,11 @@ def test_a_checkpoint_is_told_by_the_kind_that_claims_it():
     assert of_checkpoint({"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 0}).name == "dflash"
     assert of_checkpoint({"draft_vocab_size": 64, "num_hidden_layers": 1}).name == "eagle3"
     assert of_checkpoint({"draft_vocab_size": 64, "num_hidden_layers": 2}).name == "dflash"
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k.unread is not None], ids=lambda k: k.name)
+def test_unread_resolves_to_a_function_of_the_kinds_reference(kind):
+    module, _, attr = kind.unread.partition(":")
+    function = getattr(importlib.import_module(f"featdiff.torchref.{module}"), attr, None)
+    assert callable(function), kind.unread
+    assert module.split(".")[0] == kind.reference.split(".")[0]  # the kind's own reference package

@@ -252,6 +252,19 @@ def array_len(model: GgufModel, key: str) -> int | None:
     return len(f.data)
 
 
+def n_embd_of(g: GgufModel) -> int | None:
+    """The file's embedding length (`<arch>.embedding_length`), None where it states none."""
+    return int_meta(g, names.KEY_EMBEDDING_LENGTH) if has_meta(g, names.KEY_EMBEDDING_LENGTH) else None
+
+
+def n_vocab_of(g: GgufModel) -> int | None:
+    """The vocabulary size llama.cpp uses: the token list, else the embedding table's rows."""
+    n = array_len(g, names.KEY_TOKEN_LIST)
+    if n is None and names.T_TOKEN_EMBD in g.tensors:
+        n = g.tensors[names.T_TOKEN_EMBD].ne[1]
+    return n
+
+
 def array_from_tensor(model: GgufModel, name: str) -> np.ndarray:
     """A tensor as a new float32 array in numpy order (reversed ggml `ne`), dequantized by the
     model's dequantizer (`read_gguf_weights`); InputError when absent or of a type it cannot read."""

@@ -1,7 +1,7 @@
 """What the reference models of an EAGLE3 drafter: the `eagle3.*` keys and the tensors the pinned
 llama.cpp's eagle3 loader and graphs read (`src/models/eagle3.cpp`, llama_model_base::load_hparams),
 one table, as featdiff.kinds.dflash.modelled is for the `dflash` graph. The reference (torchref/eagle3/graph.py)
-refuses a GGUF carrying anything else, lint lists it (featdiff.kinds.preflight, severity unmodelled), and
+refuses a GGUF carrying anything else, lint lists it (featdiff.kinds.eagle3_checks, severity unmodelled), and
 a capture records it in the manifest (`ModelInfo.unmodelled`) for compare to name.
 """
 

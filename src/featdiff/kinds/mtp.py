@@ -7,7 +7,7 @@ from typing import Any
 
 from featdiff.core import names
 from featdiff.core.errors import InputError
-from featdiff.core.gguf_reader import GgufModel, int_meta
+from featdiff.core.gguf_reader import GgufModel, has_meta, int_meta
 
 # An MTP head's graph (upstream src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp, glm4-moe.cpp, mimo2.cpp graph_mtp): its
 # token rows, its norms and their concat, eh_proj, the decoder layer's residuals, the head norm and the logits, and
@@ -269,3 +269,10 @@ def markdown_section() -> list[str]:
         "|---|---|---|",
         *(f"| `{arch}` | {modelled} | {refused} |" for arch, modelled, refused in HEAD_DOCS),
     ]
+
+
+def mtp_head_block(d: GgufModel) -> int | None:
+    """The block index of the GGUF's MTP head (its trunk's layer count: block_count counts the
+    heads), None when the file declares none."""
+    n_heads = int_meta(d, names.KEY_NEXTN_LAYERS, 0)
+    return int_meta(d, names.KEY_BLOCK_COUNT) - n_heads if n_heads > 0 and has_meta(d, names.KEY_BLOCK_COUNT) else None

@@ -1,7 +1,8 @@
-"""Consistency checks of a drafter shared by the reference's loaders (which refuse), `lint` (which
-lists) and capture's preflight (which refuses the fatal ones): each returns problem sentences
-without the file name; the caller prefixes it. `dspark_key_problems` is lint's alone: llama.cpp
-loads such a file, so the reference does too. Pure rules on values: below every stage.
+"""The problem record and severities of lint's checks, and the consistency rules more than one kind
+shares (layer ids, d2t), used by the reference's loaders (which refuse), `lint` (which lists) and
+capture's preflight (which refuses the fatal ones): each returns problem sentences without the
+file name; the caller prefixes it. Each kind's own rules are its own modules' (kinds/dflash/,
+kinds/eagle3_checks.py, kinds/mtp_checks.py). Pure rules on values: below every stage.
 """
 
 from __future__ import annotations
@@ -64,13 +65,3 @@ def d2t_problems(d2t: np.ndarray, n_vocab: int, head_rows: int) -> list[str]:
     if np.unique(d2t).size != d2t.size:
         problems.append(f"{names.T_D2T} maps two draft rows to one target id; re-export d2t")
     return problems
-
-
-_DSPARK_EXTRAS = (names.T_MARKOV_W2, names.T_MARKOV_W2_SCALE, names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)
-_WHY = {
-    names.T_MARKOV_W1: "n_vocab x rank",
-    names.T_MARKOV_W2: "n_vocab_draft x rank",
-    names.T_MARKOV_W2_SCALE: "one scale",
-    names.T_CONF_PROJ_W: "1 x (n_embd + rank)",
-    names.T_CONF_PROJ_B: "one bias",
-}  # numpy order

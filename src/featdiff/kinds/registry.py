@@ -15,11 +15,16 @@ imports only its own code. Adding a kind is its own modules plus one `DrafterKin
   prompt, numerics, block_rows)` (one round after a prompt);
 * `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs);
 * `checks`: `module:name` in `featdiff.kinds` of its lint checks, a tuple of (check(d, t) -> list of
-  problem texts, severity) in lint's order (featdiff.kinds.preflight runs them; `check_table`);
+  problem texts, severity) in lint's order (featdiff.kinds.preflight runs them; `check_table`): the kind's own module's;
 * `unmodelled(keys, tensors)`: the GGUF keys (`<arch>.*` ones, name -> value) and tensors the reference
   does not model (lint lists them, the reference refuses them, a capture records them);
+* `unread`: `module:name` in `featdiff.torchref` of a function (gguf -> sentences) naming what of
+  the GGUF the kind's reference does not read and so refuses, for lint to list (`unread_problems`;
+  None: the kind's `unmodelled` table says it);
 * `is_checkpoint(config)`: whether a HF checkpoint's config.json is this kind's, as the pinned
   converter tells it (None: the DFlash graph's, what a checkpoint no kind claims is taken for);
+* `refuses(gguf)`: why featdiff refuses a GGUF of this kind's family that no kind models (an MTP
+  head of an architecture it does not replay), one sentence; None where it does not (`refused`);
 * `first_draft_row(gguf)`: a block kind's row of its block that llama.cpp reads the first draft from
   (None for a step kind);
 * `modelled_doc()`: its section of docs/modelled.md, lines (`render_markdown` joins each section once,
@@ -45,7 +50,7 @@ from featdiff.kinds.dflash.modelled import unmodelled_in
 from featdiff.kinds.dflash.modelled_doc import markdown_section as dflash_markdown
 from featdiff.kinds.eagle3 import EAGLE3_WIRING, is_eagle3_config, unmodelled_eagle3
 from featdiff.kinds.eagle3 import markdown_section as eagle3_markdown
-from featdiff.kinds.mtp import ARCH_WIRING, MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint
+from featdiff.kinds.mtp import ARCH_WIRING, MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint, refused_head
 from featdiff.kinds.mtp import markdown_section as mtp_markdown
 from featdiff.kinds.problems import Severity
 
@@ -83,12 +88,16 @@ class DrafterKind:
     # in the target's GGUF, an MTP context, --spec-type alone says it drafts); False: its own model
     shares_target_model: bool = False
     # its lint checks (the module docstring); the DFlash graph's by default
-    checks: str = "preflight:DFLASH_CHECKS"
+    checks: str = "dflash.checks:CHECKS"
     # its GGUF's unmodelled keys and tensors (the module docstring); None: no table of kinds/ says
-    # (an MTP head's unread keys and tensors are torchref.mtp.head's, which lint asks itself)
+    # (an MTP head's unread keys and tensors are its reference's: `unread`)
     unmodelled: Callable[[Mapping[str, Any], Iterable[str]], tuple[str, ...]] | None = unmodelled_in
+    # what of its GGUF its reference does not read (the module docstring); None: `unmodelled` says
+    unread: str | None = None
     # whether a HF config.json is its checkpoint's (the module docstring)
     is_checkpoint: Callable[[Mapping[str, Any]], bool] | None = None
+    # why a GGUF this kind does not model is refused (the module docstring); None: it refuses none
+    refuses: Callable[[GgufModel], str | None] | None = None
     # a block kind's first draft row (the module docstring): the DFlash graph's rule by default
     first_draft_row: Callable[[GgufModel], int] | None = gguf_first_draft_row
     # its section of docs/modelled.md (the module docstring); the DFlash graph's by default
@@ -116,6 +125,14 @@ class DrafterKind:
 
     def reference_module(self) -> ModuleType:
         return importlib.import_module(f"featdiff.torchref.{self.reference}")
+
+    def unread_problems(self, g: GgufModel) -> list[str]:
+        """What of the GGUF `g` its reference does not read (`unread`), one sentence each."""
+        if self.unread is None:
+            return []
+        module, _, attr = self.unread.partition(":")
+        problems: list[str] = getattr(importlib.import_module(f"featdiff.torchref.{module}"), attr)(g)
+        return problems
 
     def check_table(self) -> tuple[tuple[Callable[..., list[str]], Severity], ...]:
         """Its lint checks (`checks`), each with the severity of its problems."""
@@ -173,7 +190,7 @@ KINDS: tuple[DrafterKind, ...] = (
         block_flow=False,
         layer_rule="eagle_aux_hidden_state_layer_ids as they are (the EAGLE3 converter adds no +1)",
         row_token=1,
-        checks="preflight:EAGLE3_CHECKS",
+        checks="eagle3_checks:CHECKS",
         unmodelled=unmodelled_eagle3,
         is_checkpoint=is_eagle3_config,
         first_draft_row=None,
@@ -211,9 +228,11 @@ KINDS: tuple[DrafterKind, ...] = (
         ),
         row_token=0,
         shares_target_model=True,
-        checks="preflight:MTP_CHECKS",
+        checks="mtp_checks:CHECKS",
         unmodelled=None,
+        unread="mtp.head:unread_problems",
         is_checkpoint=is_mtp_checkpoint,
+        refuses=refused_head,
         first_draft_row=None,
         modelled_doc=mtp_markdown,
         graph_handed=(names.MTP_H_INPUT,),
@@ -263,6 +282,12 @@ def of_checkpoint(config: Mapping[str, Any]) -> DrafterKind:
     like another kind's); DFlash's when none does."""
     told = sorted((k for k in KINDS if k.is_checkpoint is not None), key=lambda k: not k.shares_target_model)
     return next((k for k in told if k.is_checkpoint is not None and k.is_checkpoint(config)), KINDS[0])
+
+
+def refused(g: GgufModel) -> str | None:
+    """Why featdiff refuses the GGUF `g` (a kind's `refuses`: an MTP head it does not replay), in
+    one sentence without the file's name; None when no kind refuses it."""
+    return next((why for k in KINDS if k.refuses is not None and (why := k.refuses(g)) is not None), None)
 
 
 def by_name(name: str) -> DrafterKind:

@@ -27,7 +27,6 @@ from featdiff.core.filters import FilterSet, capture_filters
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.core.outputs import check_output, existing_file, failed_output, no_room_error, output_lock
 from featdiff.kinds import registry as kinds
-from featdiff.kinds.mtp import refused_head
 from featdiff.kinds.preflight import preflight
 from featdiff.llama import ggml_dequant, spool
 from featdiff.llama.options import options_of_command
@@ -187,11 +186,11 @@ def check_pair(command: list[str], environ: Mapping[str, str]) -> None:
 def _refuse_unmodelled_head(path: Path | None) -> None:
     """InputError, before the program starts, for the file that drafts (its -md, else the target
     whose own head --spec-type draft-mtp runs) when it is a head featdiff refuses by name, as lint,
-    capture's preflight and the reference refuse it (kinds.mtp.refused_head)."""
+    capture's preflight and the reference refuse it (kinds.registry.refused)."""
     if path is None or not path.is_file():
         return
     try:
-        refused = refused_head(read_gguf(path))
+        refused = kinds.refused(read_gguf(path))
     except (InputError, OSError):
         return  # not a GGUF featdiff reads: llama.cpp says what it makes of it
     if refused is not None:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from featdiff.kinds import registry as kinds
-from featdiff.kinds.mtp import refused_head
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import read_gguf
 from featdiff.llama import ggml_dequant
@@ -30,7 +29,7 @@ def drafter_kind(model: Path) -> kinds.DrafterKind:
         g = read_gguf(model, ggml_dequant.load)
     except (InputError, OSError):  # no file, not a GGUF: the DFlash path says so as it always has
         return kinds.KINDS[0]
-    refused = refused_head(g)
+    refused = kinds.refused(g)
     if refused is not None:  # a head llama.cpp runs and the reference does not model (kinds.mtp)
         raise InputError(f"{model}: {refused}")
     return kinds.kind_of(g.arch, g.tensors, str(model)) if g.arch in kinds.ALL_DRAFTER_ARCHS else kinds.KINDS[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from featdiff.core import names
 from featdiff.core.blocks import first_draft_row
 from featdiff.core.gguf_reader import GgufModel, meta
-from featdiff.kinds.problems import _DSPARK_EXTRAS, _WHY
 
 # The DSpark tensors a file may hold, and d2t (which sizes markov_w2), by GGUF name
 DSPARK_FILE_TENSORS = (
@@ -16,6 +15,15 @@ DSPARK_FILE_TENSORS = (
     names.T_CONF_PROJ_B,
     names.T_D2T,
 )
+# the heads' tensors besides markov_w1, and what each is
+_EXTRAS = (names.T_MARKOV_W2, names.T_MARKOV_W2_SCALE, names.T_CONF_PROJ_W, names.T_CONF_PROJ_B)
+_WHY = {
+    names.T_MARKOV_W1: "n_vocab x rank",
+    names.T_MARKOV_W2: "n_vocab_draft x rank",
+    names.T_MARKOV_W2_SCALE: "one scale",
+    names.T_CONF_PROJ_W: "1 x (n_embd + rank)",
+    names.T_CONF_PROJ_B: "one bias",
+}  # numpy order
 
 
 def gguf_first_draft_row(d: GgufModel) -> int:
@@ -38,7 +46,7 @@ def dspark_problems(
     """
     say = (spelled or {}).get
     w1, w2 = shapes.get(names.T_MARKOV_W1), shapes.get(names.T_MARKOV_W2)
-    extra = [say(t, t) for t in _DSPARK_EXTRAS if t in shapes]
+    extra = [say(t, t) for t in _EXTRAS if t in shapes]
     if w1 is None:
         return (
             [

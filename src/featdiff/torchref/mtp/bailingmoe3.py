@@ -20,7 +20,7 @@ import torch
 
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, int_meta, meta
-from featdiff.kinds.preflight import mtp_head_block
+from featdiff.kinds.mtp import mtp_head_block
 from featdiff.torchref.attention import KvCache
 from featdiff.torchref.mla import mla_heads
 from featdiff.torchref.numerics import linear

@@ -48,8 +48,7 @@ from featdiff.core import names
 from featdiff.core.errors import InputError
 from featdiff.core.gguf_reader import GgufModel, array_from_tensor, int_meta, meta, read_gguf_weights
 from featdiff.llama import ggml_dequant
-from featdiff.kinds.mtp import refused_head
-from featdiff.kinds.preflight import mtp_head_block
+from featdiff.kinds.mtp import mtp_head_block, refused_head
 from featdiff.torchref.attention import KvCache
 from featdiff.torchref.load_gguf import _rope_scaling
 from featdiff.torchref.mtp.layer import (
@@ -332,6 +331,20 @@ def _block_keys(g: GgufModel, il: int) -> list[str]:
     attention = [*graph.attention_tensors, *(k for k in optional if k in in_block)]
     ffn = _moe_tensors(in_block, graph.experts, graph.choice_bias) if MOE_ROUTER in in_block else list(DENSE_FFN)
     return [*attention, *ffn]
+
+
+def unread_problems(g: GgufModel) -> list[str]:
+    """lint's sentences (without the file's name) for each tensor of the head's block and each
+    nextn key the reference does not read (DrafterKind.unread): it refuses such a head."""
+    il = mtp_head_block(g) if g.arch in MTP_ARCHS else None
+    if il is None:
+        return []
+    return [
+        f"{name} is in the MTP head (block {il}) but featdiff's MTP reference does not read it, and refuses this "
+        "head (a comparison would leave it out); model it in src/featdiff/torchref/mtp/head.py, or re-convert "
+        "without it"
+        for name in (*unread_head_tensors(g, il), *unread_nextn_keys(g))
+    ]
 
 
 def unread_head_tensors(g: GgufModel, il: int) -> list[str]:
