@@ -4,13 +4,11 @@ src/models/eagle3.cpp, common_speculative_impl_draft_eagle3): `CHECKS`, lint's t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from featdiff.core import names
 from featdiff.core.gguf_reader import GgufModel, has_meta, int_list_meta, int_meta, n_embd_of, n_vocab_of
-from featdiff.kinds.problems import FATAL, UNMODELLED, Severity, layer_id_problems
+from featdiff.kinds.problems import FATAL, UNMODELLED, CheckTable, layer_id_problems
 from featdiff.kinds.unmodelled import unmodelled_problems
 
 
@@ -64,7 +62,7 @@ def _eagle3_d2t_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return []
 
 
-CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+CHECKS: CheckTable = (
     (_eagle3_layer_problems, FATAL),
     (_eagle3_fc_problems, FATAL),
     (_eagle3_d2t_problems, FATAL),

@@ -3,12 +3,10 @@ common_speculative_impl_draft_mtp): `CHECKS`, lint's table for the kind (Drafter
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from featdiff.core import names
 from featdiff.core.gguf_reader import GgufModel, int_meta, n_embd_of
 from featdiff.kinds.mtp import mtp_head_block
-from featdiff.kinds.problems import FATAL, Severity
+from featdiff.kinds.problems import FATAL, CheckTable
 
 
 def _mtp_head_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
@@ -55,4 +53,4 @@ def _assistant_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
     return []
 
 
-CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = ((_mtp_head_problems, FATAL),)
+CHECKS: CheckTable = ((_mtp_head_problems, FATAL),)

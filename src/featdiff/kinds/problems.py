@@ -7,12 +7,14 @@ kinds/eagle3_checks.py, kinds/mtp_checks.py). Pure rules on values: below every 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from featdiff.core import names
+from featdiff.core.gguf_reader import GgufModel
 
 Severity = Literal["fatal", "advisory", "unmodelled"]
 # fatal: llama.cpp aborts on it (GGML_ASSERT), refuses to load the file, or misruns from the first
@@ -23,6 +25,10 @@ Severity = Literal["fatal", "advisory", "unmodelled"]
 FATAL: Severity = "fatal"
 ADVISORY: Severity = "advisory"
 UNMODELLED: Severity = "unmodelled"
+# one check of a drafter GGUF `d` (and its target `t`, None when not given): problem sentences
+Check = Callable[[GgufModel, GgufModel | None], list[str]]
+# a kind's lint table (DrafterKind.checks): each check and the severity of its problems, in lint's order
+CheckTable = tuple[tuple[Check, Severity], ...]
 
 
 @dataclass(frozen=True)

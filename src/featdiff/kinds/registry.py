@@ -52,7 +52,7 @@ from featdiff.kinds.eagle3 import EAGLE3_WIRING, is_eagle3_config, unmodelled_ea
 from featdiff.kinds.eagle3 import markdown_section as eagle3_markdown
 from featdiff.kinds.mtp import ARCH_WIRING, MTP, MTP_TARGET_WIRING, MTP_WIRING, is_mtp_checkpoint, refused_head
 from featdiff.kinds.mtp import markdown_section as mtp_markdown
-from featdiff.kinds.problems import Severity
+from featdiff.kinds.problems import CheckTable
 
 
 @dataclass(frozen=True)
@@ -134,12 +134,10 @@ class DrafterKind:
         problems: list[str] = getattr(importlib.import_module(f"featdiff.torchref.{module}"), attr)(g)
         return problems
 
-    def check_table(self) -> tuple[tuple[Callable[..., list[str]], Severity], ...]:
+    def check_table(self) -> CheckTable:
         """Its lint checks (`checks`), each with the severity of its problems."""
         module, _, attr = self.checks.partition(":")
-        table: tuple[tuple[Callable[..., list[str]], Severity], ...] = getattr(
-            importlib.import_module(f"featdiff.kinds.{module}"), attr
-        )
+        table: CheckTable = getattr(importlib.import_module(f"featdiff.kinds.{module}"), attr)
         return table
 
 

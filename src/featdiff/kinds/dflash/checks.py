@@ -5,7 +5,6 @@ log-SNR head's terms, which the reference's loaders check too."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import numpy as np
 
@@ -22,7 +21,7 @@ from featdiff.core.gguf_reader import (
     n_vocab_of,
 )
 from featdiff.kinds.dflash.dspark import DSPARK_FILE_TENSORS, dspark_key_problems, dspark_problems, gguf_first_draft_row
-from featdiff.kinds.problems import ADVISORY, FATAL, UNMODELLED, Severity, d2t_problems, layer_id_problems
+from featdiff.kinds.problems import ADVISORY, FATAL, UNMODELLED, CheckTable, d2t_problems, layer_id_problems
 from featdiff.kinds.unmodelled import unmodelled_problems
 
 log = logging.getLogger(__name__)
@@ -209,7 +208,7 @@ def _dspark_key_problems(d: GgufModel, t: GgufModel | None) -> list[str]:
 
 # Each check of a DFlash-family drafter and the severity of its problems, in lint's order: written
 # once, so lint lists them all and preflight refuses the fatal ones (kinds/preflight.py).
-CHECKS: tuple[tuple[Callable[[GgufModel, GgufModel | None], list[str]], Severity], ...] = (
+CHECKS: CheckTable = (
     (_target_layer_problems, FATAL),  # no ids: refused; an id >= n_layer: GGML_ASSERT
     (_fc_problems, FATAL),  # a wrong width: refused at load
     (_block_size_problems, FATAL),  # no row to draft, or a block past one ubatch: GGML_ASSERT
