@@ -107,7 +107,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     that needs it waits for it, or finds it built; one that failed left no stamp, so the fixture
     builds again and fails naming the build's log."""
     _start_warm_up(session)
-    builds = _builds_by_module(session.items)
+    needed = {item: _build_needed(item) for item in session.items}
+    builds = _builds_by_module(needed)
     if not builds:
         return
     last = {m: BUILD_ORDER.index(b) for m, b in builds.items()}
@@ -118,8 +119,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     log = tools_dir() / BACKGROUND_LOG
     log.parent.mkdir(parents=True, exist_ok=True)
-    needed = [b for b in BUILD_ORDER if b in {_build_needed(i) for i in session.items}]
-    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.extra_builds", *needed]
+    wanted = [b for b in BUILD_ORDER if b in needed.values()]
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "featdiff.llama.extra_builds", *wanted]
     with open(log, "a") as out:  # appended: sessions run side by side on a shared machine
         session.config.stash[_BACKGROUND] = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -130,12 +131,11 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def _builds_by_module(items: list[pytest.Item]) -> dict[str, str]:
-    """Each module with a test that needs a build (_build_needed): the first of BUILD_ORDER its
-    tests need."""
+def _builds_by_module(needed: dict[pytest.Item, str | None]) -> dict[str, str]:
+    """Each module with a test that needs a build (`needed`: _build_needed of each test): the
+    first of BUILD_ORDER its tests need."""
     builds: dict[str, str] = {}
-    for item in items:
-        build = _build_needed(item)
+    for item, build in needed.items():
         if build is not None:
             known = builds.get(_module(item), build)
             builds[_module(item)] = min(build, known, key=BUILD_ORDER.index)

@@ -15,7 +15,8 @@ imports only its own code. Adding a kind is its own modules plus one `DrafterKin
   prompt, numerics, block_rows)` (one round after a prompt);
 * `wiring`: the drafter's records a capture keeps and compare expects on both sides (globs);
 * `checks`: `module:name` in `featdiff.kinds` of its lint checks, a tuple of (check(d, t) -> list of
-  problem texts, severity) in lint's order (featdiff.kinds.preflight runs them; `check_table`): the kind's own module's;
+  problem texts, severity) in lint's order, in the kind's own module (featdiff.kinds.preflight runs
+  them; `check_table`);
 * `unmodelled(keys, tensors)`: the GGUF keys (`<arch>.*` ones, name -> value) and tensors the reference
   does not model (lint lists them, the reference refuses them, a capture records them);
 * `unread`: `module:name` in `featdiff.torchref` of a function (gguf -> sentences) naming what of
@@ -130,15 +131,19 @@ class DrafterKind:
         """What of the GGUF `g` its reference does not read (`unread`), one sentence each."""
         if self.unread is None:
             return []
-        module, _, attr = self.unread.partition(":")
-        problems: list[str] = getattr(importlib.import_module(f"featdiff.torchref.{module}"), attr)(g)
+        problems: list[str] = _resolved("featdiff.torchref", self.unread)(g)
         return problems
 
     def check_table(self) -> CheckTable:
         """Its lint checks (`checks`), each with the severity of its problems."""
-        module, _, attr = self.checks.partition(":")
-        table: CheckTable = getattr(importlib.import_module(f"featdiff.kinds.{module}"), attr)
+        table: CheckTable = _resolved("featdiff.kinds", self.checks)
         return table
+
+
+def _resolved(package: str, spec: str) -> Any:
+    """The object a `module:name` field names in `package`, imported when first asked for."""
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(f"{package}.{module}"), attr)
 
 
 KINDS: tuple[DrafterKind, ...] = (
